@@ -1,0 +1,1 @@
+"""The paraminit contract: generated protobuf and gRPC code for paraminit.v1."""

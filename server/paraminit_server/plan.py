@@ -1,0 +1,152 @@
+"""A validated plan resolved into what kernels need: value kind, two binary64 parameters, key, runs.
+
+Every initializer reduces to one of four value kinds, so every backend has four
+kernels, not nine: constants, affine maps of the unit draw (uniform, xavier,
+kaiming, their "for shape" forms), normal, and flat payloads.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from paraminit.v1 import plan_pb2
+from paraminit_server import dtypes, spec
+
+
+class Kind(enum.IntEnum):
+    """The four value kinds a kernel computes."""
+
+    CONST = 0
+    AFFINE = 1  # p0 + unit(i) * p1
+    NORMAL = 2  # p0 + p1 * z(i)
+    FLAT = 3  # values[i]
+
+
+@dataclass(frozen=True)
+class Runs:
+    """A region as contiguous runs of the full tensor's row-major order.
+
+    Trailing dimensions the region covers fully are merged into each run, so a
+    whole tensor is one run and a row shard is one run per row. The global flat
+    index of a run r is `base + sum(digit_d(r) + start_d) * stride_d` over the
+    outer dimensions.
+    """
+
+    outer_start: npt.NDArray[np.int64]
+    outer_ext: npt.NDArray[np.int64]
+    outer_stride: npt.NDArray[np.int64]
+    base: int
+    run_len: int
+
+
+@dataclass(frozen=True)
+class ResolvedParam:
+    """One parameter ready for a kernel; built only from a plan that validated."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    region: tuple[tuple[int, int], ...]
+    dtype: dtypes.DTypeInfo
+    initializer: str
+    kind: Kind
+    p0: float = 0.0
+    p1: float = 0.0
+    key: int = 0
+    values: npt.NDArray[np.float64] | None = field(default=None, repr=False)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self.region)
+
+    @property
+    def numel(self) -> int:
+        return spec.numel(self.out_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_full(self) -> bool:
+        return self.out_shape == self.shape
+
+    def runs(self) -> Runs:
+        rank = len(self.shape)
+        strides = [1] * rank
+        for d in range(rank - 2, -1, -1):
+            strides[d] = strides[d + 1] * self.shape[d + 1]
+        # k = first dim of the run: every dim after k is covered fully.
+        k = rank - 1
+        while k > 0 and self.region[k] == (0, self.shape[k]):
+            k -= 1
+        if rank == 0:
+            return Runs(_i64([]), _i64([]), _i64([]), 0, 1)
+        run_len = (self.region[k][1] - self.region[k][0]) * strides[k]
+        outer = range(k)
+        return Runs(
+            outer_start=_i64([self.region[d][0] for d in outer]),
+            outer_ext=_i64([self.region[d][1] - self.region[d][0] for d in outer]),
+            outer_stride=_i64([strides[d] for d in outer]),
+            base=self.region[k][0] * strides[k],
+            run_len=run_len,
+        )
+
+    def global_indices(self) -> npt.NDArray[np.int64]:
+        """Global flat index of every local element (tests and small references only)."""
+        grids = np.meshgrid(*[np.arange(a, b, dtype=np.int64) for a, b in self.region], indexing="ij")
+        if not grids:
+            return np.zeros(1, dtype=np.int64)
+        return np.ravel_multi_index([g.ravel() for g in grids], self.shape).astype(np.int64)
+
+
+def _i64(values: list[int]) -> npt.NDArray[np.int64]:
+    return np.asarray(values, dtype=np.int64)
+
+
+def resolve_param(index: int, p: plan_pb2.Param) -> ResolvedParam:
+    """Resolve one parameter; the caller guarantees the plan validated."""
+    shape = tuple(int(d) for d in p.shape)
+    region = tuple((int(r.start), int(r.stop)) for r in p.region) or tuple((0, d) for d in shape)
+    dt = dtypes.by_enum(p.dtype)
+    assert dt is not None, "resolve_param needs a validated plan"
+    which = p.init.WhichOneof("kind")
+    common = {"index": index, "name": p.name, "shape": shape, "region": region, "dtype": dt, "initializer": which or ""}
+    init = p.init
+    if which == "zeros":
+        return ResolvedParam(**common, kind=Kind.CONST, p0=0.0)
+    if which == "ones":
+        return ResolvedParam(**common, kind=Kind.CONST, p0=1.0)
+    if which == "uniform":
+        u = init.uniform
+        return ResolvedParam(**common, kind=Kind.AFFINE, p0=u.lo, p1=u.hi - u.lo, key=spec.key(u.seed))
+    if which == "normal":
+        n = init.normal
+        return ResolvedParam(**common, kind=Kind.NORMAL, p0=n.mean, p1=n.std, key=spec.key(n.seed))
+    if which == "flat":
+        values = np.asarray(init.flat.values, dtype=np.float64)
+        return ResolvedParam(**common, kind=Kind.FLAT, values=values)
+    if which == "xavier_uniform":
+        bound = spec.xavier_bound(init.xavier_uniform.fan_in, init.xavier_uniform.fan_out)
+        seed = init.xavier_uniform.seed
+    elif which == "kaiming_uniform":
+        bound = spec.kaiming_bound(init.kaiming_uniform.fan_in)
+        seed = init.kaiming_uniform.seed
+    elif which == "xavier_uniform_for_shape":
+        bound = spec.xavier_bound(*spec.fan_in_out(shape))
+        seed = init.xavier_uniform_for_shape.seed
+    elif which == "kaiming_uniform_for_shape":
+        bound = spec.kaiming_bound(spec.fan_in_out(shape)[0])
+        seed = init.kaiming_uniform_for_shape.seed
+    else:
+        raise AssertionError(f"unvalidated initializer {which!r}")
+    return ResolvedParam(**common, kind=Kind.AFFINE, p0=-bound, p1=2.0 * bound, key=spec.key(seed))
+
+
+def resolve(plan: plan_pb2.Plan) -> list[ResolvedParam]:
+    """Resolve a validated plan."""
+    return [resolve_param(i, p) for i, p in enumerate(plan.params)]

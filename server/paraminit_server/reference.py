@@ -1,0 +1,82 @@
+"""Plain reference implementation of SAMPLER.md, for tests and cross-backend checks.
+
+Deliberately written differently from the kernels: unit draws on NumPy uint64
+arrays, normal through Python's math.log/math.cos element by element, and half
+casts through Python's round() (ties to even) on an exactly scaled binary64.
+Slow; use it on small tensors only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from paraminit_server import dtypes, spec
+from paraminit_server.plan import Kind, ResolvedParam
+
+_HALF_FORMATS = {dtypes.FMT_FLOAT16: (10, -14, 15), dtypes.FMT_BFLOAT16: (7, -126, 127)}
+
+
+def units(key: int, g: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:
+    """unit draws for global indices g of a stream key, vectorized on uint64 (wrapping)."""
+    with np.errstate(over="ignore"):
+        z = np.uint64(key) + g + np.uint64(spec.GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(spec.MUL1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(spec.MUL2)
+        z = z ^ (z >> np.uint64(31))
+    return (z & np.uint64(0xFFFFFFFF)).astype(np.float64) / 2.0**32
+
+
+def values_f64(p: ResolvedParam) -> npt.NDArray[np.float64]:
+    """binary64 values of the parameter's region, flattened in local row-major order."""
+    g = p.global_indices()
+    if p.kind == Kind.CONST:
+        return np.full(g.shape, p.p0, dtype=np.float64)
+    if p.kind == Kind.AFFINE:
+        return p.p0 + units(p.key, g.astype(np.uint64)) * p.p1
+    if p.kind == Kind.FLAT:
+        assert p.values is not None
+        return p.values[g]
+    u1 = units(p.key, 2 * g.astype(np.uint64))
+    u2 = units(p.key, 2 * g.astype(np.uint64) + np.uint64(1))
+    z = [math.sqrt(-2.0 * math.log(a if a > spec.NORMAL_U1_FLOOR else spec.NORMAL_U1_FLOOR)) * math.cos(spec.TWO_PI * b)
+         for a, b in zip(u1.tolist(), u2.tolist(), strict=True)]
+    return p.p0 + p.p1 * np.asarray(z, dtype=np.float64)
+
+
+def round_half_bits(v: float, fmt: int) -> int:
+    """Bits of v rounded once, to nearest even, in float16 (fmt 1) or bfloat16 (fmt 2)."""
+    mant, emin, emax = _HALF_FORMATS[fmt]
+    bias = -emin + 1
+    sign = 0x8000 if math.copysign(1.0, v) < 0 else 0
+    if math.isnan(v):
+        return sign | ((2 * bias + 1) << mant) | (1 << (mant - 1))
+    a = abs(v)
+    if a == 0.0:
+        return sign
+    e = max(math.frexp(a)[1] - 1, emin) if math.isfinite(a) else emax + 1
+    if e > emax:
+        return sign | ((2 * bias + 1) << mant)
+    n = round(math.ldexp(a, mant - e))  # exact scaling; round() ties to even
+    if n == 1 << (mant + 1):
+        n >>= 1
+        e += 1
+    if e > emax:
+        return sign | ((2 * bias + 1) << mant)
+    if n < 1 << mant:
+        return sign | n
+    return sign | ((e + bias) << mant) | (n - (1 << mant))
+
+
+def cast(values: npt.NDArray[np.float64], dt: dtypes.DTypeInfo) -> npt.NDArray[np.generic]:
+    """binary64 values cast to a dtype's storage (float16/bfloat16 as uint16 bits)."""
+    if dt.fmt == dtypes.FMT_NATIVE:
+        return values.astype(dt.storage)
+    return np.asarray([round_half_bits(v, dt.fmt) for v in values.tolist()], dtype=np.uint16)
+
+
+def materialize(p: ResolvedParam) -> npt.NDArray[np.generic]:
+    """The parameter's region in storage dtype, shaped like the region."""
+    return cast(values_f64(p), p.dtype).reshape(p.out_shape)

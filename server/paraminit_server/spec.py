@@ -1,0 +1,76 @@
+"""Scalar definitions from SAMPLER.md shared by validation, resolution and tests.
+
+Everything here is plain Python on exact integers and binary64 floats: it is
+the readable statement of the algorithm that the vectorized kernels must match.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+MUL1 = 0xBF58476D1CE4E5B9
+MUL2 = 0x94D049BB133111EB
+TWO_NEG_32 = 2.0**-32
+NORMAL_U1_FLOOR = 1e-6
+TWO_PI = 2.0 * math.pi
+
+
+def mix(x: int) -> int:
+    """SplitMix64 finalizer on a 64-bit word."""
+    z = (x + GOLDEN) & MASK64
+    z = ((z ^ (z >> 30)) * MUL1) & MASK64
+    z = ((z ^ (z >> 27)) * MUL2) & MASK64
+    return z ^ (z >> 31)
+
+
+def key(seed: int) -> int:
+    """Per-seed stream key: mix(seed mod 2^64)."""
+    return mix(seed & MASK64)
+
+
+def unit(seed: int, i: int) -> float:
+    """The i-th uniform draw of a seed, in [0, 1 - 2^-32]."""
+    return (mix((key(seed) + i) & MASK64) & 0xFFFFFFFF) * TWO_NEG_32
+
+
+def numel(shape: Sequence[int]) -> int:
+    """Element count; a scalar (empty shape) has one element."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def fan_in_out(shape: Sequence[int]) -> tuple[int, int]:
+    """Fans of a Linear/Conv weight [out, in, k1, ..., kd]; the shape must have rank >= 2."""
+    receptive = numel(shape[2:])
+    return int(shape[1]) * receptive, int(shape[0]) * receptive
+
+
+def xavier_bound(fan_in: int, fan_out: int) -> float:
+    """sqrt(6 / (fanIn + fanOut)) with fans converted to binary64 first; 0 for zero fans."""
+    denom = float(fan_in) + float(fan_out)
+    return 0.0 if denom == 0.0 else math.sqrt(6.0 / denom)
+
+
+def kaiming_bound(fan_in: int) -> float:
+    """sqrt(6 / fanIn) (He-uniform for ReLU); 0 for a zero fan."""
+    return 0.0 if fan_in == 0 else math.sqrt(6.0 / float(fan_in))
+
+
+def normal_value(seed: int, i: int, mean: float, std: float) -> float:
+    """Box-Muller cosine branch on draws 2i and 2i+1, as TorchLean defines it."""
+    u1 = unit(seed, 2 * i)
+    u2 = unit(seed, 2 * i + 1)
+    if u1 <= NORMAL_U1_FLOOR:
+        u1 = NORMAL_U1_FLOOR
+    z = math.sqrt(-2.0 * math.log(u1)) * math.cos(TWO_PI * u2)
+    return mean + std * z
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    """A shape printed as a Python-style list, as TorchLean's messages print it."""
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"

@@ -1,0 +1,171 @@
+"""Whole-plan validation: every violation at once, before anything is allocated.
+
+TorchLean stops at its first error; we keep its messages word for word
+(SAMPLER.md section 6) and report all of them, each with the parameter index,
+its name and the field, so a user fixes a plan in one round trip.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from paraminit.v1 import plan_pb2
+from paraminit_server import dtypes, spec
+
+MAX_RANK = 32
+MAX_BYTES = (1 << 63) - 1
+
+INVALID = "invalid"
+LIMIT = "limit"
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One problem in a plan. `index` is -1 for plan-wide problems."""
+
+    index: int
+    name: str
+    field: str
+    message: str
+    category: str = INVALID
+
+    def __str__(self) -> str:
+        where = "plan" if self.index < 0 else f"params[{self.index}] {self.name!r}"
+        return f"{where} {self.field}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Byte limits a plan must fit; None means unlimited."""
+
+    max_param_bytes: int | None = None
+    max_plan_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Report:
+    """What validation found: violations and per-parameter materialized bytes (0 when unknown)."""
+
+    violations: tuple[Violation, ...]
+    param_bytes: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.param_bytes)
+
+    @property
+    def only_limits(self) -> bool:
+        return bool(self.violations) and all(v.category == LIMIT for v in self.violations)
+
+
+def validate(plan: plan_pb2.Plan, limits: Limits | None = None) -> Report:
+    """Check a whole plan; returns every violation found."""
+    limits = limits or Limits()
+    out: list[Violation] = []
+    sizes: list[int] = []
+    first_seen: dict[str, int] = {}
+    for i, p in enumerate(plan.params):
+        found: list[Violation] = []
+
+        def bad(field: str, message: str, category: str = INVALID, _i: int = i, _p: plan_pb2.Param = p) -> None:
+            found.append(Violation(_i, _p.name, f"params[{_i}].{field}", message, category))
+
+        if not p.name:
+            bad("name", "parameter name must not be empty")
+        elif p.name in first_seen:
+            bad("name", f"duplicate parameter name {p.name!r} (first at params[{first_seen[p.name]}])")
+        else:
+            first_seen[p.name] = i
+        shape = [int(d) for d in p.shape]
+        if len(shape) > MAX_RANK:
+            bad("shape", f"rank {len(shape)} exceeds the maximum of {MAX_RANK}")
+        dt = dtypes.by_enum(p.dtype)
+        if dt is None:
+            bad("dtype", f"unknown dtype enum value {p.dtype}")
+        region_numel = _check_region(shape, p, bad)
+        _check_init(shape, p, bad)
+        size = 0
+        if dt is not None and region_numel is not None:
+            size = region_numel * dt.itemsize
+            if size > MAX_BYTES:
+                bad("shape", f"size overflows: {region_numel} elements of {dt.name} exceed 2^63 bytes")
+                size = 0
+            elif limits.max_param_bytes is not None and size > limits.max_param_bytes:
+                bad("shape", f"parameter needs {size} bytes, over the per-parameter limit of {limits.max_param_bytes}", LIMIT)
+        sizes.append(size)
+        out.extend(found)
+    total = sum(sizes)
+    if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
+        out.append(Violation(-1, "", "params", f"plan needs {total} bytes, over the per-plan limit of {limits.max_plan_bytes}", LIMIT))
+    return Report(tuple(out), tuple(sizes))
+
+
+def _check_region(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> int | None:
+    """Validate the region; returns the materialized element count, or None if unknown."""
+    if not p.region:
+        return spec.numel(shape)
+    if len(p.region) != len(shape):
+        bad("region", f"region has {len(p.region)} ranges but the shape {spec.shape_str(shape)} has rank {len(shape)}")
+        return None
+    ok = True
+    n = 1
+    for d, (r, dim) in enumerate(zip(p.region, shape, strict=True)):
+        if r.start > r.stop:
+            bad(f"region[{d}]", f"range start {r.start} exceeds stop {r.stop}")
+            ok = False
+        elif r.start == r.stop:
+            bad(f"region[{d}]", f"range [{r.start}, {r.stop}) is empty")
+            ok = False
+        elif r.stop > dim:
+            bad(f"region[{d}]", f"range [{r.start}, {r.stop}) is out of bounds for dimension {d} of size {dim}")
+            ok = False
+        n *= r.stop - r.start
+    return n if ok else None
+
+
+def _finite(*xs: float) -> bool:
+    return all(math.isfinite(x) for x in xs)
+
+
+def _check_init(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
+    which = p.init.WhichOneof("kind") if p.HasField("init") else None
+    init = p.init
+    if which is None:
+        bad("init", "initializer is not set (expected one of zeros, ones, uniform, normal, xavier_uniform, "
+            "kaiming_uniform, flat, xavier_uniform_for_shape, kaiming_uniform_for_shape)")
+    elif which == "uniform":
+        if not _finite(init.uniform.lo, init.uniform.hi):
+            bad("init.uniform", "initialization: uniform bounds must be finite")
+        elif init.uniform.lo > init.uniform.hi:
+            bad("init.uniform", "initialization: uniform lower bound must not exceed the upper bound")
+        elif not math.isfinite(init.uniform.hi - init.uniform.lo):
+            bad("init.uniform", "uniform range hi - lo overflows binary64")
+    elif which == "normal":
+        if not _finite(init.normal.mean, init.normal.std):
+            bad("init.normal", "initialization: normal mean and standard deviation must be finite")
+        elif init.normal.std < 0:
+            bad("init.normal", "initialization: normal standard deviation must be nonnegative")
+    elif which == "flat":
+        expected = spec.numel(shape)
+        got = len(init.flat.values)
+        if got != expected:
+            bad("init.flat.values", f"torch.runtimeInit: flat initializer length mismatch (expected {expected}, got {got})")
+        values = np.asarray(init.flat.values, dtype=np.float64)
+        nonfinite = np.flatnonzero(~np.isfinite(values))
+        if nonfinite.size:
+            bad("init.flat.values", f"flat values must be finite ({nonfinite.size} not finite, first at index {nonfinite[0]})")
+    elif which in ("xavier_uniform_for_shape", "kaiming_uniform_for_shape") and len(shape) < 2:
+        who = "Xavier" if which == "xavier_uniform_for_shape" else "Kaiming"
+        bad(f"init.{which}", f"torch.runtimeInit: {who} initialization expects at least 2 dimensions, got {spec.shape_str(shape)}")
+
+
+class _Bad(Protocol):  # the signature of the `bad` closure
+    def __call__(self, field: str, message: str, category: str = INVALID) -> None: ...
