@@ -150,3 +150,10 @@ def resolve_param(index: int, p: plan_pb2.Param) -> ResolvedParam:
 def resolve(plan: plan_pb2.Plan) -> list[ResolvedParam]:
     """Resolve a validated plan."""
     return [resolve_param(i, p) for i, p in enumerate(plan.params)]
+
+
+def digest(plan: plan_pb2.Plan) -> str:
+    """Hex SHA-256 of the deterministic serialization: the same plan always names the same bytes."""
+    import hashlib
+
+    return hashlib.sha256(plan.SerializeToString(deterministic=True)).hexdigest()

@@ -34,8 +34,8 @@ class Violation:
     category: str = INVALID
 
     def __str__(self) -> str:
-        where = "plan" if self.index < 0 else f"params[{self.index}] {self.name!r}"
-        return f"{where} {self.field}: {self.message}"
+        who = "" if self.index < 0 else f" ({self.name!r})"
+        return f"{self.field}{who}: {self.message}"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,227 @@
+"""The paraminit client: validate plans, materialize them into arrays or safetensors files.
+
+Without a target the client starts an embedded in-process server on the CPU
+backend, so the same code path (and the same bytes) serve laptops and clusters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import grpc
+import numpy as np
+
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit.v1 import init_service_pb2_grpc as pb_grpc
+from paraminit.v1 import plan_pb2
+from paraminit_client.errors import ParaminitError
+from paraminit_client.plans import DTYPE_NAMES
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20)]
+
+
+def numpy_dtype(dtype_enum: int) -> np.dtype[Any]:
+    """The numpy dtype of a plan dtype; bfloat16 comes from ml_dtypes."""
+    name = DTYPE_NAMES.get(dtype_enum)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if name is None:
+        raise ParaminitError(grpc.StatusCode.INTERNAL, f"server sent unknown dtype enum {dtype_enum}")
+    return np.dtype(name)
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    valid: bool
+    fits_limits: bool
+    violations: tuple[pb.Violation, ...]
+    param_bytes: tuple[int, ...]
+    total_bytes: int
+    plan_digest: str
+
+    @property
+    def ok(self) -> bool:
+        return self.valid and self.fits_limits
+
+    def lines(self) -> list[str]:
+        return [f"{v.field} ({v.name!r}): {v.message}" if v.index >= 0 else f"{v.field}: {v.message}"
+                for v in self.violations]
+
+
+@contextlib.contextmanager
+def rpc_errors() -> Iterator[None]:
+    """Turn every gRPC failure into the one client exception type."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        raise ParaminitError.from_rpc(err) from None
+
+
+class Client:
+    """Talks to one paraminit server, or an embedded one when no target is given."""
+
+    def __init__(self, target: str | None = None, *, timeout: float | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._embedded: Any = None
+        if target is None:
+            from paraminit_client._embedded import start_embedded
+
+            self._embedded = start_embedded()
+            target = f"127.0.0.1:{self._embedded.port}"
+        self.target = target
+        self.timeout = timeout
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.InitServiceStub(self._channel)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+        if self._embedded is not None:
+            self._embedded.stop(grace=0)
+            self._embedded = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
+        with rpc_errors():
+            r = self.stub.Validate(pb.ValidateRequest(plan=plan), timeout=self.timeout)
+        return ValidationReport(r.valid, r.fits_limits, tuple(r.violations), tuple(r.param_bytes), r.total_bytes,
+                                r.plan_digest)
+
+    def info(self) -> pb.GetInfoResponse:
+        with rpc_errors():
+            return self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout)  # type: ignore[no-any-return]
+
+    def health(self, service: str = "") -> str:
+        """The health service's status name (SERVING, NOT_SERVING, ...)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with rpc_errors():
+            r = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                 timeout=self.timeout or 5.0)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the server reports SERVING (kernels compiled)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health() == "SERVING":
+                    return
+            except ParaminitError:
+                pass
+            if time.monotonic() > deadline:
+                raise ParaminitError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.target} not SERVING after {timeout} s")
+            time.sleep(0.05)
+
+    def stream(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0) -> tuple[pb.StreamHeader, Iterator[pb.DataChunk]]:
+        """Start a STREAM materialization: the header, then verified chunks in order."""
+        call = self.stub.Materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
+                                                           chunk_bytes=chunk_bytes), timeout=self.timeout)
+        with rpc_errors():
+            first = next(call, None)
+        if first is None or first.WhichOneof("msg") != "header":
+            call.cancel()
+            raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
+        return first.header, _verified_chunks(call, first.header.data_bytes)
+
+    def materialize(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
+                    progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:
+        """All parameters as numpy arrays that share one preallocated buffer (no per-chunk copies)."""
+        header, chunks = self.stream(plan, chunk_bytes=chunk_bytes)
+        buf = np.empty(header.data_bytes, dtype=np.uint8)
+        for c in chunks:
+            buf[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
+            if progress is not None:
+                progress(len(c.data))
+        return arrays_from_buffer(header.tensors, buf)
+
+    def materialize_to_file(self, plan: plan_pb2.Plan, path: str | os.PathLike[str], *, progress: bool = False,
+                            chunk_bytes: int = 0) -> pb.StreamHeader:
+        """Write a safetensors file atomically: a temporary file renamed into place only when complete."""
+        dest = Path(path)
+        header, chunks = self.stream(plan, chunk_bytes=chunk_bytes)
+        bar = _progress_bar(header.data_bytes, dest.name) if progress else None
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent or ".")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(header.safetensors_prefix)
+                for c in chunks:
+                    f.write(c.data)
+                    if bar is not None:
+                        bar.update(len(c.data))
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644 & ~_umask())
+            os.replace(tmp, dest)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return header
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _progress_bar(total: int, name: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, leave=False)
+
+
+def _verified_chunks(call: Any, total: int) -> Iterator[pb.DataChunk]:
+    """Chunks in order with CRC32C and length checks; cancels the call if the consumer stops early."""
+    expected = 0
+    try:
+        with rpc_errors():
+            for msg in call:
+                c = msg.chunk
+                if msg.WhichOneof("msg") != "chunk" or c.offset != expected or expected + len(c.data) > total:
+                    raise ParaminitError(grpc.StatusCode.DATA_LOSS,
+                                         f"out-of-order or oversized chunk at offset {c.offset} (expected {expected})")
+                if google_crc32c.value(c.data) != c.crc32c:
+                    raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"CRC32C mismatch in chunk at offset {c.offset}")
+                expected += len(c.data)
+                yield c
+        if expected != total:
+            raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream ended after {expected} of {total} bytes")
+    finally:
+        call.cancel()
+
+
+def arrays_from_buffer(tensors: Any, buf: Any) -> dict[str, np.ndarray[Any, Any]]:
+    """Views of each tensor inside one buffer (numpy, or anything exposing the buffer protocol)."""
+    host = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+    out: dict[str, np.ndarray[Any, Any]] = {}
+    for t in tensors:
+        dt = numpy_dtype(t.dtype)
+        out[t.name] = host[t.offset:t.offset + t.nbytes].view(dt).reshape(tuple(t.shape))
+    return out

@@ -1,0 +1,48 @@
+"""The client's one exception type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One problem in a plan, as the server reported it."""
+
+    field: str
+    description: str
+
+
+class ParaminitError(Exception):
+    """Every failure the client reports: a gRPC status code, a message and, for plans, the violations."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, violations: tuple[Violation, ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.violations = violations
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError) -> ParaminitError:
+        """Build from a failed call, unpacking google.rpc.BadRequest details when present."""
+        code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+        details = err.details() if hasattr(err, "details") else str(err)
+        violations: list[Violation] = []
+        try:
+            status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        except ValueError:
+            status = None
+        if status is not None:
+            for any_detail in status.details:
+                if any_detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                    br = error_details_pb2.BadRequest()
+                    any_detail.Unpack(br)
+                    violations += [Violation(v.field, v.description) for v in br.field_violations]
+        return cls(code, details or code.name, tuple(violations))

@@ -1,0 +1,70 @@
+"""Server configuration from flags and PARAMINIT_* environment variables (flags win)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Every knob of the server; the env variable is PARAMINIT_ + the upper-cased field name."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = pick a free port and print it
+    backend: str = "auto"  # auto | numpy | cupy
+    device: int = 0
+    threads: int = 0  # CPU kernel threads; 0 = all cores
+    workers: int = 16  # gRPC worker threads
+    max_plan_bytes: int = 16 * GiB
+    max_param_bytes: int = 16 * GiB
+    max_concurrent: int = 8
+    chunk_bytes: int = 1 * MiB
+    max_chunk_bytes: int = 4 * MiB
+    slab_bytes: int = 16 * MiB  # generation granularity of STREAM deliveries
+    lease_ttl: float = 300.0
+    max_lease_ttl: float = 3600.0
+    max_leased_bytes: int = 64 * GiB
+    max_leases_per_client: int = 64
+    metrics_port: int = 0  # 0 = no metrics endpoint
+    drain_seconds: float = 25.0
+    log_level: str = "INFO"
+    log_format: str = "text"  # text | json
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> ServerConfig:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"PARAMINIT_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = _parse(f.name, raw, type(getattr(cls(), f.name)))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(name: str, raw: str, kind: type) -> Any:
+    try:
+        if kind is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"PARAMINIT_{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one --flag per config field; unset flags fall back to the environment, then defaults."""
+    defaults = ServerConfig()
+    for f in fields(ServerConfig):
+        default = getattr(defaults, f.name)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(default), default=None,
+                            help=f"(env PARAMINIT_{f.name.upper()}, default {default!r})")
+
+
+def from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig.from_env(**{f.name: getattr(args, f.name, None) for f in fields(ServerConfig)})

@@ -1,0 +1,92 @@
+"""Filling bytes: any byte window of a layout, so streams need only a few slabs of memory.
+
+Because every element depends only on (key, global index), a window is filled
+without touching the rest of the plan; STREAM generates slab k+1 on a
+background thread while slab k is being sent.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from paraminit_server.backends import Backend
+from paraminit_server.layout import SLAB_QUANTUM, Layout
+
+
+def fill_window(backend: Backend, layout: Layout, buf: Any, start: int) -> None:
+    """Fill buf (1-D uint8, backend memory) with layout bytes [start, start + len(buf))."""
+    stop = start + int(buf.shape[0])
+    for pl in layout.placements:
+        p = pl.param
+        lo, hi = max(start, pl.offset), min(stop, pl.offset + p.nbytes)
+        if lo >= hi:
+            continue
+        isz = p.dtype.itemsize
+        out = buf[lo - start:hi - start].view(p.dtype.storage)
+        backend.fill(p, out, (lo - pl.offset) // isz)
+
+
+def fill_all(backend: Backend, layout: Layout, buf: Any) -> None:
+    """Fill a whole arena (exports): padding between tensors is zeroed so no stale bytes leak."""
+    prev = 0
+    for pl in layout.in_offset_order():
+        if pl.offset > prev:
+            buf[prev:pl.offset] = 0
+        prev = pl.offset + pl.param.nbytes
+    if layout.data_bytes > prev:
+        buf[prev:layout.data_bytes] = 0
+    fill_window(backend, layout, buf[:layout.data_bytes], 0)
+
+
+def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool],
+               prefetch: int = 2) -> Iterator[tuple[int, Any]]:
+    """Yield (offset, host uint8 array) slabs of the data section, generated ahead on a thread.
+
+    Stops early (and frees its slabs) when should_stop() turns true or the consumer closes the iterator.
+    """
+    slab = max(SLAB_QUANTUM, slab_bytes // SLAB_QUANTUM * SLAB_QUANTUM)
+    total = layout.data_bytes
+    q: queue.Queue[tuple[int, Any] | BaseException | None] = queue.Queue(maxsize=prefetch)
+    cancel = threading.Event()
+
+    def produce() -> None:
+        try:
+            for start in range(0, total, slab):
+                if cancel.is_set() or should_stop():
+                    break
+                buf = backend.empty(min(slab, total - start))
+                fill_window(backend, layout, buf, start)
+                item = (start, backend.to_host(buf))
+                while not cancel.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        if should_stop():
+                            cancel.set()
+            q.put(None) if not cancel.is_set() else None
+        except BaseException as exc:  # surfaced to the consumer, which owns error reporting
+            if not cancel.is_set():
+                q.put(exc)
+
+    worker = threading.Thread(target=produce, name="paraminit-fill", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        cancel.set()
+        while True:  # drop queued slabs so their memory goes now, not at thread exit
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                break
+        worker.join(timeout=5)

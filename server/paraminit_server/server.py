@@ -1,0 +1,142 @@
+"""Running the service: gRPC server, health and reflection, warm-up, graceful shutdown."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit.v1 import init_service_pb2_grpc as pb_grpc
+from paraminit_server import backends
+from paraminit_server.config import ServerConfig
+from paraminit_server.service import InitServicer
+
+log = logging.getLogger("paraminit.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InitService"].full_name
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.so_reuseport", 0)]
+
+
+@dataclass
+class Running:
+    """A started server: the port it bound and the pieces shutdown needs."""
+
+    server: grpc.Server
+    port: int
+    servicer: InitServicer
+    health: health.HealthServicer
+    config: ServerConfig
+    ready: threading.Event = field(default_factory=threading.Event)
+    extras: list[Any] = field(default_factory=list)  # objects with close(), closed on shutdown
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Drain: NOT_SERVING and refuse new work at once, let streams finish within the grace, free leases."""
+        grace = self.config.drain_seconds if grace is None else grace
+        self.set_serving(False)
+        self.servicer.admission.draining.set()
+        self.servicer.admission.wait_idle(grace)
+        self.server.stop(grace=1.0).wait()
+        for extra in self.extras:
+            extra.close()
+
+
+def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up_async: bool = True) -> Running:
+    """Build, bind and start a server; warm-up (kernel compilation) runs before SERVING."""
+    backend = backend or backends.create(config.backend, config.device, config.threads or None)
+    exports = _exports(config, backend)
+    servicer = InitServicer(config, backend, exports)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
+                         options=GRPC_OPTIONS)
+    pb_grpc.add_InitServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    running = Running(server, port, servicer, health_servicer, config)
+    if exports is not None:
+        running.extras.append(exports)
+    running.set_serving(False)
+    server.start()
+
+    def warm() -> None:
+        backend.warm_up()
+        if not servicer.admission.draining.is_set():
+            running.set_serving(True)
+        running.ready.set()
+
+    if warm_up_async:
+        threading.Thread(target=warm, name="paraminit-warmup", daemon=True).start()
+    else:
+        warm()
+    return running
+
+
+def _exports(config: ServerConfig, backend: backends.Backend) -> Any:
+    try:
+        from paraminit_server.exports import Exports
+    except ImportError:
+        return None
+    return Exports(config, backend)
+
+
+def configure_logging(config: ServerConfig) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if config.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("paraminit")
+    root.handlers[:] = [handler]
+    root.setLevel(config.log_level.upper())
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log pipelines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {"time": self.formatTime(record), "level": record.levelname,
+                                 "logger": record.name, "message": record.getMessage()}
+        for key in ("error_id", "plan_digest", "method", "bytes", "seconds", "outcome"):
+            if hasattr(record, key):
+                entry[key] = getattr(record, key)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain; returns the exit code."""
+    configure_logging(config)
+    running = start(config)
+    print(f"paraminit listening on {config.host}:{running.port} backend={running.servicer.backend.name}", flush=True)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: draining for up to %.0f s", signum, config.drain_seconds)
+        running.set_serving(False)
+        running.servicer.admission.draining.set()
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop.wait()
+    running.stop()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,184 @@
+"""InitService: a thin servicer over validation, layout, engine and exports.
+
+Each method validates, admits, then delegates; errors are raised as our own
+types and mapped to status codes in one place (status.boundary).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import google_crc32c
+import grpc
+
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit.v1 import init_service_pb2_grpc as pb_grpc
+from paraminit.v1 import plan_pb2
+from paraminit_server import __version__, dtypes, errors, layout, plan, validation
+from paraminit_server.backends import Backend
+from paraminit_server.config import ServerConfig
+from paraminit_server.engine import iter_slabs
+from paraminit_server.status import boundary
+
+log = logging.getLogger("paraminit.server")
+
+
+class Admission:
+    """Concurrency limit plus a draining flag: refuse rather than queue without bound."""
+
+    def __init__(self, max_concurrent: int) -> None:
+        self._sem = threading.BoundedSemaphore(max_concurrent)
+        self.max_concurrent = max_concurrent
+        self.draining = threading.Event()
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.in_flight_bytes = 0
+        self.idle = threading.Condition(self._lock)
+
+    @contextlib.contextmanager
+    def admit(self, nbytes: int) -> Iterator[None]:
+        if self.draining.is_set():
+            raise errors.Unavailable("server is shutting down; retry on another worker")
+        if not self._sem.acquire(blocking=False):
+            raise errors.ResourceExhausted(
+                f"server is at its limit of {self.max_concurrent} concurrent materializations; retry later")
+        with self._lock:
+            self.in_flight += 1
+            self.in_flight_bytes += nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                self.in_flight_bytes -= nbytes
+                self.idle.notify_all()
+            self._sem.release()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._lock:
+            return self.idle.wait_for(lambda: self.in_flight == 0, timeout)
+
+
+class InitServicer(pb_grpc.InitServiceServicer):
+    def __init__(self, config: ServerConfig, backend: Backend, exports: Any = None) -> None:
+        self.config = config
+        self.backend = backend
+        self.limits = validation.Limits(config.max_param_bytes, config.max_plan_bytes)
+        self.admission = Admission(config.max_concurrent)
+        self.exports = exports
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def checked(self, p: plan_pb2.Plan) -> tuple[list[plan.ResolvedParam], validation.Report]:
+        """Validate the whole plan; raise with every violation, or return it resolved."""
+        report = validation.validate(p, self.limits)
+        if report.only_limits:
+            worst = "; ".join(v.message for v in report.violations)
+            raise errors.ResourceExhausted(f"plan exceeds server limits: {worst}", report.violations)
+        if not report.ok:
+            raise errors.InvalidPlan(report.violations)
+        return plan.resolve(p), report
+
+    def _chunk_bytes(self, requested: int) -> int:
+        size = requested or self.config.chunk_bytes
+        return max(layout.SLAB_QUANTUM, min(size, self.config.max_chunk_bytes))
+
+    # -- RPCs ----------------------------------------------------------------------------
+
+    @boundary
+    def Materialize(self, request: pb.MaterializeRequest, context: grpc.ServicerContext) -> Iterator[pb.MaterializeResponse]:
+        started = time.perf_counter()
+        params, report = self.checked(request.plan)
+        digest = plan.digest(request.plan)
+        delivery = request.delivery or pb.DELIVERY_STREAM
+        outcome = "error"
+        try:
+            with self.admission.admit(report.total_bytes):
+                if delivery == pb.DELIVERY_STREAM:
+                    yield from self._stream(params, digest, request, context)
+                elif delivery in (pb.DELIVERY_SHM, pb.DELIVERY_CUDA_IPC):
+                    if self.exports is None:
+                        raise errors.FailedPrecondition("this server does not export zero-copy buffers")
+                    yield pb.MaterializeResponse(export=self.exports.export(params, digest, request, context))
+                else:
+                    raise errors.InvalidRequest(f"unknown delivery enum value {delivery}")
+            outcome = "ok" if context.is_active() else "cancelled"
+        finally:
+            log.info("materialize digest=%s params=%d bytes=%d delivery=%s seconds=%.3f outcome=%s",
+                     digest[:16], len(params), report.total_bytes, pb.Delivery.Name(delivery),
+                     time.perf_counter() - started, outcome)
+
+    def _stream(self, params: list[plan.ResolvedParam], digest: str, request: pb.MaterializeRequest,
+                context: grpc.ServicerContext) -> Iterator[pb.MaterializeResponse]:
+        lay = layout.stream_layout(params, digest)
+        header = pb.StreamHeader(plan_digest=digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes)
+        for pl in lay.placements:
+            header.tensors.add(name=pl.param.name, dtype=pl.param.dtype.enum, shape=pl.param.out_shape,
+                               offset=pl.offset, nbytes=pl.param.nbytes)
+        yield pb.MaterializeResponse(header=header)
+        chunk = self._chunk_bytes(request.chunk_bytes)
+        slab = max(chunk, self.config.slab_bytes // chunk * chunk)
+        for start, host in iter_slabs(self.backend, lay, slab, lambda: not context.is_active()):
+            mv = memoryview(host)
+            for off in range(0, len(mv), chunk):
+                data = bytes(mv[off:off + chunk])
+                yield pb.MaterializeResponse(chunk=pb.DataChunk(offset=start + off, data=data,
+                                                                crc32c=google_crc32c.value(data)))
+            if not context.is_active():
+                raise errors.Cancelled("client cancelled or deadline passed")
+
+    @boundary
+    def Validate(self, request: pb.ValidateRequest, context: grpc.ServicerContext) -> pb.ValidateResponse:
+        report = validation.validate(request.plan, self.limits)
+        resp = pb.ValidateResponse(
+            valid=not any(v.category == validation.INVALID for v in report.violations),
+            param_bytes=report.param_bytes, total_bytes=report.total_bytes,
+            fits_limits=not any(v.category == validation.LIMIT for v in report.violations),
+            plan_digest=plan.digest(request.plan))
+        for v in report.violations:
+            resp.violations.add(index=v.index, name=v.name, field=v.field, message=v.message,
+                                limit=v.category == validation.LIMIT)
+        return resp
+
+    @boundary
+    def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.GetInfoResponse:
+        dev = self.backend.device()
+        c = self.config
+        deliveries = [pb.DELIVERY_STREAM]
+        if self.exports is not None:
+            deliveries += self.exports.deliveries()
+        return pb.GetInfoResponse(
+            version=__version__, backend=self.backend.name,
+            device=pb.DeviceInfo(kind=dev.kind, name=dev.name, uuid=dev.uuid, ordinal=dev.ordinal,
+                                 memory_total=dev.memory_total, memory_free=dev.memory_free),
+            limits=pb.Limits(max_plan_bytes=c.max_plan_bytes, max_param_bytes=c.max_param_bytes,
+                             max_concurrent_requests=c.max_concurrent, max_chunk_bytes=c.max_chunk_bytes,
+                             max_leased_bytes=c.max_leased_bytes, max_leases_per_client=c.max_leases_per_client),
+            dtypes=[d.enum for d in dtypes.SUPPORTED], deliveries=deliveries)
+
+    def _leases(self) -> Any:
+        if self.exports is None:
+            raise errors.FailedPrecondition("this server does not export zero-copy buffers")
+        return self.exports
+
+    @boundary
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        return self._leases().release(request, context)  # type: ignore[no-any-return]
+
+    @boundary
+    def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewResponse:
+        return self._leases().renew(request, context)  # type: ignore[no-any-return]
+
+    @boundary
+    def ListLeases(self, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesResponse:
+        return self._leases().list(request, context)  # type: ignore[no-any-return]
+
+    @boundary
+    def Apply(self, request: pb.ApplyRequest, context: grpc.ServicerContext) -> pb.ApplyResponse:
+        params, _ = self.checked(request.plan)
+        return self._leases().apply(request, params, plan.digest(request.plan), context)  # type: ignore[no-any-return]

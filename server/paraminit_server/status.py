@@ -1,0 +1,98 @@
+"""The error boundary: every servicer method reports errors here, and only here.
+
+Our errors become their status code from errors.STATUS, invalid plans carry a
+google.rpc.BadRequest with one FieldViolation per problem, and anything
+unexpected becomes INTERNAL with an error id that is in the server log; a
+traceback never reaches the client.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from paraminit_server import errors
+from paraminit_server.validation import Violation
+
+log = logging.getLogger("paraminit.server")
+F = TypeVar("F", bound=Callable[..., Any])
+
+MAX_MESSAGE_VIOLATIONS = 50
+
+
+def bad_request(violations: Sequence[Violation]) -> error_details_pb2.BadRequest:
+    br = error_details_pb2.BadRequest()
+    for v in violations:
+        br.field_violations.add(field=v.field, description=str(v))
+    return br
+
+
+def _message(err: errors.ParaminitServerError) -> str:
+    text = str(err)
+    lines = text.splitlines()
+    if len(lines) > MAX_MESSAGE_VIOLATIONS + 1:  # keep trailers small; details hold all of them
+        text = "\n".join([*lines[: MAX_MESSAGE_VIOLATIONS + 1], f"  ... and {len(lines) - 1 - MAX_MESSAGE_VIOLATIONS} more"])
+    return text
+
+
+def to_status(err: errors.ParaminitServerError) -> grpc.Status:
+    code = errors.status_of(err)
+    st = status_pb2.Status(code=getattr(code_pb2, code.name), message=_message(err))
+    violations = getattr(err, "violations", ())
+    if violations:
+        detail = any_pb2.Any()
+        detail.Pack(bad_request(violations))
+        st.details.append(detail)
+    return rpc_status.to_status(st)
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, errors.ParaminitServerError):
+        context.abort_with_status(to_status(exc))
+    error_id = uuid.uuid4().hex[:12]
+    log.exception("internal error %s in %s", error_id, method, extra={"error_id": error_id})
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error (id {error_id}); see the server log")
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort raises a bare Exception subclass that grpc recognises; let it through untouched.
+    return type(exc).__name__ == "_AbortException" or isinstance(exc, grpc.RpcError)
+
+
+def boundary(fn: F) -> F:
+    """Wrap a unary or server-streaming servicer method with the error mapping."""
+    name = fn.__name__
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from fn(self, request, context)
+            except GeneratorExit:
+                raise
+            except Exception as exc:
+                if _is_abort(exc):
+                    raise
+                _abort(context, exc, name)
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            _abort(context, exc, name)
+
+    return unary  # type: ignore[return-value]
