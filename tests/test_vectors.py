@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import VECTORS, case_param, poisoned
 
+from conftest import VECTORS, case_param, poisoned
 from paraminit_server import reference, spec
 from paraminit_server.plan import resolve_param
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
+import crc32c
 import grpc
 import numpy as np
 
+from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
@@ -29,14 +30,16 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_sen
 
 def numpy_dtype(dtype_enum: int) -> np.dtype[Any]:
     """The numpy dtype of a plan dtype; bfloat16 comes from ml_dtypes."""
-    name = DTYPE_NAMES.get(dtype_enum)
+    name = DTYPE_NAMES.get(dtype_enum)  # type: ignore[call-overload]
     if name == "bfloat16":
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bf16
     if name is None:
         raise ParaminitError(grpc.StatusCode.INTERNAL, f"server sent unknown dtype enum {dtype_enum}")
-    return np.dtype(name)
+    dt: np.dtype[Any] = np.dtype(name)
+    return dt
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class Client:
         else:
             self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.InitServiceStub(self._channel)
+        # Materialize with the chunk codec: payloads arrive as views, not as copies inside messages.
+        self._materialize = self._channel.unary_stream(
+            "/paraminit.v1.InitService/Materialize",
+            request_serializer=pb.MaterializeRequest.SerializeToString, response_deserializer=wire.decode_response)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -135,13 +142,13 @@ class Client:
                 raise ParaminitError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.target} not SERVING after {timeout} s")
             time.sleep(0.05)
 
-    def stream(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0) -> tuple[pb.StreamHeader, Iterator[pb.DataChunk]]:
+    def stream(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:
         """Start a STREAM materialization: the header, then verified chunks in order."""
-        call = self.stub.Materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
+        call = self._materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
                                                            chunk_bytes=chunk_bytes), timeout=self.timeout)
         with rpc_errors():
             first = next(call, None)
-        if first is None or first.WhichOneof("msg") != "header":
+        if not isinstance(first, pb.MaterializeResponse) or first.WhichOneof("msg") != "header":
             call.cancel()
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
         return first.header, _verified_chunks(call, first.header.data_bytes)
@@ -197,17 +204,18 @@ def _progress_bar(total: int, name: str) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, leave=False)
 
 
-def _verified_chunks(call: Any, total: int) -> Iterator[pb.DataChunk]:
+def _verified_chunks(call: Any, total: int) -> Iterator[wire.Chunk]:
     """Chunks in order with CRC32C and length checks; cancels the call if the consumer stops early."""
     expected = 0
     try:
         with rpc_errors():
-            for msg in call:
-                c = msg.chunk
-                if msg.WhichOneof("msg") != "chunk" or c.offset != expected or expected + len(c.data) > total:
+            for c in call:
+                if not isinstance(c, wire.Chunk):
+                    c = wire.Chunk(c.chunk.offset, memoryview(c.chunk.data), c.chunk.crc32c)
+                if c.offset != expected or expected + len(c.data) > total:
                     raise ParaminitError(grpc.StatusCode.DATA_LOSS,
                                          f"out-of-order or oversized chunk at offset {c.offset} (expected {expected})")
-                if google_crc32c.value(c.data) != c.crc32c:
+                if crc32c.crc32c(c.data) != c.crc32c:
                     raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"CRC32C mismatch in chunk at offset {c.offset}")
                 expected += len(c.data)
                 yield c

@@ -36,7 +36,7 @@ class ParaminitError(Exception):
         details = err.details() if hasattr(err, "details") else str(err)
         violations: list[Violation] = []
         try:
-            status = rpc_status.from_call(err)  # type: ignore[arg-type]
+            status = rpc_status.from_call(err)
         except ValueError:
             status = None
         if status is not None:

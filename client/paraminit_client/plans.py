@@ -25,19 +25,39 @@ def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
     """Read a JSON or YAML plan file into a Plan; unknown fields are errors, not silently dropped."""
     p = Path(path)
     text = p.read_text()
-    if p.suffix.lower() in (".yaml", ".yml"):
-        import yaml
+    try:
+        if p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
 
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
-    return plan_from_dict(data)
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+        return plan_from_dict(data)
+    except (ValueError, json_format.ParseError) as exc:
+        raise PlanFileError(f"{p}: not a valid plan: {exc}") from None
+    except Exception as exc:  # yaml.YAMLError and friends: still a bad file, not a crash
+        raise PlanFileError(f"{p}: not a valid plan: {exc}") from None
+
+
+class PlanFileError(ValueError):
+    """A plan file that does not parse as paraminit.v1.Plan."""
 
 
 def plan_from_dict(data: Mapping[str, Any]) -> plan_pb2.Plan:
+    if not isinstance(data, Mapping):
+        raise ValueError("the top level must be an object with a 'params' list")
+    params = data.get("params", [])
+    if isinstance(params, list):  # accept "bfloat16" as well as the enum name "DTYPE_BFLOAT16"
+        data = {**data, "params": [_short_dtype(p) for p in params]}
     plan = plan_pb2.Plan()
-    json_format.ParseDict(data, plan)
+    json_format.ParseDict(dict(data), plan)
     return plan
+
+
+def _short_dtype(p: Any) -> Any:
+    if isinstance(p, dict) and isinstance(p.get("dtype"), str) and p["dtype"].lower() in DTYPES:
+        return {**p, "dtype": plan_pb2.DType.Name(DTYPES[p["dtype"].lower()])}
+    return p
 
 
 def plan_to_json(plan: plan_pb2.Plan) -> str:

@@ -75,5 +75,5 @@ def status_of(err: ParaminitServerError) -> grpc.StatusCode:
     """The status code for an error, by its most specific class in STATUS."""
     for cls in type(err).__mro__:
         if cls in STATUS:
-            return STATUS[cls]  # type: ignore[index]
+            return STATUS[cls]
     return grpc.StatusCode.INTERNAL

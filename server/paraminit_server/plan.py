@@ -115,21 +115,26 @@ def resolve_param(index: int, p: plan_pb2.Param) -> ResolvedParam:
     dt = dtypes.by_enum(p.dtype)
     assert dt is not None, "resolve_param needs a validated plan"
     which = p.init.WhichOneof("kind")
-    common = {"index": index, "name": p.name, "shape": shape, "region": region, "dtype": dt, "initializer": which or ""}
     init = p.init
+
+    def make(kind: Kind, p0: float = 0.0, p1: float = 0.0, seed: int | None = None,
+             values: npt.NDArray[np.float64] | None = None) -> ResolvedParam:
+        return ResolvedParam(index, p.name, shape, region, dt, which or "", kind, p0, p1,
+                             0 if seed is None else spec.key(seed), values)
+
     if which == "zeros":
-        return ResolvedParam(**common, kind=Kind.CONST, p0=0.0)
+        return make(Kind.CONST, 0.0)
     if which == "ones":
-        return ResolvedParam(**common, kind=Kind.CONST, p0=1.0)
+        return make(Kind.CONST, 1.0)
     if which == "uniform":
         u = init.uniform
-        return ResolvedParam(**common, kind=Kind.AFFINE, p0=u.lo, p1=u.hi - u.lo, key=spec.key(u.seed))
+        return make(Kind.AFFINE, u.lo, u.hi - u.lo, u.seed)
     if which == "normal":
         n = init.normal
-        return ResolvedParam(**common, kind=Kind.NORMAL, p0=n.mean, p1=n.std, key=spec.key(n.seed))
+        return make(Kind.NORMAL, n.mean, n.std, n.seed)
     if which == "flat":
         values = np.asarray(init.flat.values, dtype=np.float64)
-        return ResolvedParam(**common, kind=Kind.FLAT, values=values)
+        return make(Kind.FLAT, values=values)
     if which == "xavier_uniform":
         bound = spec.xavier_bound(init.xavier_uniform.fan_in, init.xavier_uniform.fan_out)
         seed = init.xavier_uniform.seed
@@ -144,7 +149,7 @@ def resolve_param(index: int, p: plan_pb2.Param) -> ResolvedParam:
         seed = init.kaiming_uniform_for_shape.seed
     else:
         raise AssertionError(f"unvalidated initializer {which!r}")
-    return ResolvedParam(**common, kind=Kind.AFFINE, p0=-bound, p1=2.0 * bound, key=spec.key(seed))
+    return make(Kind.AFFINE, -bound, 2.0 * bound, seed)
 
 
 def resolve(plan: plan_pb2.Plan) -> list[ResolvedParam]:

@@ -16,8 +16,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
-from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit_server import backends
 from paraminit_server.config import ServerConfig
 from paraminit_server.service import InitServicer
@@ -62,7 +62,7 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     servicer = InitServicer(config, backend, exports)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
                          options=GRPC_OPTIONS)
-    pb_grpc.add_InitServiceServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((_service_handler(servicer),))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -88,9 +88,25 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     return running
 
 
+def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
+    """The generated handlers, except that Materialize also sends pre-encoded chunk bytes (paraminit.wire)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["InitService"].methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        fn = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                fn, request_deserializer=request_cls.FromString, response_serializer=wire.serialize_response)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=request_cls.FromString, response_serializer=response_cls.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
 def _exports(config: ServerConfig, backend: backends.Backend) -> Any:
     try:
-        from paraminit_server.exports import Exports
+        from paraminit_server.exports import Exports  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return None
     return Exports(config, backend)

@@ -13,9 +13,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import google_crc32c
+import crc32c
 import grpc
 
+from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
@@ -93,20 +94,20 @@ class InitServicer(pb_grpc.InitServiceServicer):
     @boundary
     def Materialize(self, request: pb.MaterializeRequest, context: grpc.ServicerContext) -> Iterator[pb.MaterializeResponse]:
         started = time.perf_counter()
+        delivery = request.delivery or pb.DELIVERY_STREAM
+        if delivery not in pb.Delivery.values():
+            raise errors.InvalidRequest(f"unknown delivery enum value {delivery}")
         params, report = self.checked(request.plan)
         digest = plan.digest(request.plan)
-        delivery = request.delivery or pb.DELIVERY_STREAM
         outcome = "error"
         try:
             with self.admission.admit(report.total_bytes):
                 if delivery == pb.DELIVERY_STREAM:
                     yield from self._stream(params, digest, request, context)
-                elif delivery in (pb.DELIVERY_SHM, pb.DELIVERY_CUDA_IPC):
+                else:
                     if self.exports is None:
                         raise errors.FailedPrecondition("this server does not export zero-copy buffers")
                     yield pb.MaterializeResponse(export=self.exports.export(params, digest, request, context))
-                else:
-                    raise errors.InvalidRequest(f"unknown delivery enum value {delivery}")
             outcome = "ok" if context.is_active() else "cancelled"
         finally:
             log.info("materialize digest=%s params=%d bytes=%d delivery=%s seconds=%.3f outcome=%s",
@@ -126,9 +127,8 @@ class InitServicer(pb_grpc.InitServiceServicer):
         for start, host in iter_slabs(self.backend, lay, slab, lambda: not context.is_active()):
             mv = memoryview(host)
             for off in range(0, len(mv), chunk):
-                data = bytes(mv[off:off + chunk])
-                yield pb.MaterializeResponse(chunk=pb.DataChunk(offset=start + off, data=data,
-                                                                crc32c=google_crc32c.value(data)))
+                piece = mv[off:off + chunk]
+                yield wire.encode_chunk(start + off, piece, crc32c.crc32c(piece))  # type: ignore[misc]
             if not context.is_active():
                 raise errors.Cancelled("client cancelled or deadline passed")
 
@@ -159,7 +159,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
             limits=pb.Limits(max_plan_bytes=c.max_plan_bytes, max_param_bytes=c.max_param_bytes,
                              max_concurrent_requests=c.max_concurrent, max_chunk_bytes=c.max_chunk_bytes,
                              max_leased_bytes=c.max_leased_bytes, max_leases_per_client=c.max_leases_per_client),
-            dtypes=[d.enum for d in dtypes.SUPPORTED], deliveries=deliveries)
+            dtypes=[d.enum for d in dtypes.SUPPORTED], deliveries=deliveries)  # type: ignore[misc]
 
     def _leases(self) -> Any:
         if self.exports is None:

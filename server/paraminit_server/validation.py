@@ -75,7 +75,8 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None) -> Report:
     for i, p in enumerate(plan.params):
         found: list[Violation] = []
 
-        def bad(field: str, message: str, category: str = INVALID, _i: int = i, _p: plan_pb2.Param = p) -> None:
+        def bad(field: str, message: str, category: str = INVALID, _i: int = i, _p: plan_pb2.Param = p,
+                found: list[Violation] = found) -> None:
             found.append(Violation(_i, _p.name, f"params[{_i}].{field}", message, category))
 
         if not p.name:

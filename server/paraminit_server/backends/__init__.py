@@ -46,7 +46,8 @@ def create(name: str = "auto", device: int = 0, threads: int | None = None) -> B
         try:
             from paraminit_server.backends.cupy_backend import CupyBackend
 
-            return CupyBackend(device)
+            gpu: Backend = CupyBackend(device)
+            return gpu
         except BackendUnavailable:
             if name == "cupy":
                 raise

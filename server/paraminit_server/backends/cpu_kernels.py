@@ -15,8 +15,8 @@ from typing import Any
 
 import numba as nb
 import numpy as np
-from numba import types
 from llvmlite import ir
+from numba import types
 from numba.extending import intrinsic, overload
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

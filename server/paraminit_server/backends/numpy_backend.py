@@ -21,13 +21,13 @@ class NumpyBackend:
         self._threads = threads
 
     def warm_up(self) -> None:
+        from paraminit.v1 import plan_pb2
         from paraminit_server import dtypes
         from paraminit_server.plan import resolve_param
-        from paraminit.v1 import plan_pb2
 
         for dt in dtypes.SUPPORTED:
             for init in ("uniform", "normal", "flat", "zeros"):
-                p = plan_pb2.Param(name="w", shape=[2, 3], dtype=dt.enum)
+                p = plan_pb2.Param(name="w", shape=[2, 3], dtype=dt.enum)  # type: ignore[arg-type]
                 getattr(p.init, init).SetInParent()
                 if init == "flat":
                     p.init.flat.values.extend([0.0] * 6)
@@ -46,7 +46,7 @@ class NumpyBackend:
         if self._threads is not None:
             import numba
 
-            numba.set_num_threads(max(1, min(self._threads, numba.config.NUMBA_NUM_THREADS)))
+            numba.set_num_threads(max(1, min(self._threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
         runs = p.runs()
         values = p.values if p.kind == Kind.FLAT and p.values is not None else _NO_VALUES
         cpu_kernels.fill(out, l_begin, int(p.kind), np.uint64(p.key), p.p0, p.p1, values, p.dtype.fmt,

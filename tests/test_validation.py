@@ -1,0 +1,90 @@
+"""Validation reports every violation at once, with TorchLean's messages word for word."""
+
+from __future__ import annotations
+
+import pytest
+
+from paraminit.v1 import plan_pb2
+from paraminit_client import param, plan_of, zip_plan
+from paraminit_server.validation import Limits, validate
+
+
+def messages(plan: plan_pb2.Plan, limits: Limits | None = None) -> list[str]:
+    return [str(v) for v in validate(plan, limits).violations]
+
+
+def test_valid_plan_has_no_violations_and_sizes() -> None:
+    plan = plan_of([param("w", [3, 4], {"uniform": {"lo": -1, "hi": 1}}, "bfloat16"),
+                    param("b", [], {"ones": {}}, "float64"),
+                    param("r", [4, 4], {"normal": {"std": 0}}, region=[(1, 3), (0, 2)])])
+    report = validate(plan)
+    assert report.ok
+    assert report.param_bytes == (24, 8, 16)
+
+
+def test_every_violation_reported_at_once() -> None:
+    plan = plan_of([
+        param("u", [2], {"uniform": {"lo": "NaN", "hi": 1}}),
+        param("u2", [2], {"uniform": {"lo": 2, "hi": 1}}),
+        param("n", [2], {"normal": {"mean": "Infinity", "std": 1}}),
+        param("n2", [2], {"normal": {"std": -0.5}}),
+        param("f", [2, 3], {"flat": {"values": [1, 2]}}),
+        param("x", [5], {"xavierUniformForShape": {}}),
+        param("k", [], {"kaimingUniformForShape": {}}),
+        param("", [1], {"zeros": {}}),
+        param("u", [1], {"zeros": {}}),
+        plan_pb2.Param(name="noinit", shape=[1]),
+        param("reg", [4, 4], {"zeros": {}}, region=[(3, 2), (0, 5)]),
+        param("reg2", [4], {"zeros": {}}, region=[(1, 1)]),
+        param("reg3", [4, 4], {"zeros": {}}, region=[(0, 1)]),
+        param("nf", [2], {"flat": {"values": [1, "Infinity"]}}),
+    ])
+    plan.params.add(name="dt", shape=[1], dtype=99).init.zeros.SetInParent()
+    got = messages(plan)
+    want = [
+        "params[0].init.uniform ('u'): initialization: uniform bounds must be finite",
+        "params[1].init.uniform ('u2'): initialization: uniform lower bound must not exceed the upper bound",
+        "params[2].init.normal ('n'): initialization: normal mean and standard deviation must be finite",
+        "params[3].init.normal ('n2'): initialization: normal standard deviation must be nonnegative",
+        "params[4].init.flat.values ('f'): torch.runtimeInit: flat initializer length mismatch (expected 6, got 2)",
+        "params[5].init.xavier_uniform_for_shape ('x'): torch.runtimeInit: Xavier initialization expects at least 2 "
+        "dimensions, got [5]",
+        "params[6].init.kaiming_uniform_for_shape ('k'): torch.runtimeInit: Kaiming initialization expects at least 2 "
+        "dimensions, got []",
+        "params[7].name (''): parameter name must not be empty",
+        "params[8].name ('u'): duplicate parameter name 'u' (first at params[0])",
+        "params[10].region[0] ('reg'): range start 3 exceeds stop 2",
+        "params[10].region[1] ('reg'): range [0, 5) is out of bounds for dimension 1 of size 4",
+        "params[11].region[0] ('reg2'): range [1, 1) is empty",
+        "params[12].region ('reg3'): region has 1 ranges but the shape [4, 4] has rank 2",
+        "params[13].init.flat.values ('nf'): flat values must be finite (1 not finite, first at index 1)",
+        "params[14].dtype ('dt'): unknown dtype enum value 99",
+    ]
+    assert [g for g in got if "noinit" not in g] == want
+    assert any(g.startswith("params[9].init ('noinit'): initializer is not set") for g in got)
+
+
+def test_equal_bounds_and_zero_std_are_valid() -> None:
+    plan = plan_of([param("a", [2], {"uniform": {"lo": 1, "hi": 1}}), param("b", [2], {"normal": {"std": 0}}),
+                    param("c", [2], {"kaimingUniform": {"fanIn": 0}}), param("d", [2], {"xavierUniform": {}})])
+    assert messages(plan) == []
+
+
+def test_size_overflow_and_limits() -> None:
+    huge = plan_of([param("h", [1 << 40, 1 << 40], {"zeros": {}})])
+    assert any("size overflows" in m for m in messages(huge))
+    plan = plan_of([param("a", [100], {"zeros": {}}), param("b", [100], {"zeros": {}}, "float64")])
+    report = validate(plan, Limits(max_param_bytes=500, max_plan_bytes=1000))
+    assert report.only_limits
+    assert [str(v) for v in report.violations] == [
+        "params[1].shape ('b'): parameter needs 800 bytes, over the per-parameter limit of 500",
+        "params: plan needs 1200 bytes, over the per-plan limit of 1000"]
+
+
+def test_initializer_list_length_messages() -> None:
+    init = plan_pb2.Init(zeros=plan_pb2.Zeros())
+    with pytest.raises(ValueError, match=r"^torch.runtimeInit: initializer array shorter than parameter list$"):
+        zip_plan([("a", [1]), ("b", [1])], [init])
+    with pytest.raises(ValueError, match=r"^torch.runtimeInit: initializer array longer than parameter list$"):
+        zip_plan([("a", [1])], [init, init])
+    assert len(zip_plan([("a", [1])], [init]).params) == 1
