@@ -23,6 +23,7 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
 from paraminit_client.errors import ParaminitError
+from paraminit_client.exports import Lease
 from paraminit_client.plans import DTYPE_NAMES
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20)]
@@ -152,6 +153,31 @@ class Client:
             call.cancel()
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
         return first.header, _verified_chunks(call, first.header.data_bytes)
+
+    def _call(self, method: Any, request: Any) -> Any:
+        with rpc_errors():
+            return method(request, timeout=self.timeout)
+
+    def export(self, plan: plan_pb2.Plan, delivery: str = "shm", *, ttl_seconds: float = 0.0,
+               auto_renew: bool = False) -> Lease:
+        """Zero-copy handoff from a server on this host: "shm" (CPU) or "cuda_ipc" (GPU)."""
+        kinds = {"shm": pb.DELIVERY_SHM, "cuda_ipc": pb.DELIVERY_CUDA_IPC}
+        if delivery not in kinds:
+            raise ValueError(f"delivery must be one of {sorted(kinds)}, got {delivery!r}")
+        request = pb.MaterializeRequest(plan=plan, delivery=kinds[delivery], lease_ttl_seconds=ttl_seconds)
+        with rpc_errors():
+            responses = list(self.stub.Materialize(request, timeout=self.timeout))
+        if len(responses) != 1 or responses[0].WhichOneof("msg") != "export":
+            raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not answer the export with one ExportInfo")
+        try:
+            return Lease(self, responses[0].export, auto_renew=auto_renew)
+        except BaseException:
+            with contextlib.suppress(ParaminitError):
+                self._call(self.stub.Release, pb.ReleaseRequest(lease_id=responses[0].export.lease.lease_id))
+            raise
+
+    def leases(self) -> list[pb.LeaseStatus]:
+        return list(self._call(self.stub.ListLeases, pb.ListLeasesRequest()).leases)
 
     def materialize(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
                     progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:

@@ -1,0 +1,353 @@
+"""The CUDA backend: CuPy launches the kernels of cuda/paraminit_kernels.cu on device memory.
+
+CuPy is imported only inside functions of this module, so importing
+paraminit_server (or this module, e.g. to pack plans in tests) never needs it.
+The kernels are compiled once per device with NVRTC (CuPy also caches the
+binary on disk) and kept in `_KERNELS`; their arithmetic lives in
+paraminit_kernels.cuh, which a host-only harness checks without a GPU
+(tests/test_cuda_harness.py).
+
+Plans are packed on the host into one int64 `meta` array (job descriptors, tile
+starts, region dims: the layout of the PI_W_* words in the header) plus one
+float64 array of flat payloads, so a whole plan is one upload and one launch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from paraminit_server import dtypes
+from paraminit_server.backends import DeviceDescription
+from paraminit_server.errors import BackendUnavailable, ResourceExhausted
+from paraminit_server.plan import Kind, ResolvedParam, Runs
+
+KERNEL_DIR = Path(__file__).parent / "cuda"
+KERNEL_SOURCE = KERNEL_DIR / "paraminit_kernels.cu"
+KERNEL_HEADER = KERNEL_DIR / "paraminit_kernels.cuh"
+# --fmad=false on top of the header's explicit __dadd_rn/__dmul_rn: nothing may contract into an FMA.
+NVRTC_OPTIONS = ("--fmad=false", "--std=c++17")
+FILL_KERNEL = "pi_fill"
+FILL_PLAN_KERNEL = "pi_fill_plan"
+
+# Mirrors of the header's constants (tests/test_cuda_harness.py checks they agree).
+BLOCK = 256
+EPT = 8
+TILE = BLOCK * EPT
+BLOCKS_PER_SM = 8
+DESC_WORDS = 16
+W_OUT, W_N, W_LBEGIN, W_KIND, W_OTYPE, W_KEY, W_P0, W_P1, W_VSHIFT, W_BASE, W_RUNLEN, W_NOUTER, W_DIMS = range(13)
+OTYPE_F32, OTYPE_F64, OTYPE_F16, OTYPE_BF16 = range(4)
+
+_INCLUDE = '#include "paraminit_kernels.cuh"'
+
+
+def otype(dt: dtypes.DTypeInfo) -> int:
+    """Kernel output type of a dtype (float, double, or 16-bit patterns of float16 / bfloat16)."""
+    if dt.fmt == dtypes.FMT_FLOAT16:
+        return OTYPE_F16
+    if dt.fmt == dtypes.FMT_BFLOAT16:
+        return OTYPE_BF16
+    return OTYPE_F64 if dt.itemsize == 8 else OTYPE_F32
+
+
+def kernel_source() -> str:
+    """The .cu with its header inlined, so CuPy's cache key covers both files and NVRTC needs no include path."""
+    source = KERNEL_SOURCE.read_text()
+    if _INCLUDE not in source:
+        raise RuntimeError(f"{KERNEL_SOURCE} no longer includes the header as {_INCLUDE}")
+    return source.replace(_INCLUDE, KERNEL_HEADER.read_text(), 1)
+
+
+# ---------------------------------------------------------------------------
+# Host-side packing (pure NumPy).
+
+
+@dataclass(frozen=True)
+class Job:
+    """Local elements [l_begin, l_begin + n) of a parameter, written at byte `offset` of an arena."""
+
+    param: ResolvedParam
+    offset: int
+    l_begin: int = 0
+    n: int = -1  # -1: up to the end of the region
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A plan ready for pi_fill_plan: meta = descriptors | tile starts | dims, values = flat payloads."""
+
+    meta: npt.NDArray[np.int64]
+    values: npt.NDArray[np.float64]
+    njobs: int
+    total_tiles: int
+    end_bytes: int  # one past the last byte any job writes
+
+    @property
+    def dims_at(self) -> int:
+        return self.njobs * DESC_WORDS + self.njobs + 1
+
+
+def global_index(runs: Runs, l: int) -> int:
+    """Global flat index of local element l (what pi_global computes on the device)."""
+    r, off = divmod(l, runs.run_len)
+    g = runs.base + off
+    for d in range(len(runs.outer_ext) - 1, -1, -1):
+        r, digit = divmod(r, int(runs.outer_ext[d]))
+        g += (digit + int(runs.outer_start[d])) * int(runs.outer_stride[d])
+    return g
+
+
+def pack(jobs: Sequence[Job]) -> Packed:
+    """Pack jobs into the kernel's meta layout; empty jobs are dropped, bad windows raise ValueError."""
+    rows: list[npt.NDArray[np.int64]] = []
+    tile_start = [0]
+    dims: list[int] = []
+    values: list[npt.NDArray[np.float64]] = []
+    vpos = 0
+    end = 0
+    for job in jobs:
+        p = job.param
+        n = p.numel - job.l_begin if job.n < 0 else job.n
+        if job.l_begin < 0 or n < 0 or job.l_begin + n > p.numel:
+            raise ValueError(f"{p.name}: window [{job.l_begin}, {job.l_begin + n}) outside its {p.numel} elements")
+        if job.offset < 0 or job.offset % p.dtype.itemsize:
+            raise ValueError(f"{p.name}: byte offset {job.offset} is not a multiple of its item size {p.dtype.itemsize}")
+        if n == 0:
+            continue
+        runs = p.runs()
+        row = np.zeros(DESC_WORDS, dtype=np.int64)
+        row[W_OUT] = job.offset
+        row[W_N] = n
+        row[W_LBEGIN] = job.l_begin
+        row[W_KIND] = int(p.kind)
+        row[W_OTYPE] = otype(p.dtype)
+        row.view(np.uint64)[W_KEY] = p.key
+        row.view(np.float64)[W_P0] = p.p0
+        row.view(np.float64)[W_P1] = p.p1
+        row[W_BASE] = runs.base
+        row[W_RUNLEN] = runs.run_len
+        row[W_NOUTER] = len(runs.outer_ext)
+        row[W_DIMS] = len(dims)
+        for d in range(len(runs.outer_ext)):
+            dims += [int(runs.outer_start[d]), int(runs.outer_ext[d]), int(runs.outer_stride[d])]
+        if p.kind == Kind.FLAT:
+            # Only the window's slice of the payload travels; the kernel reads values[g - vshift].
+            assert p.values is not None
+            g_lo = global_index(runs, job.l_begin)
+            g_hi = global_index(runs, job.l_begin + n - 1)
+            values.append(np.ascontiguousarray(p.values[g_lo:g_hi + 1], dtype=np.float64))
+            row[W_VSHIFT] = g_lo - vpos
+            vpos += g_hi + 1 - g_lo
+        rows.append(row)
+        tile_start.append(tile_start[-1] + -(-n // TILE))
+        end = max(end, job.offset + n * p.dtype.itemsize)
+    meta = np.concatenate([*rows, np.asarray(tile_start, dtype=np.int64), np.asarray(dims, dtype=np.int64)])
+    flat = np.concatenate(values) if values else np.zeros(0, dtype=np.float64)
+    return Packed(meta.astype(np.int64, copy=False), flat, len(rows), tile_start[-1], end)
+
+
+# ---------------------------------------------------------------------------
+# CuPy side.
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _import_cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailable(f"cupy backend unavailable: CuPy is not installed ({_one_line(exc)}); "
+                                 "install cupy-cuda13x (or cupy-cuda12x) to use the GPU") from None
+    except Exception as exc:  # a broken CUDA install can fail the import in many ways
+        raise BackendUnavailable(f"cupy backend unavailable: importing CuPy failed ({_one_line(exc)})") from None
+    return cupy
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The compiled kernels of one device."""
+
+    fill: Any
+    fill_plan: Any
+    sm_count: int
+
+
+_KERNELS: dict[int, Kernels] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def kernels(device_id: int) -> Kernels:
+    """The kernels for a device, compiled (or loaded from CuPy's disk cache) on first use."""
+    k = _KERNELS.get(device_id)
+    if k is not None:
+        return k
+    cp = _import_cupy()
+    with _KERNELS_LOCK:
+        k = _KERNELS.get(device_id)
+        if k is None:
+            with cp.cuda.Device(device_id):
+                try:
+                    module = cp.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
+                    fill = module.get_function(FILL_KERNEL)
+                    fill_plan = module.get_function(FILL_PLAN_KERNEL)
+                except Exception as exc:
+                    raise BackendUnavailable(f"cupy backend: compiling the CUDA kernels failed ({_one_line(exc)})") from exc
+                sm = int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
+            k = Kernels(fill, fill_plan, sm)
+            _KERNELS[device_id] = k
+    return k
+
+
+def _grid(tiles: int, sm_count: int) -> int:
+    return max(1, min(tiles, sm_count * BLOCKS_PER_SM))
+
+
+def _null() -> np.uint64:
+    return np.uint64(0)
+
+
+def fill_jobs(jobs: Sequence[Job], arena: Any) -> None:
+    """Fill every job into arena (a contiguous CuPy array, its bytes addressed by Job.offset) in one launch."""
+    cp = _import_cupy()
+    if not isinstance(arena, cp.ndarray) or not arena.flags.c_contiguous:
+        raise ValueError("arena must be a C-contiguous cupy.ndarray")
+    packed = pack(jobs)
+    if packed.njobs == 0:
+        return
+    if packed.end_bytes > arena.nbytes:
+        raise ValueError(f"jobs write up to byte {packed.end_bytes} but the arena has {arena.nbytes}")
+    with arena.device:
+        k = kernels(arena.device.id)
+        meta = cp.asarray(packed.meta)
+        values = cp.asarray(packed.values) if packed.values.size else _null()
+        k.fill_plan((_grid(packed.total_tiles, k.sm_count),), (BLOCK,),
+                    (arena, meta, np.int32(packed.njobs), np.int64(packed.total_tiles), values))
+
+
+def fill_plan(params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int]) -> None:
+    """Fill whole parameters into one device arena, parameter i at byte offsets[i], in one launch.
+
+    Bytes between parameters are left as they are; the caller zeroes padding it exports.
+    """
+    if len(params) != len(offsets):
+        raise ValueError(f"{len(params)} parameters but {len(offsets)} offsets")
+    fill_jobs([Job(p, int(off)) for p, off in zip(params, offsets, strict=True)], arena)
+
+
+def _format_uuid(raw: Any) -> str:
+    """nvidia-smi's spelling (GPU-xxxxxxxx-xxxx-...), which is what peers compare for CUDA IPC."""
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, (bytes, bytearray)) and len(raw) >= 16:
+        h = bytes(raw[:16]).hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    return ""
+
+
+class CupyBackend:
+    """Backend on one CUDA device; construction fails with BackendUnavailable when none is usable."""
+
+    name = "cupy"
+
+    def __init__(self, device: int = 0) -> None:
+        cp = _import_cupy()
+        try:
+            count = int(cp.cuda.runtime.getDeviceCount())
+        except Exception as exc:
+            raise BackendUnavailable(f"cupy backend unavailable: no usable CUDA driver ({_one_line(exc)})") from None
+        if count == 0:
+            raise BackendUnavailable("cupy backend unavailable: no CUDA device found")
+        if not 0 <= device < count:
+            raise BackendUnavailable(f"cupy backend unavailable: device {device} requested but {count} present")
+        self._cp = cp
+        self._ordinal = device
+        self._device = cp.cuda.Device(device)
+
+    def warm_up(self) -> None:
+        """Compile (or load) the kernels and run each kind once, so the first request pays nothing."""
+        from paraminit.v1 import plan_pb2
+        from paraminit_server.plan import resolve_param
+
+        cp = self._cp
+        with self._device:
+            kernels(self._ordinal)
+            params = []
+            for dt in dtypes.SUPPORTED:
+                for init in ("zeros", "uniform", "normal", "flat"):
+                    p = plan_pb2.Param(name=f"{init}_{dt.name}", shape=[2, 3], dtype=dt.enum)
+                    getattr(p.init, init).SetInParent()
+                    if init == "flat":
+                        p.init.flat.values.extend([0.0] * 6)
+                    rp = resolve_param(len(params), p)
+                    params.append(rp)
+                    self.fill(rp, cp.empty(rp.numel, dtype=dt.storage))
+            fill_plan(params, cp.empty(len(params) * 48, dtype=cp.uint8), [48 * i for i in range(len(params))])
+            cp.cuda.Device().synchronize()
+
+    def empty(self, nbytes: int) -> Any:
+        """A uint8 device array that owns a whole cudaMalloc allocation (cupy.cuda.memory.Memory).
+
+        Not from CuPy's memory pool: pool blocks are carved out of larger
+        allocations, and CUDA IPC exports whole allocations, so an exported arena
+        must be its own. Memory frees it (cudaFree) when the last view is gone.
+        """
+        cp = self._cp
+        with self._device:
+            try:
+                mem = cp.cuda.memory.Memory(int(nbytes))
+            except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.memory.OutOfMemoryError) as exc:
+                if "memory" not in str(exc).lower():
+                    raise
+                raise ResourceExhausted(f"device {self._ordinal} out of memory allocating {nbytes} bytes") from None
+            return cp.ndarray((int(nbytes),), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+    def fill(self, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
+        """One launch of pi_fill; only regions (dims) and flat payloads need an upload first."""
+        cp = self._cp
+        if not isinstance(out, cp.ndarray) or out.ndim != 1 or not out.flags.c_contiguous:
+            raise ValueError("out must be a 1-D C-contiguous cupy.ndarray")
+        if out.dtype != p.dtype.storage:
+            raise ValueError(f"{p.name}: out has dtype {out.dtype}, expected {p.dtype.storage}")
+        n = int(out.shape[0])
+        if n == 0:
+            return
+        packed = pack([Job(p, 0, l_begin, n)])
+        row = packed.meta[:DESC_WORDS]
+        n_outer = int(row[W_NOUTER])
+        with self._device:
+            k = kernels(self._ordinal)
+            dims = cp.asarray(packed.meta[packed.dims_at:]) if n_outer else _null()
+            values = cp.asarray(packed.values) if packed.values.size else _null()
+            k.fill((_grid(packed.total_tiles, k.sm_count),), (BLOCK,),
+                   (out, np.int64(n), np.int64(l_begin), np.int32(row[W_KIND]), np.int32(row[W_OTYPE]),
+                    row.view(np.uint64)[W_KEY], row.view(np.float64)[W_P0], row.view(np.float64)[W_P1],
+                    values, np.int64(row[W_VSHIFT]), dims, np.int32(n_outer),
+                    np.int64(row[W_BASE]), np.int64(row[W_RUNLEN])))
+
+    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int]) -> None:
+        """Whole parameters into one arena in one launch (see the module-level fill_plan)."""
+        with self._device:
+            fill_plan(params, arena, offsets)
+
+    def to_host(self, buf: Any) -> Any:
+        with self._device:
+            return self._cp.asnumpy(buf)
+
+    def device(self) -> DeviceDescription:
+        cp = self._cp
+        props = cp.cuda.runtime.getDeviceProperties(self._ordinal)
+        name = props.get("name", b"")
+        name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+        with self._device:
+            free, total = cp.cuda.runtime.memGetInfo()
+        return DeviceDescription("cuda", name, _format_uuid(props.get("uuid")), self._ordinal, int(total), int(free))

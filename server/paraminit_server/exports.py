@@ -1,0 +1,213 @@
+"""Zero-copy exports: the server owns one buffer per materialization and lends it under a lease.
+
+SHM (CPU backend): a POSIX shared-memory segment, mode 0600, with a 128-bit
+random name, filled in place by the kernels. CUDA_IPC (GPU backend): one plain
+cudaMalloc allocation (an IPC handle covers a whole allocation), exported with
+cudaIpcGetMemHandle. Both only to peers on this host.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from typing import Any
+
+import grpc
+import numpy as np
+
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit_server import engine, errors, layout
+from paraminit_server.backends import Backend
+from paraminit_server.config import ServerConfig
+from paraminit_server.leases import LeaseRecord, LeaseTable
+from paraminit_server.plan import ResolvedParam
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "paraminit-"
+GPU_ALIGN = 256
+ANONYMOUS = "anonymous"
+
+
+def is_local_peer(peer: str) -> bool:
+    """True for loopback TCP and Unix-socket peers (context.peer() strings)."""
+    if peer.startswith("unix:"):
+        return True
+    if peer.startswith("ipv4:"):
+        return peer[5:].startswith("127.")
+    if peer.startswith("ipv6:"):
+        host = peer[5:].rsplit(":", 1)[0].strip("[]")
+        return host == "::1" or host.startswith("::ffff:127.")
+    return False
+
+
+def owner_of(context: grpc.ServicerContext) -> str:
+    """The identity leases belong to: the client certificate's subject under mutual TLS, else anonymous."""
+    auth = context.auth_context() or {}
+    for key in ("x509_subject", "x509_common_name"):
+        values = auth.get(key)
+        if values:
+            return f"{key}:{values[0].decode(errors='replace')}"
+    return ANONYMOUS
+
+
+class ShmSegment:
+    """A POSIX shared-memory segment created exclusively with mode 0600 and unlinked on close."""
+
+    def __init__(self, size: int) -> None:
+        self.name = SHM_PREFIX + secrets.token_hex(16)
+        self.path = os.path.join(SHM_DIR, self.name)
+        self.size = size
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            os.ftruncate(fd, max(size, 1))
+            self._map = mmap.mmap(fd, max(size, 1))
+        except BaseException:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+        self.array = np.frombuffer(self._map, dtype=np.uint8, count=size)
+
+    def close(self) -> None:
+        self.array = np.empty(0, np.uint8)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes when it does
+            pass
+
+
+class Exports:
+    def __init__(self, config: ServerConfig, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+        self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
+                                 config.max_lease_ttl)
+
+    def deliveries(self) -> list[int]:
+        return [pb.DELIVERY_CUDA_IPC] if self.backend.name == "cupy" else [pb.DELIVERY_SHM]
+
+    def _check(self, delivery: int, context: grpc.ServicerContext) -> None:
+        name = pb.Delivery.Name(delivery)
+        if not is_local_peer(context.peer()):
+            raise errors.FailedPrecondition(f"{name} hands out memory on this host only; peer {context.peer()} is "
+                                            "remote: use STREAM delivery")
+        if delivery not in self.deliveries():
+            raise errors.FailedPrecondition(f"{name} is not available on the {self.backend.name} backend; this "
+                                            f"server offers {[pb.Delivery.Name(d) for d in self.deliveries()]}")
+
+    def export(self, params: list[ResolvedParam], digest: str, request: pb.MaterializeRequest,
+               context: grpc.ServicerContext) -> pb.ExportInfo:
+        delivery = request.delivery
+        self._check(delivery, context)
+        owner = owner_of(context)
+        ttl = self.leases.ttl(request.lease_ttl_seconds)
+        lay = layout.export_layout(params, GPU_ALIGN if delivery == pb.DELIVERY_CUDA_IPC else layout.EXPORT_ALIGN)
+        self.leases.reserve(owner, lay.data_bytes)
+        info = pb.ExportInfo(plan_digest=digest)
+        if delivery == pb.DELIVERY_SHM:
+            buf, release = self._shm(lay, info)
+        else:
+            buf, release = self._cuda(lay, info)
+        if not context.is_active():  # client gone while we filled: free now, lend nothing
+            release()
+            raise errors.Cancelled("client cancelled during export")
+        rec = self.leases.add(owner, delivery, lay.data_bytes, ttl, digest, release, (lay, buf))
+        _describe(info, lay, rec)
+        return info
+
+    def _shm(self, lay: layout.Layout, info: pb.ExportInfo) -> tuple[Any, Any]:
+        try:
+            seg = ShmSegment(lay.data_bytes)
+        except OSError as exc:
+            raise errors.ResourceExhausted(f"cannot create a {lay.data_bytes}-byte shared-memory segment: {exc}") from None
+        try:
+            engine.fill_all(self.backend, lay, seg.array)
+        except BaseException:
+            seg.close()
+            raise
+        info.shm.segment_name = seg.name
+        info.shm.size = lay.data_bytes
+        return seg.array, seg.close
+
+    def _cuda(self, lay: layout.Layout, info: pb.ExportInfo) -> tuple[Any, Any]:
+        try:
+            buf = self.backend.empty(lay.data_bytes)
+        except MemoryError as exc:
+            raise errors.ResourceExhausted(f"cannot allocate {lay.data_bytes} bytes on the device: {exc}") from None
+        engine.fill_all(self.backend, lay, buf)
+        handle = self.backend.ipc_handle(buf)  # type: ignore[attr-defined]
+        dev = self.backend.device()
+        info.cuda_ipc.ipc_handle = bytes(handle)
+        info.cuda_ipc.device = dev.ordinal
+        info.cuda_ipc.device_uuid = dev.uuid
+        info.cuda_ipc.size = lay.data_bytes
+        holder = [buf]
+        return buf, holder.clear
+
+    # -- lease RPCs ----------------------------------------------------------------------
+
+    def release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.leases.release(request.lease_id, owner_of(context)))
+
+    def renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewResponse:
+        rec = self.leases.renew(request.lease_id, owner_of(context), request.ttl_seconds)
+        return pb.RenewResponse(lease=_lease(rec))
+
+    def list(self, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesResponse:
+        import time
+
+        owner = owner_of(context)
+        now = time.time()
+        resp = pb.ListLeasesResponse()
+        for rec in self.leases.list(None if owner == ANONYMOUS else owner):
+            resp.leases.add(lease=_lease(rec), age_seconds=now - rec.created, owner=rec.owner,
+                            plan_digest=rec.plan_digest)
+        return resp
+
+    def apply(self, request: pb.ApplyRequest, params: list[ResolvedParam], digest: str,
+              context: grpc.ServicerContext) -> pb.ApplyResponse:
+        rec = self.leases.get(request.lease_id, owner_of(context))
+        with rec.lock:
+            if rec.payload is None:
+                raise errors.NotFound(f"no lease {request.lease_id!r}")
+            lay, buf = rec.payload
+            _check_same_parameters(lay, params)
+            new = layout.Layout(tuple(layout.Placement(p, pl.offset) for p, pl in zip(params, lay.placements,
+                                                                                      strict=True)), lay.data_bytes)
+            engine.fill_all(self.backend, new, buf)
+            rec.plan_digest = digest
+        return pb.ApplyResponse(plan_digest=digest)
+
+    def close(self) -> None:
+        self.leases.close()
+
+
+def _check_same_parameters(lay: layout.Layout, params: list[ResolvedParam]) -> None:
+    """Apply keeps the buffer: names, shapes, regions, dtypes and order must match the lease exactly."""
+    old = [pl.param for pl in lay.placements]
+    problems = []
+    if len(old) != len(params):
+        problems.append(f"the lease has {len(old)} parameters, the plan {len(params)}")
+    for a, b in zip(old, params, strict=False):
+        if (a.name, a.shape, a.region, a.dtype.enum) != (b.name, b.shape, b.region, b.dtype.enum):
+            problems.append(f"params[{b.index}] {b.name!r} {b.dtype.name}{list(b.out_shape)} does not match the "
+                            f"leased {a.name!r} {a.dtype.name}{list(a.out_shape)}")
+    if problems:
+        raise errors.InvalidRequest("plan does not match the lease's parameter list: " + "; ".join(problems))
+
+
+def _lease(rec: LeaseRecord) -> pb.Lease:
+    return pb.Lease(lease_id=rec.lease_id, expires_at=rec.expires_at, nbytes=rec.nbytes, delivery=rec.delivery)
+
+
+def _describe(info: pb.ExportInfo, lay: layout.Layout, rec: LeaseRecord) -> None:
+    info.lease.CopyFrom(_lease(rec))
+    for pl in lay.placements:
+        p = pl.param
+        info.tensors.add(name=p.name, dtype=p.dtype.enum, shape=p.out_shape, offset=pl.offset, nbytes=p.nbytes)
