@@ -1,9 +1,25 @@
 """Numba kernels of the CPU backend: one fused, parallel pass per value kind, casts included.
 
-Each kernel fills `out[k]` for the local elements `l_begin + k` of a parameter's
+`fill` writes `out[k]` for the local elements `l_begin + k` of a parameter's
 region. Work is split into fixed-size pieces of the local index, each piece
-walks its runs (Runs in plan.py) with a contiguous inner loop, and every element
+walks its runs (Runs in plan.py) with contiguous inner loops, and every element
 depends only on (key, global index): bytes never depend on threads or chunking.
+
+Speed comes from letting LLVM vectorize every inner loop (AVX2 on the target
+machines), so the loops are kept free of branches and of anything that
+blocks vectorization:
+- indices are unsigned, so numba emits no negative-index wraparound per store;
+- the first SplitMix64 multiply works on 32-bit halves: inside a segment where
+  `x >> 30` is constant, `x ^ (x >> 30)` has a constant high word, so its
+  product needs two 32x32 multiplies instead of three (AVX2 has no 64-bit
+  multiply);
+- the low 32 bits of a draw become a binary64 by the exponent-bias trick
+  (OR into 2^52, subtract 2^52), which is exact and needs no packing;
+- float16/bfloat16 bits come from a branch-free integer rounding (normal
+  range), a floating-point add of a magic constant (subnormal range, where the
+  hardware's round-to-nearest-even is the one rounding) and selects.
+No fastmath anywhere: every binary64 operation rounds on its own (no FMA
+contraction), and `log`/`cos` are the C library's, as Python's math module uses.
 
 Compiled lazily on first call (no work at import) and cached on disk.
 """
@@ -21,104 +37,212 @@ from numba.extending import intrinsic, overload
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
+_MUL1_LO = np.uint64(0x1CE4E5B9)
+_MUL1_HI = np.uint64(0xBF58476D)
 _MUL2 = np.uint64(0x94D049BB133111EB)
 _LOW32 = np.uint64(0xFFFFFFFF)
-_S30 = np.uint64(30)
+_LOW30 = np.uint64((1 << 30) - 1)
+_SPAN30 = np.uint64(1 << 30)
+_U0 = np.uint64(0)
+_U1 = np.uint64(1)
+_U2 = np.uint64(2)
 _S27 = np.uint64(27)
+_S30 = np.uint64(30)
 _S31 = np.uint64(31)
+_S32 = np.uint64(32)
+_EXP52 = np.uint64(0x4330000000000000)  # bits of 2^52: OR a u32 into its mantissa to get 2^52 + u32
+_TWO52 = 2.0**52
 _TWO_NEG_32 = 2.0**-32
 _TWO_PI = 2.0 * math.pi
 _U1_FLOOR = 1e-6
-PIECE = 1 << 16  # elements per parallel task
+_ABS64 = np.int64(0x7FFFFFFFFFFFFFFF)
+_INF64 = np.int64(0x7FF0000000000000)
+_I1 = np.int64(1)
+_SIGN16 = np.int64(0x8000)
+PIECE = 1 << 16  # elements per parallel task; tensors up to this size run on the calling thread
 
 _jit = nb.njit(cache=True, inline="always", nogil=True)
-_kernel = nb.njit(cache=True, parallel=True, nogil=True)
+_serial = nb.njit(cache=True, nogil=True)
+_parallel = nb.njit(cache=True, parallel=True, nogil=True)
 
 
 @_jit  # type: ignore[misc]
 def mix(x: Any) -> Any:
+    """SplitMix64 finalizer on a uint64 (the plain form, for the rare elements off the fast path)."""
     z = x + _GOLDEN
     z = (z ^ (z >> _S30)) * _MUL1
     z = (z ^ (z >> _S27)) * _MUL2
     return z ^ (z >> _S31)
 
 
-@_jit  # type: ignore[misc]
-def unit(key: Any, i: Any) -> float:
-    # u32 -> binary64 through int32 (exact, and vectorizes on AVX2 where u64 -> f64 does not)
-    low = np.uint32(mix(key + np.uint64(i)))
-    return float(np.int32(low ^ np.uint32(0x80000000))) * _TWO_NEG_32 + 0.5
-
-
-@_jit  # type: ignore[misc]
-def normal_z(key: Any, g: Any) -> float:
-    u1 = unit(key, 2 * g)
-    u2 = unit(key, 2 * g + 1)
-    if u1 <= _U1_FLOOR:
-        u1 = _U1_FLOOR
-    return math.sqrt(-2.0 * math.log(u1)) * math.cos(_TWO_PI * u2)
-
-
 @intrinsic  # type: ignore[misc]
 def f64_bits(typingctx: Any, x: Any) -> Any:
-    """Reinterpret a binary64 as its 64-bit pattern (a plain LLVM bitcast)."""
+    """Reinterpret a binary64 as its bit pattern, as int64 (a plain LLVM bitcast)."""
     if not isinstance(x, types.Float):
         return None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.bitcast(args[0], ir.IntType(64))
 
-    return types.uint64(types.float64), codegen
+    return types.int64(types.float64), codegen
+
+
+@intrinsic  # type: ignore[misc]
+def bits_f64(typingctx: Any, x: Any) -> Any:
+    """Reinterpret a 64-bit pattern as a binary64 (a plain LLVM bitcast)."""
+    if not isinstance(x, types.Integer) or x.bitwidth != 64:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(x), codegen
 
 
 @_jit  # type: ignore[misc]
-def half_bits(v: float, mant: int, emin: int, inf_bits: int) -> int:
-    """Round binary64 to nearest-even in a 16-bit float format, directly from the binary64 bits.
+def low_draw(x: Any) -> float:
+    """Low 32 bits of mix(x - GOLDEN) as an exact binary64 integer in [0, 2^32)."""
+    return bits_f64((mix(x - _GOLDEN) & _LOW32) | _EXP52) - _TWO52
 
-    `mant` fraction bits, smallest normal exponent `emin`; one rounding, carries
-    into the exponent field (and to infinity) fall out of the integer addition.
+
+@_jit  # type: ignore[misc]
+def seg_consts(x0: Any) -> Any:
+    """Constants of a segment of words x = key + GOLDEN + i that share `x >> 30` (see draw_seg)."""
+    c = x0 >> _S30
+    a_hi = (x0 ^ c) >> _S32
+    return c & _LOW32, ((a_hi * _MUL1_LO) & _LOW32) << _S32
+
+
+@_jit  # type: ignore[misc]
+def draw_seg(xl: Any, c: Any, c1: Any) -> float:
+    """low_draw(x) for x = high | xl in a segment with constants seg_consts(x).
+
+    a = x ^ (x >> 30) = x ^ C; its high word is constant, so a * MUL1 needs
+    a_lo * MUL1_lo (64-bit) and the low word of a_lo * MUL1_hi only; the
+    high-word product is folded into c1.
     """
+    a = (xl ^ c) & _LOW32
+    z = a * _MUL1_LO + ((a * _MUL1_HI) << _S32) + c1
+    z = (z ^ (z >> _S27)) * _MUL2
+    return bits_f64(((z ^ (z >> _S31)) & _LOW32) | _EXP52) - _TWO52
+
+
+@_jit  # type: ignore[misc]
+def seg_room(x0: Any, step: int) -> int:
+    """How many steps of `step` words from x0 stay in x0's 2^30-word segment."""
+    return np.int64((_SPAN30 - (x0 & _LOW30) + np.uint64(step - 1)) // np.uint64(step))
+
+
+@_jit  # type: ignore[misc]
+def half_bits(v: float, h: Any) -> Any:
+    """Round binary64 once, to nearest even, into float16/bfloat16 bits; branch-free so loops vectorize.
+
+    h = (shift, adj, inf_bits, nan_bits, min_normal_bits, magic, magic_bits)
+    from half_params. Normal range: round at bit `shift` of the binary64 bits
+    with the exponent rebiased in the same addition (carries run into the
+    exponent and on to infinity, clamped). Subnormal range: |v| + magic has the
+    target's subnormal spacing as its ulp, so the hardware's one rounding is the
+    spec's. NaN keeps its sign and becomes the quiet NaN.
+    """
+    shift, adj, inf_bits, nan_bits, min_normal, magic, magic_bits = h
     b = f64_bits(v)
-    sign = np.int64((b >> np.uint64(48)) & np.uint64(0x8000))
-    big_e = np.int64((b >> np.uint64(52)) & np.uint64(0x7FF))
-    frac = np.int64(b & np.uint64(0xFFFFFFFFFFFFF))
-    if big_e == 0x7FF:
-        return sign | inf_bits | ((1 << (mant - 1)) if frac != 0 else 0)
-    e = big_e - 1023
-    if e < emin - mant - 1:
-        return sign
-    sig = frac | (1 << 52)
+    a = b & _ABS64
+    rn = min((a + adj + ((a >> shift) & _I1)) >> shift, inf_bits)
+    rs = f64_bits(abs(v) + magic) - magic_bits
+    r = rs if a < min_normal else rn
+    r = nan_bits if a > _INF64 else r
+    return np.uint16(r | ((b >> 48) & _SIGN16))
+
+
+@_jit  # type: ignore[misc]
+def half_params(fmt: int) -> Any:
+    """Constants of half_bits: float16 for fmt 1, bfloat16 otherwise."""
+    mant, emin = (10, -14) if fmt == 1 else (7, -126)
     shift = 52 - mant
-    lead = e - emin  # biased exponent minus one, for normal results
-    if e < emin:
-        shift += emin - e
-        lead = 0
-    rounded = sig >> shift
-    rem = sig & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    if rem > half or (rem == half and (rounded & 1) == 1):
-        rounded += 1
-    out = (lead << mant) + rounded
-    if out > inf_bits:
-        out = inf_bits
-    return sign | out
+    bias = 1 - emin
+    adj = (np.int64(1) << (shift - 1)) - 1 - (np.int64(1023 - bias) << 52)
+    inf_bits = np.int64((2 * bias + 1) << mant)
+    nan_bits = inf_bits | (1 << (mant - 1))
+    min_normal = np.int64(1023 + emin) << 52
+    magic_bits = np.int64(1023 + emin - mant + 52) << 52
+    return (np.int64(shift), adj, inf_bits, nan_bits, min_normal, bits_f64(magic_bits), magic_bits)
 
 
-def store(out: Any, k: int, v: float, fmt: int) -> None:
-    """Write one value: native float arrays take the binary64 value (one RNE cast), uint16 arrays half bits."""
+def store(out: Any, k: Any, v: float, h: Any) -> None:
+    """Write one binary64 value: one RNE cast into float arrays, half bits (half_bits) into uint16 arrays."""
     raise NotImplementedError("called only inside kernels")
 
 
-@overload(store, jit_options={"cache": True})  # type: ignore[misc]
-def _store_overload(out: Any, k: Any, v: Any, fmt: Any) -> Any:
+@overload(store, jit_options={"cache": True, "inline": "always"})  # type: ignore[misc]
+def _store_overload(out: Any, k: Any, v: Any, h: Any) -> Any:
     if out.dtype == types.uint16:
-        def store_half(out: Any, k: Any, v: Any, fmt: Any) -> Any:
-            out[k] = half_bits(v, 10, -14, 0x7C00) if fmt == 1 else half_bits(v, 7, -126, 0x7F80)
+        def store_half(out: Any, k: Any, v: Any, h: Any) -> Any:
+            out[k] = half_bits(v, h)
         return store_half
 
-    def store_native(out: Any, k: Any, v: Any, fmt: Any) -> Any:
+    def store_native(out: Any, k: Any, v: Any, h: Any) -> Any:
         out[k] = v
     return store_native
+
+
+@_jit  # type: ignore[misc]
+def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> None:
+    """dst[k] = p0 + unit(g + k) * p1 with x0 = key + GOLDEN + g; `sc * p1` is p1 * 2^-32 split exactly."""
+    m = dst.shape[0]
+    k = 0
+    while k < m:
+        x = x0 + np.uint64(k)
+        cnt = min(m - k, seg_room(x, 1))
+        c, c1 = seg_consts(x)
+        xl = x & _LOW32
+        sub = dst[k:k + cnt]
+        for j in range(cnt):
+            store(sub, np.uint64(j), p0 + (draw_seg(xl + np.uint64(j), c, c1) * sc) * p1, h)
+        k += cnt
+
+
+@_jit  # type: ignore[misc]
+def normal_z(d1: float, d2: float) -> float:
+    """Box-Muller cosine branch from two draws given as integers d = unit * 2^32 (scaling exact)."""
+    u1 = d1 * _TWO_NEG_32
+    u2 = d2 * _TWO_NEG_32
+    if u1 <= _U1_FLOOR:
+        u1 = _U1_FLOOR
+    return math.sqrt(-2.0 * math.log(u1)) * math.cos(_TWO_PI * u2)
+
+
+@_jit  # type: ignore[misc]
+def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
+    """dst[k] = p0 + p1 * z(g + k) with x0 = key + GOLDEN + 2g (draws 2(g+k) and 2(g+k)+1)."""
+    m = dst.shape[0]
+    k = 0
+    while k < m:
+        x = x0 + np.uint64(2 * k)
+        cnt = min(m - k, seg_room(x, 2) - 1)
+        if cnt <= 0:  # this element's pair straddles a segment boundary
+            store(dst, np.uint64(k), p0 + p1 * normal_z(low_draw(x), low_draw(x + _U1)), h)
+            k += 1
+            continue
+        c, c1 = seg_consts(x)
+        xl = x & _LOW32
+        sub = dst[k:k + cnt]
+        for j in range(cnt):
+            w = xl + _U2 * np.uint64(j)
+            store(sub, np.uint64(j), p0 + p1 * normal_z(draw_seg(w, c, c1), draw_seg(w + _U1, c, c1)), h)
+        k += cnt
+
+
+@_jit  # type: ignore[misc]
+def fill_flat(dst: Any, values: Any, g: int, h: Any) -> None:
+    src = values[g:g + dst.shape[0]]
+    for j in range(dst.shape[0]):
+        store(dst, np.uint64(j), src[np.uint64(j)], h)
+
+
+@_jit  # type: ignore[misc]
+def fill_const(dst: Any, c: Any) -> None:
+    for j in range(dst.shape[0]):
+        dst[np.uint64(j)] = c
 
 
 @_jit  # type: ignore[misc]
@@ -132,30 +256,60 @@ def run_global(r: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base
     return g
 
 
-@_kernel  # type: ignore[misc]
-def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, values: Any, fmt: int,
-         outer_start: Any, outer_ext: Any, outer_stride: Any, base: int, run_len: int) -> None:
-    """Fill out[k] with the value of local element l_begin + k of a region (Kind codes as in plan.py)."""
+@_jit  # type: ignore[misc]
+def fill_piece(out: Any, l: int, lend: int, l_begin: int, kind: int, key: Any, p0: float, sc: float, p1: float,
+               cval: Any, values: Any, h: Any, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
+               run_len: int) -> None:
+    """Local elements [l, lend) of the region, run by run (Kind codes as in plan.py)."""
+    s = key + _GOLDEN
+    while l < lend:
+        r = l // run_len
+        off = l - r * run_len
+        g = run_global(r, outer_start, outer_ext, outer_stride, base) + off
+        m = min(lend - l, run_len - off)
+        dst = out[l - l_begin:l - l_begin + m]
+        if kind == 1:
+            fill_affine(dst, s + np.uint64(g), p0, sc, p1, h)
+        elif kind == 2:
+            fill_normal(dst, s + _U2 * np.uint64(g), p0, p1, h)
+        elif kind == 3:
+            fill_flat(dst, values, g, h)
+        else:
+            fill_const(dst, cval)
+        l += m
+
+
+@_parallel  # type: ignore[misc]
+def fill_parallel(out: Any, l_begin: int, kind: int, key: Any, p0: float, sc: float, p1: float, cval: Any,
+                  values: Any, h: Any, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
+                  run_len: int) -> None:
     n = out.shape[0]
     for t in nb.prange((n + PIECE - 1) // PIECE):
         l = l_begin + t * PIECE
-        lend = min(l + PIECE, l_begin + n)
-        while l < lend:
-            r = l // run_len
-            off = l - r * run_len
-            g = run_global(r, outer_start, outer_ext, outer_stride, base) + off
-            m = min(lend - l, run_len - off)
-            o = l - l_begin
-            if kind == 1:
-                for k in range(m):
-                    store(out, o + k, p0 + unit(key, g + k) * p1, fmt)
-            elif kind == 2:
-                for k in range(m):
-                    store(out, o + k, p0 + p1 * normal_z(key, g + k), fmt)
-            elif kind == 3:
-                for k in range(m):
-                    store(out, o + k, values[g + k], fmt)
-            else:
-                for k in range(m):
-                    store(out, o + k, p0, fmt)
-            l += m
+        fill_piece(out, l, min(l + PIECE, l_begin + n), l_begin, kind, key, p0, sc, p1, cval, values, h,
+                   outer_start, outer_ext, outer_stride, base, run_len)
+
+
+@_serial  # type: ignore[misc]
+def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, values: Any, fmt: int,
+         outer_start: Any, outer_ext: Any, outer_stride: Any, base: int, run_len: int) -> None:
+    """Fill out[k] with the value of local element l_begin + k of a region (Kind codes as in plan.py).
+
+    Small outputs stay on the calling thread: waking the pool costs more than they do.
+    """
+    n = out.shape[0]
+    if n == 0:
+        return
+    h = half_params(fmt)
+    # p1 * 2^-32 is exact unless it falls into the subnormal range; then scale the draw instead.
+    p1s = p1 * _TWO_NEG_32
+    sc, p1b = (1.0, p1s) if p1s * 2.0**32 == p1 else (_TWO_NEG_32, p1)
+    tmp = np.empty(1, dtype=out.dtype)
+    store(tmp, 0, p0, h)
+    cval = tmp[0]
+    if n <= PIECE:
+        fill_piece(out, l_begin, l_begin + n, l_begin, kind, key, p0, sc, p1b, cval, values, h,
+                   outer_start, outer_ext, outer_stride, base, run_len)
+    else:
+        fill_parallel(out, l_begin, kind, key, p0, sc, p1b, cval, values, h,
+                      outer_start, outer_ext, outer_stride, base, run_len)

@@ -281,10 +281,10 @@ class CupyBackend:
         cp = self._cp
         with self._device:
             kernels(self._ordinal)
-            params = []
+            params: list[ResolvedParam] = []
             for dt in dtypes.SUPPORTED:
                 for init in ("zeros", "uniform", "normal", "flat"):
-                    p = plan_pb2.Param(name=f"{init}_{dt.name}", shape=[2, 3], dtype=dt.enum)
+                    p = plan_pb2.Param(name=f"{init}_{dt.name}", shape=[2, 3], dtype=dt.enum)  # type: ignore[arg-type]
                     getattr(p.init, init).SetInParent()
                     if init == "flat":
                         p.init.flat.values.extend([0.0] * 6)
