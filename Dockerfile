@@ -31,11 +31,12 @@ RUN pip wheel --prefer-binary --wheel-dir /wheels /src
 # same base: a wheel picked under Debian's newer glibc might not install here.
 FROM ${CUDA_IMAGE} AS gpu-base
 ENV DEBIAN_FRONTEND=noninteractive
+# libgomp1 backs Numba's OpenMP threading layer (see NUMBA_THREADING_LAYER).
 # Exact apt versions are not pinned: the archive drops superseded patch
 # versions, which would break rebuilds; the base image tag pins the release.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.11 python3.11-venv \
+ && apt-get install -y --no-install-recommends python3.11 python3.11-venv libgomp1 \
  && rm -rf /var/lib/apt/lists/*
 
 FROM gpu-base AS wheels-gpu
@@ -57,10 +58,13 @@ RUN --mount=type=bind,from=wheels-gpu,source=/wheels,target=/wheels \
  && /opt/paraminit/bin/pip install --no-index --find-links=/wheels /wheels/*.whl
 # Numba and CuPy JIT caches must stay writable under a read-only root
 # filesystem; Kubernetes mounts an emptyDir at /var/cache/paraminit.
+# `threadsafe` makes Numba fail at warm-up, before SERVING, rather than fall
+# back to a threading layer that aborts under concurrent requests.
 ENV PATH=/opt/paraminit/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/var/cache/paraminit/numba \
+    NUMBA_THREADING_LAYER=threadsafe \
     CUPY_CACHE_DIR=/var/cache/paraminit/cupy \
     PARAMINIT_HOST=0.0.0.0 \
     PARAMINIT_PORT=50051 \
@@ -80,6 +84,13 @@ CMD ["serve"]
 # ---------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+# The slim image lacks libgomp1, and without it Numba falls back to its
+# workqueue layer, which aborts the process when gRPC worker threads run
+# parallel kernels concurrently. Versions unpinned for the reason given above.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1 \
+ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 paraminit \
  && useradd --system --uid 10001 --gid paraminit --create-home --home-dir /home/paraminit paraminit \
  && install -d -o 10001 -g 10001 /var/cache/paraminit
@@ -90,6 +101,7 @@ ENV PATH=/opt/paraminit/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/var/cache/paraminit/numba \
+    NUMBA_THREADING_LAYER=threadsafe \
     PARAMINIT_HOST=0.0.0.0 \
     PARAMINIT_PORT=50051 \
     PARAMINIT_METRICS_PORT=9090 \

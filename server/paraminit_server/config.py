@@ -31,7 +31,7 @@ class ServerConfig:
     max_lease_ttl: float = 3600.0
     max_leased_bytes: int = 64 * GiB
     max_leases_per_client: int = 64
-    metrics_port: int = 0  # 0 = no metrics endpoint
+    metrics_port: int = 0  # Prometheus HTTP port; 0 = off, -1 = any free port
     drain_seconds: float = 25.0
     log_level: str = "INFO"
     log_format: str = "text"  # text | json

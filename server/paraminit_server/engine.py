@@ -42,14 +42,16 @@ def fill_all(backend: Backend, layout: Layout, buf: Any) -> None:
 
 
 def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool],
-               prefetch: int = 2) -> Iterator[tuple[int, Any]]:
+               prefetch: int = 2, transform: Callable[[int, Any], Any] | None = None) -> Iterator[Any]:
     """Yield (offset, host uint8 array) slabs of the data section, generated ahead on a thread.
 
+    `transform(offset, host)`, when given, also runs on that thread (e.g. checksums and message
+    encoding) and its result is yielded instead, so the sending thread only sends.
     Stops early (and frees its slabs) when should_stop() turns true or the consumer closes the iterator.
     """
     slab = max(SLAB_QUANTUM, slab_bytes // SLAB_QUANTUM * SLAB_QUANTUM)
     total = layout.data_bytes
-    q: queue.Queue[tuple[int, Any] | BaseException | None] = queue.Queue(maxsize=prefetch)
+    q: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
     cancel = threading.Event()
 
     def produce() -> None:
@@ -59,7 +61,8 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
                     break
                 buf = backend.empty(min(slab, total - start))
                 fill_window(backend, layout, buf, start)
-                item = (start, backend.to_host(buf))
+                host = backend.to_host(buf)
+                item = transform(start, host) if transform is not None else (start, host)
                 while not cancel.is_set():
                     try:
                         q.put(item, timeout=0.1)

@@ -38,6 +38,7 @@ class Running:
     config: ServerConfig
     ready: threading.Event = field(default_factory=threading.Event)
     extras: list[Any] = field(default_factory=list)  # objects with close(), closed on shutdown
+    metrics_port: int = 0
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -72,6 +73,8 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     running = Running(server, port, servicer, health_servicer, config)
     if exports is not None:
         running.extras.append(exports)
+    if config.metrics_port:
+        running.metrics_port = _metrics(config, servicer, exports, backend, running)
     running.set_serving(False)
     server.start()
 
@@ -102,6 +105,22 @@ def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                 fn, request_deserializer=request_cls.FromString, response_serializer=response_cls.SerializeToString)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _metrics(config: ServerConfig, servicer: InitServicer, exports: Any, backend: backends.Backend,
+             running: Running) -> int:
+    from paraminit_server.metrics import Metrics
+
+    m = Metrics()
+    adm = servicer.admission
+    leases = exports.leases if exports is not None else None
+    m.bind(inflight=lambda: adm.in_flight, inflight_bytes=lambda: adm.in_flight_bytes,
+           leases=lambda: len(leases.list()) if leases else 0, leased_bytes=lambda: leases.leased_bytes() if leases else 0,
+           memory_free=lambda: backend.device().memory_free, memory_total=lambda: backend.device().memory_total)
+    servicer.metrics = m
+    port = m.serve(config.host, config.metrics_port if config.metrics_port > 0 else 0)
+    running.extras.append(m)
+    return port
 
 
 def _exports(config: ServerConfig, backend: backends.Backend) -> Any:
@@ -141,7 +160,9 @@ def serve(config: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT, then drain; returns the exit code."""
     configure_logging(config)
     running = start(config)
-    print(f"paraminit listening on {config.host}:{running.port} backend={running.servicer.backend.name}", flush=True)
+    metrics = f" metrics={config.host}:{running.metrics_port}" if running.metrics_port else ""
+    print(f"paraminit listening on {config.host}:{running.port} backend={running.servicer.backend.name}{metrics}",
+          flush=True)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

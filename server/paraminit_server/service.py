@@ -72,6 +72,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
         self.limits = validation.Limits(config.max_param_bytes, config.max_plan_bytes)
         self.admission = Admission(config.max_concurrent)
         self.exports = exports
+        self.metrics: Any = None  # paraminit_server.metrics.Metrics when enabled
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -109,10 +110,17 @@ class InitServicer(pb_grpc.InitServiceServicer):
                         raise errors.FailedPrecondition("this server does not export zero-copy buffers")
                     yield pb.MaterializeResponse(export=self.exports.export(params, digest, request, context))
             outcome = "ok" if context.is_active() else "cancelled"
+            if self.metrics is not None and outcome == "ok":
+                for p in params:
+                    self.metrics.bytes.labels(self.backend.name, p.dtype.name, p.initializer).inc(p.nbytes)
         finally:
+            if self.metrics is not None:
+                self.metrics.latency.labels(pb.Delivery.Name(delivery)).observe(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
             log.info("materialize digest=%s params=%d bytes=%d delivery=%s seconds=%.3f outcome=%s",
-                     digest[:16], len(params), report.total_bytes, pb.Delivery.Name(delivery),
-                     time.perf_counter() - started, outcome)
+                     digest[:16], len(params), report.total_bytes, pb.Delivery.Name(delivery), seconds, outcome,
+                     extra={"method": "Materialize", "plan_digest": digest, "bytes": report.total_bytes,
+                            "seconds": round(seconds, 6), "outcome": outcome})
 
     def _stream(self, params: list[plan.ResolvedParam], digest: str, request: pb.MaterializeRequest,
                 context: grpc.ServicerContext) -> Iterator[pb.MaterializeResponse]:
@@ -124,11 +132,14 @@ class InitServicer(pb_grpc.InitServiceServicer):
         yield pb.MaterializeResponse(header=header)
         chunk = self._chunk_bytes(request.chunk_bytes)
         slab = max(chunk, self.config.slab_bytes // chunk * chunk)
-        for start, host in iter_slabs(self.backend, lay, slab, lambda: not context.is_active()):
-            mv = memoryview(host)
-            for off in range(0, len(mv), chunk):
-                piece = mv[off:off + chunk]
-                yield wire.encode_chunk(start + off, piece, crc32c.crc32c(piece))  # type: ignore[misc]
+
+        def encode(start: int, host: Any) -> list[bytes]:
+            mv = memoryview(host).toreadonly()
+            return [wire.encode_chunk(start + off, mv[off:off + chunk], crc32c.crc32c(mv[off:off + chunk]))
+                    for off in range(0, len(mv), chunk)]
+
+        for messages in iter_slabs(self.backend, lay, slab, lambda: not context.is_active(), transform=encode):
+            yield from messages  # type: ignore[misc]  # pre-encoded MaterializeResponse bytes (paraminit.wire)
             if not context.is_active():
                 raise errors.Cancelled("client cancelled or deadline passed")
 

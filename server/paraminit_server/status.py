@@ -55,9 +55,23 @@ def to_status(err: errors.ParaminitServerError) -> grpc.Status:
     return rpc_status.to_status(st)
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+def _count(owner: Any, method: str, code: grpc.StatusCode) -> None:
+    metrics = getattr(owner, "metrics", None)
+    if metrics is not None:
+        metrics.requests.labels(method, code.name).inc()
+
+
+def _refuse_when_draining(owner: Any) -> None:
+    admission = getattr(owner, "admission", None)
+    if admission is not None and admission.draining.is_set():
+        raise errors.Unavailable("server is shutting down; retry on another worker")
+
+
+def _abort(owner: Any, context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, errors.ParaminitServerError):
+        _count(owner, method, errors.status_of(exc))
         context.abort_with_status(to_status(exc))
+    _count(owner, method, grpc.StatusCode.INTERNAL)
     error_id = uuid.uuid4().hex[:12]
     log.exception("internal error %s in %s", error_id, method, extra={"error_id": error_id})
     context.abort(grpc.StatusCode.INTERNAL, f"internal error (id {error_id}); see the server log")
@@ -76,23 +90,29 @@ def boundary(fn: F) -> F:
         @functools.wraps(fn)
         def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
+                _refuse_when_draining(self)
                 yield from fn(self, request, context)
+                _count(self, name, grpc.StatusCode.OK if context.is_active() else grpc.StatusCode.CANCELLED)
             except GeneratorExit:
+                _count(self, name, grpc.StatusCode.CANCELLED)
                 raise
             except Exception as exc:
                 if _is_abort(exc):
                     raise
-                _abort(context, exc, name)
+                _abort(self, context, exc, name)
 
         return stream  # type: ignore[return-value]
 
     @functools.wraps(fn)
     def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return fn(self, request, context)
+            _refuse_when_draining(self)
+            result = fn(self, request, context)
+            _count(self, name, grpc.StatusCode.OK)
+            return result
         except Exception as exc:
             if _is_abort(exc):
                 raise
-            _abort(context, exc, name)
+            _abort(self, context, exc, name)
 
     return unary  # type: ignore[return-value]

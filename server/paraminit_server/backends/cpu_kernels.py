@@ -128,9 +128,9 @@ def draw_seg(xl: Any, c: Any, c1: Any) -> float:
 
 
 @_jit  # type: ignore[misc]
-def seg_room(x0: Any, step: int) -> int:
-    """How many steps of `step` words from x0 stay in x0's 2^30-word segment."""
-    return np.int64((_SPAN30 - (x0 & _LOW30) + np.uint64(step - 1)) // np.uint64(step))
+def seg_room(x0: Any) -> int:
+    """How many words from x0 on stay in x0's 2^30-word segment (where `x >> 30` is constant)."""
+    return np.int64(_SPAN30 - (x0 & _LOW30))
 
 
 @_jit  # type: ignore[misc]
@@ -192,7 +192,7 @@ def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
     k = 0
     while k < m:
         x = x0 + np.uint64(k)
-        cnt = min(m - k, seg_room(x, 1))
+        cnt = min(m - k, seg_room(x))
         c, c1 = seg_consts(x)
         xl = x & _LOW32
         sub = dst[k:k + cnt]
@@ -218,7 +218,7 @@ def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
     k = 0
     while k < m:
         x = x0 + np.uint64(2 * k)
-        cnt = min(m - k, seg_room(x, 2) - 1)
+        cnt = min(m - k, seg_room(x) // 2)  # whole pairs left
         if cnt <= 0:  # this element's pair straddles a segment boundary
             store(dst, np.uint64(k), p0 + p1 * normal_z(low_draw(x), low_draw(x + _U1)), h)
             k += 1
@@ -257,8 +257,8 @@ def run_global(r: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base
 
 
 @_jit  # type: ignore[misc]
-def fill_piece(out: Any, l: int, lend: int, l_begin: int, kind: int, key: Any, p0: float, sc: float, p1: float,
-               cval: Any, values: Any, h: Any, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
+def fill_piece(out: Any, l: int, lend: int, l_begin: int, kind: int, key: Any, p0: float, p1: float, sc: float,
+               p1b: float, cval: Any, values: Any, h: Any, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
                run_len: int) -> None:
     """Local elements [l, lend) of the region, run by run (Kind codes as in plan.py)."""
     s = key + _GOLDEN
@@ -269,7 +269,7 @@ def fill_piece(out: Any, l: int, lend: int, l_begin: int, kind: int, key: Any, p
         m = min(lend - l, run_len - off)
         dst = out[l - l_begin:l - l_begin + m]
         if kind == 1:
-            fill_affine(dst, s + np.uint64(g), p0, sc, p1, h)
+            fill_affine(dst, s + np.uint64(g), p0, sc, p1b, h)
         elif kind == 2:
             fill_normal(dst, s + _U2 * np.uint64(g), p0, p1, h)
         elif kind == 3:
@@ -280,14 +280,14 @@ def fill_piece(out: Any, l: int, lend: int, l_begin: int, kind: int, key: Any, p
 
 
 @_parallel  # type: ignore[misc]
-def fill_parallel(out: Any, l_begin: int, kind: int, key: Any, p0: float, sc: float, p1: float, cval: Any,
-                  values: Any, h: Any, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
+def fill_parallel(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, sc: float, p1b: float,
+                  cval: Any, values: Any, h: Any, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
                   run_len: int) -> None:
     n = out.shape[0]
     for t in nb.prange((n + PIECE - 1) // PIECE):
         l = l_begin + t * PIECE
-        fill_piece(out, l, min(l + PIECE, l_begin + n), l_begin, kind, key, p0, sc, p1, cval, values, h,
-                   outer_start, outer_ext, outer_stride, base, run_len)
+        fill_piece(out, l, min(l + PIECE, l_begin + n), l_begin, kind, key, p0, p1, sc, p1b, cval, values,
+                   h, outer_start, outer_ext, outer_stride, base, run_len)
 
 
 @_serial  # type: ignore[misc]
@@ -308,8 +308,8 @@ def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, valu
     store(tmp, 0, p0, h)
     cval = tmp[0]
     if n <= PIECE:
-        fill_piece(out, l_begin, l_begin + n, l_begin, kind, key, p0, sc, p1b, cval, values, h,
+        fill_piece(out, l_begin, l_begin + n, l_begin, kind, key, p0, p1, sc, p1b, cval, values, h,
                    outer_start, outer_ext, outer_stride, base, run_len)
     else:
-        fill_parallel(out, l_begin, kind, key, p0, sc, p1b, cval, values, h,
+        fill_parallel(out, l_begin, kind, key, p0, p1, sc, p1b, cval, values, h,
                       outer_start, outer_ext, outer_stride, base, run_len)

@@ -1,0 +1,57 @@
+"""Shared helpers for the benchmark scripts: timing, tables, a `paraminit serve` subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def table(rows: list[tuple[str, float]], nbytes: int, ref_names: list[str]) -> None:
+    """Print GB/s and the ratio of each row to each named reference row."""
+    by_name = dict(rows)
+    head = f"{'what':<44} {'GB/s':>8}" + "".join(f" {'x ' + r:>18}" for r in ref_names)
+    print(head)
+    print("-" * len(head))
+    for name, seconds in rows:
+        line = f"{name:<44} {nbytes / seconds / 1e9:>8.2f}"
+        for r in ref_names:
+            line += f" {by_name[r] / seconds:>18.2f}" if r in by_name else f" {'-':>18}"
+        print(line)
+
+
+@contextmanager
+def serve(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A `paraminit serve` subprocess on a free loopback port; yields its target once SERVING."""
+    full_env = {**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "numpy", **(env or {})}
+    proc = subprocess.Popen([str(BIN / "paraminit"), "serve", *args], stdout=subprocess.PIPE, text=True, env=full_env)
+    try:
+        assert proc.stdout is not None
+        m = re.search(r":(\d+) ", proc.stdout.readline())
+        if not m:
+            raise RuntimeError("server did not report its port")
+        target = f"127.0.0.1:{m.group(1)}"
+        from paraminit_client import Client
+
+        with Client(target) as c:
+            c.wait_ready(120)
+        yield target
+    finally:
+        proc.terminate()
+        proc.wait(30)

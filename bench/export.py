@@ -1,0 +1,55 @@
+"""Zero-copy handoff benchmark, in one run on a 1 GiB plan.
+
+Rows: local generation alone (the CPU backend filling a fresh buffer), SHM
+export + client mapping (a `paraminit serve` subprocess fills a segment, the
+client maps it and touches every page), and STREAM (Client.materialize).
+Targets: SHM <= 1.25x generation alone, and >= 5x faster than STREAM.
+
+    python bench/export.py [--mib 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import best_of, serve, table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    nbytes = args.mib << 20
+    from paraminit_client import Client, param, plan_of
+    from paraminit_server import engine, layout, plan
+    from paraminit_server.backends.numpy_backend import NumpyBackend
+
+    p = plan_of([param("w", [nbytes // 4], {"uniform": {"lo": -1, "hi": 1, "seed": 1}})])
+    backend = NumpyBackend()
+    backend.warm_up()
+    lay = layout.export_layout(plan.resolve(p))
+
+    def generate() -> None:
+        engine.fill_all(backend, lay, np.empty(lay.data_bytes, np.uint8))
+
+    rows = [("generation alone (fresh buffer)", best_of(generate, args.repeat))]
+    with serve() as target, Client(target, timeout=600) as c:
+        def shm() -> None:
+            with c.export(p) as lease:
+                w = lease.arrays["w"]
+                assert float(w[:: 1024].view(np.uint32).max()) > 0  # read one value per 4 KiB page
+
+        rows.append(("SHM export + client mapping", best_of(shm, args.repeat)))
+        rows.append(("STREAM (Client.materialize)", best_of(lambda: c.materialize(p), max(1, args.repeat - 1))))
+    print(f"export: {args.mib} MiB float32 uniform plan")
+    table(rows, nbytes, ["generation alone (fresh buffer)", "STREAM (Client.materialize)"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""The CUDA kernels' arithmetic checked on the CPU, bit for bit, without a GPU.
+
+paraminit_kernels.cuh is all __host__ __device__, so nvcc builds a host-only
+driver around it here: scalar functions are compared with reference.py and
+spec.py, and whole packed plans (cupy_backend.pack, the kernels' tile loop and
+region mapping, emulated thread by thread) with the CPU backend and
+vectors.json. Host log/cos are the C library's, as in Python, so even normal
+values must match exactly. The kernel source itself (as the backend inlines it
+for NVRTC) is compiled to a cubin to prove it builds. Skipped without nvcc.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import struct
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import VECTORS, case_param, poisoned
+from paraminit.v1 import plan_pb2
+from paraminit_server import dtypes, reference, spec
+from paraminit_server.backends import cupy_backend as cb
+from paraminit_server.plan import Kind, ResolvedParam, resolve_param
+
+NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
+pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or put it on PATH)")
+
+GUARD = 64  # poisoned bytes after the arena: a stray write past the end shows up there
+
+DRIVER = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include "paraminit_kernels.cuh"
+
+static std::vector<unsigned char> slurp(const char* path) {
+    std::vector<unsigned char> buf;
+    FILE* f = std::fopen(path, "rb");
+    if (!f) { std::perror(path); std::exit(2); }
+    unsigned char chunk[1 << 16];
+    size_t got;
+    while ((got = std::fread(chunk, 1, sizeof chunk, f)) > 0) buf.insert(buf.end(), chunk, chunk + got);
+    std::fclose(f);
+    return buf;
+}
+
+static int consts() {
+    std::printf("BLOCK %d\nEPT %d\nTILE %d\nDESC_WORDS %d\n", PI_BLOCK, PI_EPT, PI_TILE, PI_DESC_WORDS);
+    std::printf("W %d %d %d %d %d %d %d %d %d %d %d %d %d\n", PI_W_OUT, PI_W_N, PI_W_LBEGIN, PI_W_KIND, PI_W_OTYPE,
+                PI_W_KEY, PI_W_P0, PI_W_P1, PI_W_VSHIFT, PI_W_BASE, PI_W_RUNLEN, PI_W_NOUTER, PI_W_DIMS);
+    std::printf("KIND %d %d %d %d\nOTYPE %d %d %d %d\n", PI_CONST, PI_AFFINE, PI_NORMAL, PI_FLAT,
+                PI_F32, PI_F64, PI_F16, PI_BF16);
+    return 0;
+}
+
+// One line per operation: name and hex 64-bit arguments; prints one hex result.
+static int scalar() {
+    char op[16];
+    unsigned long long a, b, c, d;
+    while (std::scanf("%15s %llx %llx %llx %llx", op, &a, &b, &c, &d) == 5) {
+        unsigned long long r = 0;
+        if (!std::strcmp(op, "mix")) r = pi_mix(a);
+        else if (!std::strcmp(op, "unit")) r = pi_bits(pi_unit(a, b));
+        else if (!std::strcmp(op, "affine")) r = pi_bits(pi_affine(a, b, pi_double(c), pi_double(d)));
+        else if (!std::strcmp(op, "normal")) r = pi_bits(pi_normal(a, b, pi_double(c), pi_double(d)));
+        else if (!std::strcmp(op, "f16")) r = pi_f16_bits(pi_double(a));
+        else if (!std::strcmp(op, "bf16")) r = pi_bf16_bits(pi_double(a));
+        else if (!std::strcmp(op, "f32")) { float f = pi_f32(pi_double(a)); unsigned int u; std::memcpy(&u, &f, 4); r = u; }
+        else { std::fprintf(stderr, "unknown op %s\n", op); return 2; }
+        std::printf("%llx\n", r);
+    }
+    return 0;
+}
+
+// Emulates pi_fill_plan: every tile (in a scrambled order) and every thread of its block.
+static int plan(char** argv) {
+    std::vector<unsigned char> meta_b = slurp(argv[2]);
+    std::vector<unsigned char> vals_b = slurp(argv[3]);
+    const long long arena_bytes = std::atoll(argv[4]);
+    const int njobs = std::atoi(argv[6]);
+    const long long tiles = std::atoll(argv[7]);
+    std::vector<long long> meta(meta_b.size() / 8);
+    std::memcpy(meta.data(), meta_b.data(), meta_b.size());
+    std::vector<double> vals(vals_b.size() / 8 + 1);
+    std::memcpy(vals.data(), vals_b.data(), vals_b.size());
+    std::vector<unsigned char> arena(arena_bytes, 0xFF);
+    const long long stride = 7919;  // prime: visits every tile once, out of order
+    for (long long i = 0; i < tiles; ++i) {
+        const long long t = (i * stride) % tiles;
+        for (int tid = PI_BLOCK - 1; tid >= 0; --tid) pi_plan_tile(arena.data(), meta.data(), njobs, vals.data(), t, tid);
+    }
+    FILE* f = std::fopen(argv[5], "wb");
+    std::fwrite(arena.data(), 1, arena.size(), f);
+    std::fclose(f);
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    if (argc >= 2 && !std::strcmp(argv[1], "consts")) return consts();
+    if (argc >= 2 && !std::strcmp(argv[1], "scalar")) return scalar();
+    if (argc >= 8 && !std::strcmp(argv[1], "plan")) return plan(argv);
+    std::fprintf(stderr, "usage: harness consts | scalar | plan META VALUES ARENA_BYTES OUT NJOBS TILES\n");
+    return 2;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Build the host driver and, concurrently, a cubin of the kernel source as NVRTC would get it."""
+    assert NVCC is not None
+    work = tmp_path_factory.mktemp("cuda_harness")
+    (work / "harness.cu").write_text(DRIVER)
+    (work / "kernels.cu").write_text(cb.kernel_source())
+    exe = work / "harness"
+    host = subprocess.Popen(
+        [NVCC, "-x", "cu", "-std=c++17", "-O2", "-Xcompiler", "-ffp-contract=off", "-I", str(cb.KERNEL_DIR),
+         str(work / "harness.cu"), "-o", str(exe)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    device = subprocess.Popen(
+        [NVCC, "-cubin", "-arch=sm_90", *cb.NVRTC_OPTIONS, "-Werror", "all-warnings",
+         str(work / "kernels.cu"), "-o", str(work / "kernels.cubin")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    host_log, _ = host.communicate(timeout=300)
+    dev_log, _ = device.communicate(timeout=300)
+    assert host.returncode == 0, f"host harness failed to build:\n{host_log}"
+    assert device.returncode == 0, f"kernel source failed to compile:\n{dev_log}"
+    assert (work / "kernels.cubin").stat().st_size > 0
+    yield exe
+
+
+def run_scalar(exe: Path, ops: list[tuple[str, int, int, int, int]]) -> list[int]:
+    text = "".join(f"{op} {a:x} {b:x} {c:x} {d:x}\n" for op, a, b, c, d in ops)
+    out = subprocess.run([str(exe), "scalar"], input=text, capture_output=True, text=True, check=True, timeout=120)
+    got = [int(x, 16) for x in out.stdout.split()]
+    assert len(got) == len(ops)
+    return got
+
+
+def dbits(x: float) -> int:
+    return int(struct.unpack("<Q", struct.pack("<d", x))[0])
+
+
+def bits_d(b: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<Q", b))[0])
+
+
+def run_plan(exe: Path, tmp: Path, jobs: list[cb.Job], arena_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    packed = cb.pack(jobs)
+    (tmp / "meta.bin").write_bytes(packed.meta.tobytes())
+    (tmp / "values.bin").write_bytes(packed.values.tobytes())
+    subprocess.run([str(exe), "plan", str(tmp / "meta.bin"), str(tmp / "values.bin"), str(arena_bytes + GUARD),
+                    str(tmp / "arena.bin"), str(packed.njobs), str(packed.total_tiles)], check=True, timeout=120)
+    arena = np.frombuffer((tmp / "arena.bin").read_bytes(), dtype=np.uint8)
+    assert (arena[arena_bytes:] == 0xFF).all(), "a job wrote past the end of the arena"
+    return arena[:arena_bytes]
+
+
+# ---------------------------------------------------------------------------
+
+
+def test_constants_agree(harness: Path) -> None:
+    out = subprocess.run([str(harness), "consts"], capture_output=True, text=True, check=True).stdout.splitlines()
+    table = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in out}
+    assert table["BLOCK"] == [cb.BLOCK]
+    assert table["EPT"] == [cb.EPT]
+    assert table["TILE"] == [cb.TILE]
+    assert table["DESC_WORDS"] == [cb.DESC_WORDS]
+    assert table["W"] == [cb.W_OUT, cb.W_N, cb.W_LBEGIN, cb.W_KIND, cb.W_OTYPE, cb.W_KEY, cb.W_P0, cb.W_P1,
+                          cb.W_VSHIFT, cb.W_BASE, cb.W_RUNLEN, cb.W_NOUTER, cb.W_DIMS]
+    assert table["KIND"] == [int(Kind.CONST), int(Kind.AFFINE), int(Kind.NORMAL), int(Kind.FLAT)]
+    assert table["OTYPE"] == [cb.OTYPE_F32, cb.OTYPE_F64, cb.OTYPE_F16, cb.OTYPE_BF16]
+    assert [cb.otype(d) for d in (dtypes.FLOAT32, dtypes.FLOAT64, dtypes.FLOAT16, dtypes.BFLOAT16)] == [0, 1, 2, 3]
+
+
+def test_known_answers_and_unit_streams(harness: Path) -> None:
+    ops: list[tuple[str, int, int, int, int]] = [("mix", 0, 0, 0, 0), ("unit", spec.key(0), 0, 0, 0)]
+    want: list[int] = [0xE220A8397B1DCDAF, dbits(0.30117025575600564)]
+    for seed, stream in VECTORS["unit"].items():
+        for i, u in enumerate(stream):
+            ops.append(("unit", spec.key(int(seed)), i, 0, 0))
+            want.append(dbits(u))
+    assert run_scalar(harness, ops) == want
+
+
+def test_random_scalars_match_reference(harness: Path) -> None:
+    rng = np.random.default_rng(20240601)
+    m64 = (1 << 64) - 1
+    xs = [int(x) for x in rng.integers(0, 2**63, 300, dtype=np.int64)] + [m64, m64 - 1, 1 << 63]
+    ops = [("mix", x, 0, 0, 0) for x in xs]
+    want = [spec.mix(x) for x in xs]
+    keys = [spec.key(int(s)) for s in rng.integers(0, 2**62, 40)] + [spec.key(m64)]
+    for key in keys:
+        gs = [int(g) for g in rng.integers(0, 2**40, 8)] + [0, m64]  # the counter wraps modulo 2^64
+        u = reference.units(key, np.asarray(gs, dtype=np.uint64))
+        for g, ui in zip(gs, u.tolist(), strict=True):
+            ops.append(("unit", key, g, 0, 0))
+            want.append(dbits(ui))
+            lo, hi = sorted(rng.uniform(-3, 3, 2).tolist())
+            p0, p1 = lo, hi - lo
+            ops.append(("affine", key, g, dbits(p0), dbits(p1)))
+            want.append(dbits(p0 + ui * p1))
+    assert run_scalar(harness, ops) == want
+
+
+def normal_ref(key: int, g: int, mean: float, std: float) -> float:
+    u1, u2 = reference.units(key, np.asarray([2 * g, 2 * g + 1], dtype=np.uint64)).tolist()
+    if u1 <= spec.NORMAL_U1_FLOOR:
+        u1 = spec.NORMAL_U1_FLOOR
+    return mean + std * (math.sqrt(-2.0 * math.log(u1)) * math.cos(spec.TWO_PI * u2))
+
+
+def test_normal_matches_reference_including_the_floor(harness: Path) -> None:
+    rng = np.random.default_rng(7)
+    key = spec.key(0)
+    u1 = reference.units(key, 2 * np.arange(1 << 22, dtype=np.uint64))
+    floored = np.flatnonzero(u1 <= spec.NORMAL_U1_FLOOR)
+    assert floored.size > 0  # elements whose u1 is clamped to 1e-6
+    cases = [(key, int(g), 0.0, 1.0) for g in floored]
+    cases += [(spec.key(int(s)), int(g), float(m), float(sd))
+              for s, g, m, sd in zip(rng.integers(0, 2**62, 400), rng.integers(0, 2**40, 400),
+                                     rng.normal(0, 1, 400), rng.uniform(0, 3, 400), strict=True)]
+    ops = [("normal", k, g, dbits(m), dbits(sd)) for k, g, m, sd in cases]
+    assert run_scalar(harness, ops) == [dbits(normal_ref(*c)) for c in cases]
+
+
+def special_doubles(rng: np.random.Generator) -> list[float]:
+    """Ties, near-ties, overflow edges and subnormals of float32, float16 and bfloat16, plus random bits."""
+    xs = [0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, 5e-324, -5e-324, 2.2250738585072014e-308]
+    xs += [65504.0, 65519.99, 65520.0, 65520.00000000001, 65536.0, -65520.0, 1.0004882812509095]
+    xs += [1.0039062509313226, -1.00390625, 1.00390625, 3.6e38, 3.3895313892515355e38, 3.3961775292304846e38,
+           3.4028234663852886e38, 3.4028235677973366e38, 3.40282357e38, 1e39]
+    for mant, emin, emax in ((10, -14, 15), (7, -126, 127), (23, -126, 127)):
+        for e in [emin - mant - 2, emin - mant - 1, emin - mant, emin - 1, emin, 0, 1, emax]:
+            for m in rng.integers(0, 1 << (mant + 1), 6).tolist() + [0, 1, (1 << (mant + 1)) - 1]:
+                tie = (m + 0.5) * 2.0 ** (e - mant)  # exactly between two representable values
+                ulp = math.ulp(tie)
+                xs += [tie, -tie, tie + ulp, tie - ulp]
+    raw = rng.integers(0, 2**63, 2000, dtype=np.int64).astype(np.uint64)
+    raw[::2] |= np.uint64(1 << 63)
+    xs += [float(v) for v in raw.view(np.float64) if math.isfinite(float(v))]
+    xs += [float(v) for v in rng.normal(0, 1, 500)] + [float(v) for v in rng.normal(0, 1, 200) * 1e-6]
+    return xs
+
+
+def test_half_and_float_casts_match_reference(harness: Path) -> None:
+    xs = special_doubles(np.random.default_rng(3))
+    ops = [(op, dbits(x), 0, 0, 0) for x in xs for op in ("f16", "bf16", "f32")]
+    want: list[int] = []
+    for x in xs:
+        want.append(reference.round_half_bits(x, dtypes.FMT_FLOAT16))
+        want.append(reference.round_half_bits(x, dtypes.FMT_BFLOAT16))
+        with np.errstate(over="ignore"):
+            want.append(int(np.asarray([x], dtype=np.float64).astype(np.float32).view(np.uint32)[0]))
+    assert run_scalar(harness, ops) == want
+    nan = bits_d(0x7FF8000000000001)
+    assert run_scalar(harness, [("f16", dbits(nan), 0, 0, 0), ("bf16", dbits(-nan), 0, 0, 0)]) == [
+        reference.round_half_bits(nan, dtypes.FMT_FLOAT16), reference.round_half_bits(-nan, dtypes.FMT_BFLOAT16)]
+
+
+def test_vectors_through_the_packed_kernel_path(harness: Path, tmp_path: Path) -> None:
+    params = [resolve_param(i, case_param(c)) for i, c in enumerate(VECTORS["cases"])]
+    offsets, pos = [], 0
+    for p in params:
+        offsets.append(pos)
+        pos += -(-(p.nbytes + 8) // 8) * 8  # a gap after each tensor must stay untouched
+    arena = run_plan(harness, tmp_path, [cb.Job(p, o) for p, o in zip(params, offsets, strict=True)], pos)
+    for case, p, off in zip(VECTORS["cases"], params, offsets, strict=True):
+        got = arena[off:off + p.nbytes].view(f"u{p.dtype.itemsize}")
+        assert [int(x) for x in got] == [int(b, 16) for b in case["bits"]], case["name"]
+        assert (arena[off + p.nbytes:off + -(-(p.nbytes + 8) // 8) * 8] == 0xFF).all(), case["name"]
+
+
+INITS = ("zeros", "ones", "uniform", "normal", "flat", "xavier_uniform", "kaiming_uniform",
+         "xavier_uniform_for_shape", "kaiming_uniform_for_shape")
+
+
+def random_param(rng: np.random.Generator, index: int, max_numel: int = 6000) -> ResolvedParam:
+    """A random parameter: any initializer and dtype, rank 0-5, often a random region."""
+    init = INITS[int(rng.integers(len(INITS)))]
+    lo_rank = 2 if init.endswith("for_shape") else 0
+    while True:
+        shape = [int(d) for d in rng.integers(1, 9, int(rng.integers(lo_rank, 6)))]
+        if spec.numel(shape) <= max_numel:
+            break
+    dt = dtypes.SUPPORTED[int(rng.integers(len(dtypes.SUPPORTED)))]
+    p = plan_pb2.Param(name=f"p{index}", shape=shape, dtype=dt.enum)  # type: ignore[arg-type]
+    seed = int(rng.integers(0, 2**63)) * 2 + int(rng.integers(2))
+    i = p.init
+    if init == "zeros":
+        i.zeros.SetInParent()
+    elif init == "ones":
+        i.ones.SetInParent()
+    elif init == "uniform":
+        lo, hi = sorted(float(x) for x in rng.uniform(-70000, 70000, 2) * 10.0 ** rng.integers(-40, 1))
+        i.uniform.lo, i.uniform.hi, i.uniform.seed = lo, hi, seed
+    elif init == "normal":
+        i.normal.mean, i.normal.std, i.normal.seed = float(rng.normal()), float(rng.uniform(0, 100)), seed
+    elif init == "flat":
+        scale = 10.0 ** rng.integers(-45, 40, spec.numel(shape))
+        i.flat.values.extend((rng.normal(0, 1, spec.numel(shape)) * scale).tolist())
+    elif init == "xavier_uniform":
+        i.xavier_uniform.fan_in, i.xavier_uniform.fan_out, i.xavier_uniform.seed = (
+            int(rng.integers(0, 50)), int(rng.integers(0, 50)), seed)
+    elif init == "kaiming_uniform":
+        i.kaiming_uniform.fan_in, i.kaiming_uniform.seed = int(rng.integers(0, 50)), seed
+    else:
+        getattr(i, init).seed = seed
+    if shape and rng.random() < 0.6:
+        for d in shape:
+            a = int(rng.integers(0, d))
+            b = int(rng.integers(a + 1, d + 1))
+            p.region.add(start=a, stop=b)
+    return resolve_param(index, p)
+
+
+def random_jobs(rng: np.random.Generator, params: list[ResolvedParam]) -> tuple[list[cb.Job], int]:
+    """Each parameter split into 1-3 windows, placed in shuffled order with gaps in one arena."""
+    windows: list[tuple[ResolvedParam, int, int]] = []
+    for p in params:
+        cuts = sorted({0, p.numel, *(int(c) for c in rng.integers(0, p.numel + 1, int(rng.integers(0, 3))))})
+        windows += [(p, a, b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
+    jobs, pos = [], 0
+    for w in rng.permutation(len(windows)):
+        p, l_begin, n = windows[int(w)]
+        pos += int(rng.integers(0, 3)) * 8
+        jobs.append(cb.Job(p, pos, l_begin, n))
+        pos += -(-(n * p.dtype.itemsize) // 8) * 8
+    return jobs, pos + 8
+
+
+def test_random_plans_match_cpu_backend(harness: Path, tmp_path: Path, cpu_backend: Any) -> None:
+    rng = np.random.default_rng(11)
+    params = [random_param(rng, i) for i in range(60)]
+    # large enough for several tiles, a partial last tile and multi-tile region runs
+    params.append(resolve_param(60, _big_region_param()))
+    jobs, size = random_jobs(rng, params)
+    arena = run_plan(harness, tmp_path, jobs, size)
+    covered = np.zeros(size, dtype=bool)
+    for job in jobs:
+        p = job.param
+        want = poisoned(job.n, p.dtype.storage)
+        cpu_backend.fill(p, want, job.l_begin)
+        end = job.offset + job.n * p.dtype.itemsize
+        assert arena[job.offset:end].tobytes() == want.view(np.uint8).tobytes(), (p.name, p.initializer, p.dtype.name)
+        covered[job.offset:end] = True
+    assert (arena[~covered] == 0xFF).all(), "bytes outside every job were written"
+
+
+def test_full_regions_match_reference(harness: Path, tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    params = [random_param(rng, i, max_numel=400) for i in range(40)]
+    offsets, pos = [], 0
+    for p in params:
+        offsets.append(pos)
+        pos += -(-p.nbytes // 8) * 8
+    arena = run_plan(harness, tmp_path, [cb.Job(p, o) for p, o in zip(params, offsets, strict=True)], pos)
+    for p, off in zip(params, offsets, strict=True):
+        want = reference.materialize(p).reshape(-1)
+        assert arena[off:off + p.nbytes].tobytes() == want.tobytes(), (p.name, p.initializer, p.dtype.name)
+
+
+def _big_region_param() -> plan_pb2.Param:
+    p = plan_pb2.Param(name="big", shape=[37, 5, 300], dtype=plan_pb2.DTYPE_BFLOAT16)
+    p.init.normal.mean, p.init.normal.std, p.init.normal.seed = 0.5, 3.0, 99
+    for a, b in ((3, 30), (1, 4), (0, 300)):
+        p.region.add(start=a, stop=b)
+    return p
+
+
+def test_pack_rejects_bad_windows() -> None:
+    p = resolve_param(0, _big_region_param())
+    with pytest.raises(ValueError, match="outside"):
+        cb.pack([cb.Job(p, 0, p.numel - 1, 2)])
+    with pytest.raises(ValueError, match="multiple of its item size"):
+        cb.pack([cb.Job(p, 3)])
+    empty = cb.pack([cb.Job(p, 0, 5, 0)])
+    assert empty.njobs == 0 and empty.total_tiles == 0
