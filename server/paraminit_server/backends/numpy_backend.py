@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,10 @@ from paraminit_server.backends import DeviceDescription
 from paraminit_server.plan import Kind, ResolvedParam
 
 _NO_VALUES = np.zeros(0, dtype=np.float64)
+# Numba's parallel kernels are not safe to enter from two threads at once under its fallback
+# ("workqueue") threading layer, which aborts the process. Every fill already uses all cores,
+# so serializing kernel launches costs nothing and is safe under any layer.
+_KERNEL_LOCK = threading.Lock()
 
 
 class NumpyBackend:
@@ -49,8 +54,9 @@ class NumpyBackend:
             numba.set_num_threads(max(1, min(self._threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
         runs = p.runs()
         values = p.values if p.kind == Kind.FLAT and p.values is not None else _NO_VALUES
-        cpu_kernels.fill(out, l_begin, int(p.kind), np.uint64(p.key), p.p0, p.p1, values, p.dtype.fmt,
-                         runs.outer_start, runs.outer_ext, runs.outer_stride, runs.base, runs.run_len)
+        with _KERNEL_LOCK:
+            cpu_kernels.fill(out, l_begin, int(p.kind), np.uint64(p.key), p.p0, p.p1, values, p.dtype.fmt,
+                             runs.outer_start, runs.outer_ext, runs.outer_stride, runs.base, runs.run_len)
 
     def to_host(self, buf: Any) -> Any:
         return buf
