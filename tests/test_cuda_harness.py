@@ -3,14 +3,14 @@
 paraminit_kernels.cuh is all __host__ __device__, so nvcc builds a host-only
 driver around it here: scalar functions are compared with reference.py and
 spec.py, and whole packed plans (cupy_backend.pack, the kernels' tile loop and
-region mapping, emulated thread by thread) with the CPU backend and
-vectors.json. Host log/cos are the C library's, as in Python, so even normal
+region mapping, emulated thread by thread) with reference.py and vectors.json. Host log/cos are the C library's, as in Python, so even normal
 values must match exactly. The kernel source itself (as the backend inlines it
 for NVRTC) is compiled to a cubin to prove it builds. Skipped without nvcc.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
@@ -18,12 +18,13 @@ import struct
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
-from conftest import VECTORS, case_param, poisoned
+from conftest import VECTORS, case_param
 from paraminit.v1 import plan_pb2
 from paraminit_server import dtypes, reference, spec
 from paraminit_server.backends import cupy_backend as cb
@@ -240,7 +241,7 @@ def special_doubles(rng: np.random.Generator) -> list[float]:
            3.4028234663852886e38, 3.4028235677973366e38, 3.40282357e38, 1e39]
     for mant, emin, emax in ((10, -14, 15), (7, -126, 127), (23, -126, 127)):
         for e in [emin - mant - 2, emin - mant - 1, emin - mant, emin - 1, emin, 0, 1, emax]:
-            for m in rng.integers(0, 1 << (mant + 1), 6).tolist() + [0, 1, (1 << (mant + 1)) - 1]:
+            for m in [*rng.integers(0, 1 << (mant + 1), 6).tolist(), 0, 1, (1 << (mant + 1)) - 1]:
                 tie = (m + 0.5) * 2.0 ** (e - mant)  # exactly between two representable values
                 ulp = math.ulp(tie)
                 xs += [tie, -tie, tie + ulp, tie - ulp]
@@ -327,7 +328,7 @@ def random_jobs(rng: np.random.Generator, params: list[ResolvedParam]) -> tuple[
     windows: list[tuple[ResolvedParam, int, int]] = []
     for p in params:
         cuts = sorted({0, p.numel, *(int(c) for c in rng.integers(0, p.numel + 1, int(rng.integers(0, 3))))})
-        windows += [(p, a, b - a) for a, b in zip(cuts, cuts[1:], strict=False)]
+        windows += [(p, a, b - a) for a, b in itertools.pairwise(cuts)]
     jobs, pos = [], 0
     for w in rng.permutation(len(windows)):
         p, l_begin, n = windows[int(w)]
@@ -337,20 +338,35 @@ def random_jobs(rng: np.random.Generator, params: list[ResolvedParam]) -> tuple[
     return jobs, pos + 8
 
 
-def test_random_plans_match_cpu_backend(harness: Path, tmp_path: Path, cpu_backend: Any) -> None:
+def reference_window(p: ResolvedParam, l_begin: int, n: int) -> bytes:
+    """reference.py's bytes for local elements [l_begin, l_begin + n), global indices found by NumPy."""
+    local = np.unravel_index(np.arange(l_begin, l_begin + n, dtype=np.int64), p.out_shape) if p.shape else ()
+    g = (np.ravel_multi_index(tuple(ix + a for ix, (a, _) in zip(local, p.region, strict=True)), p.shape)
+         if p.shape else np.zeros(n, dtype=np.int64))
+    window = SimpleNamespace(kind=p.kind, p0=p.p0, p1=p.p1, key=p.key, values=p.values,
+                             global_indices=lambda: np.asarray(g, dtype=np.int64))
+    return reference.cast(reference.values_f64(cast(ResolvedParam, window)), p.dtype).tobytes()
+
+
+def test_random_windowed_plans_match_reference(harness: Path, tmp_path: Path) -> None:
     rng = np.random.default_rng(11)
     params = [random_param(rng, i) for i in range(60)]
     # large enough for several tiles, a partial last tile and multi-tile region runs
     params.append(resolve_param(60, _big_region_param()))
     jobs, size = random_jobs(rng, params)
+    # windows deep inside a 2^35-element parameter: 64-bit indices and 64-bit division
+    for init in ("uniform", "normal"):
+        for dt in dtypes.SUPPORTED:
+            p, l_begin, n = huge_window(dt.enum, init)
+            jobs.append(cb.Job(p, size, l_begin, n))
+            size += -(-(n * p.dtype.itemsize) // 8) * 8
     arena = run_plan(harness, tmp_path, jobs, size)
     covered = np.zeros(size, dtype=bool)
     for job in jobs:
         p = job.param
-        want = poisoned(job.n, p.dtype.storage)
-        cpu_backend.fill(p, want, job.l_begin)
         end = job.offset + job.n * p.dtype.itemsize
-        assert arena[job.offset:end].tobytes() == want.view(np.uint8).tobytes(), (p.name, p.initializer, p.dtype.name)
+        assert arena[job.offset:end].tobytes() == reference_window(p, job.l_begin, job.n), (
+            f"{p.name} ({p.initializer}, {p.dtype.name}, region {p.region}, window [{job.l_begin}, +{job.n}))")
         covered[job.offset:end] = True
     assert (arena[~covered] == 0xFF).all(), "bytes outside every job were written"
 
@@ -374,6 +390,19 @@ def _big_region_param() -> plan_pb2.Param:
     for a, b in ((3, 30), (1, 4), (0, 300)):
         p.region.add(start=a, stop=b)
     return p
+
+
+def huge_window(dtype: int, init: str) -> tuple[ResolvedParam, int, int]:
+    """The last 3000 elements of a column shard of a [2^21, 2^14] parameter (2^35 elements)."""
+    p = plan_pb2.Param(name="huge", shape=[1 << 21, 1 << 14], dtype=dtype)  # type: ignore[arg-type]
+    if init == "normal":
+        p.init.normal.mean, p.init.normal.std, p.init.normal.seed = 0.25, 2.0, 1 << 62
+    else:
+        p.init.uniform.lo, p.init.uniform.hi, p.init.uniform.seed = -3.0, 5.0, 12345
+    p.region.add(start=1, stop=(1 << 21) - 1)
+    p.region.add(start=3, stop=(1 << 14) - 5)
+    rp = resolve_param(0, p)
+    return rp, rp.numel - 3000, 3000
 
 
 def test_pack_rejects_bad_windows() -> None:

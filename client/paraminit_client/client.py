@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
-from paraminit_client.errors import ParaminitError
+from paraminit_client.errors import ParaminitError, Violation
 from paraminit_client.exports import Lease
 from paraminit_client.plans import DTYPE_NAMES
 
@@ -73,20 +73,34 @@ def rpc_errors() -> Iterator[None]:
 class Client:
     """Talks to one paraminit server, or an embedded one when no target is given."""
 
-    def __init__(self, target: str | None = None, *, timeout: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(self, target: str | Sequence[str] | None = None, *, timeout: float | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, split_bytes: int = 64 << 20) -> None:
         self._embedded: Any = None
+        self._workers: list[Client] = []
+        self.split_bytes = split_bytes
+        options = list(CHANNEL_OPTIONS)
+        if isinstance(target, (list, tuple)):
+            targets = list(target)
+            if not targets:
+                raise ValueError("an empty list of targets")
+            if len(targets) > 1:
+                self._workers = [Client(t, timeout=timeout, credentials=credentials) for t in targets]
+            target = targets[0]
+        if isinstance(target, str) and target.startswith("dns:"):
+            # client-side balancing over every address behind the name (a headless Service)
+            options.append(("grpc.lb_policy_name", "round_robin"))
         if target is None:
             from paraminit_client._embedded import start_embedded
 
             self._embedded = start_embedded()
             target = f"127.0.0.1:{self._embedded.port}"
-        self.target = target
         self.timeout = timeout
+        assert isinstance(target, str)
+        self.target = target
         if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(target, options=options)
         else:
-            self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
         self.stub = pb_grpc.InitServiceStub(self._channel)
         # Materialize with the chunk codec: payloads arrive as views, not as copies inside messages.
         self._materialize = self._channel.unary_stream(
@@ -96,6 +110,8 @@ class Client:
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
+        for w in self._workers:
+            w.close()
         self._channel.close()
         if self._embedded is not None:
             self._embedded.stop(grace=0)
@@ -181,7 +197,16 @@ class Client:
 
     def materialize(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
                     progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:
-        """All parameters as numpy arrays that share one preallocated buffer (no per-chunk copies)."""
+        """All parameters as numpy arrays that share one preallocated buffer (no per-chunk copies).
+
+        With several targets (or a dns:/// target) the plan is split across workers and reassembled.
+        """
+        if self._workers or self.target.startswith("dns:"):
+            return self._materialize_split(plan)
+        return self._materialize_one(plan, chunk_bytes=chunk_bytes, progress=progress)
+
+    def _materialize_one(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
+                         progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:
         header, chunks = self.stream(plan, chunk_bytes=chunk_bytes)
         buf = np.empty(header.data_bytes, dtype=np.uint8)
         for c in chunks:
@@ -189,6 +214,22 @@ class Client:
             if progress is not None:
                 progress(len(c.data))
         return arrays_from_buffer(header.tensors, buf)
+
+    def _materialize_split(self, plan: plan_pb2.Plan) -> dict[str, np.ndarray[Any, Any]]:
+        from paraminit_client import scaleout
+
+        report = self.validate(plan)
+        if not report.ok:
+            code = grpc.StatusCode.INVALID_ARGUMENT if not report.valid else grpc.StatusCode.RESOURCE_EXHAUSTED
+            raise ParaminitError(code, "invalid plan:\n" + "\n".join(report.lines()),
+                                 tuple(Violation(v.field, line) for v, line in zip(report.violations, report.lines(),
+                                                                                   strict=True)))
+        workers = self._workers or [self]
+        n_parts = len(workers) if self._workers else 4
+        parts = scaleout.split_plan(plan, report.param_bytes, n_parts, self.split_bytes)
+        out, put = scaleout.assemble(plan, [numpy_dtype(p.dtype) for p in plan.params])
+        scaleout.run_parts(parts, workers, lambda w, sub: w._materialize_one(sub), put)
+        return out
 
     def materialize_to_file(self, plan: plan_pb2.Plan, path: str | os.PathLike[str], *, progress: bool = False,
                             chunk_bytes: int = 0) -> pb.StreamHeader:

@@ -196,8 +196,12 @@ def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
         c, c1 = seg_consts(x)
         xl = x & _LOW32
         sub = dst[k:k + cnt]
-        for j in range(cnt):
-            store(sub, np.uint64(j), p0 + (draw_seg(xl + np.uint64(j), c, c1) * sc) * p1, h)
+        if sc == 1.0:
+            for j in range(cnt):
+                store(sub, np.uint64(j), p0 + draw_seg(xl + np.uint64(j), c, c1) * p1, h)
+        else:
+            for j in range(cnt):
+                store(sub, np.uint64(j), p0 + (draw_seg(xl + np.uint64(j), c, c1) * sc) * p1, h)
         k += cnt
 
 

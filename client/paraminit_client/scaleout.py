@@ -1,0 +1,135 @@
+"""Splitting one plan across several workers and reassembling the bytes.
+
+Values depend only on (seed, global index), so a parameter cut into row
+regions and computed on different workers reassembles into exactly the bytes
+one worker would give. Parts run concurrently; a part whose worker fails with
+a transport error is retried on another worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from paraminit.v1 import plan_pb2
+from paraminit_client.errors import ParaminitError
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+DEFAULT_SPLIT_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Part:
+    """A sub-plan and, per parameter in it, (plan index, row slice of the parameter's region)."""
+
+    plan: plan_pb2.Plan
+    pieces: tuple[tuple[int, int, int], ...]  # (param index, first row, stop row) relative to the region
+    nbytes: int
+
+
+def _region(p: plan_pb2.Param) -> list[tuple[int, int]]:
+    return [(r.start, r.stop) for r in p.region] or [(0, int(d)) for d in p.shape]
+
+
+def split_plan(plan: plan_pb2.Plan, param_bytes: Sequence[int], n_parts: int,
+               split_bytes: int = DEFAULT_SPLIT_BYTES) -> list[Part]:
+    """Parameters in balanced groups; one larger than split_bytes is cut into row regions first."""
+    units: list[tuple[int, int, int, int]] = []  # (index, row0, row1, bytes)
+    for i, p in enumerate(plan.params):
+        region = _region(p)
+        size = param_bytes[i]
+        rows = region[0][1] - region[0][0] if region else 1
+        pieces = min(rows, max(1, -(-size // split_bytes))) if region and size > split_bytes else 1
+        for k in range(pieces):
+            r0, r1 = rows * k // pieces, rows * (k + 1) // pieces
+            units.append((i, r0, r1, size * (r1 - r0) // max(rows, 1)))
+    groups: list[list[tuple[int, int, int, int]]] = [[] for _ in range(max(1, n_parts))]
+    loads = [0] * len(groups)
+    for unit in sorted(units, key=lambda u: -u[3]):  # greedy balance, largest first
+        g = loads.index(min(loads))
+        groups[g].append(unit)
+        loads[g] += unit[3]
+    parts = []
+    for group, load in zip(groups, loads, strict=True):
+        if not group:
+            continue
+        sub = plan_pb2.Plan()
+        for i, r0, r1, _ in sorted(group):
+            q = sub.params.add()
+            q.CopyFrom(plan.params[i])
+            region = _region(plan.params[i])
+            if region:
+                del q.region[:]
+                first = region[0][0]
+                q.region.add(start=first + r0, stop=first + r1)
+                for start, stop in region[1:]:
+                    q.region.add(start=start, stop=stop)
+            q.name = f"{q.name}#{r0}"  # unique within the part even when two pieces share a worker
+        parts.append(Part(sub, tuple((i, r0, r1) for i, r0, r1, _ in sorted(group)), load))
+    return parts
+
+
+def run_parts(parts: Sequence[Part], workers: Sequence[Any], fetch: Callable[[Any, plan_pb2.Plan], dict[str, Any]],
+              on_piece: Callable[[int, int, int, Any], None]) -> None:
+    """Run every part concurrently, retrying retryable failures on the other workers."""
+    alive = list(range(len(workers)))
+    lock = threading.Lock()
+    tried: dict[int, set[int]] = {k: set() for k in range(len(parts))}
+
+    def pick(k: int) -> int:
+        with lock:
+            fresh = [w for w in alive if w not in tried[k]] or list(alive)
+            if not fresh:
+                raise ParaminitError(grpc.StatusCode.UNAVAILABLE, "every worker failed")
+            w = fresh[k % len(fresh)]
+            tried[k].add(w)
+            return w
+
+    def run(k: int, w: int) -> tuple[int, int, dict[str, Any]]:
+        return k, w, fetch(workers[w], parts[k].plan)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(parts), 4 * len(workers)))) as pool:
+        submitted = {pool.submit(run, k, pick(k)): k for k in range(len(parts))}
+        pending: set[Future[tuple[int, int, dict[str, Any]]]] = set(submitted)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                try:
+                    k, w, arrays = f.result()
+                except ParaminitError as err:
+                    if err.code not in RETRYABLE:
+                        raise
+                    k = submitted[f]
+                    with lock:
+                        if len(alive) > 1:  # one balanced channel (dns:///) stays; its retries re-balance
+                            for dead in [w for w in alive if w in tried[k]]:
+                                alive.remove(dead)
+                    nf = pool.submit(run, k, pick(k))
+                    submitted[nf] = k
+                    pending.add(nf)
+                    continue
+                for (i, r0, r1), name in zip(parts[k].pieces, arrays, strict=True):
+                    on_piece(i, r0, r1, arrays[name])
+
+
+def assemble(plan: plan_pb2.Plan, dtypes: Sequence[np.dtype[Any]]) -> tuple[dict[str, np.ndarray[Any, Any]],
+                                                                          Callable[[int, int, int, Any], None]]:
+    """Output arrays for a plan and the callback that writes one piece into them."""
+    out = {p.name: np.empty(tuple(b - a for a, b in _region(p)), dtype=dt) for p, dt in zip(plan.params, dtypes, strict=True)}
+    names = [p.name for p in plan.params]
+
+    def put(i: int, r0: int, r1: int, arr: Any) -> None:
+        target = out[names[i]]
+        if target.ndim == 0:
+            target[...] = arr
+        else:
+            target[r0:r1] = arr
+
+    return out, put

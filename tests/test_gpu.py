@@ -1,0 +1,197 @@
+"""CuPy backend parity with the CPU backend, byte for byte, on a real CUDA device.
+
+Skipped without CuPy or a device. Every initializer except normal is exact
+arithmetic, so its bytes must be identical. normal uses CUDA's double log/cos
+(within an ulp or two of the C library's), so a value may land on the other
+side of a rounding boundary: narrow dtypes may differ from the CPU by one ulp
+in rare elements (counted and printed), float64 by a few ulps of the terms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from test_cuda_harness import huge_window, random_param
+
+from conftest import VECTORS, case_param
+from paraminit.v1 import plan_pb2
+from paraminit_server import dtypes
+from paraminit_server.plan import Kind, ResolvedParam, resolve_param
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+
+
+def _device_count() -> int:
+    try:
+        return int(cp.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver, or a driver too old for this CuPy
+        return 0
+
+
+if _device_count() == 0:
+    pytest.skip("no CUDA device visible to CuPy", allow_module_level=True)
+
+from paraminit_server.backends.cupy_backend import CupyBackend, fill_plan  # noqa: E402
+
+GUARD = 256  # poisoned bytes around each output: stray writes show up there
+
+
+@pytest.fixture(scope="module")
+def gpu() -> CupyBackend:
+    backend = CupyBackend(0)
+    backend.warm_up()
+    return backend
+
+
+def gpu_poisoned(nbytes: int) -> Any:
+    buf = cp.empty(nbytes, dtype=cp.uint8)
+    buf.fill(0xFF)
+    return buf
+
+
+def ordered(bits: np.ndarray[Any, Any], width: int) -> np.ndarray[Any, Any]:
+    """Sign-magnitude float bits as integers whose difference counts ulps across zero."""
+    b = bits.astype(np.int64)
+    sign = np.int64(1) << np.int64(width - 1)
+    return np.where(b & sign, -(b & (sign - 1)), b)
+
+
+def compare(p: ResolvedParam, got: np.ndarray[Any, Any], want: np.ndarray[Any, Any], label: str) -> int:
+    """Assert GPU bytes equal the CPU's (normal: within the documented ulps); returns differing elements."""
+    if p.kind != Kind.NORMAL or got.tobytes() == want.tobytes():
+        assert got.tobytes() == want.tobytes(), f"{label}: first difference at element {_first_diff(got, want)}"
+        return 0
+    width = 8 * p.dtype.itemsize
+    ub = f"u{p.dtype.itemsize}"
+    diff = np.flatnonzero(got.view(ub) != want.view(ub))
+    if p.dtype.fmt == dtypes.FMT_NATIVE and p.dtype.itemsize == 8:
+        g, w = got.view(np.float64)[diff], want.view(np.float64)[diff]
+        tol = 8 * 2.0**-52 * (abs(p.p0) + np.abs(w - p.p0))  # a few ulps of mean and std * z
+        assert (np.abs(g - w) <= tol).all(), f"{label}: float64 normal off by more than a few ulps"
+    else:
+        dist = np.abs(ordered(got.view(ub)[diff], width) - ordered(want.view(ub)[diff], width))
+        assert dist.max() <= 1, f"{label}: {int((dist > 1).sum())} elements differ by more than 1 ulp"
+    return int(diff.size)
+
+
+def _first_diff(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> int:
+    d = np.flatnonzero(a.view(np.uint8) != b.view(np.uint8))
+    return int(d[0]) // a.itemsize if d.size else -1
+
+
+def gpu_fill_window(gpu: CupyBackend, p: ResolvedParam, l_begin: int, n: int) -> np.ndarray[Any, Any]:
+    """GPU fill of a window into a poisoned buffer; checks the guards and returns the window."""
+    isz = p.dtype.itemsize
+    buf = gpu_poisoned(GUARD + n * isz + GUARD)
+    gpu.fill(p, buf[GUARD:GUARD + n * isz].view(p.dtype.storage), l_begin)
+    host = gpu.to_host(buf)
+    assert (host[:GUARD] == 0xFF).all() and (host[GUARD + n * isz:] == 0xFF).all(), f"{p.name}: write outside out"
+    return np.asarray(host[GUARD:GUARD + n * isz]).view(p.dtype.storage)
+
+
+def cpu_fill_window(cpu: Any, p: ResolvedParam, l_begin: int, n: int) -> np.ndarray[Any, Any]:
+    out = np.empty(n, dtype=p.dtype.storage)
+    out.view(np.uint8).fill(0xFF)
+    cpu.fill(p, out, l_begin)
+    return out
+
+
+def test_device_description(gpu: CupyBackend) -> None:
+    d = gpu.device()
+    assert d.kind == "cuda" and d.name and d.ordinal == 0
+    assert 0 < d.memory_free <= d.memory_total
+    assert d.uuid == "" or d.uuid.startswith("GPU-")
+    print(f"\ndevice: {d}")
+
+
+def test_empty_is_a_whole_allocation_exportable_by_ipc(gpu: CupyBackend) -> None:
+    pool = cp.get_default_memory_pool()
+    used = pool.used_bytes()
+    buf = gpu.empty(3 << 20)
+    assert buf.dtype == cp.uint8 and buf.shape == (3 << 20,) and buf.data.ptr % 256 == 0
+    assert pool.used_bytes() == used, "empty() must not come from CuPy's pool"
+    handle = cp.cuda.runtime.ipcGetMemHandle(buf.data.ptr)
+    assert len(handle) == 64
+    assert gpu.empty(0).shape == (0,)
+
+
+def test_vectors(gpu: CupyBackend) -> None:
+    for case in VECTORS["cases"]:
+        p = resolve_param(0, case_param(case))
+        got = gpu_fill_window(gpu, p, 0, p.numel)
+        want = np.asarray([int(b, 16) for b in case["bits"]], dtype=f"u{p.dtype.itemsize}").view(p.dtype.storage)
+        compare(p, got, want, case["name"])
+
+
+def test_random_windows_match_cpu(gpu: CupyBackend, cpu_backend: Any) -> None:
+    rng = np.random.default_rng(1234)
+    params = [random_param(rng, i, max_numel=200000) for i in range(150)]
+    params += [huge_window(dt.enum, init)[0] for dt in dtypes.SUPPORTED for init in ("uniform", "normal")]
+    differing = 0
+    for p in params:
+        if p.name == "huge":
+            windows = [(p.numel - 70000, 70000), (12345, 5000)]  # 64-bit indices, 64-bit division
+        else:
+            cuts = sorted({0, p.numel, *(int(c) for c in rng.integers(0, p.numel + 1, 2))})
+            windows = list(zip(cuts, np.diff(cuts).tolist(), strict=False))
+        for l_begin, n in windows:
+            got = gpu_fill_window(gpu, p, l_begin, n)
+            want = cpu_fill_window(cpu_backend, p, l_begin, n)
+            differing += compare(p, got, want, f"{p.name} {p.initializer} {p.dtype.name} [{l_begin}, +{n})")
+    print(f"\nrandom windows: {differing} normal elements differ from the CPU by one ulp")
+
+
+def test_fill_plan_matches_cpu(gpu: CupyBackend, cpu_backend: Any) -> None:
+    rng = np.random.default_rng(99)
+    params = [random_param(rng, i, max_numel=100000) for i in range(120)]
+    offsets, pos = [], GUARD
+    for p in params:
+        pos = -(-pos // 8) * 8 + int(rng.integers(0, 3)) * 8
+        offsets.append(pos)
+        pos += p.nbytes
+    arena = gpu_poisoned(pos + GUARD)
+    gpu.fill_plan(params, arena, offsets)
+    host = gpu.to_host(arena)
+    covered = np.zeros(host.size, dtype=bool)
+    differing = 0
+    for p, off in zip(params, offsets, strict=True):
+        got = host[off:off + p.nbytes].view(p.dtype.storage)
+        differing += compare(p, got, cpu_fill_window(cpu_backend, p, 0, p.numel),
+                             f"{p.name} {p.initializer} {p.dtype.name}")
+        covered[off:off + p.nbytes] = True
+    assert (host[~covered] == 0xFF).all(), "fill_plan wrote outside its parameters"
+    print(f"\nfill_plan: {len(params)} parameters, {differing} normal elements differ by one ulp")
+
+
+def test_fill_plan_module_helper_and_empty_plan(gpu: CupyBackend, cpu_backend: Any) -> None:
+    p = resolve_param(0, case_param(VECTORS["cases"][0]))
+    arena = gpu_poisoned(64)
+    fill_plan([], arena, [])
+    assert (gpu.to_host(arena) == 0xFF).all()
+    fill_plan([p], arena, [16])
+    host = gpu.to_host(arena)
+    assert host[16:16 + p.nbytes].tobytes() == cpu_fill_window(cpu_backend, p, 0, p.numel).tobytes()
+    with pytest.raises(ValueError):
+        fill_plan([p], arena, [40])  # runs past the arena
+
+
+@pytest.mark.parametrize("dtype", dtypes.SUPPORTED, ids=lambda d: d.name)
+def test_normal_large_sample(gpu: CupyBackend, cpu_backend: Any, dtype: dtypes.DTypeInfo) -> None:
+    n = 1 << 24
+    total = 0
+    for mean, std, seed in ((0.0, 1.0, 2024), (0.1, 0.02, 7)):
+        p = plan_pb2.Param(name="w", shape=[n], dtype=dtype.enum)  # type: ignore[arg-type]
+        p.init.normal.mean, p.init.normal.std, p.init.normal.seed = mean, std, seed
+        rp = resolve_param(0, p)
+        out = cp.empty(n, dtype=dtype.storage)
+        out.view(cp.uint8).fill(0xFF)
+        gpu.fill(rp, out)
+        total += compare(rp, gpu.to_host(out), cpu_fill_window(cpu_backend, rp, 0, n), f"normal {dtype.name}")
+    print(f"\nnormal {dtype.name}: {total} of {2 * n} elements differ from the CPU (at most 1 ulp each"
+          f"{'' if dtype.itemsize < 8 else ', float64: a few ulps'})")
+    if dtype.itemsize < 8:
+        assert total <= 2 * n * 1e-4

@@ -1,0 +1,97 @@
+"""One plan split across three `paraminit serve` workers gives one worker's bytes, even when a worker dies."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from paraminit.v1 import plan_pb2
+from paraminit_client import Client, param, plan_of, scaleout
+from paraminit_client.client import numpy_dtype
+
+BIN = Path(sys.executable).parent
+
+
+def _serve() -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([str(BIN / "paraminit"), "serve"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "numpy",
+                                            "PARAMINIT_CHUNK_BYTES": "65536"})
+    assert proc.stdout is not None
+    m = re.search(r"listening on [\d.]+:(\d+)", proc.stdout.readline())
+    assert m
+    return proc, f"127.0.0.1:{m.group(1)}"
+
+
+@pytest.fixture()
+def workers() -> Iterator[list[tuple[subprocess.Popen[str], str]]]:
+    procs = [_serve() for _ in range(3)]
+    for _, target in procs:
+        with Client(target) as c:
+            c.wait_ready(120)
+    yield procs
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
+
+
+def big_plan() -> plan_pb2.Plan:
+    return plan_of([
+        param("emb", [4096, 512], {"normal": {"std": 0.02, "seed": 1}}, "bfloat16"),
+        param("w1", [2048, 1024], {"kaimingUniformForShape": {"seed": 2}}),
+        param("w2", [1024, 2048], {"uniform": {"lo": -0.1, "hi": 0.1, "seed": 3}}, "float16"),
+        param("shard", [64, 64, 8], {"xavierUniformForShape": {"seed": 4}}, "float64", region=[(8, 40), (0, 64), (2, 6)]),
+        param("b", [1024], {"zeros": {}}),
+        param("scalar", [], {"ones": {}}),
+    ])
+
+
+def test_split_is_byte_identical(workers: list[tuple[subprocess.Popen[str], str]]) -> None:
+    plan = big_plan()
+    with Client(workers[0][1]) as one:
+        want = one.materialize(plan)
+    with Client([t for _, t in workers], split_bytes=1 << 20) as many:
+        got = many.materialize(plan)
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].shape == want[name].shape and got[name].tobytes() == want[name].tobytes(), name
+
+
+def test_worker_killed_mid_plan_is_retried(workers: list[tuple[subprocess.Popen[str], str]]) -> None:
+    plan = big_plan()
+    with Client(workers[0][1]) as one:
+        want = one.materialize(plan)
+    victim = workers[1]
+    clients = [Client(t) for _, t in workers]
+    killed: list[int] = []
+
+    def fetch(c: Client, sub: plan_pb2.Plan) -> dict[str, Any]:
+        if c.target == victim[1] and not killed:
+            _header, chunks = c.stream(sub)
+            next(chunks)  # the stream is in flight ...
+            victim[0].send_signal(signal.SIGKILL)  # ... when its worker dies
+            killed.append(victim[0].wait(10))
+            list(chunks)
+            raise AssertionError("a dead worker's stream cannot complete")
+        return c._materialize_one(sub)
+
+    try:
+        sizes = [int(np.prod([d for d in p.shape])) * numpy_dtype(p.dtype).itemsize for p in plan.params]
+        parts = scaleout.split_plan(plan, sizes, 3, split_bytes=1 << 20)
+        out, put = scaleout.assemble(plan, [numpy_dtype(p.dtype) for p in plan.params])
+        scaleout.run_parts(parts, clients, fetch, put)
+    finally:
+        for c in clients:
+            c.close()
+    assert killed == [-signal.SIGKILL]
+    for name in want:
+        assert out[name].tobytes() == want[name].tobytes(), name
