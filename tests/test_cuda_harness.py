@@ -3,8 +3,9 @@
 paraminit_kernels.cuh is all __host__ __device__, so nvcc builds a host-only
 driver around it here: scalar functions are compared with reference.py and
 spec.py, and whole packed plans (cupy_backend.pack, the kernels' tile loop and
-region mapping, emulated thread by thread) with reference.py and vectors.json. Host log/cos are the C library's, as in Python, so even normal
-values must match exactly. The kernel source itself (as the backend inlines it
+region mapping, emulated thread by thread) with reference.py and vectors.json.
+Host log/cos are the C library's, as in Python, so even normal values must
+match exactly. The kernel source itself (as the backend inlines it
 for NVRTC) is compiled to a cubin to prove it builds. Skipped without nvcc.
 """
 

@@ -78,7 +78,7 @@ class Client:
         self._embedded: Any = None
         self._workers: list[Client] = []
         self.split_bytes = split_bytes
-        options = list(CHANNEL_OPTIONS)
+        options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
         if isinstance(target, (list, tuple)):
             targets = list(target)
             if not targets:

@@ -7,6 +7,7 @@ IPC handle once and expose cupy arrays. Either converts to torch without a copy
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -93,7 +94,7 @@ class Lease:
         if self._map is not None:
             return {k: torch.from_numpy(v.view(np.uint16)).view(torch.bfloat16) if str(v.dtype) == "bfloat16"
                     else torch.from_numpy(v) for k, v in self.arrays.items()}
-        return {k: torch.from_dlpack(v) for k, v in self.arrays.items()}
+        return {k: torch.from_dlpack(v) for k, v in self.arrays.items()}  # type: ignore[attr-defined,unused-ignore]
 
     def renew(self, ttl_seconds: float = 0.0) -> float:
         resp = self._client._call(self._client.stub.Renew, pb.RenewRequest(lease_id=self.lease_id, ttl_seconds=ttl_seconds))
@@ -126,10 +127,8 @@ class Lease:
             resp = self._client._call(self._client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
         finally:
             if self._map is not None:
-                try:
+                with contextlib.suppress(BufferError):  # caller still holds a view; unmapped when it goes
                     self._map.close()
-                except BufferError:  # caller still holds a view; unmapped when it goes
-                    pass
             if self._ipc_ptr is not None:
                 import cupy
 

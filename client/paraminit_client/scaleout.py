@@ -102,7 +102,7 @@ def run_parts(parts: Sequence[Part], workers: Sequence[Any], fetch: Callable[[An
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for f in done:
                 try:
-                    k, w, arrays = f.result()
+                    k, _w, arrays = f.result()
                 except ParaminitError as err:
                     if err.code not in RETRYABLE:
                         raise

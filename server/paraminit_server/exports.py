@@ -8,6 +8,7 @@ cudaIpcGetMemHandle. Both only to peers on this host.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -72,14 +73,10 @@ class ShmSegment:
 
     def close(self) -> None:
         self.array = np.empty(0, np.uint8)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        try:
+        with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes when it does
             self._map.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes when it does
-            pass
 
 
 class Exports:
@@ -93,13 +90,14 @@ class Exports:
         return [pb.DELIVERY_CUDA_IPC] if self.backend.name == "cupy" else [pb.DELIVERY_SHM]
 
     def _check(self, delivery: int, context: grpc.ServicerContext) -> None:
-        name = pb.Delivery.Name(delivery)
+        name = pb.Delivery.Name(delivery)  # type: ignore[arg-type]
         if not is_local_peer(context.peer()):
             raise errors.FailedPrecondition(f"{name} hands out memory on this host only; peer {context.peer()} is "
                                             "remote: use STREAM delivery")
         if delivery not in self.deliveries():
+            offered = [pb.Delivery.Name(d) for d in self.deliveries()]  # type: ignore[arg-type]
             raise errors.FailedPrecondition(f"{name} is not available on the {self.backend.name} backend; this "
-                                            f"server offers {[pb.Delivery.Name(d) for d in self.deliveries()]}")
+                                            f"server offers {offered}")
 
     def export(self, params: list[ResolvedParam], digest: str, request: pb.MaterializeRequest,
                context: grpc.ServicerContext) -> pb.ExportInfo:
@@ -159,7 +157,7 @@ class Exports:
         rec = self.leases.renew(request.lease_id, owner_of(context), request.ttl_seconds)
         return pb.RenewResponse(lease=_lease(rec))
 
-    def list(self, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesResponse:
+    def list_leases(self, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesResponse:
         import time
 
         owner = owner_of(context)
@@ -191,7 +189,7 @@ class Exports:
 def _check_same_parameters(lay: layout.Layout, params: list[ResolvedParam]) -> None:
     """Apply keeps the buffer: names, shapes, regions, dtypes and order must match the lease exactly."""
     old = [pl.param for pl in lay.placements]
-    problems = []
+    problems: list[str] = []
     if len(old) != len(params):
         problems.append(f"the lease has {len(old)} parameters, the plan {len(params)}")
     for a, b in zip(old, params, strict=False):
@@ -203,7 +201,8 @@ def _check_same_parameters(lay: layout.Layout, params: list[ResolvedParam]) -> N
 
 
 def _lease(rec: LeaseRecord) -> pb.Lease:
-    return pb.Lease(lease_id=rec.lease_id, expires_at=rec.expires_at, nbytes=rec.nbytes, delivery=rec.delivery)
+    return pb.Lease(lease_id=rec.lease_id, expires_at=rec.expires_at, nbytes=rec.nbytes,
+                    delivery=rec.delivery)  # type: ignore[arg-type]
 
 
 def _describe(info: pb.ExportInfo, lay: layout.Layout, rec: LeaseRecord) -> None:

@@ -139,7 +139,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
                     for off in range(0, len(mv), chunk)]
 
         for messages in iter_slabs(self.backend, lay, slab, lambda: not context.is_active(), transform=encode):
-            yield from messages  # type: ignore[misc]  # pre-encoded MaterializeResponse bytes (paraminit.wire)
+            yield from messages  # pre-encoded MaterializeResponse bytes (paraminit.wire)
             if not context.is_active():
                 raise errors.Cancelled("client cancelled or deadline passed")
 
@@ -187,7 +187,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     @boundary
     def ListLeases(self, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesResponse:
-        return self._leases().list(request, context)  # type: ignore[no-any-return]
+        return self._leases().list_leases(request, context)  # type: ignore[no-any-return]
 
     @boundary
     def Apply(self, request: pb.ApplyRequest, context: grpc.ServicerContext) -> pb.ApplyResponse:
