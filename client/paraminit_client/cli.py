@@ -28,8 +28,9 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _client(args: argparse.Namespace) -> Client:
-    return Client(args.target, timeout=getattr(args, "timeout", None))
+def _client(args: argparse.Namespace, default_target: str | None = None) -> Client:
+    return Client(args.target or default_target, timeout=getattr(args, "timeout", None), token=args.token or None,
+                  tls_ca=args.tls_ca or None, tls_cert=args.tls_cert or None, tls_key=args.tls_key or None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -87,7 +88,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    with Client(args.target or "127.0.0.1:50051", timeout=args.timeout) as c:
+    if args.timeout is None:
+        args.timeout = 5.0
+    with _client(args, "127.0.0.1:50051") as c:
         status = c.health()
     print(status)
     return EXIT_OK if status == "SERVING" else EXIT_ERROR
@@ -110,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--target", default=None,
                        help="HOST:PORT of a server" + (" (default: embedded CPU server)" if embedded else ""))
         p.add_argument("--timeout", type=float, default=None, help="per-call deadline in seconds")
+        p.add_argument("--token", default="", help="bearer token (default: $PARAMINIT_TOKEN)")
+        p.add_argument("--tls-ca", default="", help="CA that signed the server's certificate (enables TLS)")
+        p.add_argument("--tls-cert", default="", help="client certificate for mutual TLS")
+        p.add_argument("--tls-key", default="", help="client key for mutual TLS")
 
     m = sub.add_parser("materialize", help="materialize a plan into a safetensors file")
     m.add_argument("plan")

@@ -74,7 +74,11 @@ class Client:
     """Talks to one paraminit server, or an embedded one when no target is given."""
 
     def __init__(self, target: str | Sequence[str] | None = None, *, timeout: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, split_bytes: int = 64 << 20) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, split_bytes: int = 64 << 20,
+                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
+        """`token`: bearer token (default: $PARAMINIT_TOKEN). `tls_ca`/`tls_cert`/`tls_key`: TLS, and a client
+        certificate for mutual TLS; `credentials` overrides them."""
         self._embedded: Any = None
         self._workers: list[Client] = []
         self.split_bytes = split_bytes
@@ -84,7 +88,8 @@ class Client:
             if not targets:
                 raise ValueError("an empty list of targets")
             if len(targets) > 1:
-                self._workers = [Client(t, timeout=timeout, credentials=credentials) for t in targets]
+                self._workers = [Client(t, timeout=timeout, credentials=credentials, token=token, tls_ca=tls_ca,
+                                        tls_cert=tls_cert, tls_key=tls_key) for t in targets]
             target = targets[0]
         if isinstance(target, str) and target.startswith("dns:"):
             # client-side balancing over every address behind the name (a headless Service)
@@ -97,10 +102,15 @@ class Client:
         self.timeout = timeout
         assert isinstance(target, str)
         self.target = target
+        if credentials is None and (tls_ca or tls_cert):
+            credentials = tls_credentials(tls_ca or "", tls_cert or "", tls_key or "")
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
             self._channel = grpc.secure_channel(target, credentials, options=options)
+        token = os.environ.get("PARAMINIT_TOKEN") if token is None else token
+        if token:
+            self._channel = grpc.intercept_channel(self._channel, _BearerToken(token))  # type: ignore[assignment]
         self.stub = pb_grpc.InitServiceStub(self._channel)
         # Materialize with the chunk codec: payloads arrive as views, not as copies inside messages.
         self._materialize = self._channel.unary_stream(
@@ -257,6 +267,39 @@ class Client:
             if bar is not None:
                 bar.close()
         return header
+
+
+def tls_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """TLS verifying the server against `ca` (system roots when empty), with an optional client certificate."""
+    return grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes() if ca else None,
+                                        private_key=Path(key).read_bytes() if key else None,
+                                        certificate_chain=Path(cert).read_bytes() if cert else None)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, base: Any, metadata: list[tuple[str, str]]) -> None:
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = base.wait_for_ready
+        self.compression = base.compression
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """Adds `authorization: Bearer <token>` to every call (works on plaintext loopback channels too)."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: Any) -> Any:
+        return _CallDetails(details, [*(details.metadata or ()), self._header])
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
 
 
 def _umask() -> int:

@@ -33,6 +33,13 @@ class ServerConfig:
     max_leases_per_client: int = 64
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off, -1 = any free port
     drain_seconds: float = 25.0
+    memory_budget: int = 0  # bytes the backend may hold for requests; 0 = half of what is free at start
+    admission_wait: float = 5.0  # longest wait for memory when the client's deadline allows it
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""  # set: clients must present a certificate signed by it (mutual TLS)
+    auth_tokens_file: str = ""  # lines of `identity:token`
+    auth_tokens: str = ""  # comma-separated `identity:token` (prefer the file)
     log_level: str = "INFO"
     log_format: str = "text"  # text | json
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from paraminit_server.backends import Backend
+from paraminit_server.errors import Cancelled
 from paraminit_server.layout import SLAB_QUANTUM, Layout
 
 
@@ -29,8 +30,14 @@ def fill_window(backend: Backend, layout: Layout, buf: Any, start: int) -> None:
         backend.fill(p, out, (lo - pl.offset) // isz)
 
 
-def fill_all(backend: Backend, layout: Layout, buf: Any) -> None:
-    """Fill a whole arena (exports): padding between tensors is zeroed so no stale bytes leak."""
+FILL_WINDOW = 64 << 20
+
+
+def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[], bool] | None = None) -> None:
+    """Fill a whole arena (exports): padding between tensors is zeroed so no stale bytes leak.
+
+    Works in windows so a cancelled request stops within one window's time.
+    """
     prev = 0
     for pl in layout.in_offset_order():
         if pl.offset > prev:
@@ -38,7 +45,10 @@ def fill_all(backend: Backend, layout: Layout, buf: Any) -> None:
         prev = pl.offset + pl.param.nbytes
     if layout.data_bytes > prev:
         buf[prev:layout.data_bytes] = 0
-    fill_window(backend, layout, buf[:layout.data_bytes], 0)
+    for start in range(0, layout.data_bytes, FILL_WINDOW):
+        if should_stop is not None and should_stop():
+            raise Cancelled("client cancelled or deadline passed")
+        fill_window(backend, layout, buf[start:min(start + FILL_WINDOW, layout.data_bytes)], start)
 
 
 def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool],

@@ -12,6 +12,7 @@ import contextlib
 import mmap
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -19,6 +20,7 @@ import numpy as np
 
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_server import engine, errors, layout
+from paraminit_server.auth import ANONYMOUS, TokenAuth, identity
 from paraminit_server.backends import Backend
 from paraminit_server.config import ServerConfig
 from paraminit_server.leases import LeaseRecord, LeaseTable
@@ -27,7 +29,6 @@ from paraminit_server.plan import ResolvedParam
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "paraminit-"
 GPU_ALIGN = 256
-ANONYMOUS = "anonymous"
 
 
 def is_local_peer(peer: str) -> bool:
@@ -42,16 +43,6 @@ def is_local_peer(peer: str) -> bool:
     return False
 
 
-def owner_of(context: grpc.ServicerContext) -> str:
-    """The identity leases belong to: the client certificate's subject under mutual TLS, else anonymous."""
-    auth = context.auth_context() or {}
-    for key in ("x509_subject", "x509_common_name"):
-        values = auth.get(key)
-        if values:
-            return f"{key}:{values[0].decode(errors='replace')}"
-    return ANONYMOUS
-
-
 class ShmSegment:
     """A POSIX shared-memory segment created exclusively with mode 0600 and unlinked on close."""
 
@@ -63,6 +54,7 @@ class ShmSegment:
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
             os.ftruncate(fd, max(size, 1))
+            os.posix_fallocate(fd, 0, max(size, 1))  # tmpfs space now: ENOSPC here, not SIGBUS mid-fill
             self._map = mmap.mmap(fd, max(size, 1))
         except BaseException:
             os.close(fd)
@@ -80,11 +72,18 @@ class ShmSegment:
 
 
 class Exports:
-    def __init__(self, config: ServerConfig, backend: Backend) -> None:
+    def __init__(self, config: ServerConfig, backend: Backend, tokens: TokenAuth | None = None) -> None:
+        self.tokens = tokens
         self.config = config
         self.backend = backend
+        self.budget: Any = None  # the servicer's MemoryBudget
+        self.memory_wait: Any = lambda context: 0.0
         self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
                                  config.max_lease_ttl)
+
+    def owner(self, context: grpc.ServicerContext) -> str:
+        """Leases belong to the caller's identity; another identity gets NOT_FOUND for them."""
+        return identity(context, self.tokens)
 
     def deliveries(self) -> list[int]:
         return [pb.DELIVERY_CUDA_IPC] if self.backend.name == "cupy" else [pb.DELIVERY_SHM]
@@ -103,29 +102,42 @@ class Exports:
                context: grpc.ServicerContext) -> pb.ExportInfo:
         delivery = request.delivery
         self._check(delivery, context)
-        owner = owner_of(context)
+        owner = self.owner(context)
         ttl = self.leases.ttl(request.lease_ttl_seconds)
         lay = layout.export_layout(params, GPU_ALIGN if delivery == pb.DELIVERY_CUDA_IPC else layout.EXPORT_ALIGN)
         self.leases.reserve(owner, lay.data_bytes)
+        reservation = self.budget.reserve(lay.data_bytes, self.memory_wait(context), "export") if self.budget else None
         info = pb.ExportInfo(plan_digest=digest)
-        if delivery == pb.DELIVERY_SHM:
-            buf, release = self._shm(lay, info)
-        else:
-            buf, release = self._cuda(lay, info)
-        if not context.is_active():  # client gone while we filled: free now, lend nothing
+        stop = lambda: not context.is_active()  # noqa: E731
+        try:
+            if delivery == pb.DELIVERY_SHM:
+                buf, free = self._shm(lay, info, stop)
+            else:
+                buf, free = self._cuda(lay, info, stop)
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+
+        def release() -> None:
+            free()
+            if reservation is not None:
+                reservation.release()
+
+        if stop():  # client gone while we filled: free now, lend nothing
             release()
             raise errors.Cancelled("client cancelled during export")
         rec = self.leases.add(owner, delivery, lay.data_bytes, ttl, digest, release, (lay, buf))
         _describe(info, lay, rec)
         return info
 
-    def _shm(self, lay: layout.Layout, info: pb.ExportInfo) -> tuple[Any, Any]:
+    def _shm(self, lay: layout.Layout, info: pb.ExportInfo, stop: Callable[[], bool]) -> tuple[Any, Any]:
         try:
             seg = ShmSegment(lay.data_bytes)
         except OSError as exc:
             raise errors.ResourceExhausted(f"cannot create a {lay.data_bytes}-byte shared-memory segment: {exc}") from None
         try:
-            engine.fill_all(self.backend, lay, seg.array)
+            engine.fill_all(self.backend, lay, seg.array, stop)
         except BaseException:
             seg.close()
             raise
@@ -133,12 +145,12 @@ class Exports:
         info.shm.size = lay.data_bytes
         return seg.array, seg.close
 
-    def _cuda(self, lay: layout.Layout, info: pb.ExportInfo) -> tuple[Any, Any]:
+    def _cuda(self, lay: layout.Layout, info: pb.ExportInfo, stop: Callable[[], bool]) -> tuple[Any, Any]:
         try:
             buf = self.backend.empty(lay.data_bytes)
         except MemoryError as exc:
             raise errors.ResourceExhausted(f"cannot allocate {lay.data_bytes} bytes on the device: {exc}") from None
-        engine.fill_all(self.backend, lay, buf)
+        engine.fill_all(self.backend, lay, buf, stop)
         handle = self.backend.ipc_handle(buf)  # type: ignore[attr-defined]
         dev = self.backend.device()
         info.cuda_ipc.ipc_handle = bytes(handle)
@@ -151,16 +163,16 @@ class Exports:
     # -- lease RPCs ----------------------------------------------------------------------
 
     def release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=self.leases.release(request.lease_id, owner_of(context)))
+        return pb.ReleaseResponse(released=self.leases.release(request.lease_id, self.owner(context)))
 
     def renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewResponse:
-        rec = self.leases.renew(request.lease_id, owner_of(context), request.ttl_seconds)
+        rec = self.leases.renew(request.lease_id, self.owner(context), request.ttl_seconds)
         return pb.RenewResponse(lease=_lease(rec))
 
     def list_leases(self, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesResponse:
         import time
 
-        owner = owner_of(context)
+        owner = self.owner(context)
         now = time.time()
         resp = pb.ListLeasesResponse()
         for rec in self.leases.list(None if owner == ANONYMOUS else owner):
@@ -170,7 +182,7 @@ class Exports:
 
     def apply(self, request: pb.ApplyRequest, params: list[ResolvedParam], digest: str,
               context: grpc.ServicerContext) -> pb.ApplyResponse:
-        rec = self.leases.get(request.lease_id, owner_of(context))
+        rec = self.leases.get(request.lease_id, self.owner(context))
         with rec.lock:
             if rec.payload is None:
                 raise errors.NotFound(f"no lease {request.lease_id!r}")

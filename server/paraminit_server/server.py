@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_server import backends
+from paraminit_server.auth import AuthInterceptor, TokenAuth, server_credentials
 from paraminit_server.config import ServerConfig
 from paraminit_server.service import InitServicer
 
@@ -59,15 +60,22 @@ class Running:
 def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up_async: bool = True) -> Running:
     """Build, bind and start a server; warm-up (kernel compilation) runs before SERVING."""
     backend = backend or backends.create(config.backend, config.device, config.threads or None)
-    exports = _exports(config, backend)
+    tokens = TokenAuth.load(config.auth_tokens_file, config.auth_tokens)
+    exports = _exports(config, backend, tokens)
     servicer = InitServicer(config, backend, exports)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
-                         options=GRPC_OPTIONS)
+                         options=GRPC_OPTIONS, interceptors=[AuthInterceptor(tokens)] if tokens else [])
     server.add_generic_rpc_handlers((_service_handler(servicer),))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert or config.tls_key:
+        if not (config.tls_cert and config.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
     running = Running(server, port, servicer, health_servicer, config)
@@ -123,12 +131,10 @@ def _metrics(config: ServerConfig, servicer: InitServicer, exports: Any, backend
     return port
 
 
-def _exports(config: ServerConfig, backend: backends.Backend) -> Any:
-    try:
-        from paraminit_server.exports import Exports  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return None
-    return Exports(config, backend)
+def _exports(config: ServerConfig, backend: backends.Backend, tokens: TokenAuth | None) -> Any:
+    from paraminit_server.exports import Exports
+
+    return Exports(config, backend, tokens)
 
 
 def configure_logging(config: ServerConfig) -> None:

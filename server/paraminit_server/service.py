@@ -6,9 +6,7 @@ types and mapped to status codes in one place (status.boundary).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +19,7 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
 from paraminit_server import __version__, dtypes, errors, layout, plan, validation
+from paraminit_server.admission import Admission
 from paraminit_server.backends import Backend
 from paraminit_server.config import ServerConfig
 from paraminit_server.engine import iter_slabs
@@ -29,50 +28,18 @@ from paraminit_server.status import boundary
 log = logging.getLogger("paraminit.server")
 
 
-class Admission:
-    """Concurrency limit plus a draining flag: refuse rather than queue without bound."""
-
-    def __init__(self, max_concurrent: int) -> None:
-        self._sem = threading.BoundedSemaphore(max_concurrent)
-        self.max_concurrent = max_concurrent
-        self.draining = threading.Event()
-        self._lock = threading.Lock()
-        self.in_flight = 0
-        self.in_flight_bytes = 0
-        self.idle = threading.Condition(self._lock)
-
-    @contextlib.contextmanager
-    def admit(self, nbytes: int) -> Iterator[None]:
-        if self.draining.is_set():
-            raise errors.Unavailable("server is shutting down; retry on another worker")
-        if not self._sem.acquire(blocking=False):
-            raise errors.ResourceExhausted(
-                f"server is at its limit of {self.max_concurrent} concurrent materializations; retry later")
-        with self._lock:
-            self.in_flight += 1
-            self.in_flight_bytes += nbytes
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.in_flight -= 1
-                self.in_flight_bytes -= nbytes
-                self.idle.notify_all()
-            self._sem.release()
-
-    def wait_idle(self, timeout: float) -> bool:
-        with self._lock:
-            return self.idle.wait_for(lambda: self.in_flight == 0, timeout)
-
-
 class InitServicer(pb_grpc.InitServiceServicer):
     def __init__(self, config: ServerConfig, backend: Backend, exports: Any = None) -> None:
         self.config = config
         self.backend = backend
         self.limits = validation.Limits(config.max_param_bytes, config.max_plan_bytes)
-        self.admission = Admission(config.max_concurrent)
+        budget = config.memory_budget or backend.device().memory_free // 2
+        self.admission = Admission(config.max_concurrent, budget)
         self.exports = exports
         self.metrics: Any = None  # paraminit_server.metrics.Metrics when enabled
+        if exports is not None:
+            exports.budget = self.admission.memory
+            exports.memory_wait = self.memory_wait
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -85,6 +52,13 @@ class InitServicer(pb_grpc.InitServiceServicer):
         if not report.ok:
             raise errors.InvalidPlan(report.violations)
         return plan.resolve(p), report
+
+    def memory_wait(self, context: grpc.ServicerContext) -> float:
+        """How long a request may wait for memory: only while its deadline leaves time to do the work."""
+        remaining = context.time_remaining()
+        if remaining is None:
+            return 0.0
+        return max(0.0, min(self.config.admission_wait, remaining / 2))
 
     def _chunk_bytes(self, requested: int) -> int:
         size = requested or self.config.chunk_bytes
@@ -132,16 +106,22 @@ class InitServicer(pb_grpc.InitServiceServicer):
         yield pb.MaterializeResponse(header=header)
         chunk = self._chunk_bytes(request.chunk_bytes)
         slab = max(chunk, self.config.slab_bytes // chunk * chunk)
+        # the producer holds up to prefetch + 2 slabs and their encoded copies at once
+        held = min(lay.data_bytes, slab * 4) * 2
+        reservation = self.admission.memory.reserve(held, self.memory_wait(context), "stream")
 
         def encode(start: int, host: Any) -> list[bytes]:
             mv = memoryview(host).toreadonly()
             return [wire.encode_chunk(start + off, mv[off:off + chunk], crc32c.crc32c(mv[off:off + chunk]))
                     for off in range(0, len(mv), chunk)]
 
-        for messages in iter_slabs(self.backend, lay, slab, lambda: not context.is_active(), transform=encode):
-            yield from messages  # pre-encoded MaterializeResponse bytes (paraminit.wire)
-            if not context.is_active():
-                raise errors.Cancelled("client cancelled or deadline passed")
+        try:
+            for messages in iter_slabs(self.backend, lay, slab, lambda: not context.is_active(), transform=encode):
+                yield from messages  # pre-encoded MaterializeResponse bytes (paraminit.wire)
+                if not context.is_active():
+                    raise errors.Cancelled("client cancelled or deadline passed")
+        finally:
+            reservation.release()
 
     @boundary
     def Validate(self, request: pb.ValidateRequest, context: grpc.ServicerContext) -> pb.ValidateResponse:

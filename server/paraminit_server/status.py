@@ -68,6 +68,8 @@ def _refuse_when_draining(owner: Any) -> None:
 
 
 def _abort(owner: Any, context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, MemoryError):  # allocation failed: everything of the request is already unwound
+        exc = errors.ResourceExhausted(f"out of memory while materializing ({exc or 'allocation failed'}); retry later")
     if isinstance(exc, errors.ParaminitServerError):
         _count(owner, method, errors.status_of(exc))
         context.abort_with_status(to_status(exc))

@@ -55,9 +55,6 @@ _TWO52 = 2.0**52
 _TWO_NEG_32 = 2.0**-32
 _TWO_PI = 2.0 * math.pi
 _U1_FLOOR = 1e-6
-_ABS64 = np.int64(0x7FFFFFFFFFFFFFFF)
-_INF64 = np.int64(0x7FF0000000000000)
-_I1 = np.int64(1)
 _SIGN16 = np.int64(0x8000)
 PIECE = 1 << 16  # elements per parallel task; tensors up to this size run on the calling thread
 
@@ -133,39 +130,41 @@ def seg_room(x0: Any) -> int:
     return np.int64(_SPAN30 - (x0 & _LOW30))
 
 
-@_jit  # type: ignore[misc]
-def half_bits(v: float, h: Any) -> Any:
-    """Round binary64 once, to nearest even, into float16/bfloat16 bits; branch-free so loops vectorize.
-
-    h = (shift, adj, inf_bits, nan_bits, min_normal_bits, magic, magic_bits)
-    from half_params. Normal range: round at bit `shift` of the binary64 bits
-    with the exponent rebiased in the same addition (carries run into the
-    exponent and on to infinity, clamped). Subnormal range: |v| + magic has the
-    target's subnormal spacing as its ulp, so the hardware's one rounding is the
-    spec's. NaN keeps its sign and becomes the quiet NaN.
-    """
-    shift, adj, inf_bits, nan_bits, min_normal, magic, magic_bits = h
-    b = f64_bits(v)
-    a = b & _ABS64
-    rn = min((a + adj + ((a >> shift) & _I1)) >> shift, inf_bits)
-    rs = f64_bits(abs(v) + magic) - magic_bits
-    r = rs if a < min_normal else rn
-    r = nan_bits if a > _INF64 else r
-    return np.uint16(r | ((b >> 48) & _SIGN16))
-
-
-@_jit  # type: ignore[misc]
-def half_params(fmt: int) -> Any:
-    """Constants of half_bits: float16 for fmt 1, bfloat16 otherwise."""
-    mant, emin = (10, -14) if fmt == 1 else (7, -126)
+def _half_consts(mant: int, emin: int, emax: int) -> tuple[int, int, int, int, float, float, float, int]:
+    """Constants of half_bits for a 16-bit format with `mant` fraction bits and exponents [emin, emax]."""
     shift = 52 - mant
     bias = 1 - emin
-    adj = (np.int64(1) << (shift - 1)) - 1 - (np.int64(1023 - bias) << 52)
-    inf_bits = np.int64((2 * bias + 1) << mant)
-    nan_bits = inf_bits | (1 << (mant - 1))
-    min_normal = np.int64(1023 + emin) << 52
-    magic_bits = np.int64(1023 + emin - mant + 52) << 52
-    return (np.int64(shift), adj, inf_bits, nan_bits, min_normal, bits_f64(magic_bits), magic_bits)
+    adj = ((1 << (shift - 1)) - 1 - ((1023 - bias) << 52)) % (1 << 64)
+    inf_bits = (2 * bias + 1) << mant
+    ovf = math.ldexp(2.0 - 2.0 ** -(mant + 1), emax)  # max finite + half an ulp: the first value that rounds to inf
+    magic = math.ldexp(1.0, emin - mant + 52)
+    magic_bits = (1023 + emin - mant + 52) << 52
+    return shift, adj, inf_bits, inf_bits | (1 << (mant - 1)), math.ldexp(1.0, emin), ovf, magic, magic_bits
+
+
+_F16 = _half_consts(10, -14, 15)
+_BF16 = _half_consts(7, -126, 127)
+
+
+@_jit  # type: ignore[misc]
+def half_bits(v: float, h: Any) -> Any:
+    """Round binary64 once, to nearest even, into float16/bfloat16 bits (h: _F16 or _BF16); branch-free.
+
+    Normal range: round at bit `shift` of the binary64 bits with the exponent
+    rebiased in the same addition; carries run into the exponent, and |v| is
+    first clamped to the smallest value that rounds to infinity. Subnormal
+    range: |v| + magic has the target's subnormal spacing as its ulp, so the
+    hardware's one rounding is the spec's. NaN keeps its sign and becomes the
+    quiet NaN.
+    """
+    shift, adj, inf_bits, nan_bits, min_normal, ovf, magic, magic_bits = h
+    av = abs(v)
+    a = np.uint64(f64_bits(min(av, ovf)))
+    rn = np.int64((a + np.uint64(adj) + ((a >> np.uint64(shift)) & _U1)) >> np.uint64(shift))
+    rs = f64_bits(av + magic) - np.int64(magic_bits)
+    r = rs if av < min_normal else rn
+    r = np.int64(nan_bits) if av != av else r
+    return np.uint16(r | ((f64_bits(v) >> 48) & _SIGN16))
 
 
 def store(out: Any, k: Any, v: float, h: Any) -> None:
@@ -260,38 +259,66 @@ def run_global(r: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base
     return g
 
 
+def is_f16(out: Any, fmt: int) -> bool:
+    """Whether to round into float16 (else bfloat16); a constant False for native arrays, so no half code runs there."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(is_f16, jit_options={"cache": True, "inline": "always"})  # type: ignore[misc]
+def _is_f16_overload(out: Any, fmt: Any) -> Any:
+    if out.dtype == types.uint16:
+        def half(out: Any, fmt: Any) -> Any:
+            return fmt == 1
+        return half
+
+    def native(out: Any, fmt: Any) -> Any:
+        return False
+    return native
+
+
+@_jit  # type: ignore[misc]
+def fill_run(dst: Any, g: int, kind: int, s: Any, p0: float, p1: float, sc: float, p1b: float, cval: Any,
+             values: Any, h: Any) -> None:
+    """dst = elements g, g+1, ... of the full tensor (Kind codes as in plan.py); s = key + GOLDEN."""
+    if kind == 1:
+        fill_affine(dst, s + np.uint64(g), p0, sc, p1b, h)
+    elif kind == 2:
+        fill_normal(dst, s + _U2 * np.uint64(g), p0, p1, h)
+    elif kind == 3:
+        fill_flat(dst, values, g, h)
+    else:
+        fill_const(dst, cval)
+
+
 @_jit  # type: ignore[misc]
 def fill_piece(out: Any, l: int, lend: int, l_begin: int, kind: int, key: Any, p0: float, p1: float, sc: float,
-               p1b: float, cval: Any, values: Any, h: Any, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
-               run_len: int) -> None:
-    """Local elements [l, lend) of the region, run by run (Kind codes as in plan.py)."""
+               p1b: float, cval: Any, values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any,
+               base: int, run_len: int) -> None:
+    """Local elements [l, lend) of the region, run by run; the half format's constants are compile-time."""
     s = key + _GOLDEN
+    f16 = is_f16(out, fmt)
     while l < lend:
         r = l // run_len
         off = l - r * run_len
         g = run_global(r, outer_start, outer_ext, outer_stride, base) + off
         m = min(lend - l, run_len - off)
         dst = out[l - l_begin:l - l_begin + m]
-        if kind == 1:
-            fill_affine(dst, s + np.uint64(g), p0, sc, p1b, h)
-        elif kind == 2:
-            fill_normal(dst, s + _U2 * np.uint64(g), p0, p1, h)
-        elif kind == 3:
-            fill_flat(dst, values, g, h)
+        if f16:
+            fill_run(dst, g, kind, s, p0, p1, sc, p1b, cval, values, _F16)
         else:
-            fill_const(dst, cval)
+            fill_run(dst, g, kind, s, p0, p1, sc, p1b, cval, values, _BF16)
         l += m
 
 
 @_parallel  # type: ignore[misc]
 def fill_parallel(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, sc: float, p1b: float,
-                  cval: Any, values: Any, h: Any, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
+                  cval: Any, values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
                   run_len: int) -> None:
     n = out.shape[0]
     for t in nb.prange((n + PIECE - 1) // PIECE):
         l = l_begin + t * PIECE
-        fill_piece(out, l, min(l + PIECE, l_begin + n), l_begin, kind, key, p0, p1, sc, p1b, cval, values,
-                   h, outer_start, outer_ext, outer_stride, base, run_len)
+        fill_piece(out, l, min(l + PIECE, l_begin + n), l_begin, kind, key, p0, p1, sc, p1b, cval, values, fmt,
+                   outer_start, outer_ext, outer_stride, base, run_len)
 
 
 @_serial  # type: ignore[misc]
@@ -304,16 +331,18 @@ def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, valu
     n = out.shape[0]
     if n == 0:
         return
-    h = half_params(fmt)
     # p1 * 2^-32 is exact unless it falls into the subnormal range; then scale the draw instead.
     p1s = p1 * _TWO_NEG_32
     sc, p1b = (1.0, p1s) if p1s * 2.0**32 == p1 else (_TWO_NEG_32, p1)
     tmp = np.empty(1, dtype=out.dtype)
-    store(tmp, 0, p0, h)
+    if is_f16(out, fmt):
+        store(tmp, 0, p0, _F16)
+    else:
+        store(tmp, 0, p0, _BF16)
     cval = tmp[0]
     if n <= PIECE:
-        fill_piece(out, l_begin, l_begin + n, l_begin, kind, key, p0, p1, sc, p1b, cval, values, h,
+        fill_piece(out, l_begin, l_begin + n, l_begin, kind, key, p0, p1, sc, p1b, cval, values, fmt,
                    outer_start, outer_ext, outer_stride, base, run_len)
     else:
-        fill_parallel(out, l_begin, kind, key, p0, p1, sc, p1b, cval, values, h,
+        fill_parallel(out, l_begin, kind, key, p0, p1, sc, p1b, cval, values, fmt,
                       outer_start, outer_ext, outer_stride, base, run_len)

@@ -276,7 +276,7 @@ PI_HD pi_i64 pi_global(pi_i64 l, const PiJob& j, const pi_i64* dims) {
         const pi_i64* t = dims + 3 * d;
         const pi_u64 ext = (pi_u64)PI_LDG(t + 1);
         const pi_u64 q = pi_udiv(r, ext);
-        g += ((pi_i64)(r - q * ext)) * PI_LDG(t + 2);
+        g += ((pi_i64)(r - q * ext) + PI_LDG(t)) * PI_LDG(t + 2);
         r = q;
     }
     return g;

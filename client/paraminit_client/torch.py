@@ -1,0 +1,496 @@
+"""PyTorch modules and paraminit plans: a plan from a module, and a module filled from a plan.
+
+Build the model on the ``meta`` device (no memory, no RNG work), describe every
+tensor with ``plan_from_module``, and let ``materialize_module`` fill it: one
+parameter initialization for the whole model, done by the server's sampler, with
+bytes the plan alone determines (same plan, same tensors, on any backend)::
+
+    with torch.device("meta"):
+        model = GPT(config)
+    lease = materialize_module(model, Client(), seed=0)   # zero-copy SHM on a local server
+
+Policies:
+
+- ``"torch"`` reproduces the distributions of PyTorch's own ``reset_parameters``
+  for the layers it knows (Linear, Bilinear, Conv/ConvTranspose 1-3d, Embedding,
+  EmbeddingBag, LayerNorm, RMSNorm, GroupNorm, BatchNorm/InstanceNorm,
+  MultiheadAttention, RNN/LSTM/GRU and their cells, PReLU, and nn.Transformer's
+  Xavier re-initialization). The distributions are PyTorch's; the values are
+  paraminit's (its own generator), so they differ from ``torch.manual_seed`` runs.
+- ``"torchlean"``: Kaiming-uniform (``kaimingUniformForShape``) for weights of
+  rank >= 2, zeros for biases and other rank < 2 tensors of those layers,
+  ones/zeros for norms, normal(0, 1) for embeddings.
+
+A layer the policy does not know (or a known one whose class redefines its
+initialization) is never guessed: ``UnsupportedModuleError`` lists every such
+tensor, and ``overrides`` can supply them.
+
+The plan's dtypes are floating point, so integer and bool buffers are not in the
+plan; ``materialize_module`` sets BatchNorm's ``num_batches_tracked`` to 0, as
+PyTorch does, and refuses (before any RPC) a module with any other tensor still
+on ``meta`` that the plan does not cover.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+try:
+    import torch
+    import torch.utils.dlpack
+    from torch import nn
+except ImportError as _exc:  # torch is an optional extra: the rest of the client never imports it
+    raise ImportError("paraminit_client.torch needs PyTorch: pip install 'paraminit[torch]'") from _exc
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit.v1 import plan_pb2
+from paraminit_client.client import Client
+from paraminit_client.errors import ParaminitError
+from paraminit_client.exports import Lease
+
+__all__ = ["LEASE_ATTR", "POLICIES", "UnsupportedModuleError", "materialize_module", "param_seed", "plan_from_module"]
+
+Override = Callable[[str, torch.Tensor], "plan_pb2.Init | Mapping[str, Any] | None"]
+POLICIES = ("torch", "torchlean")
+LEASE_ATTR = "_paraminit_lease"
+
+_PLAN_DTYPES: dict[torch.dtype, plan_pb2.DType.ValueType] = {torch.float32: plan_pb2.DTYPE_FLOAT32, torch.float64: plan_pb2.DTYPE_FLOAT64,
+                                        torch.float16: plan_pb2.DTYPE_FLOAT16, torch.bfloat16: plan_pb2.DTYPE_BFLOAT16}
+_TORCH_DTYPES: dict[plan_pb2.DType.ValueType, torch.dtype] = {v: k for k, v in _PLAN_DTYPES.items()}
+_TORCH_DTYPES[plan_pb2.DTYPE_UNSPECIFIED] = torch.float32
+_SEEDED = {"uniform", "normal", "xavierUniform", "xavier_uniform", "kaimingUniform", "kaiming_uniform",
+           "xavierUniformForShape", "xavier_uniform_for_shape", "kaimingUniformForShape", "kaiming_uniform_for_shape"}
+
+
+class UnsupportedModuleError(ValueError):
+    """Tensors the policy cannot initialize without guessing; `problems` holds (name, module type, reason)."""
+
+    def __init__(self, problems: list[tuple[str, str, str]]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  {name} ({kind}): {reason}" for name, kind, reason in problems)
+        super().__init__(f"{len(problems)} tensor(s) have no initializer under this policy; pass `overrides` "
+                         f"returning an Init (or its JSON form) for them:\n{lines}")
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The seed of one parameter: SHA-256 of "seed:name", first 8 bytes big-endian.
+
+    It depends on the name only, so adding, removing or reordering other
+    parameters never changes this parameter's values.
+    """
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "big")
+
+
+# -- initializers -------------------------------------------------------------------------
+
+def _zeros() -> plan_pb2.Init:
+    return plan_pb2.Init(zeros=plan_pb2.Zeros())
+
+
+def _ones() -> plan_pb2.Init:
+    return plan_pb2.Init(ones=plan_pb2.Ones())
+
+
+def _uniform(lo: float, hi: float, seed: int) -> plan_pb2.Init:
+    return plan_pb2.Init(uniform=plan_pb2.Uniform(lo=lo, hi=hi, seed=seed))
+
+
+def _normal(std: float, seed: int) -> plan_pb2.Init:
+    return plan_pb2.Init(normal=plan_pb2.Normal(mean=0.0, std=std, seed=seed))
+
+
+def _xavier(seed: int) -> plan_pb2.Init:
+    return plan_pb2.Init(xavier_uniform_for_shape=plan_pb2.XavierUniformForShape(seed=seed))
+
+
+def _kaiming(seed: int) -> plan_pb2.Init:
+    return plan_pb2.Init(kaiming_uniform_for_shape=plan_pb2.KaimingUniformForShape(seed=seed))
+
+
+def _fans(shape: torch.Size) -> tuple[int, int]:
+    """PyTorch's (and the spec's) fans: [out, in, *kernel] gives in*prod(kernel), out*prod(kernel)."""
+    if len(shape) < 2:
+        return 0, 0
+    receptive = math.prod(shape[2:])
+    return shape[1] * receptive, shape[0] * receptive
+
+
+def _inv_sqrt(n: float) -> float:
+    return 1.0 / math.sqrt(n) if n > 0 else 0.0
+
+
+def _sym(bound: float, seed: int) -> plan_pb2.Init:
+    return _uniform(-bound, bound, seed)
+
+
+# -- layer families -----------------------------------------------------------------------
+# A rule gets (module, local key, tensor, seed, policy) and returns an Init, a reason string
+# for a known but inexpressible case, or None for a tensor it does not know.
+
+Rule = Callable[[Any, str, torch.Tensor, int, str], "plan_pb2.Init | str | None"]
+
+
+def _lean(torch_rule: Rule) -> Rule:
+    """The same tensors under "torchlean": Kaiming-uniform for rank >= 2, zeros below."""
+    def rule(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
+        got = torch_rule(mod, key, t, seed, policy)
+        if policy == "torchlean" and isinstance(got, plan_pb2.Init):
+            return _kaiming(seed) if t.dim() >= 2 else _zeros()
+        return got
+    return rule
+
+
+def _fan_in_uniform(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
+    """Linear and Conv: kaiming_uniform_(a=sqrt(5)) on the weight is U(+-1/sqrt(fan_in)); the bias uses the same bound."""
+    if key not in ("weight", "bias"):
+        return None
+    return _sym(_inv_sqrt(_fans(mod.weight.shape)[0]), seed)
+
+
+def _bilinear(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
+    return _sym(_inv_sqrt(mod.weight.shape[1]), seed) if key in ("weight", "bias") else None
+
+
+def _embedding(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
+    if key != "weight":
+        return None
+    if mod.padding_idx is not None:
+        return f"padding_idx={mod.padding_idx} needs a zero row, which one plan initializer cannot express"
+    return _normal(1.0, seed)
+
+
+def _norm(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
+    if key in ("weight", "running_var"):
+        return _ones()
+    if key in ("bias", "running_mean"):
+        return _zeros()
+    return None
+
+
+def _rnn(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
+    """RNN/LSTM/GRU and cells: every tensor U(+-1/sqrt(hidden_size))."""
+    return _sym(_inv_sqrt(mod.hidden_size), seed)
+
+
+def _mha(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
+    if key in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
+        return _xavier(seed)
+    if key == "in_proj_bias":
+        return _zeros()
+    if key in ("bias_k", "bias_v"):  # xavier_normal_: std = sqrt(2 / (fan_in + fan_out))
+        fan_in, fan_out = _fans(t.shape)
+        return _normal(math.sqrt(2.0 / (fan_in + fan_out)) if fan_in + fan_out else 0.0, seed)
+    return None
+
+
+def _prelu(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
+    """A constant c is uniform(c, c): exact, since lo + u * 0 = lo."""
+    return _uniform(float(mod.init), float(mod.init), seed) if key == "weight" else None
+
+
+_NormBase = nn.modules.batchnorm._NormBase
+_ConvNd = nn.modules.conv._ConvNd
+
+# (base class, the method holding its initialization, rule); first match wins.
+_FAMILIES: list[tuple[type[Any], str, Rule]] = [
+    (nn.Linear, "reset_parameters", _lean(_fan_in_uniform)),
+    (_ConvNd, "reset_parameters", _lean(_fan_in_uniform)),
+    (nn.Bilinear, "reset_parameters", _lean(_bilinear)),
+    (nn.Embedding, "reset_parameters", _embedding),
+    (nn.EmbeddingBag, "reset_parameters", _embedding),
+    (nn.LayerNorm, "reset_parameters", _norm),
+    (nn.RMSNorm, "reset_parameters", _norm),
+    (nn.GroupNorm, "reset_parameters", _norm),
+    (_NormBase, "reset_parameters", _norm),
+    (nn.MultiheadAttention, "_reset_parameters", _lean(_mha)),
+    (nn.RNNBase, "reset_parameters", _lean(_rnn)),
+    (nn.RNNCellBase, "reset_parameters", _lean(_rnn)),
+    (nn.PReLU, "reset_parameters", _prelu),
+]
+
+
+def _rule_of(mod: nn.Module) -> Rule | str:
+    """The module's rule, or why there is none (unknown type, or a redefined initialization)."""
+    for base, method, rule in _FAMILIES:
+        if isinstance(mod, base):
+            if getattr(type(mod), method, None) is getattr(base, method):
+                return rule
+            return f"{type(mod).__name__} redefines {base.__name__}.{method}"
+    return f"no initialization rule for {type(mod).__name__}"
+
+
+# -- walking a module ---------------------------------------------------------------------
+
+def _owners(module: nn.Module) -> dict[str, tuple[nn.Module, str, str]]:
+    """state_dict name -> (owning module, local key, owner's prefix), shared modules under every name."""
+    out: dict[str, tuple[nn.Module, str, str]] = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for key, p in mod._parameters.items():
+            if p is not None:
+                out[dot + key] = (mod, key, prefix)
+        for key, b in mod._buffers.items():
+            if b is not None and key not in mod._non_persistent_buffers_set:
+                out[dot + key] = (mod, key, prefix)
+    return out
+
+
+def _distinct_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, list[str]]]:
+    """(first name, tensor, every name) per distinct tensor of state_dict(), in state_dict order."""
+    names: dict[int, list[str]] = {}
+    first: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.Tensor):
+            names.setdefault(id(t), []).append(name)
+            first.setdefault(id(t), (name, t))
+    for key, (name, t) in first.items():
+        yield name, t, names[key]
+
+
+def _is_plan_tensor(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _container_rules(module: nn.Module, policy: str, seed: int,
+                     inits: dict[str, plan_pb2.Init | str]) -> None:
+    """Initializations a parent applies over its children's: MultiheadAttention zeroes out_proj.bias,
+    nn.Transformer re-initializes every tensor of rank > 1 with Xavier-uniform."""
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        if isinstance(mod, nn.MultiheadAttention) and f"{dot}out_proj.bias" in inits:
+            inits[f"{dot}out_proj.bias"] = _zeros()
+        if isinstance(mod, nn.Transformer) and policy == "torch":
+            redefined = type(mod)._reset_parameters is not nn.Transformer._reset_parameters
+            for name, p in mod.named_parameters(prefix=prefix):
+                if p.dim() > 1 and name in inits:
+                    inits[name] = (f"{type(mod).__name__} redefines Transformer._reset_parameters" if redefined
+                                   else _xavier(param_seed(seed, name)))
+
+
+def _override_init(name: str, value: plan_pb2.Init | Mapping[str, Any], seed: int) -> plan_pb2.Init:
+    """An override's Init; a JSON form without "seed" gets the parameter's derived seed."""
+    if isinstance(value, plan_pb2.Init):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"override for {name!r} must return an Init, a mapping or None, got {type(value).__name__}")
+    data = {k: ({**v, "seed": seed} if k in _SEEDED and isinstance(v, Mapping) and "seed" not in v else v)
+            for k, v in value.items()}
+    init = plan_pb2.Init()
+    try:
+        json_format.ParseDict(data, init)
+    except json_format.ParseError as exc:
+        raise ValueError(f"override for {name!r} is not a valid Init: {exc}") from None
+    return init
+
+
+def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
+                     overrides: Override | None = None) -> plan_pb2.Plan:
+    """One Param per distinct floating-point tensor of `module.state_dict()`, in its order.
+
+    Names are state_dict names; a tied tensor appears once, under its first
+    name, with the initialization of that name's module (for GPT-2's tied
+    lm_head that is the token Embedding's). `overrides(name, tensor)` is asked
+    first for every tensor; None leaves it to the policy. Seeds are
+    param_seed(seed, name). Works on meta modules: only shapes and dtypes are read.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    owners = _owners(module)
+    inits: dict[str, plan_pb2.Init | str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for name, t, _ in _distinct_tensors(module):
+        if not _is_plan_tensor(t):
+            continue  # integer/bool buffers: not expressible in the plan's float dtypes (see materialize_module)
+        tensors[name] = t
+        owner = owners.get(name)
+        kinds[name] = type(owner[0]).__name__ if owner else "?"
+        if nn.parameter.is_lazy(t):
+            inits[name] = "uninitialized lazy tensor: run a forward pass first or use the non-lazy layer"
+            continue
+        if owner is None:
+            inits[name] = "state_dict name not found among the module's parameters and persistent buffers"
+            continue
+        rule = _rule_of(owner[0])
+        if isinstance(rule, str):
+            inits[name] = rule
+            continue
+        got = rule(owner[0], owner[1], t, param_seed(seed, name), policy)
+        inits[name] = got if got is not None else f"{kinds[name]} has no rule for its tensor {owner[1]!r}"
+    _container_rules(module, policy, seed, inits)
+    problems: list[tuple[str, str, str]] = []
+    params: list[plan_pb2.Param] = []
+    for name, t in tensors.items():
+        init = inits[name]
+        if overrides is not None:
+            custom = overrides(name, t)
+            if custom is not None:
+                init = _override_init(name, custom, param_seed(seed, name))
+        dtype = _PLAN_DTYPES.get(t.dtype)
+        if dtype is None:
+            problems.append((name, kinds[name], f"dtype {t.dtype} is not one of float32, float64, float16, bfloat16"))
+        elif isinstance(init, str):
+            problems.append((name, kinds[name], init))
+        else:
+            params.append(plan_pb2.Param(name=name, shape=list(t.shape), dtype=dtype, init=init))
+    if problems:
+        raise UnsupportedModuleError(problems)
+    return plan_pb2.Plan(params=params)
+
+
+# -- materializing ------------------------------------------------------------------------
+
+def _is_local(target: str) -> bool:
+    """A server on this host: loopback or a Unix socket (SHM and CUDA_IPC need one)."""
+    if target.startswith("unix:"):
+        return True
+    for scheme in ("dns:///", "ipv4:", "ipv6:"):
+        target = target.removeprefix(scheme)
+    host = target.rpartition(":")[0].strip("[]") if ":" in target else target
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _numpy_to_torch(a: np.ndarray[Any, Any]) -> torch.Tensor:
+    """Zero-copy; bfloat16 (ml_dtypes) goes through a uint16 view since torch.from_numpy does not know it."""
+    if str(a.dtype) == "bfloat16":
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _lease_tensors(lease: Lease) -> dict[str, torch.Tensor]:
+    """Views of the lease's buffer (host mapping or device memory), typed in torch, no copy."""
+    buf = lease.buffer
+    base = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else torch.utils.dlpack.from_dlpack(buf)
+    return {t.name: base[t.offset:t.offset + t.nbytes].view(_TORCH_DTYPES[t.dtype]).view(tuple(t.shape))
+            for t in lease.info.tensors}
+
+
+def _choose(client: Client, device: torch.device, delivery: str) -> list[str]:
+    """Deliveries to try in order: zero-copy first when the server is on this host and offers it."""
+    if delivery != "auto":
+        if delivery not in ("stream", "shm", "cuda_ipc"):
+            raise ValueError(f"delivery must be auto, stream, shm or cuda_ipc, got {delivery!r}")
+        return [delivery]
+    if not _is_local(client.target):
+        return ["stream"]
+    offered = set(client.info().deliveries)
+    order = []
+    if device.type == "cuda" and pb.DELIVERY_CUDA_IPC in offered:
+        order.append("cuda_ipc")
+    if pb.DELIVERY_SHM in offered:
+        order.append("shm")
+    return [*order, "stream"]
+
+
+def _fetch(client: Client, plan: plan_pb2.Plan, device: torch.device, kind: str, ttl_seconds: float,
+           auto_renew: bool | None) -> tuple[dict[str, torch.Tensor], Lease | None]:
+    if kind == "stream":
+        tensors = {k: _numpy_to_torch(v) for k, v in client.materialize(plan).items()}
+        return {k: v.to(device) for k, v in tensors.items()}, None
+    renew = (kind == "cuda_ipc") if auto_renew is None else auto_renew
+    lease = client.export(plan, kind, ttl_seconds=ttl_seconds, auto_renew=renew)
+    try:
+        tensors = _lease_tensors(lease)
+        if all(t.device == device for t in tensors.values()):
+            return tensors, lease
+        moved = {k: v.to(device) for k, v in tensors.items()}  # e.g. SHM to a GPU: copies, the lease is not needed
+    except BaseException:
+        lease.release()
+        raise
+    del tensors
+    lease.release()
+    return moved, None
+
+
+def materialize_module(module: nn.Module, client: Client, device: str | torch.device = "cpu", delivery: str = "auto",
+                       *, plan: plan_pb2.Plan | None = None, seed: int = 0, policy: str = "torch",
+                       overrides: Override | None = None, ttl_seconds: float = 0.0,
+                       auto_renew: bool | None = None) -> Lease | None:
+    """Replace the module's tensors (typically on meta) with real ones from the server; returns the lease, if any.
+
+    `plan` defaults to plan_from_module(module, seed, policy, overrides).
+    Delivery "auto" picks, for a server on this host, CUDA_IPC (to a cuda
+    device) or SHM, and else (or when the server refuses the handoff) a STREAM
+    copy; "stream", "shm" and "cuda_ipc" force one. Tensors are assigned with
+    load_state_dict(assign=True), one Parameter per distinct tensor, so tied
+    weights stay tied and requires_grad is kept.
+
+    With SHM or CUDA_IPC the module's tensors alias the leased buffer: the
+    lease is returned and kept on the module as `module._paraminit_lease`
+    (LEASE_ATTR); `lease.apply(plan2)` re-initializes the module in place.
+    Under CUDA_IPC the tensors are the server's device memory, so releasing the
+    lease, or letting it expire, invalidates them: it is auto-renewed by default
+    and must be held as long as the module is used. Under SHM the tensors hold
+    the mapping, so they stay valid after release or expiry (which only free the
+    server's accounting); Apply needs a live lease. Materializing the module
+    again releases the previous lease.
+    """
+    dev = torch.device(device)
+    if plan is None:
+        plan = plan_from_module(module, seed, policy, overrides)
+    state = module.state_dict(keep_vars=True)
+    ids = {name: id(t) for name, t in state.items() if isinstance(t, torch.Tensor)}
+    _check_plan(plan, state)
+    planned = {ids[p.name] for p in plan.params}
+    owners = _owners(module)
+    fills: dict[int, torch.Tensor] = {}
+    missing = []
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if id(t) in planned or id(t) in fills or not t.is_meta:
+            continue
+        owner = owners.get(name)
+        if owner is not None and isinstance(owner[0], _NormBase) and owner[1] == "num_batches_tracked":
+            fills[id(t)] = torch.zeros(t.shape, dtype=t.dtype, device=dev)  # PyTorch's reset_running_stats
+        else:
+            why = "not in the plan" if name in state else "a non-persistent buffer, which no plan can describe"
+            missing.append(f"{name} ({t.dtype}, {why})")
+    if missing:
+        raise ValueError("these tensors are still on meta and would stay unmaterialized; build them on a real "
+                         "device or include them in the plan: " + ", ".join(missing))
+
+    tensors: dict[str, torch.Tensor] = {}
+    lease: Lease | None = None
+    if plan.params:
+        order = _choose(client, dev, delivery)
+        for i, kind in enumerate(order):
+            try:
+                tensors, lease = _fetch(client, plan, dev, kind, ttl_seconds, auto_renew)
+                break
+            except ParaminitError as err:  # e.g. a forwarded port that looks local but is not: try the next
+                if i + 1 == len(order) or err.code != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+    for p in plan.params:
+        old = state[p.name]
+        new = tensors[p.name]
+        fills[id(old)] = nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else new
+    module.load_state_dict({name: fills.get(id(t), t) if isinstance(t, torch.Tensor) else t
+                            for name, t in state.items()}, strict=True, assign=True)
+    previous = module.__dict__.get(LEASE_ATTR)
+    if isinstance(previous, Lease) and previous is not lease:
+        previous.release()
+    module.__dict__[LEASE_ATTR] = lease
+    return lease
+
+
+def _check_plan(plan: plan_pb2.Plan, state: Mapping[str, Any]) -> None:
+    """A given plan must name state_dict tensors with their exact shapes and dtypes, whole (no regions)."""
+    problems = []
+    for p in plan.params:
+        t = state.get(p.name)
+        if not isinstance(t, torch.Tensor):
+            problems.append(f"{p.name!r} is not a tensor of the module's state_dict")
+            continue
+        if list(p.shape) != list(t.shape) or _TORCH_DTYPES.get(p.dtype) != t.dtype:
+            problems.append(f"{p.name!r}: plan {plan_pb2.DType.Name(p.dtype)}{list(p.shape)} but module "
+                            f"{t.dtype}{list(t.shape)}")
+        if p.region:
+            problems.append(f"{p.name!r}: a region (shard) cannot fill a whole module tensor")
+    if problems:
+        raise ValueError("plan does not match the module: " + "; ".join(problems))

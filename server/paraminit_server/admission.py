@@ -1,0 +1,91 @@
+"""Admission: a concurrency limit, a memory budget, and the draining flag.
+
+Requests reserve the memory they will hold before allocating it: a stream its
+few slabs, an export its whole buffer for as long as the lease lives. A plan
+that cannot be admitted fails fast with RESOURCE_EXHAUSTED (or waits a bounded
+time when the client's deadline leaves room) and allocates nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+from paraminit_server import errors
+
+
+class Reservation:
+    """Bytes held against the budget until release(), which is idempotent."""
+
+    def __init__(self, budget: MemoryBudget, nbytes: int) -> None:
+        self._budget = budget
+        self.nbytes = nbytes
+        self._released = False
+
+    def release(self) -> None:
+        with self._budget._cond:
+            if not self._released:
+                self._released = True
+                self._budget.reserved -= self.nbytes
+                self._budget._cond.notify_all()
+
+
+class MemoryBudget:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.reserved = 0
+        self._cond = threading.Condition()
+
+    def reserve(self, nbytes: int, wait: float = 0.0, what: str = "request") -> Reservation:
+        if nbytes > self.limit:
+            raise errors.ResourceExhausted(f"{what} needs {nbytes} bytes of backend memory; the budget is {self.limit}")
+        deadline = time.monotonic() + max(0.0, wait)
+        with self._cond:
+            while self.reserved + nbytes > self.limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise errors.ResourceExhausted(
+                        f"{what} needs {nbytes} bytes of backend memory, {self.limit - self.reserved} of "
+                        f"{self.limit} are available now; retry later")
+                self._cond.wait(left)
+            self.reserved += nbytes
+        return Reservation(self, nbytes)
+
+
+class Admission:
+    """Concurrency limit plus a draining flag: refuse rather than queue without bound."""
+
+    def __init__(self, max_concurrent: int, memory_limit: int) -> None:
+        self._sem = threading.BoundedSemaphore(max_concurrent)
+        self.max_concurrent = max_concurrent
+        self.memory = MemoryBudget(memory_limit)
+        self.draining = threading.Event()
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.in_flight_bytes = 0
+        self.idle = threading.Condition(self._lock)
+
+    @contextlib.contextmanager
+    def admit(self, nbytes: int) -> Iterator[None]:
+        if self.draining.is_set():
+            raise errors.Unavailable("server is shutting down; retry on another worker")
+        if not self._sem.acquire(blocking=False):
+            raise errors.ResourceExhausted(
+                f"server is at its limit of {self.max_concurrent} concurrent materializations; retry later")
+        with self._lock:
+            self.in_flight += 1
+            self.in_flight_bytes += nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+                self.in_flight_bytes -= nbytes
+                self.idle.notify_all()
+            self._sem.release()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self._lock:
+            return self.idle.wait_for(lambda: self.in_flight == 0, timeout)
