@@ -22,6 +22,7 @@ from paraminit_server import backends
 from paraminit_server.auth import AuthInterceptor, TokenAuth, server_credentials
 from paraminit_server.config import ServerConfig
 from paraminit_server.service import InitServicer
+from paraminit_server.status import MalformedRequest
 
 log = logging.getLogger("paraminit.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InitService"].full_name
@@ -99,6 +100,19 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     return running
 
 
+def _lenient_parser(cls: Any) -> Any:
+    """Parse a request; undecodable bytes become a MalformedRequest that the boundary reports as
+    INVALID_ARGUMENT (grpc's own deserializer failure would surface as INTERNAL)."""
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return cls.FromString(raw)
+        except Exception as exc:  # DecodeError, or recursion limits on hostile input
+            return MalformedRequest(f"request is not a valid {cls.DESCRIPTOR.full_name}: {exc}")
+
+    return parse
+
+
 def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
     """The generated handlers, except that Materialize also sends pre-encoded chunk bytes (paraminit.wire)."""
     handlers = {}
@@ -106,12 +120,13 @@ def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         fn = getattr(servicer, method.name)
+        parse = _lenient_parser(request_cls)
         if method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                fn, request_deserializer=request_cls.FromString, response_serializer=wire.serialize_response)
+                fn, request_deserializer=parse, response_serializer=wire.serialize_response)
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=request_cls.FromString, response_serializer=response_cls.SerializeToString)
+                fn, request_deserializer=parse, response_serializer=response_cls.SerializeToString)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 

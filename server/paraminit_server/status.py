@@ -61,7 +61,16 @@ def _count(owner: Any, method: str, code: grpc.StatusCode) -> None:
         metrics.requests.labels(method, code.name).inc()
 
 
-def _refuse_when_draining(owner: Any) -> None:
+class MalformedRequest:
+    """Stands in for a request whose bytes did not parse; see server._lenient_parser."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _precheck(owner: Any, request: Any = None) -> None:
+    if isinstance(request, MalformedRequest):
+        raise errors.InvalidRequest(request.reason)
     admission = getattr(owner, "admission", None)
     if admission is not None and admission.draining.is_set():
         raise errors.Unavailable("server is shutting down; retry on another worker")
@@ -92,7 +101,7 @@ def boundary(fn: F) -> F:
         @functools.wraps(fn)
         def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
-                _refuse_when_draining(self)
+                _precheck(self, request)
                 yield from fn(self, request, context)
                 _count(self, name, grpc.StatusCode.OK if context.is_active() else grpc.StatusCode.CANCELLED)
             except GeneratorExit:
@@ -108,7 +117,7 @@ def boundary(fn: F) -> F:
     @functools.wraps(fn)
     def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            _refuse_when_draining(self)
+            _precheck(self, request)
             result = fn(self, request, context)
             _count(self, name, grpc.StatusCode.OK)
             return result

@@ -1,0 +1,262 @@
+"""Fuzzing a live server, injected faults, and processes killed mid-flight."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit.v1 import plan_pb2
+from paraminit_client import Client, ParaminitError, param, plan_of
+from paraminit_server import plan as planlib
+from paraminit_server import reference
+from paraminit_server.backends.numpy_backend import NumpyBackend
+from paraminit_server.config import ServerConfig
+from paraminit_server.server import Running, start
+from paraminit_server.validation import Limits, validate
+
+BIN = Path(sys.executable).parent
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Running]:
+    r = start(ServerConfig(host="127.0.0.1", port=0, max_plan_bytes=8 << 20, max_param_bytes=4 << 20), warm_up_async=False)
+    yield r
+    r.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def client(server: Running) -> Iterator[Client]:
+    with Client(f"127.0.0.1:{server.port}", timeout=60) as c:
+        yield c
+
+
+floats = st.one_of(st.floats(-10, 10), st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e308, -1e308]))
+seeds = st.one_of(st.integers(0, 2**64 - 1), st.just(0))
+
+
+@st.composite
+def inits(draw: Any, shape: list[int]) -> plan_pb2.Init | None:
+    kind = draw(st.sampled_from(["zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",
+                                 "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "unset"]))
+    init = plan_pb2.Init()
+    if kind == "unset":
+        return None
+    if kind == "uniform":
+        init.uniform.lo, init.uniform.hi, init.uniform.seed = draw(floats), draw(floats), draw(seeds)
+    elif kind == "normal":
+        init.normal.mean, init.normal.std, init.normal.seed = draw(floats), draw(floats), draw(seeds)
+    elif kind == "xavier_uniform":
+        x = init.xavier_uniform
+        x.fan_in, x.fan_out, x.seed = draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6)), draw(seeds)
+    elif kind == "kaiming_uniform":
+        init.kaiming_uniform.fan_in, init.kaiming_uniform.seed = draw(st.integers(0, 10**6)), draw(seeds)
+    elif kind == "flat":
+        n = int(np.prod(shape)) + draw(st.sampled_from([0, 0, 0, 1, -1]))
+        init.flat.values.extend(draw(floats) for _ in range(max(0, min(n, 64))))
+        init.flat.SetInParent()
+    elif kind.endswith("for_shape"):
+        getattr(init, kind).seed = draw(seeds)
+    else:
+        getattr(init, kind).SetInParent()
+    return init
+
+
+@st.composite
+def params(draw: Any, names: Any) -> plan_pb2.Param:
+    shape = draw(st.lists(st.integers(0, 6), min_size=0, max_size=4))
+    if draw(st.booleans()) and draw(st.booleans()):
+        shape = [draw(st.integers(1 << 20, 1 << 40)) for _ in range(draw(st.integers(1, 3)))]  # huge
+    p = plan_pb2.Param(name=draw(names), shape=shape, dtype=draw(st.sampled_from([0, 1, 2, 3, 4, 4, 9])))
+    init = draw(inits(shape))
+    if init is not None:
+        p.init.CopyFrom(init)
+    if shape and draw(st.booleans()):
+        for d in shape:
+            a = draw(st.integers(0, d + 1))
+            b = draw(st.integers(0, d + 1))
+            p.region.add(start=a, stop=b)
+        if draw(st.booleans()):
+            del p.region[-1]
+    return p
+
+
+plans = st.lists(params(st.sampled_from(["a", "b", "c", "", "w.weight"])), min_size=0, max_size=5).map(
+    lambda ps: plan_pb2.Plan(params=ps))
+
+
+@FUZZ
+@given(plan=plans)
+def test_fuzz_plans_against_live_server(client: Client, plan: plan_pb2.Plan) -> None:
+    report = validate(plan, Limits(max_param_bytes=4 << 20, max_plan_bytes=8 << 20))
+    try:
+        got = client.materialize(plan)
+    except ParaminitError as err:
+        assert err.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), err
+        assert len(err.violations) == len(report.violations) >= 1
+        return
+    assert report.ok
+    for p in planlib.resolve(plan):
+        assert got[p.name].tobytes() == reference.materialize(p).tobytes()
+
+
+@FUZZ
+@given(raw=st.binary(max_size=512))
+def test_fuzz_raw_request_bytes(server: Running, raw: bytes) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        for method, streaming in (("Materialize", True), ("Validate", False), ("Release", False), ("Apply", False)):
+            path = f"/paraminit.v1.InitService/{method}"
+            call = ch.unary_stream(path) if streaming else ch.unary_unary(path)
+            try:
+                result = call(raw, timeout=30)
+                if streaming:
+                    list(result)
+            except grpc.RpcError as err:
+                assert err.code() != grpc.StatusCode.INTERNAL, (method, raw, err.details())
+                assert err.code() != grpc.StatusCode.UNKNOWN, (method, raw, err.details())
+
+
+def test_truncated_request_is_invalid_argument(server: Running) -> None:
+    good = pb.MaterializeRequest(plan=plan_of([param("w", [4], {"ones": {}})])).SerializeToString()
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch, pytest.raises(grpc.RpcError) as info:
+        list(ch.unary_stream("/paraminit.v1.InitService/Materialize")(good[:-3]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid paraminit.v1.MaterializeRequest" in info.value.details()
+
+
+def test_server_still_serves_after_fuzzing(client: Client) -> None:
+    assert client.health() == "SERVING"
+    assert client.materialize(plan_of([param("w", [3], {"ones": {}})]))["w"].tolist() == [1, 1, 1]
+
+
+class FailingAlloc(NumpyBackend):
+    """Fails the Nth allocation: a fault in the middle of a plan."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def empty(self, nbytes: int) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise MemoryError(f"cannot allocate {nbytes} bytes")
+        return super().empty(nbytes)
+
+
+def test_allocation_failure_mid_plan_frees_everything() -> None:
+    backend = FailingAlloc(fail_at=3)
+    r = start(ServerConfig(host="127.0.0.1", port=0, slab_bytes=1 << 20), backend=backend, warm_up_async=False)
+    try:
+        plan = plan_of([param("w", [1 << 20], {"uniform": {"lo": -1, "hi": 1}})])  # 4 MiB = 4 slabs
+        with Client(f"127.0.0.1:{r.port}") as c:
+            with pytest.raises(ParaminitError) as info:
+                c.materialize(plan)
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "out of memory" in info.value.message
+            assert r.servicer.admission.in_flight == 0 and r.servicer.admission.memory.reserved == 0
+            got = c.materialize(plan)["w"]
+            want = np.empty(1 << 20, np.float32)
+            NumpyBackend().fill(planlib.resolve(plan)[0], want)
+            assert got.tobytes() == want.tobytes()
+    finally:
+        r.stop(grace=0)
+
+
+def test_memory_budget_refuses_without_allocating() -> None:
+    r = start(ServerConfig(host="127.0.0.1", port=0, memory_budget=8 << 20), warm_up_async=False)
+    try:
+        with Client(f"127.0.0.1:{r.port}") as c:
+            held = c.export(plan_of([param("a", [1 << 20], {"zeros": {}})]))  # 4 MiB of 8
+            with pytest.raises(ParaminitError) as info:
+                c.export(plan_of([param("b", [(6 << 20) // 4], {"zeros": {}})]))
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert re.search(r"needs 6291456 bytes .* 4194304 of 8388608 are available", info.value.message)
+            held.release()
+            c.export(plan_of([param("b", [(6 << 20) // 4], {"zeros": {}})])).release()
+    finally:
+        r.stop(grace=0)
+
+
+def _serve(env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([str(BIN / "paraminit"), "serve"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "numpy", **(env or {})})
+    assert proc.stdout is not None
+    m = re.search(r"listening on [\d.]+:(\d+)", proc.stdout.readline())
+    assert m
+    target = f"127.0.0.1:{m.group(1)}"
+    with Client(target) as c:
+        c.wait_ready(120)
+    return proc, target
+
+
+def test_killed_client_lease_expires_and_segment_goes() -> None:
+    proc, target = _serve()
+    try:
+        code = textwrap.dedent(f"""
+            import os
+            from paraminit_client import Client, param, plan_of
+            c = Client({target!r})
+            lease = c.export(plan_of([param("w", [1024], {{"ones": {{}}}})]), ttl_seconds=1.0)
+            print(lease.info.shm.segment_name, flush=True)
+            os.kill(os.getpid(), 9)
+        """)
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert child.returncode == -signal.SIGKILL
+        name = child.stdout.strip()
+        assert name.startswith("paraminit-") and os.path.exists(f"/dev/shm/{name}")
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/dev/shm/{name}")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_server_killed_mid_stream_then_retry_gives_same_bytes() -> None:
+    plan = plan_of([param("w", [16 << 20], {"normal": {"std": 1.0, "seed": 5}}, "bfloat16")])  # 32 MiB
+    proc, target = _serve({"PARAMINIT_CHUNK_BYTES": "65536"})
+    with Client(target) as c:
+        _h, chunks = c.stream(plan)
+        next(chunks)
+        proc.kill()
+        proc.wait(10)
+        with pytest.raises(ParaminitError) as info:
+            list(chunks)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    proc2, target2 = _serve()
+    try:
+        with Client(target2) as c:
+            got = c.materialize(plan)["w"]
+        want = np.empty(16 << 20, np.uint16)
+        NumpyBackend().fill(planlib.resolve(plan)[0], want)
+        assert got.view(np.uint16).tobytes() == want.tobytes()
+    finally:
+        proc2.terminate()
+        proc2.wait(30)
+
+
+def test_concurrent_requests_do_not_crash(client: Client) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    plan = plan_of([param("w", [256, 1024], {"kaimingUniformForShape": {"seed": 2}})])
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: client.materialize(plan)["w"].tobytes(), range(16)))
+    assert len(set(results)) == 1
