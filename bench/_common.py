@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+PIDS: dict[str, int] = {}  # target -> pid of the serve subprocess behind it
 
 
 def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
@@ -47,6 +48,7 @@ def serve(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
         if not m:
             raise RuntimeError("server did not report its port")
         target = f"127.0.0.1:{m.group(1)}"
+        PIDS[target] = proc.pid
         from paraminit_client import Client
 
         with Client(target) as c:

@@ -9,11 +9,24 @@ time when the client's deadline leaves room) and allocates nothing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from paraminit_server import errors
+
+
+def _malloc_trim() -> Callable[[], None]:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return lambda: None
+    return lambda: None if trim(0) else None
+
+
+trim_heap = _malloc_trim()  # give freed slab memory back to the OS once the server is idle
 
 
 class Reservation:
@@ -83,8 +96,11 @@ class Admission:
             with self._lock:
                 self.in_flight -= 1
                 self.in_flight_bytes -= nbytes
+                idle = self.in_flight == 0
                 self.idle.notify_all()
             self._sem.release()
+            if idle:
+                trim_heap()
 
     def wait_idle(self, timeout: float) -> bool:
         with self._lock:

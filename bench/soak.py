@@ -1,0 +1,122 @@
+"""Soak: N concurrent clients for T seconds against a `paraminit serve` subprocess on loopback.
+
+Each client loops over a mix of streamed plans, SHM exports (held briefly, then
+released) and invalid plans. Prints requests/s, bytes/s, p50/p99 latency,
+counts by status code, and the server's RSS and /dev/shm usage before and after
+(after should return to the baseline). Bounded in time and count.
+
+    python bench/soak.py --clients 16 --seconds 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import PIDS, serve  # noqa: E402
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def shm_bytes() -> int:
+    return sum(os.path.getsize(f"/dev/shm/{f}") for f in os.listdir("/dev/shm") if f.startswith("paraminit-"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=120)
+    ap.add_argument("--max-requests", type=int, default=1_000_000)
+    ap.add_argument("--warmup", type=float, default=5.0, help="seconds of the same load before the baseline")
+    args = ap.parse_args()
+    from paraminit_client import Client, ParaminitError, param, plan_of
+
+    plans = [plan_of([param("w", [512, 1024], {"uniform": {"lo": -1, "hi": 1, "seed": s}}),
+                      param("e", [1024, 256], {"normal": {"std": 0.02, "seed": s + 1}}, "bfloat16")]) for s in range(4)]
+    invalid = plan_of([param("w", [4], {"uniform": {"lo": 1, "hi": 0}}), param("w", [2], {"flat": {"values": [1]}})])
+    lock = threading.Lock()
+    codes: collections.Counter[str] = collections.Counter()
+    latencies: list[float] = []
+    total_bytes = [0]
+    stop_at = float("inf")
+    budget = [args.max_requests]
+
+    def worker(seed: int, target: str) -> None:
+        rng = random.Random(seed)
+        with Client(target, timeout=60) as c:
+            while time.monotonic() < stop_at:
+                with lock:
+                    if budget[0] <= 0:
+                        return
+                    budget[0] -= 1
+                kind = rng.choices(["stream", "shm", "invalid"], [5, 3, 2])[0]
+                t = time.perf_counter()
+                nbytes = 0
+                try:
+                    if kind == "stream":
+                        arrays = c.materialize(rng.choice(plans))
+                        nbytes = sum(a.nbytes for a in arrays.values())
+                    elif kind == "shm":
+                        with c.export(rng.choice(plans), ttl_seconds=30) as lease:
+                            nbytes = sum(a.nbytes for a in lease.arrays.values())
+                            time.sleep(rng.uniform(0, 0.05))
+                    else:
+                        c.materialize(invalid)
+                    code = "OK"
+                except ParaminitError as err:
+                    code = err.code.name
+                dt = time.perf_counter() - t
+                with lock:
+                    codes[f"{kind}:{code}"] += 1
+                    latencies.append(dt)
+                    total_bytes[0] += nbytes
+
+    with serve() as target:
+        pid = PIDS[target]
+        def run(seconds: float) -> float:
+            nonlocal stop_at
+            started = time.monotonic()
+            stop_at = started + seconds
+            threads = [threading.Thread(target=worker, args=(i, target)) for i in range(args.clients)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            return time.monotonic() - started
+
+        run(args.warmup)  # the same load first: thread pools, allocator arenas and caches reach steady state
+        time.sleep(1.0)
+        codes.clear()
+        latencies.clear()
+        total_bytes[0] = 0
+        rss0, shm0 = rss(pid), shm_bytes()
+        elapsed = run(args.seconds)
+        time.sleep(1.0)
+        rss1, shm1 = rss(pid), shm_bytes()
+    lat = sorted(latencies)
+    n = len(lat)
+    print(f"soak: {args.clients} clients, {elapsed:.1f} s")
+    print(f"  requests      {n}  ({n / elapsed:.1f}/s)")
+    print(f"  bytes         {total_bytes[0] / 2**30:.2f} GiB  ({total_bytes[0] / elapsed / 2**20:.1f} MiB/s)")
+    if n:
+        print(f"  latency p50   {lat[n // 2] * 1000:.1f} ms   p99 {lat[min(n - 1, int(n * 0.99))] * 1000:.1f} ms")
+    for k, v in sorted(codes.items()):
+        print(f"  {k:<28} {v}")
+    print(f"  server RSS    before {rss0 / 2**20:.1f} MiB  after {rss1 / 2**20:.1f} MiB")
+    print(f"  /dev/shm      before {shm0} B  after {shm1} B")
+
+
+if __name__ == "__main__":
+    main()
