@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import PIDS, serve  # noqa: E402
+from _common import PIDS, serve
 
 
 def rss(pid: int) -> int:

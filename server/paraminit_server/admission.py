@@ -23,7 +23,11 @@ def _malloc_trim() -> Callable[[], None]:
         trim = libc.malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to trim
         return lambda: None
-    return lambda: None if trim(0) else None
+
+    def trim_all() -> None:
+        trim(0)
+
+    return trim_all
 
 
 trim_heap = _malloc_trim()  # give freed slab memory back to the OS once the server is idle
