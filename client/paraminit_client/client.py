@@ -202,6 +202,23 @@ class Client:
                 self._call(self.stub.Release, pb.ReleaseRequest(lease_id=responses[0].export.lease.lease_id))
             raise
 
+    def upload_payload(self, values: Any, *, chunk_bytes: int = 1 << 20) -> str:
+        """Upload a flat payload of any size (float32/float64/float16/bfloat16 array); plans name the returned id
+        with {"flatRef": {"payloadId": id}}. Payloads belong to this client's identity and expire."""
+        arr = np.ascontiguousarray(values)
+        kind = {"float32": plan_pb2.DTYPE_FLOAT32, "float64": plan_pb2.DTYPE_FLOAT64, "float16": plan_pb2.DTYPE_FLOAT16,
+                "bfloat16": plan_pb2.DTYPE_BFLOAT16}.get(str(arr.dtype))
+        if kind is None:
+            raise ValueError(f"payload dtype must be float32, float64, float16 or bfloat16, not {arr.dtype}")
+        raw = memoryview(arr.reshape(-1).view(np.uint8))
+
+        def chunks() -> Iterator[pb.PayloadChunk]:
+            yield pb.PayloadChunk(dtype=kind, count=arr.size, data=bytes(raw[:chunk_bytes]))
+            for off in range(chunk_bytes, len(raw), chunk_bytes):
+                yield pb.PayloadChunk(data=bytes(raw[off:off + chunk_bytes]))
+
+        return str(self._call(self.stub.UploadPayload, chunks()).payload_id)
+
     def leases(self) -> list[pb.LeaseStatus]:
         return list(self._call(self.stub.ListLeases, pb.ListLeasesRequest()).leases)
 
@@ -286,7 +303,8 @@ class _CallDetails(grpc.ClientCallDetails):
         self.compression = base.compression
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
+                   grpc.StreamUnaryClientInterceptor):
     """Adds `authorization: Bearer <token>` to every call (works on plaintext loopback channels too)."""
 
     def __init__(self, token: str) -> None:
@@ -300,6 +318,9 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(details), request_iterator)
 
 
 def _umask() -> int:

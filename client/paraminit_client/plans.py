@@ -90,3 +90,45 @@ def zip_plan(specs: Sequence[tuple[str, Sequence[int]]], inits: Sequence[plan_pb
     if len(inits) > len(specs):
         raise ValueError("torch.runtimeInit: initializer array longer than parameter list")
     return plan_of(param(name, shape, init, dtype) for (name, shape), init in zip(specs, inits, strict=True))
+
+
+def safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header: dict[str, Any] = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+_SAFETENSORS_DTYPE = {"F32": "float32", "F64": "float64", "F16": "float16", "BF16": "bfloat16"}
+
+
+def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.Plan) -> plan_pb2.Plan:
+    """The fine-tuning plan: every parameter the checkpoint holds comes from it, the rest from the fallback.
+
+    Checkpoint tensors are named by path (the server must be able to read it, under its
+    --safetensors-dirs). A tensor whose shape or dtype differs from the fallback's parameter is an error.
+    """
+    header = safetensors_header(path)
+    out = plan_pb2.Plan()
+    problems = []
+    for p in fallback_plan.params:
+        q = out.params.add()
+        q.CopyFrom(p)
+        entry = header.get(p.name)
+        if entry is None:
+            continue
+        dtype = _SAFETENSORS_DTYPE.get(entry["dtype"])
+        want = DTYPE_NAMES.get(p.dtype, "float32")
+        if list(entry["shape"]) != list(p.shape):
+            problems.append(f"{p.name}: checkpoint shape {entry['shape']} != plan shape {list(p.shape)}")
+        if dtype != want:
+            problems.append(f"{p.name}: checkpoint dtype {entry['dtype']} != plan dtype {want}")
+        q.init.Clear()
+        q.init.safetensors.path = str(Path(path).resolve())
+        q.init.safetensors.tensor = p.name
+        q.init.safetensors.dtype = DTYPES[dtype] if dtype else 0
+    if problems:
+        raise ValueError("checkpoint does not fit the plan: " + "; ".join(problems))
+    return out

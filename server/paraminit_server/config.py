@@ -40,6 +40,9 @@ class ServerConfig:
     tls_ca: str = ""  # set: clients must present a certificate signed by it (mutual TLS)
     auth_tokens_file: str = ""  # lines of `identity:token`
     auth_tokens: str = ""  # comma-separated `identity:token` (prefer the file)
+    max_payload_bytes: int = 8 * GiB  # uploaded flat payloads, held as binary64
+    payload_ttl: float = 3600.0
+    safetensors_dirs: str = ""  # colon-separated directories whose safetensors files plans may name
     log_level: str = "INFO"
     log_format: str = "text"  # text | json
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -108,8 +109,8 @@ def _i64(values: list[int]) -> npt.NDArray[np.int64]:
     return np.asarray(values, dtype=np.int64)
 
 
-def resolve_param(index: int, p: plan_pb2.Param) -> ResolvedParam:
-    """Resolve one parameter; the caller guarantees the plan validated."""
+def resolve_param(index: int, p: plan_pb2.Param, sources: Any = None) -> ResolvedParam:
+    """Resolve one parameter; the caller guarantees the plan validated (with the same sources)."""
     shape = tuple(int(d) for d in p.shape)
     region = tuple((int(r.start), int(r.stop)) for r in p.region) or tuple((0, d) for d in shape)
     dt = dtypes.by_enum(p.dtype)
@@ -135,6 +136,12 @@ def resolve_param(index: int, p: plan_pb2.Param) -> ResolvedParam:
     if which == "flat":
         values = np.asarray(init.flat.values, dtype=np.float64)
         return make(Kind.FLAT, values=values)
+    if which == "flat_ref":
+        payload = sources.payload(init.flat_ref.payload_id)
+        assert payload is not None, "flat_ref resolved without its payload"
+        return make(Kind.FLAT, values=payload.values)
+    if which == "safetensors":
+        return make(Kind.FLAT, values=sources.tensor_values(init.safetensors.path, init.safetensors.tensor))
     if which == "xavier_uniform":
         bound = spec.xavier_bound(init.xavier_uniform.fan_in, init.xavier_uniform.fan_out)
         seed = init.xavier_uniform.seed
@@ -152,9 +159,9 @@ def resolve_param(index: int, p: plan_pb2.Param) -> ResolvedParam:
     return make(Kind.AFFINE, -bound, 2.0 * bound, seed)
 
 
-def resolve(plan: plan_pb2.Plan) -> list[ResolvedParam]:
+def resolve(plan: plan_pb2.Plan, sources: Any = None) -> list[ResolvedParam]:
     """Resolve a validated plan."""
-    return [resolve_param(i, p) for i, p in enumerate(plan.params)]
+    return [resolve_param(i, p, sources) for i, p in enumerate(plan.params)]
 
 
 def digest(plan: plan_pb2.Plan) -> str:

@@ -63,7 +63,7 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     backend = backend or backends.create(config.backend, config.device, config.threads or None)
     tokens = TokenAuth.load(config.auth_tokens_file, config.auth_tokens)
     exports = _exports(config, backend, tokens)
-    servicer = InitServicer(config, backend, exports)
+    servicer = InitServicer(config, backend, exports, tokens)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
                          options=GRPC_OPTIONS, interceptors=[AuthInterceptor(tokens)] if tokens else [])
     server.add_generic_rpc_handlers((_service_handler(servicer),))
@@ -121,7 +121,10 @@ def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
         response_cls = getattr(pb, method.output_type.name)
         fn = getattr(servicer, method.name)
         parse = _lenient_parser(request_cls)
-        if method.server_streaming:
+        if method.client_streaming:
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(
+                fn, request_deserializer=parse, response_serializer=response_cls.SerializeToString)
+        elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 fn, request_deserializer=parse, response_serializer=wire.serialize_response)
         else:

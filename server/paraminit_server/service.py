@@ -20,17 +20,21 @@ from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
 from paraminit_server import __version__, dtypes, errors, layout, plan, validation
 from paraminit_server.admission import Admission
+from paraminit_server.auth import identity
 from paraminit_server.backends import Backend
 from paraminit_server.config import ServerConfig
 from paraminit_server.engine import iter_slabs
-from paraminit_server.status import boundary
+from paraminit_server.payloads import BoundSources, Sources
+from paraminit_server.status import MalformedRequest, boundary
 
 log = logging.getLogger("paraminit.server")
 
 
 class InitServicer(pb_grpc.InitServiceServicer):
-    def __init__(self, config: ServerConfig, backend: Backend, exports: Any = None) -> None:
+    def __init__(self, config: ServerConfig, backend: Backend, exports: Any = None, tokens: Any = None) -> None:
         self.config = config
+        self.tokens = tokens
+        self.sources = Sources(config.max_payload_bytes, config.payload_ttl, config.safetensors_dirs.split(":"))
         self.backend = backend
         self.limits = validation.Limits(config.max_param_bytes, config.max_plan_bytes)
         budget = config.memory_budget or backend.device().memory_free // 2
@@ -43,15 +47,16 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     # -- helpers -------------------------------------------------------------------------
 
-    def checked(self, p: plan_pb2.Plan) -> tuple[list[plan.ResolvedParam], validation.Report]:
+    def checked(self, p: plan_pb2.Plan, context: grpc.ServicerContext) -> tuple[list[plan.ResolvedParam], validation.Report]:
         """Validate the whole plan; raise with every violation, or return it resolved."""
-        report = validation.validate(p, self.limits)
+        sources = BoundSources(self.sources, identity(context, self.tokens))
+        report = validation.validate(p, self.limits, sources)
         if report.only_limits:
             worst = "; ".join(v.message for v in report.violations)
             raise errors.ResourceExhausted(f"plan exceeds server limits: {worst}", report.violations)
         if not report.ok:
             raise errors.InvalidPlan(report.violations)
-        return plan.resolve(p), report
+        return plan.resolve(p, sources), report
 
     def memory_wait(self, context: grpc.ServicerContext) -> float:
         """How long a request may wait for memory: only while its deadline leaves time to do the work."""
@@ -72,7 +77,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
         delivery = request.delivery or pb.DELIVERY_STREAM
         if delivery not in pb.Delivery.values():
             raise errors.InvalidRequest(f"unknown delivery enum value {delivery}")
-        params, report = self.checked(request.plan)
+        params, report = self.checked(request.plan, context)
         digest = plan.digest(request.plan)
         outcome = "error"
         try:
@@ -125,7 +130,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     @boundary
     def Validate(self, request: pb.ValidateRequest, context: grpc.ServicerContext) -> pb.ValidateResponse:
-        report = validation.validate(request.plan, self.limits)
+        report = validation.validate(request.plan, self.limits, BoundSources(self.sources, identity(context, self.tokens)))
         resp = pb.ValidateResponse(
             valid=not any(v.category == validation.INVALID for v in report.violations),
             param_bytes=report.param_bytes, total_bytes=report.total_bytes,
@@ -152,6 +157,31 @@ class InitServicer(pb_grpc.InitServiceServicer):
                              max_leased_bytes=c.max_leased_bytes, max_leases_per_client=c.max_leases_per_client),
             dtypes=[d.enum for d in dtypes.SUPPORTED], deliveries=deliveries)  # type: ignore[misc]
 
+    @boundary
+    def UploadPayload(self, request: Iterator[pb.PayloadChunk], context: grpc.ServicerContext) -> pb.PayloadRef:
+        buf: bytearray | None = None
+        dtype = count = received = 0
+        for chunk in request:
+            if isinstance(chunk, MalformedRequest):
+                raise errors.InvalidRequest(chunk.reason)
+            if buf is None:
+                dtype, count = chunk.dtype, chunk.count
+                dt = dtypes.by_enum(dtype)
+                if dt is None or dtype == 0:
+                    raise errors.InvalidRequest(f"the first payload chunk must name a dtype, got enum value {dtype}")
+                if count * 8 > self.sources.max_bytes:
+                    raise errors.ResourceExhausted(f"payload of {count} values needs {count * 8} bytes as binary64; "
+                                                   f"the payload limit is {self.sources.max_bytes}")
+                buf = bytearray(count * dt.itemsize)
+            if received + len(chunk.data) > len(buf):
+                raise errors.InvalidRequest(f"payload is longer than the declared {count} values")
+            buf[received:received + len(chunk.data)] = chunk.data
+            received += len(chunk.data)
+        if buf is None:
+            raise errors.InvalidRequest("empty payload upload")
+        pid, payload = self.sources.store(identity(context, self.tokens), dtype, count, bytes(memoryview(buf)[:received]))
+        return pb.PayloadRef(payload_id=pid, count=count, expires_at=payload.expires_at)
+
     def _leases(self) -> Any:
         if self.exports is None:
             raise errors.FailedPrecondition("this server does not export zero-copy buffers")
@@ -171,5 +201,5 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     @boundary
     def Apply(self, request: pb.ApplyRequest, context: grpc.ServicerContext) -> pb.ApplyResponse:
-        params, _ = self.checked(request.plan)
+        params, _ = self.checked(request.plan, context)
         return self._leases().apply(request, params, plan.digest(request.plan), context)  # type: ignore[no-any-return]

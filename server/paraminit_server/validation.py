@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -66,8 +66,12 @@ class Report:
         return bool(self.violations) and all(v.category == LIMIT for v in self.violations)
 
 
-def validate(plan: plan_pb2.Plan, limits: Limits | None = None) -> Report:
-    """Check a whole plan; returns every violation found."""
+def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = None) -> Report:
+    """Check a whole plan; returns every violation found.
+
+    `sources` (payloads.BoundSources) checks flat_ref and safetensors initializers against what the
+    server holds; without it only their form is checked.
+    """
     limits = limits or Limits()
     out: list[Violation] = []
     sizes: list[int] = []
@@ -92,7 +96,7 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None) -> Report:
         if dt is None:
             bad("dtype", f"unknown dtype enum value {p.dtype}")
         region_numel = _check_region(shape, p, bad)
-        _check_init(shape, p, bad)
+        _check_init(shape, p, bad, sources)
         size = 0
         if dt is not None and region_numel is not None:
             size = region_numel * dt.itemsize
@@ -136,12 +140,12 @@ def _finite(*xs: float) -> bool:
     return all(math.isfinite(x) for x in xs)
 
 
-def _check_init(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
+def _check_init(shape: list[int], p: plan_pb2.Param, bad: _Bad, sources: Any = None) -> None:
     which = p.init.WhichOneof("kind") if p.HasField("init") else None
     init = p.init
     if which is None:
         bad("init", "initializer is not set (expected one of zeros, ones, uniform, normal, xavier_uniform, "
-            "kaiming_uniform, flat, xavier_uniform_for_shape, kaiming_uniform_for_shape)")
+            "kaiming_uniform, flat, xavier_uniform_for_shape, kaiming_uniform_for_shape, flat_ref, safetensors)")
     elif which == "uniform":
         if not _finite(init.uniform.lo, init.uniform.hi):
             bad("init.uniform", "initialization: uniform bounds must be finite")
@@ -158,14 +162,63 @@ def _check_init(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
         expected = spec.numel(shape)
         got = len(init.flat.values)
         if got != expected:
-            bad("init.flat.values", f"torch.runtimeInit: flat initializer length mismatch (expected {expected}, got {got})")
+            bad("init.flat.values", _length_message(expected, got))
         values = np.asarray(init.flat.values, dtype=np.float64)
         nonfinite = np.flatnonzero(~np.isfinite(values))
         if nonfinite.size:
             bad("init.flat.values", f"flat values must be finite ({nonfinite.size} not finite, first at index {nonfinite[0]})")
+    elif which == "flat_ref":
+        _check_flat_ref(shape, init.flat_ref.payload_id, bad, sources)
+    elif which == "safetensors":
+        _check_safetensors(shape, init.safetensors, bad, sources)
     elif which in ("xavier_uniform_for_shape", "kaiming_uniform_for_shape") and len(shape) < 2:
         who = "Xavier" if which == "xavier_uniform_for_shape" else "Kaiming"
         bad(f"init.{which}", f"torch.runtimeInit: {who} initialization expects at least 2 dimensions, got {spec.shape_str(shape)}")
+
+
+def _length_message(expected: int, got: int) -> str:
+    return f"torch.runtimeInit: flat initializer length mismatch (expected {expected}, got {got})"
+
+
+def _check_flat_ref(shape: list[int], payload_id: str, bad: _Bad, sources: Any) -> None:
+    if not payload_id:
+        bad("init.flat_ref.payload_id", "payload id must not be empty")
+        return
+    if sources is None:
+        return
+    payload = sources.payload(payload_id)
+    if payload is None:
+        bad("init.flat_ref.payload_id", f"no payload {payload_id!r} (upload it with UploadPayload; payloads expire)")
+        return
+    if payload.values.size != spec.numel(shape):
+        bad("init.flat_ref", _length_message(spec.numel(shape), payload.values.size))
+    if payload.nonfinite:
+        bad("init.flat_ref", f"flat values must be finite ({payload.nonfinite} not finite, first at index "
+                             f"{payload.first_nonfinite})")
+
+
+def _check_safetensors(shape: list[int], ref: plan_pb2.SafetensorsRef, bad: _Bad, sources: Any) -> None:
+    if not ref.path or not ref.tensor:
+        bad("init.safetensors", "safetensors reference needs both path and tensor")
+        return
+    if ref.dtype and dtypes.by_enum(ref.dtype) is None:
+        bad("init.safetensors.dtype", f"unknown dtype enum value {ref.dtype}")
+        return
+    if sources is None:
+        return
+    from paraminit_server.errors import InvalidRequest
+
+    try:
+        info = sources.tensor_info(ref.path, ref.tensor)
+    except InvalidRequest as exc:
+        bad("init.safetensors", str(exc))
+        return
+    expected = dtypes.by_enum(ref.dtype) if ref.dtype else None
+    if expected is not None and expected.safetensors != info.dtype.safetensors:
+        bad("init.safetensors.dtype", f"tensor {ref.tensor!r} is {info.dtype.name} in the file, not {expected.name}")
+    if tuple(shape) != info.shape:
+        bad("init.safetensors", f"tensor {ref.tensor!r} has shape {spec.shape_str(info.shape)} in the file; the "
+                                f"parameter's shape is {spec.shape_str(shape)}")
 
 
 class _Bad(Protocol):  # the signature of the `bad` closure

@@ -718,3 +718,57 @@ class ApplyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ApplyResponse: _TypeAlias = ApplyResponse  # noqa: Y015
+
+@_typing.final
+class PayloadChunk(_message.Message):
+    """The first chunk carries dtype and count; every chunk carries the next bytes
+    (little-endian values of dtype, row-major).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DTYPE_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    dtype: _plan_pb2.DType.ValueType
+    count: _builtins.int
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        dtype: _plan_pb2.DType.ValueType = ...,
+        count: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "data", b"data", "dtype", b"dtype"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PayloadChunk: _TypeAlias = PayloadChunk  # noqa: Y015
+
+@_typing.final
+class PayloadRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAYLOAD_ID_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    payload_id: _builtins.str
+    count: _builtins.int
+    expires_at: _builtins.float
+    def __init__(
+        self,
+        *,
+        payload_id: _builtins.str = ...,
+        count: _builtins.int = ...,
+        expires_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "expires_at", b"expires_at", "payload_id", b"payload_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PayloadRef: _TypeAlias = PayloadRef  # noqa: Y015

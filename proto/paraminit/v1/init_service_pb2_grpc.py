@@ -69,6 +69,11 @@ class InitServiceStub:
                 request_serializer=paraminit_dot_v1_dot_init__service__pb2.ApplyRequest.SerializeToString,
                 response_deserializer=paraminit_dot_v1_dot_init__service__pb2.ApplyResponse.FromString,
                 _registered_method=True)
+        self.UploadPayload = channel.stream_unary(
+                '/paraminit.v1.InitService/UploadPayload',
+                request_serializer=paraminit_dot_v1_dot_init__service__pb2.PayloadChunk.SerializeToString,
+                response_deserializer=paraminit_dot_v1_dot_init__service__pb2.PayloadRef.FromString,
+                _registered_method=True)
 
 
 class InitServiceServicer:
@@ -121,6 +126,13 @@ class InitServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadPayload(self, request_iterator, context):
+        """Uploads a flat payload larger than one message; plans name it with Init.flat_ref.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InitServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +170,11 @@ def add_InitServiceServicer_to_server(servicer, server):
                     servicer.Apply,
                     request_deserializer=paraminit_dot_v1_dot_init__service__pb2.ApplyRequest.FromString,
                     response_serializer=paraminit_dot_v1_dot_init__service__pb2.ApplyResponse.SerializeToString,
+            ),
+            'UploadPayload': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadPayload,
+                    request_deserializer=paraminit_dot_v1_dot_init__service__pb2.PayloadChunk.FromString,
+                    response_serializer=paraminit_dot_v1_dot_init__service__pb2.PayloadRef.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +366,33 @@ class InitService:
             '/paraminit.v1.InitService/Apply',
             paraminit_dot_v1_dot_init__service__pb2.ApplyRequest.SerializeToString,
             paraminit_dot_v1_dot_init__service__pb2.ApplyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadPayload(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/paraminit.v1.InitService/UploadPayload',
+            paraminit_dot_v1_dot_init__service__pb2.PayloadChunk.SerializeToString,
+            paraminit_dot_v1_dot_init__service__pb2.PayloadRef.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,8 @@ class InitServiceStub:
     ListLeases: _grpc.UnaryUnaryMultiCallable[_init_service_pb2.ListLeasesRequest, _init_service_pb2.ListLeasesResponse]
     Apply: _grpc.UnaryUnaryMultiCallable[_init_service_pb2.ApplyRequest, _init_service_pb2.ApplyResponse]
     """Re-initializes a live lease in place with a plan of the same parameter list."""
+    UploadPayload: _grpc.StreamUnaryMultiCallable[_init_service_pb2.PayloadChunk, _init_service_pb2.PayloadRef]
+    """Uploads a flat payload larger than one message; plans name it with Init.flat_ref."""
 
 @_typing.type_check_only
 class InitServiceAsyncStub(InitServiceStub):
@@ -63,6 +65,8 @@ class InitServiceAsyncStub(InitServiceStub):
     ListLeases: _aio.UnaryUnaryMultiCallable[_init_service_pb2.ListLeasesRequest, _init_service_pb2.ListLeasesResponse]  # type: ignore[assignment]
     Apply: _aio.UnaryUnaryMultiCallable[_init_service_pb2.ApplyRequest, _init_service_pb2.ApplyResponse]  # type: ignore[assignment]
     """Re-initializes a live lease in place with a plan of the same parameter list."""
+    UploadPayload: _aio.StreamUnaryMultiCallable[_init_service_pb2.PayloadChunk, _init_service_pb2.PayloadRef]  # type: ignore[assignment]
+    """Uploads a flat payload larger than one message; plans name it with Init.flat_ref."""
 
 class InitServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -119,5 +123,13 @@ class InitServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_init_service_pb2.ApplyResponse, _abc.Awaitable[_init_service_pb2.ApplyResponse]]:
         """Re-initializes a live lease in place with a plan of the same parameter list."""
+
+    @_abc_1.abstractmethod
+    def UploadPayload(
+        self,
+        request_iterator: _MaybeAsyncIterator[_init_service_pb2.PayloadChunk],
+        context: _ServicerContext,
+    ) -> _typing.Union[_init_service_pb2.PayloadRef, _abc.Awaitable[_init_service_pb2.PayloadRef]]:
+        """Uploads a flat payload larger than one message; plans name it with Init.flat_ref."""
 
 def add_InitServiceServicer_to_server(servicer: InitServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -136,6 +136,8 @@ class Init(_message.Message):
     FLAT_FIELD_NUMBER: _builtins.int
     XAVIER_UNIFORM_FOR_SHAPE_FIELD_NUMBER: _builtins.int
     KAIMING_UNIFORM_FOR_SHAPE_FIELD_NUMBER: _builtins.int
+    FLAT_REF_FIELD_NUMBER: _builtins.int
+    SAFETENSORS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def zeros(self) -> Global___Zeros: ...
     @_builtins.property
@@ -154,6 +156,14 @@ class Init(_message.Message):
     def xavier_uniform_for_shape(self) -> Global___XavierUniformForShape: ...
     @_builtins.property
     def kaiming_uniform_for_shape(self) -> Global___KaimingUniformForShape: ...
+    @_builtins.property
+    def flat_ref(self) -> Global___FlatRef:
+        """A flat payload uploaded with InitService.UploadPayload (any size)."""
+
+    @_builtins.property
+    def safetensors(self) -> Global___SafetensorsRef:
+        """A tensor of a safetensors file the server can read (under its allowed directories)."""
+
     def __init__(
         self,
         *,
@@ -166,12 +176,14 @@ class Init(_message.Message):
         flat: Global___Flat | None = ...,
         xavier_uniform_for_shape: Global___XavierUniformForShape | None = ...,
         kaiming_uniform_for_shape: Global___KaimingUniformForShape | None = ...,
+        flat_ref: Global___FlatRef | None = ...,
+        safetensors: Global___SafetensorsRef | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "safetensors", b"safetensors", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "safetensors", b"safetensors", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat", "xavier_uniform_for_shape", "kaiming_uniform_for_shape"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat", "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "flat_ref", "safetensors"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -363,3 +375,51 @@ class Flat(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Flat: _TypeAlias = Flat  # noqa: Y015
+
+@_typing.final
+class FlatRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAYLOAD_ID_FIELD_NUMBER: _builtins.int
+    payload_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        payload_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["payload_id", b"payload_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FlatRef: _TypeAlias = FlatRef  # noqa: Y015
+
+@_typing.final
+class SafetensorsRef(_message.Message):
+    """Values are the stored tensor converted exactly to binary64, in row-major order;
+    dtype (optional) is what the caller expects the stored tensor to be.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    TENSOR_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    tensor: _builtins.str
+    dtype: Global___DType.ValueType
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        tensor: _builtins.str = ...,
+        dtype: Global___DType.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "path", b"path", "tensor", b"tensor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SafetensorsRef: _TypeAlias = SafetensorsRef  # noqa: Y015

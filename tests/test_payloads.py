@@ -1,0 +1,119 @@
+"""Flat payloads of any size (uploads) and checkpoint tensors named in safetensors files."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from paraminit_client import Client, ParaminitError, param, plan_from_safetensors, plan_of
+from paraminit_server import reference
+from paraminit_server.config import ServerConfig
+from paraminit_server.server import Running, start
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def server(ckpt_dir: Path) -> Iterator[Running]:
+    r = start(ServerConfig(host="127.0.0.1", port=0, safetensors_dirs=str(ckpt_dir), auth_tokens=
+                           "alice:alice-token-0123456789,bob:bob-token-0123456789ab"), warm_up_async=False)
+    yield r
+    r.stop(grace=0)
+
+
+@pytest.fixture()
+def client(server: Running) -> Iterator[Client]:
+    with Client(f"127.0.0.1:{server.port}", token="alice-token-0123456789", timeout=120) as c:
+        yield c
+
+
+def test_payload_larger_than_a_message(client: Client) -> None:
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(10 << 20).astype(np.float32)  # 40 MiB: ten times gRPC's default message limit
+    pid = client.upload_payload(values)
+    got = client.materialize(plan_of([param("w", [2560, 4096], {"flatRef": {"payloadId": pid}})]))["w"]
+    assert got.tobytes() == values.tobytes()
+
+
+@pytest.mark.parametrize("src,dst", [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
+                                     ("float64", "float32"), ("float64", "bfloat16"), ("float32", "float16")])
+def test_payload_dtypes_convert_exactly_then_round_once(client: Client, src: str, dst: str) -> None:
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(4099) * 3).astype(np.float64)
+    x[:3] = [1.0039062509313226, -1.00390625, 65519.99]  # tie and overflow cases
+    payload = x.astype(ml_dtypes.bfloat16 if src == "bfloat16" else src)
+    pid = client.upload_payload(payload)
+    got = client.materialize(plan_of([param("w", [4099], {"flatRef": {"payloadId": pid}}, dst)]))["w"]
+    exact = payload.astype(np.float64)
+    from paraminit_server import dtypes
+
+    want = reference.cast(exact, dtypes.by_name(dst))
+    assert got.view(want.dtype).tobytes() == want.tobytes()
+    if src == dst:
+        assert got.tobytes() == payload.tobytes()
+
+
+def test_payload_errors(server: Running, client: Client) -> None:
+    pid = client.upload_payload(np.array([1.0, np.inf, 2.0], np.float32))
+    with pytest.raises(ParaminitError) as info:
+        client.materialize(plan_of([param("a", [4], {"flatRef": {"payloadId": pid}}),
+                                    param("b", [2], {"flatRef": {"payloadId": "0" * 32}})]))
+    msgs = [v.description for v in info.value.violations]
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert any("flat initializer length mismatch (expected 4, got 3)" in m for m in msgs)
+    assert any("flat values must be finite (1 not finite, first at index 1)" in m for m in msgs)
+    assert any("no payload '000" in m for m in msgs)
+    with Client(f"127.0.0.1:{server.port}", token="bob-token-0123456789ab") as bob, pytest.raises(ParaminitError) as info:
+        bob.materialize(plan_of([param("a", [3], {"flatRef": {"payloadId": pid}})]))
+    assert "no payload" in info.value.message  # another identity cannot use alice's payload
+
+
+def test_checkpoint_mixed_with_fresh_layers(client: Client, ckpt_dir: Path) -> None:
+    rng = np.random.default_rng(2)
+    backbone = rng.standard_normal((64, 32)).astype(np.float32)
+    emb = rng.standard_normal((100, 16)).astype(ml_dtypes.bfloat16)
+    path = ckpt_dir / "model.safetensors"
+    save_file({"backbone.weight": backbone, "emb": emb.view(np.uint16)}, str(path))
+    # safetensors.numpy has no bfloat16: rewrite the header's dtype for that tensor (same bytes)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = raw[8:8 + n].replace(b'"U16"', b'"BF16"')
+    path.write_bytes(len(head).to_bytes(8, "little") + head + raw[8 + n:])
+    fallback = plan_of([param("backbone.weight", [64, 32], {"zeros": {}}),
+                        param("emb", [100, 16], {"zeros": {}}, "bfloat16"),
+                        param("head.weight", [10, 32], {"kaimingUniformForShape": {"seed": 3}})])
+    plan = plan_from_safetensors(path, fallback)
+    got = client.materialize(plan)
+    assert got["backbone.weight"].tobytes() == backbone.tobytes()
+    assert got["emb"].tobytes() == emb.tobytes()
+    fresh = client.materialize(fallback)
+    assert got["head.weight"].tobytes() == fresh["head.weight"].tobytes()
+
+
+def test_checkpoint_mismatches_are_clear(client: Client, ckpt_dir: Path, tmp_path: Path) -> None:
+    path = ckpt_dir / "small.safetensors"
+    save_file({"w": np.ones((4, 4), np.float32)}, str(path))
+    with pytest.raises(ValueError, match=r"w: checkpoint shape \[4, 4\] != plan shape \[4, 5\]"):
+        plan_from_safetensors(path, plan_of([param("w", [4, 5], {"zeros": {}})]))
+    with pytest.raises(ValueError, match="w: checkpoint dtype F32 != plan dtype float16"):
+        plan_from_safetensors(path, plan_of([param("w", [4, 4], {"zeros": {}}, "float16")]))
+    wrong = plan_of([param("w", [2, 8], {"safetensors": {"path": str(path), "tensor": "w", "dtype": "DTYPE_FLOAT64"}}),
+                     param("x", [1], {"safetensors": {"path": str(path), "tensor": "nope"}})])
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file({"w": np.ones(1, np.float32)}, str(outside))
+    wrong.params.add().CopyFrom(param("y", [1], {"safetensors": {"path": str(outside), "tensor": "w"}}))
+    report = client.validate(wrong)
+    lines = report.lines()
+    assert any("is float32 in the file, not float64" in m for m in lines)
+    assert any("has shape [4, 4] in the file; the parameter's shape is [2, 8]" in m for m in lines)
+    assert any("tensor 'nope' is not in" in m for m in lines)
+    assert any("is not under an allowed directory" in m for m in lines)
