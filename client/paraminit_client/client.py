@@ -110,7 +110,7 @@ class Client:
             self._channel = grpc.secure_channel(target, credentials, options=options)
         token = os.environ.get("PARAMINIT_TOKEN") if token is None else token
         if token:
-            self._channel = grpc.intercept_channel(self._channel, _BearerToken(token))  # type: ignore[assignment]
+            self._channel = grpc.intercept_channel(self._channel, _BearerToken(token))
         self.stub = pb_grpc.InitServiceStub(self._channel)
         # Materialize with the chunk codec: payloads arrive as views, not as copies inside messages.
         self._materialize = self._channel.unary_stream(
@@ -210,7 +210,7 @@ class Client:
                 "bfloat16": plan_pb2.DTYPE_BFLOAT16}.get(str(arr.dtype))
         if kind is None:
             raise ValueError(f"payload dtype must be float32, float64, float16 or bfloat16, not {arr.dtype}")
-        raw = memoryview(arr.reshape(-1).view(np.uint8))
+        raw = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
         def chunks() -> Iterator[pb.PayloadChunk]:
             yield pb.PayloadChunk(dtype=kind, count=arr.size, data=bytes(raw[:chunk_bytes]))
@@ -293,7 +293,7 @@ def tls_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.Channel
                                         certificate_chain=Path(cert).read_bytes() if cert else None)
 
 
-class _CallDetails(grpc.ClientCallDetails):
+class _CallDetails(grpc.ClientCallDetails):  # type: ignore[misc]
     def __init__(self, base: Any, metadata: list[tuple[str, str]]) -> None:
         self.method = base.method
         self.timeout = base.timeout
@@ -304,7 +304,7 @@ class _CallDetails(grpc.ClientCallDetails):
 
 
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
-                   grpc.StreamUnaryClientInterceptor):
+                   grpc.StreamUnaryClientInterceptor):  # type: ignore[misc]
     """Adds `authorization: Bearer <token>` to every call (works on plaintext loopback channels too)."""
 
     def __init__(self, token: str) -> None:

@@ -128,7 +128,7 @@ def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.
         q.init.Clear()
         q.init.safetensors.path = str(Path(path).resolve())
         q.init.safetensors.tensor = p.name
-        q.init.safetensors.dtype = DTYPES[dtype] if dtype else 0
+        q.init.safetensors.dtype = DTYPES[dtype] if dtype else plan_pb2.DTYPE_UNSPECIFIED
     if problems:
         raise ValueError("checkpoint does not fit the plan: " + "; ".join(problems))
     return out

@@ -69,7 +69,7 @@ def identity(context: grpc.ServicerContext, tokens: TokenAuth | None) -> str:
     return ANONYMOUS
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
+class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     """Rejects every call but health (and reflection) without a valid bearer token."""
 
     def __init__(self, tokens: TokenAuth) -> None:
@@ -84,8 +84,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
                           details: grpc.HandlerCallDetails) -> Any:
-        method = details.method  # type: ignore[attr-defined]
-        if method.startswith(HEALTH_PREFIX) or self.tokens.identify(details.invocation_metadata) is not None:  # type: ignore[attr-defined]
+        method = details.method
+        if method.startswith(HEALTH_PREFIX) or self.tokens.identify(details.invocation_metadata) is not None:
             return continuation(details)
         if method.startswith(REFLECTION_PREFIX):
             return self._deny_bidi

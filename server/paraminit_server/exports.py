@@ -108,7 +108,10 @@ class Exports:
         self.leases.reserve(owner, lay.data_bytes)
         reservation = self.budget.reserve(lay.data_bytes, self.memory_wait(context), "export") if self.budget else None
         info = pb.ExportInfo(plan_digest=digest)
-        stop = lambda: not context.is_active()  # noqa: E731
+
+        def stop() -> bool:
+            return not context.is_active()
+
         try:
             if delivery == pb.DELIVERY_SHM:
                 buf, free = self._shm(lay, info, stop)

@@ -60,7 +60,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     def memory_wait(self, context: grpc.ServicerContext) -> float:
         """How long a request may wait for memory: only while its deadline leaves time to do the work."""
-        remaining = context.time_remaining()
+        remaining: float | None = context.time_remaining()
         if remaining is None:
             return 0.0
         return max(0.0, min(self.config.admission_wait, remaining / 2))
