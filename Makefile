@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	# PyTorch tests (tests/test_torch.py) run against the CPU build; they skip cleanly without torch.
+	$(PY) -m pip install -q 'torch==2.13.0' || echo "torch 2.13.0 not installable here: PyTorch tests will skip"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -32,6 +34,9 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/cpu_sampler.py
+	$(PY) bench/transport.py
+	$(PY) bench/export.py
+	$(PY) bench/torch_model.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo.safetensors

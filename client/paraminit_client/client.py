@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,7 @@ class Client:
         certificate for mutual TLS; `credentials` overrides them."""
         self._embedded: Any = None
         self._workers: list[Client] = []
+        self._renewing: weakref.WeakSet[Lease] = weakref.WeakSet()
         self.split_bytes = split_bytes
         options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
         if isinstance(target, (list, tuple)):
@@ -122,6 +124,8 @@ class Client:
     def close(self) -> None:
         for w in self._workers:
             w.close()
+        for lease in list(self._renewing):
+            lease.stop_renewing()
         self._channel.close()
         if self._embedded is not None:
             self._embedded.stop(grace=0)
@@ -196,7 +200,10 @@ class Client:
         if len(responses) != 1 or responses[0].WhichOneof("msg") != "export":
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not answer the export with one ExportInfo")
         try:
-            return Lease(self, responses[0].export, auto_renew=auto_renew)
+            lease = Lease(self, responses[0].export, auto_renew=auto_renew)
+            if auto_renew:
+                self._renewing.add(lease)
+            return lease
         except BaseException:
             with contextlib.suppress(ParaminitError):
                 self._call(self.stub.Release, pb.ReleaseRequest(lease_id=responses[0].export.lease.lease_id))

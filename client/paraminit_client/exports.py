@@ -56,6 +56,15 @@ def _open_cuda_ipc(info: pb.CudaIpcExport) -> Any:
     return cupy.ndarray((info.size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0)), ptr
 
 
+_BFLOAT16 = 4  # paraminit.v1.DTYPE_BFLOAT16
+
+
+def _cupy_dtype(dtype_enum: int) -> Any:
+    from paraminit_client.client import numpy_dtype
+
+    return np.dtype(np.uint16) if dtype_enum == _BFLOAT16 else numpy_dtype(dtype_enum)
+
+
 class Lease:
     """A held export. `arrays` alias the server's memory; release() (or leaving the with-block) gives it back."""
 
@@ -77,7 +86,8 @@ class Lease:
             self.arrays: dict[str, Any] = arrays_from_buffer(info.tensors, self.buffer)
         else:
             self.buffer, self._ipc_ptr = _open_cuda_ipc(info.cuda_ipc)
-            self.arrays = {t.name: self.buffer[t.offset:t.offset + t.nbytes].view(numpy_dtype(t.dtype))
+            # cupy has no bfloat16: those tensors are exposed as their uint16 bit patterns (torch() views them back)
+            self.arrays = {t.name: self.buffer[t.offset:t.offset + t.nbytes].view(_cupy_dtype(t.dtype))
                            .reshape(tuple(t.shape)) for t in info.tensors}
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -91,10 +101,19 @@ class Lease:
         """The arrays as torch tensors sharing the same memory."""
         import torch
 
+        bf16 = {t.name for t in self.info.tensors if t.dtype == _BFLOAT16}
         if self._map is not None:
-            return {k: torch.from_numpy(v.view(np.uint16)).view(torch.bfloat16) if str(v.dtype) == "bfloat16"
+            return {k: torch.from_numpy(v.view(np.uint16)).view(torch.bfloat16) if k in bf16
                     else torch.from_numpy(v) for k, v in self.arrays.items()}
-        return {k: torch.from_dlpack(v) for k, v in self.arrays.items()}  # type: ignore[attr-defined,unused-ignore]
+        return {k: torch.from_dlpack(v).view(torch.bfloat16) if k in bf16  # type: ignore[attr-defined,unused-ignore]
+                else torch.from_dlpack(v) for k, v in self.arrays.items()}  # type: ignore[attr-defined,unused-ignore]
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a Lease holds a live mapping of the server's memory and cannot be pickled or copied; "
+                        "copy its arrays instead")
+
+    def stop_renewing(self) -> None:
+        self._stop.set()
 
     def renew(self, ttl_seconds: float = 0.0) -> float:
         resp = self._client._call(self._client.stub.Renew, pb.RenewRequest(lease_id=self.lease_id, ttl_seconds=ttl_seconds))
@@ -105,7 +124,7 @@ class Lease:
         while not self._stop.wait(period):
             try:
                 self.renew()
-            except ParaminitError:
+            except (ParaminitError, ValueError):  # lease gone, or the client's channel was closed
                 return
 
     def apply(self, plan: Any) -> str:

@@ -7,7 +7,8 @@ bytes the plan alone determines (same plan, same tensors, on any backend)::
 
     with torch.device("meta"):
         model = GPT(config)
-    lease = materialize_module(model, Client(), seed=0)   # zero-copy SHM on a local server
+    with Client() as client:                               # embedded CPU server
+        materialize_module(model, client, seed=0)          # zero-copy SHM: a server on this host
 
 Policies:
 
@@ -55,7 +56,8 @@ from paraminit_client.client import Client
 from paraminit_client.errors import ParaminitError
 from paraminit_client.exports import Lease
 
-__all__ = ["LEASE_ATTR", "POLICIES", "UnsupportedModuleError", "materialize_module", "param_seed", "plan_from_module"]
+__all__ = ["LEASE_ATTR", "POLICIES", "UnsupportedModuleError", "lease_of", "materialize_module", "param_seed",
+           "plan_from_module"]
 
 Override = Callable[[str, torch.Tensor], "plan_pb2.Init | Mapping[str, Any] | None"]
 POLICIES = ("torch", "torchlean")
@@ -228,30 +230,27 @@ def _rule_of(mod: nn.Module) -> Rule | str:
 
 # -- walking a module ---------------------------------------------------------------------
 
-def _owners(module: nn.Module) -> dict[str, tuple[nn.Module, str, str]]:
-    """state_dict name -> (owning module, local key, owner's prefix), shared modules under every name."""
-    out: dict[str, tuple[nn.Module, str, str]] = {}
+def _owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """state_dict name -> (owning module, local key); a shared module appears under each of its names."""
+    out: dict[str, tuple[nn.Module, str]] = {}
     for prefix, mod in module.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         for key, p in mod._parameters.items():
             if p is not None:
-                out[dot + key] = (mod, key, prefix)
+                out[dot + key] = (mod, key)
         for key, b in mod._buffers.items():
             if b is not None and key not in mod._non_persistent_buffers_set:
-                out[dot + key] = (mod, key, prefix)
+                out[dot + key] = (mod, key)
     return out
 
 
-def _distinct_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, list[str]]]:
-    """(first name, tensor, every name) per distinct tensor of state_dict(), in state_dict order."""
-    names: dict[int, list[str]] = {}
-    first: dict[int, tuple[str, torch.Tensor]] = {}
+def _distinct_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(first name, tensor) per distinct tensor of state_dict() (by identity, so tied ones once), in its order."""
+    seen: set[int] = set()
     for name, t in module.state_dict(keep_vars=True).items():
-        if isinstance(t, torch.Tensor):
-            names.setdefault(id(t), []).append(name)
-            first.setdefault(id(t), (name, t))
-    for key, (name, t) in first.items():
-        yield name, t, names[key]
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
 
 
 def _is_plan_tensor(t: torch.Tensor) -> bool:
@@ -264,7 +263,7 @@ def _container_rules(module: nn.Module, policy: str, seed: int,
     nn.Transformer re-initializes every tensor of rank > 1 with Xavier-uniform."""
     for prefix, mod in module.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
-        if isinstance(mod, nn.MultiheadAttention) and f"{dot}out_proj.bias" in inits:
+        if isinstance(mod, nn.MultiheadAttention) and not isinstance(_rule_of(mod), str) and f"{dot}out_proj.bias" in inits:
             inits[f"{dot}out_proj.bias"] = _zeros()
         if isinstance(mod, nn.Transformer) and policy == "torch":
             redefined = type(mod)._reset_parameters is not nn.Transformer._reset_parameters
@@ -306,7 +305,7 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
     inits: dict[str, plan_pb2.Init | str] = {}
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
-    for name, t, _ in _distinct_tensors(module):
+    for name, t in _distinct_tensors(module):
         if not _is_plan_tensor(t):
             continue  # integer/bool buffers: not expressible in the plan's float dtypes (see materialize_module)
         tensors[name] = t
@@ -400,7 +399,7 @@ def _fetch(client: Client, plan: plan_pb2.Plan, device: torch.device, kind: str,
         tensors = _lease_tensors(lease)
         if all(t.device == device for t in tensors.values()):
             return tensors, lease
-        moved = {k: v.to(device) for k, v in tensors.items()}  # e.g. SHM to a GPU: copies, the lease is not needed
+        moved = {k: v.to(device, copy=True) for k, v in tensors.items()}  # e.g. SHM to a GPU: the lease is not needed
     except BaseException:
         lease.release()
         raise
@@ -423,8 +422,9 @@ def materialize_module(module: nn.Module, client: Client, device: str | torch.de
     weights stay tied and requires_grad is kept.
 
     With SHM or CUDA_IPC the module's tensors alias the leased buffer: the
-    lease is returned and kept on the module as `module._paraminit_lease`
-    (LEASE_ATTR); `lease.apply(plan2)` re-initializes the module in place.
+    lease is returned and kept with the module (attribute LEASE_ATTR, read it
+    with lease_of(module)); `lease.apply(plan2)` re-initializes the module in
+    place. Copies and pickles of the module carry their own tensors and no lease.
     Under CUDA_IPC the tensors are the server's device memory, so releasing the
     lease, or letting it expire, invalidates them: it is auto-renewed by default
     and must be held as long as the module is used. Under SHM the tensors hold
@@ -433,6 +433,8 @@ def materialize_module(module: nn.Module, client: Client, device: str | torch.de
     again releases the previous lease.
     """
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # compare like with like: tensors report cuda:N
+        dev = torch.device("cuda", torch.cuda.current_device())
     if plan is None:
         plan = plan_from_module(module, seed, policy, overrides)
     state = module.state_dict(keep_vars=True)
@@ -466,17 +468,54 @@ def materialize_module(module: nn.Module, client: Client, device: str | torch.de
             except ParaminitError as err:  # e.g. a forwarded port that looks local but is not: try the next
                 if i + 1 == len(order) or err.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
-    for p in plan.params:
-        old = state[p.name]
-        new = tensors[p.name]
-        fills[id(old)] = nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else new
-    module.load_state_dict({name: fills.get(id(t), t) if isinstance(t, torch.Tensor) else t
-                            for name, t in state.items()}, strict=True, assign=True)
-    previous = module.__dict__.get(LEASE_ATTR)
-    if isinstance(previous, Lease) and previous is not lease:
+    try:
+        for p in plan.params:
+            old = state[p.name]
+            new = tensors[p.name]
+            fills[id(old)] = nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else new
+        module.load_state_dict({name: fills.get(id(t), t) if isinstance(t, torch.Tensor) else t
+                                for name, t in state.items()}, strict=True, assign=True)
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+    previous = lease_of(module)
+    if previous is not None and previous is not lease:
         previous.release()
-    module.__dict__[LEASE_ATTR] = lease
+    if lease is None:
+        module.__dict__.pop(LEASE_ATTR, None)
+    else:
+        setattr(module, LEASE_ATTR, _Held(lease))
     return lease
+
+
+class _Held:
+    """Keeps a lease alive as long as the module it filled.
+
+    A deep copy or a pickle of the module (torch.save(model), copy.deepcopy)
+    copies the tensors, so the copy needs no lease: it gets None instead of
+    failing on the lease's locks and mapping.
+    """
+
+    __slots__ = ("lease",)
+
+    def __init__(self, lease: Lease | None) -> None:
+        self.lease = lease
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[type[None], tuple[()]]:
+        return type(None), ()
+
+    def __repr__(self) -> str:
+        return f"<paraminit lease {self.lease.lease_id if self.lease else None}>"
+
+
+def lease_of(module: nn.Module) -> Lease | None:
+    """The lease whose buffer holds the module's tensors (from materialize_module), or None."""
+    held = module.__dict__.get(LEASE_ATTR)
+    return held.lease if isinstance(held, _Held) else None
 
 
 def _check_plan(plan: plan_pb2.Plan, state: Mapping[str, Any]) -> None:
