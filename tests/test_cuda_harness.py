@@ -285,12 +285,12 @@ INITS = ("zeros", "ones", "uniform", "normal", "flat", "xavier_uniform", "kaimin
          "xavier_uniform_for_shape", "kaiming_uniform_for_shape")
 
 
-def random_param(rng: np.random.Generator, index: int, max_numel: int = 6000) -> ResolvedParam:
+def random_param(rng: np.random.Generator, index: int, max_numel: int = 6000, max_dim: int = 8) -> ResolvedParam:
     """A random parameter: any initializer and dtype, rank 0-5, often a random region."""
     init = INITS[int(rng.integers(len(INITS)))]
     lo_rank = 2 if init.endswith("for_shape") else 0
     while True:
-        shape = [int(d) for d in rng.integers(1, 9, int(rng.integers(lo_rank, 6)))]
+        shape = [int(d) for d in rng.integers(1, max_dim + 1, int(rng.integers(lo_rank, 6)))]
         if spec.numel(shape) <= max_numel:
             break
     dt = dtypes.SUPPORTED[int(rng.integers(len(dtypes.SUPPORTED)))]

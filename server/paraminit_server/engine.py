@@ -45,6 +45,12 @@ def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[
         prev = pl.offset + pl.param.nbytes
     if layout.data_bytes > prev:
         buf[prev:layout.data_bytes] = 0
+    fused = getattr(backend, "fill_plan", None)
+    if fused is not None:  # one launch for the whole arena (GPU)
+        if should_stop is not None and should_stop():
+            raise Cancelled("client cancelled or deadline passed")
+        fused([pl.param for pl in layout.placements], buf, [pl.offset for pl in layout.placements])
+        return
     for start in range(0, layout.data_bytes, FILL_WINDOW):
         if should_stop is not None and should_stop():
             raise Cancelled("client cancelled or deadline passed")

@@ -32,7 +32,7 @@ KERNEL_DIR = Path(__file__).parent / "cuda"
 KERNEL_SOURCE = KERNEL_DIR / "paraminit_kernels.cu"
 KERNEL_HEADER = KERNEL_DIR / "paraminit_kernels.cuh"
 # --fmad=false on top of the header's explicit __dadd_rn/__dmul_rn: nothing may contract into an FMA.
-NVRTC_OPTIONS = ("--fmad=false", "--std=c++17")
+NVRTC_OPTIONS = ("--fmad=false",)
 FILL_KERNEL = "pi_fill"
 FILL_PLAN_KERNEL = "pi_fill_plan"
 
@@ -40,7 +40,7 @@ FILL_PLAN_KERNEL = "pi_fill_plan"
 BLOCK = 256
 EPT = 8
 TILE = BLOCK * EPT
-BLOCKS_PER_SM = 8
+WAVES = 4  # grid = whole waves of resident blocks, each striding over many tiles
 DESC_WORDS = 16
 W_OUT, W_N, W_LBEGIN, W_KIND, W_OTYPE, W_KEY, W_P0, W_P1, W_VSHIFT, W_BASE, W_RUNLEN, W_NOUTER, W_DIMS = range(13)
 OTYPE_F32, OTYPE_F64, OTYPE_F16, OTYPE_BF16 = range(4)
@@ -175,11 +175,12 @@ def _import_cupy() -> Any:
 
 @dataclass(frozen=True)
 class Kernels:
-    """The compiled kernels of one device."""
+    """The compiled kernels of one device, with the grid that fills it with whole waves."""
 
     fill: Any
     fill_plan: Any
-    sm_count: int
+    fill_grid: int
+    fill_plan_grid: int
 
 
 _KERNELS: dict[int, Kernels] = {}
@@ -200,16 +201,32 @@ def kernels(device_id: int) -> Kernels:
                     module = cp.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
                     fill = module.get_function(FILL_KERNEL)
                     fill_plan = module.get_function(FILL_PLAN_KERNEL)
+                    _ = fill.kernel, fill_plan.kernel  # compile and load now, not at the first launch
                 except Exception as exc:
                     raise BackendUnavailable(f"cupy backend: compiling the CUDA kernels failed ({_one_line(exc)})") from exc
-                sm = int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
-            k = Kernels(fill, fill_plan, sm)
+                attrs = cp.cuda.Device(device_id).attributes
+            k = Kernels(fill, fill_plan, _wave_grid(fill, attrs), _wave_grid(fill_plan, attrs))
             _KERNELS[device_id] = k
     return k
 
 
-def _grid(tiles: int, sm_count: int) -> int:
-    return max(1, min(tiles, sm_count * BLOCKS_PER_SM))
+def _wave_grid(kernel: Any, attrs: dict[str, int]) -> int:
+    """WAVES times the blocks of PI_BLOCK threads the device holds at once (by register use)."""
+    sm = int(attrs.get("MultiProcessorCount", 1))
+    resident = 4  # what 64 registers a thread allows
+    try:
+        regs = max(1, int(kernel.num_regs))
+        per_warp = -(-regs // 8) * 8 * 32
+        by_regs = int(attrs.get("MaxRegistersPerMultiprocessor", 65536)) // (per_warp * (BLOCK // 32))
+        by_threads = int(attrs.get("MaxThreadsPerMultiProcessor", 2048)) // BLOCK
+        resident = max(1, min(by_regs, by_threads, int(attrs.get("MaxBlocksPerMultiprocessor", 32))))
+    except Exception:  # attribute names vary across CuPy versions; the fallback only costs a partial wave
+        pass
+    return sm * resident * WAVES
+
+
+def _grid(tiles: int, wave_grid: int) -> int:
+    return max(1, min(tiles, wave_grid))
 
 
 def _null() -> np.uint64:
@@ -230,7 +247,7 @@ def fill_jobs(jobs: Sequence[Job], arena: Any) -> None:
         k = kernels(arena.device.id)
         meta = cp.asarray(packed.meta)
         values = cp.asarray(packed.values) if packed.values.size else _null()
-        k.fill_plan((_grid(packed.total_tiles, k.sm_count),), (BLOCK,),
+        k.fill_plan((_grid(packed.total_tiles, k.fill_plan_grid),), (BLOCK,),
                     (arena, meta, np.int32(packed.njobs), np.int64(packed.total_tiles), values))
 
 
@@ -311,6 +328,15 @@ class CupyBackend:
                 raise ResourceExhausted(f"device {self._ordinal} out of memory allocating {nbytes} bytes") from None
             return cp.ndarray((int(nbytes),), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
 
+    def ipc_handle(self, buf: Any) -> bytes:
+        """The cudaIpcMemHandle (64 bytes) of a buffer from empty(); a handle names a whole allocation."""
+        cp = self._cp
+        mem = getattr(getattr(buf, "data", None), "mem", None)
+        if not isinstance(mem, cp.cuda.memory.Memory) or buf.data.ptr != mem.ptr:
+            raise ValueError("only a whole buffer from empty() can be exported by CUDA IPC")
+        with self._device:
+            return bytes(cp.cuda.runtime.ipcGetMemHandle(buf.data.ptr))
+
     def fill(self, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
         """One launch of pi_fill; only regions (dims) and flat payloads need an upload first."""
         cp = self._cp
@@ -328,7 +354,7 @@ class CupyBackend:
             k = kernels(self._ordinal)
             dims = cp.asarray(packed.meta[packed.dims_at:]) if n_outer else _null()
             values = cp.asarray(packed.values) if packed.values.size else _null()
-            k.fill((_grid(packed.total_tiles, k.sm_count),), (BLOCK,),
+            k.fill((_grid(packed.total_tiles, k.fill_grid),), (BLOCK,),
                    (out, np.int64(n), np.int64(l_begin), np.int32(row[W_KIND]), np.int32(row[W_OTYPE]),
                     row.view(np.uint64)[W_KEY], row.view(np.float64)[W_P0], row.view(np.float64)[W_P1],
                     values, np.int64(row[W_VSHIFT]), dims, np.int32(n_outer),
