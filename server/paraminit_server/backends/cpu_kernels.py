@@ -1,9 +1,10 @@
 """Numba kernels of the CPU backend: one fused, parallel pass per value kind, casts included.
 
 `fill` writes `out[k]` for the local elements `l_begin + k` of a parameter's
-region. Work is split into fixed-size pieces of the local index, each piece
-walks its runs (Runs in plan.py) with contiguous inner loops, and every element
-depends only on (key, global index): bytes never depend on threads or chunking.
+region. Work is split into fixed-size pieces of the local index, which the
+threads take from a shared counter; each piece walks its runs (Runs in plan.py)
+with contiguous inner loops, and every element depends only on (key, global
+index): bytes never depend on threads, scheduling or chunking.
 
 Speed comes from letting LLVM vectorize every inner loop (AVX2 on the target
 machines), so the loops are kept free of branches and of anything that
@@ -43,7 +44,6 @@ _MUL2 = np.uint64(0x94D049BB133111EB)
 _LOW32 = np.uint64(0xFFFFFFFF)
 _LOW30 = np.uint64((1 << 30) - 1)
 _SPAN30 = np.uint64(1 << 30)
-_U0 = np.uint64(0)
 _U1 = np.uint64(1)
 _U2 = np.uint64(2)
 _S27 = np.uint64(27)
@@ -57,13 +57,15 @@ _TWO_PI = 2.0 * math.pi
 _U1_FLOOR = 1e-6
 _SIGN16 = np.int64(0x8000)
 PIECE = 1 << 16  # elements per parallel task; tensors up to this size run on the calling thread
+_WORKERS = 256  # at least the number of threads
 
-_jit = nb.njit(cache=True, inline="always", nogil=True)
-_serial = nb.njit(cache=True, nogil=True)
+# Helpers are small and not marked inline: LLVM inlines them after linking, before it vectorizes (numba-level
+# inlining only multiplied compile time).
+_jit = nb.njit(cache=True, nogil=True)
 _parallel = nb.njit(cache=True, parallel=True, nogil=True)
 
 
-@_jit  # type: ignore[misc]
+@_jit
 def mix(x: Any) -> Any:
     """SplitMix64 finalizer on a uint64 (the plain form, for the rare elements off the fast path)."""
     z = x + _GOLDEN
@@ -72,8 +74,7 @@ def mix(x: Any) -> Any:
     return z ^ (z >> _S31)
 
 
-@intrinsic  # type: ignore[misc]
-def f64_bits(typingctx: Any, x: Any) -> Any:
+def _f64_bits(typingctx: Any, x: Any) -> Any:
     """Reinterpret a binary64 as its bit pattern, as int64 (a plain LLVM bitcast)."""
     if not isinstance(x, types.Float):
         return None
@@ -84,10 +85,9 @@ def f64_bits(typingctx: Any, x: Any) -> Any:
     return types.int64(types.float64), codegen
 
 
-@intrinsic  # type: ignore[misc]
-def bits_f64(typingctx: Any, x: Any) -> Any:
+def _bits_f64(typingctx: Any, x: Any) -> Any:
     """Reinterpret a 64-bit pattern as a binary64 (a plain LLVM bitcast)."""
-    if not isinstance(x, types.Integer) or x.bitwidth != 64:
+    if x not in (types.int64, types.uint64):
         return None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -96,13 +96,17 @@ def bits_f64(typingctx: Any, x: Any) -> Any:
     return types.float64(x), codegen
 
 
-@_jit  # type: ignore[misc]
-def low_draw(x: Any) -> float:
+f64_bits: Any = intrinsic(_f64_bits)
+bits_f64: Any = intrinsic(_bits_f64)
+
+
+@_jit
+def low_draw(x: Any) -> Any:
     """Low 32 bits of mix(x - GOLDEN) as an exact binary64 integer in [0, 2^32)."""
     return bits_f64((mix(x - _GOLDEN) & _LOW32) | _EXP52) - _TWO52
 
 
-@_jit  # type: ignore[misc]
+@_jit
 def seg_consts(x0: Any) -> Any:
     """Constants of a segment of words x = key + GOLDEN + i that share `x >> 30` (see draw_seg)."""
     c = x0 >> _S30
@@ -110,8 +114,8 @@ def seg_consts(x0: Any) -> Any:
     return c & _LOW32, ((a_hi * _MUL1_LO) & _LOW32) << _S32
 
 
-@_jit  # type: ignore[misc]
-def draw_seg(xl: Any, c: Any, c1: Any) -> float:
+@_jit
+def draw_seg(xl: Any, c: Any, c1: Any) -> Any:
     """low_draw(x) for x = high | xl in a segment with constants seg_consts(x).
 
     a = x ^ (x >> 30) = x ^ C; its high word is constant, so a * MUL1 needs
@@ -124,8 +128,8 @@ def draw_seg(xl: Any, c: Any, c1: Any) -> float:
     return bits_f64(((z ^ (z >> _S31)) & _LOW32) | _EXP52) - _TWO52
 
 
-@_jit  # type: ignore[misc]
-def seg_room(x0: Any) -> int:
+@_jit
+def seg_room(x0: Any) -> Any:
     """How many words from x0 on stay in x0's 2^30-word segment (where `x >> 30` is constant)."""
     return np.int64(_SPAN30 - (x0 & _LOW30))
 
@@ -146,7 +150,7 @@ _F16 = _half_consts(10, -14, 15)
 _BF16 = _half_consts(7, -126, 127)
 
 
-@_jit  # type: ignore[misc]
+@_jit
 def half_bits(v: float, h: Any) -> Any:
     """Round binary64 once, to nearest even, into float16/bfloat16 bits (h: _F16 or _BF16); branch-free.
 
@@ -157,13 +161,16 @@ def half_bits(v: float, h: Any) -> Any:
     hardware's one rounding is the spec's. NaN keeps its sign and becomes the
     quiet NaN.
     """
-    shift, adj, inf_bits, nan_bits, min_normal, ovf, magic, magic_bits = h
+    shift, adj, _, nan_bits, min_normal, ovf, magic, magic_bits = h
     av = abs(v)
     a = np.uint64(f64_bits(min(av, ovf)))
     rn = np.int64((a + np.uint64(adj) + ((a >> np.uint64(shift)) & _U1)) >> np.uint64(shift))
     rs = f64_bits(av + magic) - np.int64(magic_bits)
-    r = rs if av < min_normal else rn
-    r = np.int64(nan_bits) if av != av else r
+    r = rn
+    if av < min_normal:
+        r = rs
+    if av != av:
+        r = np.int64(nan_bits)
     return np.uint16(r | ((f64_bits(v) >> 48) & _SIGN16))
 
 
@@ -172,7 +179,7 @@ def store(out: Any, k: Any, v: float, h: Any) -> None:
     raise NotImplementedError("called only inside kernels")
 
 
-@overload(store, jit_options={"cache": True, "inline": "always"})  # type: ignore[misc]
+@overload(store)
 def _store_overload(out: Any, k: Any, v: Any, h: Any) -> Any:
     if out.dtype == types.uint16:
         def store_half(out: Any, k: Any, v: Any, h: Any) -> Any:
@@ -184,7 +191,7 @@ def _store_overload(out: Any, k: Any, v: Any, h: Any) -> Any:
     return store_native
 
 
-@_jit  # type: ignore[misc]
+@_jit
 def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> None:
     """dst[k] = p0 + unit(g + k) * p1 with x0 = key + GOLDEN + g; `sc * p1` is p1 * 2^-32 split exactly."""
     m = dst.shape[0]
@@ -204,7 +211,7 @@ def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
         k += cnt
 
 
-@_jit  # type: ignore[misc]
+@_jit
 def normal_z(d1: float, d2: float) -> float:
     """Box-Muller cosine branch from two draws given as integers d = unit * 2^32 (scaling exact)."""
     u1 = d1 * _TWO_NEG_32
@@ -214,7 +221,7 @@ def normal_z(d1: float, d2: float) -> float:
     return math.sqrt(-2.0 * math.log(u1)) * math.cos(_TWO_PI * u2)
 
 
-@_jit  # type: ignore[misc]
+@_jit
 def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
     """dst[k] = p0 + p1 * z(g + k) with x0 = key + GOLDEN + 2g (draws 2(g+k) and 2(g+k)+1)."""
     m = dst.shape[0]
@@ -235,21 +242,24 @@ def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
         k += cnt
 
 
-@_jit  # type: ignore[misc]
+@_jit
 def fill_flat(dst: Any, values: Any, g: int, h: Any) -> None:
+    """dst[k] = values[g + k], cast."""
     src = values[g:g + dst.shape[0]]
     for j in range(dst.shape[0]):
         store(dst, np.uint64(j), src[np.uint64(j)], h)
 
 
-@_jit  # type: ignore[misc]
-def fill_const(dst: Any, c: Any) -> None:
+@_jit
+def fill_const(dst: Any, c: float, h: Any) -> None:
+    """The cast of c is loop-invariant: LLVM hoists it and the loop becomes a plain fill."""
     for j in range(dst.shape[0]):
-        dst[np.uint64(j)] = c
+        store(dst, np.uint64(j), c, h)
 
 
-@_jit  # type: ignore[misc]
+@_jit
 def run_global(r: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int) -> int:
+    """Global flat index of the first element of run r (Runs in plan.py)."""
     g = base
     for d in range(outer_ext.shape[0] - 1, -1, -1):
         ext = outer_ext[d]
@@ -259,25 +269,8 @@ def run_global(r: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base
     return g
 
 
-def is_f16(out: Any, fmt: int) -> bool:
-    """Whether to round into float16 (else bfloat16); a constant False for native arrays, so no half code runs there."""
-    raise NotImplementedError("called only inside kernels")
-
-
-@overload(is_f16, jit_options={"cache": True, "inline": "always"})  # type: ignore[misc]
-def _is_f16_overload(out: Any, fmt: Any) -> Any:
-    if out.dtype == types.uint16:
-        def half(out: Any, fmt: Any) -> Any:
-            return fmt == 1
-        return half
-
-    def native(out: Any, fmt: Any) -> Any:
-        return False
-    return native
-
-
-@_jit  # type: ignore[misc]
-def fill_run(dst: Any, g: int, kind: int, s: Any, p0: float, p1: float, sc: float, p1b: float, cval: Any,
+@_jit
+def fill_run(dst: Any, g: int, kind: int, s: Any, p0: float, p1: float, sc: float, p1b: float,
              values: Any, h: Any) -> None:
     """dst = elements g, g+1, ... of the full tensor (Kind codes as in plan.py); s = key + GOLDEN."""
     if kind == 1:
@@ -287,41 +280,87 @@ def fill_run(dst: Any, g: int, kind: int, s: Any, p0: float, p1: float, sc: floa
     elif kind == 3:
         fill_flat(dst, values, g, h)
     else:
-        fill_const(dst, cval)
+        fill_const(dst, p0, h)
 
 
-@_jit  # type: ignore[misc]
+def run_any(out: Any, dst: Any, g: int, kind: int, s: Any, p0: float, p1: float, sc: float, p1b: float,
+            values: Any, fmt: int) -> None:
+    """fill_run with the half format's constants fixed at compile time (float arrays ignore them)."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(run_any)
+def _run_any_overload(out: Any, dst: Any, g: Any, kind: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any,
+                      values: Any, fmt: Any) -> Any:
+    if out.dtype == types.uint16:
+        def half(out: Any, dst: Any, g: Any, kind: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any,
+                 values: Any, fmt: Any) -> Any:
+            if fmt == 1:
+                fill_run(dst, g, kind, s, p0, p1, sc, p1b, values, _F16)
+            else:
+                fill_run(dst, g, kind, s, p0, p1, sc, p1b, values, _BF16)
+        return half
+
+    def native(out: Any, dst: Any, g: Any, kind: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any,
+               values: Any, fmt: Any) -> Any:
+        fill_run(dst, g, kind, s, p0, p1, sc, p1b, values, _BF16)
+    return native
+
+
+@_jit
 def fill_piece(out: Any, l: int, lend: int, l_begin: int, kind: int, key: Any, p0: float, p1: float, sc: float,
-               p1b: float, cval: Any, values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any,
+               p1b: float, values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any,
                base: int, run_len: int) -> None:
-    """Local elements [l, lend) of the region, run by run; the half format's constants are compile-time."""
+    """Local elements [l, lend) of the region, run by run (compiled once, called by both entry points)."""
     s = key + _GOLDEN
-    f16 = is_f16(out, fmt)
     while l < lend:
         r = l // run_len
         off = l - r * run_len
         g = run_global(r, outer_start, outer_ext, outer_stride, base) + off
         m = min(lend - l, run_len - off)
         dst = out[l - l_begin:l - l_begin + m]
-        if f16:
-            fill_run(dst, g, kind, s, p0, p1, sc, p1b, cval, values, _F16)
-        else:
-            fill_run(dst, g, kind, s, p0, p1, sc, p1b, cval, values, _BF16)
+        run_any(out, dst, g, kind, s, p0, p1, sc, p1b, values, fmt)
         l += m
 
 
-@_parallel  # type: ignore[misc]
+def _fetch_add(typingctx: Any, counter: Any, v: Any) -> Any:
+    """Atomically add v to counter[0] (an int64 array) and return the old value."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", ary.data, args[1], "monotonic")
+
+    return types.int64(counter, types.int64), codegen
+
+
+fetch_add: Any = intrinsic(_fetch_add)
+
+
+@_parallel
 def fill_parallel(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, sc: float, p1b: float,
-                  cval: Any, values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
+                  values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
                   run_len: int) -> None:
+    """Workers take the next piece from a shared counter until none are left.
+
+    Not a static split: on a shared machine a thread slowed by other work would hold up the whole call. The
+    prange hands the workers out statically; a thread's first worker runs until the pieces are gone, and
+    its others find none (asking numba for its thread count here would make the function uncachable).
+    """
     n = out.shape[0]
-    for t in nb.prange((n + PIECE - 1) // PIECE):
-        l = l_begin + t * PIECE
-        fill_piece(out, l, min(l + PIECE, l_begin + n), l_begin, kind, key, p0, p1, sc, p1b, cval, values, fmt,
-                   outer_start, outer_ext, outer_stride, base, run_len)
+    pieces = (n + PIECE - 1) // PIECE
+    counter = np.zeros(1, dtype=np.int64)
+    for _ in nb.prange(min(_WORKERS, pieces)):
+        t = fetch_add(counter, 1)
+        while t < pieces:
+            l = l_begin + t * PIECE
+            fill_piece(out, l, min(l + PIECE, l_begin + n), l_begin, kind, key, p0, p1, sc, p1b, values, fmt,
+                       outer_start, outer_ext, outer_stride, base, run_len)
+            t = fetch_add(counter, 1)
 
 
-@_serial  # type: ignore[misc]
+@_jit
 def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, values: Any, fmt: int,
          outer_start: Any, outer_ext: Any, outer_stride: Any, base: int, run_len: int) -> None:
     """Fill out[k] with the value of local element l_begin + k of a region (Kind codes as in plan.py).
@@ -334,15 +373,10 @@ def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, valu
     # p1 * 2^-32 is exact unless it falls into the subnormal range; then scale the draw instead.
     p1s = p1 * _TWO_NEG_32
     sc, p1b = (1.0, p1s) if p1s * 2.0**32 == p1 else (_TWO_NEG_32, p1)
-    tmp = np.empty(1, dtype=out.dtype)
-    if is_f16(out, fmt):
-        store(tmp, 0, p0, _F16)
-    else:
-        store(tmp, 0, p0, _BF16)
-    cval = tmp[0]
     if n <= PIECE:
-        fill_piece(out, l_begin, l_begin + n, l_begin, kind, key, p0, p1, sc, p1b, cval, values, fmt,
+        fill_piece(out, l_begin, l_begin + n, l_begin, kind, key, p0, p1, sc, p1b, values, fmt,
                    outer_start, outer_ext, outer_stride, base, run_len)
     else:
-        fill_parallel(out, l_begin, kind, key, p0, p1, sc, p1b, cval, values, fmt,
+        fill_parallel(out, l_begin, kind, key, p0, p1, sc, p1b, values, fmt,
                       outer_start, outer_ext, outer_stride, base, run_len)
+
