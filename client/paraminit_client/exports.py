@@ -69,7 +69,7 @@ class Lease:
     """A held export. `arrays` alias the server's memory; release() (or leaving the with-block) gives it back."""
 
     def __init__(self, client: Any, info: pb.ExportInfo, auto_renew: bool = False) -> None:
-        from paraminit_client.client import arrays_from_buffer, numpy_dtype
+        from paraminit_client.client import arrays_from_buffer
 
         self._client = client
         self.info = info
