@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/paraminit/v1/*.proto)
 
-.PHONY: venv demo test test-fast lint proto proto-check bench clean
+.PHONY: venv demo test lint proto bench gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,18 @@ bench: $(STAMP)
 	$(PY) bench/transport.py
 	$(PY) bench/export.py
 	$(PY) bench/torch_model.py
+
+# Wheels for the GPU check machine (Python 3.12, x86_64), for packages its image lacks; bench/gpu_check.sh installs
+# them offline from .whl/.
+GPU_WHEELS := protobuf grpcio grpcio-status grpcio-health-checking grpcio-reflection googleapis-common-protos crc32c
+gpu-wheels: $(STAMP)
+	mkdir -p .whl
+	for pkg in $(GPU_WHEELS); do \
+		v=$$($(PY) -c "import importlib.metadata as m; print(m.version('$$pkg'))"); \
+		$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+			--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+			-d .whl "$$pkg==$$v" || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo.safetensors

@@ -16,6 +16,12 @@ export PYTHONPATH="proto:server:client${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 status=0
 
+# Packages the device image lacks travel as wheels in .whl/ (make gpu-wheels here); installed offline, never fetched.
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/paraminit-site \
+        .whl/*.whl && export PYTHONPATH="/tmp/paraminit-site:$PYTHONPATH"
+fi
+
 say() { printf '%s\n' "$*" | tee -a "$OUT/env.txt"; }
 
 : > "$OUT/env.txt"
@@ -109,7 +115,7 @@ left() { local s=$(( BUDGET - SECONDS - $1 )); [ $s -lt 30 ] && s=30; echo $s; }
 say "== tests/test_gpu.py"
 if "$PY" -c "import pytest" 2>/dev/null; then
     cap=$(left $BENCH_RESERVE)
-    timeout "$cap" "$PY" "$RUNNER" -m pytest -m gpu tests/test_gpu.py -v -s -p no:cacheprovider -o addopts=-ra \
+    timeout "$cap" "$PY" "$RUNNER" -m pytest -m gpu tests/test_gpu.py tests/test_gpu_service.py -v -s -p no:cacheprovider -o addopts=-ra \
         > "$OUT/test_gpu.log" 2>&1
     rc=$?
     grep -E "PASSED|FAILED|ERROR|SKIPPED|differ|^device:|^E |[0-9]+ (passed|failed|skipped|error)" "$OUT/test_gpu.log" \
