@@ -30,9 +30,11 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-for sub in ("proto", "server", "client"):
+for sub in ("proto", "server", "client", "bench"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
+
+from _common import best_of  # noqa: E402
 
 from paraminit.v1 import plan_pb2  # noqa: E402
 from paraminit_server import dtypes, reference  # noqa: E402
@@ -42,15 +44,6 @@ COLS = 4096
 INITS = ("zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",
          "xavier_uniform_for_shape", "kaiming_uniform_for_shape")
 TORCH_OP = {Kind.CONST: "fill_", Kind.AFFINE: "uniform_", Kind.NORMAL: "normal_", Kind.FLAT: "copy_"}
-
-
-def best_of(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def make_param(init: str, dt: dtypes.DTypeInfo, rows: int, values: np.ndarray[Any, Any]) -> ResolvedParam:

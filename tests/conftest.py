@@ -37,3 +37,26 @@ def cpu_backend() -> Any:
     from paraminit_server.backends.numpy_backend import NumpyBackend
 
     return NumpyBackend()
+
+
+def serve_subprocess(env: dict[str, str] | None = None, stderr: Any = None) -> tuple[Any, str]:
+    """A real `paraminit serve` process on a free loopback port, waited on until SERVING."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from paraminit_client import Client
+
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "paraminit"), "serve"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL if stderr is None else stderr, text=True,
+                            env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "numpy", **(env or {})})
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    m = re.search(r"listening on [\d.]+:(\d+)", line)
+    assert m, line
+    target = f"127.0.0.1:{m.group(1)}"
+    with Client(target) as c:
+        c.wait_ready(300)
+    return proc, target

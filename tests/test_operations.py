@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from conftest import serve_subprocess
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server.config import ServerConfig
 from paraminit_server.server import start
@@ -45,20 +45,9 @@ def test_metrics_endpoint_counts_requests_and_bytes() -> None:
         running.stop(grace=0)
 
 
-def _serve(env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([str(BIN / "paraminit"), "serve"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "numpy", **env})
-    assert proc.stdout is not None
-    m = re.search(r"listening on [\d.]+:(\d+)", proc.stdout.readline())
-    assert m
-    target = f"127.0.0.1:{m.group(1)}"
-    with Client(target) as c:
-        c.wait_ready(120)
-    return proc, target
-
-
 def test_sigterm_drains_in_flight_stream_and_exits_zero() -> None:
-    proc, target = _serve({"PARAMINIT_DRAIN_SECONDS": "30", "PARAMINIT_LOG_FORMAT": "json"})
+    proc, target = serve_subprocess({"PARAMINIT_DRAIN_SECONDS": "30", "PARAMINIT_LOG_FORMAT": "json"},
+                                    stderr=subprocess.PIPE)
     plan = plan_of([param("w", [48 << 20], {"uniform": {"lo": -1, "hi": 1, "seed": 3}})])  # 192 MiB
     result: dict[str, Any] = {}
     first_chunk = threading.Event()

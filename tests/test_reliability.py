@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import serve_subprocess
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
@@ -194,20 +195,8 @@ def test_memory_budget_refuses_without_allocating() -> None:
         r.stop(grace=0)
 
 
-def _serve(env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([str(BIN / "paraminit"), "serve"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "numpy", **(env or {})})
-    assert proc.stdout is not None
-    m = re.search(r"listening on [\d.]+:(\d+)", proc.stdout.readline())
-    assert m
-    target = f"127.0.0.1:{m.group(1)}"
-    with Client(target) as c:
-        c.wait_ready(120)
-    return proc, target
-
-
 def test_killed_client_lease_expires_and_segment_goes() -> None:
-    proc, target = _serve()
+    proc, target = serve_subprocess()
     try:
         code = textwrap.dedent(f"""
             import os
@@ -232,7 +221,7 @@ def test_killed_client_lease_expires_and_segment_goes() -> None:
 
 def test_server_killed_mid_stream_then_retry_gives_same_bytes() -> None:
     plan = plan_of([param("w", [16 << 20], {"normal": {"std": 1.0, "seed": 5}}, "bfloat16")])  # 32 MiB
-    proc, target = _serve({"PARAMINIT_CHUNK_BYTES": "65536"})
+    proc, target = serve_subprocess({"PARAMINIT_CHUNK_BYTES": "65536"})
     with Client(target) as c:
         _h, chunks = c.stream(plan)
         next(chunks)
@@ -241,7 +230,7 @@ def test_server_killed_mid_stream_then_retry_gives_same_bytes() -> None:
         with pytest.raises(ParaminitError) as info:
             list(chunks)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
-    proc2, target2 = _serve()
+    proc2, target2 = serve_subprocess()
     try:
         with Client(target2) as c:
             got = c.materialize(plan)["w"]

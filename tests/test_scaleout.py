@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import serve_subprocess
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, param, plan_of, scaleout
 from paraminit_client.client import numpy_dtype
@@ -21,22 +20,9 @@ from paraminit_client.client import numpy_dtype
 BIN = Path(sys.executable).parent
 
 
-def _serve() -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([str(BIN / "paraminit"), "serve"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "numpy",
-                                            "PARAMINIT_CHUNK_BYTES": "65536"})
-    assert proc.stdout is not None
-    m = re.search(r"listening on [\d.]+:(\d+)", proc.stdout.readline())
-    assert m
-    return proc, f"127.0.0.1:{m.group(1)}"
-
-
 @pytest.fixture()
 def workers() -> Iterator[list[tuple[subprocess.Popen[str], str]]]:
-    procs = [_serve() for _ in range(3)]
-    for _, target in procs:
-        with Client(target) as c:
-            c.wait_ready(120)
+    procs = [serve_subprocess({"PARAMINIT_CHUNK_BYTES": "65536"}) for _ in range(3)]
     yield procs
     for proc, _ in procs:
         if proc.poll() is None:

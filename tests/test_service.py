@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conftest import serve_subprocess
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, load_plan, param, plan_of
@@ -183,25 +183,11 @@ def test_300_mib_plan_streams_with_default_limits(client: Client) -> None:
         planlib.ResolvedParam(**{**head.__dict__, "region": ((0, 1000),)})).tobytes()
 
 
-def _serve_subprocess(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
-    env = {**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "numpy"}
-    proc = subprocess.Popen([str(BIN / "paraminit"), "serve"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    m = re.search(r"listening on [\d.]+:(\d+)", line)
-    assert m, line
-    return proc, int(m.group(1))
-
-
 def test_cli_against_serve_subprocess(tmp_path: Path) -> None:
     from safetensors.numpy import load_file
 
-    proc, port = _serve_subprocess(tmp_path)
+    proc, target = serve_subprocess(stderr=subprocess.STDOUT)
     try:
-        target = f"127.0.0.1:{port}"
-        with Client(target) as c:
-            c.wait_ready(120)
         assert subprocess.run([str(BIN / "paraminit"), "health", "--target", target]).returncode == 0
         out = tmp_path / "conv.safetensors"
         r = subprocess.run([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out),
