@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,14 +40,31 @@ def main() -> None:
         engine.fill_all(backend, lay, np.empty(lay.data_bytes, np.uint8))
 
     rows = [("generation alone (fresh buffer)", best_of(generate, args.repeat))]
-    with serve() as target, Client(target, timeout=600) as c:
-        def shm() -> None:
-            with c.export(p) as lease:
-                w = lease.arrays["w"]
-                assert float(w[:: 1024].view(np.uint32).max()) > 0  # read one value per 4 KiB page
+    held: list[Any] = []
 
-        rows.append(("SHM export + client mapping", best_of(shm, args.repeat)))
+    def handoff(c: Any) -> None:
+        """Export and map; the release is timed apart (it frees pages, after the trainer is done)."""
+        lease = c.export(p)
+        w = lease.arrays["w"]
+        assert float(w[:: 1024].view(np.uint32).max()) > 0  # read one value per 4 KiB page
+        held.append(lease)
+
+    def timed_handoff(c: Any) -> tuple[float, float]:
+        handoffs, releases = [], []
+        for _ in range(args.repeat):
+            handoffs.append(best_of(lambda: handoff(c), 1))
+            releases.append(best_of(lambda: held.pop().release(), 1))
+        return min(handoffs), min(releases)
+
+    with serve() as target, Client(target, timeout=600) as c:
+        shm, release = timed_handoff(c)
+        rows.append(("SHM export + client mapping", shm))
+        rows.append(("  SHM release (apart)", release))
         rows.append(("STREAM (Client.materialize)", best_of(lambda: c.materialize(p), max(1, args.repeat - 1))))
+    with serve(env={"PARAMINIT_SHM_POOL_BYTES": str(2 * nbytes)}) as target, Client(target, timeout=600) as c:
+        shm, release = timed_handoff(c)
+        rows.append(("SHM export + mapping, segment pool on", shm))
+        rows.append(("  SHM release to the pool (apart)", release))
     print(f"export: {args.mib} MiB float32 uniform plan")
     table(rows, nbytes, ["generation alone (fresh buffer)", "STREAM (Client.materialize)"])
 

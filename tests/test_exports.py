@@ -169,3 +169,42 @@ def test_shutdown_frees_all_leases() -> None:
         running.stop(grace=0)
         assert name not in segments()
         np.asarray(lease.arrays["w"]).sum()  # the mapping itself stays valid for the client
+
+
+def test_segment_pool_reuses_released_segments() -> None:
+    running = start(ServerConfig(host="127.0.0.1", port=0, shm_pool_bytes=1 << 20, memory_budget=64 << 20),
+                    warm_up_async=False)
+    try:
+        with Client(f"127.0.0.1:{running.port}") as c:
+            plan = plan_small()
+            first = c.export(plan)
+            old = first.info.shm.segment_name
+            first.release()
+            assert old not in segments() and len(segments()) == 1  # pooled under a fresh name
+            pooled = running.servicer.exports.pool.nbytes
+            assert pooled > 0 and running.servicer.admission.memory.reserved == pooled
+            again = c.export(plan)
+            assert again.info.shm.segment_name not in (old,) and len(segments()) == 1
+            assert again.arrays["w"].tobytes() == c.materialize(plan)["w"].tobytes()
+            other = plan_of([param("x", [8], {"ones": {}})])  # another size: a new segment
+            with c.export(other) as lease:
+                assert len(segments()) == 2 and lease.arrays["x"].tolist() == [1.0] * 8
+            again.release()
+        running.stop(grace=0)
+        assert not segments() and running.servicer.admission.memory.reserved == 0
+    finally:
+        running.stop(grace=0)
+
+
+def test_segment_pool_never_crosses_identities() -> None:
+    from paraminit_server.exports import SegmentPool, ShmSegment
+
+    pool = SegmentPool(1 << 20)
+    seg = ShmSegment(4096)
+    pool.give("token:alice", seg, None)
+    assert pool.take("token:bob", 4096) is None
+    assert pool.take("token:alice", 8192) is None
+    assert pool.take("token:alice", 4096) is seg
+    seg.close()
+    pool.close()
+    assert not segments()

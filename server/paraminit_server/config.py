@@ -31,6 +31,7 @@ class ServerConfig:
     max_lease_ttl: float = 3600.0
     max_leased_bytes: int = 64 * GiB
     max_leases_per_client: int = 64
+    shm_pool_bytes: int = 0  # keep released SHM segments (renamed) for the same identity's next export; 0 = off
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off, -1 = any free port
     drain_seconds: float = 25.0
     memory_budget: int = 0  # bytes the backend may hold for requests; 0 = half of what is free at start

@@ -12,6 +12,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -63,12 +64,80 @@ class ShmSegment:
         os.close(fd)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=size)
 
+    def rename(self) -> None:
+        """A fresh unguessable name for the same pages (pooling); the old name stops resolving."""
+        name = SHM_PREFIX + secrets.token_hex(16)
+        path = os.path.join(SHM_DIR, name)
+        os.rename(self.path, path)
+        self.name, self.path = name, path
+
     def close(self) -> None:
         self.array = np.empty(0, np.uint8)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes when it does
             self._map.close()
+
+
+class SegmentPool:
+    """Released segments kept for the same identity's next export of the same size.
+
+    Allocating and mapping tmpfs pages costs about 0.8 s per GiB on a host whose shared memory has
+    no huge pages, several times the fill itself; a trainer that exports again (restarts, sweeps)
+    pays it once. A segment only ever goes back to the identity that held it, under a new random
+    name, and pooled bytes stay reserved against the memory budget until they are reused or freed.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._held: list[tuple[str, ShmSegment, Any]] = []  # (owner, segment, budget reservation), oldest first
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(seg.size for _, seg, _ in self._held)
+
+    def take(self, owner: str, size: int) -> ShmSegment | None:
+        with self._lock:
+            for i, (who, seg, reservation) in enumerate(self._held):
+                if who == owner and seg.size == size:
+                    del self._held[i]
+                    break
+            else:
+                return None
+        if reservation is not None:
+            reservation.release()
+        return seg
+
+    def give(self, owner: str, seg: ShmSegment, budget: Any) -> None:
+        """Keep the segment if it fits the pool and the budget; free it otherwise."""
+        reservation = None
+        try:
+            if seg.size > self.max_bytes:
+                raise errors.ResourceExhausted("larger than the pool")
+            seg.rename()  # the released name stops resolving at once
+            reservation = budget.reserve(seg.size, 0.0, "pooled segment") if budget is not None else None
+        except (errors.ResourceExhausted, OSError):
+            seg.close()
+            return
+        with self._lock:
+            self._held.append((owner, seg, reservation))
+            evicted = []
+            while sum(s.size for _, s, _ in self._held) > self.max_bytes:
+                evicted.append(self._held.pop(0))
+        for _, old, res in evicted:
+            old.close()
+            if res is not None:
+                res.release()
+
+    def close(self) -> None:
+        with self._lock:
+            held, self._held = self._held, []
+        for _, seg, reservation in held:
+            seg.close()
+            if reservation is not None:
+                reservation.release()
 
 
 class Exports:
@@ -80,6 +149,7 @@ class Exports:
         self.memory_wait: Any = lambda context: 0.0
         self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
                                  config.max_lease_ttl)
+        self.pool = SegmentPool(config.shm_pool_bytes)
 
     def owner(self, context: grpc.ServicerContext) -> str:
         """Leases belong to the caller's identity; another identity gets NOT_FOUND for them."""
@@ -106,7 +176,13 @@ class Exports:
         ttl = self.leases.ttl(request.lease_ttl_seconds)
         lay = layout.export_layout(params, GPU_ALIGN if delivery == pb.DELIVERY_CUDA_IPC else layout.EXPORT_ALIGN)
         self.leases.reserve(owner, lay.data_bytes)
-        reservation = self.budget.reserve(lay.data_bytes, self.memory_wait(context), "export") if self.budget else None
+        pooled = self.pool.take(owner, lay.data_bytes) if delivery == pb.DELIVERY_SHM else None
+        try:
+            reservation = self._reserve(lay.data_bytes, context)
+        except BaseException:
+            if pooled is not None:
+                pooled.close()
+            raise
         info = pb.ExportInfo(plan_digest=digest)
 
         def stop() -> bool:
@@ -114,7 +190,7 @@ class Exports:
 
         try:
             if delivery == pb.DELIVERY_SHM:
-                buf, free = self._shm(lay, info, stop)
+                buf, free = self._shm(lay, info, stop, owner, pooled)
             else:
                 buf, free = self._cuda(lay, info, stop)
         except BaseException:
@@ -134,11 +210,26 @@ class Exports:
         _describe(info, lay, rec)
         return info
 
-    def _shm(self, lay: layout.Layout, info: pb.ExportInfo, stop: Callable[[], bool]) -> tuple[Any, Any]:
+    def _reserve(self, nbytes: int, context: grpc.ServicerContext) -> Any:
+        if self.budget is None:
+            return None
         try:
-            seg = ShmSegment(lay.data_bytes)
-        except OSError as exc:
-            raise errors.ResourceExhausted(f"cannot create a {lay.data_bytes}-byte shared-memory segment: {exc}") from None
+            return self.budget.reserve(nbytes, self.memory_wait(context), "export")
+        except errors.ResourceExhausted:
+            if not self.pool.nbytes:
+                raise
+            self.pool.close()  # pooled segments yield to live requests
+            return self.budget.reserve(nbytes, self.memory_wait(context), "export")
+
+    def _shm(self, lay: layout.Layout, info: pb.ExportInfo, stop: Callable[[], bool], owner: str,
+             pooled: ShmSegment | None) -> tuple[Any, Any]:
+        if pooled is not None:
+            seg = pooled
+        else:
+            try:
+                seg = ShmSegment(lay.data_bytes)
+            except OSError as exc:
+                raise errors.ResourceExhausted(f"cannot create a {lay.data_bytes}-byte shared-memory segment: {exc}") from None
         try:
             engine.fill_all(self.backend, lay, seg.array, stop)
         except BaseException:
@@ -146,7 +237,7 @@ class Exports:
             raise
         info.shm.segment_name = seg.name
         info.shm.size = lay.data_bytes
-        return seg.array, seg.close
+        return seg.array, lambda: self.pool.give(owner, seg, self.budget)
 
     def _cuda(self, lay: layout.Layout, info: pb.ExportInfo, stop: Callable[[], bool]) -> tuple[Any, Any]:
         try:
@@ -199,6 +290,7 @@ class Exports:
 
     def close(self) -> None:
         self.leases.close()
+        self.pool.close()
 
 
 def _check_same_parameters(lay: layout.Layout, params: list[ResolvedParam]) -> None:
