@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=120)
     ap.add_argument("--max-requests", type=int, default=1_000_000)
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of the same load before the baseline")
+    ap.add_argument("--max-concurrent", type=int, default=0, help="server's PARAMINIT_MAX_CONCURRENT (0: default)")
     args = ap.parse_args()
     from paraminit_client import Client, ParaminitError, param, plan_of
 
@@ -83,7 +84,8 @@ def main() -> None:
                     latencies.append(dt)
                     total_bytes[0] += nbytes
 
-    with serve() as target:
+    env = {"PARAMINIT_MAX_CONCURRENT": str(args.max_concurrent)} if args.max_concurrent else {}
+    with serve(env=env) as target:
         pid = PIDS[target]
         def run(seconds: float) -> float:
             nonlocal stop_at

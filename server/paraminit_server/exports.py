@@ -100,12 +100,10 @@ class SegmentPool:
 
     def take(self, owner: str, size: int) -> ShmSegment | None:
         with self._lock:
-            for i, (who, seg, reservation) in enumerate(self._held):
-                if who == owner and seg.size == size:
-                    del self._held[i]
-                    break
-            else:
+            match = next((i for i, (who, seg, _) in enumerate(self._held) if who == owner and seg.size == size), None)
+            if match is None:
                 return None
+            _, seg, reservation = self._held.pop(match)
         if reservation is not None:
             reservation.release()
         return seg
