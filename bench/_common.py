@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 PIDS: dict[str, int] = {}  # target -> pid of the serve subprocess behind it
@@ -57,3 +58,26 @@ def serve(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def bench_param(init: str, dtype_enum: int, rows: int, cols: int, region: tuple[tuple[int, int], ...] = ()) -> Any:
+    """A [rows, cols] paraminit.v1.Param with the benchmarks' fixed settings for each initializer."""
+    from paraminit.v1 import plan_pb2
+
+    p = plan_pb2.Param(name=f"{init}_{dtype_enum}", shape=[rows, cols], dtype=dtype_enum)
+    i = p.init
+    if init == "uniform":
+        i.uniform.lo, i.uniform.hi, i.uniform.seed = -0.05, 0.05, 1
+    elif init == "normal":
+        i.normal.mean, i.normal.std, i.normal.seed = 0.0, 0.02, 2
+    elif init == "xavier_uniform":
+        i.xavier_uniform.fan_in, i.xavier_uniform.fan_out, i.xavier_uniform.seed = cols, rows, 3
+    elif init == "kaiming_uniform":
+        i.kaiming_uniform.fan_in, i.kaiming_uniform.seed = cols, 4
+    elif init in ("xavier_uniform_for_shape", "kaiming_uniform_for_shape"):
+        getattr(i, init).seed = 5 if init.startswith("xavier") else 6
+    else:
+        getattr(i, init).SetInParent()
+    for a, b in region:
+        p.region.add(start=a, stop=b)
+    return p

@@ -34,9 +34,8 @@ for sub in ("proto", "server", "client", "bench"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-from _common import best_of  # noqa: E402
+from _common import bench_param, best_of  # noqa: E402
 
-from paraminit.v1 import plan_pb2  # noqa: E402
 from paraminit_server import dtypes, reference  # noqa: E402
 from paraminit_server.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
 
@@ -48,21 +47,9 @@ TORCH_OP = {Kind.CONST: "fill_", Kind.AFFINE: "uniform_", Kind.NORMAL: "normal_"
 
 def make_param(init: str, dt: dtypes.DTypeInfo, rows: int, values: np.ndarray[Any, Any]) -> ResolvedParam:
     """A [rows, COLS] parameter resolved from a plan_pb2.Param; flat takes its payload from `values`."""
-    p = plan_pb2.Param(name=f"{init}_{dt.name}", shape=[rows, COLS], dtype=dt.enum)  # type: ignore[arg-type]
+    p = bench_param("zeros" if init == "flat" else init, dt.enum, rows, COLS)
     i = p.init
-    if init == "uniform":
-        i.uniform.lo, i.uniform.hi, i.uniform.seed = -0.05, 0.05, 1
-    elif init == "normal":
-        i.normal.mean, i.normal.std, i.normal.seed = 0.0, 0.02, 2
-    elif init == "xavier_uniform":
-        i.xavier_uniform.fan_in, i.xavier_uniform.fan_out, i.xavier_uniform.seed = COLS, rows, 3
-    elif init == "kaiming_uniform":
-        i.kaiming_uniform.fan_in, i.kaiming_uniform.seed = COLS, 4
-    elif init == "xavier_uniform_for_shape":
-        i.xavier_uniform_for_shape.seed = 5
-    elif init == "kaiming_uniform_for_shape":
-        i.kaiming_uniform_for_shape.seed = 6
-    elif init == "flat":
+    if init == "flat":
         # A payload of rows * COLS doubles through protobuf would only time protobuf: resolve a one-row
         # plan, then give it the full shape and payload.
         p.shape[:] = [1, COLS]
@@ -70,8 +57,6 @@ def make_param(init: str, dt: dtypes.DTypeInfo, rows: int, values: np.ndarray[An
         small = resolve_param(0, p)
         full = ((0, rows), (0, COLS))
         return dataclasses.replace(small, shape=(rows, COLS), region=full, values=values[:rows * COLS])
-    else:
-        getattr(i, init).SetInParent()
     return resolve_param(0, p)
 
 

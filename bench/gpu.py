@@ -35,6 +35,9 @@ from paraminit.v1 import plan_pb2  # noqa: E402
 from paraminit_server import dtypes, reference  # noqa: E402
 from paraminit_server.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import bench_param  # noqa: E402
+
 COLS = 4096
 SAMPLE = 1 << 15  # elements compared with reference.py at each end of every output
 
@@ -76,21 +79,8 @@ def time_copy(cp: Any, nbytes: int, repeat: int) -> float:
 
 
 def make_param(init: str, dt: dtypes.DTypeInfo, rows: int, region: tuple[tuple[int, int], ...] = ()) -> ResolvedParam:
-    p = plan_pb2.Param(name=f"{init}_{dt.name}", shape=[rows, COLS], dtype=dt.enum)  # type: ignore[arg-type]
-    i = p.init
-    if init == "uniform":
-        i.uniform.lo, i.uniform.hi, i.uniform.seed = -0.05, 0.05, 1
-    elif init == "normal":
-        i.normal.mean, i.normal.std, i.normal.seed = 0.0, 0.02, 2
-    elif init == "xavier":
-        i.xavier_uniform_for_shape.seed = 3
-    elif init == "kaiming":
-        i.kaiming_uniform_for_shape.seed = 4
-    elif init == "zeros":
-        i.zeros.SetInParent()
-    for a, b in region:
-        p.region.add(start=a, stop=b)
-    return resolve_param(0, p)
+    name = {"xavier": "xavier_uniform_for_shape", "kaiming": "kaiming_uniform_for_shape"}.get(init, init)
+    return resolve_param(0, bench_param(name, dt.enum, rows, COLS, region))
 
 
 def reference_window(p: ResolvedParam, l_begin: int, n: int) -> np.ndarray[Any, Any]:
