@@ -69,13 +69,14 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
     total = layout.data_bytes
     q: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
     cancel = threading.Event()
+    alloc = getattr(backend, "scratch", backend.empty)  # GPU: pooled slabs; exports keep whole allocations
 
     def produce() -> None:
         try:
             for start in range(0, total, slab):
                 if cancel.is_set() or should_stop():
                     break
-                buf = backend.empty(min(slab, total - start))
+                buf = alloc(min(slab, total - start))
                 fill_window(backend, layout, buf, start)
                 host = backend.to_host(buf)
                 item = transform(start, host) if transform is not None else (start, host)

@@ -365,9 +365,19 @@ class CupyBackend:
         with self._device:
             fill_plan(params, arena, offsets)
 
-    def to_host(self, buf: Any) -> Any:
+    def scratch(self, nbytes: int) -> Any:
+        """A pooled device buffer for stream slabs: no cudaMalloc/cudaFree (which synchronizes) per slab."""
         with self._device:
-            return self._cp.asnumpy(buf)
+            return self._cp.empty(int(nbytes), dtype=self._cp.uint8)
+
+    def to_host(self, buf: Any) -> Any:
+        """Copy into pinned host memory (CuPy's pinned pool), the fast path for device-to-host copies."""
+        import cupyx
+
+        with self._device:
+            host = cupyx.empty_pinned(buf.shape, dtype=buf.dtype)
+            buf.get(out=host)
+            return host
 
     def device(self) -> DeviceDescription:
         cp = self._cp
