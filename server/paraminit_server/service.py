@@ -117,8 +117,8 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
         def encode(start: int, host: Any) -> list[bytes]:
             mv = memoryview(host).toreadonly()
-            return [wire.encode_chunk(start + off, mv[off:off + chunk], crc32c.crc32c(mv[off:off + chunk]))
-                    for off in range(0, len(mv), chunk)]
+            pieces = ((off, mv[off:off + chunk]) for off in range(0, len(mv), chunk))
+            return [wire.encode_chunk(start + off, piece, crc32c.crc32c(piece)) for off, piece in pieces]
 
         try:
             for messages in iter_slabs(self.backend, lay, slab, lambda: not context.is_active(), transform=encode):
