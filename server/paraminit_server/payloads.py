@@ -63,7 +63,7 @@ class Sources:
 
     # -- uploaded payloads ---------------------------------------------------------------
 
-    def store(self, owner: str, dtype_enum: int, count: int, data: bytes) -> tuple[str, Payload]:
+    def store(self, owner: str, dtype_enum: int, count: int, data: npt.NDArray[np.uint8]) -> tuple[str, Payload]:
         dt = dtypes.by_enum(dtype_enum)
         if dt is None:
             raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype_enum}")
@@ -76,8 +76,9 @@ class Sources:
             if used + count * 8 > self.max_bytes:
                 raise errors.ResourceExhausted(f"payload needs {count * 8} bytes as binary64; {self.max_bytes - used} "
                                                f"of {self.max_bytes} payload bytes are free")
-        values = to_binary64(np.frombuffer(data, dtype=np.uint8), dt)
-        bad = np.flatnonzero(~np.isfinite(values))
+        values = to_binary64(data, dt)
+        finite = np.isfinite(values)
+        bad = np.flatnonzero(~finite) if not finite.all() else np.zeros(0, np.int64)
         payload = Payload(owner, values, time.time() + self.ttl, int(bad.size), int(bad[0]) if bad.size else -1)
         pid = secrets.token_hex(16)
         with self._lock:

@@ -13,6 +13,7 @@ from typing import Any
 
 import crc32c
 import grpc
+import numpy as np
 
 from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
@@ -159,7 +160,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     @boundary
     def UploadPayload(self, request: Iterator[pb.PayloadChunk], context: grpc.ServicerContext) -> pb.PayloadRef:
-        buf: bytearray | None = None
+        buf: Any = None
         dtype = count = received = 0
         for chunk in request:
             if isinstance(chunk, MalformedRequest):
@@ -172,14 +173,15 @@ class InitServicer(pb_grpc.InitServiceServicer):
                 if count * 8 > self.sources.max_bytes:
                     raise errors.ResourceExhausted(f"payload of {count} values needs {count * 8} bytes as binary64; "
                                                    f"the payload limit is {self.sources.max_bytes}")
-                buf = bytearray(count * dt.itemsize)
-            if received + len(chunk.data) > len(buf):
+                buf = np.empty(count * dt.itemsize, dtype=np.uint8)
+            data = chunk.data  # one copy out of the message; each access would make another
+            if received + len(data) > len(buf):
                 raise errors.InvalidRequest(f"payload is longer than the declared {count} values")
-            buf[received:received + len(chunk.data)] = chunk.data
-            received += len(chunk.data)
+            buf[received:received + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            received += len(data)
         if buf is None:
             raise errors.InvalidRequest("empty payload upload")
-        pid, payload = self.sources.store(identity(context, self.tokens), dtype, count, bytes(memoryview(buf)[:received]))
+        pid, payload = self.sources.store(identity(context, self.tokens), dtype, count, buf[:received])
         return pb.PayloadRef(payload_id=pid, count=count, expires_at=payload.expires_at)
 
     def _leases(self) -> Any:
