@@ -72,11 +72,15 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
     alloc = getattr(backend, "scratch", backend.empty)  # GPU: pooled slabs; exports keep whole allocations
 
     def produce() -> None:
+        # With a transform the slab is consumed before it is queued, so one buffer serves every slab:
+        # fresh memory costs a page fault per 4 KiB, about as much as generating into it.
+        reused = alloc(min(slab, total)) if transform is not None and total else None
         try:
             for start in range(0, total, slab):
                 if cancel.is_set() or should_stop():
                     break
-                buf = alloc(min(slab, total - start))
+                size = min(slab, total - start)
+                buf = reused[:size] if reused is not None else alloc(size)
                 fill_window(backend, layout, buf, start)
                 host = backend.to_host(buf)
                 item = transform(start, host) if transform is not None else (start, host)
