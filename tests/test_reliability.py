@@ -147,23 +147,38 @@ def test_server_still_serves_after_fuzzing(client: Client) -> None:
 
 
 class FailingAlloc(NumpyBackend):
-    """Fails the Nth allocation: a fault in the middle of a plan."""
+    """Fails its Nth allocation, or its Nth fill (a backend running out of memory mid-plan)."""
 
-    def __init__(self, fail_at: int) -> None:
+    def __init__(self, where: str, fail_at: int) -> None:
         super().__init__()
+        self.where = where
         self.calls = 0
         self.fail_at = fail_at
+        self.armed = False  # warm-up runs unharmed
 
-    def empty(self, nbytes: int) -> Any:
+    def _tick(self, nbytes: int) -> None:
+        if not self.armed:
+            return
         self.calls += 1
         if self.calls == self.fail_at:
             raise MemoryError(f"cannot allocate {nbytes} bytes")
+
+    def empty(self, nbytes: int) -> Any:
+        if self.where == "empty":
+            self._tick(nbytes)
         return super().empty(nbytes)
 
+    def fill(self, p: Any, out: Any, l_begin: int = 0) -> None:
+        if self.where == "fill" and p.name == "w":
+            self._tick(out.nbytes)
+        super().fill(p, out, l_begin)
 
-def test_allocation_failure_mid_plan_frees_everything() -> None:
-    backend = FailingAlloc(fail_at=3)
+
+@pytest.mark.parametrize("where,fail_at", [("empty", 1), ("fill", 3)])
+def test_allocation_failure_mid_plan_frees_everything(where: str, fail_at: int) -> None:
+    backend = FailingAlloc(where, fail_at)
     r = start(ServerConfig(host="127.0.0.1", port=0, slab_bytes=1 << 20), backend=backend, warm_up_async=False)
+    backend.armed = True
     try:
         plan = plan_of([param("w", [1 << 20], {"uniform": {"lo": -1, "hi": 1}})])  # 4 MiB = 4 slabs
         with Client(f"127.0.0.1:{r.port}") as c:

@@ -74,8 +74,8 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
     def produce() -> None:
         # With a transform the slab is consumed before it is queued, so one buffer serves every slab:
         # fresh memory costs a page fault per 4 KiB, about as much as generating into it.
-        reused = alloc(min(slab, total)) if transform is not None and total else None
         try:
+            reused = alloc(min(slab, total)) if transform is not None and total else None
             for start in range(0, total, slab):
                 if cancel.is_set() or should_stop():
                     break
@@ -100,7 +100,12 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
     worker.start()
     try:
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=0.5)
+            except queue.Empty:
+                if not worker.is_alive() and q.empty():  # never wait on a producer that is gone
+                    raise RuntimeError("slab producer stopped without a result") from None
+                continue
             if item is None:
                 return
             if isinstance(item, BaseException):
