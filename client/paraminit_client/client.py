@@ -25,7 +25,7 @@ from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
 from paraminit_client.errors import ParaminitError, Violation
 from paraminit_client.exports import Lease
-from paraminit_client.plans import DTYPE_NAMES
+from paraminit_client.plans import DTYPE_NAMES, DTYPES
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20)]
 
@@ -213,8 +213,7 @@ class Client:
         """Upload a flat payload of any size (float32/float64/float16/bfloat16 array); plans name the returned id
         with {"flatRef": {"payloadId": id}}. Payloads belong to this client's identity and expire."""
         arr = np.ascontiguousarray(values)
-        kind = {"float32": plan_pb2.DTYPE_FLOAT32, "float64": plan_pb2.DTYPE_FLOAT64, "float16": plan_pb2.DTYPE_FLOAT16,
-                "bfloat16": plan_pb2.DTYPE_BFLOAT16}.get(str(arr.dtype))
+        kind = DTYPES.get(str(arr.dtype))
         if kind is None:
             raise ValueError(f"payload dtype must be float32, float64, float16 or bfloat16, not {arr.dtype}")
         raw = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]

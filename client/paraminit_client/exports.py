@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from paraminit.v1 import init_service_pb2 as pb
+from paraminit.v1 import plan_pb2
 from paraminit_client.errors import ParaminitError
 
 SHM_DIR = "/dev/shm"
@@ -56,7 +57,7 @@ def _open_cuda_ipc(info: pb.CudaIpcExport) -> Any:
     return cupy.ndarray((info.size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0)), ptr
 
 
-_BFLOAT16 = 4  # paraminit.v1.DTYPE_BFLOAT16
+_BFLOAT16 = plan_pb2.DTYPE_BFLOAT16
 
 
 def _cupy_dtype(dtype_enum: int) -> Any:

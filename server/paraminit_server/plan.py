@@ -169,3 +169,18 @@ def digest(plan: plan_pb2.Plan) -> str:
     import hashlib
 
     return hashlib.sha256(plan.SerializeToString(deterministic=True)).hexdigest()
+
+
+def warm_up_params() -> list[ResolvedParam]:
+    """One small parameter of every kernel kind and dtype: what backends compile before SERVING."""
+    from paraminit_server import dtypes
+
+    params: list[ResolvedParam] = []
+    for dt in dtypes.SUPPORTED:
+        for init in ("zeros", "uniform", "normal", "flat"):
+            p = plan_pb2.Param(name=f"{init}_{dt.name}", shape=[2, 3], dtype=dt.enum)  # type: ignore[arg-type]
+            getattr(p.init, init).SetInParent()
+            if init == "flat":
+                p.init.flat.values.extend([0.0] * 6)
+            params.append(resolve_param(len(params), p))
+    return params

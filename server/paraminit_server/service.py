@@ -50,7 +50,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     def checked(self, p: plan_pb2.Plan, context: grpc.ServicerContext) -> tuple[list[plan.ResolvedParam], validation.Report]:
         """Validate the whole plan; raise with every violation, or return it resolved."""
-        sources = BoundSources(self.sources, identity(context, self.tokens))
+        sources = self._sources(context)
         report = validation.validate(p, self.limits, sources)
         if report.only_limits:
             worst = "; ".join(v.message for v in report.violations)
@@ -58,6 +58,10 @@ class InitServicer(pb_grpc.InitServiceServicer):
         if not report.ok:
             raise errors.InvalidPlan(report.violations)
         return plan.resolve(p, sources), report
+
+    def _sources(self, context: grpc.ServicerContext) -> BoundSources:
+        """Payloads and files as this caller may see them."""
+        return BoundSources(self.sources, identity(context, self.tokens))
 
     def memory_wait(self, context: grpc.ServicerContext) -> float:
         """How long a request may wait for memory: only while its deadline leaves time to do the work."""
@@ -94,9 +98,9 @@ class InitServicer(pb_grpc.InitServiceServicer):
                 for p in params:
                     self.metrics.bytes.labels(self.backend.name, p.dtype.name, p.initializer).inc(p.nbytes)
         finally:
-            if self.metrics is not None:
-                self.metrics.latency.labels(pb.Delivery.Name(delivery)).observe(time.perf_counter() - started)
             seconds = time.perf_counter() - started
+            if self.metrics is not None:
+                self.metrics.latency.labels(pb.Delivery.Name(delivery)).observe(seconds)
             log.info("materialize digest=%s params=%d bytes=%d delivery=%s seconds=%.3f outcome=%s",
                      digest[:16], len(params), report.total_bytes, pb.Delivery.Name(delivery), seconds, outcome,
                      extra={"method": "Materialize", "plan_digest": digest, "bytes": report.total_bytes,
@@ -131,7 +135,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     @boundary
     def Validate(self, request: pb.ValidateRequest, context: grpc.ServicerContext) -> pb.ValidateResponse:
-        report = validation.validate(request.plan, self.limits, BoundSources(self.sources, identity(context, self.tokens)))
+        report = validation.validate(request.plan, self.limits, self._sources(context))
         resp = pb.ValidateResponse(
             valid=not any(v.category == validation.INVALID for v in report.violations),
             param_bytes=report.param_bytes, total_bytes=report.total_bytes,

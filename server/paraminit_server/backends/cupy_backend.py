@@ -292,22 +292,14 @@ class CupyBackend:
 
     def warm_up(self) -> None:
         """Compile (or load) the kernels and run each kind once, so the first request pays nothing."""
-        from paraminit.v1 import plan_pb2
-        from paraminit_server.plan import resolve_param
+        from paraminit_server.plan import warm_up_params
 
         cp = self._cp
         with self._device:
             kernels(self._ordinal)
-            params: list[ResolvedParam] = []
-            for dt in dtypes.SUPPORTED:
-                for init in ("zeros", "uniform", "normal", "flat"):
-                    p = plan_pb2.Param(name=f"{init}_{dt.name}", shape=[2, 3], dtype=dt.enum)  # type: ignore[arg-type]
-                    getattr(p.init, init).SetInParent()
-                    if init == "flat":
-                        p.init.flat.values.extend([0.0] * 6)
-                    rp = resolve_param(len(params), p)
-                    params.append(rp)
-                    self.fill(rp, cp.empty(rp.numel, dtype=dt.storage))
+            params = warm_up_params()
+            for rp in params:
+                self.fill(rp, cp.empty(rp.numel, dtype=rp.dtype.storage))
             fill_plan(params, cp.empty(len(params) * 48, dtype=cp.uint8), [48 * i for i in range(len(params))])
             cp.cuda.Device().synchronize()
 

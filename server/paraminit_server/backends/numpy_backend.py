@@ -26,18 +26,10 @@ class NumpyBackend:
         self._threads = threads
 
     def warm_up(self) -> None:
-        from paraminit.v1 import plan_pb2
-        from paraminit_server import dtypes
-        from paraminit_server.plan import resolve_param
+        from paraminit_server.plan import warm_up_params
 
-        for dt in dtypes.SUPPORTED:
-            for init in ("uniform", "normal", "flat", "zeros"):
-                p = plan_pb2.Param(name="w", shape=[2, 3], dtype=dt.enum)  # type: ignore[arg-type]
-                getattr(p.init, init).SetInParent()
-                if init == "flat":
-                    p.init.flat.values.extend([0.0] * 6)
-                rp = resolve_param(0, p)
-                self.fill(rp, np.empty(rp.numel, dtype=dt.storage))
+        for rp in warm_up_params():
+            self.fill(rp, np.empty(rp.numel, dtype=rp.dtype.storage))
 
     def empty(self, nbytes: int) -> Any:
         return np.empty(nbytes, dtype=np.uint8)
