@@ -29,10 +29,10 @@ def main() -> None:
     nbytes = args.mib << 20
     from paraminit_client import Client, param, plan_of
     from paraminit_server import engine, layout, plan
-    from paraminit_server.backends.numpy_backend import NumpyBackend
+    from paraminit_server.backends.cpu import CpuBackend
 
     p = plan_of([param("w", [nbytes // 4], {"uniform": {"lo": -1, "hi": 1, "seed": 1}})])
-    backend = NumpyBackend()
+    backend = CpuBackend()
     backend.warm_up()
     lay = layout.export_layout(plan.resolve(p))
 

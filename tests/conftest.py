@@ -1,8 +1,15 @@
-"""Shared fixtures: plans from vectors.json and a helper to poison buffers."""
+"""Shared fixtures: plans from vectors.json, poisoned buffers, servers in process and in subprocesses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,18 +17,20 @@ import numpy as np
 import pytest
 from google.protobuf import json_format
 
+from paraminit import dtypes
 from paraminit.v1 import plan_pb2
+from paraminit_client import Client
+from paraminit_server.config import ServerConfig
+from paraminit_server.server import Running, start
 
 VECTORS = json.loads((Path(__file__).parent / "vectors.json").read_text())
-DTYPE_ENUM = {"float32": plan_pb2.DTYPE_FLOAT32, "float64": plan_pb2.DTYPE_FLOAT64,
-              "float16": plan_pb2.DTYPE_FLOAT16, "bfloat16": plan_pb2.DTYPE_BFLOAT16}
 
 
 def case_param(case: dict[str, Any]) -> plan_pb2.Param:
-    p = plan_pb2.Param(name=case["name"], shape=case["shape"], dtype=DTYPE_ENUM[case["dtype"]])
+    p = plan_pb2.Param(name=case["name"], shape=case["shape"], dtype=dtypes.by_name(case["dtype"]).enum)
     json_format.ParseDict(case["init"], p.init)
-    for start, stop in case.get("region", []):
-        p.region.add(start=start, stop=stop)
+    for lo, hi in case.get("region", []):
+        p.region.add(start=lo, stop=hi)
     return p
 
 
@@ -34,24 +43,60 @@ def poisoned(n: int, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
 
 @pytest.fixture(scope="session")
 def cpu_backend() -> Any:
-    from paraminit_server.backends.numpy_backend import NumpyBackend
+    from paraminit_server.backends.cpu import CpuBackend
 
-    return NumpyBackend()
+    return CpuBackend()
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Poll until predicate() is truthy; False once the timeout passes (assert on the result)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+@contextlib.contextmanager
+def running_server(instance: Any = None, **config: Any) -> Iterator[Running]:
+    """An in-process server on a free loopback port, SERVING when entered, stopped (leases freed) on exit.
+    `instance`: a backend object to use instead of the one config.backend names."""
+    config.setdefault("backend", "cpu")
+    running = start(ServerConfig(host="127.0.0.1", port=0, **config), backend=instance, warm_up_async=False)
+    try:
+        yield running
+    finally:
+        running.stop(grace=0)
+
+
+def server_fixture(scope: Any = "module", **config: Any) -> Any:
+    """A `server` fixture for a test module: `server = server_fixture(max_plan_bytes=...)`."""
+
+    @pytest.fixture(scope=scope)
+    def server() -> Iterator[Running]:
+        with running_server(**config) as running:
+            yield running
+
+    return server
+
+
+def target_of(running: Running) -> str:
+    return f"127.0.0.1:{running.port}"
+
+
+@pytest.fixture()
+def client(server: Running) -> Iterator[Client]:
+    """A client of the module's `server` fixture."""
+    with Client(target_of(server)) as c:
+        yield c
 
 
 def serve_subprocess(env: dict[str, str] | None = None, stderr: Any = None) -> tuple[Any, str]:
-    """A real `paraminit serve` process on a free loopback port, waited on until SERVING."""
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from paraminit_client import Client
-
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "paraminit"), "serve"], stdout=subprocess.PIPE,
+    """A real `paraminit-server` process on a free loopback port, waited on until SERVING."""
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "paraminit-server")], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL if stderr is None else stderr, text=True,
-                            env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "numpy", **(env or {})})
+                            env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "cpu", **(env or {})})
     assert proc.stdout is not None
     line = proc.stdout.readline()
     m = re.search(r"listening on [\d.]+:(\d+)", line)

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
 
+from conftest import running_server, server_fixture, target_of, wait_until
+from paraminit.peers import is_local_peer
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.config import ServerConfig
-from paraminit_server.exports import is_local_peer
-from paraminit_server.server import Running, start
+from paraminit_server import errors
+from paraminit_server.admission import MemoryBudget
+from paraminit_server.caller import Caller
+from paraminit_server.exports import BufferPool
+from paraminit_server.server import Running
+from paraminit_server.shm import ShmSegment
 
 
 def _listing() -> set[str]:
@@ -37,18 +41,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Running]:
-    running = start(ServerConfig(host="127.0.0.1", port=0, backend="numpy", max_leases_per_client=4,
-                                 max_leased_bytes=256 << 20), warm_up_async=False)
-    yield running
-    running.stop(grace=0)
-
-
-@pytest.fixture()
-def client(server: Running) -> Iterator[Client]:
-    with Client(f"127.0.0.1:{server.port}", timeout=60) as c:
-        yield c
+server = server_fixture(max_leases_per_client=4, max_leased_bytes=256 << 20)
 
 
 def plan_small() -> pb.Plan:  # type: ignore[name-defined]
@@ -99,10 +92,7 @@ def test_expiry_frees_and_renew_extends(client: Client, server: Running) -> None
     kept = client.export(plan_small(), ttl_seconds=0.5)
     kept.renew(30)
     name = lease.info.shm.segment_name
-    deadline = time.monotonic() + 5
-    while name in segments() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert name not in segments()
+    assert wait_until(lambda: name not in segments(), 5)
     assert kept.info.shm.segment_name in segments()
     with pytest.raises(ParaminitError) as info:
         lease.renew()
@@ -163,14 +153,51 @@ def test_many_cycles_leave_nothing_behind(client: Client) -> None:
     assert rss_bytes() - baseline < 64 << 20
 
 
-def test_remote_peers_are_refused() -> None:
+def test_peer_locality() -> None:
     assert is_local_peer("ipv4:127.0.0.1:5000") and is_local_peer("ipv6:[::1]:5000") and is_local_peer("unix:/x")
     assert not is_local_peer("ipv4:10.1.2.3:5000") and not is_local_peer("ipv6:[2001:db8::1]:5000")
 
 
+def test_remote_caller_is_refused_by_the_data_plane(server: Running) -> None:
+    with pytest.raises(errors.FailedPrecondition, match="this host only"):
+        server.plane.export(plan_small(), "shm", Caller(local=False))
+    assert not segments() and server.plane.leases.leased_bytes() == 0
+
+
+REMOTE_CALL = textwrap.dedent("""
+    import grpc
+    from paraminit_client import Client, ParaminitError, param, plan_of
+    from paraminit_server.config import ServerConfig
+    from paraminit_server.server import start
+    running = start(ServerConfig(host="0.0.0.0", port=0, backend="cpu"), warm_up_async=False)
+    with Client(f"192.0.2.1:{running.port}") as c:  # not loopback: this namespace's own test address
+        assert len(c.materialize(plan_of([param("w", [4], {"ones": {}})]))["w"]) == 4  # STREAM works
+        try:
+            c.export(plan_of([param("w", [4], {"ones": {}})]))
+        except ParaminitError as err:
+            assert err.code == grpc.StatusCode.FAILED_PRECONDITION, err
+            print("refused:", err.message)
+        else:
+            raise SystemExit("a remote peer got a shared-memory segment")
+    running.stop(grace=0)
+""")
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("ip") is None, reason="needs unshare and ip")
+def test_remote_peers_are_refused() -> None:
+    """A real call from a non-loopback address: a network namespace of this test's own with 192.0.2.1 on lo."""
+    setup = "ip link set lo up && ip addr add 192.0.2.1/32 dev lo"
+    probe = subprocess.run(["unshare", "-rn", "sh", "-c", setup], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here: {probe.stderr.strip()}")
+    done = subprocess.run(["unshare", "-rn", "sh", "-c", f'{setup} && exec "$0" -c "$1"', sys.executable, REMOTE_CALL],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused:" in done.stdout and "this host only" in done.stdout
+
+
 def test_shutdown_frees_all_leases() -> None:
-    running = start(ServerConfig(host="127.0.0.1", port=0), warm_up_async=False)
-    with Client(f"127.0.0.1:{running.port}") as c:
+    with running_server() as running, Client(target_of(running)) as c:
         lease = c.export(plan_small())
         name = lease.info.shm.segment_name
         assert name in segments()
@@ -180,17 +207,15 @@ def test_shutdown_frees_all_leases() -> None:
 
 
 def test_segment_pool_reuses_released_segments() -> None:
-    running = start(ServerConfig(host="127.0.0.1", port=0, shm_pool_bytes=1 << 20, memory_budget=64 << 20),
-                    warm_up_async=False)
-    try:
-        with Client(f"127.0.0.1:{running.port}") as c:
+    with running_server(shm_pool_bytes=1 << 20, memory_budget=64 << 20) as running:
+        with Client(target_of(running)) as c:
             plan = plan_small()
             first = c.export(plan)
             old = first.info.shm.segment_name
             first.release()
             assert old not in segments() and len(segments()) == 1  # pooled under a fresh name
-            pooled = running.servicer.exports.pool.nbytes
-            assert pooled > 0 and running.servicer.admission.memory.reserved == pooled
+            pooled = running.plane.exports.pool.nbytes
+            assert pooled > 0 and running.plane.admission.host.reserved == pooled
             again = c.export(plan)
             assert again.info.shm.segment_name not in (old,) and len(segments()) == 1
             assert again.arrays["w"].tobytes() == c.materialize(plan)["w"].tobytes()
@@ -199,17 +224,13 @@ def test_segment_pool_reuses_released_segments() -> None:
                 assert len(segments()) == 2 and lease.arrays["x"].tolist() == [1.0] * 8
             again.release()
         running.stop(grace=0)
-        assert not segments() and running.servicer.admission.memory.reserved == 0
-    finally:
-        running.stop(grace=0)
+        assert not segments() and running.plane.admission.host.reserved == 0
 
 
 def test_segment_pool_never_crosses_identities() -> None:
-    from paraminit_server.exports import SegmentPool, ShmSegment
-
-    pool = SegmentPool(1 << 20)
+    pool = BufferPool(1 << 20, MemoryBudget(1 << 20))
     seg = ShmSegment(4096)
-    pool.give("token:alice", seg, None)
+    pool.give("token:alice", seg)
     assert pool.take("token:bob", 4096) is None
     assert pool.take("token:alice", 8192) is None
     assert pool.take("token:alice", 4096) is seg

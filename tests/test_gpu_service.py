@@ -16,9 +16,9 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
+from conftest import running_server
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.config import ServerConfig
-from paraminit_server.server import Running, start
+from paraminit_server.server import Running
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -36,11 +36,8 @@ PLAN = plan_of([param("w", [512, 300], {"kaimingUniformForShape": {"seed": 1}}),
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[Running, Running]]:
-    gpu = start(ServerConfig(host="127.0.0.1", port=0, backend="cupy"), warm_up_async=False)
-    cpu = start(ServerConfig(host="127.0.0.1", port=0, backend="numpy"), warm_up_async=False)
-    yield gpu, cpu
-    gpu.stop(grace=0)
-    cpu.stop(grace=0)
+    with running_server(backend="cupy") as gpu, running_server() as cpu:
+        yield gpu, cpu
 
 
 def test_stream_matches_cpu(servers: tuple[Running, Running]) -> None:

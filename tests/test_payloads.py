@@ -9,12 +9,12 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
+import reference
 from safetensors.numpy import save_file
 
+from conftest import running_server, target_of
 from paraminit_client import Client, ParaminitError, param, plan_from_safetensors, plan_of
-from paraminit_server import reference
-from paraminit_server.config import ServerConfig
-from paraminit_server.server import Running, start
+from paraminit_server.server import Running
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +24,14 @@ def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(ckpt_dir: Path) -> Iterator[Running]:
-    r = start(ServerConfig(host="127.0.0.1", port=0, safetensors_dirs=str(ckpt_dir), auth_tokens=
-                           "alice:alice-token-0123456789,bob:bob-token-0123456789ab"), warm_up_async=False)
-    yield r
-    r.stop(grace=0)
+    with running_server(safetensors_dirs=str(ckpt_dir),
+                        auth_tokens="alice:alice-token-0123456789,bob:bob-token-0123456789ab") as r:
+        yield r
 
 
 @pytest.fixture()
 def client(server: Running) -> Iterator[Client]:
-    with Client(f"127.0.0.1:{server.port}", token="alice-token-0123456789", timeout=120) as c:
+    with Client(target_of(server), token="alice-token-0123456789") as c:
         yield c
 
 
@@ -54,7 +53,7 @@ def test_payload_dtypes_convert_exactly_then_round_once(client: Client, src: str
     pid = client.upload_payload(payload)
     got = client.materialize(plan_of([param("w", [4099], {"flatRef": {"payloadId": pid}}, dst)]))["w"]
     exact = payload.astype(np.float64)
-    from paraminit_server import dtypes
+    from paraminit import dtypes
 
     want = reference.cast(exact, dtypes.by_name(dst))
     assert got.view(want.dtype).tobytes() == want.tobytes()

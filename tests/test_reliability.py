@@ -9,43 +9,30 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import serve_subprocess
+from conftest import running_server, serve_subprocess, server_fixture, target_of, wait_until
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server import plan as planlib
-from paraminit_server import reference
-from paraminit_server.backends.numpy_backend import NumpyBackend
-from paraminit_server.config import ServerConfig
-from paraminit_server.server import Running, start
+from paraminit_server.backends.cpu import CpuBackend
+from paraminit_server.server import Running
 from paraminit_server.validation import Limits, validate
 
 BIN = Path(sys.executable).parent
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Running]:
-    r = start(ServerConfig(host="127.0.0.1", port=0, max_plan_bytes=8 << 20, max_param_bytes=4 << 20), warm_up_async=False)
-    yield r
-    r.stop(grace=0)
-
-
-@pytest.fixture(scope="module")
-def client(server: Running) -> Iterator[Client]:
-    with Client(f"127.0.0.1:{server.port}", timeout=60) as c:
-        yield c
+server = server_fixture(max_plan_bytes=8 << 20, max_param_bytes=4 << 20)
 
 
 floats = st.one_of(st.floats(-10, 10), st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e308, -1e308]))
@@ -146,7 +133,7 @@ def test_server_still_serves_after_fuzzing(client: Client) -> None:
     assert client.materialize(plan_of([param("w", [3], {"ones": {}})]))["w"].tolist() == [1, 1, 1]
 
 
-class FailingAlloc(NumpyBackend):
+class FailingAlloc(CpuBackend):
     """Fails its Nth allocation, or its Nth fill (a backend running out of memory mid-plan)."""
 
     def __init__(self, where: str, fail_at: int) -> None:
@@ -163,10 +150,10 @@ class FailingAlloc(NumpyBackend):
         if self.calls == self.fail_at:
             raise MemoryError(f"cannot allocate {nbytes} bytes")
 
-    def empty(self, nbytes: int) -> Any:
-        if self.where == "empty":
+    def scratch(self, nbytes: int) -> Any:
+        if self.where == "scratch":
             self._tick(nbytes)
-        return super().empty(nbytes)
+        return super().scratch(nbytes)
 
     def fill(self, p: Any, out: Any, l_begin: int = 0) -> None:
         if self.where == "fill" and p.name == "w":
@@ -174,40 +161,33 @@ class FailingAlloc(NumpyBackend):
         super().fill(p, out, l_begin)
 
 
-@pytest.mark.parametrize("where,fail_at", [("empty", 1), ("fill", 3)])
+@pytest.mark.parametrize("where,fail_at", [("scratch", 1), ("fill", 3)])
 def test_allocation_failure_mid_plan_frees_everything(where: str, fail_at: int) -> None:
     backend = FailingAlloc(where, fail_at)
-    r = start(ServerConfig(host="127.0.0.1", port=0, slab_bytes=1 << 20), backend=backend, warm_up_async=False)
-    backend.armed = True
-    try:
+    with running_server(backend, slab_bytes=1 << 20) as r:
+        backend.armed = True
         plan = plan_of([param("w", [1 << 20], {"uniform": {"lo": -1, "hi": 1}})])  # 4 MiB = 4 slabs
-        with Client(f"127.0.0.1:{r.port}") as c:
+        with Client(target_of(r)) as c:
             with pytest.raises(ParaminitError) as info:
                 c.materialize(plan)
             assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "out of memory" in info.value.message
-            assert r.servicer.admission.in_flight == 0 and r.servicer.admission.memory.reserved == 0
+            assert r.plane.admission.in_flight == 0 and r.plane.admission.host.reserved == 0
             got = c.materialize(plan)["w"]
             want = np.empty(1 << 20, np.float32)
-            NumpyBackend().fill(planlib.resolve(plan)[0], want)
+            CpuBackend().fill(planlib.resolve(plan)[0], want)
             assert got.tobytes() == want.tobytes()
-    finally:
-        r.stop(grace=0)
 
 
 def test_memory_budget_refuses_without_allocating() -> None:
-    r = start(ServerConfig(host="127.0.0.1", port=0, memory_budget=8 << 20), warm_up_async=False)
-    try:
-        with Client(f"127.0.0.1:{r.port}") as c:
-            held = c.export(plan_of([param("a", [1 << 20], {"zeros": {}})]))  # 4 MiB of 8
-            with pytest.raises(ParaminitError) as info:
-                c.export(plan_of([param("b", [(6 << 20) // 4], {"zeros": {}})]))
-            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert re.search(r"needs 6291456 bytes .* 4194304 of 8388608 are available", info.value.message)
-            held.release()
-            c.export(plan_of([param("b", [(6 << 20) // 4], {"zeros": {}})])).release()
-    finally:
-        r.stop(grace=0)
+    with running_server(memory_budget=8 << 20) as r, Client(target_of(r)) as c:
+        held = c.export(plan_of([param("a", [1 << 20], {"zeros": {}})]))  # 4 MiB of 8
+        with pytest.raises(ParaminitError) as info:
+            c.export(plan_of([param("b", [(6 << 20) // 4], {"zeros": {}})]))
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert re.search(r"needs 6291456 bytes .* 4194304 of 8388608 are available", info.value.message)
+        held.release()
+        c.export(plan_of([param("b", [(6 << 20) // 4], {"zeros": {}})])).release()
 
 
 def test_killed_client_lease_expires_and_segment_goes() -> None:
@@ -225,10 +205,7 @@ def test_killed_client_lease_expires_and_segment_goes() -> None:
         assert child.returncode == -signal.SIGKILL
         name = child.stdout.strip()
         assert name.startswith("paraminit-") and os.path.exists(f"/dev/shm/{name}")
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not os.path.exists(f"/dev/shm/{name}")
+        assert wait_until(lambda: not os.path.exists(f"/dev/shm/{name}"), 10)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -250,7 +227,7 @@ def test_server_killed_mid_stream_then_retry_gives_same_bytes() -> None:
         with Client(target2) as c:
             got = c.materialize(plan)["w"]
         want = np.empty(16 << 20, np.uint16)
-        NumpyBackend().fill(planlib.resolve(plan)[0], want)
+        CpuBackend().fill(planlib.resolve(plan)[0], want)
         assert got.view(np.uint16).tobytes() == want.tobytes()
     finally:
         proc2.terminate()

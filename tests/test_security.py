@@ -10,10 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from conftest import running_server, server_fixture
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.config import ServerConfig
-from paraminit_server.server import Running, start
+from paraminit_server.server import Running
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
@@ -53,15 +53,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _start(**kw: object) -> Running:
-    return start(ServerConfig(host="127.0.0.1", port=0, **kw), warm_up_async=False)  # type: ignore[arg-type]
-
-
 @pytest.fixture()
 def tls_server(pki: Path) -> Iterator[Running]:
-    r = _start(tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key"))
-    yield r
-    r.stop(grace=0)
+    with running_server(tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key")) as r:
+        yield r
 
 
 def test_tls(tls_server: Running, pki: Path) -> None:
@@ -74,9 +69,8 @@ def test_tls(tls_server: Running, pki: Path) -> None:
 
 
 def test_mutual_tls_and_certificate_identities(pki: Path) -> None:
-    r = _start(tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key"), tls_ca=str(pki / "ca.crt"))
-    target = f"localhost:{r.port}"
-    try:
+    with running_server(tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key"), tls_ca=str(pki / "ca.crt")) as r:
+        target = f"localhost:{r.port}"
         with Client(target, tls_ca=str(pki / "ca.crt"), timeout=3) as anon, pytest.raises(ParaminitError):
             anon.validate(PLAN)
         with Client(target, tls_ca=str(pki / "ca.crt"), tls_cert=str(pki / "alice.crt"), tls_key=str(pki / "alice.key")) as a, \
@@ -88,15 +82,9 @@ def test_mutual_tls_and_certificate_identities(pki: Path) -> None:
                 b._call(b.stub.Release, pb.ReleaseRequest(lease_id=lease.lease_id))
             assert info.value.code == grpc.StatusCode.NOT_FOUND
             assert lease.release()
-    finally:
-        r.stop(grace=0)
 
 
-@pytest.fixture()
-def token_server() -> Iterator[Running]:
-    r = _start(auth_tokens=f"alice:{ALICE},bob:{BOB}")
-    yield r
-    r.stop(grace=0)
+token_server = server_fixture("function", auth_tokens=f"alice:{ALICE},bob:{BOB}")
 
 
 def test_tokens_required_except_health(token_server: Running) -> None:
@@ -131,5 +119,5 @@ def test_leases_belong_to_their_identity(token_server: Running) -> None:
 
 
 def test_short_tokens_are_refused() -> None:
-    with pytest.raises(ValueError, match="shorter than 16"):
-        _start(auth_tokens="alice:short")
+    with pytest.raises(ValueError, match="shorter than 16"), running_server(auth_tokens="alice:short"):
+        pass

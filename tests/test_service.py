@@ -8,23 +8,21 @@ import re
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+import reference
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import serve_subprocess
+from conftest import running_server, serve_subprocess, server_fixture, target_of, wait_until
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, load_plan, param, plan_of
 from paraminit_server import plan as planlib
-from paraminit_server import reference
-from paraminit_server.backends.numpy_backend import NumpyBackend
+from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.config import ServerConfig
 from paraminit_server.server import Running, start
 
@@ -32,18 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Running]:
-    running = start(ServerConfig(host="127.0.0.1", port=0, backend="numpy", max_plan_bytes=1 << 30,
-                                 slab_bytes=1 << 20), warm_up_async=False)
-    yield running
-    running.stop(grace=0)
-
-
-@pytest.fixture()
-def client(server: Running) -> Iterator[Client]:
-    with Client(f"127.0.0.1:{server.port}", timeout=120) as c:
-        yield c
+server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
 
 
 def mixed_plan() -> plan_pb2.Plan:
@@ -122,7 +109,7 @@ def test_limits_give_resource_exhausted(server: Running) -> None:
 
 def test_info_health_reflection(server: Running, client: Client) -> None:
     info = client.info()
-    assert info.backend == "numpy" and info.device.kind == "cpu"
+    assert info.backend == "cpu" and info.device.kind == "cpu"
     assert set(info.dtypes) == {plan_pb2.DTYPE_FLOAT32, plan_pb2.DTYPE_FLOAT64, plan_pb2.DTYPE_FLOAT16,
                                 plan_pb2.DTYPE_BFLOAT16}
     assert client.health() == "SERVING"
@@ -142,38 +129,31 @@ def test_cancellation_stops_generation_and_frees(server: Running, client: Client
     for _, _c in zip(range(3), chunks, strict=False):
         pass
     chunks.close()  # type: ignore[attr-defined]  # cancels the call
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline and (server.servicer.admission.in_flight
-                                           or any(t.name == "paraminit-fill" for t in threading.enumerate())):
-        time.sleep(0.01)
-    assert server.servicer.admission.in_flight == 0
-    assert not any(t.name == "paraminit-fill" for t in threading.enumerate())
+    assert wait_until(lambda: server.plane.admission.in_flight == 0
+                      and not any(t.name == "paraminit-fill" for t in threading.enumerate()), 1.0)
 
 
 def test_unexpected_error_is_internal_with_id(caplog: pytest.LogCaptureFixture) -> None:
-    class Broken(NumpyBackend):
+    class Broken(CpuBackend):
         def fill(self, p: Any, out: Any, l_begin: int = 0) -> None:
             if p.name == "boom":  # warm-up still works; the request does not
                 raise RuntimeError("device fell over")
             super().fill(p, out, l_begin)
 
-    running = start(ServerConfig(host="127.0.0.1", port=0), backend=Broken(), warm_up_async=False)
-    try:
-        with Client(f"127.0.0.1:{running.port}") as c, pytest.raises(ParaminitError) as info:
+    with running_server(Broken()) as running:
+        with Client(target_of(running)) as c, pytest.raises(ParaminitError) as info:
             c.materialize(plan_of([param("boom", [8], {"zeros": {}})]))
         assert info.value.code == grpc.StatusCode.INTERNAL
         error_id = re.search(r"id ([0-9a-f]{12})", info.value.message)
         assert error_id and "device fell over" not in info.value.message
         assert any(error_id.group(1) in r.getMessage() for r in caplog.records)
-    finally:
-        running.stop(grace=0)
 
 
 def test_300_mib_plan_streams_with_default_limits(client: Client) -> None:
     plan = plan_of([param("a", [50 << 20], {"uniform": {"lo": -1, "hi": 1, "seed": 9}}),  # 200 MiB
                     param("b", [25 << 20], {"kaimingUniform": {"fanIn": 3, "seed": 2}}, "float32")])  # 100 MiB
     got = client.materialize(plan)
-    backend = NumpyBackend()
+    backend = CpuBackend()
     for p in planlib.resolve(plan):
         want = np.empty(p.numel, np.float32)
         backend.fill(p, want)
@@ -215,7 +195,7 @@ def test_cli_against_serve_subprocess(tmp_path: Path) -> None:
         assert not list(tmp_path.glob(".*.part"))
 
         r = subprocess.run([str(BIN / "paraminit"), "info", "--target", target], capture_output=True, text=True)
-        assert r.returncode == 0 and "backend=numpy" in r.stdout
+        assert r.returncode == 0 and "backend=cpu" in r.stdout
         r = subprocess.run([str(BIN / "paraminit"), "validate", str(ROOT / "examples/mlp.json"), "--target", target],
                            capture_output=True, text=True)
         assert r.returncode == 0 and "6 parameters" in r.stdout
@@ -233,11 +213,11 @@ def test_health_unreachable_exits_1() -> None:
 def test_health_reports_not_serving_before_warm_up() -> None:
     gate = threading.Event()
 
-    class Slow(NumpyBackend):
+    class Slow(CpuBackend):
         def warm_up(self) -> None:
             gate.wait(10)
 
-    running = start(ServerConfig(host="127.0.0.1", port=0), backend=Slow())
+    running = start(ServerConfig(host="127.0.0.1", port=0), backend=Slow())  # warm-up in the background
     try:
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
             stub = health_pb2_grpc.HealthStub(ch)

@@ -9,7 +9,6 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any, cast
 
 import grpc
@@ -20,20 +19,19 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from conftest import server_fixture
+from paraminit.peers import is_local_target
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client
 from paraminit_client.errors import ParaminitError
 from paraminit_client.exports import Lease
 from paraminit_client.torch import (
     UnsupportedModuleError,
-    _is_local,
     lease_of,
     materialize_module,
     param_seed,
     plan_from_module,
 )
-from paraminit_server.config import ServerConfig
-from paraminit_server.server import Running, start
 
 # -- a GPT-2-shaped model in plain torch.nn ------------------------------------------------
 
@@ -101,17 +99,7 @@ def values(module: nn.Module) -> dict[str, torch.Tensor]:
 # -- fixtures -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Running]:
-    running = start(ServerConfig(host="127.0.0.1", port=0, backend="numpy"), warm_up_async=False)
-    yield running
-    running.stop(grace=0)
-
-
-@pytest.fixture()
-def client(server: Running) -> Iterator[Client]:
-    with Client(f"127.0.0.1:{server.port}", timeout=120) as c:
-        yield c
+server = server_fixture()
 
 
 # -- GPT-2 small end to end -----------------------------------------------------------------
@@ -421,8 +409,8 @@ def test_lease_is_kept_on_the_module_and_reinitializes_in_place(client: Client) 
 
 
 def test_auto_delivery_falls_back_to_stream(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _is_local("127.0.0.1:5") and _is_local("localhost:5") and _is_local("[::1]:5") and _is_local("unix:/s")
-    assert _is_local("dns:///localhost:5") and not _is_local("10.0.0.7:5") and not _is_local("trainer-0:5")
+    assert is_local_target("127.0.0.1:5") and is_local_target("localhost:5") and is_local_target("[::1]:5") and is_local_target("unix:/s")
+    assert is_local_target("dns:///localhost:5") and not is_local_target("10.0.0.7:5") and not is_local_target("trainer-0:5")
     want = values(meta_materialized(client, 4))
 
     def refuse(*args: Any, **kwargs: Any) -> Lease:  # what a forwarded port that only looks local answers

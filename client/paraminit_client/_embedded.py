@@ -1,22 +1,19 @@
-"""The in-process server a Client starts when given no target (imports the server lazily)."""
+"""The in-process server a Client starts when given no target (the server package is optional)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import grpc
+
 from paraminit_client.errors import ParaminitError
 
 
-def start_embedded(backend: str = "numpy") -> Any:
+def start_embedded(backend: str = "cpu") -> Any:
     try:
-        from paraminit_server.config import ServerConfig
-        from paraminit_server.server import start
-    except ImportError as exc:  # the client can be installed alone
-        import grpc
-
+        from paraminit_server import embedded  # optional: the client can be installed alone
+    except ImportError as exc:
         raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
                              f"no target given and the embedded server is not installed ({exc}); "
                              "pass Client('host:port') or install paraminit with its server") from None
-    running = start(ServerConfig.from_env(host="127.0.0.1", port=0, backend=backend, metrics_port=0),
-                    warm_up_async=False)
-    return running
+    return embedded.loopback_server(backend)

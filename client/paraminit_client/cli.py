@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import grpc
 
+from paraminit import dtypes
 from paraminit_client.client import Client
 from paraminit_client.errors import ParaminitError
-from paraminit_client.plans import DTYPE_NAMES, PlanFileError, load_plan
+from paraminit_client.plans import PlanFileError, load_plan
 
 EXIT_OK, EXIT_ERROR, EXIT_INVALID = 0, 1, 2
 
@@ -34,13 +35,13 @@ def _client(args: argparse.Namespace, default_target: str | None = None) -> Clie
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """`paraminit serve ...` is `paraminit-server ...`."""
     try:
-        from paraminit_server.config import from_args
-        from paraminit_server.server import serve
+        from paraminit_server import embedded  # optional: the client can be installed alone
     except ImportError as exc:
         print(f"paraminit: the server is not installed ({exc})", file=sys.stderr)
         return EXIT_ERROR
-    return serve(from_args(args))
+    return embedded.serve_main(args.server_args)
 
 
 def cmd_materialize(args: argparse.Namespace) -> int:
@@ -67,12 +68,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return EXIT_INVALID if not report.valid else EXIT_ERROR
     by_dtype: dict[str, int] = {}
     for p, nbytes in zip(plan.params, report.param_bytes, strict=True):
-        name = DTYPE_NAMES.get(p.dtype, str(p.dtype))
+        dt = dtypes.by_enum(p.dtype)
+        name = dt.name if dt else str(p.dtype)
         by_dtype[name] = by_dtype.get(name, 0) + nbytes
     print(f"valid plan {report.plan_digest[:16]}: {len(plan.params)} parameters, {_human(report.total_bytes)}")
     print(f"  {'dtype':<10} {'params':>7} {'bytes':>12}")
     for name, nbytes in sorted(by_dtype.items()):
-        count = sum(1 for p in plan.params if DTYPE_NAMES.get(p.dtype) == name)
+        count = sum(1 for p in plan.params if (d := dtypes.by_enum(p.dtype)) is not None and d.name == name)
         print(f"  {name:<10} {count:>7} {_human(nbytes):>12}")
     return EXIT_OK
 
@@ -100,13 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paraminit", description="Materialize parameter tensors from a plan.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the gRPC server")
-    try:
-        from paraminit_server.config import add_arguments
-
-        add_arguments(serve)
-    except ImportError:
-        pass
+    serve = sub.add_parser("serve", help="run the gRPC server (the same as paraminit-server; --help lists its flags)",
+                           add_help=False)
+    serve.add_argument("server_args", nargs=argparse.REMAINDER)
     serve.set_defaults(func=cmd_serve)
 
     def with_target(p: argparse.ArgumentParser, embedded: bool = True) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -18,30 +19,20 @@ from typing import Any
 import crc32c
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tqdm import tqdm
 
-from paraminit import wire
+from paraminit import dtypes, wire
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
+from paraminit_client import scaleout
+from paraminit_client._embedded import start_embedded
+from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
 from paraminit_client.errors import ParaminitError, Violation
 from paraminit_client.exports import Lease
-from paraminit_client.plans import DTYPE_NAMES, DTYPES
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20)]
-
-
-def numpy_dtype(dtype_enum: int) -> np.dtype[Any]:
-    """The numpy dtype of a plan dtype; bfloat16 comes from ml_dtypes."""
-    name = DTYPE_NAMES.get(dtype_enum)  # type: ignore[call-overload]
-    if name == "bfloat16":
-        import ml_dtypes
-
-        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-        return bf16
-    if name is None:
-        raise ParaminitError(grpc.StatusCode.INTERNAL, f"server sent unknown dtype enum {dtype_enum}")
-    dt: np.dtype[Any] = np.dtype(name)
-    return dt
 
 
 @dataclass(frozen=True)
@@ -97,8 +88,6 @@ class Client:
             # client-side balancing over every address behind the name (a headless Service)
             options.append(("grpc.lb_policy_name", "round_robin"))
         if target is None:
-            from paraminit_client._embedded import start_embedded
-
             self._embedded = start_embedded()
             target = f"127.0.0.1:{self._embedded.port}"
         self.timeout = timeout
@@ -151,8 +140,6 @@ class Client:
 
     def health(self, service: str = "") -> str:
         """The health service's status name (SERVING, NOT_SERVING, ...)."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         with rpc_errors():
             r = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                                  timeout=self.timeout or 5.0)
@@ -160,8 +147,6 @@ class Client:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the server reports SERVING (kernels compiled)."""
-        import time
-
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -189,8 +174,13 @@ class Client:
             return method(request, timeout=self.timeout)
 
     def export(self, plan: plan_pb2.Plan, delivery: str = "shm", *, ttl_seconds: float = 0.0,
-               auto_renew: bool = False) -> Lease:
-        """Zero-copy handoff from a server on this host: "shm" (CPU) or "cuda_ipc" (GPU)."""
+               auto_renew: bool | None = None) -> Lease:
+        """Zero-copy handoff from a server on this host: "shm" (CPU) or "cuda_ipc" (GPU).
+
+        CUDA_IPC leases renew themselves by default (`auto_renew=None`): an expiry frees device memory
+        that kernels of this process may still be using, which no error could report."""
+        if auto_renew is None:
+            auto_renew = delivery == "cuda_ipc"
         kinds = {"shm": pb.DELIVERY_SHM, "cuda_ipc": pb.DELIVERY_CUDA_IPC}
         if delivery not in kinds:
             raise ValueError(f"delivery must be one of {sorted(kinds)}, got {delivery!r}")
@@ -213,9 +203,10 @@ class Client:
         """Upload a flat payload of any size (float32/float64/float16/bfloat16 array); plans name the returned id
         with {"flatRef": {"payloadId": id}}. Payloads belong to this client's identity and expire."""
         arr = np.ascontiguousarray(values)
-        kind = DTYPES.get(str(arr.dtype))
-        if kind is None:
-            raise ValueError(f"payload dtype must be float32, float64, float16 or bfloat16, not {arr.dtype}")
+        dt = dtypes.by_numpy(arr.dtype)
+        if dt is None:
+            raise ValueError(f"payload dtype must be one of {', '.join(dtypes.NAMES)}, not {arr.dtype}")
+        kind: Any = dt.enum
         raw = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
         def chunks() -> Iterator[pb.PayloadChunk]:
@@ -249,8 +240,6 @@ class Client:
         return arrays_from_buffer(header.tensors, buf)
 
     def _materialize_split(self, plan: plan_pb2.Plan) -> dict[str, np.ndarray[Any, Any]]:
-        from paraminit_client import scaleout
-
         report = self.validate(plan)
         if not report.ok:
             code = grpc.StatusCode.INVALID_ARGUMENT if not report.valid else grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -336,8 +325,6 @@ def _umask() -> int:
 
 
 def _progress_bar(total: int, name: str) -> Any:
-    from tqdm import tqdm
-
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, leave=False)
 
 
@@ -360,13 +347,3 @@ def _verified_chunks(call: Any, total: int) -> Iterator[wire.Chunk]:
             raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream ended after {expected} of {total} bytes")
     finally:
         call.cancel()
-
-
-def arrays_from_buffer(tensors: Any, buf: Any) -> dict[str, np.ndarray[Any, Any]]:
-    """Views of each tensor inside one buffer (numpy, or anything exposing the buffer protocol)."""
-    host = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
-    out: dict[str, np.ndarray[Any, Any]] = {}
-    for t in tensors:
-        dt = numpy_dtype(t.dtype)
-        out[t.name] = host[t.offset:t.offset + t.nbytes].view(dt).reshape(tuple(t.shape))
-    return out

@@ -11,13 +11,16 @@ import contextlib
 import mmap
 import os
 import threading
+import time
 from typing import Any
 
 import grpc
 import numpy as np
 
+from paraminit import cuda
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
+from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
 from paraminit_client.errors import ParaminitError
 
 SHM_DIR = "/dev/shm"
@@ -37,32 +40,53 @@ def _map_shm(name: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _open_cuda_ipc(info: pb.CudaIpcExport) -> Any:
+def _import_cupy() -> Any:
     try:
-        import cupy
+        import cupy  # optional: only CUDA_IPC leases need it
     except ImportError:
         raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
                              "CUDA_IPC leases need CuPy: pip install 'paraminit[gpu]' (or cupy-cuda13x)") from None
-    try:
-        with cupy.cuda.Device(info.device):
-            props = cupy.cuda.runtime.getDeviceProperties(info.device)
-            uuid = props.get("uuid", b"")
-            if info.device_uuid and uuid and info.device_uuid not in (uuid.hex() if isinstance(uuid, bytes) else str(uuid)):
+    return cupy
+
+
+class CudaMapping:
+    """An opened CUDA IPC handle: the peer's allocation mapped on this process's ordinal for the same GPU."""
+
+    def __init__(self, info: pb.CudaIpcExport, cp: Any = None, uuid_of: Any = cuda.driver_uuid) -> None:
+        self.cp = cp if cp is not None else _import_cupy()
+        self.size = int(info.size)
+        self.ptr: int | None = None
+        try:
+            self.ordinal = cuda.local_ordinal(self.cp, info.device_uuid, uuid_of) if info.device_uuid else int(info.device)
+        except LookupError as exc:
+            raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the CUDA IPC handle: {exc}") from None
+        with self.cp.cuda.Device(self.ordinal):
+            if self.size == 0:  # an empty plan: nothing was allocated, nothing to open
+                self.array = self.cp.empty(0, dtype=self.cp.uint8)
+                return
+            try:
+                self.ptr = int(self.cp.cuda.runtime.ipcOpenMemHandle(info.ipc_handle))
+            except self.cp.cuda.runtime.CUDARuntimeError as exc:
                 raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
-                                     f"device {info.device} here is not the server's GPU {info.device_uuid}")
-            ptr = cupy.cuda.runtime.ipcOpenMemHandle(info.ipc_handle)
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
-        raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the CUDA IPC handle: {exc}") from None
-    mem = cupy.cuda.UnownedMemory(ptr, info.size, None, info.device)
-    return cupy.ndarray((info.size,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0)), ptr
+                                     f"cannot open the CUDA IPC handle: {exc}") from None
+            mem = self.cp.cuda.UnownedMemory(self.ptr, self.size, None, self.ordinal)
+            self.array = self.cp.ndarray((self.size,), dtype=self.cp.uint8, memptr=self.cp.cuda.MemoryPointer(mem, 0))
+
+    def close(self) -> None:
+        """Finish this process's work on the memory, then unmap it (in its device's context), exactly once.
+        CUDA's IPC rules: the exporter may free the allocation only after every importer closed its handle."""
+        ptr, self.ptr = self.ptr, None
+        self.array = None
+        if ptr is not None:
+            with self.cp.cuda.Device(self.ordinal):
+                self.cp.cuda.Device(self.ordinal).synchronize()
+                self.cp.cuda.runtime.ipcCloseMemHandle(ptr)
 
 
 _BFLOAT16 = plan_pb2.DTYPE_BFLOAT16
 
 
 def _cupy_dtype(dtype_enum: int) -> Any:
-    from paraminit_client.client import numpy_dtype
-
     return np.dtype(np.uint16) if dtype_enum == _BFLOAT16 else numpy_dtype(dtype_enum)
 
 
@@ -70,8 +94,6 @@ class Lease:
     """A held export. `arrays` alias the server's memory; release() (or leaving the with-block) gives it back."""
 
     def __init__(self, client: Any, info: pb.ExportInfo, auto_renew: bool = False) -> None:
-        from paraminit_client.client import arrays_from_buffer
-
         self._client = client
         self.info = info
         self.lease_id = info.lease.lease_id
@@ -80,20 +102,25 @@ class Lease:
         self._released = False
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
-        self._ipc_ptr: int | None = None
+        self._cuda: CudaMapping | None = None
         if info.WhichOneof("buffer") == "shm":
             self._map = _map_shm(info.shm.segment_name, info.shm.size)
             self.buffer: Any = np.frombuffer(self._map, dtype=np.uint8, count=info.shm.size)
             self.arrays: dict[str, Any] = arrays_from_buffer(info.tensors, self.buffer)
         else:
-            self.buffer, self._ipc_ptr = _open_cuda_ipc(info.cuda_ipc)
-            # cupy has no bfloat16: those tensors are exposed as their uint16 bit patterns (torch() views them back)
-            self.arrays = {t.name: self.buffer[t.offset:t.offset + t.nbytes].view(_cupy_dtype(t.dtype))
-                           .reshape(tuple(t.shape)) for t in info.tensors}
+            self._cuda = CudaMapping(info.cuda_ipc)
+            try:
+                self.buffer = self._cuda.array
+                # cupy has no bfloat16: those tensors are exposed as their uint16 bit patterns (torch() views them back)
+                self.arrays = {t.name: self.buffer[t.offset:t.offset + t.nbytes].view(_cupy_dtype(t.dtype))
+                               .reshape(tuple(t.shape)) for t in info.tensors}
+            except BaseException:
+                self._cuda.close()
+                raise
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         if auto_renew:
-            ttl = max(1.0, self.expires_at - __import__("time").time())
+            ttl = max(1.0, self.expires_at - time.time())
             self._renewer = threading.Thread(target=self._renew_loop, args=(ttl / 3,), daemon=True,
                                              name="paraminit-renew")
             self._renewer.start()
@@ -135,7 +162,10 @@ class Lease:
         return str(resp.plan_digest)
 
     def release(self) -> bool:
-        """Give the memory back; safe to call twice. Arrays must not be used afterwards."""
+        """Give the memory back; safe to call twice. Arrays must not be used afterwards.
+
+        The mapping is closed first and Release sent after, so the server never frees memory this
+        process still maps."""
         with self._lock:
             if self._released:
                 return False
@@ -144,15 +174,13 @@ class Lease:
         self.arrays = {}
         self.buffer = None
         try:
-            resp = self._client._call(self._client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
-        finally:
             if self._map is not None:
                 with contextlib.suppress(BufferError):  # caller still holds a view; unmapped when it goes
                     self._map.close()
-            if self._ipc_ptr is not None:
-                import cupy
-
-                cupy.cuda.runtime.ipcCloseMemHandle(self._ipc_ptr)
+            if self._cuda is not None:
+                self._cuda.close()
+        finally:
+            resp = self._client._call(self._client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
         return bool(resp.released)
 
     def __enter__(self) -> Lease:

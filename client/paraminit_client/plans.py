@@ -14,11 +14,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from paraminit import dtypes
 from paraminit.v1 import plan_pb2
-
-DTYPES = {"float32": plan_pb2.DTYPE_FLOAT32, "float64": plan_pb2.DTYPE_FLOAT64,
-          "float16": plan_pb2.DTYPE_FLOAT16, "bfloat16": plan_pb2.DTYPE_BFLOAT16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()} | {plan_pb2.DTYPE_UNSPECIFIED: "float32"}
 
 
 def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
@@ -47,7 +44,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> plan_pb2.Plan:
     if not isinstance(data, Mapping):
         raise ValueError("the top level must be an object with a 'params' list")
     params = data.get("params", [])
-    if isinstance(params, list):  # accept "bfloat16" as well as the enum name "DTYPE_BFLOAT16"
+    if isinstance(params, list):  # accept "bfloat16", "bf16", ... as well as the enum name "DTYPE_BFLOAT16"
         data = {**data, "params": [_short_dtype(p) for p in params]}
     plan = plan_pb2.Plan()
     json_format.ParseDict(dict(data), plan)
@@ -55,8 +52,8 @@ def plan_from_dict(data: Mapping[str, Any]) -> plan_pb2.Plan:
 
 
 def _short_dtype(p: Any) -> Any:
-    if isinstance(p, dict) and isinstance(p.get("dtype"), str) and p["dtype"].lower() in DTYPES:
-        return {**p, "dtype": plan_pb2.DType.Name(DTYPES[p["dtype"].lower()])}
+    if isinstance(p, dict) and isinstance(p.get("dtype"), str):
+        return {**p, "dtype": plan_pb2.DType.Name(dtypes.by_name(p["dtype"]).enum)}  # type: ignore[arg-type]
     return p
 
 
@@ -67,9 +64,7 @@ def plan_to_json(plan: plan_pb2.Plan) -> str:
 def param(name: str, shape: Sequence[int], init: plan_pb2.Init | Mapping[str, Any], dtype: str = "float32",
           region: Sequence[tuple[int, int]] | None = None) -> plan_pb2.Param:
     """Build one Param; `init` may be an Init message or its JSON form, e.g. {"normal": {"std": 0.02, "seed": 1}}."""
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-    p = plan_pb2.Param(name=name, shape=list(shape), dtype=DTYPES[dtype])
+    p = plan_pb2.Param(name=name, shape=list(shape), dtype=dtypes.by_name(dtype).enum)  # type: ignore[arg-type]
     if isinstance(init, plan_pb2.Init):
         p.init.CopyFrom(init)
     else:
@@ -101,9 +96,6 @@ def safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:
     return header
 
 
-_SAFETENSORS_DTYPE = {"F32": "float32", "F64": "float64", "F16": "float16", "BF16": "bfloat16"}
-
-
 def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.Plan) -> plan_pb2.Plan:
     """The fine-tuning plan: every parameter the checkpoint holds comes from it, the rest from the fallback.
 
@@ -119,16 +111,16 @@ def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.
         entry = header.get(p.name)
         if entry is None:
             continue
-        dtype = _SAFETENSORS_DTYPE.get(entry["dtype"])
-        want = DTYPE_NAMES.get(p.dtype, "float32")
+        dtype = dtypes.by_safetensors(entry["dtype"])
+        want = dtypes.by_enum(p.dtype)
         if list(entry["shape"]) != list(p.shape):
             problems.append(f"{p.name}: checkpoint shape {entry['shape']} != plan shape {list(p.shape)}")
-        if dtype != want:
-            problems.append(f"{p.name}: checkpoint dtype {entry['dtype']} != plan dtype {want}")
+        if dtype is None or want is None or dtype.enum != want.enum:
+            problems.append(f"{p.name}: checkpoint dtype {entry['dtype']} != plan dtype {want.name if want else p.dtype}")
         q.init.Clear()
         q.init.safetensors.path = str(Path(path).resolve())
         q.init.safetensors.tensor = p.name
-        q.init.safetensors.dtype = DTYPES[dtype] if dtype else plan_pb2.DTYPE_UNSPECIFIED
+        q.init.safetensors.dtype = dtype.enum if dtype else plan_pb2.DTYPE_UNSPECIFIED  # type: ignore[assignment]
     if problems:
         raise ValueError("checkpoint does not fit the plan: " + "; ".join(problems))
     return out

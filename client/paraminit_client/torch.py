@@ -50,6 +50,9 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from paraminit import dtypes
+from paraminit.peers import is_local_target
+from paraminit.shapes import fan_in_out
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client.client import Client
@@ -63,10 +66,10 @@ Override = Callable[[str, torch.Tensor], "plan_pb2.Init | Mapping[str, Any] | No
 POLICIES = ("torch", "torchlean")
 LEASE_ATTR = "_paraminit_lease"
 
-_PLAN_DTYPES: dict[torch.dtype, plan_pb2.DType.ValueType] = {torch.float32: plan_pb2.DTYPE_FLOAT32, torch.float64: plan_pb2.DTYPE_FLOAT64,
-                                        torch.float16: plan_pb2.DTYPE_FLOAT16, torch.bfloat16: plan_pb2.DTYPE_BFLOAT16}
-_TORCH_DTYPES: dict[plan_pb2.DType.ValueType, torch.dtype] = {v: k for k, v in _PLAN_DTYPES.items()}
-_TORCH_DTYPES[plan_pb2.DTYPE_UNSPECIFIED] = torch.float32
+_PLAN_DTYPES: dict[torch.dtype, plan_pb2.DType.ValueType] = {
+    getattr(torch, d.name): d.enum for d in dtypes.SUPPORTED}  # type: ignore[misc]
+_TORCH_DTYPES: dict[int, torch.dtype] = {e: getattr(torch, dtypes.by_enum(e).name)  # type: ignore[union-attr]
+                                         for e in plan_pb2.DType.values()}
 _SEEDED = {"uniform", "normal", "xavierUniform", "xavier_uniform", "kaimingUniform", "kaiming_uniform",
            "xavierUniformForShape", "xavier_uniform_for_shape", "kaimingUniformForShape", "kaiming_uniform_for_shape"}
 
@@ -117,11 +120,8 @@ def _kaiming(seed: int) -> plan_pb2.Init:
 
 
 def _fans(shape: torch.Size) -> tuple[int, int]:
-    """PyTorch's (and the spec's) fans: [out, in, *kernel] gives in*prod(kernel), out*prod(kernel)."""
-    if len(shape) < 2:
-        return 0, 0
-    receptive = math.prod(shape[2:])
-    return shape[1] * receptive, shape[0] * receptive
+    """PyTorch's fans are the spec's: [out, in, *kernel] gives in*prod(kernel), out*prod(kernel)."""
+    return fan_in_out(shape)
 
 
 def _inv_sqrt(n: float) -> float:
@@ -346,16 +346,6 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
 
 # -- materializing ------------------------------------------------------------------------
 
-def _is_local(target: str) -> bool:
-    """A server on this host: loopback or a Unix socket (SHM and CUDA_IPC need one)."""
-    if target.startswith("unix:"):
-        return True
-    for scheme in ("dns:///", "ipv4:", "ipv6:"):
-        target = target.removeprefix(scheme)
-    host = target.rpartition(":")[0].strip("[]") if ":" in target else target
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 def _numpy_to_torch(a: np.ndarray[Any, Any]) -> torch.Tensor:
     """Zero-copy; bfloat16 (ml_dtypes) goes through a uint16 view since torch.from_numpy does not know it."""
     if str(a.dtype) == "bfloat16":
@@ -377,7 +367,7 @@ def _choose(client: Client, device: torch.device, delivery: str) -> list[str]:
         if delivery not in ("stream", "shm", "cuda_ipc"):
             raise ValueError(f"delivery must be auto, stream, shm or cuda_ipc, got {delivery!r}")
         return [delivery]
-    if not _is_local(client.target):
+    if not is_local_target(client.target):
         return ["stream"]
     offered = set(client.info().deliveries)
     order = []

@@ -9,10 +9,26 @@ through the generated message class, so any conforming peer interoperates.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from paraminit.v1 import init_service_pb2 as pb
 
-_CHUNK_FIELD_TAG = 0x12  # MaterializeResponse.chunk = 2, length-delimited
+
+def _number(message: Any, field: str) -> int:
+    return int(message.DESCRIPTOR.fields_by_name[field].number)
+
+
+# Field numbers come from the generated descriptors, so the codec cannot drift from the .proto
+# (tests/test_wire.py also round-trips it through the generated classes).
+_LEN, _VARINT, _FIXED32 = 2, 0, 5
+_CHUNK = _number(pb.MaterializeResponse, "chunk")
+_OFFSET = _number(pb.DataChunk, "offset")
+_DATA = _number(pb.DataChunk, "data")
+_CRC = _number(pb.DataChunk, "crc32c")
+_CHUNK_FIELD_TAG = _CHUNK << 3 | _LEN
+_OFFSET_TAG = _OFFSET << 3 | _VARINT
+_DATA_TAG = _DATA << 3 | _LEN
+_CRC_TAG = _CRC << 3 | _FIXED32
 
 
 def _varint(n: int) -> bytes:
@@ -42,10 +58,10 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 def encode_chunk(offset: int, data: memoryview | bytes, crc32c: int) -> bytes:
     """Serialized MaterializeResponse{chunk: DataChunk{offset, data, crc32c}} with one copy of data."""
-    inner_head = b"\x08" + _varint(offset) + b"\x12" + _varint(len(data))
-    inner_tail = b"\x1d" + crc32c.to_bytes(4, "little")
+    inner_head = _varint(_OFFSET_TAG) + _varint(offset) + _varint(_DATA_TAG) + _varint(len(data))
+    inner_tail = _varint(_CRC_TAG) + crc32c.to_bytes(4, "little")
     inner_len = len(inner_head) + len(data) + len(inner_tail)
-    return b"".join((bytes([_CHUNK_FIELD_TAG]), _varint(inner_len), inner_head, data, inner_tail))
+    return b"".join((_varint(_CHUNK_FIELD_TAG), _varint(inner_len), inner_head, data, inner_tail))
 
 
 def serialize_response(msg: pb.MaterializeResponse | bytes) -> bytes:
@@ -81,19 +97,19 @@ def _decode_chunk(buf: memoryview) -> Chunk:
     while pos < len(buf):
         tag, pos = _read_varint(buf, pos)
         field, wire_type = tag >> 3, tag & 7
-        if wire_type == 0:
+        if wire_type == _VARINT:
             value, pos = _read_varint(buf, pos)
-            if field == 1:
+            if field == _OFFSET:
                 offset = value
-        elif wire_type == 2:
+        elif wire_type == _LEN:
             length, pos = _read_varint(buf, pos)
             if pos + length > len(buf):
                 raise ValueError("truncated chunk")
-            if field == 2:
+            if field == _DATA:
                 data = buf[pos:pos + length]
             pos += length
-        elif wire_type == 5:
-            if field == 3:
+        elif wire_type == _FIXED32:
+            if field == _CRC:
                 crc = int.from_bytes(buf[pos:pos + 4], "little")
             pos += 4
         elif wire_type == 1:

@@ -1,15 +1,18 @@
-"""Admission: a concurrency limit, a memory budget, and the draining flag.
+"""Admission: a concurrency limit, host and device memory budgets, and the draining flag.
 
 Requests reserve the memory they will hold before allocating it: a stream its
-few slabs, an export its whole buffer for as long as the lease lives. A plan
-that cannot be admitted fails fast with RESOURCE_EXHAUSTED (or waits a bounded
-time when the client's deadline leaves room) and allocates nothing.
+few slabs (on the backend) and their encoded copies (on the host), an export its
+whole buffer for as long as the lease lives, an upload its payload. A plan that
+cannot be admitted fails fast with RESOURCE_EXHAUSTED (or waits a bounded time
+when the client's deadline leaves room) and allocates nothing. On the CPU
+backend host and backend memory are one budget.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +36,12 @@ def _malloc_trim() -> Callable[[], None]:
 trim_heap = _malloc_trim()  # give freed slab memory back to the OS once the server is idle
 
 
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
+
+
 class Reservation:
     """Bytes held against the budget until release(), which is idempotent."""
 
@@ -50,21 +59,22 @@ class Reservation:
 
 
 class MemoryBudget:
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, name: str = "host") -> None:
         self.limit = limit
+        self.name = name
         self.reserved = 0
         self._cond = threading.Condition()
 
     def reserve(self, nbytes: int, wait: float = 0.0, what: str = "request") -> Reservation:
         if nbytes > self.limit:
-            raise errors.ResourceExhausted(f"{what} needs {nbytes} bytes of backend memory; the budget is {self.limit}")
+            raise errors.ResourceExhausted(f"{what} needs {nbytes} bytes of {self.name} memory; the budget is {self.limit}")
         deadline = time.monotonic() + max(0.0, wait)
         with self._cond:
             while self.reserved + nbytes > self.limit:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise errors.ResourceExhausted(
-                        f"{what} needs {nbytes} bytes of backend memory, {self.limit - self.reserved} of "
+                        f"{what} needs {nbytes} bytes of {self.name} memory, {self.limit - self.reserved} of "
                         f"{self.limit} are available now; retry later")
                 self._cond.wait(left)
             self.reserved += nbytes
@@ -74,10 +84,12 @@ class MemoryBudget:
 class Admission:
     """Concurrency limit plus a draining flag: refuse rather than queue without bound."""
 
-    def __init__(self, max_concurrent: int, memory_limit: int) -> None:
+    def __init__(self, max_concurrent: int, host_limit: int, device_limit: int | None = None) -> None:
         self._sem = threading.BoundedSemaphore(max_concurrent)
         self.max_concurrent = max_concurrent
-        self.memory = MemoryBudget(memory_limit)
+        self.host = MemoryBudget(host_limit, "host")
+        # the backend's own memory: a separate budget on a device, the host budget on the CPU
+        self.backend = self.host if device_limit is None else MemoryBudget(device_limit, "device")
         self.draining = threading.Event()
         self._lock = threading.Lock()
         self.in_flight = 0

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from paraminit_server import limits
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -17,15 +19,15 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = pick a free port and print it
-    backend: str = "auto"  # auto | numpy | cupy
+    backend: str = "auto"  # auto | cpu | cupy (numpy = cpu)
     device: int = 0
-    threads: int = 0  # CPU kernel threads; 0 = all cores
+    threads: int = field(default_factory=limits.default_threads)  # CPU kernel threads; default: the container's CPU quota; 0 = all cores
     workers: int = 16  # gRPC worker threads
     max_plan_bytes: int = 16 * GiB
     max_param_bytes: int = 16 * GiB
     max_concurrent: int = 8
     chunk_bytes: int = 1 * MiB
-    max_chunk_bytes: int = 4 * MiB
+    max_chunk_bytes: int = 4 * MiB - 64 * 1024  # a chunk plus its framing stays under gRPC's default 4 MiB receive limit
     slab_bytes: int = 16 * MiB  # generation granularity of STREAM deliveries
     lease_ttl: float = 300.0
     max_lease_ttl: float = 3600.0
@@ -34,7 +36,10 @@ class ServerConfig:
     shm_pool_bytes: int = 0  # keep released SHM segments (renamed) for the same identity's next export; 0 = off
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off, -1 = any free port
     drain_seconds: float = 25.0
-    memory_budget: int = 0  # bytes the backend may hold for requests; 0 = half of what is free at start
+    # host bytes requests may hold (slabs, payloads, SHM exports); default: half the container's memory limit,
+    # 0 = half of what is free at start
+    memory_budget: int = field(default_factory=limits.default_memory_budget)
+    device_memory_budget: int = 0  # GPU bytes requests may hold (device slabs, CUDA IPC exports); 0 = half of free
     admission_wait: float = 5.0  # longest wait for memory when the client's deadline allows it
     tls_cert: str = ""
     tls_key: str = ""

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from paraminit_server.backends import Backend
-from paraminit_server.errors import Cancelled
 from paraminit_server.layout import SLAB_QUANTUM, Layout
 
 
@@ -30,31 +29,17 @@ def fill_window(backend: Backend, layout: Layout, buf: Any, start: int) -> None:
         backend.fill(p, out, (lo - pl.offset) // isz)
 
 
-FILL_WINDOW = 64 << 20
-
-
 def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[], bool] | None = None) -> None:
-    """Fill a whole arena (exports): padding between tensors is zeroed so no stale bytes leak.
-
-    Works in windows so a cancelled request stops within one window's time.
-    """
+    """Fill a whole arena (exports), then wait for the backend: padding between tensors is zeroed so no
+    stale bytes leak, and the arena is complete before anyone else can see it."""
     prev = 0
     for pl in layout.in_offset_order():
-        if pl.offset > prev:
-            buf[prev:pl.offset] = 0
-        prev = pl.offset + pl.param.nbytes
-    if layout.data_bytes > prev:
-        buf[prev:layout.data_bytes] = 0
-    fused = getattr(backend, "fill_plan", None)
-    if fused is not None:  # one launch for the whole arena (GPU)
-        if should_stop is not None and should_stop():
-            raise Cancelled("client cancelled or deadline passed")
-        fused([pl.param for pl in layout.placements], buf, [pl.offset for pl in layout.placements])
-        return
-    for start in range(0, layout.data_bytes, FILL_WINDOW):
-        if should_stop is not None and should_stop():
-            raise Cancelled("client cancelled or deadline passed")
-        fill_window(backend, layout, buf[start:min(start + FILL_WINDOW, layout.data_bytes)], start)
+        backend.zero(buf, prev, pl.offset)
+        prev = max(prev, pl.offset + pl.param.nbytes)
+    backend.zero(buf, prev, layout.data_bytes)
+    backend.fill_plan([pl.param for pl in layout.placements], buf, [pl.offset for pl in layout.placements],
+                      should_stop)
+    backend.synchronize()
 
 
 def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool],
@@ -69,7 +54,7 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
     total = layout.data_bytes
     q: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
     cancel = threading.Event()
-    alloc = getattr(backend, "scratch", backend.empty)  # GPU: pooled slabs; exports keep whole allocations
+    alloc = backend.scratch
 
     def produce() -> None:
         # With a transform the slab is consumed before it is queued, so one buffer serves every slab:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from paraminit_server.validation import Violation
+from paraminit.violations import Violation
 
 
 class ParaminitServerError(Exception):

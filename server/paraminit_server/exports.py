@@ -1,297 +1,182 @@
-"""Zero-copy exports: the server owns one buffer per materialization and lends it under a lease.
+"""Zero-copy exports: the backend's buffer for one materialization, lent under a lease.
 
-SHM (CPU backend): a POSIX shared-memory segment, mode 0600, with a 128-bit
-random name, filled in place by the kernels. CUDA_IPC (GPU backend): one plain
-cudaMalloc allocation (an IPC handle covers a whole allocation), exported with
-cudaIpcGetMemHandle. Both only to peers on this host.
+The CPU backend lends POSIX shared-memory segments, the GPU backend whole
+cudaMalloc allocations by CUDA IPC; this module only sees `ExportBuffer`s. Both
+go to peers on this host only. A buffer is filled completely before its handle
+leaves, and freed exactly once: on Release, expiry or shutdown.
 """
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
-import secrets
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import grpc
-import numpy as np
-
-from paraminit.v1 import init_service_pb2 as pb
 from paraminit_server import engine, errors, layout
-from paraminit_server.auth import ANONYMOUS, TokenAuth, identity
-from paraminit_server.backends import Backend
-from paraminit_server.config import ServerConfig
+from paraminit_server.admission import MemoryBudget, Reservation
+from paraminit_server.backends import HOST, Backend, ExportBuffer, ExportHandle
+from paraminit_server.caller import ANONYMOUS, Caller
 from paraminit_server.leases import LeaseRecord, LeaseTable
 from paraminit_server.plan import ResolvedParam
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "paraminit-"
 GPU_ALIGN = 256
 
 
-def is_local_peer(peer: str) -> bool:
-    """True for loopback TCP and Unix-socket peers (context.peer() strings)."""
-    if peer.startswith("unix:"):
-        return True
-    if peer.startswith("ipv4:"):
-        return peer[5:].startswith("127.")
-    if peer.startswith("ipv6:"):
-        host = peer[5:].rsplit(":", 1)[0].strip("[]")
-        return host == "::1" or host.startswith("::ffff:127.")
-    return False
+@dataclass(frozen=True)
+class Export:
+    """A lent buffer: the lease, where each tensor lies, and how a peer maps it."""
+
+    lease: LeaseRecord
+    layout: layout.Layout
+    handle: ExportHandle
 
 
-class ShmSegment:
-    """A POSIX shared-memory segment created exclusively with mode 0600 and unlinked on close."""
-
-    def __init__(self, size: int) -> None:
-        self.name = SHM_PREFIX + secrets.token_hex(16)
-        self.path = os.path.join(SHM_DIR, self.name)
-        self.size = size
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            os.ftruncate(fd, max(size, 1))
-            os.posix_fallocate(fd, 0, max(size, 1))  # tmpfs space now: ENOSPC here, not SIGBUS mid-fill
-            self._map = mmap.mmap(fd, max(size, 1))
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        os.close(fd)
-        self.array = np.frombuffer(self._map, dtype=np.uint8, count=size)
-
-    def rename(self) -> None:
-        """A fresh unguessable name for the same pages (pooling); the old name stops resolving."""
-        name = SHM_PREFIX + secrets.token_hex(16)
-        path = os.path.join(SHM_DIR, name)
-        os.rename(self.path, path)
-        self.name, self.path = name, path
-
-    def close(self) -> None:
-        self.array = np.empty(0, np.uint8)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes when it does
-            self._map.close()
-
-
-class SegmentPool:
-    """Released segments kept for the same identity's next export of the same size.
+class BufferPool:
+    """Explicitly released buffers kept for the same identity's next export of the same size.
 
     Allocating and mapping tmpfs pages costs about 0.8 s per GiB on a host whose shared memory has
     no huge pages, several times the fill itself; a trainer that exports again (restarts, sweeps)
-    pays it once. A segment only ever goes back to the identity that held it, under a new random
-    name, and pooled bytes stay reserved against the memory budget until they are reused or freed.
+    pays it once. A buffer only ever goes back to the identity that released it, under a new handle,
+    and pooled bytes stay reserved against the memory budget until they are reused or freed.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, budget: MemoryBudget) -> None:
         self.max_bytes = max_bytes
-        self._held: list[tuple[str, ShmSegment, Any]] = []  # (owner, segment, budget reservation), oldest first
+        self.budget = budget
+        self._held: list[tuple[str, ExportBuffer, Reservation]] = []  # oldest first
         self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(seg.size for _, seg, _ in self._held)
+            return sum(buf.size for _, buf, _ in self._held)
 
-    def take(self, owner: str, size: int) -> ShmSegment | None:
+    def take(self, owner: str, size: int) -> ExportBuffer | None:
         with self._lock:
-            match = next((i for i, (who, seg, _) in enumerate(self._held) if who == owner and seg.size == size), None)
+            match = next((i for i, (who, buf, _) in enumerate(self._held) if who == owner and buf.size == size), None)
             if match is None:
                 return None
-            _, seg, reservation = self._held.pop(match)
-        if reservation is not None:
-            reservation.release()
-        return seg
+            _, buf, reservation = self._held.pop(match)
+        reservation.release()
+        return buf
 
-    def give(self, owner: str, seg: ShmSegment, budget: Any) -> None:
-        """Keep the segment if it fits the pool and the budget; free it otherwise."""
-        reservation = None
+    def give(self, owner: str, buf: ExportBuffer) -> None:
+        """Keep the buffer if it can be recycled and fits the pool and the budget; free it otherwise."""
+        if self.max_bytes <= 0 or buf.size > self.max_bytes or not buf.recycle():
+            buf.close()
+            return
         try:
-            if seg.size > self.max_bytes:
-                raise errors.ResourceExhausted("larger than the pool")
-            seg.rename()  # the released name stops resolving at once
-            reservation = budget.reserve(seg.size, 0.0, "pooled segment") if budget is not None else None
-        except (errors.ResourceExhausted, OSError):
-            seg.close()
+            reservation = self.budget.reserve(buf.size, 0.0, "pooled buffer")
+        except errors.ResourceExhausted:
+            buf.close()
             return
         with self._lock:
-            self._held.append((owner, seg, reservation))
+            self._held.append((owner, buf, reservation))
             evicted = []
-            while sum(s.size for _, s, _ in self._held) > self.max_bytes:
+            while sum(b.size for _, b, _ in self._held) > self.max_bytes:
                 evicted.append(self._held.pop(0))
         for _, old, res in evicted:
             old.close()
-            if res is not None:
-                res.release()
+            res.release()
 
     def close(self) -> None:
         with self._lock:
             held, self._held = self._held, []
-        for _, seg, reservation in held:
-            seg.close()
-            if reservation is not None:
-                reservation.release()
+        for _, buf, reservation in held:
+            buf.close()
+            reservation.release()
 
 
 class Exports:
-    def __init__(self, config: ServerConfig, backend: Backend, tokens: TokenAuth | None = None) -> None:
-        self.tokens = tokens
-        self.config = config
+    def __init__(self, backend: Backend, leases: LeaseTable, budget: MemoryBudget, pool_bytes: int = 0) -> None:
         self.backend = backend
-        self.budget: Any = None  # the servicer's MemoryBudget
-        self.memory_wait: Any = lambda context: 0.0
-        self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
-                                 config.max_lease_ttl)
-        self.pool = SegmentPool(config.shm_pool_bytes)
+        self.leases = leases
+        self.budget = budget
+        self.pool = BufferPool(pool_bytes, budget)
+        self.align = layout.EXPORT_ALIGN if backend.memory == HOST else GPU_ALIGN
 
-    def owner(self, context: grpc.ServicerContext) -> str:
-        """Leases belong to the caller's identity; another identity gets NOT_FOUND for them."""
-        return identity(context, self.tokens)
-
-    def deliveries(self) -> list[int]:
-        return [pb.DELIVERY_CUDA_IPC] if self.backend.name == "cupy" else [pb.DELIVERY_SHM]
-
-    def _check(self, delivery: int, context: grpc.ServicerContext) -> None:
-        name = pb.Delivery.Name(delivery)  # type: ignore[arg-type]
-        if not is_local_peer(context.peer()):
-            raise errors.FailedPrecondition(f"{name} hands out memory on this host only; peer {context.peer()} is "
-                                            "remote: use STREAM delivery")
-        if delivery not in self.deliveries():
-            offered = [pb.Delivery.Name(d) for d in self.deliveries()]  # type: ignore[arg-type]
-            raise errors.FailedPrecondition(f"{name} is not available on the {self.backend.name} backend; this "
-                                            f"server offers {offered}")
-
-    def export(self, params: list[ResolvedParam], digest: str, request: pb.MaterializeRequest,
-               context: grpc.ServicerContext) -> pb.ExportInfo:
-        delivery = request.delivery
-        self._check(delivery, context)
-        owner = self.owner(context)
-        ttl = self.leases.ttl(request.lease_ttl_seconds)
-        lay = layout.export_layout(params, GPU_ALIGN if delivery == pb.DELIVERY_CUDA_IPC else layout.EXPORT_ALIGN)
-        self.leases.reserve(owner, lay.data_bytes)
-        pooled = self.pool.take(owner, lay.data_bytes) if delivery == pb.DELIVERY_SHM else None
+    def export(self, params: Sequence[ResolvedParam], digest: str, delivery: str, caller: Caller,
+               ttl_seconds: float = 0.0) -> Export:
+        """Fill a new buffer with the plan and lend it; every limit is taken before anything is allocated."""
+        if not caller.local:
+            raise errors.FailedPrecondition(f"{delivery.upper()} hands out memory on this host only and this caller "
+                                            "is remote: use STREAM delivery")
+        if delivery != self.backend.delivery:
+            raise errors.FailedPrecondition(f"{delivery.upper()} is not available on the {self.backend.name} backend; "
+                                            f"this server offers {self.backend.delivery.upper()}")
+        ttl = self.leases.ttl(ttl_seconds)
+        lay = layout.export_layout(params, self.align)
+        slot = self.leases.reserve(caller.identity, lay.data_bytes)
         try:
-            reservation = self._reserve(lay.data_bytes, context)
+            buf = self.pool.take(caller.identity, lay.data_bytes)
+            reservation = self._reserve(lay.data_bytes, caller)
+            try:
+                if buf is None:
+                    buf = self.backend.export_buffer(lay.data_bytes)
+                engine.fill_all(self.backend, lay, buf.array, caller.gone)
+                if caller.gone():
+                    raise errors.Cancelled("client cancelled during export")
+                handle = buf.handle()
+            except BaseException:
+                if buf is not None:
+                    buf.close()
+                reservation.release()
+                raise
         except BaseException:
-            if pooled is not None:
-                pooled.close()
+            slot.cancel()
             raise
-        info = pb.ExportInfo(plan_digest=digest)
+        owner = caller.identity
 
-        def stop() -> bool:
-            return not context.is_active()
-
-        try:
-            if delivery == pb.DELIVERY_SHM:
-                buf, free = self._shm(lay, info, stop, owner, pooled)
+        def release(explicit: bool) -> None:
+            # Only an explicit Release proves the holder is done with the memory; an expired or
+            # abandoned buffer may still be mapped, so it is never lent to anyone again.
+            if explicit:
+                self.pool.give(owner, buf)
             else:
-                buf, free = self._cuda(lay, info, stop)
-        except BaseException:
-            if reservation is not None:
-                reservation.release()
-            raise
+                buf.close()
+            reservation.release()
 
-        def release() -> None:
-            free()
-            if reservation is not None:
-                reservation.release()
+        rec = self.leases.add(slot, delivery, ttl, digest, release, (lay, buf))
+        return Export(rec, lay, handle)
 
-        if stop():  # client gone while we filled: free now, lend nothing
-            release()
-            raise errors.Cancelled("client cancelled during export")
-        rec = self.leases.add(owner, delivery, lay.data_bytes, ttl, digest, release, (lay, buf))
-        _describe(info, lay, rec)
-        return info
-
-    def _reserve(self, nbytes: int, context: grpc.ServicerContext) -> Any:
-        if self.budget is None:
-            return None
+    def _reserve(self, nbytes: int, caller: Caller) -> Reservation:
         try:
-            return self.budget.reserve(nbytes, self.memory_wait(context), "export")
+            return self.budget.reserve(nbytes, caller.wait, "export")
         except errors.ResourceExhausted:
             if not self.pool.nbytes:
                 raise
-            self.pool.close()  # pooled segments yield to live requests
-            return self.budget.reserve(nbytes, self.memory_wait(context), "export")
+            self.pool.close()  # pooled buffers yield to live requests
+            return self.budget.reserve(nbytes, caller.wait, "export")
 
-    def _shm(self, lay: layout.Layout, info: pb.ExportInfo, stop: Callable[[], bool], owner: str,
-             pooled: ShmSegment | None) -> tuple[Any, Any]:
-        if pooled is not None:
-            seg = pooled
-        else:
-            try:
-                seg = ShmSegment(lay.data_bytes)
-            except OSError as exc:
-                raise errors.ResourceExhausted(f"cannot create a {lay.data_bytes}-byte shared-memory segment: {exc}") from None
-        try:
-            engine.fill_all(self.backend, lay, seg.array, stop)
-        except BaseException:
-            seg.close()
-            raise
-        info.shm.segment_name = seg.name
-        info.shm.size = lay.data_bytes
-        return seg.array, lambda: self.pool.give(owner, seg, self.budget)
+    def release(self, lease_id: str, caller: Caller) -> bool:
+        return self.leases.release(lease_id, caller.identity)
 
-    def _cuda(self, lay: layout.Layout, info: pb.ExportInfo, stop: Callable[[], bool]) -> tuple[Any, Any]:
-        try:
-            buf = self.backend.empty(lay.data_bytes)
-        except MemoryError as exc:
-            raise errors.ResourceExhausted(f"cannot allocate {lay.data_bytes} bytes on the device: {exc}") from None
-        engine.fill_all(self.backend, lay, buf, stop)
-        handle = self.backend.ipc_handle(buf)  # type: ignore[attr-defined]
-        dev = self.backend.device()
-        info.cuda_ipc.ipc_handle = bytes(handle)
-        info.cuda_ipc.device = dev.ordinal
-        info.cuda_ipc.device_uuid = dev.uuid
-        info.cuda_ipc.size = lay.data_bytes
-        holder = [buf]
-        return buf, holder.clear
+    def renew(self, lease_id: str, caller: Caller, ttl_seconds: float) -> LeaseRecord:
+        return self.leases.renew(lease_id, caller.identity, ttl_seconds)
 
-    # -- lease RPCs ----------------------------------------------------------------------
+    def list(self, caller: Caller) -> list[LeaseRecord]:
+        return self.leases.list(None if caller.identity == ANONYMOUS else caller.identity)
 
-    def release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=self.leases.release(request.lease_id, self.owner(context)))
-
-    def renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewResponse:
-        rec = self.leases.renew(request.lease_id, self.owner(context), request.ttl_seconds)
-        return pb.RenewResponse(lease=_lease(rec))
-
-    def list_leases(self, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesResponse:
-        import time
-
-        owner = self.owner(context)
-        now = time.time()
-        resp = pb.ListLeasesResponse()
-        for rec in self.leases.list(None if owner == ANONYMOUS else owner):
-            resp.leases.add(lease=_lease(rec), age_seconds=now - rec.created, owner=rec.owner,
-                            plan_digest=rec.plan_digest)
-        return resp
-
-    def apply(self, request: pb.ApplyRequest, params: list[ResolvedParam], digest: str,
-              context: grpc.ServicerContext) -> pb.ApplyResponse:
-        rec = self.leases.get(request.lease_id, self.owner(context))
+    def apply(self, lease_id: str, params: Sequence[ResolvedParam], digest: str, caller: Caller) -> str:
+        """Re-initialize a live lease in place; the plan must have the lease's parameter list exactly."""
+        rec = self.leases.get(lease_id, caller.identity)
         with rec.lock:
             if rec.payload is None:
-                raise errors.NotFound(f"no lease {request.lease_id!r}")
+                raise errors.NotFound(f"no lease {lease_id!r}")
             lay, buf = rec.payload
             _check_same_parameters(lay, params)
             new = layout.Layout(tuple(layout.Placement(p, pl.offset) for p, pl in zip(params, lay.placements,
                                                                                       strict=True)), lay.data_bytes)
-            engine.fill_all(self.backend, new, buf)
+            engine.fill_all(self.backend, new, buf.array)
             rec.plan_digest = digest
-        return pb.ApplyResponse(plan_digest=digest)
+        return digest
 
     def close(self) -> None:
         self.leases.close()
         self.pool.close()
 
 
-def _check_same_parameters(lay: layout.Layout, params: list[ResolvedParam]) -> None:
+def _check_same_parameters(lay: layout.Layout, params: Sequence[ResolvedParam]) -> None:
     """Apply keeps the buffer: names, shapes, regions, dtypes and order must match the lease exactly."""
     old = [pl.param for pl in lay.placements]
     problems: list[str] = []
@@ -303,15 +188,3 @@ def _check_same_parameters(lay: layout.Layout, params: list[ResolvedParam]) -> N
                             f"leased {a.name!r} {a.dtype.name}{list(a.out_shape)}")
     if problems:
         raise errors.InvalidRequest("plan does not match the lease's parameter list: " + "; ".join(problems))
-
-
-def _lease(rec: LeaseRecord) -> pb.Lease:
-    return pb.Lease(lease_id=rec.lease_id, expires_at=rec.expires_at, nbytes=rec.nbytes,
-                    delivery=rec.delivery)  # type: ignore[arg-type]
-
-
-def _describe(info: pb.ExportInfo, lay: layout.Layout, rec: LeaseRecord) -> None:
-    info.lease.CopyFrom(_lease(rec))
-    for pl in lay.placements:
-        p = pl.param
-        info.tensors.add(name=p.name, dtype=p.dtype.enum, shape=p.out_shape, offset=pl.offset, nbytes=p.nbytes)

@@ -22,16 +22,33 @@ log = logging.getLogger("paraminit.server")
 RELEASED_MEMORY = 65536  # remembered released ids, so a second Release is not NOT_FOUND
 
 
+class Slot:
+    """A lease slot and its bytes, held from the admission check until the lease exists or the export fails."""
+
+    def __init__(self, table: LeaseTable, owner: str, nbytes: int) -> None:
+        self.table = table
+        self.owner = owner
+        self.nbytes = nbytes
+        self.done = False
+
+    def cancel(self) -> None:
+        """Give the slot back (idempotent; a slot that became a lease is not affected)."""
+        with self.table._lock:
+            if not self.done:
+                self.done = True
+                self.table._unreserve_locked(self)
+
+
 @dataclass
 class LeaseRecord:
     lease_id: str
     owner: str
-    delivery: int
+    delivery: str  # backends.SHM or backends.CUDA_IPC
     nbytes: int
     created: float
     expires_at: float
     plan_digest: str
-    release_fn: Callable[[], None]
+    release_fn: Callable[[bool], None]  # called once with True for an explicit Release, False otherwise
     payload: Any = None  # what Apply needs: layout and buffer
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -45,6 +62,8 @@ class LeaseTable:
         self.max_ttl = max_ttl
         self._leases: dict[str, LeaseRecord] = {}
         self._released: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> owner
+        self._pending_count: dict[str, int] = {}  # slots reserved but not yet leases, per owner
+        self._pending_bytes = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval,), name="paraminit-reaper",
@@ -56,10 +75,11 @@ class LeaseTable:
             raise errors.InvalidRequest(f"lease ttl must be a non-negative number of seconds, got {requested}")
         return min(requested or self.default_ttl, self.max_ttl)
 
-    def reserve(self, owner: str, nbytes: int) -> None:
-        """Refuse before allocating when the owner or the server is at its lease limits."""
+    def reserve(self, owner: str, nbytes: int) -> Slot:
+        """Take a lease slot and its bytes now, before anything is allocated: concurrent exports cannot
+        all pass the check and overshoot. The slot becomes the lease (add) or is given back (cancel)."""
         with self._lock:
-            held = sum(1 for r in self._leases.values() if r.owner == owner)
+            held = sum(1 for r in self._leases.values() if r.owner == owner) + self._pending_count.get(owner, 0)
             if held >= self.max_per_owner:
                 raise errors.ResourceExhausted(f"client holds {held} leases, the limit is {self.max_per_owner}; "
                                                "release some first")
@@ -67,13 +87,27 @@ class LeaseTable:
             if used + nbytes > self.max_bytes:
                 raise errors.ResourceExhausted(f"export needs {nbytes} bytes but only {self.max_bytes - used} of the "
                                                f"{self.max_bytes} leasable bytes are free")
+            self._pending_count[owner] = self._pending_count.get(owner, 0) + 1
+            self._pending_bytes += nbytes
+        return Slot(self, owner, nbytes)
 
-    def add(self, owner: str, delivery: int, nbytes: int, ttl: float, plan_digest: str,
-            release_fn: Callable[[], None], payload: Any = None) -> LeaseRecord:
+    def _unreserve_locked(self, slot: Slot) -> None:
+        self._pending_count[slot.owner] -= 1
+        if not self._pending_count[slot.owner]:
+            del self._pending_count[slot.owner]
+        self._pending_bytes -= slot.nbytes
+
+    def add(self, slot: Slot, delivery: str, ttl: float, plan_digest: str,
+            release_fn: Callable[[bool], None], payload: Any = None) -> LeaseRecord:
+        """Turn a reserved slot into a lease; `release_fn(explicit)` frees it exactly once."""
         now = time.time()
-        rec = LeaseRecord(secrets.token_hex(16), owner, delivery, nbytes, now, now + ttl, plan_digest, release_fn,
-                          payload)
+        rec = LeaseRecord(secrets.token_hex(16), slot.owner, delivery, slot.nbytes, now, now + ttl, plan_digest,
+                          release_fn, payload)
         with self._lock:
+            if slot.done:
+                raise RuntimeError("lease slot used twice")
+            slot.done = True
+            self._unreserve_locked(slot)
             self._leases[rec.lease_id] = rec
         return rec
 
@@ -94,7 +128,7 @@ class LeaseTable:
                 raise errors.NotFound(f"no lease {lease_id!r}")
             del self._leases[lease_id]
             self._remember(lease_id, owner)
-        self._free(rec, "released")
+        self._free(rec, "released", explicit=True)
         return True
 
     def renew(self, lease_id: str, owner: str, ttl: float) -> LeaseRecord:
@@ -107,7 +141,7 @@ class LeaseTable:
             return [r for r in self._leases.values() if owner is None or r.owner == owner]
 
     def leased_bytes_locked(self) -> int:
-        return sum(r.nbytes for r in self._leases.values())
+        return sum(r.nbytes for r in self._leases.values()) + self._pending_bytes
 
     def leased_bytes(self) -> int:
         with self._lock:
@@ -138,10 +172,10 @@ class LeaseTable:
         while len(self._released) > RELEASED_MEMORY:
             self._released.popitem(last=False)
 
-    def _free(self, rec: LeaseRecord, why: str) -> None:
+    def _free(self, rec: LeaseRecord, why: str, explicit: bool = False) -> None:
         with rec.lock:
             try:
-                rec.release_fn()
+                rec.release_fn(explicit)
             except Exception:
                 log.exception("freeing lease %s (%s) failed", rec.lease_id[:8], why)
             rec.payload = None

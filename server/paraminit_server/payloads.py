@@ -19,9 +19,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from paraminit_server import dtypes, errors
-
-SAFETENSORS_DTYPES = {"F32": dtypes.FLOAT32, "F64": dtypes.FLOAT64, "F16": dtypes.FLOAT16, "BF16": dtypes.BFLOAT16}
+from paraminit import dtypes
+from paraminit_server import errors
 
 
 def to_binary64(raw: npt.NDArray[np.uint8], dt: dtypes.DTypeInfo) -> npt.NDArray[np.float64]:
@@ -123,10 +122,10 @@ class Sources:
         entry = header.get(tensor)
         if not isinstance(entry, dict) or tensor == "__metadata__":
             raise errors.InvalidRequest(f"tensor {tensor!r} is not in {path}")
-        dt = SAFETENSORS_DTYPES.get(entry.get("dtype", ""))
+        dt = dtypes.by_safetensors(entry.get("dtype"))
         if dt is None:
             raise errors.InvalidRequest(f"tensor {tensor!r} in {path} has dtype {entry.get('dtype')}, not one of "
-                                        f"{sorted(SAFETENSORS_DTYPES)}")
+                                        f"{', '.join(d.safetensors for d in dtypes.SUPPORTED)}")
         b, e = entry["data_offsets"]
         shape = tuple(int(d) for d in entry["shape"])
         if e - b != int(np.prod(shape, dtype=object)) * dt.itemsize or e > os.path.getsize(real) - 8 - n:

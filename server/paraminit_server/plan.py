@@ -1,21 +1,24 @@
 """A validated plan resolved into what kernels need: value kind, two binary64 parameters, key, runs.
 
-Every initializer reduces to one of four value kinds, so every backend has four
-kernels, not nine: constants, affine maps of the unit draw (uniform, xavier,
-kaiming, their "for shape" forms), normal, and flat payloads.
+Every initializer reduces to one of four value kinds, so a backend implements
+four value formulas whatever the initializer: constants, affine maps of the unit
+draw (uniform, xavier, kaiming, their "for shape" forms), normal, and flat
+payloads (inline values, uploaded payloads, checkpoint tensors).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from paraminit import dtypes
 from paraminit.v1 import plan_pb2
-from paraminit_server import dtypes, spec
+from paraminit_server import spec
 
 
 class Kind(enum.IntEnum):
@@ -97,13 +100,6 @@ class ResolvedParam:
             run_len=run_len,
         )
 
-    def global_indices(self) -> npt.NDArray[np.int64]:
-        """Global flat index of every local element (tests and small references only)."""
-        grids = np.meshgrid(*[np.arange(a, b, dtype=np.int64) for a, b in self.region], indexing="ij")
-        if not grids:
-            return np.zeros(1, dtype=np.int64)
-        return np.ravel_multi_index([g.ravel() for g in grids], self.shape).astype(np.int64)
-
 
 def _i64(values: list[int]) -> npt.NDArray[np.int64]:
     return np.asarray(values, dtype=np.int64)
@@ -166,15 +162,11 @@ def resolve(plan: plan_pb2.Plan, sources: Any = None) -> list[ResolvedParam]:
 
 def digest(plan: plan_pb2.Plan) -> str:
     """Hex SHA-256 of the deterministic serialization: the same plan always names the same bytes."""
-    import hashlib
-
     return hashlib.sha256(plan.SerializeToString(deterministic=True)).hexdigest()
 
 
 def warm_up_params() -> list[ResolvedParam]:
     """One small parameter of every kernel kind and dtype: what backends compile before SERVING."""
-    from paraminit_server import dtypes
-
     params: list[ResolvedParam] = []
     for dt in dtypes.SUPPORTED:
         for init in ("zeros", "uniform", "normal", "flat"):

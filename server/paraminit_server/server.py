@@ -21,11 +21,17 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit_server import backends
 from paraminit_server.auth import AuthInterceptor, TokenAuth, server_credentials
 from paraminit_server.config import ServerConfig
+from paraminit_server.limits import prepare_jit_cache
+from paraminit_server.materializer import Materializer
+from paraminit_server.metrics import Metrics
 from paraminit_server.service import InitServicer
 from paraminit_server.status import MalformedRequest
 
 log = logging.getLogger("paraminit.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InitService"].full_name
+# SERVING from bind to exit, whatever the InitService reports: a liveness probe that restarts only a process
+# that no longer answers, never one that is compiling or draining (readiness checks SERVICE_NAME).
+LIVENESS_SERVICE = "liveness"
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.so_reuseport", 0)]
 
 
@@ -35,35 +41,41 @@ class Running:
 
     server: grpc.Server
     port: int
+    plane: Materializer
     servicer: InitServicer
     health: health.HealthServicer
     config: ServerConfig
-    ready: threading.Event = field(default_factory=threading.Event)
-    extras: list[Any] = field(default_factory=list)  # objects with close(), closed on shutdown
+    metrics: Metrics | None = None
     metrics_port: int = 0
+    ready: threading.Event = field(default_factory=threading.Event)
+    warm_error: str = ""  # set when warm-up raised; serve() then exits non-zero
 
     def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
+        if self.metrics is not None:
+            self.metrics.serving.set(1 if serving else 0)
 
     def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING and refuse new work at once, let streams finish within the grace, free leases."""
         grace = self.config.drain_seconds if grace is None else grace
         self.set_serving(False)
-        self.servicer.admission.draining.set()
-        self.servicer.admission.wait_idle(grace)
+        self.plane.admission.draining.set()
+        self.plane.admission.wait_idle(grace)
         self.server.stop(grace=1.0).wait()
-        for extra in self.extras:
-            extra.close()
+        self.plane.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up_async: bool = True) -> Running:
     """Build, bind and start a server; warm-up (kernel compilation) runs before SERVING."""
     backend = backend or backends.create(config.backend, config.device, config.threads or None)
     tokens = TokenAuth.load(config.auth_tokens_file, config.auth_tokens)
-    exports = _exports(config, backend, tokens)
-    servicer = InitServicer(config, backend, exports, tokens)
+    plane = Materializer(config, backend)
+    metrics = Metrics() if config.metrics_port else None
+    servicer = InitServicer(plane, tokens, metrics)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
                          options=GRPC_OPTIONS, interceptors=[AuthInterceptor(tokens)] if tokens else [])
     server.add_generic_rpc_handlers((_service_handler(servicer),))
@@ -79,17 +91,23 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
         port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
-    running = Running(server, port, servicer, health_servicer, config)
-    if exports is not None:
-        running.extras.append(exports)
-    if config.metrics_port:
-        running.metrics_port = _metrics(config, servicer, exports, backend, running)
+    running = Running(server, port, plane, servicer, health_servicer, config, metrics)
+    if metrics is not None:
+        running.metrics_port = _serve_metrics(config, plane, metrics)
     running.set_serving(False)
+    health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     server.start()
 
     def warm() -> None:
-        backend.warm_up()
-        if not servicer.admission.draining.is_set():
+        try:
+            backend.warm_up()
+        except Exception as exc:
+            if not warm_up_async:
+                raise
+            running.warm_error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            running.ready.set()
+            return
+        if not plane.admission.draining.is_set():
             running.set_serving(True)
         running.ready.set()
 
@@ -116,10 +134,11 @@ def _lenient_parser(cls: Any) -> Any:
 def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
     """The generated handlers, except that Materialize also sends pre-encoded chunk bytes (paraminit.wire)."""
     handlers = {}
+    methods = servicer.methods()
     for method in pb.DESCRIPTOR.services_by_name["InitService"].methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
-        fn = getattr(servicer, method.name)
+        fn = methods[method.name]
         parse = _lenient_parser(request_cls)
         if method.client_streaming:
             handlers[method.name] = grpc.stream_unary_rpc_method_handler(
@@ -133,26 +152,13 @@ def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-def _metrics(config: ServerConfig, servicer: InitServicer, exports: Any, backend: backends.Backend,
-             running: Running) -> int:
-    from paraminit_server.metrics import Metrics
-
-    m = Metrics()
-    adm = servicer.admission
-    leases = exports.leases if exports is not None else None
-    m.bind(inflight=lambda: adm.in_flight, inflight_bytes=lambda: adm.in_flight_bytes,
-           leases=lambda: len(leases.list()) if leases else 0, leased_bytes=lambda: leases.leased_bytes() if leases else 0,
-           memory_free=lambda: backend.device().memory_free, memory_total=lambda: backend.device().memory_total)
-    servicer.metrics = m
-    port = m.serve(config.host, config.metrics_port if config.metrics_port > 0 else 0)
-    running.extras.append(m)
-    return port
-
-
-def _exports(config: ServerConfig, backend: backends.Backend, tokens: TokenAuth | None) -> Any:
-    from paraminit_server.exports import Exports
-
-    return Exports(config, backend, tokens)
+def _serve_metrics(config: ServerConfig, plane: Materializer, metrics: Metrics) -> int:
+    adm, leases, backend = plane.admission, plane.leases, plane.backend
+    metrics.bind(inflight=lambda: adm.in_flight, inflight_bytes=lambda: adm.in_flight_bytes,
+                 leases=lambda: len(leases.list()), leased_bytes=leases.leased_bytes,
+                 memory_free=lambda: backend.device().memory_free, memory_total=lambda: backend.device().memory_total,
+                 backend=backend)
+    return metrics.serve(config.host, config.metrics_port if config.metrics_port > 0 else 0)
 
 
 def configure_logging(config: ServerConfig) -> None:
@@ -183,21 +189,28 @@ class JsonFormatter(logging.Formatter):
 def serve(config: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT, then drain; returns the exit code."""
     configure_logging(config)
+    jit = prepare_jit_cache()
+    if jit.warning:
+        log.warning("%s", jit.warning)
     running = start(config)
     metrics = f" metrics={config.host}:{running.metrics_port}" if running.metrics_port else ""
-    print(f"paraminit listening on {config.host}:{running.port} backend={running.servicer.backend.name}{metrics}",
+    print(f"paraminit listening on {config.host}:{running.port} backend={running.plane.backend.name}{metrics}",
           flush=True)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         log.info("signal %d: draining for up to %.0f s", signum, config.drain_seconds)
         running.set_serving(False)
-        running.servicer.admission.draining.set()
+        running.plane.admission.draining.set()
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    stop.wait()
+    while not stop.wait(0.25):
+        if running.warm_error:
+            log.error("warm-up failed, exiting: %s", running.warm_error)
+            running.stop(grace=0)
+            return 1
     running.stop()
     log.info("stopped")
     return 0

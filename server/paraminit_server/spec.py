@@ -7,7 +7,10 @@ the readable statement of the algorithm that the vectorized kernels must match.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+
+from paraminit.shapes import fan_in_out, numel, shape_str
+
+__all__ = ["fan_in_out", "kaiming_bound", "key", "mix", "normal_value", "numel", "shape_str", "unit", "xavier_bound"]
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -36,20 +39,6 @@ def unit(seed: int, i: int) -> float:
     return (mix((key(seed) + i) & MASK64) & 0xFFFFFFFF) * TWO_NEG_32
 
 
-def numel(shape: Sequence[int]) -> int:
-    """Element count; a scalar (empty shape) has one element."""
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def fan_in_out(shape: Sequence[int]) -> tuple[int, int]:
-    """Fans of a Linear/Conv weight [out, in, k1, ..., kd]; the shape must have rank >= 2."""
-    receptive = numel(shape[2:])
-    return int(shape[1]) * receptive, int(shape[0]) * receptive
-
-
 def xavier_bound(fan_in: int, fan_out: int) -> float:
     """sqrt(6 / (fanIn + fanOut)) with fans converted to binary64 first; 0 for zero fans."""
     denom = float(fan_in) + float(fan_out)
@@ -69,8 +58,3 @@ def normal_value(seed: int, i: int, mean: float, std: float) -> float:
         u1 = NORMAL_U1_FLOOR
     z = math.sqrt(-2.0 * math.log(u1)) * math.cos(TWO_PI * u2)
     return mean + std * z
-
-
-def shape_str(shape: Sequence[int]) -> str:
-    """A shape printed as a Python-style list, as TorchLean's messages print it."""
-    return "[" + ", ".join(str(int(d)) for d in shape) + "]"

@@ -13,15 +13,15 @@ import inspect
 import logging
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from paraminit.violations import Violation
 from paraminit_server import errors
-from paraminit_server.validation import Violation
 
 log = logging.getLogger("paraminit.server")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -47,7 +47,7 @@ def _message(err: errors.ParaminitServerError) -> str:
 def to_status(err: errors.ParaminitServerError) -> grpc.Status:
     code = errors.status_of(err)
     st = status_pb2.Status(code=getattr(code_pb2, code.name), message=_message(err))
-    violations = getattr(err, "violations", ())
+    violations = err.violations if isinstance(err, (errors.InvalidPlan, errors.ResourceExhausted)) else ()
     if violations:
         detail = any_pb2.Any()
         detail.Pack(bad_request(violations))
@@ -55,10 +55,12 @@ def to_status(err: errors.ParaminitServerError) -> grpc.Status:
     return rpc_status.to_status(st)
 
 
-def _count(owner: Any, method: str, code: grpc.StatusCode) -> None:
-    metrics = getattr(owner, "metrics", None)
-    if metrics is not None:
-        metrics.requests.labels(method, code.name).inc()
+class Servicer(Protocol):
+    """What the boundary needs from the servicer it wraps."""
+
+    def draining(self) -> bool: ...
+
+    def count(self, method: str, code: grpc.StatusCode) -> None: ...
 
 
 class MalformedRequest:
@@ -68,21 +70,20 @@ class MalformedRequest:
         self.reason = reason
 
 
-def _precheck(owner: Any, request: Any = None) -> None:
+def _precheck(owner: Servicer, request: Any = None) -> None:
     if isinstance(request, MalformedRequest):
         raise errors.InvalidRequest(request.reason)
-    admission = getattr(owner, "admission", None)
-    if admission is not None and admission.draining.is_set():
+    if owner.draining():
         raise errors.Unavailable("server is shutting down; retry on another worker")
 
 
-def _abort(owner: Any, context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+def _abort(owner: Servicer, context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, MemoryError):  # allocation failed: everything of the request is already unwound
         exc = errors.ResourceExhausted(f"out of memory while materializing ({exc or 'allocation failed'}); retry later")
     if isinstance(exc, errors.ParaminitServerError):
-        _count(owner, method, errors.status_of(exc))
+        owner.count(method, errors.status_of(exc))
         context.abort_with_status(to_status(exc))
-    _count(owner, method, grpc.StatusCode.INTERNAL)
+    owner.count(method, grpc.StatusCode.INTERNAL)
     error_id = uuid.uuid4().hex[:12]
     log.exception("internal error %s in %s", error_id, method, extra={"error_id": error_id})
     context.abort(grpc.StatusCode.INTERNAL, f"internal error (id {error_id}); see the server log")
@@ -99,13 +100,13 @@ def boundary(fn: F) -> F:
     if inspect.isgeneratorfunction(fn):
 
         @functools.wraps(fn)
-        def stream(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        def stream(self: Servicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             try:
                 _precheck(self, request)
                 yield from fn(self, request, context)
-                _count(self, name, grpc.StatusCode.OK if context.is_active() else grpc.StatusCode.CANCELLED)
+                self.count(name, grpc.StatusCode.OK if context.is_active() else grpc.StatusCode.CANCELLED)
             except GeneratorExit:
-                _count(self, name, grpc.StatusCode.CANCELLED)
+                self.count(name, grpc.StatusCode.CANCELLED)
                 raise
             except Exception as exc:
                 if _is_abort(exc):
@@ -115,11 +116,11 @@ def boundary(fn: F) -> F:
         return stream  # type: ignore[return-value]
 
     @functools.wraps(fn)
-    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    def unary(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             _precheck(self, request)
             result = fn(self, request, context)
-            _count(self, name, grpc.StatusCode.OK)
+            self.count(name, grpc.StatusCode.OK)
             return result
         except Exception as exc:
             if _is_abort(exc):

@@ -1,7 +1,7 @@
 """Whole-plan validation: every violation at once, before anything is allocated.
 
 TorchLean stops at its first error; we keep its messages word for word
-(SAMPLER.md section 6) and report all of them, each with the parameter index,
+(docs/SAMPLER.md section 6) and report all of them, each with the parameter index,
 its name and the field, so a user fixes a plan in one round trip.
 """
 
@@ -13,29 +13,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from paraminit import dtypes
 from paraminit.v1 import plan_pb2
-from paraminit_server import dtypes, spec
+from paraminit.violations import INVALID, LIMIT, Violation
+from paraminit_server import errors, spec
+
+__all__ = ["INVALID", "LIMIT", "Limits", "Report", "Violation", "validate"]
 
 MAX_RANK = 32
 MAX_BYTES = (1 << 63) - 1
-
-INVALID = "invalid"
-LIMIT = "limit"
-
-
-@dataclass(frozen=True)
-class Violation:
-    """One problem in a plan. `index` is -1 for plan-wide problems."""
-
-    index: int
-    name: str
-    field: str
-    message: str
-    category: str = INVALID
-
-    def __str__(self) -> str:
-        who = "" if self.index < 0 else f" ({self.name!r})"
-        return f"{self.field}{who}: {self.message}"
+MAX_ELEMENTS = (1 << 63) - 1  # flat indices are signed 64-bit in every kernel
 
 
 @dataclass(frozen=True)
@@ -92,6 +79,9 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = N
         shape = [int(d) for d in p.shape]
         if len(shape) > MAX_RANK:
             bad("shape", f"rank {len(shape)} exceeds the maximum of {MAX_RANK}")
+        if spec.numel(shape) > MAX_ELEMENTS:
+            bad("shape", f"the full tensor {spec.shape_str(shape)} has 2^63 elements or more; flat indices must fit "
+                         "in 64 bits")
         dt = dtypes.by_enum(p.dtype)
         if dt is None:
             bad("dtype", f"unknown dtype enum value {p.dtype}")
@@ -206,11 +196,9 @@ def _check_safetensors(shape: list[int], ref: plan_pb2.SafetensorsRef, bad: _Bad
         return
     if sources is None:
         return
-    from paraminit_server.errors import InvalidRequest
-
     try:
         info = sources.tensor_info(ref.path, ref.tensor)
-    except InvalidRequest as exc:
+    except errors.InvalidRequest as exc:
         bad("init.safetensors", str(exc))
         return
     expected = dtypes.by_enum(ref.dtype) if ref.dtype else None

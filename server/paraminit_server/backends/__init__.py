@@ -1,37 +1,90 @@
-"""Backends fill parameter buffers; the NumPy one is embedded, CuPy is imported only when chosen."""
+"""Backends fill parameter buffers and own the memory they lend: `cpu` (numba, embedded) and `cupy` (CUDA).
+
+Both implement the whole `Backend` protocol, so nothing above this package asks
+which backend it has. The CuPy module is imported only when that backend is chosen.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from paraminit_server.errors import BackendUnavailable
 from paraminit_server.plan import ResolvedParam
 
+HOST = "host"
+DEVICE = "device"
+SHM = "shm"
+CUDA_IPC = "cuda_ipc"
+
 
 @dataclass(frozen=True)
 class DeviceDescription:
     kind: str  # "cpu" | "cuda"
     name: str
-    uuid: str = ""
+    uuid: str = ""  # CUDA: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", what peers compare before opening a handle
     ordinal: int = -1
     memory_total: int = 0
     memory_free: int = 0
 
 
+@dataclass(frozen=True)
+class ExportHandle:
+    """What a peer on this host needs to map an exported buffer."""
+
+    delivery: str  # SHM | CUDA_IPC
+    size: int
+    shm_name: str = ""
+    ipc_handle: bytes = b""
+    device: DeviceDescription | None = None
+
+
+class ExportBuffer(Protocol):
+    """One buffer lent to a local peer: a shared-memory segment or a whole device allocation."""
+
+    array: Any  # 1-D uint8 in backend memory, at least `size` bytes
+    size: int
+
+    def handle(self) -> ExportHandle:
+        """The description a peer maps; valid until close()."""
+
+    def recycle(self) -> bool:
+        """Make the buffer unreachable through its old handle so it can be lent again; False if it cannot be."""
+
+    def close(self) -> None:
+        """Free the memory (idempotent)."""
+
+
 class Backend(Protocol):
-    """What the service needs from a backend."""
+    """Everything the data plane needs from a backend."""
 
     name: str
+    memory: str  # HOST or DEVICE: which budget its buffers count against
+    delivery: str  # the zero-copy delivery it offers: SHM or CUDA_IPC
 
     def warm_up(self) -> None:
         """Compile kernels; health reports SERVING only after this returns."""
 
-    def empty(self, nbytes: int) -> Any:
-        """A 1-D uint8 buffer of nbytes in the backend's memory."""
+    def scratch(self, nbytes: int) -> Any:
+        """A 1-D uint8 buffer for stream slabs (pooled on the GPU)."""
+
+    def export_buffer(self, nbytes: int) -> ExportBuffer:
+        """A buffer of nbytes that local peers can map (raises errors.ResourceExhausted when it cannot be had)."""
 
     def fill(self, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
         """Write local elements [l_begin, l_begin + len(out)) of p into out (p.dtype.storage, 1-D)."""
+
+    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
+                  should_stop: Callable[[], bool] | None = None) -> None:
+        """Whole parameters into one 1-D uint8 arena, parameter i at byte offsets[i]; raises errors.Cancelled
+        between pieces of work once should_stop() is true."""
+
+    def zero(self, buf: Any, start: int, stop: int) -> None:
+        """Zero bytes [start, stop) of a backend buffer (padding that must not leak stale bytes)."""
+
+    def synchronize(self) -> None:
+        """Return once every fill issued so far has finished (before memory is handed to another process)."""
 
     def to_host(self, buf: Any) -> Any:
         """A host numpy view or copy of a backend buffer."""
@@ -40,19 +93,24 @@ class Backend(Protocol):
         """What the backend runs on, for GetInfo and metrics."""
 
 
+BACKENDS = ("auto", "cpu", "cupy")
+ALIASES = {"numpy": "cpu"}
+
+
 def create(name: str = "auto", device: int = 0, threads: int | None = None) -> Backend:
-    """Create a backend by name: "numpy", "cupy" or "auto" (CuPy when it imports and a GPU is present)."""
+    """Create a backend by name: "cpu" (alias "numpy"), "cupy", or "auto" (CuPy when it imports and a GPU is present)."""
+    name = ALIASES.get(name, name)
     if name in ("cupy", "auto"):
         try:
-            from paraminit_server.backends.cupy_backend import CupyBackend
+            from paraminit_server.backends.cupy_backend import CupyBackend  # CuPy only when chosen
 
             gpu: Backend = CupyBackend(device)
             return gpu
         except BackendUnavailable:
             if name == "cupy":
                 raise
-    if name in ("numpy", "auto"):
-        from paraminit_server.backends.numpy_backend import NumpyBackend
+    if name in ("cpu", "auto"):
+        from paraminit_server.backends.cpu import CpuBackend  # numba only when chosen
 
-        return NumpyBackend(threads)
-    raise BackendUnavailable(f"unknown backend {name!r}: expected auto, numpy or cupy")
+        return CpuBackend(threads)
+    raise BackendUnavailable(f"unknown backend {name!r}: expected one of {', '.join(BACKENDS)} (or numpy for cpu)")

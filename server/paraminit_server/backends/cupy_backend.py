@@ -15,7 +15,7 @@ float64 array of flat payloads, so a whole plan is one upload and one launch.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from paraminit_server import dtypes
-from paraminit_server.backends import DeviceDescription
-from paraminit_server.errors import BackendUnavailable, ResourceExhausted
-from paraminit_server.plan import Kind, ResolvedParam, Runs
+from paraminit import dtypes
+from paraminit.cuda import device_uuid
+from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle
+from paraminit_server.errors import BackendUnavailable, Cancelled, ResourceExhausted
+from paraminit_server.plan import Kind, ResolvedParam, Runs, warm_up_params
 
 KERNEL_DIR = Path(__file__).parent / "cuda"
 KERNEL_SOURCE = KERNEL_DIR / "paraminit_kernels.cu"
@@ -46,6 +47,10 @@ W_OUT, W_N, W_LBEGIN, W_KIND, W_OTYPE, W_KEY, W_P0, W_P1, W_VSHIFT, W_BASE, W_RU
 OTYPE_F32, OTYPE_F64, OTYPE_F16, OTYPE_BF16 = range(4)
 
 _INCLUDE = '#include "paraminit_kernels.cuh"'
+# CUDA's programming guide: share only allocations sized in 2 MiB multiples, since a smaller
+# cudaMalloc may be carved from a larger block that IPC would map whole (someone else's data).
+IPC_GRANULE = 2 << 20
+CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 
 
 def otype(dt: dtypes.DTypeInfo) -> int:
@@ -261,20 +266,57 @@ def fill_plan(params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int
     fill_jobs([Job(p, int(off)) for p, off in zip(params, offsets, strict=True)], arena)
 
 
-def _format_uuid(raw: Any) -> str:
-    """nvidia-smi's spelling (GPU-xxxxxxxx-xxxx-...), which is what peers compare for CUDA IPC."""
-    if isinstance(raw, str):
-        return raw
-    if isinstance(raw, (bytes, bytearray)) and len(raw) >= 16:
-        h = bytes(raw[:16]).hex()
-        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-    return ""
+def is_out_of_memory(exc: BaseException) -> bool:
+    """cudaErrorMemoryAllocation or CuPy's pool OutOfMemoryError; by status code, never by message text
+    (a dead context's cudaErrorIllegalAddress must surface as INTERNAL, not as a retryable limit)."""
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return getattr(exc, "status", None) == CUDA_ERROR_MEMORY_ALLOCATION
+
+
+def ipc_size(nbytes: int) -> int:
+    """Allocation size for an exported buffer: whole 2 MiB granules."""
+    return -(-nbytes // IPC_GRANULE) * IPC_GRANULE
+
+
+class DeviceExport:
+    """A whole cudaMalloc allocation lent by CUDA IPC; an empty export allocates nothing."""
+
+    def __init__(self, backend: CupyBackend, nbytes: int) -> None:
+        self.size = nbytes
+        self._backend = backend
+        self._mem: Any = None
+        cp = backend._cp
+        if nbytes == 0:
+            self.array: Any = None
+            with backend._device:
+                self.array = cp.empty(0, dtype=cp.uint8)
+            return
+        self._mem = backend._malloc(ipc_size(nbytes))
+        self.array = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(self._mem, 0))
+
+    def handle(self) -> ExportHandle:
+        dev = self._backend.device()
+        if self._mem is None:
+            return ExportHandle(CUDA_IPC, 0, device=dev)
+        with self._backend._device:
+            raw = bytes(self._backend._cp.cuda.runtime.ipcGetMemHandle(self._mem.ptr))
+        return ExportHandle(CUDA_IPC, self.size, ipc_handle=raw, device=dev)
+
+    def recycle(self) -> bool:
+        return False  # an IPC handle cannot be revoked: released device memory is never lent again
+
+    def close(self) -> None:
+        self.array = None
+        self._mem = None  # cudaFree when CuPy drops the last reference
 
 
 class CupyBackend:
     """Backend on one CUDA device; construction fails with BackendUnavailable when none is usable."""
 
     name = "cupy"
+    memory = DEVICE
+    delivery = CUDA_IPC
 
     def __init__(self, device: int = 0) -> None:
         cp = _import_cupy()
@@ -292,8 +334,6 @@ class CupyBackend:
 
     def warm_up(self) -> None:
         """Compile (or load) the kernels and run each kind once, so the first request pays nothing."""
-        from paraminit_server.plan import warm_up_params
-
         cp = self._cp
         with self._device:
             kernels(self._ordinal)
@@ -303,31 +343,25 @@ class CupyBackend:
             fill_plan(params, cp.empty(len(params) * 48, dtype=cp.uint8), [48 * i for i in range(len(params))])
             cp.cuda.Device().synchronize()
 
-    def empty(self, nbytes: int) -> Any:
-        """A uint8 device array that owns a whole cudaMalloc allocation (cupy.cuda.memory.Memory).
-
-        Not from CuPy's memory pool: pool blocks are carved out of larger
-        allocations, and CUDA IPC exports whole allocations, so an exported arena
-        must be its own. Memory frees it (cudaFree) when the last view is gone.
-        """
+    def _malloc(self, nbytes: int) -> Any:
+        """A plain cudaMalloc (not CuPy's pool, whose blocks are carved from larger allocations);
+        on OOM the pool's cached free blocks are returned to the driver once and the call retried."""
         cp = self._cp
         with self._device:
-            try:
-                mem = cp.cuda.memory.Memory(int(nbytes))
-            except (cp.cuda.runtime.CUDARuntimeError, cp.cuda.memory.OutOfMemoryError) as exc:
-                if "memory" not in str(exc).lower():
-                    raise
-                raise ResourceExhausted(f"device {self._ordinal} out of memory allocating {nbytes} bytes") from None
-            return cp.ndarray((int(nbytes),), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+            for attempt in range(2):
+                try:
+                    return cp.cuda.memory.Memory(int(nbytes))
+                except Exception as exc:
+                    if not is_out_of_memory(exc):
+                        raise
+                    if attempt == 0:
+                        cp.get_default_memory_pool().free_all_blocks()
+                        continue
+                    raise ResourceExhausted(f"device {self._ordinal} out of memory allocating {nbytes} bytes") from None
+        raise AssertionError("unreachable")
 
-    def ipc_handle(self, buf: Any) -> bytes:
-        """The cudaIpcMemHandle (64 bytes) of a buffer from empty(); a handle names a whole allocation."""
-        cp = self._cp
-        mem = getattr(getattr(buf, "data", None), "mem", None)
-        if not isinstance(mem, cp.cuda.memory.Memory) or buf.data.ptr != mem.ptr:
-            raise ValueError("only a whole buffer from empty() can be exported by CUDA IPC")
-        with self._device:
-            return bytes(cp.cuda.runtime.ipcGetMemHandle(buf.data.ptr))
+    def export_buffer(self, nbytes: int) -> ExportBuffer:
+        return DeviceExport(self, nbytes)
 
     def fill(self, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
         """One launch of pi_fill; only regions (dims) and flat payloads need an upload first."""
@@ -352,19 +386,38 @@ class CupyBackend:
                     values, np.int64(row[W_VSHIFT]), dims, np.int32(n_outer),
                     np.int64(row[W_BASE]), np.int64(row[W_RUNLEN])))
 
-    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int]) -> None:
+    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
+                  should_stop: Callable[[], bool] | None = None) -> None:
         """Whole parameters into one arena in one launch (see the module-level fill_plan)."""
+        if should_stop is not None and should_stop():
+            raise Cancelled("client cancelled or deadline passed")
         with self._device:
             fill_plan(params, arena, offsets)
 
     def scratch(self, nbytes: int) -> Any:
         """A pooled device buffer for stream slabs: no cudaMalloc/cudaFree (which synchronizes) per slab."""
         with self._device:
-            return self._cp.empty(int(nbytes), dtype=self._cp.uint8)
+            try:
+                return self._cp.empty(int(nbytes), dtype=self._cp.uint8)
+            except Exception as exc:
+                if is_out_of_memory(exc):
+                    raise ResourceExhausted(f"device {self._ordinal} out of memory allocating {nbytes} bytes") from None
+                raise
+
+    def zero(self, buf: Any, start: int, stop: int) -> None:
+        """In this backend's device context: CuPy's current device is per thread, and RPC threads start on 0."""
+        if stop > start:
+            with self._device:
+                buf[start:stop].fill(0)
+
+    def synchronize(self) -> None:
+        """IPC gives no cross-process ordering: a peer must not see the buffer before its fill has finished."""
+        with self._device:
+            self._device.synchronize()
 
     def to_host(self, buf: Any) -> Any:
         """Copy into pinned host memory (CuPy's pinned pool), the fast path for device-to-host copies."""
-        import cupyx
+        import cupyx  # with CuPy, which this module imports only when the backend is chosen
 
         with self._device:
             host = cupyx.empty_pinned(buf.shape, dtype=buf.dtype)
@@ -378,4 +431,4 @@ class CupyBackend:
         name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
         with self._device:
             free, total = cp.cuda.runtime.memGetInfo()
-        return DeviceDescription("cuda", name, _format_uuid(props.get("uuid")), self._ordinal, int(total), int(free))
+        return DeviceDescription("cuda", name, device_uuid(cp, self._ordinal, props), self._ordinal, int(total), int(free))

@@ -1,0 +1,79 @@
+"""The embedded CPU backend: numba kernels (cpu_kernels.py) over NumPy buffers, exports in shared memory."""
+
+from __future__ import annotations
+
+import platform
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numba
+import numpy as np
+
+from paraminit_server.admission import host_memory
+from paraminit_server.backends import HOST, SHM, DeviceDescription, ExportBuffer, cpu_kernels
+from paraminit_server.errors import Cancelled
+from paraminit_server.plan import Kind, ResolvedParam, warm_up_params
+from paraminit_server.shm import ShmSegment
+
+_NO_VALUES = np.zeros(0, dtype=np.float64)
+FILL_WINDOW = 64 << 20
+# Numba's parallel kernels are not safe to enter from two threads at once under its fallback
+# ("workqueue") threading layer, which aborts the process. Every fill already uses all cores,
+# so serializing kernel launches costs nothing and is safe under any layer.
+_KERNEL_LOCK = threading.Lock()
+
+
+class CpuBackend:
+    name = "cpu"
+    memory = HOST
+    delivery = SHM
+
+    def __init__(self, threads: int | None = None) -> None:
+        self._threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS)) if threads else None  # type: ignore[attr-defined]
+
+    def warm_up(self) -> None:
+        for rp in warm_up_params():
+            self.fill(rp, np.empty(rp.numel, dtype=rp.dtype.storage))
+
+    def scratch(self, nbytes: int) -> Any:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def export_buffer(self, nbytes: int) -> ExportBuffer:
+        return ShmSegment(nbytes)
+
+    def fill(self, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
+        n = out.shape[0]
+        if n == 0:
+            return
+        runs = p.runs()
+        values = p.values if p.kind == Kind.FLAT and p.values is not None else _NO_VALUES
+        with _KERNEL_LOCK:
+            if self._threads is not None:
+                numba.set_num_threads(self._threads)
+            cpu_kernels.fill(out, l_begin, int(p.kind), np.uint64(p.key), p.p0, p.p1, values, p.dtype.fmt,
+                             runs.outer_start, runs.outer_ext, runs.outer_stride, runs.base, runs.run_len)
+
+    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
+                  should_stop: Callable[[], bool] | None = None) -> None:
+        """In windows of FILL_WINDOW bytes, so a cancelled request stops within one window's time."""
+        for p, off in zip(params, offsets, strict=True):
+            out = arena[off:off + p.nbytes].view(p.dtype.storage)
+            step = max(1, FILL_WINDOW // p.dtype.itemsize)
+            for lo in range(0, p.numel, step):
+                if should_stop is not None and should_stop():
+                    raise Cancelled("client cancelled or deadline passed")
+                self.fill(p, out[lo:lo + step], lo)
+
+    def zero(self, buf: Any, start: int, stop: int) -> None:
+        buf[start:stop] = 0
+
+    def synchronize(self) -> None:
+        """Fills are synchronous on the CPU."""
+
+    def to_host(self, buf: Any) -> Any:
+        return buf
+
+    def device(self) -> DeviceDescription:
+        total, free = host_memory()
+        return DeviceDescription("cpu", platform.processor() or platform.machine(), "", -1, total, free)

@@ -1,0 +1,29 @@
+"""Who is asking and how long they may wait: what the data plane needs to know about a call, whatever the transport."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ANONYMOUS = "anonymous"
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Caller:
+    """identity owns leases and payloads; local peers may receive zero-copy buffers; `wait` is how long the
+    call may wait for memory (0: refuse at once); `active()` turns false when the caller has gone."""
+
+    identity: str = ANONYMOUS
+    local: bool = True
+    wait: float = 0.0
+    active: Callable[[], bool] = field(default=_always)
+
+    def gone(self) -> bool:
+        return not self.active()
+
+
+IN_PROCESS = Caller()

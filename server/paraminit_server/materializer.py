@@ -1,0 +1,198 @@
+"""The data plane: validate, stream, export, lease and upload, with no transport in sight.
+
+The gRPC servicer converts protobuf to these calls and errors to status codes;
+the embedded client calls them in process. Admission, memory reservations,
+slab sizing and chunk encoding live here, so every door behaves the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import numpy as np
+import numpy.typing as npt
+
+from paraminit import dtypes, wire
+from paraminit.v1 import plan_pb2
+from paraminit_server import __version__, engine, errors, layout, plan, validation
+from paraminit_server.admission import Admission, host_memory
+from paraminit_server.backends import HOST, Backend, DeviceDescription
+from paraminit_server.caller import Caller
+from paraminit_server.config import ServerConfig
+from paraminit_server.exports import Export, Exports
+from paraminit_server.leases import LeaseRecord, LeaseTable
+from paraminit_server.payloads import BoundSources, Payload, Sources
+
+PREFETCH = 2  # slabs generated ahead of the one being sent
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A plan that validated, resolved for the kernels."""
+
+    params: list[plan.ResolvedParam]
+    report: validation.Report
+    digest: str
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """First item of a stream: where each tensor lies in the safetensors data section."""
+
+    layout: layout.Layout
+    digest: str
+
+
+@dataclass(frozen=True)
+class PayloadPiece:
+    """One piece of an upload; the first names the dtype (enum, 0 = float32) and the value count."""
+
+    dtype: int
+    count: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Info:
+    version: str
+    backend: str
+    device: DeviceDescription
+    config: ServerConfig
+    dtypes: tuple[dtypes.DTypeInfo, ...]
+    deliveries: tuple[str, ...]  # "stream" and the backend's zero-copy delivery
+
+
+class Materializer:
+    """One server's data plane over one backend."""
+
+    def __init__(self, config: ServerConfig, backend: Backend) -> None:
+        self.config = config
+        self.backend = backend
+        self.limits = validation.Limits(config.max_param_bytes, config.max_plan_bytes)
+        self.sources = Sources(config.max_payload_bytes, config.payload_ttl, config.safetensors_dirs.split(":"))
+        host_budget = config.memory_budget or host_memory()[1] // 2
+        device_budget = None
+        if backend.memory != HOST:
+            device_budget = config.device_memory_budget or backend.device().memory_free // 2
+        self.admission = Admission(config.max_concurrent, host_budget, device_budget)
+        self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
+                                 config.max_lease_ttl)
+        self.exports = Exports(backend, self.leases, self.admission.backend, config.shm_pool_bytes)
+
+    # -- plans ---------------------------------------------------------------------------
+
+    def _sources(self, caller: Caller) -> BoundSources:
+        return BoundSources(self.sources, caller.identity)
+
+    def validate(self, p: plan_pb2.Plan, caller: Caller) -> tuple[validation.Report, str]:
+        """Every violation of the plan (limits included) and its digest; raises nothing for a bad plan."""
+        return validation.validate(p, self.limits, self._sources(caller)), plan.digest(p)
+
+    def check(self, p: plan_pb2.Plan, caller: Caller) -> Checked:
+        """Validate the whole plan; raise with every violation, or return it resolved."""
+        sources = self._sources(caller)
+        report = validation.validate(p, self.limits, sources)
+        if report.only_limits:
+            worst = "; ".join(v.message for v in report.violations)
+            raise errors.ResourceExhausted(f"plan exceeds server limits: {worst}", report.violations)
+        if not report.ok:
+            raise errors.InvalidPlan(report.violations)
+        return Checked(plan.resolve(p, sources), report, plan.digest(p))
+
+    def chunk_size(self, requested: int) -> int:
+        size = requested or self.config.chunk_bytes
+        return max(layout.SLAB_QUANTUM, min(size, self.config.max_chunk_bytes)) // layout.SLAB_QUANTUM * layout.SLAB_QUANTUM
+
+    # -- deliveries ----------------------------------------------------------------------
+
+    def stream(self, p: plan_pb2.Plan, caller: Caller, chunk_bytes: int = 0) -> Iterator[StreamStart | bytes]:
+        """A StreamStart, then the data section as encoded MaterializeResponse chunk messages
+        (paraminit.wire, CRC32C each). Memory is a few slabs whatever the plan's size; closing the
+        iterator or the caller going away stops generation at the next slab."""
+        checked = self.check(p, caller)
+        lay = layout.stream_layout(checked.params, checked.digest)
+        chunk = self.chunk_size(chunk_bytes)
+        slab = max(chunk, self.config.slab_bytes // chunk * chunk)
+        held = min(lay.data_bytes, slab * (PREFETCH + 2))  # slabs in flight, and as many encoded copies
+        with self.admission.admit(checked.report.total_bytes):
+            yield StreamStart(lay, checked.digest)
+            backend_mem = self.admission.backend.reserve(held, caller.wait, "stream")
+            try:
+                host_mem = self.admission.host.reserve(held, caller.wait, "stream")
+            except BaseException:
+                backend_mem.release()
+                raise
+            try:
+                def encode(start: int, host: Any) -> list[bytes]:
+                    mv = memoryview(host).toreadonly()
+                    pieces = ((off, mv[off:off + chunk]) for off in range(0, len(mv), chunk))
+                    return [wire.encode_chunk(start + off, piece, crc32c.crc32c(piece)) for off, piece in pieces]
+
+                for messages in engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH, encode):
+                    yield from messages
+                    if caller.gone():
+                        raise errors.Cancelled("client cancelled or deadline passed")
+            finally:
+                backend_mem.release()
+                host_mem.release()
+
+    def export(self, p: plan_pb2.Plan, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
+        """Fill a buffer local peers map (SHM or CUDA IPC) and lend it under a lease."""
+        checked = self.check(p, caller)
+        with self.admission.admit(checked.report.total_bytes):
+            return self.exports.export(checked.params, checked.digest, delivery, caller, ttl_seconds)
+
+    # -- leases --------------------------------------------------------------------------
+
+    def release(self, lease_id: str, caller: Caller) -> bool:
+        return self.exports.release(lease_id, caller)
+
+    def renew(self, lease_id: str, caller: Caller, ttl_seconds: float = 0.0) -> LeaseRecord:
+        return self.exports.renew(lease_id, caller, ttl_seconds)
+
+    def list_leases(self, caller: Caller) -> list[LeaseRecord]:
+        return self.exports.list(caller)
+
+    def apply(self, lease_id: str, p: plan_pb2.Plan, caller: Caller) -> str:
+        checked = self.check(p, caller)
+        with self.admission.admit(0):
+            return self.exports.apply(lease_id, checked.params, checked.digest, caller)
+
+    # -- payloads ------------------------------------------------------------------------
+
+    def upload(self, pieces: Iterable[PayloadPiece], caller: Caller) -> tuple[str, Payload]:
+        """Receive a payload into one buffer; the first piece's dtype and count size it."""
+        buf: npt.NDArray[np.uint8] | None = None
+        dtype = count = received = 0
+        for piece in pieces:
+            if buf is None:
+                dtype, count = piece.dtype, piece.count
+                dt = dtypes.by_enum(dtype)
+                if dt is None:
+                    raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype}; expected one of "
+                                                f"{', '.join(d.name for d in dtypes.SUPPORTED)}")
+                if count * 8 > self.sources.max_bytes:
+                    raise errors.ResourceExhausted(f"payload of {count} values needs {count * 8} bytes as binary64; "
+                                                   f"the payload limit is {self.sources.max_bytes}")
+                buf = np.empty(count * dt.itemsize, dtype=np.uint8)
+            data = piece.data
+            if received + len(data) > len(buf):
+                raise errors.InvalidRequest(f"payload is longer than the declared {count} values")
+            buf[received:received + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            received += len(data)
+        if buf is None:
+            raise errors.InvalidRequest("empty payload upload")
+        return self.sources.store(caller.identity, dtype, count, buf[:received])
+
+    # -- the server ----------------------------------------------------------------------
+
+    def info(self) -> Info:
+        return Info(__version__, self.backend.name, self.backend.device(), self.config, dtypes.SUPPORTED,
+                    ("stream", self.backend.delivery))
+
+    def close(self) -> None:
+        """Free every lease and pooled buffer (shutdown)."""
+        self.exports.close()
