@@ -2,7 +2,7 @@
 
 Rows: the write bandwidth (ndarray.fill), NumPy's Generator(PCG64) random /
 standard_normal (float32), torch's fill_/uniform_/normal_/copy_ when torch is
-importable, and paraminit's CPU backend (NumpyBackend.fill) for every
+importable, and paraminit's CPU backend (CpuBackend.fill) for every
 initializer and dtype. GB/s counts bytes written. Each paraminit row is
 compared with `x fill` (ndarray.fill on the same storage dtype) and `x torch`
 (the torch operation that does the same job: uniform_ for the uniform
@@ -30,13 +30,14 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-for sub in ("proto", "server", "client", "bench"):
+for sub in ("proto", "server", "client", "bench", "tests"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
+import reference  # noqa: E402  (tests/reference.py)
 from _common import bench_param, best_of  # noqa: E402
 
-from paraminit_server import dtypes, reference  # noqa: E402
+from paraminit import dtypes  # noqa: E402
 from paraminit_server.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
 
 COLS = 4096
@@ -81,10 +82,10 @@ def main() -> None:
 
     import numba
 
-    from paraminit_server.backends.numpy_backend import NumpyBackend
+    from paraminit_server.backends.cpu import CpuBackend
 
     numba.set_num_threads(args.threads)
-    backend = NumpyBackend(threads=args.threads)
+    backend = CpuBackend(threads=args.threads)
     t0 = time.perf_counter()
     backend.warm_up()
     print(f"compiled in {time.perf_counter() - t0:.1f} s")

@@ -16,19 +16,21 @@ from typing import Any
 import numba
 import numpy as np
 import pytest
+import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import poisoned
+from paraminit import dtypes
 from paraminit.v1 import plan_pb2
-from paraminit_server import dtypes, reference, spec
+from paraminit_server import spec
 from paraminit_server.backends import cpu_kernels
-from paraminit_server.backends.numpy_backend import NumpyBackend
+from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.plan import Kind, ResolvedParam, resolve_param
 
 INITS = ("zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",
          "xavier_uniform_for_shape", "kaiming_uniform_for_shape")
-BACKEND = NumpyBackend()
+BACKEND = CpuBackend()
 
 
 def make_param(init: str, dt: dtypes.DTypeInfo, shape: list[int], seed: int = 7,

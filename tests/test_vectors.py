@@ -6,9 +6,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import reference
 
 from conftest import VECTORS, case_param, poisoned
-from paraminit_server import reference, spec
+from paraminit_server import spec
 from paraminit_server.plan import resolve_param
 
 CASES = VECTORS["cases"]

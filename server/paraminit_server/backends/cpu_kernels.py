@@ -19,19 +19,24 @@ blocks vectorization:
 - float16/bfloat16 bits come from a branch-free integer rounding (normal
   range), a floating-point add of a magic constant (subnormal range, where the
   hardware's round-to-nearest-even is the one rounding) and selects.
-No fastmath anywhere: every binary64 operation rounds on its own (no FMA
-contraction), and `log`/`cos` are the C library's, as Python's math module uses.
+No fastmath anywhere: every binary64 operation of the spec (docs/SAMPLER.md)
+rounds on its own (no FMA contraction). `log` and `cos` in `normal` are
+correctly rounded (section 2.1) by the vectorized code of the "Correctly
+rounded log and cos" section below, with fused multiply-adds inside them only.
 
 Compiled lazily on first call (no work at import) and cached on disk.
 """
 
 from __future__ import annotations
 
+import decimal
 import math
+import struct
 from typing import Any
 
 import numba as nb
 import numpy as np
+import numpy.typing as npt
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
@@ -211,14 +216,397 @@ def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
         k += cnt
 
 
+# ---------------------------------------------------------------------------
+# Correctly rounded log and cos on the sampler's domain (docs/SAMPLER.md section 2.1).
+#
+# The inputs are log(max(k * 2^-32, 1e-6)) and cos((2.0 * pi) * (k * 2^-32)) for a 32-bit draw k. Each
+# function has two vectorizable, branch-free evaluations on the same table-driven reduction:
+# - `*_dd`: the result as an unevaluated sum hi + lo with a relative error far below 2^-74, and a flag that
+#   says whether hi is provably the correctly rounded value (Ziv's test: |lo| + bound below half an ulp of
+#   hi, hi not a power of two). Undecided inputs (about 1e-6 of them) look their draw k up in a short
+#   table of the inputs whose hi is not the correctly rounded value (the FIX tables below, found by running
+#   every one of the 2^32 inputs through this code and deciding the flagged ones with mpmath;
+#   bench/verify_cr.py re-checks all 2^32 inputs against an independent oracle).
+# - `*_plain`: a plain binary64 value within LOG_PLAIN_ULPS / COS_PLAIN_ULPS ulps of the correctly rounded
+#   value (checked on all 2^32 inputs by bench/verify_cr.py); the float32/16-bit outputs propagate that
+#   interval through the spec's monotone operations and fall back to the exact path only when the interval
+#   straddles a rounding boundary of the output format.
+# Fused multiply-adds (llvm.fma.f64) are used inside these functions only; the spec's own operations stay
+# separate roundings. paraminit_kernels.cuh has the same code with __fma_rn, so CPU and GPU agree bit for bit.
+
+def _fma_impl(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+    """a * b + c with one rounding (llvm.fma.f64: the FMA instruction, or a correct libm call without one)."""
+    if not all(isinstance(v, types.Float) for v in (a, b, c)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d = ir.DoubleType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [d], ir.FunctionType(d, [d, d, d]))
+        return builder.call(fn, [context.cast(builder, v, t, types.float64)
+                                 for v, t in zip(args, signature.args, strict=True)])
+
+    return types.float64(types.float64, types.float64, types.float64), codegen
+
+
+fma: Any = intrinsic(_fma_impl)
+
+_D = decimal.Decimal
+_PI_DEC = _D("3.14159265358979323846264338327950288419716939937510582097494459230781640628620899863")
+
+
+def _dd(d: decimal.Decimal) -> tuple[float, float]:
+    """Nearest binary64 to d and the nearest binary64 to the rest (Decimal -> float rounds correctly)."""
+    hi = float(d)
+    return hi, float(d - _D(hi))
+
+
+def _round_bits(x: decimal.Decimal, bits: int) -> float:
+    """x rounded to `bits` significant bits (x > 0), exactly representable."""
+    e = math.frexp(float(x))[1]
+    return math.ldexp(float((x * _D(2) ** (bits - e)).to_integral_value(decimal.ROUND_HALF_EVEN)), e - bits)
+
+
+def _sin_dec(x: decimal.Decimal) -> decimal.Decimal:
+    """sin(x) by its Taylor series (|x| <= pi/2), in the current decimal context."""
+    term, total, n = x, x, 1
+    x2 = x * x
+    while abs(term) > _D(10) ** -70:
+        term = -term * x2 / ((n + 1) * (n + 2))
+        total += term
+        n += 2
+    return total
+
+
+_LOG_OFF = 0x3FE6000000000000  # reduced argument m in [0.6875, 1.375); interval 159 is [1 - 2^-9, 1)
+_LOG_N = 256
+_COS_N = 128  # cos table step pi/128
+
+
+def _tables() -> dict[str, Any]:
+    """Reduction tables and constants, from decimal arithmetic at 80 digits (about 5 ms at import)."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 80
+        r_tab, th_tab, tl_tab = [], [], []
+        for i in range(_LOG_N):
+            lo = struct.unpack("<d", struct.pack("<q", _LOG_OFF + (i << 44)))[0]
+            hi = struct.unpack("<d", struct.pack("<q", _LOG_OFF + ((i + 1) << 44)))[0]
+            # 20 bits: m * r - 1 is exact (m has <= 32); r = 1 keeps full relative accuracy just below x = 1
+            r = 1.0 if i == 159 else _round_bits(_D(2) / (_D(lo) + _D(hi)), 20)
+            th, tl = _dd(-_D(r).ln())
+            r_tab.append(r)
+            th_tab.append(th)
+            tl_tab.append(tl)
+        ln2 = _D(2).ln()
+        ln2h = _round_bits(ln2, 44)  # E * LN2H exact for |E| < 2^9
+        sins = [_sin_dec(_PI_DEC * j / _COS_N) for j in range(_COS_N // 2)] + [_D(1)]
+        ch, cl, sh, sl = [], [], [], []
+        for j in range(2 * _COS_N + 1):  # cos/sin of j * pi/128 by symmetry from sin on [0, pi/2]
+            q, rr = divmod(j, _COS_N // 2)
+            a = [sins[rr], sins[_COS_N // 2 - rr]]  # sin(rr h), cos(rr h), h = pi/128
+            s, c = [(a[0], a[1]), (a[1], -a[0]), (-a[0], -a[1]), (-a[1], a[0]), (a[0], a[1])][q]
+            ch_, cl_ = _dd(c)
+            sh_, sl_ = _dd(s)
+            ch.append(ch_)
+            cl.append(cl_)
+            sh.append(sh_)
+            sl.append(sl_)
+        step = _PI_DEC / _COS_N
+        p1 = _round_bits(step, 44)
+        p2 = _round_bits(step - _D(p1), 44)
+        p3 = float(step - _D(p1) - _D(p2))
+        third = _dd(_D(1) / 3)
+        sixth = _dd(-_D(1) / 6)
+        log_floor = float(_D(_U1_FLOOR).ln())
+    return {
+        "log_r": np.array(r_tab), "log_th": np.array(th_tab), "log_tl": np.array(tl_tab),
+        "ln2h": ln2h, "ln2l": float(ln2 - _D(ln2h)),
+        "cos_ch": np.array(ch), "cos_cl": np.array(cl), "cos_sh": np.array(sh), "cos_sl": np.array(sl),
+        "p1": p1, "p2": p2, "p3": p3, "inv_step": float(_COS_N / _PI_DEC),
+        "third": third, "sixth": sixth, "log_floor": log_floor,
+    }
+
+
+TABLES = _tables()
+_LOG_R = TABLES["log_r"]
+_LOG_TH = TABLES["log_th"]
+_LOG_TL = TABLES["log_tl"]
+_LN2H = TABLES["ln2h"]
+_LN2L = TABLES["ln2l"]
+_COS_CH = TABLES["cos_ch"]
+_COS_CL = TABLES["cos_cl"]
+_COS_SH = TABLES["cos_sh"]
+_COS_SL = TABLES["cos_sl"]
+_P1 = TABLES["p1"]
+_P2 = TABLES["p2"]
+_P3 = TABLES["p3"]
+_INV_STEP = TABLES["inv_step"]
+_THIRD_H, _THIRD_L = TABLES["third"]
+_SIXTH_H, _SIXTH_L = TABLES["sixth"]
+LOG_FLOOR = TABLES["log_floor"]  # log(1e-6), correctly rounded
+_ROUND_MAGIC = 6755399441055744.0  # 1.5 * 2^52: (x + M) - M rounds x to an integer, ties to even
+_LOG_IMASK = np.int64(0xFF)
+_HIGH12 = np.int64(-(1 << 52))  # 0xFFF0000000000000
+_I_OFF = np.int64(_LOG_OFF)
+_I44 = np.int64(44)
+_I52 = np.int64(52)
+_MANT = np.int64((1 << 52) - 1)
+_ABS = np.int64((1 << 63) - 1)
+LOG_BOUND = 2.0**-74  # relative error bound of log_dd (measured below 2^-80; see bench/verify_cr.py)
+COS_BOUND = 2.0**-74  # relative error bound of cos_dd
+LOG_PLAIN_ULPS = 2  # log_plain is within this many ulps of the correctly rounded log
+COS_PLAIN_ULPS = 2
+
+
 @_jit
-def normal_z(d1: float, d2: float) -> float:
-    """Box-Muller cosine branch from two draws given as integers d = unit * 2^32 (scaling exact)."""
-    u1 = d1 * _TWO_NEG_32
-    u2 = d2 * _TWO_NEG_32
-    if u1 <= _U1_FLOOR:
-        u1 = _U1_FLOOR
-    return math.sqrt(-2.0 * math.log(u1)) * math.cos(_TWO_PI * u2)
+def two_sum(a: float, b: float) -> Any:
+    """s + e = a + b exactly, s = fl(a + b) (Knuth)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+@_jit
+def log_input(k: float) -> float:
+    """The log input of a draw k (an integer-valued binary64): max(k * 2^-32, 1e-6)."""
+    u1 = k * _TWO_NEG_32
+    return _U1_FLOOR if u1 <= _U1_FLOOR else u1
+
+
+@_jit
+def cos_input(k: float) -> float:
+    """The cos input of a draw k: (2.0 * pi) * (k * 2^-32)."""
+    return _TWO_PI * (k * _TWO_NEG_32)
+
+
+@_jit
+def log_reduce(x: float) -> Any:
+    """x = 2^e * m, m in [0.6875, 1.375); t = m * r_i - 1 (exact: m has <= 32 significant bits, r_i 20)."""
+    ix = f64_bits(x)
+    tmp = ix - _I_OFF
+    i = np.uint64((tmp >> _I44) & _LOG_IMASK)
+    e = np.float64(tmp >> _I52)
+    m = bits_f64(ix - (tmp & _HIGH12))
+    t = m * _LOG_R[i] - 1.0
+    return e, t, _LOG_TH[i], _LOG_TL[i]
+
+
+@_jit
+def log_plain(x: float) -> Any:
+    """log(x) within LOG_PLAIN_ULPS ulps, for x = k * 2^-32 > 1e-6 (any other x: log_input's floor)."""
+    xs = x if x > _U1_FLOOR else 0.5
+    e, t, th, tl = log_reduce(xs)
+    q = fma(fma(fma(fma(fma(fma(-1.0 / 8, t, 1.0 / 7), t, -1.0 / 6), t, 1.0 / 5), t, -0.25), t, 1.0 / 3), t, -0.5)
+    a, ea = two_sum(e * _LN2H, th)
+    r = a + (t + fma(t * t, q, ea + (tl + e * _LN2L)))
+    return r if x > _U1_FLOOR else LOG_FLOOR
+
+
+@_jit
+def log_dd(x: float) -> Any:
+    """log(x) as hi + lo (relative error < LOG_BOUND) and whether hi is its correct rounding."""
+    xs = x if x > _U1_FLOOR else 0.5
+    e, t, th, tl = log_reduce(xs)
+    t2h = t * t
+    t2l = fma(t, t, -t2h)
+    a3h = t * _THIRD_H
+    a3l = fma(t, _THIRD_H, -a3h) + t * _THIRD_L
+    qr = fma(fma(fma(fma(fma(fma(-0.1, t, 1.0 / 9), t, -0.125), t, 1.0 / 7), t, -1.0 / 6), t, 0.2), t, -0.25)
+    wh = a3h - 0.5
+    wl = (a3h - (wh + 0.5)) + (a3l + t2h * qr)
+    ph = t2h * wh
+    pl = fma(t2h, wh, -ph) + (t2h * wl + t2l * wh)
+    s = t + ph
+    e1 = ph - (s - t)
+    a, ea = two_sum(e * _LN2H, th)
+    b, eb = two_sum(a, s)
+    lo = ((ea + eb) + (tl + e * _LN2L)) + (e1 + pl)
+    hi = b + lo
+    lo = lo - (hi - b)
+    ok = decided(hi, lo, LOG_BOUND)
+    return (hi if x > _U1_FLOOR else LOG_FLOOR), lo, ok | (x <= _U1_FLOOR)
+
+
+@_jit
+def decided(hi: float, lo: float, bound: float) -> Any:
+    """Whether hi = RN(hi + lo + err) for every |err| <= bound * |hi| (hi = RN(hi + lo) already).
+
+    Half the gap to the nearer neighbour of hi: half an ulp, a quarter when hi is a power of two (the gap
+    below it is half as wide).
+    """
+    bh = f64_bits(hi) & _ABS
+    a = bits_f64(bh)
+    half_gap = (0.5 if (bh & _MANT) != 0 else 0.25) * (bits_f64(bh + 1) - a)
+    return abs(lo) + bound * a < half_gap
+
+
+@_jit
+def cos_reduce(t: float) -> Any:
+    """t = j * pi/128 + (rh + rl), |r| <= pi/256 (+ a rounding), with a three-part pi/128."""
+    jf = (t * _INV_STEP + _ROUND_MAGIC) - _ROUND_MAGIC
+    j = np.uint64(np.int64(jf))
+    r1 = t - jf * _P1  # exact: jf * P1 fits 53 bits, and t is within a factor 2 of it (Sterbenz)
+    rh, e = two_sum(r1, -(jf * _P2))
+    rl = e - jf * _P3
+    return j, rh, rl
+
+
+@_jit
+def cos_plain(t: float) -> Any:
+    """cos(t) within COS_PLAIN_ULPS ulps, for t in [0, 2 pi)."""
+    j, rh, rl = cos_reduce(t)
+    ch = _COS_CH[j]
+    sh = _COS_SH[j]
+    r2 = rh * rh
+    cm = r2 * fma(r2, fma(r2, -1.0 / 720, 1.0 / 24), -0.5)
+    sm = (rh * r2) * fma(r2, fma(r2, -1.0 / 5040, 1.0 / 120), -1.0 / 6)
+    b = fma(-sh, rh, (_COS_CL[j] + ch * cm) - (sh * (sm + rl) + _COS_SL[j] * rh))
+    return ch + b
+
+
+@_jit
+def cos_dd(t: float) -> Any:
+    """cos(t) as hi + lo (relative error < COS_BOUND) and whether hi is its correct rounding."""
+    j, rh, rl = cos_reduce(t)
+    ch = _COS_CH[j]
+    cl = _COS_CL[j]
+    sh = _COS_SH[j]
+    sl = _COS_SL[j]
+    r2h = rh * rh
+    r2l = fma(rh, rh, -r2h) + 2.0 * rh * rl
+    # cos r - 1 = cmh + cml
+    pc = fma(r2h, fma(r2h, fma(r2h, 1.0 / 3628800, -1.0 / 40320), 1.0 / 720), -1.0 / 24)
+    cmh = -0.5 * r2h
+    cml = fma(-r2h * r2h, pc, -0.5 * r2l)
+    # sin r - r = r^3 * (-1/6 + r^2 * ps) = smh + sml
+    ps = fma(r2h, fma(r2h, fma(r2h, -1.0 / 39916800, 1.0 / 362880), -1.0 / 5040), 1.0 / 120)
+    v = r2h * ps
+    uh = _SIXTH_H + v
+    ul = (v - (uh - _SIXTH_H)) + _SIXTH_L
+    r3h = rh * r2h
+    r3l = fma(rh, r2h, -r3h) + (rh * r2l + rl * r2h)
+    smh = r3h * uh
+    sml = fma(r3h, uh, -smh) + (r3h * ul + r3l * uh)
+    # cos t = C + C * (cos r - 1) - S * r - S * (sin r - r)
+    x1h = sh * rh
+    x1l = fma(sh, rh, -x1h) + (sh * rl + sl * rh)
+    x2h = ch * cmh
+    x2l = fma(ch, cmh, -x2h) + (ch * cml + cl * cmh)
+    x3h = sh * smh
+    x3l = fma(sh, smh, -x3h) + (sh * sml + sl * smh)
+    s1, e1 = two_sum(ch, -x1h)
+    s2, e2 = two_sum(s1, x2h)
+    s3, e3 = two_sum(s2, -x3h)
+    lo = ((e1 + e2) + (e3 + cl)) + ((x2l - x1l) - x3l)
+    hi = s3 + lo
+    lo = lo - (hi - s3)
+    return hi, lo, decided(hi, lo, COS_BOUND)
+
+
+# Flagged inputs whose hi is not the correctly rounded value: draw k -> bit delta. Generated by
+# `bench/verify_cr.py --fix-tables` (3044 log and 3224 cos inputs of 2^32 fail the rounding test; one hi is
+# wrong) and checked there on all 2^32 inputs. Regenerate whenever log_dd or cos_dd change.
+_LOG_FIX: dict[int, int] = {}
+_COS_FIX: dict[int, int] = {
+    2826473269: 1,
+}
+
+
+def _fix_arrays(fix: dict[int, int]) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    keys = sorted(fix)
+    return np.array([*keys, 2.0**33], dtype=np.float64), np.array([*(fix[k] for k in keys), 0], dtype=np.int64)
+
+
+_LOG_FIX_K, _LOG_FIX_D = _fix_arrays(_LOG_FIX)
+_COS_FIX_K, _COS_FIX_D = _fix_arrays(_COS_FIX)
+
+
+@_jit
+def _fixed(hi: float, k: float, keys: Any, deltas: Any) -> Any:
+    """hi, or its correction when k is in a FIX table (keys sorted, with a sentinel above every draw)."""
+    i = np.searchsorted(keys, k)
+    if keys[i] == k:
+        return bits_f64(f64_bits(hi) + deltas[i])
+    return hi
+
+
+@_jit
+def cr_log(k: float) -> Any:
+    """Correctly rounded log(max(k * 2^-32, 1e-6)) for a draw k (integer-valued binary64)."""
+    hi, _, ok = log_dd(log_input(k))
+    if ok:
+        return hi
+    return _fixed(hi, k, _LOG_FIX_K, _LOG_FIX_D)
+
+
+@_jit
+def cr_cos(k: float) -> Any:
+    """Correctly rounded cos((2.0 * pi) * (k * 2^-32)) for a draw k."""
+    hi, _, ok = cos_dd(cos_input(k))
+    if ok:
+        return hi
+    return _fixed(hi, k, _COS_FIX_K, _COS_FIX_D)
+
+
+@_jit
+def normal_exact(d1: float, d2: float, p0: float, p1: float) -> Any:
+    """mean + std * z of the spec, from two draws (the exact path, scalar)."""
+    return p0 + p1 * (math.sqrt(-2.0 * cr_log(d1)) * cr_cos(d2))
+
+
+_S_ULPS = np.int64(LOG_PLAIN_ULPS + 2)  # sqrt(-2 L) moves at most this many ulps when L moves LOG_PLAIN_ULPS
+_C_ULPS = np.int64(COS_PLAIN_ULPS)
+
+
+@_jit
+def normal_bounds(d1: float, d2: float, p0: float, p1: float) -> Any:
+    """An interval [va, vb] that holds mean + std * z of the spec, from the plain log and cos.
+
+    The correctly rounded log and cos lie within a few ulps of the plain values, and every later operation
+    is monotone in each argument, so its value on the interval's corners bounds the spec's value.
+    """
+    s = math.sqrt(-2.0 * log_plain(log_input(d1)))
+    c = cos_plain(cos_input(d2))
+    sb = f64_bits(s)
+    cb = f64_bits(c)
+    s0 = bits_f64(sb - _S_ULPS)
+    s1 = bits_f64(sb + _S_ULPS)
+    c0 = bits_f64(cb - _C_ULPS)
+    c1 = bits_f64(cb + _C_ULPS)
+    za = s0 * c0
+    zb = s0 * c1
+    zc = s1 * c0
+    zd = s1 * c1
+    va = p0 + p1 * min(min(za, zb), min(zc, zd))
+    vb = p0 + p1 * max(max(za, zb), max(zc, zd))
+    return min(va, vb), max(va, vb)
+
+
+def normal_fast(out: Any, d1: float, d2: float, p0: float, p1: float, h: Any) -> Any:
+    """(value to store, undecided) for one normal element in out's dtype; vectorizable, branch-free."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(normal_fast)
+def _normal_fast_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
+    if out.dtype == types.float64:
+        def f64(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
+            lh, _, lok = log_dd(log_input(d1))
+            ch, _, cok = cos_dd(cos_input(d2))
+            return p0 + p1 * (math.sqrt(-2.0 * lh) * ch), np.int64(~(lok & cok)) & 1
+        return f64
+    if out.dtype == types.float32:
+        def f32(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
+            va, vb = normal_bounds(d1, d2, p0, p1)
+            return va, np.int64(np.float32(va) != np.float32(vb))
+        return f32
+
+    def half(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
+        va, vb = normal_bounds(d1, d2, p0, p1)
+        return va, np.int64(half_bits(va, h) != half_bits(vb, h))
+    return half
+
+
+_NBLOCK = 512  # elements per fast pass; a block with an undecided element is redone element by element
 
 
 @_jit
@@ -230,15 +618,28 @@ def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
         x = x0 + np.uint64(2 * k)
         cnt = min(m - k, seg_room(x) // 2)  # whole pairs left
         if cnt <= 0:  # this element's pair straddles a segment boundary
-            store(dst, np.uint64(k), p0 + p1 * normal_z(low_draw(x), low_draw(x + _U1)), h)
+            store(dst, np.uint64(k), normal_exact(low_draw(x), low_draw(x + _U1), p0, p1), h)
             k += 1
             continue
         c, c1 = seg_consts(x)
-        xl = x & _LOW32
-        sub = dst[k:k + cnt]
-        for j in range(cnt):
-            w = xl + _U2 * np.uint64(j)
-            store(sub, np.uint64(j), p0 + p1 * normal_z(draw_seg(w, c, c1), draw_seg(w + _U1, c, c1)), h)
+        for b0 in range(0, cnt, _NBLOCK):
+            nb_ = min(cnt - b0, _NBLOCK)
+            xl = (x & _LOW32) + _U2 * np.uint64(b0)
+            sub = dst[k + b0:k + b0 + nb_]
+            bad = 0
+            for j in range(nb_):
+                w = xl + _U2 * np.uint64(j)
+                v, u = normal_fast(sub, draw_seg(w, c, c1), draw_seg(w + _U1, c, c1), p0, p1, h)
+                store(sub, np.uint64(j), v, h)
+                bad += u
+            if bad:
+                for j in range(nb_):
+                    w = xl + _U2 * np.uint64(j)
+                    d1 = draw_seg(w, c, c1)
+                    d2 = draw_seg(w + _U1, c, c1)
+                    _, u = normal_fast(sub, d1, d2, p0, p1, h)
+                    if u:
+                        store(sub, np.uint64(j), normal_exact(d1, d2, p0, p1), h)
         k += cnt
 
 

@@ -1,19 +1,22 @@
-"""Plain reference implementation of SAMPLER.md, for tests and cross-backend checks.
+"""Plain reference implementation of docs/SAMPLER.md, for tests and cross-backend checks.
 
 Deliberately written differently from the kernels: unit draws on NumPy uint64
-arrays, normal through Python's math.log/math.cos element by element, and half
-casts through Python's round() (ties to even) on an exactly scaled binary64.
-Slow; use it on small tensors only.
+arrays, normal element by element with log and cos correctly rounded by mpmath
+(section 2.1; no libm, no tables), and half casts through Python's round()
+(ties to even) on an exactly scaled binary64. Slow; use it on small tensors only.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import mpmath
 import numpy as np
 import numpy.typing as npt
 
-from paraminit_server import dtypes, spec
+from paraminit import dtypes
+from paraminit_server import spec
 from paraminit_server.plan import Kind, ResolvedParam
 
 _HALF_FORMATS = {dtypes.FMT_FLOAT16: (10, -14, 15), dtypes.FMT_BFLOAT16: (7, -126, 127)}
@@ -29,9 +32,49 @@ def units(key: int, g: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:
     return (z & np.uint64(0xFFFFFFFF)).astype(np.float64) / 2.0**32
 
 
-def values_f64(p: ResolvedParam) -> npt.NDArray[np.float64]:
-    """binary64 values of the parameter's region, flattened in local row-major order."""
-    g = p.global_indices()
+def global_indices(p: Any) -> npt.NDArray[np.int64]:
+    """Global flat index of every local element of p's region (a window fake may carry its own)."""
+    own = getattr(p, "global_indices", None)
+    if callable(own):
+        return np.asarray(own(), dtype=np.int64)
+    grids = np.meshgrid(*[np.arange(a, b, dtype=np.int64) for a, b in p.region], indexing="ij")
+    if not grids:
+        return np.zeros(1, dtype=np.int64)
+    return np.ravel_multi_index([g.ravel() for g in grids], p.shape).astype(np.int64)
+
+
+def _nearest(v: Any) -> float:
+    """The binary64 nearest an mpmath value, ties to even; refuses values too close to a tie to be sure."""
+    c = float(v)
+    other = math.nextafter(c, math.inf if v > c else -math.inf)
+    mid = (mpmath.mpf(c) + mpmath.mpf(other)) / 2
+    if abs(v - mid) <= abs(v) * mpmath.mpf(2) ** -(mpmath.mp.prec - 10):
+        raise ArithmeticError(f"{v} is too close to a rounding boundary at {mpmath.mp.prec} bits")
+    return c
+
+
+def cr_log(x: float) -> float:
+    """log(x) correctly rounded to binary64 (mpmath at 160 bits, then one rounding)."""
+    with mpmath.workprec(160):
+        return _nearest(mpmath.log(mpmath.mpf(x)))
+
+
+def cr_cos(x: float) -> float:
+    """cos(x) correctly rounded to binary64."""
+    with mpmath.workprec(160):
+        return _nearest(mpmath.cos(mpmath.mpf(x)))
+
+
+def normal_z(u1: float, u2: float) -> float:
+    """The spec's z from two unit draws: clamp, correctly rounded log and cos, every other step one rounding."""
+    u1 = spec.NORMAL_U1_FLOOR if u1 <= spec.NORMAL_U1_FLOOR else u1
+    return math.sqrt(-2.0 * cr_log(u1)) * cr_cos(spec.TWO_PI * u2)
+
+
+def values_f64(p: ResolvedParam, g: npt.NDArray[np.int64] | None = None) -> npt.NDArray[np.float64]:
+    """binary64 values of the parameter's region (or of global indices g), in local row-major order."""
+    if g is None:
+        g = global_indices(p)
     if p.kind == Kind.CONST:
         return np.full(g.shape, p.p0, dtype=np.float64)
     if p.kind == Kind.AFFINE:
@@ -41,8 +84,7 @@ def values_f64(p: ResolvedParam) -> npt.NDArray[np.float64]:
         return p.values[g]
     u1 = units(p.key, 2 * g.astype(np.uint64))
     u2 = units(p.key, 2 * g.astype(np.uint64) + np.uint64(1))
-    z = [math.sqrt(-2.0 * math.log(a if a > spec.NORMAL_U1_FLOOR else spec.NORMAL_U1_FLOOR)) * math.cos(spec.TWO_PI * b)
-         for a, b in zip(u1.tolist(), u2.tolist(), strict=True)]
+    z = [normal_z(a, b) for a, b in zip(u1.tolist(), u2.tolist(), strict=True)]
     return p.p0 + p.p1 * np.asarray(z, dtype=np.float64)
 
 
