@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/paraminit/v1/*.proto)
 
-.PHONY: venv demo test lint proto bench gpu-wheels clean
+.PHONY: venv demo test lint proto bench gpu-wheels image-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ gpu-wheels: $(STAMP)
 			--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 			-d .whl "$$pkg==$$v" || exit 1; \
 	done
+
+# Builds the CPU image without a registry and runs it hardened (root, Docker, mmdebstrap); not part of `make test`.
+image-check:
+	deploy/image-check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo.safetensors

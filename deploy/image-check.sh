@@ -11,7 +11,7 @@
 #    owned by the service user. Checks time to SERVING (the image carries a compiled numba cache), the liveness and
 #    readiness health names, the image's HEALTHCHECK, and /metrics.
 # 4. Materializes examples/mlp.json from a second container and checks the file on the host.
-# 5. A root-owned cache tmpfs (the old compose mistake) only slows the start: the server still becomes SERVING.
+# 5. A root-owned cache tmpfs (the old compose mistake) does not stop the server: it caches under /tmp instead.
 # 6. SIGTERM in the middle of a 192 MiB stream: the stream completes, the server exits 0.
 #
 # Needs root, a Docker daemon (started here from `dockerd` when none answers) and, for the base, mmdebstrap:
@@ -163,8 +163,14 @@ assert any(data[8 + n:]), "all-zero payload"
 print(f"host check: {sys.argv[1].rsplit('/', 1)[-1]}: {len(tensors)} tensors, {end} bytes, header consistent")
 EOF
 
+i=0
+until [ "$(docker inspect --format '{{.State.Health.Status}}' "$NAME")" = healthy ]; do
+    i=$((i + 1)); [ $i -lt 60 ] || fail "the image's HEALTHCHECK never reported healthy"; sleep 1
+done
+echo "image HEALTHCHECK: $(docker inspect --format '{{.State.Health.Status}} after {{len .State.Health.Log}} probe(s)' "$NAME")"
+
 # --- unwritable cache -------------------------------------------------------------------------------------------
-step "root-owned cache tmpfs (mode 0755): slower start, still SERVING"
+step "root-owned cache tmpfs (mode 0755, the old compose mistake): still SERVING, from a private cache under /tmp"
 # shellcheck disable=SC2086
 docker run -d --name "$NAME-cold" --network "$NET" $CLIENT_OPTS --tmpfs "$TMPFS_TMP" --tmpfs /var/cache/paraminit \
     "$IMAGE" >/dev/null
