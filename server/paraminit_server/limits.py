@@ -153,7 +153,7 @@ def prepare_jit_cache(environ: MutableMapping[str, str] | None = None) -> JitCac
     why = _writable(Path(cache))
     if why:
         fallback = tempfile.mkdtemp(prefix="paraminit-numba-")
-        result.warning = f"NUMBA_CACHE_DIR {cache} is not writable ({why}); compiling into {fallback} instead (slower start)"
+        result.warning = f"NUMBA_CACHE_DIR {cache} is not writable ({why}); caching into {fallback} instead"
         cache = result.path = fallback
         env["NUMBA_CACHE_DIR"] = cache
         numba_config = sys.modules.get("numba.core.config")
