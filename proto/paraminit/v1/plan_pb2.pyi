@@ -72,6 +72,7 @@ class Param(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     INIT_FIELD_NUMBER: _builtins.int
     REGION_FIELD_NUMBER: _builtins.int
+    PATCHES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     dtype: Global___DType.ValueType
     @_builtins.property
@@ -84,6 +85,15 @@ class Param(_message.Message):
         Values are those of the full tensor at the same global positions.
         """
 
+    @_builtins.property
+    def patches(self) -> _containers.RepeatedCompositeFieldContainer[Global___Patch]:
+        """Fixed elements over the base initializer (padding_idx rows, a zero column, a constant diagonal block):
+        each patch gives a box of the full shape its own initializer, applied after `init` and after every
+        earlier patch, so later patches win where boxes overlap. Patch values are computed at the element's
+        global index, like the base's, so they are the same in every region, chunk and export. Any initializer
+        except the flat kinds (flat, flat_ref, safetensors); seeded ones use their own seed.
+        """
+
     def __init__(
         self,
         *,
@@ -92,14 +102,41 @@ class Param(_message.Message):
         dtype: Global___DType.ValueType = ...,
         init: Global___Init | None = ...,
         region: _abc.Iterable[Global___Range] | None = ...,
+        patches: _abc.Iterable[Global___Patch] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["init", b"init"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "init", b"init", "name", b"name", "region", b"region", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "init", b"init", "name", b"name", "patches", b"patches", "region", b"region", "shape", b"shape"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Param: _TypeAlias = Param  # noqa: Y015
+
+@_typing.final
+class Patch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOX_FIELD_NUMBER: _builtins.int
+    INIT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def box(self) -> _containers.RepeatedCompositeFieldContainer[Global___Range]:
+        """One Range per dimension of the parameter's full shape."""
+
+    @_builtins.property
+    def init(self) -> Global___Init: ...
+    def __init__(
+        self,
+        *,
+        box: _abc.Iterable[Global___Range] | None = ...,
+        init: Global___Init | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["init", b"init"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box", b"box", "init", b"init"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Patch: _TypeAlias = Patch  # noqa: Y015
 
 @_typing.final
 class Range(_message.Message):
