@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from paraminit_server import limits
+from paraminit import sizes
+from paraminit_server import __version__, limits
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -64,22 +65,87 @@ class ServerConfig:
         return cls(**values)
 
 
+# Byte-size fields: flags and variables take human sizes (2GiB, 512M, ...; paraminit.sizes).
+SIZE_FIELDS = frozenset({"max_plan_bytes", "max_param_bytes", "chunk_bytes", "max_chunk_bytes", "slab_bytes",
+                         "max_leased_bytes", "shm_pool_bytes", "memory_budget", "device_memory_budget",
+                         "max_payload_bytes"})
+
+# What each knob means, for --help (README's configuration text says the same).
+HELP: dict[str, str] = {
+    "host": "address to listen on (0.0.0.0: every interface)",
+    "port": "gRPC port; 0 = pick a free port and print it",
+    "backend": "auto (CuPy when it imports and a GPU is present, else cpu), cpu (alias numpy) or cupy",
+    "device": "CUDA device ordinal for the cupy backend",
+    "threads": "CPU kernel threads; 0 = every core; the default is the container's CPU quota (0 without one)",
+    "workers": "gRPC worker threads: calls the server answers at once",
+    "max_plan_bytes": "largest plan (all its parameters' bytes) a call may materialize",
+    "max_param_bytes": "largest single parameter",
+    "max_concurrent": "materializations running at once; beyond it calls get RESOURCE_EXHAUSTED",
+    "chunk_bytes": "STREAM data chunk size when the client asks for none",
+    "max_chunk_bytes": "largest chunk a client may ask for (a chunk and its framing stay under gRPC's 4 MiB message limit)",
+    "slab_bytes": "generation granularity of STREAM deliveries: host memory one stream holds",
+    "lease_ttl": "seconds an SHM / CUDA IPC lease lives when the client asks for no time to live",
+    "max_lease_ttl": "longest lease time to live (seconds) a client may ask for",
+    "max_leased_bytes": "bytes all live leases may hold together",
+    "max_leases_per_client": "live leases one identity may hold",
+    "shm_pool_bytes": "keep released SHM segments for the same identity's next export, up to this size; 0 = off",
+    "metrics_port": "Prometheus HTTP port; 0 = off, -1 = any free port",
+    "drain_seconds": "on SIGTERM, how long running streams may take to finish before the server exits",
+    "memory_budget": "host bytes requests may hold (slabs, payloads, SHM exports); 0 = half of the memory free at "
+                     "start; the default is half the container's memory limit (0 without one)",
+    "device_memory_budget": "GPU bytes requests may hold (device slabs, CUDA IPC exports); 0 = half of the device "
+                            "memory free at start",
+    "admission_wait": "longest wait (seconds) for memory when the client's deadline allows it; calls without a "
+                      "deadline are refused at once",
+    "tls_cert": "server certificate (PEM) for TLS; needs --tls-key",
+    "tls_key": "server private key (PEM) for TLS; needs --tls-cert",
+    "tls_ca": "CA certificate (PEM): clients must present a certificate it signed (mutual TLS)",
+    "auth_tokens_file": "file of identity:token lines; set: every call needs 'authorization: Bearer TOKEN'",
+    "auth_tokens": "comma-separated identity:token pairs (prefer the file: variables show up in process listings)",
+    "max_payload_bytes": "uploaded flat payloads in total, held as binary64",
+    "payload_ttl": "seconds an uploaded payload lives",
+    "safetensors_dirs": "colon-separated directories whose safetensors files plans may name; empty = none",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "text, or json (one JSON object per line)",
+}
+
+
+def _size_arg(raw: str) -> int:
+    try:
+        return sizes.parse_size(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_size_arg.__name__ = "size"
+
+
 def _parse(name: str, raw: str, kind: type) -> Any:
     try:
+        if name in SIZE_FIELDS:
+            return sizes.parse_size(raw)
         if kind is bool:
             return raw.strip().lower() in ("1", "true", "yes", "on")
         return kind(raw)
-    except ValueError:
-        raise ValueError(f"PARAMINIT_{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+    except ValueError as exc:
+        why = f": {exc}" if name in SIZE_FIELDS else ""
+        raise ValueError(f"PARAMINIT_{name.upper()}={raw!r} is not a valid "
+                         f"{'size' if name in SIZE_FIELDS else kind.__name__}{why}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one --flag per config field; unset flags fall back to the environment, then defaults."""
     defaults = ServerConfig()
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.epilog = parser.epilog or ("Each flag falls back to its PARAMINIT_* variable, then to its default; "
+                                      f"{sizes.UNITS_HELP}.")
     for f in fields(ServerConfig):
         default = getattr(defaults, f.name)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(default), default=None,
-                            help=f"(env PARAMINIT_{f.name.upper()}, default {default!r})")
+        size = f.name in SIZE_FIELDS
+        shown = sizes.exact_size(default) if size else repr(default)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_size_arg if size else type(default),
+                            default=None, metavar="SIZE" if size else None,
+                            help=f"{HELP.get(f.name, '')} (env PARAMINIT_{f.name.upper()}; default {shown})")
 
 
 def from_args(args: argparse.Namespace) -> ServerConfig:
