@@ -33,7 +33,8 @@ def parse_size(text: str | int) -> int:
     if binary and not prefix:
         raise ValueError(f"{text!r} is not a size: 'i' needs a unit before it (KiB, MiB, ...)")
     base = 1000 if decimal else 1024
-    value = float(number) * base**power
+    factor: int = base**power
+    value = float(number) * factor
     if value != value or value > 2**63:
         raise ValueError(f"{text!r} is too large")
     return round(value)
