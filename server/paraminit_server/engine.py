@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from paraminit_server.backends import Backend
 from paraminit_server.layout import SLAB_QUANTUM, Layout
+from paraminit_server.plan import ResolvedParam
 
 
 def fill_window(backend: Backend, layout: Layout, buf: Any, start: int) -> None:
@@ -26,7 +27,34 @@ def fill_window(backend: Backend, layout: Layout, buf: Any, start: int) -> None:
             continue
         isz = p.dtype.itemsize
         out = buf[lo - start:hi - start].view(p.dtype.storage)
-        backend.fill(p, out, (lo - pl.offset) // isz)
+        fill_param(backend, p, out, (lo - pl.offset) // isz)
+
+
+def fill_param(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
+    """Local elements [l_begin, l_begin + len(out)) of p, patches included: every fill of part of a parameter goes here."""
+    backend.fill(p, out, l_begin)
+    apply_patches(backend, p, out, l_begin)
+
+
+def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
+    """Overwrite the patched elements of a filled window, each from its own initializer at its global index.
+
+    Backend-neutral (only backend.fill on sub-windows), so every backend applies patches the same way
+    and a patch is exact at any window, chunk, region or export.
+    """
+    end = l_begin + int(out.shape[0])
+    for patch in p.patches:
+        for lo, hi in patch.runs_in(l_begin, end):
+            backend.fill(patch.param, out[lo - l_begin:hi - l_begin], lo)
+
+
+def fill_params(backend: Backend, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
+                should_stop: Callable[[], bool] | None = None) -> None:
+    """backend.fill_plan, patches included: whole parameters into one arena, parameter i at byte offsets[i]."""
+    backend.fill_plan(params, arena, offsets, should_stop)
+    for p, off in zip(params, offsets, strict=True):
+        if p.patches:
+            apply_patches(backend, p, arena[off:off + p.nbytes].view(p.dtype.storage), 0)
 
 
 def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[], bool] | None = None) -> None:
@@ -37,8 +65,8 @@ def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[
         backend.zero(buf, prev, pl.offset)
         prev = max(prev, pl.offset + pl.param.nbytes)
     backend.zero(buf, prev, layout.data_bytes)
-    backend.fill_plan([pl.param for pl in layout.placements], buf, [pl.offset for pl in layout.placements],
-                      should_stop)
+    fill_params(backend, [pl.param for pl in layout.placements], buf, [pl.offset for pl in layout.placements],
+                should_stop)
     backend.synchronize()
 
 

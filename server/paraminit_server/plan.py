@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,7 @@ class ResolvedParam:
     p1: float = 0.0
     key: int = 0
     values: npt.NDArray[np.float64] | None = field(default=None, repr=False)
+    patches: tuple[Patch, ...] = ()
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -105,8 +106,73 @@ def _i64(values: list[int]) -> npt.NDArray[np.int64]:
     return np.asarray(values, dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class Patch:
+    """A box of fixed elements over a parameter's base values, ready for any window of its region.
+
+    `param` is the patch's initializer resolved over the parameter's own shape and region, so a
+    backend fills local elements [a, b) of it exactly as it fills the base; `starts` (ascending) and
+    `run_len` are the local runs (of the region's row-major order) the box covers there.
+    """
+
+    box: tuple[tuple[int, int], ...]
+    param: ResolvedParam
+    starts: npt.NDArray[np.int64] = field(repr=False)
+    run_len: int
+
+    def runs_in(self, begin: int, end: int) -> list[tuple[int, int]]:
+        """The covered local element ranges clipped to [begin, end), in order."""
+        if not self.run_len or begin >= end:
+            return []
+        first = max(0, int(np.searchsorted(self.starts, begin - self.run_len, side="right")))
+        last = int(np.searchsorted(self.starts, end, side="left"))
+        out = []
+        for a in self.starts[first:last].tolist():
+            lo, hi = max(a, begin), min(a + self.run_len, end)
+            if lo < hi:
+                out.append((lo, hi))
+        return out
+
+
+def local_runs(region: tuple[tuple[int, int], ...], box: tuple[tuple[int, int], ...]) -> tuple[npt.NDArray[np.int64], int]:
+    """Local runs (start indices, common length) of box ∩ region in the region's row-major order."""
+    ext = [b - a for a, b in region]
+    lo = [max(r[0], b[0]) - r[0] for r, b in zip(region, box, strict=True)]
+    hi = [min(r[1], b[1]) - r[0] for r, b in zip(region, box, strict=True)]
+    if any(h <= l for l, h in zip(lo, hi, strict=True)):
+        return _i64([]), 0
+    rank = len(ext)
+    if rank == 0:
+        return _i64([0]), 1
+    strides = [1] * rank
+    for d in range(rank - 2, -1, -1):
+        strides[d] = strides[d + 1] * ext[d + 1]
+    k = rank - 1  # the first dim of a run: every later dim is covered fully
+    while k > 0 and (lo[k], hi[k]) == (0, ext[k]):
+        k -= 1
+    starts = np.zeros(1, dtype=np.int64) + lo[k] * strides[k]
+    for d in range(k - 1, -1, -1):
+        offs = np.arange(lo[d], hi[d], dtype=np.int64) * strides[d]
+        starts = (offs[:, None] + starts[None, :]).ravel()
+    return starts, (hi[k] - lo[k]) * strides[k]
+
+
 def resolve_param(index: int, p: plan_pb2.Param, sources: Any = None) -> ResolvedParam:
     """Resolve one parameter; the caller guarantees the plan validated (with the same sources)."""
+    rp = _resolve_base(index, p, sources)
+    if not p.patches:
+        return rp
+    patches = []
+    for q in p.patches:
+        box = tuple((int(r.start), int(r.stop)) for r in q.box)
+        starts, run_len = local_runs(rp.region, box)
+        if run_len:  # a box outside this region changes nothing here
+            base = plan_pb2.Param(name=p.name, shape=p.shape, dtype=p.dtype, init=q.init, region=p.region)
+            patches.append(Patch(box, _resolve_base(index, base, sources), starts, run_len))
+    return replace(rp, patches=tuple(patches))
+
+
+def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> ResolvedParam:
     shape = tuple(int(d) for d in p.shape)
     region = tuple((int(r.start), int(r.stop)) for r in p.region) or tuple((0, d) for d in shape)
     dt = dtypes.by_enum(p.dtype)

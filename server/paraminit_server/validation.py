@@ -87,6 +87,7 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = N
             bad("dtype", f"unknown dtype enum value {p.dtype}")
         region_numel = _check_region(shape, p, bad)
         _check_init(shape, p, bad, sources)
+        _check_patches(shape, p, bad)
         size = 0
         if dt is not None and region_numel is not None:
             size = region_numel * dt.itemsize
@@ -126,11 +127,40 @@ def _check_region(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> int | None:
     return n if ok else None
 
 
+MAX_PATCHES = 4096
+_FLAT_KINDS = ("flat", "flat_ref", "safetensors")
+
+
+def _check_patches(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
+    """Each patch: a box inside the full shape and a valid, non-flat initializer (values at global indices)."""
+    if len(p.patches) > MAX_PATCHES:
+        bad("patches", f"{len(p.patches)} patches exceed the maximum of {MAX_PATCHES} per parameter")
+        return
+    for j, q in enumerate(p.patches):
+        def sub(field: str, message: str, category: str = INVALID, _j: int = j) -> None:
+            bad(f"patches[{_j}].{field}", message, category)
+
+        if len(q.box) != len(shape):
+            sub("box", f"box has {len(q.box)} ranges but the shape {spec.shape_str(shape)} has rank {len(shape)}")
+        else:
+            for d, (r, dim) in enumerate(zip(q.box, shape, strict=True)):
+                if r.start >= r.stop:
+                    sub(f"box[{d}]", f"range [{r.start}, {r.stop}) is empty")
+                elif r.stop > dim:
+                    sub(f"box[{d}]", f"range [{r.start}, {r.stop}) is out of bounds for dimension {d} of size {dim}")
+        which = q.init.WhichOneof("kind") if q.HasField("init") else None
+        if which in _FLAT_KINDS:
+            sub(f"init.{which}", f"a patch cannot use {which} values (patches take zeros, ones, uniform, normal, "
+                                 "xavier or kaiming initializers)")
+        else:
+            _check_init(shape, q, sub)
+
+
 def _finite(*xs: float) -> bool:
     return all(math.isfinite(x) for x in xs)
 
 
-def _check_init(shape: list[int], p: plan_pb2.Param, bad: _Bad, sources: Any = None) -> None:
+def _check_init(shape: list[int], p: plan_pb2.Param | plan_pb2.Patch, bad: _Bad, sources: Any = None) -> None:
     which = p.init.WhichOneof("kind") if p.HasField("init") else None
     init = p.init
     if which is None:

@@ -1,0 +1,157 @@
+"""Param.patches: fixed elements over a base initializer, exact at any window, chunk, region and export."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import reference
+
+from conftest import poisoned, server_fixture, target_of
+from paraminit import dtypes
+from paraminit.v1 import plan_pb2
+from paraminit_client import Client
+from paraminit_server import engine, layout, validation
+from paraminit_server import plan as planlib
+from paraminit_server.server import Running
+
+server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
+
+Box = list[tuple[int, int]]
+
+
+def param(name: str, shape: list[int], init: dict[str, Any], patches: list[tuple[Box, dict[str, Any]]],
+          dtype: str = "float32", region: Box | None = None) -> plan_pb2.Param:
+    from google.protobuf import json_format
+
+    p = plan_pb2.Param(name=name, shape=shape, dtype=dtypes.by_name(dtype).enum)
+    json_format.ParseDict(init, p.init)
+    for lo, hi in region or []:
+        p.region.add(start=lo, stop=hi)
+    for box, pinit in patches:
+        q = p.patches.add()
+        for lo, hi in box:
+            q.box.add(start=lo, stop=hi)
+        json_format.ParseDict(pinit, q.init)
+    return p
+
+
+def patched_plan() -> plan_pb2.Plan:
+    return plan_pb2.Plan(params=[
+        # padding_idx rows 0 and 5 of an embedding
+        param("emb", [11, 7], {"normal": {"std": 0.02, "seed": 1}},
+              [([(0, 1), (0, 7)], {"zeros": {}}), ([(5, 6), (0, 7)], {"zeros": {}})]),
+        # a column (one element per run), then an overlapping seeded block that wins over it
+        param("col", [9, 13], {"uniform": {"lo": -1, "hi": 1, "seed": 2}},
+              [([(0, 9), (4, 5)], {"ones": {}}), ([(2, 6), (3, 8)], {"normal": {"mean": 3, "std": 0.5, "seed": 9}})],
+              dtype="bfloat16"),
+        # a region (row and column shard) the patches only partly overlap
+        param("shard", [6, 10, 4], {"kaimingUniformForShape": {"seed": 3}},
+              [([(1, 3), (0, 10), (0, 4)], {"uniform": {"lo": 7, "hi": 7, "seed": 0}}),
+               ([(0, 6), (8, 10), (2, 3)], {"zeros": {}}), ([(5, 6), (0, 1), (0, 1)], {"ones": {}})],
+              dtype="float16", region=[(1, 6), (2, 10), (0, 4)]),
+        # a patch wholly outside the region changes nothing
+        param("outside", [8, 3], {"normal": {"std": 1, "seed": 4}}, [([(0, 2), (0, 3)], {"ones": {}})],
+              dtype="float64", region=[(4, 8), (0, 3)]),
+        param("plain", [5], {"normal": {"std": 1, "seed": 5}}, []),
+    ])
+
+
+def expected(p: plan_pb2.Param) -> np.ndarray[Any, Any]:
+    """The oracle: base values, then each patch over the elements of its box (by global coordinates)."""
+    base = planlib._resolve_base(0, p)
+    g = reference.global_indices(base)
+    values = reference.values_f64(base, g)
+    coords = np.unravel_index(g, base.shape)
+    for q in p.patches:
+        inside = np.ones(g.shape, dtype=bool)
+        for c, r in zip(coords, q.box, strict=True):
+            inside &= (c >= r.start) & (c < r.stop)
+        own = plan_pb2.Param(name=p.name, shape=p.shape, dtype=p.dtype, init=q.init, region=p.region)
+        values[inside] = reference.values_f64(planlib._resolve_base(0, own), g)[inside]
+    return reference.cast(values, base.dtype).reshape(base.out_shape)
+
+
+def test_validation_reports_every_bad_patch() -> None:
+    p = param("w", [4, 5], {"zeros": {}}, [
+        ([(0, 1)], {"ones": {}}),                         # wrong rank
+        ([(2, 2), (0, 9)], {"ones": {}}),                 # empty, out of bounds
+        ([(0, 1), (0, 5)], {"flat": {"values": [0.0]}}),  # flat kinds are refused
+        ([(0, 1), (0, 5)], {"normal": {"std": -1}}),      # the initializer's own rules
+        ([(0, 1), (0, 5)], {}),                           # unset
+    ])
+    report = validation.validate(plan_pb2.Plan(params=[p]))
+    fields = sorted(v.field for v in report.violations)
+    assert fields == ["params[0].patches[0].box", "params[0].patches[1].box[0]", "params[0].patches[1].box[1]",
+                      "params[0].patches[2].init.flat", "params[0].patches[3].init.normal",
+                      "params[0].patches[4].init"], fields
+    assert validation.validate(patched_plan()).ok
+
+
+def test_digest_covers_patches() -> None:
+    a = patched_plan()
+    b = patched_plan()
+    b.params[0].patches[1].box[0].start = 4
+    assert planlib.digest(a) != planlib.digest(b)
+
+
+@pytest.mark.parametrize("window", [8, 16, 24, 40, 1000, 1 << 20])
+def test_every_window_is_exact(cpu_backend: Any, window: int) -> None:
+    """Stream-style fills: windows of any multiple of 8 bytes, split inside runs and between patches."""
+    plan = patched_plan()
+    params = planlib.resolve(plan)
+    lay = layout.stream_layout(params, planlib.digest(plan))
+    buf = poisoned(lay.data_bytes, np.dtype(np.uint8))
+    for start in range(0, lay.data_bytes, window):
+        engine.fill_window(cpu_backend, lay, buf[start:start + window], start)
+    for pl, p in zip(lay.placements, plan.params, strict=True):
+        rp = pl.param
+        got = buf[pl.offset:pl.offset + rp.nbytes].view(rp.dtype.storage).reshape(rp.out_shape)
+        want = expected(p)
+        assert got.tobytes() == want.tobytes(), p.name
+
+
+def test_whole_arena_is_exact(cpu_backend: Any) -> None:
+    plan = patched_plan()
+    lay = layout.export_layout(planlib.resolve(plan))
+    buf = poisoned(lay.data_bytes, np.dtype(np.uint8))
+    engine.fill_all(cpu_backend, lay, buf)
+    for pl, p in zip(lay.placements, plan.params, strict=True):
+        rp = pl.param
+        got = buf[pl.offset:pl.offset + rp.nbytes].view(rp.dtype.storage).reshape(rp.out_shape)
+        assert got.tobytes() == expected(p).tobytes(), p.name
+
+
+def test_patches_change_what_they_cover_only(cpu_backend: Any) -> None:
+    """The oracle is not vacuous: the padding rows differ from the unpatched parameter, the rest does not."""
+    p = patched_plan().params[0]
+    bare = plan_pb2.Param()
+    bare.CopyFrom(p)
+    del bare.patches[:]
+    with_rows, without = expected(p), expected(bare)
+    assert not with_rows[[0, 5]].any() and without[[0, 5]].all()
+    np.testing.assert_array_equal(np.delete(with_rows, [0, 5], axis=0), np.delete(without, [0, 5], axis=0))
+
+
+def _check(arrays: dict[str, Any], plan: plan_pb2.Plan) -> None:
+    for p in plan.params:
+        want = expected(p)
+        assert np.asarray(arrays[p.name]).view(want.dtype).tobytes() == want.tobytes(), p.name
+
+
+def test_server_stream_and_export(server: Running) -> None:
+    plan = patched_plan()
+    with Client(target_of(server)) as c:
+        _check(c.materialize(plan, chunk_bytes=64), plan)
+        lease = c.export(plan, "shm")
+        try:
+            _check(lease.arrays, plan)
+        finally:
+            lease.release()
+
+
+def test_embedded_client() -> None:
+    plan = patched_plan()
+    with Client() as c:
+        _check(c.materialize(plan), plan)
