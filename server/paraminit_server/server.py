@@ -13,8 +13,9 @@ from types import FrameType
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
@@ -81,7 +82,7 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     server.add_generic_rpc_handlers((_service_handler(servicer),))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     if config.tls_cert or config.tls_key:
         if not (config.tls_cert and config.tls_key):
@@ -116,6 +117,51 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     else:
         warm()
     return running
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _register_reflection_v1_descriptor() -> None:
+    """Put grpc/reflection/v1/reflection.proto in the default pool, as v1alpha's file under the v1 package (the two
+    protos are identical but for the package), so reflection can describe the v1 service too."""
+    pool = descriptor_pool.Default()
+    name = "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return  # a grpcio-reflection with its own v1 module got there first
+    except KeyError:
+        pass
+    fdp = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(fdp)
+    old, new = ".grpc.reflection.v1alpha.", ".grpc.reflection.v1."
+    fdp.name, fdp.package = name, "grpc.reflection.v1"
+    fdp.options.Clear()
+    for msg in fdp.message_type:
+        for f in msg.field:
+            if f.HasField("type_name"):
+                f.type_name = f.type_name.replace(old, new)
+    for svc in fdp.service:
+        for m in svc.method:
+            m.input_type, m.output_type = m.input_type.replace(old, new), m.output_type.replace(old, new)
+    pool.Add(fdp)
+
+
+def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> None:
+    """Server reflection as grpc.reflection.v1 (what newer clients such as grpcurl ask first) and v1alpha.
+
+    grpcio-reflection implements v1alpha only; v1 has the same messages (same fields and numbers) under
+    another package, so the same servicer answers both, with v1alpha's message classes on the wire.
+    """
+    _register_reflection_v1_descriptor()
+    names = (*service_names, REFLECTION_V1, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    servicer = reflection.ReflectionServicer(names)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1,
+                                                                          {"ServerReflectionInfo": handler}),))
 
 
 def _lenient_parser(cls: Any) -> Any:
