@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _common import serve
 from torch import nn
 from torch.nn import functional as F
 
@@ -85,12 +86,12 @@ def main() -> None:
     pytorch = timed(GPT2, args.repeat)
 
     t = time.perf_counter()
-    client = Client()  # embedded server, CPU backend; kernels load from numba's cache
+    local = Client()  # in process, CPU backend; kernels load from numba's cache on a thread
     startup = time.perf_counter() - t
     plan = plan_from_module(on_meta(), seed=0)
     plan_s = timed(lambda: plan_from_module(on_meta(), seed=0), args.repeat)
 
-    def via(delivery: str) -> Callable[[], tuple[GPT2, Lease | None]]:
+    def via(client: Client, delivery: str) -> Callable[[], tuple[GPT2, Lease | None]]:
         def run() -> tuple[GPT2, Lease | None]:
             model = on_meta()
             lease = materialize_module(model, client, delivery=delivery, plan=plan_from_module(model, seed=0))
@@ -102,13 +103,15 @@ def main() -> None:
         if isinstance(lease, Lease):
             lease.release()
 
-    via("stream")()  # first request: lazy server-side setup
-    stream = timed(via("stream"), args.repeat)
-    shm = timed(via("shm"), args.repeat, release)
-    model, lease = via("shm")()
+    via(local, "auto")()  # first request waits for the kernels to load
+    in_process = timed(via(local, "auto"), args.repeat)
+    model, _ = via(local, "auto")()
     weight_bytes = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
-    release((model, lease))
-    client.close()
+    local.close()
+    with serve(env={"PARAMINIT_THREADS": str(args.threads)}) as target, Client(target) as remote:
+        via(remote, "stream")()
+        stream = timed(via(remote, "stream"), args.repeat)
+        shm = timed(via(remote, "shm"), args.repeat, release)
 
     plan_bytes = len(plan.SerializeToString())
     ref = min(pytorch)
@@ -118,12 +121,13 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     rows = [("PyTorch nn.Module on cpu (own init)", pytorch),
-            ("paraminit: meta + plan + materialize_module, STREAM", stream),
-            ("paraminit: meta + plan + materialize_module, SHM", shm),
+            ("paraminit: meta + plan + materialize, in process", in_process),
+            ("paraminit: ... from local server, SHM", shm),
+            ("paraminit: ... from local server, STREAM", stream),
             ("  of which: meta build + plan_from_module", plan_s)]
     for name, times in rows:
         print(f"{name:<52} {min(times):>8.3f} {statistics.median(times):>9.3f} {ref / min(times):>10.2f}")
-    print(f"{'embedded Client() start (once per process)':<52} {startup:>8.3f}")
+    print(f"{'in-process Client() start (once per process)':<52} {startup:>8.3f}")
     print(f"plan {plan_bytes:,} bytes ({len(plan.params)} params) vs weights {weight_bytes:,} bytes: "
           f"{weight_bytes / plan_bytes:,.0f}x smaller")
 

@@ -1,4 +1,4 @@
-"""The in-process server a Client starts when given no target (the server package is optional)."""
+"""The in-process data plane a Client runs when given no target (the server package is optional)."""
 
 from __future__ import annotations
 
@@ -16,4 +16,4 @@ def start_embedded(backend: str = "cpu") -> Any:
         raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
                              f"no target given and the embedded server is not installed ({exc}); "
                              "pass Client('host:port') or install paraminit with its server") from None
-    return embedded.loopback_server(backend)
+    return embedded.InProcess.start(backend)

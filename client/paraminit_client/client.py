@@ -1,7 +1,8 @@
 """The paraminit client: validate plans, materialize them into arrays or safetensors files.
 
-Without a target the client starts an embedded in-process server on the CPU
-backend, so the same code path (and the same bytes) serve laptops and clusters.
+Without a target the client runs the server's data plane in this process (CPU
+backend): the same validation, errors and bytes as a server, with no sockets,
+no chunk encoding and arrays filled in place.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class Client:
                  tls_key: str | None = None) -> None:
         """`token`: bearer token (default: $PARAMINIT_TOKEN). `tls_ca`/`tls_cert`/`tls_key`: TLS, and a client
         certificate for mutual TLS; `credentials` overrides them."""
-        self._embedded: Any = None
+        self._local: Any = None  # paraminit_server.embedded.InProcess when no target is given
+        self._finalizer: Any = None  # weakref.finalize closing the in-process data plane
         self._workers: list[Client] = []
         self._renewing: weakref.WeakSet[Lease] = weakref.WeakSet()
         self.split_bytes = split_bytes
@@ -87,10 +89,14 @@ class Client:
         if isinstance(target, str) and target.startswith("dns:"):
             # client-side balancing over every address behind the name (a headless Service)
             options.append(("grpc.lb_policy_name", "round_robin"))
-        if target is None:
-            self._embedded = start_embedded()
-            target = f"127.0.0.1:{self._embedded.port}"
         self.timeout = timeout
+        if target is None:
+            self._local = start_embedded()
+            # a client that is never closed still frees its leases and segments when collected or at exit
+            self._finalizer = weakref.finalize(self, self._local.close)
+            self.target = "in-process"
+            self.stub: Any = self._local
+            return
         assert isinstance(target, str)
         self.target = target
         if credentials is None and (tls_ca or tls_cert):
@@ -108,6 +114,11 @@ class Client:
             "/paraminit.v1.InitService/Materialize",
             request_serializer=pb.MaterializeRequest.SerializeToString, response_deserializer=wire.decode_response)
 
+    @property
+    def in_process(self) -> bool:
+        """True when this client runs the data plane itself (no target given)."""
+        return self._local is not None
+
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -115,10 +126,10 @@ class Client:
             w.close()
         for lease in list(self._renewing):
             lease.stop_renewing()
-        self._channel.close()
-        if self._embedded is not None:
-            self._embedded.stop(grace=0)
-            self._embedded = None
+        if self._finalizer is not None:
+            self._finalizer()  # frees every lease of this in-process data plane, once
+        else:
+            self._channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -140,6 +151,8 @@ class Client:
 
     def health(self, service: str = "") -> str:
         """The health service's status name (SERVING, NOT_SERVING, ...)."""
+        if self.in_process:
+            return "SERVING"  # kernels were compiled when the client started
         with rpc_errors():
             r = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                                  timeout=self.timeout or 5.0)
@@ -160,6 +173,8 @@ class Client:
 
     def stream(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:
         """Start a STREAM materialization: the header, then verified chunks in order."""
+        if self.in_process:
+            return self._local_stream(plan)
         call = self._materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
                                                            chunk_bytes=chunk_bytes), timeout=self.timeout)
         with rpc_errors():
@@ -168,6 +183,19 @@ class Client:
             call.cancel()
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
         return first.header, _verified_chunks(call, first.header.data_bytes)
+
+    def _local_stream(self, plan: plan_pb2.Plan) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:
+        """In process: slabs straight from the data plane (nothing crossed a wire, so no CRC to check)."""
+        items = self._local.stream(plan)
+        with rpc_errors():
+            header = next(items)
+
+        def chunks() -> Iterator[wire.Chunk]:
+            with rpc_errors():
+                for offset, slab in items:
+                    yield wire.Chunk(offset, memoryview(slab).cast("B"), 0)
+
+        return header, chunks()
 
     def _call(self, method: Any, request: Any) -> Any:
         with rpc_errors():
@@ -225,9 +253,35 @@ class Client:
 
         With several targets (or a dns:/// target) the plan is split across workers and reassembled.
         """
+        if self.in_process:
+            with rpc_errors():
+                tensors, _digest, buf = self._local.fill(plan)
+            if progress is not None:
+                progress(int(buf.nbytes))
+            return arrays_from_buffer(tensors, buf)
         if self._workers or self.target.startswith("dns:"):
             return self._materialize_split(plan)
         return self._materialize_one(plan, chunk_bytes=chunk_bytes, progress=progress)
+
+    def materialize_into(self, plan: plan_pb2.Plan, outputs: dict[str, np.ndarray[Any, Any]]) -> None:
+        """Fill arrays the caller owns (e.g. a module's tensors as numpy views), one per parameter name.
+
+        In process the kernels write straight into them; from a server the stream is copied into them
+        as it arrives, one chunk at a time."""
+        if self.in_process:
+            with rpc_errors():
+                self._local.fill(plan, outputs)
+            return
+        header, chunks = self.stream(plan)
+        spans = sorted(((t.offset, t.offset + t.nbytes, outputs[t.name].reshape(-1).view(np.uint8))
+                        for t in header.tensors if t.name in outputs), key=lambda s: s[0])
+        for c in chunks:
+            lo, hi = c.offset, c.offset + len(c.data)
+            data = np.frombuffer(c.data, dtype=np.uint8)
+            for start, stop, out in spans:
+                if start < hi and stop > lo:
+                    a, b = max(start, lo), min(stop, hi)
+                    out[a - start:b - start] = data[a - lo:b - lo]
 
     def _materialize_one(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
                          progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:

@@ -353,6 +353,11 @@ def _numpy_to_torch(a: np.ndarray[Any, Any]) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
+def _numpy_view(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A numpy view of a CPU tensor's memory (bfloat16 as its 16-bit patterns), for in-place fills."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def _lease_tensors(lease: Lease) -> dict[str, torch.Tensor]:
     """Views of the lease's buffer (host mapping or device memory), typed in torch, no copy."""
     buf = lease.buffer
@@ -364,9 +369,11 @@ def _lease_tensors(lease: Lease) -> dict[str, torch.Tensor]:
 def _choose(client: Client, device: torch.device, delivery: str) -> list[str]:
     """Deliveries to try in order: zero-copy first when the server is on this host and offers it."""
     if delivery != "auto":
-        if delivery not in ("stream", "shm", "cuda_ipc"):
-            raise ValueError(f"delivery must be auto, stream, shm or cuda_ipc, got {delivery!r}")
+        if delivery not in ("stream", "shm", "cuda_ipc", "in_process"):
+            raise ValueError(f"delivery must be auto, stream, shm, cuda_ipc or in_process, got {delivery!r}")
         return [delivery]
+    if client.in_process:
+        return ["in_process"]  # the kernels write straight into the module's new tensors
     if not is_local_target(client.target):
         return ["stream"]
     offered = set(client.info().deliveries)
@@ -380,6 +387,11 @@ def _choose(client: Client, device: torch.device, delivery: str) -> list[str]:
 
 def _fetch(client: Client, plan: plan_pb2.Plan, device: torch.device, kind: str, ttl_seconds: float,
            auto_renew: bool | None) -> tuple[dict[str, torch.Tensor], Lease | None]:
+    if kind == "in_process":
+        host = device if device.type == "cpu" else torch.device("cpu")
+        tensors = {p.name: torch.empty(tuple(p.shape), dtype=_TORCH_DTYPES[p.dtype], device=host) for p in plan.params}
+        client.materialize_into(plan, {k: _numpy_view(v) for k, v in tensors.items()})
+        return {k: v.to(device) for k, v in tensors.items()}, None
     if kind == "stream":
         tensors = {k: _numpy_to_torch(v) for k, v in client.materialize(plan).items()}
         return {k: v.to(device) for k, v in tensors.items()}, None
@@ -390,6 +402,9 @@ def _fetch(client: Client, plan: plan_pb2.Plan, device: torch.device, kind: str,
         if all(t.device == device for t in tensors.values()):
             return tensors, lease
         moved = {k: v.to(device, copy=True) for k, v in tensors.items()}  # e.g. SHM to a GPU: the lease is not needed
+        # GPU copies are asynchronous: finish them before release lets the server free their source
+        for d in {t.device for t in (*tensors.values(), *moved.values()) if t.device.type == "cuda"}:
+            torch.cuda.synchronize(d)
     except BaseException:
         lease.release()
         raise
@@ -405,9 +420,10 @@ def materialize_module(module: nn.Module, client: Client, device: str | torch.de
     """Replace the module's tensors (typically on meta) with real ones from the server; returns the lease, if any.
 
     `plan` defaults to plan_from_module(module, seed, policy, overrides).
-    Delivery "auto" picks, for a server on this host, CUDA_IPC (to a cuda
+    Delivery "auto" picks, for an in-process client (`Client()`), fills straight
+    into the module's new tensors; for a server on this host, CUDA_IPC (to a cuda
     device) or SHM, and else (or when the server refuses the handoff) a STREAM
-    copy; "stream", "shm" and "cuda_ipc" force one. Tensors are assigned with
+    copy; "in_process", "stream", "shm" and "cuda_ipc" force one. Tensors are assigned with
     load_state_dict(assign=True), one Parameter per distinct tensor, so tied
     weights stay tied and requires_grad is kept.
 

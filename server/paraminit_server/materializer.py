@@ -7,7 +7,8 @@ slab sizing and chunk encoding live here, so every door behaves the same.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import contextlib
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from paraminit_server.backends import HOST, Backend, DeviceDescription
 from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
 from paraminit_server.exports import Export, Exports
+from paraminit_server.hostmem import host_buffer
 from paraminit_server.leases import LeaseRecord, LeaseTable
 from paraminit_server.payloads import BoundSources, Payload, Sources
 
@@ -108,10 +110,12 @@ class Materializer:
 
     # -- deliveries ----------------------------------------------------------------------
 
-    def stream(self, p: plan_pb2.Plan, caller: Caller, chunk_bytes: int = 0) -> Iterator[StreamStart | bytes]:
-        """A StreamStart, then the data section as encoded MaterializeResponse chunk messages
-        (paraminit.wire, CRC32C each). Memory is a few slabs whatever the plan's size; closing the
-        iterator or the caller going away stops generation at the next slab."""
+    def stream(self, p: plan_pb2.Plan, caller: Caller, chunk_bytes: int = 0,
+               encode: bool = True) -> Generator[StreamStart | bytes | tuple[int, Any], None, None]:
+        """A StreamStart, then the data section: encoded MaterializeResponse chunk messages (paraminit.wire,
+        CRC32C each), or with encode=False (offset, host slab) pairs for a caller in this process. Memory is a
+        few slabs whatever the plan's size; closing the iterator or the caller going away stops generation at
+        the next slab."""
         checked = self.check(p, caller)
         lay = layout.stream_layout(checked.params, checked.digest)
         chunk = self.chunk_size(chunk_bytes)
@@ -119,25 +123,68 @@ class Materializer:
         held = min(lay.data_bytes, slab * (PREFETCH + 2))  # slabs in flight, and as many encoded copies
         with self.admission.admit(checked.report.total_bytes):
             yield StreamStart(lay, checked.digest)
-            backend_mem = self.admission.backend.reserve(held, caller.wait, "stream")
-            try:
-                host_mem = self.admission.host.reserve(held, caller.wait, "stream")
-            except BaseException:
-                backend_mem.release()
-                raise
-            try:
-                def encode(start: int, host: Any) -> list[bytes]:
+            with self._reserve(held, held, caller, "stream"):
+
+                def encoded(start: int, host: Any) -> list[bytes]:
                     mv = memoryview(host).toreadonly()
                     pieces = ((off, mv[off:off + chunk]) for off in range(0, len(mv), chunk))
                     return [wire.encode_chunk(start + off, piece, crc32c.crc32c(piece)) for off, piece in pieces]
 
-                for messages in engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH, encode):
+                if not encode:
+                    yield from engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH)
+                    return
+                for messages in engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH, encoded):
                     yield from messages
                     if caller.gone():
                         raise errors.Cancelled("client cancelled or deadline passed")
-            finally:
-                backend_mem.release()
-                host_mem.release()
+
+    @contextlib.contextmanager
+    def _reserve(self, backend_bytes: int, host_bytes: int, caller: Caller, what: str) -> Iterator[None]:
+        """Hold backend and host memory (one budget on the CPU) for the duration of the block."""
+        backend_mem = self.admission.backend.reserve(backend_bytes, caller.wait, what)
+        try:
+            host_mem = self.admission.host.reserve(host_bytes, caller.wait, what)
+        except BaseException:
+            backend_mem.release()
+            raise
+        try:
+            yield
+        finally:
+            backend_mem.release()
+            host_mem.release()
+
+    def fill_host(self, p: plan_pb2.Plan, caller: Caller,
+                  outputs: Mapping[str, npt.NDArray[Any]] | None = None) -> tuple[layout.Layout, str, Any]:
+        """Materialize into host memory of this process, no slabs, no encoding: for in-process callers.
+
+        With `outputs` (parameter name -> C-contiguous array of the region's shape and the dtype's item
+        size, e.g. a torch tensor's numpy view) every parameter is written in place and nothing else is
+        allocated; without, one buffer in stream (safetensors) layout is returned."""
+        if self.backend.memory != HOST:
+            raise errors.FailedPrecondition(f"in-process fills need a host backend, not {self.backend.name}")
+        checked = self.check(p, caller)
+        params = checked.params
+        with self.admission.admit(checked.report.total_bytes):
+            if outputs is None:
+                lay = layout.stream_layout(params, checked.digest)
+                with self._reserve(0, lay.data_bytes, caller, "materialization"):
+                    buf = host_buffer(lay.data_bytes)
+                    self.backend.fill_plan(params, buf, [pl.offset for pl in lay.placements], caller.gone)
+                return lay, checked.digest, buf
+            lay = layout.export_layout(params)
+            for rp in params:
+                out = outputs.get(rp.name)
+                if out is None:
+                    raise errors.InvalidRequest(f"no output array for parameter {rp.name!r}")
+                if tuple(out.shape) != rp.out_shape or out.dtype.itemsize != rp.dtype.itemsize \
+                        or not out.flags.c_contiguous or not out.flags.writeable:
+                    raise errors.InvalidRequest(f"output for {rp.name!r} must be a writable C-contiguous array of "
+                                                f"shape {list(rp.out_shape)} with {rp.dtype.itemsize}-byte items, got "
+                                                f"{list(out.shape)} {out.dtype}")
+            for rp in params:
+                flat = outputs[rp.name].reshape(-1).view(np.uint8)
+                self.backend.fill_plan([rp], flat, [0], caller.gone)
+            return lay, checked.digest, None
 
     def export(self, p: plan_pb2.Plan, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
         """Fill a buffer local peers map (SHM or CUDA IPC) and lend it under a lease."""

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
 
-from paraminit import peers
+from paraminit import dtypes, peers
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit_server import errors
@@ -33,9 +33,78 @@ DELIVERY_NAMES = {v: k for k, v in DELIVERIES.items()}
 NO_DEADLINE = 1e9  # grpc reports about 9.2e18 s remaining for calls without a deadline
 
 
+class Handlers:
+    """protobuf request -> data plane -> protobuf response, for the gRPC servicer and the in-process stub alike."""
+
+    def __init__(self, plane: Materializer) -> None:
+        self.plane = plane
+
+    def stream(self, request: pb.MaterializeRequest, caller: Caller) -> Iterator[Any]:
+        """The header message, then pre-encoded chunk messages (bytes, paraminit.wire)."""
+        for item in self.plane.stream(request.plan, caller, request.chunk_bytes):
+            yield pb.MaterializeResponse(header=_header(item)) if isinstance(item, StreamStart) else item
+
+    def export(self, request: pb.MaterializeRequest, caller: Caller) -> pb.MaterializeResponse:
+        delivery = DELIVERY_NAMES.get(request.delivery)
+        if delivery is None or delivery == "stream":
+            raise errors.InvalidRequest(f"unknown delivery enum value {request.delivery}")
+        export = self.plane.export(request.plan, delivery, caller, request.lease_ttl_seconds)
+        return pb.MaterializeResponse(export=_export_info(export))
+
+    def validate(self, request: pb.ValidateRequest, caller: Caller) -> pb.ValidateResponse:
+        report, digest = self.plane.validate(request.plan, caller)
+        resp = pb.ValidateResponse(valid=not any(not v.is_limit for v in report.violations),
+                                   param_bytes=report.param_bytes, total_bytes=report.total_bytes,
+                                   fits_limits=not any(v.is_limit for v in report.violations), plan_digest=digest)
+        for v in report.violations:
+            resp.violations.add(index=v.index, name=v.name, field=v.field, message=v.message, limit=v.is_limit)
+        return resp
+
+    def info(self, request: pb.GetInfoRequest, caller: Caller) -> pb.GetInfoResponse:
+        info = self.plane.info()
+        dev, c = info.device, info.config
+        return pb.GetInfoResponse(
+            version=info.version, backend=info.backend,
+            device=pb.DeviceInfo(kind=dev.kind, name=dev.name, uuid=dev.uuid, ordinal=dev.ordinal,
+                                 memory_total=dev.memory_total, memory_free=dev.memory_free),
+            limits=pb.Limits(max_plan_bytes=c.max_plan_bytes, max_param_bytes=c.max_param_bytes,
+                             max_concurrent_requests=c.max_concurrent, max_chunk_bytes=c.max_chunk_bytes,
+                             max_leased_bytes=c.max_leased_bytes, max_leases_per_client=c.max_leases_per_client),
+            dtypes=[d.enum for d in info.dtypes],  # type: ignore[misc]
+            deliveries=[DELIVERIES[d] for d in info.deliveries])  # type: ignore[misc]
+
+    def upload(self, request: Iterable[pb.PayloadChunk | MalformedRequest], caller: Caller) -> pb.PayloadRef:
+        def pieces() -> Iterator[PayloadPiece]:
+            for chunk in request:
+                if isinstance(chunk, MalformedRequest):
+                    raise errors.InvalidRequest(chunk.reason)
+                yield PayloadPiece(chunk.dtype, chunk.count, chunk.data)
+
+        pid, payload = self.plane.upload(pieces(), caller)
+        return pb.PayloadRef(payload_id=pid, count=payload.values.size, expires_at=payload.expires_at)
+
+    def release(self, request: pb.ReleaseRequest, caller: Caller) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.plane.release(request.lease_id, caller))
+
+    def renew(self, request: pb.RenewRequest, caller: Caller) -> pb.RenewResponse:
+        return pb.RenewResponse(lease=_lease(self.plane.renew(request.lease_id, caller, request.ttl_seconds)))
+
+    def list_leases(self, request: pb.ListLeasesRequest, caller: Caller) -> pb.ListLeasesResponse:
+        now = time.time()
+        resp = pb.ListLeasesResponse()
+        for rec in self.plane.list_leases(caller):
+            resp.leases.add(lease=_lease(rec), age_seconds=now - rec.created, owner=rec.owner,
+                            plan_digest=rec.plan_digest)
+        return resp
+
+    def apply(self, request: pb.ApplyRequest, caller: Caller) -> pb.ApplyResponse:
+        return pb.ApplyResponse(plan_digest=self.plane.apply(request.lease_id, request.plan, caller))
+
+
 class InitServicer(pb_grpc.InitServiceServicer):
     def __init__(self, plane: Materializer, tokens: TokenAuth | None = None, metrics: Metrics | None = None) -> None:
         self.plane = plane
+        self.handlers = Handlers(plane)
         self.tokens = tokens
         self.metrics = metrics
 
@@ -54,8 +123,6 @@ class InitServicer(pb_grpc.InitServiceServicer):
         if self.metrics is not None:
             self.metrics.requests.labels(method, code.name).inc()
 
-    # -- conversions -----------------------------------------------------------------------
-
     def caller(self, context: grpc.ServicerContext) -> Caller:
         """The data plane's view of a call: identity, locality, how long it may wait for memory."""
         remaining: float | None = context.time_remaining()
@@ -70,111 +137,80 @@ class InitServicer(pb_grpc.InitServiceServicer):
     def Materialize(self, request: pb.MaterializeRequest, context: grpc.ServicerContext) -> Iterator[Any]:
         started = time.perf_counter()
         delivery = request.delivery or pb.DELIVERY_STREAM
-        if delivery not in DELIVERY_NAMES:
-            raise errors.InvalidRequest(f"unknown delivery enum value {delivery}")
         caller = self.caller(context)
-        lay: Layout | None = None
-        digest = ""
+        header: pb.StreamHeader | None = None
         outcome = "error"
         try:
             if delivery == pb.DELIVERY_STREAM:
-                for item in self.plane.stream(request.plan, caller, request.chunk_bytes):
-                    if isinstance(item, StreamStart):
-                        lay, digest = item.layout, item.digest
-                        yield pb.MaterializeResponse(header=_header(item))
-                    else:
-                        yield item  # a pre-encoded MaterializeResponse (paraminit.wire)
+                for message in self.handlers.stream(request, caller):
+                    if header is None:
+                        header = message.header
+                    yield message
             else:
-                export = self.plane.export(request.plan, DELIVERY_NAMES[delivery], caller, request.lease_ttl_seconds)
-                lay, digest = export.layout, export.lease.plan_digest
-                yield pb.MaterializeResponse(export=_export_info(export))
+                response = self.handlers.export(request, caller)
+                header = pb.StreamHeader(plan_digest=response.export.plan_digest, tensors=response.export.tensors)
+                yield response
             outcome = "ok" if context.is_active() else "cancelled"
         finally:
-            self._record(delivery, lay, digest, outcome, time.perf_counter() - started)
+            self._record(request, delivery, header, outcome, time.perf_counter() - started)
 
-    def _record(self, delivery: int, lay: Layout | None, digest: str, outcome: str, seconds: float) -> None:
-        params = [pl.param for pl in lay.placements] if lay is not None else []
-        nbytes = sum(p.nbytes for p in params)
-        name = pb.Delivery.Name(delivery)  # type: ignore[arg-type]
+    def _record(self, request: pb.MaterializeRequest, delivery: int, header: pb.StreamHeader | None, outcome: str,
+                seconds: float) -> None:
+        tensors = list(header.tensors) if header is not None else []
+        digest = header.plan_digest if header is not None else ""
+        nbytes = sum(t.nbytes for t in tensors)
+        name = pb.Delivery.Name(delivery) if delivery in DELIVERY_NAMES else str(delivery)  # type: ignore[arg-type]
         if self.metrics is not None:
             self.metrics.latency.labels(name).observe(seconds)
             if outcome == "ok":
-                for p in params:
-                    self.metrics.bytes.labels(self.plane.backend.name, p.dtype.name, p.initializer).inc(p.nbytes)
+                for t, p in zip(tensors, request.plan.params, strict=False):
+                    dt = dtypes.by_enum(t.dtype)
+                    self.metrics.bytes.labels(self.plane.backend.name, dt.name if dt else "?",
+                                              p.init.WhichOneof("kind") or "").inc(t.nbytes)
         log.info("materialize digest=%s params=%d bytes=%d delivery=%s seconds=%.3f outcome=%s",
-                 digest[:16], len(params), nbytes, name, seconds, outcome,
+                 digest[:16], len(tensors), nbytes, name, seconds, outcome,
                  extra={"method": "Materialize", "plan_digest": digest, "bytes": nbytes,
                         "seconds": round(seconds, 6), "outcome": outcome})
 
     @boundary
     def Validate(self, request: pb.ValidateRequest, context: grpc.ServicerContext) -> pb.ValidateResponse:
-        report, digest = self.plane.validate(request.plan, self.caller(context))
-        resp = pb.ValidateResponse(valid=not any(not v.is_limit for v in report.violations),
-                                   param_bytes=report.param_bytes, total_bytes=report.total_bytes,
-                                   fits_limits=not any(v.is_limit for v in report.violations), plan_digest=digest)
-        for v in report.violations:
-            resp.violations.add(index=v.index, name=v.name, field=v.field, message=v.message, limit=v.is_limit)
-        return resp
+        return self.handlers.validate(request, self.caller(context))
 
     @boundary
     def GetInfo(self, request: pb.GetInfoRequest, context: grpc.ServicerContext) -> pb.GetInfoResponse:
-        info = self.plane.info()
-        dev, c = info.device, info.config
-        return pb.GetInfoResponse(
-            version=info.version, backend=info.backend,
-            device=pb.DeviceInfo(kind=dev.kind, name=dev.name, uuid=dev.uuid, ordinal=dev.ordinal,
-                                 memory_total=dev.memory_total, memory_free=dev.memory_free),
-            limits=pb.Limits(max_plan_bytes=c.max_plan_bytes, max_param_bytes=c.max_param_bytes,
-                             max_concurrent_requests=c.max_concurrent, max_chunk_bytes=c.max_chunk_bytes,
-                             max_leased_bytes=c.max_leased_bytes, max_leases_per_client=c.max_leases_per_client),
-            dtypes=[d.enum for d in info.dtypes],  # type: ignore[misc]
-            deliveries=[DELIVERIES[d] for d in info.deliveries])  # type: ignore[misc]
+        return self.handlers.info(request, self.caller(context))
 
     @boundary
     def UploadPayload(self, request: Iterator[pb.PayloadChunk], context: grpc.ServicerContext) -> pb.PayloadRef:
-        def pieces() -> Iterator[PayloadPiece]:
-            for chunk in request:
-                if isinstance(chunk, MalformedRequest):
-                    raise errors.InvalidRequest(chunk.reason)
-                yield PayloadPiece(chunk.dtype, chunk.count, chunk.data)
-
-        pid, payload = self.plane.upload(pieces(), self.caller(context))
-        return pb.PayloadRef(payload_id=pid, count=payload.values.size, expires_at=payload.expires_at)
+        return self.handlers.upload(request, self.caller(context))
 
     @boundary
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=self.plane.release(request.lease_id, self.caller(context)))
+        return self.handlers.release(request, self.caller(context))
 
     @boundary
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewResponse:
-        return pb.RenewResponse(lease=_lease(self.plane.renew(request.lease_id, self.caller(context),
-                                                              request.ttl_seconds)))
+        return self.handlers.renew(request, self.caller(context))
 
     @boundary
     def ListLeases(self, request: pb.ListLeasesRequest, context: grpc.ServicerContext) -> pb.ListLeasesResponse:
-        now = time.time()
-        resp = pb.ListLeasesResponse()
-        for rec in self.plane.list_leases(self.caller(context)):
-            resp.leases.add(lease=_lease(rec), age_seconds=now - rec.created, owner=rec.owner,
-                            plan_digest=rec.plan_digest)
-        return resp
+        return self.handlers.list_leases(request, self.caller(context))
 
     @boundary
     def Apply(self, request: pb.ApplyRequest, context: grpc.ServicerContext) -> pb.ApplyResponse:
-        return pb.ApplyResponse(plan_digest=self.plane.apply(request.lease_id, request.plan, self.caller(context)))
+        return self.handlers.apply(request, self.caller(context))
 
 
 def _header(start: StreamStart) -> pb.StreamHeader:
     lay = start.layout
-    header = pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes)
-    _tensors(header.tensors, lay)
-    return header
+    return pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes,
+                           tensors=tensor_infos(lay))
 
 
-def _tensors(out: Any, lay: Layout) -> None:
-    for pl in lay.placements:
-        p = pl.param
-        out.add(name=p.name, dtype=p.dtype.enum, shape=p.out_shape, offset=pl.offset, nbytes=p.nbytes)
+def tensor_infos(lay: Layout) -> list[pb.TensorInfo]:
+    """Where each tensor lies, in plan order."""
+    return [pb.TensorInfo(name=pl.param.name, dtype=pl.param.dtype.enum, shape=pl.param.out_shape,  # type: ignore[arg-type]
+                          offset=pl.offset, nbytes=pl.param.nbytes) for pl in lay.placements]
 
 
 def _lease(rec: LeaseRecord) -> pb.Lease:
@@ -185,7 +221,7 @@ def _lease(rec: LeaseRecord) -> pb.Lease:
 def _export_info(export: Export) -> pb.ExportInfo:
     info = pb.ExportInfo(plan_digest=export.lease.plan_digest)
     info.lease.CopyFrom(_lease(export.lease))
-    _tensors(info.tensors, export.layout)
+    info.tensors.extend(tensor_infos(export.layout))
     _handle(info, export.handle)
     return info
 

@@ -77,16 +77,23 @@ def _precheck(owner: Servicer, request: Any = None) -> None:
         raise errors.Unavailable("server is shutting down; retry on another worker")
 
 
-def _abort(owner: Servicer, context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+def status_for(exc: BaseException, method: str) -> grpc.Status:
+    """The status a client gets for an exception: ours by the STATUS table, anything else INTERNAL with an
+    error id that is in the server log (never the traceback)."""
     if isinstance(exc, MemoryError):  # allocation failed: everything of the request is already unwound
         exc = errors.ResourceExhausted(f"out of memory while materializing ({exc or 'allocation failed'}); retry later")
     if isinstance(exc, errors.ParaminitServerError):
-        owner.count(method, errors.status_of(exc))
-        context.abort_with_status(to_status(exc))
-    owner.count(method, grpc.StatusCode.INTERNAL)
+        return to_status(exc)
     error_id = uuid.uuid4().hex[:12]
-    log.exception("internal error %s in %s", error_id, method, extra={"error_id": error_id})
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error (id {error_id}); see the server log")
+    log.error("internal error %s in %s", error_id, method, exc_info=exc, extra={"error_id": error_id})
+    return rpc_status.to_status(status_pb2.Status(code=code_pb2.INTERNAL,
+                                                  message=f"internal error (id {error_id}); see the server log"))
+
+
+def _abort(owner: Servicer, context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    st = status_for(exc, method)
+    owner.count(method, st.code)
+    context.abort_with_status(st)
 
 
 def _is_abort(exc: BaseException) -> bool:

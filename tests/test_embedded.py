@@ -1,0 +1,127 @@
+"""Client() with no target: the data plane in this process, with a server's bytes, errors and leases."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import poisoned, server_fixture, target_of
+from paraminit.v1 import plan_pb2
+from paraminit_client import Client, ParaminitError, param, plan_of
+from paraminit_server.server import Running
+
+server = server_fixture()
+
+
+def _segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("paraminit-")}
+
+
+def mixed_plan() -> plan_pb2.Plan:
+    return plan_of([param("w", [300, 70], {"kaimingUniformForShape": {"seed": 5}}),
+                    param("e", [33, 8], {"normal": {"std": 0.02, "seed": 6}}, "bfloat16"),
+                    param("h", [5], {"uniform": {"lo": -2, "hi": 2, "seed": 7}}, "float16"),
+                    param("d", [8, 8], {"normal": {"mean": 1, "std": 3, "seed": 8}}, "float64", region=[(2, 5), (1, 7)]),
+                    param("s", [], {"ones": {}})])
+
+
+@pytest.fixture(scope="module")
+def local() -> Any:
+    with Client() as c:
+        yield c
+
+
+def test_no_sockets_and_same_bytes_as_a_server(local: Client, server: Running) -> None:
+    assert local.in_process and local.target == "in-process"
+    assert not any(t.name.startswith("paraminit-rpc") for t in threading.enumerate())
+    got = local.materialize(mixed_plan())
+    with Client(target_of(server)) as remote:
+        want = remote.materialize(mixed_plan())
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
+        assert got[name].tobytes() == want[name].tobytes(), name
+    assert np.count_nonzero(got["w"]) > 0.99 * got["w"].size
+
+
+def test_materialize_into_writes_the_callers_arrays(local: Client) -> None:
+    plan = mixed_plan()
+    want = local.materialize(plan)
+    outputs = {k: poisoned(v.size, v.dtype).reshape(v.shape) for k, v in want.items()}
+    keep = {k: v.__array_interface__["data"][0] for k, v in outputs.items()}
+    local.materialize_into(plan, outputs)
+    for k, v in outputs.items():
+        assert v.__array_interface__["data"][0] == keep[k]  # in place, not replaced
+        assert v.tobytes() == want[k].tobytes(), k
+
+
+def test_materialize_into_refuses_wrong_arrays(local: Client) -> None:
+    plan = plan_of([param("w", [4, 4], {"ones": {}})])
+    for bad in ({}, {"w": np.empty((4, 5), np.float32)}, {"w": np.empty((4, 4), np.float64)},
+                {"w": np.empty((4, 8), np.float32)[:, ::2]}):
+        with pytest.raises(ParaminitError) as info:
+            local.materialize_into(plan, bad)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_errors_match_a_server(local: Client, server: Running) -> None:
+    bad = plan_of([param("a", [2], {"uniform": {"lo": 1, "hi": 0}}), param("a", [0], {"normal": {"std": -1}})])
+    with Client(target_of(server)) as remote, pytest.raises(ParaminitError) as there:
+        remote.materialize(bad)
+    with pytest.raises(ParaminitError) as here:
+        local.materialize(bad)
+    assert here.value.code == there.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert here.value.violations == there.value.violations and len(here.value.violations) == 3
+    report = local.validate(bad)
+    assert not report.valid and len(report.violations) == 3
+
+
+def test_file_and_export(local: Client, tmp_path: Any) -> None:
+    from safetensors.numpy import load_file
+
+    plan = mixed_plan()
+    want = local.materialize(plan)
+    local.materialize_to_file(plan, tmp_path / "m.safetensors")
+    back = load_file(str(tmp_path / "m.safetensors"))
+    assert back["w"].tobytes() == want["w"].tobytes() and back["e"].view(np.uint16).tobytes() == want["e"].view(np.uint16).tobytes()
+    with local.export(plan) as lease:
+        assert lease.arrays["w"].tobytes() == want["w"].tobytes()
+        assert [s.lease.lease_id for s in local.leases()] == [lease.lease_id]
+
+
+def test_close_and_collection_free_everything() -> None:
+    before = _segments()
+    c = Client()
+    lease = c.export(plan_of([param("w", [1024], {"ones": {}})]))
+    name = lease.info.shm.segment_name
+    assert name in _segments()
+    c.close()
+    assert name not in _segments()
+    forgotten = Client()
+    name = forgotten.export(plan_of([param("w", [1024], {"ones": {}})])).info.shm.segment_name
+    assert name in _segments()
+    del forgotten
+    gc.collect()
+    assert _segments() <= before
+
+
+def test_a_process_that_forgets_close_leaves_no_segment() -> None:
+    code = textwrap.dedent("""
+        from paraminit_client import Client, param, plan_of
+        c = Client()
+        lease = c.export(plan_of([param("w", [4096], {"ones": {}})]))
+        print(lease.info.shm.segment_name, flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    name = done.stdout.strip()
+    assert name.startswith("paraminit-") and not os.path.exists(f"/dev/shm/{name}")
