@@ -1,0 +1,62 @@
+"""Every code block of README.md runs as written (from a scratch directory holding the examples)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
+# Install and project commands are what `make test` itself runs; they are not re-run from here.
+NOT_RUN = re.compile(r"^\s*(pip install|make |docker|kubectl|kustomize|buildah)", re.M)
+
+
+def blocks(lang: str) -> list[str]:
+    return [body for kind, body in BLOCK.findall((ROOT / "README.md").read_text()) if kind == lang]
+
+
+def _scratch(tmp_path: Path) -> dict[str, str]:
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+@pytest.mark.parametrize("index", range(len(blocks("python"))))
+def test_python_block_runs(index: int, tmp_path: Path) -> None:
+    code = blocks("python")[index]
+    if "torch" in code:
+        pytest.importorskip("torch")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_scratch(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, f"README python block {index} failed:\n{code}\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("index", range(len(blocks("sh"))))
+def test_shell_block_runs(index: int, tmp_path: Path) -> None:
+    code = blocks("sh")[index]
+    if NOT_RUN.search(code):
+        pytest.skip("install/build commands: exercised by make test and the image check")
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=_scratch(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"README sh block {index} failed:\n{code}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+def test_readme_has_runnable_blocks() -> None:
+    assert len(blocks("python")) >= 3 and any(not NOT_RUN.search(b) for b in blocks("sh"))
+
+
+@pytest.mark.parametrize("index", range(len(blocks("json"))))
+def test_json_block_is_a_valid_plan(index: int) -> None:
+    import json
+
+    from paraminit_client import Client, plan_from_dict
+
+    plan = plan_from_dict(json.loads(blocks("json")[index]))
+    with Client() as c:
+        report = c.validate(plan)
+    assert report.ok and len(plan.params) >= 1, report.lines()
