@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from google.protobuf import json_format
 
 from paraminit import dtypes
@@ -23,12 +24,7 @@ def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
     p = Path(path)
     text = p.read_text()
     try:
-        if p.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
+        data = yaml.safe_load(text) if p.suffix.lower() in (".yaml", ".yml") else json.loads(text)
         return plan_from_dict(data)
     except (ValueError, json_format.ParseError) as exc:
         raise PlanFileError(f"{p}: not a valid plan: {exc}") from None

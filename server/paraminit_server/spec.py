@@ -1,4 +1,4 @@
-"""Scalar definitions from SAMPLER.md shared by validation, resolution and tests.
+"""Scalar definitions from docs/SAMPLER.md shared by validation, resolution and tests.
 
 Everything here is plain Python on exact integers and binary64 floats: it is
 the readable statement of the algorithm that the vectorized kernels must match.
