@@ -23,7 +23,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
-from paraminit import dtypes, wire
+from paraminit import dtypes, times, wire
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
@@ -212,7 +212,7 @@ class Client:
         kinds = {"shm": pb.DELIVERY_SHM, "cuda_ipc": pb.DELIVERY_CUDA_IPC}
         if delivery not in kinds:
             raise ValueError(f"delivery must be one of {sorted(kinds)}, got {delivery!r}")
-        request = pb.MaterializeRequest(plan=plan, delivery=kinds[delivery], lease_ttl_seconds=ttl_seconds)
+        request = pb.MaterializeRequest(plan=plan, delivery=kinds[delivery], lease_ttl=times.duration(ttl_seconds))
         with rpc_errors():
             responses = list(self.stub.Materialize(request, timeout=self.timeout))
         if len(responses) != 1 or responses[0].WhichOneof("msg") != "export":

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from paraminit import cuda
+from paraminit import cuda, times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
@@ -97,7 +97,7 @@ class Lease:
         self._client = client
         self.info = info
         self.lease_id = info.lease.lease_id
-        self.expires_at = info.lease.expires_at
+        self.expires_at = times.epoch(info.lease.expires_at)  # seconds since the Unix epoch
         self.plan_digest = info.plan_digest
         self._released = False
         self._lock = threading.Lock()
@@ -144,8 +144,9 @@ class Lease:
         self._stop.set()
 
     def renew(self, ttl_seconds: float = 0.0) -> float:
-        resp = self._client._call(self._client.stub.Renew, pb.RenewRequest(lease_id=self.lease_id, ttl_seconds=ttl_seconds))
-        self.expires_at = resp.lease.expires_at
+        resp = self._client._call(self._client.stub.Renew, pb.RenewRequest(lease_id=self.lease_id,
+                                                                               ttl=times.duration(ttl_seconds)))
+        self.expires_at = times.epoch(resp.lease.expires_at)
         return self.expires_at
 
     def _renew_loop(self, period: float) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from paraminit import dtypes, peers
+from paraminit import dtypes, peers, times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit_server import errors
@@ -48,7 +48,7 @@ class Handlers:
         delivery = DELIVERY_NAMES.get(request.delivery)
         if delivery is None or delivery == "stream":
             raise errors.InvalidRequest(f"unknown delivery enum value {request.delivery}")
-        export = self.plane.export(request.plan, delivery, caller, request.lease_ttl_seconds)
+        export = self.plane.export(request.plan, delivery, caller, times.seconds(request.lease_ttl))
         return pb.MaterializeResponse(export=_export_info(export))
 
     def validate(self, request: pb.ValidateRequest, caller: Caller) -> pb.ValidateResponse:
@@ -81,19 +81,19 @@ class Handlers:
                 yield PayloadPiece(chunk.dtype, chunk.count, chunk.data)
 
         pid, payload = self.plane.upload(pieces(), caller)
-        return pb.PayloadRef(payload_id=pid, count=payload.values.size, expires_at=payload.expires_at)
+        return pb.PayloadRef(payload_id=pid, count=payload.values.size, expires_at=times.timestamp(payload.expires_at))
 
     def release(self, request: pb.ReleaseRequest, caller: Caller) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self.plane.release(request.lease_id, caller))
 
     def renew(self, request: pb.RenewRequest, caller: Caller) -> pb.RenewResponse:
-        return pb.RenewResponse(lease=_lease(self.plane.renew(request.lease_id, caller, request.ttl_seconds)))
+        return pb.RenewResponse(lease=_lease(self.plane.renew(request.lease_id, caller, times.seconds(request.ttl))))
 
     def list_leases(self, request: pb.ListLeasesRequest, caller: Caller) -> pb.ListLeasesResponse:
         now = time.time()
         resp = pb.ListLeasesResponse()
         for rec in self.plane.list_leases(caller):
-            resp.leases.add(lease=_lease(rec), age_seconds=now - rec.created, owner=rec.owner,
+            resp.leases.add(lease=_lease(rec), age=times.duration(now - rec.created), owner=rec.owner,
                             plan_digest=rec.plan_digest)
         return resp
 
@@ -214,7 +214,7 @@ def tensor_infos(lay: Layout) -> list[pb.TensorInfo]:
 
 
 def _lease(rec: LeaseRecord) -> pb.Lease:
-    return pb.Lease(lease_id=rec.lease_id, expires_at=rec.expires_at, nbytes=rec.nbytes,
+    return pb.Lease(lease_id=rec.lease_id, expires_at=times.timestamp(rec.expires_at), nbytes=rec.nbytes,
                     delivery=DELIVERIES[rec.delivery])  # type: ignore[arg-type]
 
 

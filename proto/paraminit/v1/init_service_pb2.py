@@ -22,72 +22,74 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from paraminit.v1 import plan_pb2 as paraminit_dot_v1_dot_plan__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fparaminit/v1/init_service.proto\x12\x0cparaminit.v1\x1a\x17paraminit/v1/plan.proto\"\x90\x01\n\x12MaterializeRequest\x12 \n\x04plan\x18\x01 \x01(\x0b\x32\x12.paraminit.v1.Plan\x12(\n\x08\x64\x65livery\x18\x02 \x01(\x0e\x32\x16.paraminit.v1.Delivery\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x19\n\x11lease_ttl_seconds\x18\x04 \x01(\x01\"m\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.paraminit.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"~\n\x0cStreamHeader\x12\x13\n\x0bplan_digest\x18\x01 \x01(\t\x12)\n\x07tensors\x18\x02 \x03(\x0b\x32\x18.paraminit.v1.TensorInfo\x12\x1a\n\x12safetensors_prefix\x18\x03 \x01(\x0c\x12\x12\n\ndata_bytes\x18\x04 \x01(\x04\"9\n\tDataChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\"g\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nexpires_at\x18\x02 \x01(\x01\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12(\n\x08\x64\x65livery\x18\x04 \x01(\x0e\x32\x16.paraminit.v1.Delivery\"/\n\tShmExport\x12\x14\n\x0csegment_name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"V\n\rCudaIpcExport\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\"\xd3\x01\n\nExportInfo\x12\x13\n\x0bplan_digest\x18\x01 \x01(\t\x12)\n\x07tensors\x18\x02 \x03(\x0b\x32\x18.paraminit.v1.TensorInfo\x12\"\n\x05lease\x18\x03 \x01(\x0b\x32\x13.paraminit.v1.Lease\x12&\n\x03shm\x18\x04 \x01(\x0b\x32\x17.paraminit.v1.ShmExportH\x00\x12/\n\x08\x63uda_ipc\x18\x05 \x01(\x0b\x32\x1b.paraminit.v1.CudaIpcExportH\x00\x42\x08\n\x06\x62uffer\"\xa0\x01\n\x13MaterializeResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.paraminit.v1.StreamHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.paraminit.v1.DataChunkH\x00\x12*\n\x06\x65xport\x18\x03 \x01(\x0b\x32\x18.paraminit.v1.ExportInfoH\x00\x42\x05\n\x03msg\"3\n\x0fValidateRequest\x12 \n\x04plan\x18\x01 \x01(\x0b\x32\x12.paraminit.v1.Plan\"W\n\tViolation\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05limit\x18\x05 \x01(\x08\"\xa2\x01\n\x10ValidateResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\x12+\n\nviolations\x18\x02 \x03(\x0b\x32\x17.paraminit.v1.Violation\x12\x13\n\x0bparam_bytes\x18\x03 \x03(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x66its_limits\x18\x05 \x01(\x08\x12\x13\n\x0bplan_digest\x18\x06 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xac\x01\n\x06Limits\x12\x16\n\x0emax_plan_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fmax_param_bytes\x18\x02 \x01(\x04\x12\x1f\n\x17max_concurrent_requests\x18\x03 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\x12\x18\n\x10max_leased_bytes\x18\x05 \x01(\x04\x12\x1d\n\x15max_leases_per_client\x18\x06 \x01(\r\"r\n\nDeviceInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04uuid\x18\x03 \x01(\t\x12\x0f\n\x07ordinal\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_total\x18\x05 \x01(\x04\x12\x13\n\x0bmemory_free\x18\x06 \x01(\x04\"\xd4\x01\n\x0fGetInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12(\n\x06\x64\x65vice\x18\x03 \x01(\x0b\x32\x18.paraminit.v1.DeviceInfo\x12$\n\x06limits\x18\x04 \x01(\x0b\x32\x14.paraminit.v1.Limits\x12#\n\x06\x64types\x18\x05 \x03(\x0e\x32\x13.paraminit.v1.DType\x12*\n\ndeliveries\x18\x06 \x03(\x0e\x32\x16.paraminit.v1.Delivery\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"5\n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"3\n\rRenewResponse\x12\"\n\x05lease\x18\x01 \x01(\x0b\x32\x13.paraminit.v1.Lease\"\x13\n\x11ListLeasesRequest\"j\n\x0bLeaseStatus\x12\"\n\x05lease\x18\x01 \x01(\x0b\x32\x13.paraminit.v1.Lease\x12\x13\n\x0b\x61ge_seconds\x18\x02 \x01(\x01\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x13\n\x0bplan_digest\x18\x04 \x01(\t\"?\n\x12ListLeasesResponse\x12)\n\x06leases\x18\x01 \x03(\x0b\x32\x19.paraminit.v1.LeaseStatus\"B\n\x0c\x41pplyRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12 \n\x04plan\x18\x02 \x01(\x0b\x32\x12.paraminit.v1.Plan\"$\n\rApplyResponse\x12\x13\n\x0bplan_digest\x18\x01 \x01(\t\"O\n\x0cPayloadChunk\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.paraminit.v1.DType\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"C\n\nPayloadRef\x12\x12\n\npayload_id\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\x12\x12\n\nexpires_at\x18\x03 \x01(\x01*b\n\x08\x44\x65livery\x12\x18\n\x14\x44\x45LIVERY_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45LIVERY_STREAM\x10\x01\x12\x10\n\x0c\x44\x45LIVERY_SHM\x10\x02\x12\x15\n\x11\x44\x45LIVERY_CUDA_IPC\x10\x03\x32\xdc\x04\n\x0bInitService\x12T\n\x0bMaterialize\x12 .paraminit.v1.MaterializeRequest\x1a!.paraminit.v1.MaterializeResponse0\x01\x12I\n\x08Validate\x12\x1d.paraminit.v1.ValidateRequest\x1a\x1e.paraminit.v1.ValidateResponse\x12\x46\n\x07GetInfo\x12\x1c.paraminit.v1.GetInfoRequest\x1a\x1d.paraminit.v1.GetInfoResponse\x12\x46\n\x07Release\x12\x1c.paraminit.v1.ReleaseRequest\x1a\x1d.paraminit.v1.ReleaseResponse\x12@\n\x05Renew\x12\x1a.paraminit.v1.RenewRequest\x1a\x1b.paraminit.v1.RenewResponse\x12O\n\nListLeases\x12\x1f.paraminit.v1.ListLeasesRequest\x1a .paraminit.v1.ListLeasesResponse\x12@\n\x05\x41pply\x12\x1a.paraminit.v1.ApplyRequest\x1a\x1b.paraminit.v1.ApplyResponse\x12G\n\rUploadPayload\x12\x1a.paraminit.v1.PayloadChunk\x1a\x18.paraminit.v1.PayloadRef(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fparaminit/v1/init_service.proto\x12\x0cparaminit.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17paraminit/v1/plan.proto\"\xa3\x01\n\x12MaterializeRequest\x12 \n\x04plan\x18\x01 \x01(\x0b\x32\x12.paraminit.v1.Plan\x12(\n\x08\x64\x65livery\x18\x02 \x01(\x0e\x32\x16.paraminit.v1.Delivery\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12,\n\tlease_ttl\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"m\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.paraminit.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"~\n\x0cStreamHeader\x12\x13\n\x0bplan_digest\x18\x01 \x01(\t\x12)\n\x07tensors\x18\x02 \x03(\x0b\x32\x18.paraminit.v1.TensorInfo\x12\x1a\n\x12safetensors_prefix\x18\x03 \x01(\x0c\x12\x12\n\ndata_bytes\x18\x04 \x01(\x04\"9\n\tDataChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\"\x83\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12(\n\x08\x64\x65livery\x18\x04 \x01(\x0e\x32\x16.paraminit.v1.Delivery\"/\n\tShmExport\x12\x14\n\x0csegment_name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\"V\n\rCudaIpcExport\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65vice_uuid\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\"\xd3\x01\n\nExportInfo\x12\x13\n\x0bplan_digest\x18\x01 \x01(\t\x12)\n\x07tensors\x18\x02 \x03(\x0b\x32\x18.paraminit.v1.TensorInfo\x12\"\n\x05lease\x18\x03 \x01(\x0b\x32\x13.paraminit.v1.Lease\x12&\n\x03shm\x18\x04 \x01(\x0b\x32\x17.paraminit.v1.ShmExportH\x00\x12/\n\x08\x63uda_ipc\x18\x05 \x01(\x0b\x32\x1b.paraminit.v1.CudaIpcExportH\x00\x42\x08\n\x06\x62uffer\"\xa0\x01\n\x13MaterializeResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.paraminit.v1.StreamHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.paraminit.v1.DataChunkH\x00\x12*\n\x06\x65xport\x18\x03 \x01(\x0b\x32\x18.paraminit.v1.ExportInfoH\x00\x42\x05\n\x03msg\"3\n\x0fValidateRequest\x12 \n\x04plan\x18\x01 \x01(\x0b\x32\x12.paraminit.v1.Plan\"W\n\tViolation\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05limit\x18\x05 \x01(\x08\"\xa2\x01\n\x10ValidateResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\x12+\n\nviolations\x18\x02 \x03(\x0b\x32\x17.paraminit.v1.Violation\x12\x13\n\x0bparam_bytes\x18\x03 \x03(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x66its_limits\x18\x05 \x01(\x08\x12\x13\n\x0bplan_digest\x18\x06 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xac\x01\n\x06Limits\x12\x16\n\x0emax_plan_bytes\x18\x01 \x01(\x04\x12\x17\n\x0fmax_param_bytes\x18\x02 \x01(\x04\x12\x1f\n\x17max_concurrent_requests\x18\x03 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\x12\x18\n\x10max_leased_bytes\x18\x05 \x01(\x04\x12\x1d\n\x15max_leases_per_client\x18\x06 \x01(\r\"r\n\nDeviceInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04uuid\x18\x03 \x01(\t\x12\x0f\n\x07ordinal\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_total\x18\x05 \x01(\x04\x12\x13\n\x0bmemory_free\x18\x06 \x01(\x04\"\xd4\x01\n\x0fGetInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12(\n\x06\x64\x65vice\x18\x03 \x01(\x0b\x32\x18.paraminit.v1.DeviceInfo\x12$\n\x06limits\x18\x04 \x01(\x0b\x32\x14.paraminit.v1.Limits\x12#\n\x06\x64types\x18\x05 \x03(\x0e\x32\x13.paraminit.v1.DType\x12*\n\ndeliveries\x18\x06 \x03(\x0e\x32\x16.paraminit.v1.Delivery\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"H\n\x0cRenewRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12&\n\x03ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"3\n\rRenewResponse\x12\"\n\x05lease\x18\x01 \x01(\x0b\x32\x13.paraminit.v1.Lease\"\x13\n\x11ListLeasesRequest\"}\n\x0bLeaseStatus\x12\"\n\x05lease\x18\x01 \x01(\x0b\x32\x13.paraminit.v1.Lease\x12&\n\x03\x61ge\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x13\n\x0bplan_digest\x18\x04 \x01(\t\"?\n\x12ListLeasesResponse\x12)\n\x06leases\x18\x01 \x03(\x0b\x32\x19.paraminit.v1.LeaseStatus\"B\n\x0c\x41pplyRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12 \n\x04plan\x18\x02 \x01(\x0b\x32\x12.paraminit.v1.Plan\"$\n\rApplyResponse\x12\x13\n\x0bplan_digest\x18\x01 \x01(\t\"O\n\x0cPayloadChunk\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.paraminit.v1.DType\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"_\n\nPayloadRef\x12\x12\n\npayload_id\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\x12.\n\nexpires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*b\n\x08\x44\x65livery\x12\x18\n\x14\x44\x45LIVERY_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45LIVERY_STREAM\x10\x01\x12\x10\n\x0c\x44\x45LIVERY_SHM\x10\x02\x12\x15\n\x11\x44\x45LIVERY_CUDA_IPC\x10\x03\x32\xdc\x04\n\x0bInitService\x12T\n\x0bMaterialize\x12 .paraminit.v1.MaterializeRequest\x1a!.paraminit.v1.MaterializeResponse0\x01\x12I\n\x08Validate\x12\x1d.paraminit.v1.ValidateRequest\x1a\x1e.paraminit.v1.ValidateResponse\x12\x46\n\x07GetInfo\x12\x1c.paraminit.v1.GetInfoRequest\x1a\x1d.paraminit.v1.GetInfoResponse\x12\x46\n\x07Release\x12\x1c.paraminit.v1.ReleaseRequest\x1a\x1d.paraminit.v1.ReleaseResponse\x12@\n\x05Renew\x12\x1a.paraminit.v1.RenewRequest\x1a\x1b.paraminit.v1.RenewResponse\x12O\n\nListLeases\x12\x1f.paraminit.v1.ListLeasesRequest\x1a .paraminit.v1.ListLeasesResponse\x12@\n\x05\x41pply\x12\x1a.paraminit.v1.ApplyRequest\x1a\x1b.paraminit.v1.ApplyResponse\x12G\n\rUploadPayload\x12\x1a.paraminit.v1.PayloadChunk\x1a\x18.paraminit.v1.PayloadRef(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'paraminit.v1.init_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DELIVERY']._serialized_start=2600
-  _globals['_DELIVERY']._serialized_end=2698
-  _globals['_MATERIALIZEREQUEST']._serialized_start=75
-  _globals['_MATERIALIZEREQUEST']._serialized_end=219
-  _globals['_TENSORINFO']._serialized_start=221
-  _globals['_TENSORINFO']._serialized_end=330
-  _globals['_STREAMHEADER']._serialized_start=332
-  _globals['_STREAMHEADER']._serialized_end=458
-  _globals['_DATACHUNK']._serialized_start=460
-  _globals['_DATACHUNK']._serialized_end=517
-  _globals['_LEASE']._serialized_start=519
-  _globals['_LEASE']._serialized_end=622
-  _globals['_SHMEXPORT']._serialized_start=624
-  _globals['_SHMEXPORT']._serialized_end=671
-  _globals['_CUDAIPCEXPORT']._serialized_start=673
-  _globals['_CUDAIPCEXPORT']._serialized_end=759
-  _globals['_EXPORTINFO']._serialized_start=762
-  _globals['_EXPORTINFO']._serialized_end=973
-  _globals['_MATERIALIZERESPONSE']._serialized_start=976
-  _globals['_MATERIALIZERESPONSE']._serialized_end=1136
-  _globals['_VALIDATEREQUEST']._serialized_start=1138
-  _globals['_VALIDATEREQUEST']._serialized_end=1189
-  _globals['_VIOLATION']._serialized_start=1191
-  _globals['_VIOLATION']._serialized_end=1278
-  _globals['_VALIDATERESPONSE']._serialized_start=1281
-  _globals['_VALIDATERESPONSE']._serialized_end=1443
-  _globals['_GETINFOREQUEST']._serialized_start=1445
-  _globals['_GETINFOREQUEST']._serialized_end=1461
-  _globals['_LIMITS']._serialized_start=1464
-  _globals['_LIMITS']._serialized_end=1636
-  _globals['_DEVICEINFO']._serialized_start=1638
-  _globals['_DEVICEINFO']._serialized_end=1752
-  _globals['_GETINFORESPONSE']._serialized_start=1755
-  _globals['_GETINFORESPONSE']._serialized_end=1967
-  _globals['_RELEASEREQUEST']._serialized_start=1969
-  _globals['_RELEASEREQUEST']._serialized_end=2003
-  _globals['_RELEASERESPONSE']._serialized_start=2005
-  _globals['_RELEASERESPONSE']._serialized_end=2040
-  _globals['_RENEWREQUEST']._serialized_start=2042
-  _globals['_RENEWREQUEST']._serialized_end=2095
-  _globals['_RENEWRESPONSE']._serialized_start=2097
-  _globals['_RENEWRESPONSE']._serialized_end=2148
-  _globals['_LISTLEASESREQUEST']._serialized_start=2150
-  _globals['_LISTLEASESREQUEST']._serialized_end=2169
-  _globals['_LEASESTATUS']._serialized_start=2171
-  _globals['_LEASESTATUS']._serialized_end=2277
-  _globals['_LISTLEASESRESPONSE']._serialized_start=2279
-  _globals['_LISTLEASESRESPONSE']._serialized_end=2342
-  _globals['_APPLYREQUEST']._serialized_start=2344
-  _globals['_APPLYREQUEST']._serialized_end=2410
-  _globals['_APPLYRESPONSE']._serialized_start=2412
-  _globals['_APPLYRESPONSE']._serialized_end=2448
-  _globals['_PAYLOADCHUNK']._serialized_start=2450
-  _globals['_PAYLOADCHUNK']._serialized_end=2529
-  _globals['_PAYLOADREF']._serialized_start=2531
-  _globals['_PAYLOADREF']._serialized_end=2598
-  _globals['_INITSERVICE']._serialized_start=2701
-  _globals['_INITSERVICE']._serialized_end=3305
+  _globals['_DELIVERY']._serialized_start=2779
+  _globals['_DELIVERY']._serialized_end=2877
+  _globals['_MATERIALIZEREQUEST']._serialized_start=140
+  _globals['_MATERIALIZEREQUEST']._serialized_end=303
+  _globals['_TENSORINFO']._serialized_start=305
+  _globals['_TENSORINFO']._serialized_end=414
+  _globals['_STREAMHEADER']._serialized_start=416
+  _globals['_STREAMHEADER']._serialized_end=542
+  _globals['_DATACHUNK']._serialized_start=544
+  _globals['_DATACHUNK']._serialized_end=601
+  _globals['_LEASE']._serialized_start=604
+  _globals['_LEASE']._serialized_end=735
+  _globals['_SHMEXPORT']._serialized_start=737
+  _globals['_SHMEXPORT']._serialized_end=784
+  _globals['_CUDAIPCEXPORT']._serialized_start=786
+  _globals['_CUDAIPCEXPORT']._serialized_end=872
+  _globals['_EXPORTINFO']._serialized_start=875
+  _globals['_EXPORTINFO']._serialized_end=1086
+  _globals['_MATERIALIZERESPONSE']._serialized_start=1089
+  _globals['_MATERIALIZERESPONSE']._serialized_end=1249
+  _globals['_VALIDATEREQUEST']._serialized_start=1251
+  _globals['_VALIDATEREQUEST']._serialized_end=1302
+  _globals['_VIOLATION']._serialized_start=1304
+  _globals['_VIOLATION']._serialized_end=1391
+  _globals['_VALIDATERESPONSE']._serialized_start=1394
+  _globals['_VALIDATERESPONSE']._serialized_end=1556
+  _globals['_GETINFOREQUEST']._serialized_start=1558
+  _globals['_GETINFOREQUEST']._serialized_end=1574
+  _globals['_LIMITS']._serialized_start=1577
+  _globals['_LIMITS']._serialized_end=1749
+  _globals['_DEVICEINFO']._serialized_start=1751
+  _globals['_DEVICEINFO']._serialized_end=1865
+  _globals['_GETINFORESPONSE']._serialized_start=1868
+  _globals['_GETINFORESPONSE']._serialized_end=2080
+  _globals['_RELEASEREQUEST']._serialized_start=2082
+  _globals['_RELEASEREQUEST']._serialized_end=2116
+  _globals['_RELEASERESPONSE']._serialized_start=2118
+  _globals['_RELEASERESPONSE']._serialized_end=2153
+  _globals['_RENEWREQUEST']._serialized_start=2155
+  _globals['_RENEWREQUEST']._serialized_end=2227
+  _globals['_RENEWRESPONSE']._serialized_start=2229
+  _globals['_RENEWRESPONSE']._serialized_end=2280
+  _globals['_LISTLEASESREQUEST']._serialized_start=2282
+  _globals['_LISTLEASESREQUEST']._serialized_end=2301
+  _globals['_LEASESTATUS']._serialized_start=2303
+  _globals['_LEASESTATUS']._serialized_end=2428
+  _globals['_LISTLEASESRESPONSE']._serialized_start=2430
+  _globals['_LISTLEASESRESPONSE']._serialized_end=2493
+  _globals['_APPLYREQUEST']._serialized_start=2495
+  _globals['_APPLYREQUEST']._serialized_end=2561
+  _globals['_APPLYRESPONSE']._serialized_start=2563
+  _globals['_APPLYRESPONSE']._serialized_end=2599
+  _globals['_PAYLOADCHUNK']._serialized_start=2601
+  _globals['_PAYLOADCHUNK']._serialized_end=2680
+  _globals['_PAYLOADREF']._serialized_start=2682
+  _globals['_PAYLOADREF']._serialized_end=2777
+  _globals['_INITSERVICE']._serialized_start=2880
+  _globals['_INITSERVICE']._serialized_end=3484
 # @@protoc_insertion_point(module_scope)

@@ -3,11 +3,28 @@
 isort:skip_file
 InitService: validate plans, materialize them as a safetensors-compatible
 stream, or export them zero-copy to a colocated trainer under a lease.
+
+Errors: every failure is a gRPC status. An invalid plan is INVALID_ARGUMENT
+whose status details (grpc-status-details-bin, a google.rpc.Status) carry one
+google.rpc.BadRequest with a FieldViolation per problem: `field` is the path
+("params[3].init.normal.std", "params[1].name"; plan-wide: "params") and
+`description` is "<field> ('<param name>'): <message>". The status message
+repeats them as text (the first 50). Resource limits are RESOURCE_EXHAUSTED
+(with a BadRequest when a plan-size limit is the reason); zero-copy delivery
+to a peer on another host is FAILED_PRECONDITION; an unknown or foreign lease
+is NOT_FOUND; a missing or wrong bearer token is UNAUTHENTICATED; a draining
+server answers UNAVAILABLE; anything unexpected is INTERNAL with an error id
+that is in the server log.
+
+Health (grpc.health.v1, service "" and "paraminit.v1.InitService") and
+server reflection (grpc.reflection.v1 and v1alpha) are served beside it.
 """
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from paraminit.v1 import plan_pb2 as _plan_pb2
@@ -50,25 +67,29 @@ class MaterializeRequest(_message.Message):
     PLAN_FIELD_NUMBER: _builtins.int
     DELIVERY_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
-    LEASE_TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_FIELD_NUMBER: _builtins.int
     delivery: Global___Delivery.ValueType
     chunk_bytes: _builtins.int
     """Largest data chunk the client wants; 0 = server default; capped by the server."""
-    lease_ttl_seconds: _builtins.float
-    """Lease time to live for SHM / CUDA_IPC; 0 = server default."""
     @_builtins.property
     def plan(self) -> _plan_pb2.Plan: ...
+    @_builtins.property
+    def lease_ttl(self) -> _duration_pb2.Duration:
+        """Lease time to live for SHM / CUDA_IPC; unset or zero = the server default
+        (--lease-ttl), capped by --max-lease-ttl.
+        """
+
     def __init__(
         self,
         *,
         plan: _plan_pb2.Plan | None = ...,
         delivery: Global___Delivery.ValueType = ...,
         chunk_bytes: _builtins.int = ...,
-        lease_ttl_seconds: _builtins.float = ...,
+        lease_ttl: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "delivery", b"delivery", "lease_ttl_seconds", b"lease_ttl_seconds", "plan", b"plan"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "delivery", b"delivery", "lease_ttl", b"lease_ttl", "plan", b"plan"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -113,6 +134,13 @@ Global___TensorInfo: _TypeAlias = TensorInfo  # noqa: Y015
 
 @_typing.final
 class StreamHeader(_message.Message):
+    """The first message of a STREAM. Tensors lie in the data section ordered by
+    descending item size (float64, then float32, then float16 and bfloat16), in
+    plan order within one item size, without gaps; so every tensor starts on a
+    multiple of its item size. `tensors` lists them in plan order with their
+    offsets. The data section starts 64-byte aligned in the file.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PLAN_DIGEST_FIELD_NUMBER: _builtins.int
@@ -147,6 +175,10 @@ Global___StreamHeader: _TypeAlias = StreamHeader  # noqa: Y015
 
 @_typing.final
 class DataChunk(_message.Message):
+    """The next bytes of the data section. Chunks arrive in order and without gaps
+    (offset = the previous chunk's offset + its length), and end at data_bytes.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     OFFSET_FIELD_NUMBER: _builtins.int
@@ -156,6 +188,10 @@ class DataChunk(_message.Message):
     """from the start of the data section"""
     data: _builtins.bytes
     crc32c: _builtins.int
+    """CRC-32C (Castagnoli: polynomial 0x1EDC6F41, reflected 0x82F63B78, initial
+    value and final XOR 0xFFFFFFFF; as in iSCSI, RFC 3720) of `data` only (not
+    of the offset). CRC-32C("123456789") = 0xE3069283.
+    """
     def __init__(
         self,
         *,
@@ -180,19 +216,21 @@ class Lease(_message.Message):
     NBYTES_FIELD_NUMBER: _builtins.int
     DELIVERY_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
-    expires_at: _builtins.float
-    """seconds since the Unix epoch"""
     nbytes: _builtins.int
     delivery: Global___Delivery.ValueType
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """When the server frees the buffer unless renewed."""
+
     def __init__(
         self,
         *,
         lease_id: _builtins.str = ...,
-        expires_at: _builtins.float = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
         nbytes: _builtins.int = ...,
         delivery: Global___Delivery.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["delivery", b"delivery", "expires_at", b"expires_at", "lease_id", b"lease_id", "nbytes", b"nbytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
@@ -575,19 +613,21 @@ class RenewRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_ID_FIELD_NUMBER: _builtins.int
-    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
-    ttl_seconds: _builtins.float
-    """0 = server default"""
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """New time to live from now; unset or zero = the server default, capped by --max-lease-ttl."""
+
     def __init__(
         self,
         *,
         lease_id: _builtins.str = ...,
-        ttl_seconds: _builtins.float = ...,
+        ttl: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -633,25 +673,28 @@ class LeaseStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_FIELD_NUMBER: _builtins.int
-    AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    AGE_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     PLAN_DIGEST_FIELD_NUMBER: _builtins.int
-    age_seconds: _builtins.float
     owner: _builtins.str
     plan_digest: _builtins.str
     @_builtins.property
     def lease(self) -> Global___Lease: ...
+    @_builtins.property
+    def age(self) -> _duration_pb2.Duration:
+        """since the export"""
+
     def __init__(
         self,
         *,
         lease: Global___Lease | None = ...,
-        age_seconds: _builtins.float = ...,
+        age: _duration_pb2.Duration | None = ...,
         owner: _builtins.str = ...,
         plan_digest: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["age", b"age", "lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "lease", b"lease", "owner", b"owner", "plan_digest", b"plan_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age", b"age", "lease", b"lease", "owner", b"owner", "plan_digest", b"plan_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -722,7 +765,9 @@ Global___ApplyResponse: _TypeAlias = ApplyResponse  # noqa: Y015
 @_typing.final
 class PayloadChunk(_message.Message):
     """The first chunk carries dtype and count; every chunk carries the next bytes
-    (little-endian values of dtype, row-major).
+    (little-endian values of dtype, row-major). dtype DTYPE_UNSPECIFIED means
+    float32, as everywhere. The payload is held as binary64; a plan that names
+    one with non-finite values is invalid.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -756,16 +801,20 @@ class PayloadRef(_message.Message):
     COUNT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     payload_id: _builtins.str
+    """for Init.flat_ref"""
     count: _builtins.int
-    expires_at: _builtins.float
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """after it, plans naming the payload are invalid"""
+
     def __init__(
         self,
         *,
         payload_id: _builtins.str = ...,
         count: _builtins.int = ...,
-        expires_at: _builtins.float = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "expires_at", b"expires_at", "payload_id", b"payload_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...

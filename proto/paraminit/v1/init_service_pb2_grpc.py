@@ -80,8 +80,10 @@ class InitServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Materialize(self, request, context):
-        """Validates, admits, fills and delivers a plan. STREAM: a header, then data chunks.
-        SHM / CUDA_IPC: one response describing the exported buffer and its lease.
+        """Validates, admits, fills and delivers a plan. STREAM: a StreamHeader, then
+        DataChunks in offset order (see StreamHeader). SHM / CUDA_IPC: one
+        ExportInfo describing the exported buffer and its lease. Nothing is
+        allocated before the whole plan is valid and admitted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

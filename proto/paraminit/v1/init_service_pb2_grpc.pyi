@@ -3,6 +3,21 @@
 isort:skip_file
 InitService: validate plans, materialize them as a safetensors-compatible
 stream, or export them zero-copy to a colocated trainer under a lease.
+
+Errors: every failure is a gRPC status. An invalid plan is INVALID_ARGUMENT
+whose status details (grpc-status-details-bin, a google.rpc.Status) carry one
+google.rpc.BadRequest with a FieldViolation per problem: `field` is the path
+("params[3].init.normal.std", "params[1].name"; plan-wide: "params") and
+`description` is "<field> ('<param name>'): <message>". The status message
+repeats them as text (the first 50). Resource limits are RESOURCE_EXHAUSTED
+(with a BadRequest when a plan-size limit is the reason); zero-copy delivery
+to a peer on another host is FAILED_PRECONDITION; an unknown or foreign lease
+is NOT_FOUND; a missing or wrong bearer token is UNAUTHENTICATED; a draining
+server answers UNAVAILABLE; anything unexpected is INTERNAL with an error id
+that is in the server log.
+
+Health (grpc.health.v1, service "" and "paraminit.v1.InitService") and
+server reflection (grpc.reflection.v1 and v1alpha) are served beside it.
 """
 
 from collections import abc as _abc
@@ -34,8 +49,10 @@ class InitServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> InitServiceAsyncStub: ...
     Materialize: _grpc.UnaryStreamMultiCallable[_init_service_pb2.MaterializeRequest, _init_service_pb2.MaterializeResponse]
-    """Validates, admits, fills and delivers a plan. STREAM: a header, then data chunks.
-    SHM / CUDA_IPC: one response describing the exported buffer and its lease.
+    """Validates, admits, fills and delivers a plan. STREAM: a StreamHeader, then
+    DataChunks in offset order (see StreamHeader). SHM / CUDA_IPC: one
+    ExportInfo describing the exported buffer and its lease. Nothing is
+    allocated before the whole plan is valid and admitted.
     """
     Validate: _grpc.UnaryUnaryMultiCallable[_init_service_pb2.ValidateRequest, _init_service_pb2.ValidateResponse]
     """Dry run: every violation and the byte sizes; allocates nothing."""
@@ -53,8 +70,10 @@ class InitServiceStub:
 class InitServiceAsyncStub(InitServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Materialize: _aio.UnaryStreamMultiCallable[_init_service_pb2.MaterializeRequest, _init_service_pb2.MaterializeResponse]  # type: ignore[assignment]
-    """Validates, admits, fills and delivers a plan. STREAM: a header, then data chunks.
-    SHM / CUDA_IPC: one response describing the exported buffer and its lease.
+    """Validates, admits, fills and delivers a plan. STREAM: a StreamHeader, then
+    DataChunks in offset order (see StreamHeader). SHM / CUDA_IPC: one
+    ExportInfo describing the exported buffer and its lease. Nothing is
+    allocated before the whole plan is valid and admitted.
     """
     Validate: _aio.UnaryUnaryMultiCallable[_init_service_pb2.ValidateRequest, _init_service_pb2.ValidateResponse]  # type: ignore[assignment]
     """Dry run: every violation and the byte sizes; allocates nothing."""
@@ -75,8 +94,10 @@ class InitServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _init_service_pb2.MaterializeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_init_service_pb2.MaterializeResponse], _abc.AsyncIterator[_init_service_pb2.MaterializeResponse]]:
-        """Validates, admits, fills and delivers a plan. STREAM: a header, then data chunks.
-        SHM / CUDA_IPC: one response describing the exported buffer and its lease.
+        """Validates, admits, fills and delivers a plan. STREAM: a StreamHeader, then
+        DataChunks in offset order (see StreamHeader). SHM / CUDA_IPC: one
+        ExportInfo describing the exported buffer and its lease. Nothing is
+        allocated before the whole plan is valid and admitted.
         """
 
     @_abc_1.abstractmethod
