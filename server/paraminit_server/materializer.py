@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes, wire
+from paraminit.hostmem import host_buffer
 from paraminit.v1 import plan_pb2
 from paraminit_server import __version__, engine, errors, layout, plan, validation
 from paraminit_server.admission import Admission, host_memory
@@ -24,7 +25,6 @@ from paraminit_server.backends import HOST, Backend, DeviceDescription
 from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
 from paraminit_server.exports import Export, Exports
-from paraminit_server.hostmem import host_buffer
 from paraminit_server.leases import LeaseRecord, LeaseTable
 from paraminit_server.payloads import BoundSources, Payload, Sources
 

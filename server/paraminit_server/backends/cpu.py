@@ -10,6 +10,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from paraminit.hostmem import host_buffer
 from paraminit_server.admission import host_memory
 from paraminit_server.backends import HOST, SHM, DeviceDescription, ExportBuffer, cpu_kernels
 from paraminit_server.errors import Cancelled
@@ -37,7 +38,7 @@ class CpuBackend:
             self.fill(rp, np.empty(rp.numel, dtype=rp.dtype.storage))
 
     def scratch(self, nbytes: int) -> Any:
-        return np.empty(nbytes, dtype=np.uint8)
+        return host_buffer(nbytes)
 
     def export_buffer(self, nbytes: int) -> ExportBuffer:
         return ShmSegment(nbytes)
