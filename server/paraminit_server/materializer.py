@@ -169,7 +169,7 @@ class Materializer:
                 lay = layout.stream_layout(params, checked.digest)
                 with self._reserve(0, lay.data_bytes, caller, "materialization"):
                     buf = host_buffer(lay.data_bytes)
-                    self.backend.fill_plan(params, buf, [pl.offset for pl in lay.placements], caller.gone)
+                    engine.fill_params(self.backend, params, buf, [pl.offset for pl in lay.placements], caller.gone)
                 return lay, checked.digest, buf
             lay = layout.export_layout(params)
             for rp in params:
@@ -183,7 +183,7 @@ class Materializer:
                                                 f"{list(out.shape)} {out.dtype}")
             for rp in params:
                 flat = outputs[rp.name].reshape(-1).view(np.uint8)
-                self.backend.fill_plan([rp], flat, [0], caller.gone)
+                engine.fill_params(self.backend, [rp], flat, [0], caller.gone)
             return lay, checked.digest, None
 
     def export(self, p: plan_pb2.Plan, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
