@@ -405,7 +405,7 @@ def _umask() -> int:
 
 
 def _progress_bar(total: int, name: str) -> Any:
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, leave=False)
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, leave=True)  # the finished bar stays on screen
 
 
 def _verified_chunks(call: Any, total: int) -> Iterator[wire.Chunk]:
