@@ -50,27 +50,38 @@ def _import_cupy() -> Any:
 
 
 class CudaMapping:
-    """An opened CUDA IPC handle: the peer's allocation mapped on this process's ordinal for the same GPU."""
+    """An opened CUDA IPC handle: the peer's allocation mapped on this process's ordinal for the same GPU.
 
-    def __init__(self, info: pb.CudaIpcExport, cp: Any = None, uuid_of: Any = cuda.driver_uuid) -> None:
+    The server names its GPU by UUID because ordinals differ between processes (CUDA_VISIBLE_DEVICES);
+    an empty export carries no handle and maps nothing."""
+
+    def __init__(self, info: pb.CudaIpcExport, cp: Any = None, uuid_of: cuda.UuidOf | None = None) -> None:
         self.cp = cp if cp is not None else _import_cupy()
         self.size = int(info.size)
         self.ptr: int | None = None
         try:
             self.ordinal = cuda.local_ordinal(self.cp, info.device_uuid, uuid_of) if info.device_uuid else int(info.device)
-        except LookupError as exc:
+        except Exception as exc:  # not visible here, or no usable driver: the caller may fall back to STREAM
             raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the CUDA IPC handle: {exc}") from None
+        if self.size and len(info.ipc_handle) != cuda.IPC_HANDLE_BYTES:
+            raise ParaminitError(grpc.StatusCode.INTERNAL, f"server sent a CUDA IPC handle of {len(info.ipc_handle)} "
+                                 f"bytes, expected {cuda.IPC_HANDLE_BYTES}")
         with self.cp.cuda.Device(self.ordinal):
             if self.size == 0:  # an empty plan: nothing was allocated, nothing to open
                 self.array = self.cp.empty(0, dtype=self.cp.uint8)
                 return
             try:
-                self.ptr = int(self.cp.cuda.runtime.ipcOpenMemHandle(info.ipc_handle))
+                self.ptr = int(self.cp.cuda.runtime.ipcOpenMemHandle(bytes(info.ipc_handle)))
             except self.cp.cuda.runtime.CUDARuntimeError as exc:
                 raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
                                      f"cannot open the CUDA IPC handle: {exc}") from None
-            mem = self.cp.cuda.UnownedMemory(self.ptr, self.size, None, self.ordinal)
-            self.array = self.cp.ndarray((self.size,), dtype=self.cp.uint8, memptr=self.cp.cuda.MemoryPointer(mem, 0))
+            try:
+                mem = self.cp.cuda.UnownedMemory(self.ptr, self.size, self, self.ordinal)
+                self.array = self.cp.ndarray((self.size,), dtype=self.cp.uint8,
+                                             memptr=self.cp.cuda.MemoryPointer(mem, 0))
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
         """Finish this process's work on the memory, then unmap it (in its device's context), exactly once.

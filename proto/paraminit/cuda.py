@@ -10,10 +10,13 @@ asked, the PCI bus id names the device instead. CuPy is passed in, never importe
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from typing import Any
 
 UUID_BYTES = 16
+IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+UuidOf = Callable[[int], bytes | None]
 
 
 def format_uuid(raw: bytes | bytearray | str) -> str:
@@ -29,8 +32,11 @@ def format_uuid(raw: bytes | bytearray | str) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
+@functools.lru_cache(maxsize=64)
 def driver_uuid(ordinal: int) -> bytes | None:
-    """cuDeviceGetUuid for the ordinal-th visible device, or None when the driver library is not there."""
+    """cuDeviceGetUuid for the ordinal-th visible device, or None when the driver library is not there.
+
+    Cached: a process's visible devices do not change, and GetInfo and metrics ask often."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         if lib.cuInit(0) != 0:
@@ -47,10 +53,11 @@ def driver_uuid(ordinal: int) -> bytes | None:
         return None
 
 
-def device_uuid(cp: Any, ordinal: int, props: dict[str, Any] | None = None,
-                uuid_of: Callable[[int], bytes | None] = driver_uuid) -> str:
-    """The identity of a visible device: its UUID, else "PCI:<bus id>"."""
-    raw: bytes | bytearray | None = uuid_of(ordinal)
+def device_uuid(cp: Any, ordinal: int, props: dict[str, Any] | None = None, uuid_of: UuidOf | None = None) -> str:
+    """The identity of a visible device: its UUID, else "PCI:<bus id>".
+
+    `uuid_of` (default: driver_uuid, looked up at call time) reads the 16 raw bytes of an ordinal's UUID."""
+    raw: bytes | bytearray | None = (uuid_of or driver_uuid)(ordinal)
     if raw is None:
         props = props if props is not None else cp.cuda.runtime.getDeviceProperties(ordinal)
         maybe = props.get("uuid", b"")
@@ -73,7 +80,7 @@ def same_device(a: str, b: str) -> bool:
     return bool(fa) and fa == fb
 
 
-def local_ordinal(cp: Any, identity: str, uuid_of: Callable[[int], bytes | None] = driver_uuid) -> int:
+def local_ordinal(cp: Any, identity: str, uuid_of: UuidOf | None = None) -> int:
     """This process's ordinal for the device a peer named; LookupError when it is not visible here."""
     count = int(cp.cuda.runtime.getDeviceCount())
     for ordinal in range(count):

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
-from paraminit.cuda import device_uuid
+from paraminit.cuda import IPC_HANDLE_BYTES, device_uuid
 from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle
 from paraminit_server.errors import BackendUnavailable, Cancelled, ResourceExhausted
 from paraminit_server.plan import Kind, ResolvedParam, Runs, warm_up_params
@@ -280,20 +280,26 @@ def ipc_size(nbytes: int) -> int:
 
 
 class DeviceExport:
-    """A whole cudaMalloc allocation lent by CUDA IPC; an empty export allocates nothing."""
+    """A whole cudaMalloc allocation lent by CUDA IPC; an empty export allocates nothing.
+
+    The peer maps the whole allocation, so the bytes past `size` (the rounding to 2 MiB) are
+    zeroed here: cudaMalloc may hand back memory this server freed, holding an earlier export."""
 
     def __init__(self, backend: CupyBackend, nbytes: int) -> None:
         self.size = nbytes
         self._backend = backend
         self._mem: Any = None
         cp = backend._cp
-        if nbytes == 0:
-            self.array: Any = None
-            with backend._device:
-                self.array = cp.empty(0, dtype=cp.uint8)
-            return
-        self._mem = backend._malloc(ipc_size(nbytes))
-        self.array = cp.ndarray((nbytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(self._mem, 0))
+        with backend._device:
+            if nbytes == 0:
+                self.array: Any = cp.empty(0, dtype=cp.uint8)
+                return
+            alloc = ipc_size(nbytes)
+            self._mem = backend._malloc(alloc)
+            whole = cp.ndarray((alloc,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(self._mem, 0))
+            if alloc > nbytes:
+                whole[nbytes:].fill(0)  # ordered before the handle leaves by fill_all's synchronize
+            self.array = whole[:nbytes]
 
     def handle(self) -> ExportHandle:
         dev = self._backend.device()
@@ -301,14 +307,17 @@ class DeviceExport:
             return ExportHandle(CUDA_IPC, 0, device=dev)
         with self._backend._device:
             raw = bytes(self._backend._cp.cuda.runtime.ipcGetMemHandle(self._mem.ptr))
+        if len(raw) != IPC_HANDLE_BYTES:
+            raise RuntimeError(f"ipcGetMemHandle returned {len(raw)} bytes, expected {IPC_HANDLE_BYTES}")
         return ExportHandle(CUDA_IPC, self.size, ipc_handle=raw, device=dev)
 
     def recycle(self) -> bool:
         return False  # an IPC handle cannot be revoked: released device memory is never lent again
 
     def close(self) -> None:
-        self.array = None
-        self._mem = None  # cudaFree when CuPy drops the last reference
+        with self._backend._device:  # cudaFree (when CuPy drops the last reference) in the allocation's context
+            self.array = None
+            self._mem = None
 
 
 class CupyBackend:
@@ -330,7 +339,12 @@ class CupyBackend:
             raise BackendUnavailable(f"cupy backend unavailable: device {device} requested but {count} present")
         self._cp = cp
         self._ordinal = device
-        self._device = cp.cuda.Device(device)
+
+    @property
+    def _device(self) -> Any:
+        """A new cupy.cuda.Device each time: a `with` block on one shared object from several threads
+        (RPC workers, the slab producer, lease expiry) could restore another thread's previous device."""
+        return self._cp.cuda.Device(self._ordinal)
 
     def warm_up(self) -> None:
         """Compile (or load) the kernels and run each kind once, so the first request pays nothing."""
