@@ -21,6 +21,16 @@ Policies:
 - ``"torchlean"``: Kaiming-uniform (``kaimingUniformForShape``) for weights of
   rank >= 2, zeros for biases and other rank < 2 tensors of those layers,
   ones/zeros for norms, normal(0, 1) for embeddings.
+- ``"hf"``: Hugging Face transformers' own ``_init_weights`` (paraminit_client.hf):
+  normal(0, initializer_range) weights, zero biases, unit norms, GPT-2's scaled
+  residual projections, for GPT-2, Llama, Mistral, Qwen2, BERT and every family
+  using the base rules.
+
+An Embedding's ``padding_idx`` row is zero under every policy (a plan patch over
+the base initializer). DTensor parameters stay DTensors and each rank fills only
+its shard (paraminit_client.distributed). Non-persistent buffers left on meta are
+computed by the model's own code where it has some (transformers models);
+otherwise build the model under ``meta_parameters()``.
 
 A layer the policy does not know (or a known one whose class redefines its
 initialization) is never guessed: ``UnsupportedModuleError`` lists every such
@@ -34,8 +44,11 @@ on ``meta`` that the plan does not cover.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import inspect
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -52,18 +65,22 @@ from google.protobuf import json_format
 
 from paraminit import dtypes
 from paraminit.peers import is_local_target
-from paraminit.shapes import fan_in_out
+from paraminit.shapes import fan_in_out, out_shape
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
+from paraminit_client import distributed
 from paraminit_client.client import Client
 from paraminit_client.errors import ParaminitError
 from paraminit_client.exports import Lease
 
-__all__ = ["LEASE_ATTR", "POLICIES", "UnsupportedModuleError", "lease_of", "materialize_module", "param_seed",
+__all__ = ["LEASE_ATTR", "POLICIES", "UnsupportedModuleError", "lease_of", "materialize_module", "meta_parameters",
+           "param_seed",
            "plan_from_module"]
 
-Override = Callable[[str, torch.Tensor], "plan_pb2.Init | Mapping[str, Any] | None"]
-POLICIES = ("torch", "torchlean")
+# overrides(name, tensor) or overrides(name, tensor, module, module_name): the module owning the tensor under
+# `name` and its qualified name in the model ("" for the root); None leaves the tensor to the policy.
+Override = Callable[..., "plan_pb2.Init | Mapping[str, Any] | None"]
+POLICIES = ("torch", "torchlean", "hf")
 LEASE_ATTR = "_paraminit_lease"
 
 _PLAN_DTYPES: dict[torch.dtype, plan_pb2.DType.ValueType] = {
@@ -161,11 +178,19 @@ def _bilinear(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> pl
 
 
 def _embedding(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
-    if key != "weight":
-        return None
-    if mod.padding_idx is not None:
-        return f"padding_idx={mod.padding_idx} needs a zero row, which one plan initializer cannot express"
-    return _normal(1.0, seed)
+    """normal(0, 1); a padding_idx row is zero through a plan patch (_fixed_elements)."""
+    return _normal(1.0, seed) if key == "weight" else None
+
+
+def _fixed_elements(mod: nn.Module, key: str, t: torch.Tensor) -> list[plan_pb2.Patch]:
+    """Elements a layer fixes whatever its initializer: Embedding's and EmbeddingBag's padding_idx row is zero."""
+    pad = getattr(mod, "padding_idx", None)
+    if key != "weight" or pad is None or not isinstance(mod, nn.Embedding | nn.EmbeddingBag) or t.dim() != 2:
+        return []
+    patch = plan_pb2.Patch(init=_zeros())
+    patch.box.add(start=pad, stop=pad + 1)
+    patch.box.add(start=0, stop=t.shape[1])
+    return [patch]
 
 
 def _norm(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
@@ -289,23 +314,56 @@ def _override_init(name: str, value: plan_pb2.Init | Mapping[str, Any], seed: in
     return init
 
 
+def _override_arity(fn: Override) -> int:
+    """4 when the callback takes (name, tensor, module, module_name), else 2 (the original form)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return 2
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return 4
+    return 4 if len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 4 else 2
+
+
+def _module_names(module: nn.Module) -> dict[int, str]:
+    return {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+
+
 def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
                      overrides: Override | None = None) -> plan_pb2.Plan:
     """One Param per distinct floating-point tensor of `module.state_dict()`, in its order.
 
     Names are state_dict names; a tied tensor appears once, under its first
     name, with the initialization of that name's module (for GPT-2's tied
-    lm_head that is the token Embedding's). `overrides(name, tensor)` is asked
-    first for every tensor; None leaves it to the policy. Seeds are
-    param_seed(seed, name). Works on meta modules: only shapes and dtypes are read.
+    lm_head that is the token Embedding's; under "hf", the tie source's).
+    `overrides` is asked first for every tensor, as overrides(name, tensor) or,
+    when it takes four arguments, overrides(name, tensor, module, module_name)
+    with the owning module and its qualified name; None leaves it to the policy.
+    An override replaces the base initializer only: elements the layer fixes
+    (Embedding's padding_idx row) stay fixed, as plan patches. Seeds are
+    param_seed(seed, name). Works on meta modules (and DTensor parameters: global
+    shapes): only shapes and dtypes are read.
+
+    Recipe, GPT-2-style depth-scaled output projections with truncated-looking bounds::
+
+        def scheme(name, tensor, module, module_name):
+            if isinstance(module, nn.Linear) and module_name.endswith("c_proj") and name.endswith("weight"):
+                bound = 0.02 / math.sqrt(2 * n_layers) * math.sqrt(3)  # uniform with normal(0, std)'s variance
+                return {"uniform": {"lo": -bound, "hi": bound}}       # seed: param_seed(seed, name)
+            return None
+
+        plan = plan_from_module(model, seed=0, policy="hf", overrides=scheme)
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     owners = _owners(module)
     inits: dict[str, plan_pb2.Init | str] = {}
+    patches: dict[str, list[plan_pb2.Patch]] = {}
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
-    for name, t in _distinct_tensors(module):
+    if policy == "hf":
+        _hf_inits(module, seed, owners, inits, patches, tensors, kinds)
+    for name, t in ([] if policy == "hf" else _distinct_tensors(module)):
         if not _is_plan_tensor(t):
             continue  # integer/bool buffers: not expressible in the plan's float dtypes (see materialize_module)
         tensors[name] = t
@@ -323,13 +381,20 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
             continue
         got = rule(owner[0], owner[1], t, param_seed(seed, name), policy)
         inits[name] = got if got is not None else f"{kinds[name]} has no rule for its tensor {owner[1]!r}"
-    _container_rules(module, policy, seed, inits)
+        patches[name] = _fixed_elements(owner[0], owner[1], t)
+    if policy != "hf":
+        _container_rules(module, policy, seed, inits)
     problems: list[tuple[str, str, str]] = []
     params: list[plan_pb2.Param] = []
+    arity = _override_arity(overrides) if overrides is not None else 0
+    mod_names = _module_names(module) if arity == 4 else {}
     for name, t in tensors.items():
         init = inits[name]
         if overrides is not None:
-            custom = overrides(name, t)
+            owner = owners.get(name)
+            args = (name, t) if arity == 2 else (name, t, owner[0] if owner else None,
+                                                 mod_names.get(id(owner[0]), "") if owner else "")
+            custom = overrides(*args)
             if custom is not None:
                 init = _override_init(name, custom, param_seed(seed, name))
         dtype = _PLAN_DTYPES.get(t.dtype)
@@ -338,10 +403,37 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
         elif isinstance(init, str):
             problems.append((name, kinds[name], init))
         else:
-            params.append(plan_pb2.Param(name=name, shape=list(t.shape), dtype=dtype, init=init))
+            params.append(plan_pb2.Param(name=name, shape=list(t.shape), dtype=dtype, init=init,
+                                         patches=patches.get(name, [])))
     if problems:
         raise UnsupportedModuleError(problems)
     return plan_pb2.Plan(params=params)
+
+
+def _hf_inits(module: nn.Module, seed: int, owners: dict[str, tuple[nn.Module, str]],
+              inits: dict[str, plan_pb2.Init | str], patches: dict[str, list[plan_pb2.Patch]],
+              tensors: dict[str, torch.Tensor], kinds: dict[str, str]) -> None:
+    """policy="hf" (paraminit_client.hf): transformers' own _init_weights, per distinct tensor."""
+    from paraminit_client import hf
+
+    names: dict[int, list[str]] = {}
+    first: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.Tensor) and _is_plan_tensor(t):
+            names.setdefault(id(t), []).append(name)
+            first.setdefault(id(t), (name, t))
+    for i, (got, chosen) in hf.plan_inits(module, names).items():
+        name, t = first[i]
+        tensors[name] = t
+        owner = owners.get(chosen)
+        kinds[name] = type(owner[0]).__name__ if owner else "?"
+        if nn.parameter.is_lazy(t):
+            inits[name] = "uninitialized lazy tensor: run a forward pass first or use the non-lazy layer"
+        elif isinstance(got.make, str):
+            inits[name] = got.make
+        else:
+            inits[name] = got.make(param_seed(seed, name))
+            patches[name] = got.patches
 
 
 # -- materializing ------------------------------------------------------------------------
@@ -389,7 +481,7 @@ def _fetch(client: Client, plan: plan_pb2.Plan, device: torch.device, kind: str,
            auto_renew: bool | None) -> tuple[dict[str, torch.Tensor], Lease | None]:
     if kind == "in_process":
         host = device if device.type == "cpu" else torch.device("cpu")
-        tensors = {p.name: torch.empty(tuple(p.shape), dtype=_TORCH_DTYPES[p.dtype], device=host) for p in plan.params}
+        tensors = {p.name: torch.empty(out_shape(p), dtype=_TORCH_DTYPES[p.dtype], device=host) for p in plan.params}
         client.materialize_into(plan, {k: _numpy_view(v) for k, v in tensors.items()})
         return {k: v.to(device) for k, v in tensors.items()}, None
     if kind == "stream":
@@ -448,6 +540,7 @@ def materialize_module(module: nn.Module, client: Client, device: str | torch.de
     _check_plan(plan, state)
     planned = {ids[p.name] for p in plan.params}
     owners = _owners(module)
+    _compute_transient_buffers(module, dev)
     fills: dict[int, torch.Tensor] = {}
     missing = []
     for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
@@ -457,11 +550,17 @@ def materialize_module(module: nn.Module, client: Client, device: str | torch.de
         if owner is not None and isinstance(owner[0], _NormBase) and owner[1] == "num_batches_tracked":
             fills[id(t)] = torch.zeros(t.shape, dtype=t.dtype, device=dev)  # PyTorch's reset_running_stats
         else:
-            why = "not in the plan" if name in state else "a non-persistent buffer, which no plan can describe"
+            why = "not in the plan" if name in state else "a non-persistent buffer the module cannot recompute"
             missing.append(f"{name} ({t.dtype}, {why})")
     if missing:
-        raise ValueError("these tensors are still on meta and would stay unmaterialized; build them on a real "
-                         "device or include them in the plan: " + ", ".join(missing))
+        raise ValueError("these tensors are still on meta and would stay unmaterialized: " + ", ".join(missing)
+                         + ". Build the model under paraminit_client.torch.meta_parameters() instead of "
+                         "torch.device('meta'): parameters stay on meta, buffers are computed for real, and "
+                         "materialize_module fills the parameters (pass overrides for parameters a policy refuses)")
+    full_plan = plan
+    boxes: dict[str, tuple[tuple[int, int], ...]] = {}
+    if any(distributed.is_dtensor(state[p.name]) for p in plan.params):
+        plan, boxes = distributed.localize(plan, state)  # this rank's shards only
 
     tensors: dict[str, torch.Tensor] = {}
     lease: Lease | None = None
@@ -475,9 +574,12 @@ def materialize_module(module: nn.Module, client: Client, device: str | torch.de
                 if i + 1 == len(order) or err.code != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
     try:
-        for p in plan.params:
+        for p in full_plan.params:
             old = state[p.name]
-            new = tensors[p.name]
+            new = tensors.get(p.name)
+            if p.name in boxes:
+                new = distributed.wrap(new, old, boxes[p.name], dev)
+            assert new is not None
             fills[id(old)] = nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else new
         module.load_state_dict({name: fills.get(id(t), t) if isinstance(t, torch.Tensor) else t
                                 for name, t in state.items()}, strict=True, assign=True)
@@ -516,6 +618,40 @@ class _Held:
 
     def __repr__(self) -> str:
         return f"<paraminit lease {self.lease.lease_id if self.lease else None}>"
+
+
+def _compute_transient_buffers(module: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers left on meta (rotary inv_freq, position ids), computed on `device` by the model's
+    own code where it has some: transformers models' _init_weights (paraminit_client.hf.fill_buffers)."""
+    pending: dict[str, tuple[nn.Module, str]] = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        for key in mod._non_persistent_buffers_set:
+            b = mod._buffers.get(key)
+            if b is not None and b.is_meta:
+                pending[f"{prefix}.{key}" if prefix else key] = (mod, key)
+    if pending and "transformers" in sys.modules:  # a transformers model implies transformers is loaded
+        from paraminit_client import hf
+
+        hf.fill_buffers(module, pending, device)
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Build a model with its parameters on meta and its buffers real: modules compute their buffers
+    (rotary frequencies, masks, position ids) as usual, and no parameter memory or initialization is spent
+    before materialize_module. Like torch.device("meta") for parameters only."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and type(param) is nn.Parameter and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
 def lease_of(module: nn.Module) -> Lease | None:
