@@ -19,14 +19,14 @@ import numpy.typing as npt
 from paraminit import dtypes, wire
 from paraminit.hostmem import host_buffer
 from paraminit.v1 import plan_pb2
-from paraminit_server import __version__, engine, errors, layout, plan, validation
+from paraminit_server import __version__, admission, engine, errors, layout, plan, validation
 from paraminit_server.admission import Admission, host_memory
 from paraminit_server.backends import HOST, Backend, DeviceDescription
 from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
 from paraminit_server.exports import Export, Exports
 from paraminit_server.leases import LeaseRecord, LeaseTable
-from paraminit_server.payloads import BoundSources, Payload, Sources
+from paraminit_server.payloads import BoundSources, Payload, PayloadTicket, Sources
 
 PREFETCH = 2  # slabs generated ahead of the one being sent
 
@@ -38,6 +38,12 @@ class Checked:
     params: list[plan.ResolvedParam]
     report: validation.Report
     digest: str
+    sources: BoundSources | None = None  # holds the memory of checkpoint values until close()
+
+    def close(self) -> None:
+        """Give back the memory reserved for checkpoint values."""
+        if self.sources is not None:
+            self.sources.release()
 
 
 @dataclass(frozen=True)
@@ -87,11 +93,18 @@ class Materializer:
     # -- plans ---------------------------------------------------------------------------
 
     def _sources(self, caller: Caller) -> BoundSources:
-        return BoundSources(self.sources, caller.identity)
+        # checkpoint values are held host memory: reserved before they are read
+        return BoundSources(self.sources, caller.identity,
+                            lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"))
 
     def validate(self, p: plan_pb2.Plan, caller: Caller) -> tuple[validation.Report, str]:
         """Every violation of the plan (limits included) and its digest; raises nothing for a bad plan."""
-        return validation.validate(p, self.limits, self._sources(caller)), plan.digest(p)
+        sources = self._sources(caller)
+        try:
+            return validation.validate(p, self.limits, sources), plan.digest(p, sources)
+        finally:
+            sources.release()
+            admission.trim_heap()  # a large plan's parse and checks leave freed heap behind, as materializations do
 
     def check(self, p: plan_pb2.Plan, caller: Caller) -> Checked:
         """Validate the whole plan; raise with every violation, or return it resolved."""
@@ -102,7 +115,11 @@ class Materializer:
             raise errors.ResourceExhausted(f"plan exceeds server limits: {worst}", report.violations)
         if not report.ok:
             raise errors.InvalidPlan(report.violations)
-        return Checked(plan.resolve(p, sources), report, plan.digest(p))
+        try:
+            return Checked(plan.resolve(p, sources), report, plan.digest(p, sources), sources)
+        except BaseException:
+            sources.release()
+            raise
 
     def chunk_size(self, requested: int) -> int:
         size = requested or self.config.chunk_bytes
@@ -117,6 +134,11 @@ class Materializer:
         few slabs whatever the plan's size; closing the iterator or the caller going away stops generation at
         the next slab."""
         checked = self.check(p, caller)
+        with contextlib.closing(checked):
+            yield from self._stream(checked, caller, chunk_bytes, encode)
+
+    def _stream(self, checked: Checked, caller: Caller, chunk_bytes: int,
+                encode: bool) -> Generator[StreamStart | bytes | tuple[int, Any], None, None]:
         lay = layout.stream_layout(checked.params, checked.digest)
         chunk = self.chunk_size(chunk_bytes)
         slab = max(chunk, self.config.slab_bytes // chunk * chunk)
@@ -164,7 +186,7 @@ class Materializer:
             raise errors.FailedPrecondition(f"in-process fills need a host backend, not {self.backend.name}")
         checked = self.check(p, caller)
         params = checked.params
-        with self.admission.admit(checked.report.total_bytes):
+        with contextlib.closing(checked), self.admission.admit(checked.report.total_bytes):
             if outputs is None:
                 lay = layout.stream_layout(params, checked.digest)
                 with self._reserve(0, lay.data_bytes, caller, "materialization"):
@@ -189,7 +211,7 @@ class Materializer:
     def export(self, p: plan_pb2.Plan, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
         """Fill a buffer local peers map (SHM or CUDA IPC) and lend it under a lease."""
         checked = self.check(p, caller)
-        with self.admission.admit(checked.report.total_bytes):
+        with contextlib.closing(checked), self.admission.admit(checked.report.total_bytes):
             return self.exports.export(checked.params, checked.digest, delivery, caller, ttl_seconds)
 
     # -- leases --------------------------------------------------------------------------
@@ -205,34 +227,44 @@ class Materializer:
 
     def apply(self, lease_id: str, p: plan_pb2.Plan, caller: Caller) -> str:
         checked = self.check(p, caller)
-        with self.admission.admit(0):
+        with contextlib.closing(checked), self.admission.admit(0):
             return self.exports.apply(lease_id, checked.params, checked.digest, caller)
 
     # -- payloads ------------------------------------------------------------------------
 
     def upload(self, pieces: Iterable[PayloadPiece], caller: Caller) -> tuple[str, Payload]:
-        """Receive a payload into one buffer; the first piece's dtype and count size it."""
-        buf: npt.NDArray[np.uint8] | None = None
-        dtype = count = received = 0
-        for piece in pieces:
-            if buf is None:
-                dtype, count = piece.dtype, piece.count
-                dt = dtypes.by_enum(dtype)
-                if dt is None:
-                    raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype}; expected one of "
-                                                f"{', '.join(d.name for d in dtypes.SUPPORTED)}")
-                if count * 8 > self.sources.max_bytes:
-                    raise errors.ResourceExhausted(f"payload of {count} values needs {count * 8} bytes as binary64; "
-                                                   f"the payload limit is {self.sources.max_bytes}")
-                buf = np.empty(count * dt.itemsize, dtype=np.uint8)
-            data = piece.data
-            if received + len(data) > len(buf):
-                raise errors.InvalidRequest(f"payload is longer than the declared {count} values")
-            buf[received:received + len(data)] = np.frombuffer(data, dtype=np.uint8)
-            received += len(data)
-        if buf is None:
-            raise errors.InvalidRequest("empty payload upload")
-        return self.sources.store(caller.identity, dtype, count, buf[:received])
+        """Receive a payload into one buffer; the first piece's dtype and count size it, and its binary64
+        bytes are taken from the payload limit before anything is kept (uploads in flight count against it;
+        the bytes go back on every failure). Shutdown lets uploads in flight finish within the drain time."""
+        with self.sources.uploading():
+            ticket: PayloadTicket | None = None
+            try:
+                buf: npt.NDArray[np.uint8] | None = None
+                dtype = count = received = 0
+                for piece in pieces:
+                    if buf is None:
+                        dtype, count = piece.dtype, piece.count
+                        dt = dtypes.by_enum(dtype)
+                        if dt is None:
+                            raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype}; expected one of "
+                                                        f"{', '.join(d.name for d in dtypes.SUPPORTED)}")
+                        if count * 8 > self.sources.max_bytes:
+                            raise errors.ResourceExhausted(f"payload of {count} values needs {count * 8} bytes as "
+                                                           f"binary64; the payload limit is {self.sources.max_bytes}")
+                        ticket = self.sources.reserve(count * 8)
+                        buf = np.empty(count * dt.itemsize, dtype=np.uint8)
+                    data = piece.data
+                    if received + len(data) > len(buf):
+                        raise errors.InvalidRequest(f"payload is longer than the declared {count} values")
+                    buf[received:received + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                    received += len(data)
+                if buf is None:
+                    raise errors.InvalidRequest("empty payload upload")
+                return self.sources.store(caller.identity, dtype, count, buf[:received], ticket)
+            except BaseException:
+                if ticket is not None:
+                    ticket.cancel()
+                raise
 
     # -- the server ----------------------------------------------------------------------
 

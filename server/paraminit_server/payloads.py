@@ -3,24 +3,38 @@
 Both become binary64 arrays, converted exactly from float32, float16, bfloat16
 or float64, so a checkpoint tensor passes through the usual single rounding
 into the parameter's dtype and loads bit for bit when the dtypes agree.
+
+Uploads reserve their bytes against the payload limit before the first byte is
+kept, so concurrent uploads cannot overshoot it. Checkpoints are read through
+files.py (bounded pread, never a memory map); a region of a checkpoint tensor
+reads and converts only that region, and its bytes are reserved against the
+memory budget before they are read.
 """
 
 from __future__ import annotations
 
-import json
+import collections
+import contextlib
+import hashlib
 import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
-from paraminit_server import errors
+from paraminit_server import errors, files
+from paraminit_server.files import FileChanged, Header, TensorInfo
+
+__all__ = ["BoundSources", "FileChanged", "Payload", "PayloadTicket", "Sources", "TensorInfo", "to_binary64"]
+
+CONTENT_HASHES = 4096  # remembered (file version, tensor, region) -> SHA-256, so Validate reads a file once
 
 
 def to_binary64(raw: npt.NDArray[np.uint8], dt: dtypes.DTypeInfo) -> npt.NDArray[np.float64]:
@@ -40,14 +54,27 @@ class Payload:
     expires_at: float
     nonfinite: int  # count of NaN/inf values
     first_nonfinite: int
+    sha256: str = ""  # of the dtype and the bytes as uploaded: what plan digests cover
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: dtypes.DTypeInfo
-    shape: tuple[int, ...]
-    start: int  # absolute file offset of the data
-    nbytes: int
+class Held(Protocol):
+    def release(self) -> None: ...
+
+
+class PayloadTicket:
+    """Payload bytes taken from the limit for an upload in flight; they become the payload or go back."""
+
+    def __init__(self, sources: Sources, nbytes: int) -> None:
+        self.sources = sources
+        self.nbytes = nbytes
+        self.done = False
+
+    def cancel(self) -> None:
+        """Give the bytes back (idempotent; a ticket that became a payload is not affected)."""
+        with self.sources._lock:
+            if not self.done:
+                self.done = True
+                self.sources._pending -= self.nbytes
 
 
 class Sources:
@@ -58,30 +85,79 @@ class Sources:
         self.ttl = ttl
         self.dirs = [Path(d).resolve() for d in safetensors_dirs if d]
         self._payloads: dict[str, Payload] = {}
+        self._pending = 0  # bytes of uploads in flight
+        self._uploads = 0  # uploads in flight, for draining
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._hashes: collections.OrderedDict[tuple[Any, ...], str] = collections.OrderedDict()
 
     # -- uploaded payloads ---------------------------------------------------------------
 
-    def store(self, owner: str, dtype_enum: int, count: int, data: npt.NDArray[np.uint8]) -> tuple[str, Payload]:
+    def used_bytes(self) -> int:
+        """Stored and in-flight payload bytes."""
+        with self._lock:
+            return self._used_locked()
+
+    def _used_locked(self) -> int:
+        return sum(p.values.nbytes for p in self._payloads.values()) + self._pending
+
+    def reserve(self, nbytes: int) -> PayloadTicket:
+        """Take an upload's binary64 bytes from the limit now, before anything is received."""
+        self._expire()
+        with self._lock:
+            used = self._used_locked()
+            if used + nbytes > self.max_bytes:
+                raise errors.ResourceExhausted(f"payload needs {nbytes} bytes as binary64; {max(0, self.max_bytes - used)}"
+                                               f" of {self.max_bytes} payload bytes are free (uploads in flight count)")
+            self._pending += nbytes
+        return PayloadTicket(self, nbytes)
+
+    @contextlib.contextmanager
+    def uploading(self) -> Iterator[None]:
+        """Count an upload in flight, so shutdown can let it finish within the drain time."""
+        with self._lock:
+            self._uploads += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._uploads -= 1
+                self._idle.notify_all()
+
+    def wait_uploads(self, timeout: float) -> bool:
+        """True once no upload is in flight; False if some still are after `timeout` seconds."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._uploads == 0, max(0.0, timeout))
+
+    def store(self, owner: str, dtype_enum: int, count: int, data: npt.NDArray[np.uint8],
+              ticket: PayloadTicket | None = None) -> tuple[str, Payload]:
+        """Keep an upload; with a ticket its bytes were reserved already, without one they are taken now."""
         dt = dtypes.by_enum(dtype_enum)
         if dt is None:
             raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype_enum}")
         if len(data) != count * dt.itemsize:
             raise errors.InvalidRequest(f"payload declared {count} {dt.name} values ({count * dt.itemsize} bytes) but "
                                         f"{len(data)} bytes arrived")
-        self._expire()
-        with self._lock:
-            used = sum(p.values.nbytes for p in self._payloads.values())
-            if used + count * 8 > self.max_bytes:
-                raise errors.ResourceExhausted(f"payload needs {count * 8} bytes as binary64; {self.max_bytes - used} "
-                                               f"of {self.max_bytes} payload bytes are free")
-        values = to_binary64(data, dt)
-        finite = np.isfinite(values)
-        bad = np.flatnonzero(~finite) if not finite.all() else np.zeros(0, np.int64)
-        payload = Payload(owner, values, time.time() + self.ttl, int(bad.size), int(bad[0]) if bad.size else -1)
-        pid = secrets.token_hex(16)
-        with self._lock:
-            self._payloads[pid] = payload
+        ticket = ticket or self.reserve(count * 8)
+        try:
+            if ticket.nbytes < count * 8:
+                raise errors.InvalidRequest(f"payload of {count} values is larger than reserved")
+            values = to_binary64(data, dt)
+            finite = np.isfinite(values)
+            bad = np.flatnonzero(~finite) if not finite.all() else np.zeros(0, np.int64)
+            digest = hashlib.sha256(dt.name.encode() + b"\0" + np.ascontiguousarray(data).data).hexdigest()
+            payload = Payload(owner, values, time.time() + self.ttl, int(bad.size), int(bad[0]) if bad.size else -1,
+                              digest)
+            pid = secrets.token_hex(16)
+            with self._lock:
+                if ticket.done:
+                    raise errors.InvalidRequest("payload reservation was already used")
+                ticket.done = True
+                self._pending -= ticket.nbytes
+                self._payloads[pid] = payload
+        except BaseException:
+            ticket.cancel()
+            raise
         return pid, payload
 
     def payload(self, payload_id: str, owner: str) -> Payload | None:
@@ -98,58 +174,120 @@ class Sources:
 
     # -- safetensors files ---------------------------------------------------------------
 
-    def allowed(self, path: str) -> Path:
-        """The resolved path, if it lies under an allowed directory; raises otherwise."""
+    def allowed(self, path: str) -> tuple[str, str]:
+        """(resolved path, the path as errors show it), if it lies under an allowed directory; raises otherwise."""
+        shown = files.echo(path)
         if not self.dirs:
             raise errors.InvalidRequest("this server reads no files: start it with --safetensors-dirs")
-        real = Path(path).resolve()
-        if not any(real.is_relative_to(d) for d in self.dirs):
-            raise errors.InvalidRequest(f"{path} is not under an allowed directory")
-        return real
-
-    def tensor_info(self, path: str, tensor: str) -> TensorInfo:
-        real = self.allowed(path)
+        if "\0" in path:
+            raise errors.InvalidRequest(f"path {shown} contains a NUL character")
         try:
-            with open(real, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                if n <= 0 or n > 100 << 20:
-                    raise errors.InvalidRequest(f"{path} is not a safetensors file (header length {n})")
-                header = json.loads(f.read(n))
-        except OSError as exc:
-            raise errors.InvalidRequest(f"cannot read {path}: {exc.strerror}") from None
-        except (ValueError, UnicodeDecodeError):
-            raise errors.InvalidRequest(f"{path} is not a safetensors file (bad header)") from None
-        entry = header.get(tensor)
-        if not isinstance(entry, dict) or tensor == "__metadata__":
-            raise errors.InvalidRequest(f"tensor {tensor!r} is not in {path}")
-        dt = dtypes.by_safetensors(entry.get("dtype"))
-        if dt is None:
-            raise errors.InvalidRequest(f"tensor {tensor!r} in {path} has dtype {entry.get('dtype')}, not one of "
-                                        f"{', '.join(d.safetensors for d in dtypes.SUPPORTED)}")
-        b, e = entry["data_offsets"]
-        shape = tuple(int(d) for d in entry["shape"])
-        if e - b != int(np.prod(shape, dtype=object)) * dt.itemsize or e > os.path.getsize(real) - 8 - n:
-            raise errors.InvalidRequest(f"tensor {tensor!r} in {path} has inconsistent offsets")
-        return TensorInfo(dt, shape, 8 + n + b, e - b)
+            real = Path(path).resolve()
+        except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, names too long
+            raise errors.InvalidRequest(f"cannot resolve {shown}: {files.echo(str(exc), 120)}") from None
+        if not any(real.is_relative_to(d) for d in self.dirs):
+            raise errors.InvalidRequest(f"{shown} is not under an allowed directory")
+        return str(real), shown
 
-    def tensor_values(self, path: str, tensor: str) -> npt.NDArray[np.float64]:
-        info = self.tensor_info(path, tensor)
-        raw = np.memmap(self.allowed(path), dtype=np.uint8, mode="r", offset=info.start, shape=(info.nbytes,))
-        return to_binary64(np.asarray(raw), info.dtype)
+    def remembered_hash(self, key: tuple[Any, ...]) -> str | None:
+        with self._lock:
+            h = self._hashes.get(key)
+            if h is not None:
+                self._hashes.move_to_end(key)
+            return h
+
+    def remember_hash(self, key: tuple[Any, ...], digest: str) -> None:
+        with self._lock:
+            self._hashes[key] = digest
+            while len(self._hashes) > CONTENT_HASHES:
+                self._hashes.popitem(last=False)
 
 
 class BoundSources:
-    """Sources as one caller sees them: payloads are visible to the identity that uploaded them only."""
+    """Sources as one request sees them: payloads of its identity only; each checkpoint header parsed once
+    per request; checkpoint values reserved against the memory budget until release()."""
 
-    def __init__(self, sources: Sources, owner: str) -> None:
+    def __init__(self, sources: Sources, owner: str, reserve: Callable[[int], Held] | None = None) -> None:
         self.sources = sources
         self.owner = owner
+        self._reserve = reserve
+        self._headers: dict[str, Header] = {}
+        self._held: list[Held] = []
+        self._hashes: dict[tuple[str, str, tuple[tuple[int, int], ...]], str] = {}
 
     def payload(self, payload_id: str) -> Payload | None:
         return self.sources.payload(payload_id, self.owner)
 
-    def tensor_info(self, path: str, tensor: str) -> TensorInfo:
-        return self.sources.tensor_info(path, tensor)
+    @contextlib.contextmanager
+    def _open(self, path: str) -> Iterator[tuple[int, Header, str]]:
+        """The open file and its header, parsed once per file version in this request."""
+        real, shown = self.sources.allowed(path)
+        fd, st = files.open_regular(real, shown)
+        try:
+            header = self._headers.get(real)
+            if header is None or header.key != files.FileKey.of(st):
+                if header is not None:
+                    raise FileChanged(f"{shown} changed while the request read it")
+                header = self._headers[real] = files.read_header(fd, st, shown)
+            yield fd, header, shown
+        finally:
+            os.close(fd)
 
-    def tensor_values(self, path: str, tensor: str) -> npt.NDArray[np.float64]:
-        return self.sources.tensor_values(path, tensor)
+    def tensor_info(self, path: str, tensor: str) -> TensorInfo:
+        with self._open(path) as (_fd, header, shown):
+            return files.tensor_entry(header, tensor, shown)
+
+    def tensor_values(self, path: str, tensor: str,
+                      region: tuple[tuple[int, int], ...] | None = None) -> tuple[npt.NDArray[np.float64], bool]:
+        """The tensor's values as binary64: only the region's (in the region's row-major order, compact=True)
+        when it is a proper part of the tensor, else the whole tensor's. Returns (values, compact)."""
+        with self._open(path) as (fd, header, shown):
+            info = files.tensor_entry(header, tensor, shown)
+            full = tuple((0, d) for d in info.shape)
+            region = region or full
+            compact = region != full
+            starts, run_len = files.region_runs(info.shape, region)
+            numel = len(starts) * run_len
+            if self._reserve is not None:  # the raw bytes and their binary64 copy
+                self._held.append(self._reserve(numel * (info.dtype.itemsize + 8)))
+            raw = np.empty(numel * info.dtype.itemsize, dtype=np.uint8)
+            h = hashlib.sha256()
+            pos = 0
+
+            def sink(piece: npt.NDArray[np.uint8]) -> None:
+                nonlocal pos
+                raw[pos:pos + len(piece)] = piece
+                h.update(piece.data)
+                pos += len(piece)
+
+            files.read_runs(fd, info.start, info.dtype.itemsize, starts, run_len, shown, sink)
+            self._hashes[(path, tensor, region)] = h.hexdigest()
+            values = to_binary64(raw, info.dtype)
+            return values, compact
+
+    def content_hash(self, path: str, tensor: str, region: tuple[tuple[int, int], ...] | None = None) -> str:
+        """SHA-256 of the bytes a plan uses from a checkpoint tensor (its region's, in order): plan digests
+        cover what the file holds, not just its name. Read once per file version and region."""
+        with self._open(path) as (fd, header, shown):
+            info = files.tensor_entry(header, tensor, shown)
+            region = region or tuple((0, d) for d in info.shape)
+            done = self._hashes.get((path, tensor, region))
+            if done is not None:
+                return done
+            key = (header.key, info.start, info.nbytes, region)
+            remembered = self.sources.remembered_hash(key)
+            if remembered is not None:
+                return remembered
+            starts, run_len = files.region_runs(info.shape, region)
+            h = hashlib.sha256()
+            files.read_runs(fd, info.start, info.dtype.itemsize, starts, run_len, shown,
+                            lambda piece: h.update(piece.data))
+            digest = self._hashes[(path, tensor, region)] = h.hexdigest()
+            self.sources.remember_hash(key, digest)
+            return digest
+
+    def release(self) -> None:
+        """Give back the memory reserved for checkpoint values (idempotent)."""
+        held, self._held = self._held, []
+        for r in held:
+            r.release()

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from paraminit import dtypes
 from paraminit.v1 import plan_pb2
-from paraminit_server import spec
+from paraminit_server import errors, spec
 
 
 class Kind(enum.IntEnum):
@@ -63,6 +63,7 @@ class ResolvedParam:
     key: int = 0
     values: npt.NDArray[np.float64] | None = field(default=None, repr=False)
     patches: tuple[Patch, ...] = ()
+    compact: bool = False  # values hold only the region (row-major), not the whole tensor: values[local index]
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -81,6 +82,8 @@ class ResolvedParam:
         return self.out_shape == self.shape
 
     def runs(self) -> Runs:
+        if self.compact:  # values are indexed by the local index: one run from 0
+            return Runs(_i64([]), _i64([]), _i64([]), 0, max(1, self.numel))
         rank = len(self.shape)
         strides = [1] * rank
         for d in range(rank - 2, -1, -1):
@@ -203,7 +206,9 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
         assert payload is not None, "flat_ref resolved without its payload"
         return make(Kind.FLAT, values=payload.values)
     if which == "safetensors":
-        return make(Kind.FLAT, values=sources.tensor_values(init.safetensors.path, init.safetensors.tensor))
+        # a region reads and converts only its own values (the budget pays for those only)
+        values, compact = sources.tensor_values(init.safetensors.path, init.safetensors.tensor, region)
+        return replace(make(Kind.FLAT, values=values), compact=compact)
     if which == "xavier_uniform":
         bound = spec.xavier_bound(init.xavier_uniform.fan_in, init.xavier_uniform.fan_out)
         seed = init.xavier_uniform.seed
@@ -226,9 +231,32 @@ def resolve(plan: plan_pb2.Plan, sources: Any = None) -> list[ResolvedParam]:
     return [resolve_param(i, p, sources) for i, p in enumerate(plan.params)]
 
 
-def digest(plan: plan_pb2.Plan) -> str:
-    """Hex SHA-256 of the deterministic serialization: the same plan always names the same bytes."""
-    return hashlib.sha256(plan.SerializeToString(deterministic=True)).hexdigest()
+def digest(plan: plan_pb2.Plan, sources: Any = None) -> str:
+    """Hex SHA-256 of the deterministic serialization and, with `sources`, of the content every payload and
+    checkpoint reference uses: the same digest always names the same bytes, also after a checkpoint is
+    rewritten in place. A plan without references digests its serialization alone."""
+    h = hashlib.sha256(plan.SerializeToString(deterministic=True))
+    if sources is None:
+        return h.hexdigest()
+    contents = []
+    for i, p in enumerate(plan.params):
+        shape = tuple(int(d) for d in p.shape)
+        region = tuple((int(r.start), int(r.stop)) for r in p.region) or tuple((0, d) for d in shape)
+        for init in (p.init, *(q.init for q in p.patches)):
+            which = init.WhichOneof("kind")
+            if which == "flat_ref":
+                payload = sources.payload(init.flat_ref.payload_id)
+                contents.append(f"{i}:payload:{payload.sha256 if payload is not None else '-'}")
+            elif which == "safetensors":
+                try:
+                    used = sources.content_hash(init.safetensors.path, init.safetensors.tensor, region)
+                except errors.InvalidRequest:  # validation reports why; the digest marks it unreadable
+                    used = "-"
+                contents.append(f"{i}:safetensors:{used}")
+    if not contents:
+        return h.hexdigest()
+    h.update("\n".join(["", *contents]).encode())
+    return h.hexdigest()
 
 
 def warm_up_params() -> list[ResolvedParam]:

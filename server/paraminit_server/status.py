@@ -20,28 +20,65 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from paraminit.violations import Violation
+from paraminit.violations import Violation, describe
 from paraminit_server import errors
 
 log = logging.getLogger("paraminit.server")
 F = TypeVar("F", bound=Callable[..., Any])
 
-MAX_MESSAGE_VIOLATIONS = 50
+# A status travels in trailers: grpc-message (percent-encoded, up to 3 bytes per byte) and
+# grpc-status-details-bin (base64 of message + details). Clients refuse trailers over 8 KiB, and then the
+# caller gets RESOURCE_EXHAUSTED and none of the violations; these bounds keep the whole status near 4 KiB.
+MAX_MESSAGE_BYTES = 400
+MAX_DETAIL_BYTES = 2000
+MAX_NAME_ECHO = 48
+MAX_FIELD_ECHO = 64
+MAX_DESCRIPTION_ECHO = 200
 
 
-def bad_request(violations: Sequence[Violation]) -> error_details_pb2.BadRequest:
+def clip(text: str, limit: int) -> str:
+    """At most `limit` UTF-8 bytes of text, marked when cut."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text
+    return raw[:max(0, limit - 24)].decode("utf-8", "ignore") + f"... ({len(raw)} bytes)"
+
+
+def short(v: Violation) -> str:
+    """A violation's text with every echoed user string bounded."""
+    return describe(v.index, clip(v.name, MAX_NAME_ECHO), clip(v.field, MAX_FIELD_ECHO),
+                    clip(v.message, MAX_DESCRIPTION_ECHO))
+
+
+def bad_request(violations: Sequence[Violation], limit: int = MAX_DETAIL_BYTES) -> error_details_pb2.BadRequest:
+    """The first violations that fit in `limit` bytes, then one entry counting the rest."""
     br = error_details_pb2.BadRequest()
-    for v in violations:
-        br.field_violations.add(field=v.field, description=str(v))
+    size = 0
+    for k, v in enumerate(violations):
+        fv = error_details_pb2.BadRequest.FieldViolation(field=clip(v.field, MAX_FIELD_ECHO), description=short(v))
+        if size + fv.ByteSize() + 4 > limit - 96:  # room for the count of the rest
+            br.field_violations.add(field="params", description=f"... and {len(violations) - k} more violations; "
+                                                                "Validate returns every one")
+            break
+        br.field_violations.append(fv)
+        size += fv.ByteSize() + 4
     return br
 
 
 def _message(err: errors.ParaminitServerError) -> str:
-    text = str(err)
-    lines = text.splitlines()
-    if len(lines) > MAX_MESSAGE_VIOLATIONS + 1:  # keep trailers small; details hold all of them
-        text = "\n".join([*lines[: MAX_MESSAGE_VIOLATIONS + 1], f"  ... and {len(lines) - 1 - MAX_MESSAGE_VIOLATIONS} more"])
-    return text
+    violations = getattr(err, "violations", ())
+    if not isinstance(err, errors.InvalidPlan) or not violations:
+        return clip(str(err), MAX_MESSAGE_BYTES)
+    lines = [f"invalid plan: {len(violations)} violation(s)"]
+    size = len(lines[0])
+    for k, v in enumerate(violations):
+        line = f"  {short(v)}"
+        if size + len(line.encode()) + 1 > MAX_MESSAGE_BYTES - 48:
+            lines.append(f"  ... and {len(violations) - k} more")
+            break
+        lines.append(line)
+        size += len(line.encode()) + 1
+    return clip("\n".join(lines), MAX_MESSAGE_BYTES)
 
 
 def to_status(err: errors.ParaminitServerError) -> grpc.Status:

@@ -23,6 +23,8 @@ __all__ = ["INVALID", "LIMIT", "Limits", "Report", "Violation", "validate"]
 MAX_RANK = 32
 MAX_BYTES = (1 << 63) - 1
 MAX_ELEMENTS = (1 << 63) - 1  # flat indices are signed 64-bit in every kernel
+MAX_NAME_BYTES = 1024  # a name is echoed in headers and errors: a 100 MB name would double into a 200 MB header
+ECHO = 64  # characters of a user string repeated in a message
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,10 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = N
 
         if not p.name:
             bad("name", "parameter name must not be empty")
+        elif len(p.name.encode()) > MAX_NAME_BYTES:
+            bad("name", f"parameter name is {len(p.name.encode())} bytes long; the limit is {MAX_NAME_BYTES}")
         elif p.name in first_seen:
-            bad("name", f"duplicate parameter name {p.name!r} (first at params[{first_seen[p.name]}])")
+            bad("name", f"duplicate parameter name {_echo(p.name)} (first at params[{first_seen[p.name]}])")
         else:
             first_seen[p.name] = i
         shape = [int(d) for d in p.shape]
@@ -156,6 +160,11 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
             _check_init(shape, q, sub)
 
 
+def _echo(text: str) -> str:
+    """A user string quoted for a message, cut to ECHO characters."""
+    return repr(text) if len(text) <= ECHO else repr(text[:ECHO]) + f"... ({len(text)} characters)"
+
+
 def _finite(*xs: float) -> bool:
     return all(math.isfinite(x) for x in xs)
 
@@ -208,7 +217,7 @@ def _check_flat_ref(shape: list[int], payload_id: str, bad: _Bad, sources: Any) 
         return
     payload = sources.payload(payload_id)
     if payload is None:
-        bad("init.flat_ref.payload_id", f"no payload {payload_id!r} (upload it with UploadPayload; payloads expire)")
+        bad("init.flat_ref.payload_id", f"no payload {_echo(payload_id)} (upload it with UploadPayload; payloads expire)")
         return
     if payload.values.size != spec.numel(shape):
         bad("init.flat_ref", _length_message(spec.numel(shape), payload.values.size))
@@ -233,9 +242,9 @@ def _check_safetensors(shape: list[int], ref: plan_pb2.SafetensorsRef, bad: _Bad
         return
     expected = dtypes.by_enum(ref.dtype) if ref.dtype else None
     if expected is not None and expected.safetensors != info.dtype.safetensors:
-        bad("init.safetensors.dtype", f"tensor {ref.tensor!r} is {info.dtype.name} in the file, not {expected.name}")
+        bad("init.safetensors.dtype", f"tensor {_echo(ref.tensor)} is {info.dtype.name} in the file, not {expected.name}")
     if tuple(shape) != info.shape:
-        bad("init.safetensors", f"tensor {ref.tensor!r} has shape {spec.shape_str(info.shape)} in the file; the "
+        bad("init.safetensors", f"tensor {_echo(ref.tensor)} has shape {spec.shape_str(info.shape)} in the file; the "
                                 f"parameter's shape is {spec.shape_str(shape)}")
 
 

@@ -1,0 +1,212 @@
+"""Checkpoint files read defensively: bounded pread into buffers, never a memory map.
+
+A file under an allowed directory may be replaced, truncated, a FIFO or a
+symlink loop by the time a request reads it. Files are opened O_NOFOLLOW and
+non-blocking (a FIFO never blocks a worker), must be regular files by fstat, and
+are read with pread of bounded size: a file that shrinks under the read is an
+error of the request (INVALID_ARGUMENT), never SIGBUS for the whole server.
+Headers are parsed strictly; anything malformed is INVALID_ARGUMENT with a
+message that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from paraminit import dtypes
+from paraminit_server import errors
+
+MAX_HEADER_BYTES = 100 << 20
+READ_BLOCK = 8 << 20  # the most one pread asks for
+GATHER_WINDOW = 1 << 20  # short runs of a region are gathered from windows of this many bytes
+MAX_PATH_ECHO = 200
+
+
+class FileChanged(errors.InvalidRequest):
+    """The file changed (shrank, was replaced) while the request read it."""
+
+
+@dataclass(frozen=True)
+class FileKey:
+    """What identifies one version of a file: a rewrite changes size or mtime, a replacement the inode."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileKey:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: dtypes.DTypeInfo
+    shape: tuple[int, ...]
+    start: int  # absolute file offset of the data
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed safetensors header of one file version."""
+
+    key: FileKey
+    data_start: int
+    entries: dict[str, Any]
+
+
+def echo(text: str, limit: int = MAX_PATH_ECHO) -> str:
+    """A user string as it may appear in an error: repr'd, and cut to `limit` characters."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+def open_regular(path: str, shown: str) -> tuple[int, os.stat_result]:
+    """Open for reading without following a final symlink and without blocking; only regular files."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise errors.InvalidRequest(f"cannot open {shown}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise errors.InvalidRequest(f"{shown} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def pread_exact(fd: int, offset: int, n: int, shown: str) -> bytes:
+    """Exactly n bytes at offset, in reads of at most READ_BLOCK; a short file is FileChanged."""
+    parts: list[bytes] = []
+    got = 0
+    while got < n:
+        try:
+            part = os.pread(fd, min(READ_BLOCK, n - got), offset + got)
+        except OSError as exc:
+            raise errors.InvalidRequest(f"cannot read {shown}: {exc.strerror}") from None
+        if not part:
+            raise FileChanged(f"{shown} changed while it was read: {n} bytes expected at offset {offset}, the file "
+                              f"ends after {offset + got}")
+        parts.append(part)
+        got += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def read_header(fd: int, st: os.stat_result, shown: str) -> Header:
+    """Parse the header once; entries are checked when a tensor is looked up."""
+    n = int.from_bytes(pread_exact(fd, 0, 8, shown), "little")
+    if n < 2 or n > MAX_HEADER_BYTES or 8 + n > st.st_size:
+        raise errors.InvalidRequest(f"{shown} is not a safetensors file (header length {n}, file size {st.st_size})")
+    raw = pread_exact(fd, 8, n, shown)
+    try:
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        raise errors.InvalidRequest(f"{shown} is not a safetensors file (header nested too deeply)") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise errors.InvalidRequest(f"{shown} is not a safetensors file (bad header: "
+                                    f"{echo(str(exc), 120)})") from None
+    if not isinstance(header, dict):
+        raise errors.InvalidRequest(f"{shown} is not a safetensors file (the header is a JSON "
+                                    f"{type(header).__name__}, not an object)")
+    return Header(FileKey.of(st), 8 + n, header)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def tensor_entry(header: Header, tensor: str, shown: str) -> TensorInfo:
+    """The tensor's dtype, shape and data range, each checked against the format and the file."""
+    entry = header.entries.get(tensor)
+    name = echo(tensor, 120)
+    if tensor == "__metadata__" or entry is None:
+        raise errors.InvalidRequest(f"tensor {name} is not in {shown}")
+    if not isinstance(entry, dict):
+        raise errors.InvalidRequest(f"tensor {name} in {shown}: the entry is not a JSON object")
+    code = entry.get("dtype")
+    dt = dtypes.by_safetensors(code) if isinstance(code, str) else None
+    if dt is None:
+        raise errors.InvalidRequest(f"tensor {name} in {shown} has dtype {echo(str(code), 40)}, not one of "
+                                    f"{', '.join(d.safetensors for d in dtypes.SUPPORTED)}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise errors.InvalidRequest(f"tensor {name} in {shown}: shape must be a list of non-negative integers, got "
+                                    f"{echo(json.dumps(shape), 80)}")
+    offsets = entry.get("data_offsets")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise errors.InvalidRequest(f"tensor {name} in {shown}: data_offsets must be a list of two integers, got "
+                                    f"{echo(json.dumps(offsets), 80)}")
+    begin, end = offsets
+    size = math.prod(shape) * dt.itemsize
+    if begin < 0 or end < begin or end - begin != size:
+        raise errors.InvalidRequest(f"tensor {name} in {shown} has inconsistent data_offsets [{begin}, {end}] for "
+                                    f"{size} bytes")
+    if header.data_start + end > header.key.size:
+        raise errors.InvalidRequest(f"tensor {name} in {shown} ends at byte {header.data_start + end}, past the end "
+                                    f"of the file ({header.key.size} bytes)")
+    return TensorInfo(dt, tuple(shape), header.data_start + begin, end - begin)
+
+
+def region_runs(shape: tuple[int, ...], region: tuple[tuple[int, int], ...]) -> tuple[npt.NDArray[np.int64], int]:
+    """A region as contiguous runs of the tensor's row-major order: (start element of each run, run length).
+
+    Trailing dimensions the region covers fully merge into each run, as in plan.Runs."""
+    rank = len(shape)
+    if rank == 0:
+        return np.zeros(1, np.int64), 1
+    strides = [1] * rank
+    for d in range(rank - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    k = rank - 1
+    while k > 0 and region[k] == (0, shape[k]):
+        k -= 1
+    run_len = (region[k][1] - region[k][0]) * strides[k]
+    starts = np.array([region[k][0] * strides[k]], dtype=np.int64)
+    for d in range(k - 1, -1, -1):
+        lo, hi = region[d]
+        outer = np.arange(lo, hi, dtype=np.int64) * np.int64(strides[d])
+        starts = (outer[:, None] + starts[None, :]).reshape(-1)
+    return starts, run_len
+
+
+def read_runs(fd: int, data_start: int, itemsize: int, starts: npt.NDArray[np.int64], run_len: int, shown: str,
+              sink: Callable[[npt.NDArray[np.uint8]], None]) -> None:
+    """Feed the bytes of every run to `sink`, in order, reading at most READ_BLOCK at a time."""
+    run_bytes = run_len * itemsize
+    if run_bytes == 0:
+        return
+    i, total = 0, len(starts)
+    window_elems = max(GATHER_WINDOW // itemsize, run_len)
+    while i < total:
+        lo = int(starts[i])
+        if run_bytes >= GATHER_WINDOW:  # a long run: straight through, block by block
+            base = data_start + lo * itemsize
+            for off in range(0, run_bytes, READ_BLOCK):
+                sink(np.frombuffer(pread_exact(fd, base + off, min(READ_BLOCK, run_bytes - off), shown), np.uint8))
+            i += 1
+            continue
+        # short runs: read the window that holds as many as fit, then gather them
+        j = int(np.searchsorted(starts, lo + window_elems - run_len, side="right"))
+        j = max(j, i + 1)
+        hi = int(starts[j - 1]) + run_len
+        block = np.frombuffer(pread_exact(fd, data_start + lo * itemsize, (hi - lo) * itemsize, shown), np.uint8)
+        rel = (starts[i:j] - lo) * itemsize
+        idx = (rel[:, None] + np.arange(run_bytes, dtype=np.int64)[None, :]).reshape(-1)
+        sink(block[idx])
+        i = j
