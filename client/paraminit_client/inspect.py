@@ -1,0 +1,442 @@
+"""Look at a safetensors file: per-tensor statistics and, with a plan, whether they match its initializers.
+
+The expected mean, standard deviation and bounds of every initializer follow from
+its formula (paraminit/v1/plan.proto); a tensor passes when its sample mean and
+standard deviation lie within FLAG_SIGMAS standard errors of them (plus the
+dtype's rounding), and every value lies within the bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from paraminit import dtypes, shapes
+from paraminit.sizes import format_size
+from paraminit.v1 import plan_pb2
+
+FLAG_SIGMAS = 5.0  # a deviation of 5 standard errors flags a tensor (about 1 in 1.7 million by chance, per test)
+Z_MAX = math.sqrt(-2.0 * math.log(1e-6))  # the sampler raises u1 to 1e-6, so |z| <= 5.2565
+CHUNK_ELEMENTS = 1 << 22
+# Round-off of one rounding into the dtype, relative (half an ulp): float64, float32, float16, bfloat16.
+_UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+_KURTOSIS_NORMAL, _KURTOSIS_UNIFORM = 3.0, 1.8
+
+
+class SafetensorsError(ValueError):
+    """A file that is not a readable safetensors file."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors file."""
+
+    name: str
+    code: str  # the header's dtype code ("F32", "BF16", ...)
+    shape: tuple[int, ...]
+    start: int  # absolute file offset of the first byte
+    nbytes: int
+
+    @property
+    def dtype(self) -> dtypes.DTypeInfo | None:
+        return dtypes.by_safetensors(self.code)
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, str], list[Entry]]:
+    """The `__metadata__` and the tensors (in file order) of a safetensors file, checked against its size."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise SafetensorsError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        n = int.from_bytes(raw, "little")
+        if n > size - 8:
+            raise SafetensorsError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise SafetensorsError(f"{path}: not a safetensors file (header is not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: not a safetensors file (header is not an object)")
+    meta = header.pop("__metadata__", None) or {}
+    entries = []
+    for name, e in header.items():
+        try:
+            b, end = (int(x) for x in e["data_offsets"])
+            entry = Entry(name, str(e["dtype"]), tuple(int(d) for d in e["shape"]), 8 + n + b, end - b)
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if b < 0 or end < b or entry.start + entry.nbytes > size:
+            raise SafetensorsError(f"{path}: tensor {name!r} lies outside the file")
+        dt = entry.dtype
+        if dt is not None and entry.nbytes != shapes.numel(entry.shape) * dt.itemsize:
+            raise SafetensorsError(f"{path}: tensor {name!r} has {entry.nbytes} bytes, not shape x itemsize")
+        entries.append(entry)
+    entries.sort(key=lambda e: e.start)
+    return {str(k): str(v) for k, v in meta.items()}, entries
+
+
+def _values(path: str | os.PathLike[str], e: Entry) -> Iterator[np.ndarray[Any, Any]]:
+    """The tensor's values as float64, CHUNK_ELEMENTS at a time (large tensors never sit in memory twice)."""
+    dt = e.dtype
+    assert dt is not None
+    count = e.nbytes // dt.itemsize
+    if count == 0:
+        return
+    data = np.memmap(path, dtype=dt.numpy, mode="r", offset=e.start, shape=(count,))
+    for i in range(0, count, CHUNK_ELEMENTS):
+        yield np.asarray(data[i:i + CHUNK_ELEMENTS], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Sample statistics of one tensor (population standard deviation); NaN when it has no finite value."""
+
+    count: int
+    mean: float
+    std: float
+    min: float
+    max: float
+    nonfinite: int
+
+
+def tensor_stats(chunks: Iterator[np.ndarray[Any, Any]]) -> Stats:
+    """Mean, standard deviation, min and max over finite values, combined chunk by chunk (Chan et al.)."""
+    n, mean, m2, lo, hi, bad = 0, 0.0, 0.0, math.inf, -math.inf, 0
+    for x in chunks:
+        finite = np.isfinite(x)
+        if not finite.all():
+            bad += int(x.size - np.count_nonzero(finite))
+            x = x[finite]
+        k = int(x.size)
+        if k == 0:
+            continue
+        km = float(x.mean())
+        km2 = float(np.square(x - km).sum())
+        delta = km - mean
+        total = n + k
+        mean += delta * k / total
+        m2 += km2 + delta * delta * n * k / total
+        n = total
+        lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+    if n == 0:
+        return Stats(0, math.nan, math.nan, math.nan, math.nan, bad)
+    return Stats(n, mean, math.sqrt(m2 / n), lo, hi, bad)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What an initializer promises: mean, standard deviation, value bounds, and its kind in words."""
+
+    label: str  # e.g. "normal(0, 0.02)"
+    mean: float
+    std: float
+    lo: float
+    hi: float
+    kurtosis: float  # of the distribution: for the standard error of the sample standard deviation
+    density: str  # "normal", "uniform" or "point"
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def expected_of(p: plan_pb2.Param) -> Expected | None:
+    """The distribution `p.init` defines (None for payloads and checkpoint tensors, whose values are data)."""
+    init = p.init
+    kind = init.WhichOneof("kind")
+    if kind in ("zeros", "ones"):
+        v = 0.0 if kind == "zeros" else 1.0
+        return Expected(kind, v, 0.0, v, v, 0.0, "point")
+    if kind == "uniform":
+        lo, hi = init.uniform.lo, init.uniform.hi
+        return Expected(f"uniform({_g(lo)}, {_g(hi)})", (lo + hi) / 2, (hi - lo) / math.sqrt(12), lo, hi,
+                        _KURTOSIS_UNIFORM, "uniform" if hi > lo else "point")
+    if kind == "normal":
+        m, s = init.normal.mean, init.normal.std
+        return Expected(f"normal({_g(m)}, {_g(s)})", m, s, m - Z_MAX * s, m + Z_MAX * s, _KURTOSIS_NORMAL,
+                        "normal" if s > 0 else "point")
+    fan_in, fan_out = shapes.fan_in_out(list(p.shape))
+    if kind == "xavier_uniform":
+        fan_in, fan_out = init.xavier_uniform.fan_in, init.xavier_uniform.fan_out
+    if kind == "kaiming_uniform":
+        fan_in = init.kaiming_uniform.fan_in
+    if kind in ("xavier_uniform", "xavier_uniform_for_shape"):
+        total = float(fan_in) + float(fan_out)
+        bound = math.sqrt(6.0 / total) if total else 0.0
+        label = f"xavier_uniform(fan_in={fan_in}, fan_out={fan_out})"
+    elif kind in ("kaiming_uniform", "kaiming_uniform_for_shape"):
+        bound = math.sqrt(6.0 / float(fan_in)) if fan_in else 0.0
+        label = f"kaiming_uniform(fan_in={fan_in})"
+    elif kind == "flat":
+        values = np.asarray(init.flat.values, dtype=np.float64)
+        if values.size != shapes.numel(p.shape) or values.size == 0:
+            return None
+        if p.region:
+            values = values.reshape([int(d) for d in p.shape])[tuple(slice(a, b) for a, b in shapes.region_of(p))]
+        return Expected(f"flat({values.size} values)", float(values.mean()), float(values.std()),
+                        float(values.min()), float(values.max()), 0.0, "point" if values.min() == values.max() else "")
+    else:
+        return None
+    return Expected(label, 0.0, bound / math.sqrt(3), -bound, bound, _KURTOSIS_UNIFORM, "uniform" if bound else "point")
+
+
+@dataclass
+class Row:
+    """One tensor of the file: its statistics and, with a plan, the verdict."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    stats: Stats | None  # None for dtypes a plan cannot hold (integers, booleans)
+    expected: Expected | None = None
+    in_plan: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        """"ok", "FLAG", or "-" when there is nothing to compare with."""
+        if self.problems:
+            return "FLAG"
+        return "ok" if self.expected is not None else "-"
+
+
+@dataclass
+class Report:
+    path: str
+    metadata: dict[str, str]
+    rows: list[Row]
+    missing: list[str]  # plan parameters the file lacks
+    with_plan: bool
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not any(r.problems for r in self.rows)
+
+
+def judge(stats: Stats, exp: Expected, dtype: str) -> list[str]:
+    """Why `stats` do not fit `exp` (empty: they do). Tolerances: FLAG_SIGMAS standard errors of the sample mean
+    (std / sqrt(n)) and of the sample standard deviation (std * sqrt((kurtosis - 1) / (4 n))), plus one rounding
+    into `dtype` of the largest magnitude involved; bounds allow that rounding only."""
+    if stats.nonfinite:
+        return [f"{stats.nonfinite} values are not finite"]
+    if stats.count == 0:
+        return []
+    u = _UNIT_ROUNDOFF.get(dtype, 2.0**-8)
+    scale = max(abs(exp.lo), abs(exp.hi), abs(exp.mean))
+    tiny = 2.0**-24 if dtype == "float16" else 0.0  # float16 subnormal spacing
+    problems = []
+    mean_tol = FLAG_SIGMAS * exp.std / math.sqrt(stats.count) + u * scale + tiny
+    if abs(stats.mean - exp.mean) > mean_tol:
+        problems.append(f"mean {stats.mean:.6g}, expected {exp.mean:.6g} +- {mean_tol:.2g}")
+    std_tol = FLAG_SIGMAS * exp.std * math.sqrt(max(exp.kurtosis - 1.0, 0.0) / (4 * stats.count)) + 2 * u * scale + tiny
+    if abs(stats.std - exp.std) > std_tol:
+        problems.append(f"std {stats.std:.6g}, expected {exp.std:.6g} +- {std_tol:.2g}")
+    lo_tol, hi_tol = u * abs(exp.lo) + tiny, u * abs(exp.hi) + tiny
+    if stats.min < exp.lo - lo_tol or stats.max > exp.hi + hi_tol:
+        problems.append(f"values in [{stats.min:.6g}, {stats.max:.6g}], expected within [{exp.lo:.6g}, {exp.hi:.6g}]")
+    return problems
+
+
+def inspect_file(path: str | os.PathLike[str], plan: plan_pb2.Plan | None = None) -> Report:
+    """Statistics of every tensor of a safetensors file, judged against `plan` when given."""
+    meta, entries = read_header(path)
+    params = {p.name: p for p in plan.params} if plan is not None else {}
+    rows = []
+    for e in entries:
+        dt = e.dtype
+        row = Row(e.name, dt.name if dt else e.code, e.shape, e.nbytes, tensor_stats(_values(path, e)) if dt else None)
+        p = params.get(e.name)
+        if plan is not None and p is None:
+            row.problems.append("not in the plan")
+        elif p is not None:
+            row.in_plan = True
+            want = dtypes.by_enum(p.dtype)
+            if want is None or dt is None or want.enum != dt.enum:
+                row.problems.append(f"dtype {row.dtype}, the plan says {want.name if want else p.dtype}")
+            if tuple(shapes.out_shape(p)) != e.shape:
+                row.problems.append(f"shape {list(e.shape)}, the plan says {list(shapes.out_shape(p))}")
+            row.expected = expected_of(p)
+            if row.expected is not None and row.stats is not None and not row.problems:
+                row.problems += judge(row.stats, row.expected, row.dtype)
+        rows.append(row)
+    present = {e.name for e in entries}
+    missing = [p.name for p in plan.params if p.name not in present] if plan is not None else []
+    return Report(str(path), meta, rows, missing, plan is not None)
+
+
+# -- output ---------------------------------------------------------------------------------------------------------
+
+
+def _num(x: float | None) -> str:
+    if x is None or math.isnan(x):
+        return "-"
+    return f"{x:.4g}"
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "x".join(str(d) for d in shape) if shape else "scalar"
+
+
+def format_table(report: Report) -> str:
+    """The human table: one line per tensor, a verdict per tensor with a plan, and a total line."""
+    head = ["name", "dtype", "shape", "bytes", "mean", "std", "min", "max"]
+    if report.with_plan:
+        head += ["expected", "exp mean", "exp std", "exp min", "exp max", "check"]
+    lines = [head]
+    for r in report.rows:
+        s = r.stats
+        cells = [r.name, r.dtype, _shape(r.shape), format_size(r.nbytes)]
+        cells += [_num(s.mean), _num(s.std), _num(s.min), _num(s.max)] if s else ["-"] * 4
+        if report.with_plan:
+            x = r.expected
+            cells += [x.label, _num(x.mean), _num(x.std), _num(x.lo), _num(x.hi)] if x else ["-"] * 5
+            cells.append(r.status)
+        lines.append(cells)
+    numeric = {3, 4, 5, 6, 7, 9, 10, 11, 12}
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = ["  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+           .rstrip() for row in lines]
+    for r in report.rows:
+        for problem in r.problems:
+            out.append(f"FLAG {r.name}: {problem}")
+    for name in report.missing:
+        out.append(f"FLAG {name}: in the plan, not in the file")
+    total = sum(r.nbytes for r in report.rows)
+    digest = report.metadata.get("plan_digest", "")
+    summary = f"{report.path}: {len(report.rows)} tensors, {format_size(total)}"
+    if digest:
+        summary += f", plan digest {digest[:16]}"
+    if report.with_plan:
+        flagged = sum(1 for r in report.rows if r.problems) + len(report.missing)
+        summary += "; every tensor matches the plan" if not flagged else f"; {flagged} flagged"
+    out.append(summary)
+    return "\n".join(out)
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isnan(x) or math.isinf(x) else x
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    """The report as JSON-safe data (non-finite numbers become null)."""
+    tensors = []
+    for r in report.rows:
+        item: dict[str, Any] = {"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "nbytes": r.nbytes}
+        if r.stats is not None:
+            s = r.stats
+            item.update(count=s.count, mean=_finite(s.mean), std=_finite(s.std), min=_finite(s.min),
+                        max=_finite(s.max), nonfinite=s.nonfinite)
+        if report.with_plan:
+            x = r.expected
+            item["expected"] = None if x is None else {"init": x.label, "mean": x.mean, "std": x.std, "min": x.lo,
+                                                       "max": x.hi}
+            item["check"] = r.status
+            item["problems"] = list(r.problems)
+        tensors.append(item)
+    out: dict[str, Any] = {"file": report.path, "metadata": report.metadata, "tensors": tensors,
+                           "total_bytes": sum(r.nbytes for r in report.rows)}
+    if report.with_plan:
+        out.update(missing=report.missing, ok=report.ok)
+    return out
+
+
+# -- histograms -----------------------------------------------------------------------------------------------------
+
+
+def _file_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) + ".png"
+
+
+def plot(report: Report, out_dir: str | os.PathLike[str], bins: int = 100) -> list[Path]:
+    """One PNG per tensor: a density histogram of its values, with the plan's expected density drawn over it.
+    Needs matplotlib (`pip install 'paraminit[plot]'`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'paraminit[plot]'") from None
+    _, entries = read_header(report.path)
+    by_name = {e.name: e for e in entries}
+    target = Path(out_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
+    try:
+        for r in report.rows:
+            e = by_name[r.name]
+            if r.stats is None or r.stats.count == 0:
+                continue
+            ax.clear()
+            _draw(ax, r, _values(report.path, e), bins)
+            path = target / _file_name(r.name)
+            fig.tight_layout()
+            fig.savefig(path)
+            written.append(path)
+    finally:
+        plt.close(fig)
+    return written
+
+
+def _draw(ax: Any, r: Row, chunks: Iterator[np.ndarray[Any, Any]], bins: int) -> None:
+    s, x = r.stats, r.expected
+    assert s is not None
+    lo, hi = s.min, s.max
+    if x is not None and x.density in ("normal", "uniform"):
+        lo, hi = min(lo, x.lo), max(hi, x.hi)
+        if x.density == "normal":  # the tails beyond 4.5 sigma hold a few in a million: keep the bulk readable
+            lo, hi = max(lo, x.mean - 4.5 * x.std), min(hi, x.mean + 4.5 * x.std)
+            lo, hi = min(lo, s.min), max(hi, s.max)
+    if hi <= lo:  # every value the same: one bar holding all of them
+        pad = max(abs(lo) * 0.01, 1e-3)
+        ax.bar([lo], [1.0], width=pad / 5, color="#8fb3d9", label=f"values ({s.count:,}): all {lo:g}")
+        ax.set_xlim(lo - pad, hi + pad)
+        ax.set_ylim(0, 1.15)
+        ax.set_ylabel("fraction of values")
+        if x is not None:
+            ax.axvline(x.mean, color="#c0392b", lw=1.6, ls="--", label=f"expected {x.label}: all {x.mean:g}")
+        _label(ax, r, s)
+        return
+    edges = np.linspace(lo, hi, bins + 1)
+    counts = np.zeros(bins, dtype=np.int64)
+    for c in chunks:
+        counts += np.histogram(c[np.isfinite(c)], bins=edges)[0]
+    width = edges[1] - edges[0]
+    density = counts / max(s.count, 1) / width
+    ax.bar(edges[:-1], density, width=width, align="edge", color="#8fb3d9", edgecolor="none",
+           label=f"values ({s.count:,})")
+    if x is not None:
+        grid = np.linspace(lo, hi, 600)
+        if x.density == "normal":
+            pdf = np.exp(-0.5 * ((grid - x.mean) / x.std) ** 2) / (x.std * math.sqrt(2 * math.pi))
+            ax.plot(grid, pdf, color="#c0392b", lw=1.6, label=f"expected {x.label}")
+        elif x.density == "uniform":
+            pdf = np.where((grid >= x.lo) & (grid <= x.hi), 1.0 / (x.hi - x.lo), 0.0)
+            ax.plot(grid, pdf, color="#c0392b", lw=1.6, label=f"expected {x.label}")
+        elif x.density == "point":
+            ax.axvline(x.mean, color="#c0392b", lw=1.6, ls="--", label=f"expected {x.label}: all {x.mean:g}")
+    ax.set_ylabel("density")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # headroom for the legend
+    _label(ax, r, s)
+
+
+def _label(ax: Any, r: Row, s: Stats) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    verdict = f" [{r.status}]" if r.expected is not None or r.problems else ""
+    ax.set_title(f"{r.name}  {r.dtype} {_shape(r.shape)}{verdict}", fontsize=10)
+    ax.set_xlabel(f"value   (mean {s.mean:.4g}, std {s.std:.4g}, min {s.min:.4g}, max {s.max:.4g})", fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(7))
+    ax.legend(fontsize=8, loc="upper right")
+
