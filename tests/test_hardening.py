@@ -27,8 +27,10 @@ from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server import errors, files
 from paraminit_server import plan as planlib
+from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
 from paraminit_server.files import FileChanged
+from paraminit_server.materializer import PayloadPiece
 from paraminit_server.payloads import BoundSources
 
 MiB = 1 << 20
@@ -428,3 +430,98 @@ def test_digest_covers_checkpoint_contents(ckpt_server: Any) -> None:
         save_file({"w": arr}, str(path))
         assert c.validate(region).plan_digest == before
         assert c.validate(plan).plan_digest != first
+
+
+# -- item 4: uploads in flight count against the payload limit ----------------------------------
+
+
+def test_concurrent_uploads_cannot_overshoot_the_payload_limit() -> None:
+    """Four uploads of 1.5 MiB (as binary64) against a 4 MiB limit, all receiving at once: two fit."""
+    count = (3 * MiB // 2) // 8
+    go = threading.Event()
+    with running_server(max_payload_bytes=4 * MiB) as r:
+        plane = r.plane
+        values = np.arange(count, dtype=np.float32)
+        raw = values.tobytes()
+
+        def pieces() -> Any:
+            yield PayloadPiece(dtypes.by_name("float32").enum, count, raw[:4096])
+            assert go.wait(60)
+            yield PayloadPiece(0, 0, raw[4096:])
+
+        results: list[Any] = []
+
+        def upload() -> None:
+            try:
+                results.append(plane.upload(pieces(), Caller("uploader")))
+            except errors.ResourceExhausted as exc:
+                results.append(exc)
+
+        threads = [threading.Thread(target=upload) for _ in range(4)]
+        for t in threads:
+            t.start()
+        # the two that do not fit are refused while the other two are still receiving
+        assert wait_until(lambda: sum(isinstance(x, errors.ResourceExhausted) for x in results) == 2, 30)
+        assert plane.sources.used_bytes() == 2 * count * 8
+        go.set()
+        for t in threads:
+            t.join(60)
+        stored = [x for x in results if not isinstance(x, BaseException)]
+        assert len(stored) == 2
+        assert plane.sources.used_bytes() == 2 * count * 8 <= 4 * MiB
+        assert all(np.array_equal(p.values, values) for _, p in stored)
+
+        def failing() -> Any:  # a failed upload gives its bytes back
+            yield PayloadPiece(0, count, raw[:4096])
+            raise errors.InvalidRequest("client went away")
+
+        with pytest.raises(errors.ResourceExhausted):
+            plane.upload(failing(), Caller("uploader"))  # no room while two are stored
+        assert plane.sources.used_bytes() == 2 * count * 8
+
+
+# -- item 6: error details stay small enough to arrive ------------------------------------------
+
+
+def test_many_long_violations_arrive_as_invalid_argument() -> None:
+    names = [f"model.layers.{i}.self_attention.query_key_value.weight.{'x' * 180}" for i in range(20)]
+    plan = plan_of([param(n, [4], {"uniform": {"lo": 1, "hi": 0}}) for n in names]
+                   + [param("y" * 10_000, [4], {"normal": {"std": -1}}),
+                      param("z", [4], {"safetensors": {"path": "/" + "p" * 4000, "tensor": "t" * 4000}}),
+                      param("q", [4], {"flatRef": {"payloadId": "f" * 50_000}})])
+    with running_server() as r, Client(target_of(r), timeout=30) as c:
+        with pytest.raises(ParaminitError) as info:
+            c.materialize(plan)
+        err = info.value
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT, err
+        assert err.violations and "uniform lower bound must not exceed the upper bound" in err.violations[0].description
+        assert "more violations" in err.violations[-1].description
+        assert len(err.message.encode()) <= 400 and "invalid plan: 24 violation(s)" in err.message  # the 10k name breaks two rules
+        report = c.validate(plan)  # Validate's body still carries every violation
+        assert len(report.violations) == 24
+        with pytest.raises(ParaminitError) as info:  # a 1 MB lease id is echoed cut short
+            c._call(c.stub.Release, pb.ReleaseRequest(lease_id="L" * (1 << 20)))
+        assert info.value.code == grpc.StatusCode.NOT_FOUND and len(info.value.message) <= 400
+
+
+# -- item 17: names, malloc_trim after Validate ---------------------------------------------------
+
+
+def test_name_length_is_limited() -> None:
+    with running_server() as r, Client(target_of(r), timeout=60) as c:
+        plan = plan_of([param("n" * (100 << 20), [1], {"zeros": {}})])  # a 100 MB name
+        report = c.validate(plan)
+        assert not report.valid and any("bytes long; the limit is 1024" in line for line in report.lines())
+        with pytest.raises(ParaminitError) as info:
+            c.materialize(plan)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_validate_trims_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paraminit_server import admission
+
+    trims: list[int] = []
+    monkeypatch.setattr(admission, "trim_heap", lambda: trims.append(1))
+    with running_server() as r:
+        r.plane.validate(plan_of([param("w", [4], {"zeros": {}})]), Caller())
+        assert trims == [1]

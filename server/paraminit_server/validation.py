@@ -70,7 +70,7 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = N
 
         def bad(field: str, message: str, category: str = INVALID, _i: int = i, _p: plan_pb2.Param = p,
                 found: list[Violation] = found) -> None:
-            found.append(Violation(_i, _p.name, f"params[{_i}].{field}", message, category))
+            found.append(Violation(_i, _shown_name(_p.name), f"params[{_i}].{field}", message, category))
 
         if not p.name:
             bad("name", "parameter name must not be empty")
@@ -158,6 +158,11 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
                                  "xavier or kaiming initializers)")
         else:
             _check_init(shape, q, sub)
+
+
+def _shown_name(name: str) -> str:
+    """The name violations carry: whole up to the length limit, cut beyond it (it is echoed to the caller)."""
+    return name if len(name.encode()) <= MAX_NAME_BYTES else name[:ECHO] + f"... ({len(name)} characters)"
 
 
 def _echo(text: str) -> str:
