@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--mib", type=int, default=256, help="output size of each row, MiB")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--inits", default=",".join(INITS), help="comma-separated initializers to time")
     args = ap.parse_args()
     os.environ.setdefault("NUMBA_NUM_THREADS", str(max(args.threads, os.cpu_count() or 1)))
 
@@ -141,7 +142,7 @@ def main() -> None:
                 row(f"torch {op} {dt.name}", torch_s[(op, dt.name)], fill_s[dt.storage.name])
             del t, src
 
-    for init in INITS:
+    for init in args.inits.split(","):
         for dt in dtypes.SUPPORTED:
             p = make_param(init, dt, nbytes // dt.itemsize // COLS, values)
             out = arena.view(dt.storage)[:p.numel]

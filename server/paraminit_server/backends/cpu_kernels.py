@@ -32,6 +32,7 @@ from __future__ import annotations
 import decimal
 import math
 import struct
+import warnings
 from typing import Any
 
 import numba as nb
@@ -39,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 from llvmlite import ir
 from numba import types
+from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import intrinsic, overload
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -68,6 +70,11 @@ _WORKERS = 256  # at least the number of threads
 # inlining only multiplied compile time).
 _jit = nb.njit(cache=True, nogil=True)
 _parallel = nb.njit(cache=True, parallel=True, nogil=True)
+# The log/cos helpers are too large for LLVM's inliner, and a call in the loop stops vectorization: they are
+# inlined by numba.
+_inline = nb.njit(cache=True, nogil=True, inline="always")
+# numba's inliner reports phi variables of inlined helpers as out of scope; harmless for this code.
+warnings.filterwarnings("ignore", message="variable '.*' is not in scope", category=NumbaIRAssumptionWarning)
 
 
 @_jit
@@ -250,6 +257,22 @@ def _fma_impl(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
 
 fma: Any = intrinsic(_fma_impl)
 
+
+def _sqrt_impl(typingctx: Any, a: Any) -> Any:
+    """Correctly rounded square root as llvm.sqrt.f64 (vsqrtpd when vectorized; math.sqrt calls libm)."""
+    if not isinstance(a, types.Float):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d = ir.DoubleType()
+        fn = builder.module.declare_intrinsic("llvm.sqrt", [d], ir.FunctionType(d, [d]))
+        return builder.call(fn, [context.cast(builder, args[0], signature.args[0], types.float64)])
+
+    return types.float64(types.float64), codegen
+
+
+sqrt: Any = intrinsic(_sqrt_impl)
+
 _D = decimal.Decimal
 _PI_DEC = _D("3.14159265358979323846264338327950288419716939937510582097494459230781640628620899863")
 
@@ -340,6 +363,7 @@ _P1 = TABLES["p1"]
 _P2 = TABLES["p2"]
 _P3 = TABLES["p3"]
 _INV_STEP = TABLES["inv_step"]
+_LN2 = _LN2H + _LN2L
 _THIRD_H, _THIRD_L = TABLES["third"]
 _SIXTH_H, _SIXTH_L = TABLES["sixth"]
 LOG_FLOOR = TABLES["log_floor"]  # log(1e-6), correctly rounded
@@ -353,11 +377,11 @@ _MANT = np.int64((1 << 52) - 1)
 _ABS = np.int64((1 << 63) - 1)
 LOG_BOUND = 2.0**-74  # relative error bound of log_dd (measured below 2^-80; see bench/verify_cr.py)
 COS_BOUND = 2.0**-74  # relative error bound of cos_dd
-LOG_PLAIN_ULPS = 2  # log_plain is within this many ulps of the correctly rounded log
-COS_PLAIN_ULPS = 2
+LOG_PLAIN_ULPS = 16  # log_plain is within this many ulps of the correctly rounded log
+COS_PLAIN_ULPS = 16
 
 
-@_jit
+@_inline
 def two_sum(a: float, b: float) -> Any:
     """s + e = a + b exactly, s = fl(a + b) (Knuth)."""
     s = a + b
@@ -365,20 +389,20 @@ def two_sum(a: float, b: float) -> Any:
     return s, (a - (s - bb)) + (b - bb)
 
 
-@_jit
+@_inline
 def log_input(k: float) -> float:
     """The log input of a draw k (an integer-valued binary64): max(k * 2^-32, 1e-6)."""
     u1 = k * _TWO_NEG_32
     return _U1_FLOOR if u1 <= _U1_FLOOR else u1
 
 
-@_jit
+@_inline
 def cos_input(k: float) -> float:
     """The cos input of a draw k: (2.0 * pi) * (k * 2^-32)."""
     return _TWO_PI * (k * _TWO_NEG_32)
 
 
-@_jit
+@_inline
 def log_reduce(x: float) -> Any:
     """x = 2^e * m, m in [0.6875, 1.375); t = m * r_i - 1 (exact: m has <= 32 significant bits, r_i 20)."""
     ix = f64_bits(x)
@@ -390,18 +414,24 @@ def log_reduce(x: float) -> Any:
     return e, t, _LOG_TH[i], _LOG_TL[i]
 
 
-@_jit
+@_inline
 def log_plain(x: float) -> Any:
-    """log(x) within LOG_PLAIN_ULPS ulps, for x = k * 2^-32 > 1e-6 (any other x: log_input's floor)."""
+    """log(x) within LOG_PLAIN_ULPS ulps, for x = k * 2^-32 > 1e-6 (any other x: log_input's floor).
+
+    Only for the interval test of float32/16-bit outputs: two table reads, a degree-4 polynomial.
+    """
     xs = x if x > _U1_FLOOR else 0.5
-    e, t, th, tl = log_reduce(xs)
-    q = fma(fma(fma(fma(fma(fma(-1.0 / 8, t, 1.0 / 7), t, -1.0 / 6), t, 1.0 / 5), t, -0.25), t, 1.0 / 3), t, -0.5)
-    a, ea = two_sum(e * _LN2H, th)
-    r = a + (t + fma(t * t, q, ea + (tl + e * _LN2L)))
+    ix = f64_bits(xs)
+    tmp = ix - _I_OFF
+    i = np.uint64((tmp >> _I44) & _LOG_IMASK)
+    e = np.float64(tmp >> _I52)
+    t = fma(bits_f64(ix - (tmp & _HIGH12)), _LOG_R[i], -1.0)
+    q = fma(fma(fma(fma(-1.0 / 6, t, 0.2), t, -0.25), t, 1.0 / 3), t, -0.5)
+    r = fma(e, _LN2, _LOG_TH[i]) + fma(t * t, q, t)
     return r if x > _U1_FLOOR else LOG_FLOOR
 
 
-@_jit
+@_inline
 def log_dd(x: float) -> Any:
     """log(x) as hi + lo (relative error < LOG_BOUND) and whether hi is its correct rounding."""
     xs = x if x > _U1_FLOOR else 0.5
@@ -426,7 +456,7 @@ def log_dd(x: float) -> Any:
     return (hi if x > _U1_FLOOR else LOG_FLOOR), lo, ok | (x <= _U1_FLOOR)
 
 
-@_jit
+@_inline
 def decided(hi: float, lo: float, bound: float) -> Any:
     """Whether hi = RN(hi + lo + err) for every |err| <= bound * |hi| (hi = RN(hi + lo) already).
 
@@ -439,7 +469,7 @@ def decided(hi: float, lo: float, bound: float) -> Any:
     return abs(lo) + bound * a < half_gap
 
 
-@_jit
+@_inline
 def cos_reduce(t: float) -> Any:
     """t = j * pi/128 + (rh + rl), |r| <= pi/256 (+ a rounding), with a three-part pi/128."""
     jf = (t * _INV_STEP + _ROUND_MAGIC) - _ROUND_MAGIC
@@ -450,20 +480,21 @@ def cos_reduce(t: float) -> Any:
     return j, rh, rl
 
 
-@_jit
+@_inline
 def cos_plain(t: float) -> Any:
-    """cos(t) within COS_PLAIN_ULPS ulps, for t in [0, 2 pi)."""
-    j, rh, rl = cos_reduce(t)
+    """cos(t) within COS_PLAIN_ULPS ulps, for t in [0, 2 pi); two table reads, short polynomials."""
+    jf = (t * _INV_STEP + _ROUND_MAGIC) - _ROUND_MAGIC
+    j = np.uint64(np.int64(jf))
+    r = fma(-jf, _P2, t - jf * _P1) - jf * _P3
     ch = _COS_CH[j]
     sh = _COS_SH[j]
-    r2 = rh * rh
+    r2 = r * r
     cm = r2 * fma(r2, fma(r2, -1.0 / 720, 1.0 / 24), -0.5)
-    sm = (rh * r2) * fma(r2, fma(r2, -1.0 / 5040, 1.0 / 120), -1.0 / 6)
-    b = fma(-sh, rh, (_COS_CL[j] + ch * cm) - (sh * (sm + rl) + _COS_SL[j] * rh))
-    return ch + b
+    sm = (r * r2) * fma(r2, 1.0 / 120, -1.0 / 6)
+    return ch + fma(-sh, r, fma(ch, cm, -(sh * sm)))
 
 
-@_jit
+@_inline
 def cos_dd(t: float) -> Any:
     """cos(t) as hi + lo (relative error < COS_BOUND) and whether hi is its correct rounding."""
     j, rh, rl = cos_reduce(t)
@@ -553,31 +584,25 @@ def normal_exact(d1: float, d2: float, p0: float, p1: float) -> Any:
     return p0 + p1 * (math.sqrt(-2.0 * cr_log(d1)) * cr_cos(d2))
 
 
-_S_ULPS = np.int64(LOG_PLAIN_ULPS + 2)  # sqrt(-2 L) moves at most this many ulps when L moves LOG_PLAIN_ULPS
-_C_ULPS = np.int64(COS_PLAIN_ULPS)
+# Distances in units in the last place (steps of the bit pattern), doubled where a binade boundary may halve
+# the step: sqrt(-2 L) moves at most 2 * LOG_PLAIN_ULPS + 2 steps when L moves LOG_PLAIN_ULPS, and their
+# product at most 4 * (S + C) + 8 steps.
+_Z_ULPS = np.int64(4 * ((2 * LOG_PLAIN_ULPS + 2) + COS_PLAIN_ULPS) + 8)
 
 
-@_jit
+@_inline
 def normal_bounds(d1: float, d2: float, p0: float, p1: float) -> Any:
     """An interval [va, vb] that holds mean + std * z of the spec, from the plain log and cos.
 
-    The correctly rounded log and cos lie within a few ulps of the plain values, and every later operation
-    is monotone in each argument, so its value on the interval's corners bounds the spec's value.
+    The correctly rounded log and cos lie within a few ulps of the plain values, so the spec's z lies within
+    _Z_ULPS steps of the plain z, and `mean + std * z` is monotone in z: its values at the ends bound it.
     """
-    s = math.sqrt(-2.0 * log_plain(log_input(d1)))
-    c = cos_plain(cos_input(d2))
-    sb = f64_bits(s)
-    cb = f64_bits(c)
-    s0 = bits_f64(sb - _S_ULPS)
-    s1 = bits_f64(sb + _S_ULPS)
-    c0 = bits_f64(cb - _C_ULPS)
-    c1 = bits_f64(cb + _C_ULPS)
-    za = s0 * c0
-    zb = s0 * c1
-    zc = s1 * c0
-    zd = s1 * c1
-    va = p0 + p1 * min(min(za, zb), min(zc, zd))
-    vb = p0 + p1 * max(max(za, zb), max(zc, zd))
+    z = sqrt(-2.0 * log_plain(log_input(d1))) * cos_plain(cos_input(d2))
+    zb = f64_bits(z)
+    z0 = bits_f64(zb - _Z_ULPS)
+    z1 = bits_f64(zb + _Z_ULPS)
+    va = p0 + p1 * z0
+    vb = p0 + p1 * z1
     return min(va, vb), max(va, vb)
 
 
@@ -586,13 +611,13 @@ def normal_fast(out: Any, d1: float, d2: float, p0: float, p1: float, h: Any) ->
     raise NotImplementedError("called only inside kernels")
 
 
-@overload(normal_fast)
+@overload(normal_fast, inline="always")
 def _normal_fast_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
     if out.dtype == types.float64:
         def f64(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
             lh, _, lok = log_dd(log_input(d1))
             ch, _, cok = cos_dd(cos_input(d2))
-            return p0 + p1 * (math.sqrt(-2.0 * lh) * ch), np.int64(~(lok & cok)) & 1
+            return p0 + p1 * (sqrt(-2.0 * lh) * ch), np.int64(~(lok & cok)) & 1
         return f64
     if out.dtype == types.float32:
         def f32(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
