@@ -40,7 +40,8 @@ bench: $(STAMP)
 
 # Wheels for the GPU check machine (Python 3.12, x86_64), for packages its image lacks; bench/gpu_check.sh installs
 # them offline from .whl/.
-GPU_WHEELS := protobuf grpcio grpcio-status grpcio-health-checking grpcio-reflection googleapis-common-protos crc32c
+GPU_WHEELS := protobuf grpcio grpcio-status grpcio-health-checking grpcio-reflection googleapis-common-protos crc32c \
+	typing-extensions ml-dtypes pyyaml tqdm prometheus-client mpmath pytest pluggy iniconfig packaging pygments
 gpu-wheels: $(STAMP)
 	mkdir -p .whl
 	for pkg in $(GPU_WHEELS); do \

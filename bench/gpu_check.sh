@@ -1,30 +1,58 @@
 #!/usr/bin/env bash
 # The whole GPU check in one run, under 5 minutes (each step is capped by what is left): the gpu-marked parity tests and
-# bench/gpu.py, on a machine whose python3 already has CuPy, numba, protobuf and
-# grpcio (torch optional) but not this project installed. Installs nothing.
-# Logs go to $OUT (default ./out): env.txt, warm_gpu.log, test_gpu.log, bench_gpu.log, bench_gpu.json.
+# bench/gpu.py, on a machine whose python3 already has CuPy and numba (torch, pytest optional) but not this project.
+# The packages the image lacks (protobuf, grpcio, ...) travel as wheels: run `make gpu-wheels` here and carry .whl/;
+# they are installed offline into a temporary directory, never fetched. Without them, and without those packages in
+# the image, the check stops at once with one line saying so.
+# Logs go to $OUT (default ./out): env.txt, wheels.log, warm_gpu.log, test_gpu.log, bench_gpu.log, bench_gpu.json.
 #
 #   bash bench/gpu_check.sh    # PYTHON=... picks the interpreter, GPU_CHECK_GIB the bench size (default 1)
 #
 # Exit status: 0 when the tests and the bench ran and passed, 1 otherwise.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$(pwd)
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-export PYTHONPATH="proto:server:client${PYTHONPATH:+:$PYTHONPATH}"
+# Absolute, so child processes (the CUDA IPC test's client) import the same code from any directory.
+export PYTHONPATH="$ROOT/proto:$ROOT/server:$ROOT/client${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 status=0
-
-# Packages the device image lacks travel as wheels in .whl/ (make gpu-wheels here); installed offline, never fetched.
-if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/paraminit-site \
-        .whl/*.whl && export PYTHONPATH="/tmp/paraminit-site:$PYTHONPATH"
-fi
+TMPD=$(mktemp -d)
+trap 'rm -rf "$TMPD"' EXIT
 
 say() { printf '%s\n' "$*" | tee -a "$OUT/env.txt"; }
+die() { printf 'gpu_check: FAILED: %s\n' "$*" | tee -a "$OUT/env.txt" >&2; exit 1; }
 
 : > "$OUT/env.txt"
+
+# Wheels first: they go before the image's own packages on PYTHONPATH, which every child process inherits.
+WHEELS=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+    WHEELS=1
+    SITE="$TMPD/site"
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+        "$PY" -m pip install --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
+            > "$OUT/wheels.log" 2>&1 || die "installing the wheels in .whl/ failed (see $OUT/wheels.log): are they for this Python?"
+    else  # no pip in the image: a wheel is a zip of what goes into site-packages
+        "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' "$SITE" .whl/*.whl \
+            > "$OUT/wheels.log" 2>&1 || die "unpacking the wheels in .whl/ failed (see $OUT/wheels.log)"
+    fi
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
+
+# Everything the server, the client and the tests import that this check does not bring itself, loaded exactly as
+# the tests' child processes will load it (no relaxed version checks: a child could not inherit them).
+NEEDED=(paraminit.v1.init_service_pb2 paraminit.v1.init_service_pb2_grpc paraminit_server.server paraminit_client
+        grpc_status google.rpc.status_pb2 crc32c mpmath)
+if ! pb_err=$("$PY" -c "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]" "${NEEDED[@]}" 2>&1); then
+    why=$(printf '%s\n' "$pb_err" | tail -n 1)
+    if [ "$WHEELS" = 1 ]; then
+        die "the wheels in .whl/ do not make paraminit importable with $PY ($why); rebuild them with 'make gpu-wheels'"
+    fi
+    die "no wheels in .whl/ and $PY cannot import what paraminit needs ($why): run 'make gpu-wheels' and carry .whl"
+fi
 say "== gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(pwd)"
 nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,memory.used --format=csv 2>&1 | tee -a "$OUT/env.txt"
 "$PY" - <<'PYEOF' 2>&1 | tee -a "$OUT/env.txt"
@@ -44,64 +72,12 @@ except Exception as exc:
     print("cupy/cuda unusable:", exc)
 PYEOF
 
-# The generated *_pb2.py files check the protobuf runtime version on import; an
-# older runtime can usually still load them, so rather than stop, relax that check.
-RELAX=0
-pb_want=$(sed -n 's/^# Protobuf Python Version: //p' proto/paraminit/v1/plan_pb2.py)
-if ! pb_err=$("$PY" -c "import paraminit.v1.plan_pb2" 2>&1); then
-    pb_have=$("$PY" -c "import google.protobuf as p; print(p.__version__)" 2>/dev/null || echo "none")
-    say "NOTE: protobuf $pb_have here is older than $pb_want, which proto/paraminit/v1/*_pb2.py were generated for:"
-    say "      $(printf '%s\n' "$pb_err" | tail -n 1)"
-    if [ "${PARAMINIT_STRICT_PROTOBUF:-0}" = 1 ]; then
-        say "      PARAMINIT_STRICT_PROTOBUF=1: stopping. Install protobuf>=$pb_want to run this check."
-        exit 1
-    fi
-    say "      running with protobuf's runtime version check relaxed (PARAMINIT_STRICT_PROTOBUF=1 stops instead)."
-    RELAX=1
-fi
-export PARAMINIT_RELAX_PROTOBUF=$RELAX
-
-# run.py -m MODULE ARGS... | run.py PATH ARGS...: like python3 itself, relaxing the check when asked.
-TMPD=$(mktemp -d)
-trap 'rm -rf "$TMPD"' EXIT
-RUNNER="$TMPD/run.py"
-cat > "$RUNNER" <<'PYEOF'
-import os
-import runpy
-import sys
-import types
-
-if os.environ.get("PARAMINIT_RELAX_PROTOBUF") == "1":
-    try:
-        from google.protobuf import runtime_version as rv
-    except ImportError:  # protobuf < 5.26 has no such module at all
-        import google.protobuf as gp
-        rv = types.ModuleType("google.protobuf.runtime_version")
-        rv.Domain = types.SimpleNamespace(PUBLIC=0)
-        sys.modules["google.protobuf.runtime_version"] = rv
-        gp.runtime_version = rv
-    rv.ValidateProtobufRuntimeVersion = lambda *a, **k: None
-args = sys.argv[1:]
-if args[0] == "-m":
-    sys.argv = args[1:]
-    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-else:
-    sys.argv = args
-    runpy.run_path(args[0], run_name="__main__")
-PYEOF
-printf 'import paraminit.v1.plan_pb2, paraminit.v1.init_service_pb2\n' > "$TMPD/pb_check.py"
-if [ "$RELAX" = 1 ] && ! "$PY" "$RUNNER" "$TMPD/pb_check.py" > "$OUT/protobuf.log" 2>&1; then
-    say "ERROR: the generated protobuf code does not load even with the check relaxed (see $OUT/protobuf.log);"
-    say "       install protobuf>=$pb_want to run this check."
-    exit 1
-fi
-
 # Compile the CUDA kernels first (NVRTC; CuPy caches the binary on disk for the
 # steps below), so a kernel that does not build is reported on its own.
 say "== CUDA kernels (compile and warm up)"
 printf '%s\n' "from paraminit_server.backends.cupy_backend import CupyBackend" "b = CupyBackend(0)" "b.warm_up()" \
     "print(b.device())" > "$TMPD/warm_gpu.py"
-timeout 90 "$PY" "$RUNNER" "$TMPD/warm_gpu.py" > "$OUT/warm_gpu.log" 2>&1
+timeout 90 "$PY" "$TMPD/warm_gpu.py" > "$OUT/warm_gpu.log" 2>&1
 rc=$?
 tail -n 3 "$OUT/warm_gpu.log" | tee -a "$OUT/env.txt"
 say "   rc $rc after ${SECONDS}s"
@@ -115,7 +91,7 @@ left() { local s=$(( BUDGET - SECONDS - $1 )); [ $s -lt 30 ] && s=30; echo $s; }
 say "== tests/test_gpu.py"
 if "$PY" -c "import pytest" 2>/dev/null; then
     cap=$(left $BENCH_RESERVE)
-    timeout "$cap" "$PY" "$RUNNER" -m pytest -m gpu tests/test_gpu.py tests/test_gpu_service.py -v -s -p no:cacheprovider -o addopts=-ra \
+    timeout "$cap" "$PY" -m pytest -m gpu tests/test_gpu.py tests/test_gpu_service.py -v -s -p no:cacheprovider -o addopts=-ra \
         > "$OUT/test_gpu.log" 2>&1
     rc=$?
     grep -E "PASSED|FAILED|ERROR|SKIPPED|differ|^device:|^E |[0-9]+ (passed|failed|skipped|error)" "$OUT/test_gpu.log" \
@@ -134,7 +110,7 @@ fi
 
 say "== bench/gpu.py"
 cap=$(left 0)
-timeout "$cap" "$PY" "$RUNNER" bench/gpu.py --gib "${GPU_CHECK_GIB:-1}" --repeat 5 --json "$OUT/bench_gpu.json" \
+timeout "$cap" "$PY" bench/gpu.py --gib "${GPU_CHECK_GIB:-1}" --repeat 5 --json "$OUT/bench_gpu.json" \
     > "$OUT/bench_gpu.log" 2>&1
 rc=$?
 cat "$OUT/bench_gpu.log"
