@@ -238,7 +238,8 @@ def cmd_health(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="paraminit", description="Materialize parameter tensors from a declarative init plan, "
                     "check plans, and look at the result.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do; `paraminit COMMAND --help` says more")
 
     def add(name: str, help: str, description: str = "", **kwargs: Any) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description or help, **kwargs)
@@ -298,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = add("plan", "build a plan from a checkpoint or a PyTorch module",
                "Build a plan and print its JSON (or write it with -o).")
-    plan_sub = plan.add_subparsers(dest="plan_command", required=True, metavar="SOURCE")
+    plan_sub = plan.add_subparsers(dest="plan_command", required=True, metavar="SOURCE", help="where the plan comes from")
     fs = plan_sub.add_parser("from-safetensors", help="a plan that loads every tensor of a checkpoint",
                              description="A plan that takes every tensor of the checkpoint (as safetensors "
                              "references, which the server must be allowed to read: --safetensors-dirs) and "
