@@ -4,7 +4,8 @@
 # The packages the image lacks (protobuf, grpcio, ...) travel as wheels: run `make gpu-wheels` here and carry .whl/;
 # they are installed offline into a temporary directory, never fetched. Without them, and without those packages in
 # the image, the check stops at once with one line saying so.
-# Logs go to $OUT (default ./out): env.txt, wheels.log, warm_gpu.log, test_gpu.log, bench_gpu.log, bench_gpu.json.
+# Logs go to $OUT (default ./out): env.txt, wheels.log, warm_gpu.log, test_gpu.log, normal_parity.log, bench_gpu.log,
+# bench_gpu.json.
 #
 #   bash bench/gpu_check.sh    # PYTHON=... picks the interpreter, GPU_CHECK_GIB the bench size (default 1)
 #
@@ -107,6 +108,42 @@ else
     say "         bench/gpu.py below still checks both ends of every output against reference.py."
     status=1
 fi
+
+say "== normal parity (docs/SAMPLER.md 2.1: correctly rounded log/cos, so GPU bytes equal the CPU's, no ulp allowance)"
+cap=$(left $BENCH_RESERVE)
+timeout "$cap" "$PY" - > "$OUT/normal_parity.log" 2>&1 <<'PYEOF'
+import sys
+import cupy as cp
+import numpy as np
+from paraminit import dtypes
+from paraminit.v1 import plan_pb2
+from paraminit_server.backends.cpu import CpuBackend
+from paraminit_server.backends.cupy_backend import CupyBackend
+from paraminit_server.plan import resolve_param
+
+gpu, cpu = CupyBackend(0), CpuBackend()
+n, bad = 1 << 24, 0
+for dt in dtypes.SUPPORTED:
+    for mean, std, seed in ((0.0, 1.0, 2024), (0.1, 0.02, 7), (-3.0, 1e-3, 2**63 + 5)):
+        p = plan_pb2.Param(name="w", shape=[n], dtype=dt.enum)
+        p.init.normal.mean, p.init.normal.std, p.init.normal.seed = mean, std, seed
+        rp = resolve_param(0, p)
+        g = cp.empty(n, dtype=dt.storage)
+        g.view(cp.uint8).fill(0xFF)
+        gpu.fill(rp, g)
+        want = np.empty(n, dtype=dt.storage)
+        want.view(np.uint8).fill(0xA5)
+        cpu.fill(rp, want)
+        got = gpu.to_host(g)
+        diff = int((got.view(np.uint8).reshape(n, -1) != want.view(np.uint8).reshape(n, -1)).any(axis=1).sum())
+        bad += diff
+        print(f"normal {dt.name:<9} mean={mean} std={std} seed={seed}: {diff} of {n} elements differ")
+sys.exit(1 if bad else 0)
+PYEOF
+rc=$?
+cat "$OUT/normal_parity.log" | tail -n 14
+[ $rc -eq 124 ] && say "normal parity timed out after ${cap}s"
+[ $rc -ne 0 ] && status=1
 
 say "== bench/gpu.py"
 cap=$(left 0)
