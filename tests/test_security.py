@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
-from conftest import running_server, server_fixture
+from conftest import running_server, server_fixture, wait_until
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import Client, ParaminitError, param, plan_of
+from paraminit_server.auth import certificate_identity, local_identity, peer_uid
 from paraminit_server.server import Running
 
 x509 = pytest.importorskip("cryptography.x509")
@@ -121,3 +131,144 @@ def test_leases_belong_to_their_identity(token_server: Running) -> None:
 def test_short_tokens_are_refused() -> None:
     with pytest.raises(ValueError, match="shorter than 16"), running_server(auth_tokens="alice:short"):
         pass
+
+
+# -- hardening: pre-auth stalls, local users, certificates without a subject ---------------------
+
+
+def _stalled(target: str, n: int) -> tuple[grpc.Channel, list[Any], threading.Event]:
+    """n Validate calls on ONE new connection that send headers but never their request message."""
+    ch = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+    call = ch.stream_unary("/paraminit.v1.InitService/Validate", request_serializer=bytes,
+                           response_deserializer=bytes)
+    release = threading.Event()
+
+    def never() -> Iterator[bytes]:
+        release.wait(120)
+        yield from ()
+
+    return ch, [call.future(never()) for _ in range(n)], release
+
+
+def test_stalled_unauthenticated_calls_hold_no_worker(token_server: Running) -> None:
+    """64 calls without a token that never send their body: refused on their headers, health and a valid
+    client keep working (grpc would otherwise wait for each body on a worker thread)."""
+    target = f"127.0.0.1:{token_server.port}"
+    ch, calls, release = _stalled(target, 64)
+    try:
+        for f in calls:
+            assert f.exception(timeout=30) is not None and f.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(target, token=ALICE, timeout=10) as alice:
+            assert alice.health() == "SERVING"
+            assert alice.validate(PLAN).ok
+    finally:
+        release.set()
+        ch.close()
+
+
+def test_stalled_calls_on_one_connection_leave_workers_free() -> None:
+    """Without tokens every caller is allowed in; 64 stalled calls on one connection still cannot take
+    every worker: a connection holds at most half of them."""
+    with running_server(workers=16) as r:
+        target = f"127.0.0.1:{r.port}"
+        ch, calls, release = _stalled(target, 64)
+        try:
+            assert not wait_until(lambda: any(f.done() for f in calls), 1.0)  # they are stalled, not refused
+            with Client(target, timeout=10) as c:
+                assert c.health() == "SERVING"
+                assert c.validate(PLAN).ok
+                assert c.materialize(PLAN)["w"].shape == (64, 64)
+        finally:
+            release.set()
+            ch.close()
+
+
+def test_local_users_are_isolated_without_tokens(tmp_path: Path) -> None:
+    """Another local user (nobody) sees none of this user's leases or payloads and cannot release, renew
+    or apply over them; it is `uid:65534`, this user stays `anonymous`."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another user")
+    with running_server() as r, Client(f"127.0.0.1:{r.port}") as mine:
+        lease = mine.export(PLAN)
+        pid = mine.upload_payload(np.ones(4, np.float32))
+        script = tmp_path / "other.py"
+        script.write_text(textwrap.dedent(f"""
+            import json, grpc
+            from paraminit.v1 import init_service_pb2 as pb
+            from paraminit_client import Client, ParaminitError, param, plan_of
+            out = {{}}
+            with Client("127.0.0.1:{r.port}") as c:
+                out["leases"] = [s.lease.lease_id for s in c.leases()]
+                for name, rpc, req in (("release", c.stub.Release, pb.ReleaseRequest(lease_id="{lease.lease_id}")),
+                                       ("renew", c.stub.Renew, pb.RenewRequest(lease_id="{lease.lease_id}")),
+                                       ("apply", c.stub.Apply, pb.ApplyRequest(lease_id="{lease.lease_id}",
+                                        plan=plan_of([param("w", [64, 64], {{"zeros": {{}}}})])))):
+                    try:
+                        c._call(rpc, req)
+                        out[name] = "OK"
+                    except ParaminitError as err:
+                        out[name] = err.code.name
+                report = c.validate(plan_of([param("p", [4], {{"flatRef": {{"payloadId": "{pid}"}}}})]))
+                out["payload"] = report.lines()
+                theirs = c.upload_payload(__import__("numpy").zeros(4, "float32"))
+                out["theirs"] = theirs
+            print(json.dumps(out))
+        """))
+        env = {k: v for k, v in os.environ.items() if k != "PARAMINIT_TOKEN"}
+        child = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                                "-c", script.read_text()], capture_output=True, text=True, timeout=120, env=env, cwd="/")
+        assert child.returncode == 0, child.stderr[-2000:]
+        out = json.loads(child.stdout.strip().splitlines()[-1])
+        assert out["leases"] == []
+        assert out["release"] == out["renew"] == out["apply"] == "NOT_FOUND"
+        assert any("no payload" in line for line in out["payload"])
+        assert [s.owner for s in mine.leases()] == ["anonymous"]
+        assert np.all(lease.arrays["w"] != 0)  # Apply did not zero it
+        report = mine.validate(plan_of([param("p", [4], {"flatRef": {"payloadId": out["theirs"]}})]))
+        assert any("no payload" in line for line in report.lines())
+        assert r.plane.sources.payload(out["theirs"], "uid:65534") is not None
+        assert lease.release() is True
+
+
+def test_peer_uid_reads_the_socket_table() -> None:
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        with socket.create_connection(srv.getsockname()) as cl:
+            port = cl.getsockname()[1]
+            assert peer_uid(f"ipv4:127.0.0.1:{port}") == os.geteuid()
+            assert local_identity(f"ipv4:127.0.0.1:{port}") == "anonymous"
+    assert local_identity("ipv4:10.1.2.3:5000") == "remote"
+    assert peer_uid("ipv4:127.0.0.1:1") is None
+
+
+def test_certificates_without_subject_do_not_share_an_identity(tmp_path: Path, pki: Path) -> None:
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None)
+    ca_name = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes()).subject
+    for who in ("eve", "mallory"):  # empty subject, different SANs
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (x509.CertificateBuilder().subject_name(x509.Name([])).issuer_name(ca_name)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName(f"{who}.example")]), critical=False)
+                .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+        (tmp_path / f"{who}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (tmp_path / f"{who}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                                serialization.PrivateFormat.PKCS8,
+                                                                serialization.NoEncryption()))
+    with running_server(tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key"),
+                        tls_ca=str(pki / "ca.crt")) as r:
+        target = f"localhost:{r.port}"
+        kw = {"tls_ca": str(pki / "ca.crt"), "timeout": 10}
+        with Client(target, tls_cert=str(tmp_path / "eve.crt"), tls_key=str(tmp_path / "eve.key"), **kw) as eve, \
+                Client(target, tls_cert=str(tmp_path / "mallory.crt"), tls_key=str(tmp_path / "mallory.key"), **kw) as mal:
+            lease = eve.export(PLAN)
+            (owner,) = [s.owner for s in eve.leases()]
+            assert owner != "cert:" and "eve.example" in owner
+            assert mal.leases() == []
+            with pytest.raises(ParaminitError) as info:
+                mal._call(mal.stub.Release, pb.ReleaseRequest(lease_id=lease.lease_id))
+            assert info.value.code == grpc.StatusCode.NOT_FOUND
+            assert lease.release()
+    assert certificate_identity({"x509_pem_cert": [b"A"]}) != certificate_identity({"x509_pem_cert": [b"B"]})

@@ -3,22 +3,31 @@
 Tokens come from a file (one `identity:token` or bare `token` per line) or the
 environment, and are compared in constant time. With tokens configured, every
 RPC but health needs `authorization: Bearer <token>`. Under mutual TLS the
-client certificate's subject is the identity when no token is given.
+client certificate is the identity when no token is given. Without either, a
+local caller is its process user (from the kernel's socket table), so users of
+one host never see or touch each other's leases and payloads.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import socket
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from paraminit import peers
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
 ANONYMOUS = "anonymous"
+REMOTE = "remote"  # unauthenticated callers from other hosts
+UNKNOWN_LOCAL = "uid:unknown"  # a local peer whose user the socket table does not show
 
 
 class TokenAuth:
@@ -55,44 +64,109 @@ class TokenAuth:
         return None
 
 
+def certificate_identity(auth: dict[str, list[bytes]]) -> str | None:
+    """The client certificate's identity: its subject, else its subject alternative names, else the
+    certificate's SHA-256 fingerprint; two different certificates never share an empty identity."""
+    def text(key: str) -> list[str]:
+        return [v.decode(errors="replace") for v in auth.get(key) or () if v]
+
+    subject = text("x509_subject") or text("x509_common_name")
+    if subject:
+        return f"cert:{subject[0]}"
+    sans = text("x509_subject_alternative_name")
+    if sans:
+        return "cert-san:" + ",".join(sorted(sans))
+    pem = b"".join(auth.get("x509_pem_cert") or ())
+    if pem:
+        return "cert-sha256:" + hashlib.sha256(pem).hexdigest()
+    return None
+
+
+def _proc_address(host: str) -> str | None:
+    """An address as /proc/net/tcp{,6} spells it (32-bit words in host byte order, hex)."""
+    try:
+        raw = socket.inet_pton(socket.AF_INET6, host) if ":" in host else socket.inet_aton(host)
+    except OSError:
+        return None
+    return "".join(f"{int.from_bytes(raw[i:i + 4], sys.byteorder):08X}" for i in range(0, len(raw), 4))
+
+
+def peer_uid(peer: str, tables: tuple[str, ...] = ("/proc/net/tcp", "/proc/net/tcp6")) -> int | None:
+    """The user id of the process at the other end of a loopback TCP connection, from the kernel's socket
+    table (the client's socket is the entry whose local address is the peer's); None when unknown."""
+    if peer.startswith("ipv4:"):
+        host, _, port = peer[5:].rpartition(":")
+    elif peer.startswith("ipv6:"):
+        host, _, port = peer[5:].rpartition(":")
+        host = host.strip("[]")
+        if host.startswith("::ffff:") and "." in host:
+            host = host[7:]
+    else:
+        return None
+    addr = _proc_address(host)
+    if addr is None or not port.isdigit():
+        return None
+    wanted = {f"{addr}:{int(port):04X}"}
+    if len(addr) == 8:  # an IPv4 peer may appear as a v4-mapped address in tcp6
+        wanted.add(f"0000000000000000FFFF0000{addr}:{int(port):04X}")
+    for table in tables:
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 7 and fields[1] in wanted:
+                        return int(fields[7])
+        except OSError:
+            continue
+    return None
+
+
+def local_identity(peer: str) -> str:
+    """Who an unauthenticated caller is: the server's own user is `anonymous` (as before); another user of
+    this host is `uid:N`, so it sees and touches only its own leases and payloads; a remote peer is
+    `remote`. Unix-socket peers are the server's user: the socket is created mode 0600."""
+    if peer.startswith("unix:"):
+        return ANONYMOUS
+    if not peers.is_local_peer(peer):
+        return REMOTE
+    uid = peer_uid(peer)
+    if uid is None:
+        return UNKNOWN_LOCAL
+    return ANONYMOUS if uid == os.geteuid() else f"uid:{uid}"
+
+
 def identity(context: grpc.ServicerContext, tokens: TokenAuth | None) -> str:
-    """Who is calling: token identity, else client-certificate subject, else anonymous."""
+    """Who is calling: token identity, else client certificate, else the peer's local user."""
     if tokens is not None:
         ident = tokens.identify(context.invocation_metadata())
         if ident is not None:
             return f"token:{ident}"
-    auth = context.auth_context() or {}
-    for key in ("x509_subject", "x509_common_name"):
-        values = auth.get(key)
-        if values:
-            return f"cert:{values[0].decode(errors='replace')}"
-    return ANONYMOUS
+    return certificate_identity(context.auth_context() or {}) or local_identity(context.peer())
 
 
 class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Rejects every call but health (and reflection) without a valid bearer token."""
+    """Rejects every call but health without a valid bearer token, on its metadata alone.
+
+    The decision is made when the call's headers arrive. A denied call gets a request-streaming
+    handler that never reads the request: grpc would otherwise hold a worker thread until a unary
+    request arrived in full, so calls that never send their body could starve every worker, and
+    large bodies would be buffered for nothing."""
 
     def __init__(self, tokens: TokenAuth) -> None:
         self.tokens = tokens
 
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+        def deny(requests: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-        self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny)
+        self._deny = grpc.stream_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
                           details: grpc.HandlerCallDetails) -> Any:
         method = details.method
         if method.startswith(HEALTH_PREFIX) or self.tokens.identify(details.invocation_metadata) is not None:
             return continuation(details)
-        if method.startswith(REFLECTION_PREFIX):
-            return self._deny_bidi
-        handler = continuation(details)
-        if handler is None:
-            return None
-        return self._deny_stream if handler.response_streaming else self._deny_unary
+        return self._deny
 
 
 def server_credentials(cert: str, key: str, ca: str) -> grpc.ServerCredentials:

@@ -53,6 +53,12 @@ class ServerConfig:
     log_level: str = "INFO"
     log_format: str = "text"  # text | json
 
+    def __post_init__(self) -> None:
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if (value.upper() if name == "log_level" else value) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} is not one of {', '.join(allowed)}")
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> ServerConfig:
         env = os.environ if environ is None else environ
@@ -66,6 +72,9 @@ class ServerConfig:
 
 
 # Byte-size fields: flags and variables take human sizes (2GiB, 512M, ...; paraminit.sizes).
+# enumerated flags: argparse and the environment accept only these
+CHOICES: dict[str, tuple[str, ...]] = {"backend": ("auto", "cpu", "numpy", "cupy"), "log_format": ("text", "json"),
+                                       "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
 SIZE_FIELDS = frozenset({"max_plan_bytes", "max_param_bytes", "chunk_bytes", "max_chunk_bytes", "slab_bytes",
                          "max_leased_bytes", "shm_pool_bytes", "memory_budget", "device_memory_budget",
                          "max_payload_bytes"})
@@ -145,6 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         shown = sizes.exact_size(default) if size else repr(default)
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_size_arg if size else type(default),
                             default=None, metavar="SIZE" if size else None,
+                            choices=CHOICES[f.name] if f.name in ("backend", "log_format") else None,
                             help=f"{HELP.get(f.name, '')} (env PARAMINIT_{f.name.upper()}; default {shown})")
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from types import FrameType
@@ -33,6 +36,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InitService"].full_name
 # SERVING from bind to exit, whatever the InitService reports: a liveness probe that restarts only a process
 # that no longer answers, never one that is compiling or draining (readiness checks SERVICE_NAME).
 LIVENESS_SERVICE = "liveness"
+UNIX_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.so_reuseport", 0)]
 
 
@@ -63,7 +67,9 @@ class Running:
         grace = self.config.drain_seconds if grace is None else grace
         self.set_serving(False)
         self.plane.admission.draining.set()
+        deadline = time.monotonic() + grace
         self.plane.admission.wait_idle(grace)
+        self.plane.sources.wait_uploads(deadline - time.monotonic())  # uploads drain too
         self.server.stop(grace=1.0).wait()
         self.plane.close()
         if self.metrics is not None:
@@ -78,12 +84,14 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     metrics = Metrics() if config.metrics_port else None
     servicer = InitServicer(plane, tokens, metrics)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
-                         options=GRPC_OPTIONS, interceptors=[AuthInterceptor(tokens)] if tokens else [])
+                         options=[*GRPC_OPTIONS, ("grpc.max_concurrent_streams", streams_per_connection(config.workers))],
+                         interceptors=[AuthInterceptor(tokens)] if tokens else [])
     server.add_generic_rpc_handlers((_service_handler(servicer),))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
-    address = f"{config.host}:{config.port}"
+    address = bind_address(config.host, config.port)
+    check_port_free(config.host, config.port)
     if config.tls_cert or config.tls_key:
         if not (config.tls_cert and config.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
@@ -91,7 +99,9 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     else:
         port = server.add_insecure_port(address)
     if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
+        raise OSError(f"cannot bind {address}")
+    if address.startswith("unix:"):
+        os.chmod(address[5:], 0o600)  # only the server's user connects (unauthenticated callers are that user)
     running = Running(server, port, plane, servicer, health_servicer, config, metrics)
     if metrics is not None:
         running.metrics_port = _serve_metrics(config, plane, metrics)
@@ -162,6 +172,44 @@ def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> No
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1,
                                                                           {"ServerReflectionInfo": handler}),))
+
+
+def streams_per_connection(workers: int) -> int:
+    """Concurrent calls one connection may hold: half the workers, so calls that never send their request
+    cannot take every worker from health checks and other clients."""
+    return max(2, workers // 2)
+
+
+def bind_address(host: str, port: int) -> str:
+    """`host:port`, or a Unix socket given as `unix:/path` (the port is then unused)."""
+    if host.startswith("unix:"):
+        path = host[5:]
+        if not path or len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise ValueError(f"--host {host[:80]!r}: a Unix socket path needs 1 to {UNIX_PATH_MAX} bytes")
+        return host
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise one clear OSError when a TCP port is taken (grpc would log a multi-line error and a hint)."""
+    if host.startswith("unix:") or port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except OSError:
+        return  # grpc reports names it cannot resolve
+    for family, kind, proto, _, addr in infos[:1]:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                raise OSError(f"cannot listen on {bind_address(host, port)}: {exc.strerror}") from None
+
+
+def listen_address(host: str, port: int) -> str:
+    """What a client passes as its target to reach this server."""
+    return host if host.startswith("unix:") else bind_address(host, port)
 
 
 def _lenient_parser(cls: Any) -> Any:
@@ -240,7 +288,7 @@ def serve(config: ServerConfig) -> int:
         log.warning("%s", jit.warning)
     running = start(config)
     metrics = f" metrics={config.host}:{running.metrics_port}" if running.metrics_port else ""
-    print(f"paraminit listening on {config.host}:{running.port} backend={running.plane.backend.name}{metrics}",
+    print(f"paraminit listening on {listen_address(config.host, running.port)} backend={running.plane.backend.name}{metrics}",
           flush=True)
     stop = threading.Event()
 
