@@ -139,13 +139,15 @@ ENV PATH=/opt/paraminit/bin:$PATH \
 # Compile the CPU kernels now, so a container is SERVING in about a second
 # instead of JIT-compiling for ~10 s. The server copies this read-only seed into
 # the writable NUMBA_CACHE_DIR at start. Numba keys its cache on the CPU model:
-# `generic` (the default) loads on every x86-64 node; a model name (e.g.
-# `--build-arg NUMBA_CPU_NAME=icelake-server`) is faster there but must match
-# the nodes; deploy/README.md has the trade-off.
-ARG NUMBA_CPU_NAME=generic
-ENV NUMBA_CPU_NAME=${NUMBA_CPU_NAME}
+# by default the builder's, so nodes with the builder's CPU start at once and
+# others compile at start (with code for their own CPU). A model name, e.g.
+# `--build-arg NUMBA_CPU_NAME=x86-64-v3` (or `generic`), makes the cache load on
+# every node with at least that model's features, at the price of slower
+# kernels on newer CPUs; deploy/README.md ("Start time") has the numbers.
+ARG NUMBA_CPU_NAME=
+ENV PARAMINIT_NUMBA_CPU_NAME=${NUMBA_CPU_NAME}
 RUN NUMBA_CACHE_DIR=${PARAMINIT_JIT_CACHE_SEED}/numba \
-    python3 -c "from paraminit_server import backends; backends.create('numpy').warm_up()" \
+    python3 -c "from paraminit_server import backends, limits; limits.prepare_jit_cache(); backends.create('numpy').warm_up()" \
  && test -n "$(ls -A ${PARAMINIT_JIT_CACHE_SEED}/numba)"
 USER 10001:10001
 WORKDIR /home/paraminit

@@ -144,8 +144,14 @@ def prepare_jit_cache(environ: MutableMapping[str, str] | None = None) -> JitCac
     functions at all; it is replaced by a private temporary directory, which only costs the compilation time.
     PARAMINIT_JIT_CACHE_SEED names a read-only tree compiled into the image (its numba/ directory is copied into
     the cache without overwriting), so a container serves without compiling.
+
+    Numba keys cached code on the CPU model and feature string. PARAMINIT_NUMBA_CPU_NAME (empty: this host's
+    model) pins both, to that model's baseline features: a cache built on one machine then loads on every node
+    that has at least those features, at the price of the instructions newer CPUs add. It only translates into
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when those are not set, so an empty image default changes nothing.
     """
     env = os.environ if environ is None else environ
+    _pin_cpu_model(env)
     cache = env.get("NUMBA_CACHE_DIR")
     if not cache:
         return JitCache()
@@ -156,13 +162,27 @@ def prepare_jit_cache(environ: MutableMapping[str, str] | None = None) -> JitCac
         result.warning = f"NUMBA_CACHE_DIR {cache} is not writable ({why}); caching into {fallback} instead"
         cache = result.path = fallback
         env["NUMBA_CACHE_DIR"] = cache
-        numba_config = sys.modules.get("numba.core.config")
-        if numba_config is not None:  # numba read the environment at import; its locator reads this attribute
-            numba_config.CACHE_DIR = cache  # type: ignore[attr-defined]
+        _set_numba_config(CACHE_DIR=cache)
     seed = Path(env.get("PARAMINIT_JIT_CACHE_SEED", "")) / "numba"
     if env.get("PARAMINIT_JIT_CACHE_SEED") and seed.is_dir() and seed.resolve() != Path(cache).resolve():
         result.seeded = _copy_missing(seed, Path(cache))
     return result
+
+
+def _set_numba_config(**values: str) -> None:
+    """Numba reads its environment at import; when it is already imported, its config attributes are what count."""
+    numba_config = sys.modules.get("numba.core.config")
+    if numba_config is not None:
+        for key, value in values.items():
+            setattr(numba_config, key, value)
+
+
+def _pin_cpu_model(env: MutableMapping[str, str]) -> None:
+    name = env.get("PARAMINIT_NUMBA_CPU_NAME", "")
+    if name and "NUMBA_CPU_NAME" not in env:
+        env["NUMBA_CPU_NAME"] = name
+        env.setdefault("NUMBA_CPU_FEATURES", "")
+        _set_numba_config(CPU_NAME=name, CPU_FEATURES=env["NUMBA_CPU_FEATURES"])
 
 
 def _copy_missing(src: Path, dst: Path) -> int:
