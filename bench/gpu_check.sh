@@ -141,7 +141,7 @@ for dt in dtypes.SUPPORTED:
 sys.exit(1 if bad else 0)
 PYEOF
 rc=$?
-cat "$OUT/normal_parity.log" | tail -n 14
+tail -n 14 "$OUT/normal_parity.log"
 [ $rc -eq 124 ] && say "normal parity timed out after ${cap}s"
 [ $rc -ne 0 ] && status=1
 

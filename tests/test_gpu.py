@@ -14,8 +14,9 @@ import pytest
 from test_cuda_harness import huge_window, random_param
 
 from conftest import VECTORS, case_param
-from paraminit import dtypes
+from paraminit import cuda, dtypes
 from paraminit.v1 import plan_pb2
+from paraminit_server import errors
 from paraminit_server.plan import ResolvedParam, resolve_param
 
 pytestmark = pytest.mark.gpu
@@ -87,19 +88,35 @@ def test_device_description(gpu: CupyBackend) -> None:
     print(f"\ndevice: {d}")
 
 
-def test_empty_is_a_whole_allocation_exportable_by_ipc(gpu: CupyBackend) -> None:
+def test_export_buffer_is_a_whole_rounded_allocation_exportable_by_ipc(gpu: CupyBackend) -> None:
     pool = cp.get_default_memory_pool()
+    stale = cp.cuda.Memory(4 << 20)  # freed just before: cudaMalloc is likely to hand the same bytes back
+    cp.cuda.runtime.memset(stale.ptr, 0xFF, 4 << 20)
+    del stale
     used = pool.used_bytes()
-    buf = gpu.empty(3 << 20)
-    assert buf.dtype == cp.uint8 and buf.shape == (3 << 20,) and buf.data.ptr % 256 == 0
-    assert pool.used_bytes() == used, "empty() must not come from CuPy's pool"
-    handle = gpu.ipc_handle(buf)
-    assert len(handle) == 64 and handle == bytes(cp.cuda.runtime.ipcGetMemHandle(buf.data.ptr))
-    with pytest.raises(ValueError):
-        gpu.ipc_handle(buf[256:])  # not the start of the allocation
-    with pytest.raises(ValueError):
-        gpu.ipc_handle(cp.empty(1 << 20, dtype=cp.uint8))  # a pool block
-    assert gpu.empty(0).shape == (0,)
+    nbytes = (3 << 20) + 5
+    buf = gpu.export_buffer(nbytes)
+    try:
+        arr = buf.array
+        assert arr.dtype == cp.uint8 and arr.shape == (nbytes,) and arr.data.ptr % 256 == 0
+        assert pool.used_bytes() == used, "export memory must not come from CuPy's pool (its blocks share allocations)"
+        mem = arr.data.mem
+        assert arr.data.ptr == mem.ptr and mem.size == 4 << 20  # the whole allocation, in 2 MiB granules
+        gpu.synchronize()
+        whole = cp.ndarray((mem.size,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
+        assert not bool(whole[nbytes:].any()), "the peer maps the rounding's tail too: it must hold no stale bytes"
+        h = buf.handle()
+        assert h.size == nbytes and len(h.ipc_handle) == 64
+        assert h.ipc_handle == bytes(cp.cuda.runtime.ipcGetMemHandle(mem.ptr))
+        assert h.device is not None and cuda.local_ordinal(cp, h.device.uuid) == 0  # the identity a client matches
+        assert h.device.uuid == cuda.format_uuid(cuda.driver_uuid(0) or b"") or h.device.uuid.startswith("PCI:")
+    finally:
+        buf.close()
+    empty = gpu.export_buffer(0)
+    assert empty.array.shape == (0,) and (empty.handle().size, empty.handle().ipc_handle) == (0, b"")
+    with pytest.raises(errors.ResourceExhausted):  # cudaErrorMemoryAllocation, after one retry
+        gpu.export_buffer(1 << 50)
+    gpu.synchronize()  # an allocation failure leaves the context usable
 
 
 def test_vectors(gpu: CupyBackend) -> None:
