@@ -1,7 +1,9 @@
 """The service on the GPU backend: STREAM bytes equal the CPU backend's, and CUDA_IPC between two processes.
 
 Skipped without CuPy or a CUDA device. A CUDA IPC handle cannot be opened in the
-process that created it, so the client side runs in a child process.
+process that created it, so the client side runs in a child process. The logic
+around it (identity, ordinals, release order, empty exports) is also tested
+without a device in tests/test_gpu_logic.py; this file is the device truth.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
 from google.protobuf import json_format
 
 from conftest import running_server
+from paraminit import cuda
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server.server import Running
 
@@ -40,10 +44,19 @@ def servers() -> Iterator[tuple[Running, Running]]:
         yield gpu, cpu
 
 
+def run_child(code: str) -> str:
+    """Run a client in another process (it inherits PYTHONPATH); its stdout."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_stream_matches_cpu(servers: tuple[Running, Running]) -> None:
     gpu, cpu = servers
     with Client(f"127.0.0.1:{gpu.port}") as g, Client(f"127.0.0.1:{cpu.port}") as c:
-        assert g.info().backend == "cupy" and g.info().device.uuid
+        info = g.info()
+        assert info.backend == "cupy" and info.device.uuid.startswith(("GPU-", "PCI:"))
+        assert cuda.local_ordinal(cp, info.device.uuid) == info.device.ordinal  # same process, same numbering
         a, b = g.materialize(PLAN), c.materialize(PLAN)
     for name in b:
         assert a[name].tobytes() == b[name].tobytes(), name
@@ -53,7 +66,7 @@ def test_cuda_ipc_in_a_second_process(servers: tuple[Running, Running]) -> None:
     gpu, cpu = servers
     with Client(f"127.0.0.1:{cpu.port}") as c:
         want = {k: hashlib.sha256(v.tobytes()).hexdigest() for k, v in c.materialize(PLAN).items()}
-    code = textwrap.dedent(f"""
+    out = run_child(f"""
         import hashlib, sys
         import cupy
         from google.protobuf import json_format
@@ -61,14 +74,47 @@ def test_cuda_ipc_in_a_second_process(servers: tuple[Running, Running]) -> None:
         from paraminit_client import Client
         plan = json_format.Parse({json_format.MessageToJson(PLAN)!r}, plan_pb2.Plan())
         with Client("127.0.0.1:{gpu.port}") as c, c.export(plan, delivery="cuda_ipc") as lease:
+            assert lease._renewer is not None  # CUDA_IPC leases renew themselves by default
+            # found by UUID; with the same CUDA_VISIBLE_DEVICES as the server, it is the server's ordinal
+            assert lease.info.cuda_ipc.device_uuid and lease._cuda.ordinal == lease.info.cuda_ipc.device
             for t in lease.info.tensors:
                 assert t.offset % 256 == 0
                 print(t.name, hashlib.sha256(cupy.asnumpy(lease.arrays[t.name]).tobytes()).hexdigest())
+            try:
+                import torch
+                cuda_torch = torch.cuda.is_available()
+            except ImportError:
+                cuda_torch = False
+            if cuda_torch:  # torch tensors alias the mapped memory: zero copy
+                tensors = lease.torch()
+                for t in lease.info.tensors:
+                    assert tensors[t.name].data_ptr() == lease.arrays[t.name].data.ptr, t.name
+                    assert tensors[t.name].is_cuda and list(tensors[t.name].shape) == list(t.shape)
+                print("torch zero-copy", len(tensors), file=sys.stderr)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    got = dict(line.split() for line in out.stdout.splitlines())
+    got = dict(line.split() for line in out.splitlines())
     assert got == want
+    with Client(f"127.0.0.1:{gpu.port}") as g:
+        assert g.leases() == []
+
+
+@pytest.mark.parametrize("plan", [plan_of([]), plan_of([param("a", [0], {"ones": {}}),
+                                                       param("b", [4, 0, 2], {"zeros": {}}, "bfloat16")])],
+                         ids=["no-params", "zero-size-shapes"])
+def test_zero_byte_cuda_ipc_in_a_second_process(servers: tuple[Running, Running], plan: Any) -> None:
+    gpu, _ = servers
+    out = run_child(f"""
+        from google.protobuf import json_format
+        from paraminit.v1 import plan_pb2
+        from paraminit_client import Client
+        plan = json_format.Parse({json_format.MessageToJson(plan)!r}, plan_pb2.Plan())
+        with Client("127.0.0.1:{gpu.port}") as c, c.export(plan, delivery="cuda_ipc") as lease:
+            assert lease.info.WhichOneof("buffer") == "cuda_ipc"
+            assert (lease.info.cuda_ipc.size, lease.info.cuda_ipc.ipc_handle) == (0, b"")
+            assert lease._cuda.ptr is None  # nothing was opened
+            print(sorted((k, tuple(v.shape), int(v.size)) for k, v in lease.arrays.items()))
+    """)
+    assert out.strip() == str(sorted((p.name, tuple(p.shape), 0) for p in plan.params))
     with Client(f"127.0.0.1:{gpu.port}") as g:
         assert g.leases() == []
 
