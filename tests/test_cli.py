@@ -1,0 +1,652 @@
+"""The command line and the contract as users meet them: inspect, plan builders, help, versions, sizes, errors,
+exit codes, progress, reflection, times, the zero dtype."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import importlib.metadata
+import json
+import math
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import grpc
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import paraminit_client
+from conftest import running_server, target_of
+from paraminit import sizes, times
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit.v1 import plan_pb2
+from paraminit_client import Client, cli, inspect, load_plan, param, plan_from_dict, plan_from_safetensors, plan_of
+from paraminit_client.plans import PlanFileError, plan_to_json
+from paraminit_server import config as server_config
+from paraminit_server.server import Running
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+README = (ROOT / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def server(ckpt_dir: Path) -> Iterator[Running]:
+    with running_server(safetensors_dirs=str(ckpt_dir)) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def target(server: Running) -> str:
+    return target_of(server)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """cli.main in this process: (exit code, stdout, stderr); argparse exits become codes."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write_plan(path: Path, plan: plan_pb2.Plan) -> Path:
+    path.write_text(plan_to_json(plan))
+    return path
+
+
+MIXED = plan_of([
+    param("w.normal", [300, 200], {"normal": {"mean": 0.5, "std": 0.02, "seed": 1}}),
+    param("w.uniform", [1000], {"uniform": {"lo": -2.0, "hi": 3.0, "seed": 2}}),
+    param("w.kaiming", [64, 48, 3], {"kaimingUniformForShape": {"seed": 3}}, "bfloat16"),
+    param("w.xavier", [40, 50], {"xavierUniform": {"fanIn": 10, "fanOut": 30, "seed": 4}}, "float16"),
+    param("w.kaiming_fans", [4000], {"kaimingUniform": {"fanIn": 6, "seed": 5}}, "float64"),
+    param("b.zeros", [7], {"zeros": {}}),
+    param("b.ones", [3, 3], {"ones": {}}, "bf16"),
+    param("w.flat", [2, 3], {"flat": {"values": [1, 2, 3, 4, 5, 6]}}),
+])
+
+
+@pytest.fixture(scope="module")
+def mixed_file(server: Running, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mixed") / "mixed.safetensors"
+    with Client(target_of(server)) as c:
+        c.materialize_to_file(MIXED, out)
+    return out
+
+
+# -- inspect --------------------------------------------------------------------------------------------------------
+
+
+def test_inspect_statistics_are_those_of_the_file(mixed_file: Path) -> None:
+    arrays = {k: v.astype(np.float64) for k, v in load_file(str(mixed_file)).items() if v.dtype != np.uint16}
+    report = inspect.inspect_file(mixed_file)
+    rows = {r.name: r for r in report.rows}
+    assert set(rows) == {p.name for p in MIXED.params}
+    for name, a in arrays.items():
+        s = rows[name].stats
+        assert s is not None and s.count == a.size, name
+        assert s.mean == pytest.approx(a.mean(), rel=1e-9, abs=1e-12), name
+        assert s.std == pytest.approx(a.std(), rel=1e-7, abs=1e-12), name
+        assert (s.min, s.max) == (a.min(), a.max()), name
+    kaiming = rows["w.kaiming"]
+    assert kaiming.dtype == "bfloat16" and kaiming.shape == (64, 48, 3) and kaiming.nbytes == 64 * 48 * 3 * 2
+
+
+def test_inspect_small_chunks_give_the_same_statistics(mixed_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = {r.name: r.stats for r in inspect.inspect_file(mixed_file).rows}
+    monkeypatch.setattr(inspect, "CHUNK_ELEMENTS", 333)
+    for r in inspect.inspect_file(mixed_file).rows:
+        a, b = whole[r.name], r.stats
+        assert a is not None and b is not None
+        assert (a.count, a.min, a.max) == (b.count, b.min, b.max)
+        assert b.mean == pytest.approx(a.mean, rel=1e-9, abs=1e-12) and b.std == pytest.approx(a.std, rel=1e-9, abs=1e-12)
+
+
+def test_inspect_with_its_plan_passes_every_tensor(mixed_file: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    plan = write_plan(tmp_path / "plan.json", MIXED)
+    code, out, err = run_cli(capsys, "inspect", str(mixed_file), "--plan", str(plan))
+    assert code == cli.EXIT_OK, out + err
+    lines = out.splitlines()
+    assert lines[0].split()[:8] == ["name", "dtype", "shape", "bytes", "mean", "std", "min", "max"]
+    assert "expected" in lines[0] and lines[0].split()[-1] == "check"
+    body = {ln.split()[0]: ln for ln in lines[1:1 + len(MIXED.params)]}
+    assert set(body) == {p.name for p in MIXED.params}
+    for line in body.values():
+        assert line.rstrip().endswith(" ok"), line
+    assert "normal(0.5, 0.02)" in body["w.normal"]
+    assert "kaiming_uniform(fan_in=144)" in body["w.kaiming"]  # 48 * 3
+    assert "every tensor matches the plan" in lines[-1]
+
+
+def test_expected_distributions_follow_the_formulas() -> None:
+    normal = inspect.expected_of(param("n", [10], {"normal": {"mean": 1.0, "std": 0.5}}))
+    assert normal is not None and (normal.mean, normal.std) == (1.0, 0.5)
+    assert normal.hi == pytest.approx(1.0 + 0.5 * math.sqrt(-2 * math.log(1e-6)))
+    kaiming = inspect.expected_of(param("k", [8, 24], {"kaimingUniformForShape": {}}))
+    assert kaiming is not None and kaiming.hi == pytest.approx(math.sqrt(6 / 24)) and kaiming.lo == -kaiming.hi
+    assert kaiming.std == pytest.approx(math.sqrt(6 / 24) / math.sqrt(3))
+    xavier = inspect.expected_of(param("x", [8, 24, 2], {"xavierUniformForShape": {}}))
+    assert xavier is not None and xavier.hi == pytest.approx(math.sqrt(6 / (48 + 16)))
+    uniform = inspect.expected_of(param("u", [3], {"uniform": {"lo": -1, "hi": 5}}))
+    assert uniform is not None and (uniform.mean, uniform.std) == (2.0, pytest.approx(6 / math.sqrt(12)))
+    assert inspect.expected_of(param("f", [2], {"flatRef": {"payloadId": "x"}})) is None
+
+
+def test_inspect_flags_what_does_not_match(mixed_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wrong = plan_pb2.Plan()
+    wrong.CopyFrom(MIXED)
+    wrong.params[0].init.normal.std = 0.021  # 5 % off: far beyond the standard error of 60000 values
+    wrong.params[1].init.uniform.lo = -1.0  # mean and bounds off
+    wrong.params[5].shape[:] = [8]
+    del wrong.params[6]  # b.ones: in the file, not in the plan
+    wrong.params.add().CopyFrom(param("missing", [2], {"zeros": {}}))
+    code, out, _ = run_cli(capsys, "inspect", str(mixed_file), "--plan", str(write_plan(tmp_path / "p.json", wrong)))
+    assert code == cli.EXIT_FLAGGED
+    flags = [ln for ln in out.splitlines() if ln.startswith("FLAG ")]
+    assert any(ln.startswith("FLAG w.normal: std") for ln in flags), flags
+    assert any(ln.startswith("FLAG w.uniform: mean") for ln in flags), flags
+    assert any(ln.startswith("FLAG b.zeros: shape [7], the plan says [8]") for ln in flags), flags
+    assert "FLAG b.ones: not in the plan" in flags
+    assert "FLAG missing: in the plan, not in the file" in flags
+    assert not any(ln.startswith(("FLAG w.kaiming", "FLAG w.xavier", "FLAG w.flat")) for ln in flags), flags
+    assert "5 flagged" in out.splitlines()[-1]
+
+
+def test_judge_catches_a_wrong_distribution_and_accepts_a_right_one() -> None:
+    rng = np.random.default_rng(0)
+    exp = inspect.expected_of(param("w", [100000], {"uniform": {"lo": -1, "hi": 1}}))
+    assert exp is not None
+    right = inspect.tensor_stats(iter([rng.uniform(-1, 1, 100000)]))
+    assert inspect.judge(right, exp, "float32") == []
+    same_std_normal = np.clip(rng.normal(0, 1 / math.sqrt(3), 100000), -1, 1)  # std close, shape different
+    wrong = inspect.tensor_stats(iter([rng.uniform(-1, 1.02, 100000)]))
+    assert any("values in" in p for p in inspect.judge(wrong, exp, "float32"))
+    assert inspect.judge(inspect.tensor_stats(iter([same_std_normal * 0.9])), exp, "float32")
+    nan = inspect.tensor_stats(iter([np.array([0.5, np.nan, np.inf])]))
+    assert nan.nonfinite == 2 and inspect.judge(nan, exp, "float32") == ["2 values are not finite"]
+
+
+def test_inspect_json(mixed_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = write_plan(tmp_path / "plan.json", MIXED)
+    code, out, _ = run_cli(capsys, "inspect", str(mixed_file), "--plan", str(plan), "--json")
+    assert code == 0
+    data = json.loads(out)  # strict JSON: no NaN
+    assert data["ok"] is True and data["missing"] == [] and data["metadata"]["plan_digest"]
+    tensors = {t["name"]: t for t in data["tensors"]}
+    assert tensors["w.normal"]["expected"]["init"] == "normal(0.5, 0.02)"
+    assert tensors["w.normal"]["check"] == "ok" and tensors["w.normal"]["shape"] == [300, 200]
+    rows = {r.name: r for r in inspect.inspect_file(mixed_file).rows}
+    stats = rows["w.uniform"].stats
+    assert stats is not None and tensors["w.uniform"]["mean"] == stats.mean and tensors["w.uniform"]["count"] == 1000
+    code, out, _ = run_cli(capsys, "inspect", str(mixed_file), "--json")
+    assert code == 0 and "ok" not in json.loads(out) and "check" not in json.loads(out)["tensors"][0]
+
+
+def test_inspect_refuses_a_file_that_is_not_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes((10_000).to_bytes(8, "little") + b"{}")
+    code, _, err = run_cli(capsys, "inspect", str(bad))
+    assert code == cli.EXIT_ERROR and "not a safetensors file" in err
+
+
+def test_inspect_plot_draws_the_expected_density(mixed_file: Path, tmp_path: Path) -> None:
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = inspect.inspect_file(mixed_file, MIXED)
+    written = inspect.plot(report, tmp_path / "plots")
+    assert sorted(p.name for p in written) == sorted(f"{p.name}.png" for p in MIXED.params)
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    # the histogram's bars follow the curve drawn over them
+    row = next(r for r in report.rows if r.name == "w.normal")
+    entry = next(e for e in inspect.read_header(mixed_file)[1] if e.name == "w.normal")
+    fig, ax = plt.subplots()
+    inspect._draw(ax, row, inspect._values(mixed_file, entry), 60)
+    heights = np.array([b.get_height() for b in ax.patches])
+    peak = 1 / (0.02 * math.sqrt(2 * math.pi))
+    assert heights.max() == pytest.approx(peak, rel=0.08)
+    curve = ax.lines[0].get_ydata()
+    assert max(curve) == pytest.approx(peak, rel=0.01)
+    widths = [b.get_width() for b in ax.patches]
+    assert sum(h * w for h, w in zip(heights, widths, strict=True)) == pytest.approx(1.0, abs=0.01)
+    plt.close(fig)
+
+
+def test_inspect_gpt2_demo_plan(server: Running, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo's own plan (its first transformer block and the position embedding): normal(0, 0.02) where it
+    says so, and a histogram whose bars follow that density."""
+    pytest.importorskip("matplotlib")
+    gpt2 = load_plan(ROOT / "examples/gpt2_small.json")
+    part = plan_of(p for p in gpt2.params if p.name.startswith(("h.0.", "wpe.")))
+    plan = write_plan(tmp_path / "gpt2_part.json", part)
+    out = tmp_path / "gpt2.safetensors"
+    code, _, err = run_cli(capsys, "materialize", str(plan), "-o", str(out), "--target", target_of(server), "-q")
+    assert code == 0, err
+    code, table, _ = run_cli(capsys, "inspect", str(out), "--plan", str(plan), "--plot", str(tmp_path / "png"))
+    assert code == 0, table
+    line = next(ln for ln in table.splitlines() if ln.startswith("h.0.attn.c_attn.weight "))
+    assert "normal(0, 0.02)" in line and line.rstrip().endswith("ok")
+    assert (tmp_path / "png" / "h.0.attn.c_attn.weight.png").stat().st_size > 5000
+    assert len(list((tmp_path / "png").glob("*.png"))) == len(part.params)
+
+
+# -- plan builders --------------------------------------------------------------------------------------------------
+
+
+def test_plan_from_safetensors_takes_every_tensor(server: Running, ckpt_dir: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(1)
+    ckpt = {"enc.weight": rng.standard_normal((6, 5)).astype(np.float32),
+            "enc.bias": rng.standard_normal(6).astype(np.float64),
+            "extra": rng.standard_normal((2, 2)).astype(np.float16)}
+    path = ckpt_dir / "model.safetensors"
+    save_file(ckpt, str(path))
+    fallback = write_plan(tmp_path / "fallback.json", plan_of([
+        param("enc.weight", [6, 5], {"zeros": {}}), param("head", [3, 6], {"kaimingUniformForShape": {"seed": 2}})]))
+    code, out, err = run_cli(capsys, "plan", "from-safetensors", str(path), "--fallback", str(fallback))
+    assert code == 0, err
+    plan = plan_from_dict(json.loads(out))
+    assert [p.name for p in plan.params] == ["enc.weight", "head", "enc.bias", "extra"]
+    assert plan.params[1].init.WhichOneof("kind") == "kaiming_uniform_for_shape"
+    with Client(target_of(server)) as c:
+        got = c.materialize(plan)
+    for name, want in ckpt.items():
+        assert got[name].tobytes() == want.tobytes(), name
+    only = plan_from_safetensors(path)  # no fallback: the whole checkpoint
+    assert sorted(p.name for p in only.params) == sorted(ckpt) and all(p.init.HasField("safetensors") for p in only.params)
+    out_file = tmp_path / "plan.json"
+    code, out, _ = run_cli(capsys, "plan", "from-safetensors", str(path), "-o", str(out_file))
+    assert code == 0 and out == "" and plan_from_dict(json.loads(out_file.read_text())) == only
+
+
+def test_plan_from_safetensors_refuses_integer_tensors(tmp_path: Path) -> None:
+    path = tmp_path / "ints.safetensors"
+    save_file({"steps": np.arange(3, dtype=np.int64)}, str(path))
+    with pytest.raises(ValueError, match="steps: checkpoint dtype I64 is not one a plan can hold"):
+        plan_from_safetensors(path)
+
+
+MODULE_SRC = """
+import torch.nn as nn
+
+def small():
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+
+NOT_A_MODULE = 3
+
+def number():
+    return 3
+"""
+
+
+def test_plan_from_module(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    pkg = tmp_path / "mymodels"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "nets.py").write_text(MODULE_SRC)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    code, out, err = run_cli(capsys, "plan", "from-module", "mymodels.nets:small", "--seed", "7")
+    assert code == 0, err
+    plan = plan_from_dict(json.loads(out))
+    with torch.device("meta"):
+        want = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    assert [(p.name, list(p.shape)) for p in plan.params] == [(k, list(v.shape)) for k, v in want.state_dict().items()]
+    from paraminit_client.torch import plan_from_module
+
+    assert plan == plan_from_module(want, seed=7)
+    code, _, err = run_cli(capsys, "plan", "from-module", "mymodels.nets:nope")
+    assert code == cli.EXIT_ERROR and "small" in err and "nope" in err
+    code, _, err = run_cli(capsys, "plan", "from-module", "mymodels.nets:number")
+    assert code == cli.EXIT_ERROR and "not a torch.nn.Module" in err
+    code, _, err = run_cli(capsys, "plan", "from-module", "mymodels.nets")
+    assert code == cli.EXIT_USAGE and "package.module:factory" in err
+
+
+# -- validate, versions, help, sizes --------------------------------------------------------------------------------
+
+
+def test_validate_json(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "validate", str(ROOT / "examples/mlp.json"), "--json", "--target", target)
+    data = json.loads(out)
+    plan = load_plan(ROOT / "examples/mlp.json")
+    assert code == 0 and data["valid"] and data["violations"] == []
+    assert [p["name"] for p in data["params"]] == [p.name for p in plan.params]
+    assert data["total_bytes"] == sum(p["bytes"] for p in data["params"]) > 0 and len(data["plan_digest"]) == 64
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"params": [{"name": "a", "shape": [5], "init": {"normal": {"std": -1}}},
+                                          {"name": "a", "shape": [2], "init": {"zeros": {}}}]}))
+    code, out, _ = run_cli(capsys, "validate", str(bad), "--json", "--target", target)
+    data = json.loads(out)
+    assert code == cli.EXIT_INVALID and not data["valid"]
+    assert {(v["index"], v["field"]) for v in data["violations"]} == {(0, "params[0].init.normal"), (1, "params[1].name")}
+    assert any(v["message"] == "initialization: normal standard deviation must be nonnegative" for v in data["violations"])
+
+
+def test_version_everywhere() -> None:
+    version = importlib.metadata.version("paraminit")
+    assert paraminit_client.__version__ == version
+    for argv in (["paraminit", "--version"], ["paraminit", "inspect", "--version"],
+                 ["paraminit", "plan", "from-module", "--version"], ["paraminit-server", "--version"],
+                 ["paraminit", "serve", "--version"]):
+        done = subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and version in done.stdout, (argv, done.stdout, done.stderr)
+
+
+def _all_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_parsers(sub)
+
+
+def test_every_argument_has_help_and_every_help_lists_the_exit_codes() -> None:
+    for p in _all_parsers(cli.build_parser()):
+        for action in p._actions:
+            assert action.help, f"{p.prog}: {action.dest} has no help"
+        text = p.format_help()
+        if p.add_help:
+            for code in (0, 1, 2, 3, 64, 130):
+                assert re.search(rf"^  {code}\s+\w", text, re.M), (p.prog, code)
+    health = next(p for p in _all_parsers(cli.build_parser()) if p.prog.endswith(" health"))
+    assert "127.0.0.1:50051" in health.format_help()
+
+
+def test_server_help_says_what_each_flag_means() -> None:
+    parser = argparse.ArgumentParser()
+    server_config.add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    for f in dataclasses.fields(server_config.ServerConfig):
+        assert server_config.HELP.get(f.name), f.name
+        assert f"env PARAMINIT_{f.name.upper()}; default" in text, f.name
+    assert "0 = every core" in text and "0 = half of the memory free at start" in text
+    assert "default 16GiB" in text and "default 4032KiB" in text
+
+
+@pytest.mark.parametrize(("text", "value"), [("4096", 4096), ("2GiB", 2 << 30), ("512M", 512 << 20), ("1.5G", 3 << 29),
+                                             ("64k", 65536), ("10KB", 10_000), ("1Mi", 1 << 20), (" 3 mib ", 3 << 20),
+                                             ("0", 0)])
+def test_human_sizes(text: str, value: int) -> None:
+    assert sizes.parse_size(text) == value
+    assert sizes.parse_size(sizes.exact_size(value)) == value
+
+
+@pytest.mark.parametrize("text", ["-1", "2X", "GiB", "1iB", "", "1e3"])
+def test_bad_sizes_say_what_a_size_is(text: str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        sizes.parse_size(text)
+
+
+def test_every_size_flag_and_variable_takes_human_sizes() -> None:
+    parser = argparse.ArgumentParser()
+    server_config.add_arguments(parser)
+    assert {f.name for f in dataclasses.fields(server_config.ServerConfig)} >= server_config.SIZE_FIELDS
+    for name in server_config.SIZE_FIELDS:
+        flag = f"--{name.replace('_', '-')}"
+        args = parser.parse_args([flag, "3MiB"])
+        assert server_config.from_args(args).__getattribute__(name) == 3 << 20, name
+        env = server_config.ServerConfig.from_env({f"PARAMINIT_{name.upper()}": "2GiB"})
+        assert getattr(env, name) == 2 << 30, name
+    with pytest.raises(ValueError, match=r"PARAMINIT_SLAB_BYTES='lots' is not a valid size"):
+        server_config.ServerConfig.from_env({"PARAMINIT_SLAB_BYTES": "lots"})
+    assert [f for f in dataclasses.fields(server_config.ServerConfig)
+            if f.name.endswith(("_bytes", "_budget")) and f.name not in server_config.SIZE_FIELDS] == []
+
+
+def test_chunk_bytes_takes_a_size(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "m.safetensors"
+    code, stdout, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out),
+                                "--chunk-bytes", "64KiB", "--target", target)
+    assert code == 0, err
+    assert re.fullmatch(r"wrote .*: 6 parameters, 918\.5 KiB in [\d.]+ s \([\d.]+ GB/s\), plan digest [0-9a-f]{64}\n",
+                        stdout)
+    code, _, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out),
+                           "--chunk-bytes", "lots")
+    assert code == cli.EXIT_USAGE and "is not a size" in err
+
+
+# -- errors and exit codes ------------------------------------------------------------------------------------------
+
+
+def _plan_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str, data: Any) -> tuple[int, str]:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    code, _, err = run_cli(capsys, "validate", str(path), "--target", target)
+    return code, err
+
+
+def test_misspelled_names_get_suggestions_and_the_valid_list(target: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _plan_error(tmp_path, capsys, target,
+                            {"params": [{"name": "w", "shape": [4], "init": {"normall": {"std": 1}}}]})
+    assert code == cli.EXIT_INVALID
+    assert "params[0].init: unknown initializer 'normall' (did you mean 'normal'?)" in err
+    assert "xavierUniformForShape" in err and "Available Fields" not in err and "Failed to parse" not in err
+    code, err = _plan_error(tmp_path, capsys, target,
+                            {"params": [{"name": "w", "shape": [4], "init": {"kaiming_uniform_for_shap": {}}}]})
+    assert "did you mean 'kaimingUniformForShape'?" in err
+    code, err = _plan_error(tmp_path, capsys, target,
+                            {"params": [{"name": "w", "shape": [4], "init": {"normal": {"stdd": 1}}}]})
+    assert "params[0].init.normal: unknown field 'stdd' (did you mean 'std'?); valid: mean, std, seed" in err
+    code, err = _plan_error(tmp_path, capsys, target,
+                            {"params": [{"name": "w", "shape": [4], "dtype": "flaot16", "init": {"zeros": {}}}]})
+    assert code == cli.EXIT_INVALID
+    assert "params[0].dtype: unknown dtype 'flaot16' (did you mean 'float16'?)" in err
+    assert "float32, float64, float16, bfloat16" in err and "bf16" in err
+    code, err = _plan_error(tmp_path, capsys, target, {"params": [{"name": "w", "shape": [4, -2], "init": {"zeros": {}}}]})
+    assert "params[0].shape[1]: must not be negative, got -2" in err
+    with pytest.raises(ValueError, match=r"init: unknown initializer 'unifrom' \(did you mean 'uniform'\?\)"):
+        param("w", [2], {"unifrom": {}})
+    with pytest.raises(ValueError, match=r"unknown dtype 'bf61' \(did you mean 'bf16'\?\)"):
+        param("w", [2], {"zeros": {}}, "bf61")
+
+
+@pytest.mark.parametrize(("name", "enum"), [("bf16", plan_pb2.DTYPE_BFLOAT16), ("BF16", plan_pb2.DTYPE_BFLOAT16),
+                                            ("fp16", plan_pb2.DTYPE_FLOAT16), ("half", plan_pb2.DTYPE_FLOAT16),
+                                            ("f32", plan_pb2.DTYPE_FLOAT32), ("double", plan_pb2.DTYPE_FLOAT64),
+                                            ("bfloat16", plan_pb2.DTYPE_BFLOAT16),
+                                            ("DTYPE_FLOAT16", plan_pb2.DTYPE_FLOAT16)])
+def test_plan_files_accept_dtype_aliases(name: str, enum: int, tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(f"params:\n- name: w\n  shape: [2]\n  dtype: {name}\n  init: {{zeros: {{}}}}\n"
+                    f"- name: c\n  shape: [1]\n  init: {{safetensors: {{path: x, tensor: t, dtype: {name}}}}}\n")
+    plan = load_plan(path)
+    assert plan.params[0].dtype == enum and plan.params[1].init.safetensors.dtype == enum
+
+
+def test_usage_errors_have_their_own_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["validate"], ["materialize", "x.json"], ["inspect", "f", "--bogus"], ["nope"], [],
+                 ["plan", "from-module", "m:f", "--policy", "pytorch"]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == cli.EXIT_USAGE == 64, argv
+        assert "usage:" in err
+    assert cli.EXIT_USAGE not in (cli.EXIT_OK, cli.EXIT_ERROR, cli.EXIT_INVALID, cli.EXIT_FLAGGED)
+    done = subprocess.run([str(BIN / "paraminit"), "serve", "--port", "notaport"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 64, done.stderr
+
+
+def test_errors_read_as_words_not_status_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "info", "--target", "127.0.0.1:1", "--timeout", "5")
+    assert code == cli.EXIT_ERROR
+    assert err.startswith("paraminit: cannot connect to 127.0.0.1:1") and "UNAVAILABLE" not in err, err
+    code, _, err = run_cli(capsys, "validate", str(tmp_path / "absent.json"))
+    assert code == cli.EXIT_ERROR and err.strip() == f"paraminit: {tmp_path / 'absent.json'}: No such file or directory"
+
+
+def test_readme_documents_the_exit_codes_and_the_memory_budget_default() -> None:
+    for code, meaning in re.findall(r"^  (\d+)\s+(\S[^:\n]*)", cli.EXIT_CODES_HELP, re.M):
+        assert re.search(rf"`{code}`", README), f"README does not document exit code {code} ({meaning})"
+    assert "half of free memory" not in README
+    assert "half the container's memory limit" in README and "half of the memory free at start" in README
+    assert "paraminit inspect" in README and "paraminit plan from-safetensors" in README
+
+
+# -- progress -------------------------------------------------------------------------------------------------------
+
+
+def test_without_a_tty_success_is_one_line(target: str, tmp_path: Path) -> None:
+    out = tmp_path / "m.safetensors"
+    done = subprocess.run([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out),
+                           "--target", target], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert len(done.stdout.splitlines()) == 1 and "10 parameters" in done.stdout and out.exists()
+    done = subprocess.run([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out),
+                           "--target", target, "-q"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == ""
+
+
+def test_on_a_tty_the_bar_stays_and_a_final_line_follows(target: str, tmp_path: Path) -> None:
+    out = tmp_path / "m.safetensors"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # a terminal 100 columns wide
+    proc = subprocess.Popen([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out),
+                             "--target", target], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    assert proc.wait(timeout=30) == 0
+    screen = b"".join(chunks).decode(errors="replace")
+    assert re.search(r"m\.safetensors: 100%\|[^\r\n]*\]\r?\n", screen), f"the finished bar stays: {screen!r}"
+    final = screen.rstrip().splitlines()[-1]
+    assert re.fullmatch(r"wrote .*m\.safetensors: 10 parameters, .* GB/s\), plan digest [0-9a-f]{64}", final), screen
+
+
+# -- the contract ---------------------------------------------------------------------------------------------------
+
+
+def _reflect(channel: grpc.Channel, service: str) -> list[str]:
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as r
+
+    call = channel.stream_stream(f"/{service}/ServerReflectionInfo",
+                                 request_serializer=r.ServerReflectionRequest.SerializeToString,
+                                 response_deserializer=r.ServerReflectionResponse.FromString)
+    requests = [r.ServerReflectionRequest(list_services=""),
+                r.ServerReflectionRequest(file_containing_symbol="paraminit.v1.InitService"),
+                r.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection")]
+    found: list[str] = []
+    for resp in call(iter(requests), timeout=10):
+        kind = resp.WhichOneof("message_response")
+        assert kind != "error_response", resp
+        if kind == "list_services_response":
+            found += [s.name for s in resp.list_services_response.service]
+        else:
+            found += [descriptor_pb2.FileDescriptorProto.FromString(b).name
+                      for b in resp.file_descriptor_response.file_descriptor_proto]
+    return found
+
+
+@pytest.mark.parametrize("service", ["grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"])
+def test_reflection_v1_and_v1alpha(target: str, service: str) -> None:
+    with grpc.insecure_channel(target) as ch:
+        found = _reflect(ch, service)
+    assert {"paraminit.v1.InitService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= set(found)
+    assert "paraminit/v1/init_service.proto" in found and "grpc/reflection/v1/reflection.proto" in found
+
+
+def test_times_are_timestamps_and_durations(target: str) -> None:
+    with Client(target) as c:
+        stub = c.stub
+        before = time.time()
+        resp = next(iter(stub.Materialize(pb.MaterializeRequest(plan=plan_of([param("w", [16], {"ones": {}})]),
+                                                                delivery=pb.DELIVERY_SHM,
+                                                                lease_ttl=times.duration(90.5)), timeout=30)))
+        lease = resp.export.lease
+        assert lease.expires_at.seconds > 0
+        assert before + 90 <= times.epoch(lease.expires_at) <= time.time() + 91
+        renewed = stub.Renew(pb.RenewRequest(lease_id=lease.lease_id, ttl=times.duration(200)), timeout=10).lease
+        assert times.epoch(renewed.expires_at) >= before + 199
+        status = stub.ListLeases(pb.ListLeasesRequest(), timeout=10).leases
+        mine = next(s for s in status if s.lease.lease_id == lease.lease_id)
+        assert 0 <= times.seconds(mine.age) < 60 and mine.age.ByteSize() >= 0
+        stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=10)
+        ref = stub.UploadPayload(iter([pb.PayloadChunk(dtype=plan_pb2.DTYPE_FLOAT32, count=2,
+                                                       data=np.array([1, 2], np.float32).tobytes())]), timeout=10)
+        assert times.epoch(ref.expires_at) > before + 60
+    assert pb.Lease.DESCRIPTOR.fields_by_name["expires_at"].message_type.full_name == "google.protobuf.Timestamp"
+    assert pb.LeaseStatus.DESCRIPTOR.fields_by_name["age"].message_type.full_name == "google.protobuf.Duration"
+    assert pb.PayloadRef.DESCRIPTOR.fields_by_name["expires_at"].message_type.full_name == "google.protobuf.Timestamp"
+
+
+def test_zero_dtype_means_float32_everywhere(target: str) -> None:
+    values = np.array([0.1, -2.5, 3.25, 7.0], np.float32)
+    with Client(target) as c:
+        ref = c.stub.UploadPayload(iter([pb.PayloadChunk(count=4, data=values.tobytes())]), timeout=10)  # dtype 0
+        assert ref.count == 4
+        plan = plan_of([plan_pb2.Param(name="p", shape=[4], init=plan_pb2.Init(
+            flat_ref=plan_pb2.FlatRef(payload_id=ref.payload_id)))])
+        assert plan.params[0].dtype == plan_pb2.DTYPE_UNSPECIFIED
+        header, chunks = c.stream(plan)
+        data = b"".join(bytes(ch.data) for ch in chunks)
+    assert header.tensors[0].dtype in (plan_pb2.DTYPE_UNSPECIFIED, plan_pb2.DTYPE_FLOAT32)
+    assert json.loads(header.safetensors_prefix[8:])["p"]["dtype"] == "F32"
+    assert np.frombuffer(data, np.float32).tobytes() == values.tobytes()
+
+
+def test_stream_order_and_crc32c_are_as_documented(target: str) -> None:
+    plan = plan_of([param("h", [3], {"ones": {}}, "float16"), param("s", [5], {"normal": {"std": 1, "seed": 1}}),
+                    param("d", [2], {"uniform": {"lo": 0, "hi": 1, "seed": 2}}, "float64"),
+                    param("b", [3], {"ones": {}}, "bfloat16")])
+    with Client(target) as c:
+        header, _ = c.stream(plan)
+        raw = list(c.stub.Materialize(pb.MaterializeRequest(plan=plan), timeout=30))
+    offsets = {t.name: t.offset for t in header.tensors}
+    assert [t.name for t in header.tensors] == ["h", "s", "d", "b"]  # plan order
+    assert offsets["d"] < offsets["s"] < offsets["h"] < offsets["b"]  # data: by descending item size
+    chunks = [m.chunk for m in raw if m.WhichOneof("msg") == "chunk"]
+    assert chunks and all(crc32c.crc32c(ch.data) == ch.crc32c for ch in chunks)
+    assert crc32c.crc32c(b"123456789") == 0xE3069283
+    proto = (ROOT / "proto/paraminit/v1/init_service.proto").read_text()
+    assert "Castagnoli" in proto and "0xE3069283" in proto and "of `data` only" in proto
+    assert "google.rpc.BadRequest" in proto and "descending item size" in proto
+    plan_proto = (ROOT / "proto/paraminit/v1/plan.proto").read_text()
+    for phrase in ("gain sqrt(2)", "gain 1", "[lo, hi)", "5.2565", "DTYPE_UNSPECIFIED (0) means float32"):
+        assert phrase in plan_proto, phrase
+    assert "README" not in plan_proto.split("syntax")[0]
+
+
+def test_plan_file_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    path.write_text("{not json")
+    with pytest.raises(PlanFileError, match=r"p\.json: not a valid plan"):
+        load_plan(path)
