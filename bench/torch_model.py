@@ -12,6 +12,7 @@ against the size of the weights it names. Target: paraminit >= 3x faster.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -132,5 +133,78 @@ def main() -> None:
           f"{weight_bytes / plan_bytes:,.0f}x smaller")
 
 
+# -- Hugging Face transformers: policy="hf" against from_config --------------------------
+
+def _hf_groups(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Floating tensors grouped by name without layer numbers (h.0.attn.c_proj.weight -> h.attn.c_proj.weight)."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for name, t in model.state_dict().items():
+        if t.is_floating_point():
+            out.setdefault(".".join(p for p in name.split(".") if not p.isdigit()), []).append(t.detach().flatten())
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def _hf_loss(model: nn.Module, vocab: int) -> float:
+    ids = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return float(model(ids, labels=ids).loss)
+
+
+def hf_rows(repeat: int) -> None:
+    """transformers GPT2LMHeadModel (GPT-2 small config): from_config against meta + materialize_module(policy="hf")."""
+    try:
+        import transformers
+    except ImportError:
+        print("transformers rows skipped: transformers is not installed")
+        return
+    transformers.logging.set_verbosity_error()
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    def theirs(cfg: GPT2Config) -> nn.Module:
+        model: nn.Module = AutoModelForCausalLM.from_config(cfg)
+        return model
+
+    def ours(cfg: GPT2Config, client: Client) -> nn.Module:
+        with torch.device("meta"):
+            model: nn.Module = AutoModelForCausalLM.from_config(cfg)
+        materialize_module(model, client, policy="hf")
+        return model
+
+    cfg = GPT2Config()
+    with Client() as client:
+        theirs(cfg)
+        ours(cfg, client)  # first use: meta kernels, lazy imports
+        base = timed(lambda: theirs(cfg), repeat)
+        fast = timed(lambda: ours(cfg, client), repeat)
+        torch.manual_seed(0)
+        a, b = _hf_groups(theirs(cfg)), _hf_groups(ours(cfg, client))
+        loss_small = (_hf_loss(theirs(cfg), cfg.vocab_size), _hf_loss(ours(cfg, client), cfg.vocab_size))
+        tiny = GPT2Config(vocab_size=1000, n_positions=128, n_embd=256, n_layer=4, n_head=4, bos_token_id=0,
+                          eos_token_id=0)
+        torch.manual_seed(0)
+        loss_tiny = (_hf_loss(theirs(tiny), 1000), _hf_loss(ours(tiny, client), 1000))
+
+    print(f"\ntransformers {transformers.__version__} GPT2LMHeadModel, GPT-2 small config, "
+          f"{torch.get_num_threads()} threads, best and median of {repeat}")
+    head = f"{'what':<52} {'best s':>8} {'median s':>9} {'x HF':>10}"
+    print(head)
+    print("-" * len(head))
+    for name, times in (("AutoModelForCausalLM.from_config (HF init)", base),
+                        ("paraminit: meta + materialize_module(policy=hf)", fast)):
+        print(f"{name:<52} {min(times):>8.3f} {statistics.median(times):>9.3f} {min(base) / min(times):>10.2f}")
+    print(f"\n{'group (layers pooled)':<40} {'HF std':>10} {'ours std':>10} {'ratio':>7}")
+    for key in a:
+        x, y = a[key].float(), b[key].float()
+        ratio = f"{float(y.std() / x.std()):.4f}" if x.std() > 0 else "const" if torch.equal(x, y) else "DIFF"
+        print(f"{key:<40} {float(x.std()):>10.5f} {float(y.std()):>10.5f} {ratio:>7}")
+    print(f"\ninitial loss, random tokens (4x64): GPT-2 small: HF {loss_small[0]:.3f}, paraminit hf {loss_small[1]:.3f} "
+          f"(ln V = {math.log(cfg.vocab_size):.3f})")
+    print(f"tiny GPT-2 (vocab 1000): HF {loss_tiny[0]:.3f}, paraminit hf {loss_tiny[1]:.3f} "
+          f"(ln V = {math.log(1000):.3f})")
+
+
 if __name__ == "__main__":
     main()
+    known = argparse.ArgumentParser(add_help=False)
+    known.add_argument("--repeat", type=int, default=5)
+    hf_rows(known.parse_known_args()[0].repeat)

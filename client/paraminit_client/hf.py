@@ -33,6 +33,7 @@ hold them, with every other tensor marked initialized so only those buffers chan
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import inspect
 import math
@@ -84,6 +85,7 @@ def _zero_row(shape: torch.Size, row: int) -> plan_pb2.Patch:
     return patch
 
 
+@functools.lru_cache(maxsize=64)
 def fingerprint(fn: Any) -> str:
     """SHA-256 (first 16 hex digits) of a function's syntax tree without its docstring: stable across
     comments and formatting, changed by any change of behaviour."""
