@@ -141,11 +141,13 @@ ENV PATH=/opt/paraminit/bin:$PATH \
 # the writable NUMBA_CACHE_DIR at start. Numba keys its cache on the CPU model:
 # by default the builder's, so nodes with the builder's CPU start at once and
 # others compile at start (with code for their own CPU). A model name, e.g.
-# `--build-arg NUMBA_CPU_NAME=x86-64-v3` (or `generic`), makes the cache load on
-# every node with at least that model's features, at the price of slower
-# kernels on newer CPUs; deploy/README.md ("Start time") has the numbers.
-ARG NUMBA_CPU_NAME=
-ENV PARAMINIT_NUMBA_CPU_NAME=${NUMBA_CPU_NAME}
+# `--build-arg PARAMINIT_NUMBA_CPU_NAME=x86-64-v3` (or `generic`), makes the
+# cache load on every node with at least that model's features, at the price of
+# slower kernels on newer CPUs; deploy/README.md ("Start time") has the numbers.
+# (Not an ARG named NUMBA_*: build args are in the environment of RUN, and an
+# empty NUMBA_CPU_NAME would compile for a CPU named "".)
+ARG PARAMINIT_NUMBA_CPU_NAME=
+ENV PARAMINIT_NUMBA_CPU_NAME=${PARAMINIT_NUMBA_CPU_NAME}
 RUN NUMBA_CACHE_DIR=${PARAMINIT_JIT_CACHE_SEED}/numba \
     python3 -c "from paraminit_server import backends, limits; limits.prepare_jit_cache(); backends.create('numpy').warm_up()" \
  && test -n "$(ls -A ${PARAMINIT_JIT_CACHE_SEED}/numba)"

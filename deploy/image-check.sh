@@ -106,8 +106,8 @@ client_run() {  # entrypoint, docker run arguments: a client container on the ch
 wait_serving() {  # name, limit in seconds; prints the seconds it took
     w0=$(now)
     until docker exec "$1" paraminit health --target 127.0.0.1:50051 --timeout 1 >/dev/null 2>&1; do
-        [ "$(docker inspect --format '{{.State.Running}}' "$1")" = true ] || { docker logs "$1"; fail "$1 exited"; }
-        awk -v s="$(since "$w0")" -v l="$2" 'BEGIN { exit !(s > l) }' && { docker logs "$1"; fail "$1 not SERVING after $2 s"; }
+        [ "$(docker inspect --format "{{.State.Running}}" "$1")" = true ] || { docker logs "$1" >&2; fail "$1 exited"; }
+        awk -v s="$(since "$w0")" -v l="$2" 'BEGIN { exit !(s > l) }' && { docker logs "$1" >&2; fail "$1 not SERVING after $2 s"; }
         sleep 0.1
     done
     since "$w0"
