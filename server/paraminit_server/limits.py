@@ -61,8 +61,9 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def memory_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int | None:
+def memory_limit(root: Path | None = None, proc_cgroup: Path | None = None) -> int | None:
     """The tightest memory limit on this process in bytes, or None when there is none."""
+    root, proc_cgroup = root or CGROUP_ROOT, proc_cgroup or PROC_CGROUP
     own = _own_paths(proc_cgroup)
     limits: list[int] = []
     if (root / "cgroup.controllers").exists():  # v2
@@ -78,8 +79,9 @@ def memory_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> i
     return min(limits) if limits else None
 
 
-def cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
+def cpu_limit(root: Path | None = None, proc_cgroup: Path | None = None) -> float | None:
     """The tightest CFS quota in cores (quota / period), or None when there is none."""
+    root, proc_cgroup = root or CGROUP_ROOT, proc_cgroup or PROC_CGROUP
     own = _own_paths(proc_cgroup)
     limits: list[float] = []
     if (root / "cgroup.controllers").exists():  # v2: "quota period" or "max period"
@@ -98,9 +100,10 @@ def cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> floa
     return min(limits) if limits else None
 
 
-def default_threads(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
+def default_threads(root: Path | None = None, proc_cgroup: Path | None = None) -> int:
     """Kernel threads for the CPU backend: the CPU quota rounded up, within the CPUs this process may run on;
     0 (= every core) when neither a quota nor a cpuset restricts it."""
+    root, proc_cgroup = root or CGROUP_ROOT, proc_cgroup or PROC_CGROUP
     cores = os.cpu_count() or 1
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
     quota = cpu_limit(root, proc_cgroup)
@@ -108,9 +111,10 @@ def default_threads(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -
     return threads if threads < cores else 0
 
 
-def default_memory_budget(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
+def default_memory_budget(root: Path | None = None, proc_cgroup: Path | None = None) -> int:
     """Host bytes requests may hold: half of the container's memory limit, leaving the rest to the interpreter, the
     JIT, gRPC buffers and encoding copies; 0 (= half of what is free at start) when the container has no limit."""
+    root, proc_cgroup = root or CGROUP_ROOT, proc_cgroup or PROC_CGROUP
     limit = memory_limit(root, proc_cgroup)
     return limit // 2 if limit is not None else 0
 
