@@ -339,13 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _rpc_line(err: ParaminitError, target: str | None) -> str:
-    """One line for a failed call, in words rather than status-code names."""
+    """One line for a failed call: what happened in words, the server's message, the status code last."""
     first = err.message.splitlines()[0] if err.message else ""
     if err.code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in first.lower():
         reason = re.search(r"Failed to connect to remote host: ([^;]+)", first) or re.search(r"([^:]+)$", first)
-        why = f" ({reason.group(1).strip()})" if reason else ""
-        return f"cannot connect to {target or 'the server'}{why}"
-    return f"{_CODE_WORDS.get(err.code.name, err.code.name.lower())}: {first}"
+        why = f": {reason.group(1).strip()}" if reason else ""
+        return f"cannot connect to {target or 'the server'}{why} (gRPC status {err.code.name})"
+    return f"{_CODE_WORDS.get(err.code.name, err.code.name.lower())}: {first} (gRPC status {err.code.name})"
 
 
 def _os_line(err: OSError) -> str:
