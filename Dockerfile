@@ -96,6 +96,10 @@ ENV PATH=/opt/paraminit/bin:$PATH \
     PARAMINIT_METRICS_PORT=9478 \
     PARAMINIT_BACKEND=cupy \
     PARAMINIT_LOG_FORMAT=json
+# paraminit_build_info{revision=...}: --build-arg PARAMINIT_REVISION=$(git rev-parse --short HEAD)
+ARG PARAMINIT_REVISION=
+ENV PARAMINIT_REVISION=${PARAMINIT_REVISION}
+LABEL org.opencontainers.image.title=paraminit org.opencontainers.image.revision=${PARAMINIT_REVISION}
 USER 10001:10001
 WORKDIR /home/paraminit
 EXPOSE 50051 9478
@@ -151,6 +155,10 @@ ENV PARAMINIT_NUMBA_CPU_NAME=${PARAMINIT_NUMBA_CPU_NAME}
 RUN NUMBA_CACHE_DIR=${PARAMINIT_JIT_CACHE_SEED}/numba \
     python3 -c "from paraminit_server import backends, limits; limits.prepare_jit_cache(); backends.create('numpy').warm_up()" \
  && test -n "$(ls -A ${PARAMINIT_JIT_CACHE_SEED}/numba)"
+# paraminit_build_info{revision=...}: --build-arg PARAMINIT_REVISION=$(git rev-parse --short HEAD)
+ARG PARAMINIT_REVISION=
+ENV PARAMINIT_REVISION=${PARAMINIT_REVISION}
+LABEL org.opencontainers.image.title=paraminit org.opencontainers.image.revision=${PARAMINIT_REVISION}
 USER 10001:10001
 WORKDIR /home/paraminit
 EXPOSE 50051 9478

@@ -61,6 +61,8 @@ if [ "${BASE_REBUILD:-0}" = 1 ] || ! docker image inspect "$BASE" >/dev/null 2>&
     command -v mmdebstrap >/dev/null || fail "mmdebstrap is needed to make the base (apt-get install mmdebstrap)"
     step "base: mmdebstrap bookworm -> $BASE"
     t0=$(now)
+    # The hooks' $1 (the new root) is expanded by mmdebstrap's shell, not this one.
+    # shellcheck disable=SC2016
     mmdebstrap --quiet --variant=minbase --include=ca-certificates,python3,python3-venv \
         --customize-hook='copy-in /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs' \
         --customize-hook='ln -sf /usr/bin/python3 "$1/usr/local/bin/python"' \
@@ -78,13 +80,17 @@ fi
 # --- build ------------------------------------------------------------------------------------------------------
 step "build --target cpu -> $IMAGE"
 t0=$(now)
+rev=$(git rev-parse --short HEAD 2>/dev/null || true)
+if [ -n "$rev" ] && ! git diff --quiet HEAD -- proto server client pyproject.toml 2>/dev/null; then
+    rev="$rev-dirty"
+fi
 if docker buildx version >/dev/null 2>&1; then
-    docker buildx build --load --target cpu -t "$IMAGE" . >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; fail "build"; }
+    docker buildx build --load --target cpu --build-arg "PARAMINIT_REVISION=$rev" -t "$IMAGE" . >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; fail "build"; }
 else
     # Docker CLIs from 23 on need the buildx plugin for BuildKit; Debian's docker.io client (20.10) has it built in.
     client=docker
     [ -x /usr/bin/docker ] && client=/usr/bin/docker
-    DOCKER_BUILDKIT=1 "$client" build --progress=plain --target cpu -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
+    DOCKER_BUILDKIT=1 "$client" build --progress=plain --target cpu --build-arg "PARAMINIT_REVISION=$rev" -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
         || { tail -40 "$WORK/build.log"; fail "build"; }
 fi
 echo "built in $(since "$t0") s: $(docker image inspect --format '{{.Id}} {{.Size}} bytes' "$IMAGE")"

@@ -167,6 +167,16 @@ def test_dockerfile_passes_hadolint() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("script", ["image-check.sh", "lock.sh"])
+def test_deploy_scripts_pass_shellcheck(script: str) -> None:
+    shellcheck = _tool("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed")
+    result = subprocess.run([shellcheck, str(DEPLOY / script)], capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert os.access(DEPLOY / script, os.X_OK), f"{script} is not executable"
+
+
 def test_hadolint_ignores_are_justified() -> None:
     lines = (ROOT / "Dockerfile").read_text().splitlines()
     for i, line in enumerate(lines):
@@ -310,8 +320,9 @@ def test_cpu_image_carries_compiled_kernels() -> None:
     # Build args are in the environment of every RUN: none may be a NUMBA_* setting.
     assert not [a for a in args if a.startswith("NUMBA_")], args
     # The build-time warm-up comes after the environment it must share with the runtime.
-    names = [n for n, _ in chain[0].instructions]
-    assert names.index("RUN", len(names) - 1 - names[::-1].index("ENV")) > names.index("ENV")
+    order = [rest for _, rest in chain[0].instructions]
+    settings = [i for i, rest in enumerate(order) if "NUMBA_THREADING_LAYER=" in rest or "PARAMINIT_NUMBA_CPU_NAME=" in rest]
+    assert settings and order.index(warm[0]) > max(settings)
 
 
 def test_dockerignore_keeps_context_small() -> None:
