@@ -162,28 +162,75 @@ _F16 = _half_consts(10, -14, 15)
 _BF16 = _half_consts(7, -126, 127)
 
 
+def _f32_bits(typingctx: Any, x: Any) -> Any:
+    """Reinterpret a binary32 as uint32 (a plain LLVM bitcast)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+def _f16_of_f32_bits(typingctx: Any, b: Any) -> Any:
+    """float16 bits of the binary32 with bits b, rounded to nearest even (fptrunc: vcvtps2ph with F16C)."""
+    if b != types.uint32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f = builder.bitcast(args[0], ir.FloatType())
+        return builder.bitcast(builder.fptrunc(f, ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.uint32), codegen
+
+
+f32_bits: Any = intrinsic(_f32_bits)
+f16_of_f32_bits: Any = intrinsic(_f16_of_f32_bits)
+_LOW29 = np.int64((1 << 29) - 1)
+_LOW16 = np.int64(0xFFFF)
+_I16 = np.int64(16)
+_I29 = np.int64(29)
+_I48 = np.int64(48)
+_BF16_ROUND = np.int64(0x7FFF)
+_F32_MIN_NORMAL = 2.0**-126
+
+
+@_jit
+def sticky32(v: float) -> Any:
+    """v rounded to odd at 24 significant bits, as binary32 (exact in binary32's normal range)."""
+    bv = f64_bits(v)
+    sticky = bv & _LOW29
+    return np.float32(bits_f64((bv ^ sticky) | (np.int64(sticky != 0) << _I29)))
+
+
 @_jit
 def half_bits(v: float, h: Any) -> Any:
     """Round binary64 once, to nearest even, into float16/bfloat16 bits (h: _F16 or _BF16); branch-free.
 
-    Normal range: round at bit `shift` of the binary64 bits with the exponent
-    rebiased in the same addition; carries run into the exponent, and |v| is
-    first clamped to the smallest value that rounds to infinity. Subnormal
-    range: |v| + magic has the target's subnormal spacing as its ulp, so the
-    hardware's one rounding is the spec's. NaN keeps its sign and becomes the
-    quiet NaN.
+    v is first rounded to odd at 24 significant bits (its low 29 fraction bits become one sticky bit), which
+    binary32 holds exactly in its normal range; rounding that to nearest even gives the one rounding of v,
+    because the 16-bit formats keep at least two bits fewer (round-to-odd never creates a false tie).
+    float16 then takes the F16C conversion (values below binary32's normal range are far below float16's
+    smallest subnormal and round to zero on either path); bfloat16 an integer rounding of the binary32 bits
+    with carries into the exponent and on to infinity, and below 2^-126, where bfloat16 is subnormal and
+    binary32 would round again, |v| + magic, whose ulp is bfloat16's subnormal spacing, so the hardware's
+    one rounding is the spec's. NaN keeps its sign and becomes the quiet NaN.
     """
-    shift, adj, _, nan_bits, min_normal, ovf, magic, magic_bits = h
-    av = abs(v)
-    a = np.uint64(f64_bits(min(av, ovf)))
-    rn = np.int64((a + np.uint64(adj) + ((a >> np.uint64(shift)) & _U1)) >> np.uint64(shift))
-    rs = f64_bits(av + magic) - np.int64(magic_bits)
-    r = rn
-    if av < min_normal:
-        r = rs
-    if av != av:
-        r = np.int64(nan_bits)
-    return np.uint16(r | ((f64_bits(v) >> 48) & _SIGN16))
+    shift, _, _, nan_bits, min_normal, _, magic, magic_bits = h
+    bv = f64_bits(v)
+    f = sticky32(v)
+    if shift == 42:  # float16 (a compile-time constant once inlined)
+        r = np.int64(f16_of_f32_bits(f32_bits(f)))
+    else:
+        b = np.int64(f32_bits(f))
+        r = (b + _BF16_ROUND + ((b >> _I16) & 1)) >> _I16
+        av = abs(v)
+        if av < min_normal:
+            r = (f64_bits(av + magic) - np.int64(magic_bits)) | ((bv >> _I48) & _SIGN16)
+    if v != v:
+        r = np.int64(nan_bits) | ((bv >> _I48) & _SIGN16)
+    return np.uint16(r & _LOW16)
 
 
 def store(out: Any, k: Any, v: float, h: Any) -> None:
@@ -626,8 +673,10 @@ def _normal_fast_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) 
         return f32
 
     def half(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
+        # half_bits(v) is a function of sticky32(v): equal sticky values give equal bits (below 2^-126, where
+        # bfloat16 takes another path, the element is simply redone)
         va, vb = normal_bounds(d1, d2, p0, p1)
-        return va, np.int64(half_bits(va, h) != half_bits(vb, h))
+        return va, np.int64((sticky32(va) != sticky32(vb)) | (abs(va) < _F32_MIN_NORMAL))
     return half
 
 
