@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import grpc
 
 from paraminit import dtypes, sizes
-from paraminit_client import __version__
+from paraminit_client import __version__, inspect
 from paraminit_client.client import Client
 from paraminit_client.errors import ParaminitError
 from paraminit_client.plans import PlanFileError, load_plan, plan_from_safetensors, plan_to_json
@@ -155,8 +155,6 @@ def _dtype_name(value: int) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from paraminit_client import inspect
-
     plan = load_plan(args.plan) if args.plan else None
     report = inspect.inspect_file(args.file, plan)
     if args.json:

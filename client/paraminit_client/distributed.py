@@ -25,6 +25,7 @@ import torch
 
 from paraminit.v1 import plan_pb2
 from paraminit_client.client import Client
+from paraminit_client.torch_rules import _TORCH_DTYPES, _numpy_to_torch
 
 __all__ = ["is_dtensor", "local_region", "localize", "materialize_region", "wrap"]
 
@@ -105,8 +106,6 @@ def materialize_region(client: Client, param: plan_pb2.Param, region: Sequence[t
     as a tensor of the region's shape on `device`: the same bytes as slicing the whole tensor, with only
     the region generated and allocated. `param` is typically one of plan_from_module(model_on_meta).params.
     """
-    from paraminit_client.torch import _TORCH_DTYPES, _numpy_to_torch
-
     shape = [int(d) for d in param.shape]
     if len(region) != len(shape):
         raise ValueError(f"region has {len(region)} ranges but {param.name!r} has rank {len(shape)}")

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from paraminit.v1 import plan_pb2
+from paraminit_client.torch_rules import _mha
 
 __all__ = ["KNOWN", "fill_buffers", "fingerprint", "plan_inits"]
 
@@ -136,8 +137,6 @@ def _base(model: Any, mod: nn.Module, write: Write) -> None:
         pad = [_zero_row(mod.weight.shape, mod.padding_idx)] if mod.padding_idx is not None else []
         write("weight", Assigned(_normal(std), pad))
     elif isinstance(mod, nn.MultiheadAttention):
-        from paraminit_client.torch import _mha  # PyTorch's own _reset_parameters
-
         for key, t in mod._parameters.items():
             if t is not None:
                 got = _mha(mod, key, t, 0, "torch")
