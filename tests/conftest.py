@@ -102,6 +102,15 @@ def serve_subprocess(env: dict[str, str] | None = None, stderr: Any = None) -> t
     m = re.search(r"listening on [\d.]+:(\d+)", line)
     assert m, line
     target = f"127.0.0.1:{m.group(1)}"
-    with Client(target) as c:
-        c.wait_ready(300)
+    with Client(target, timeout=5) as c:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"paraminit-server exited with {proc.returncode} before SERVING")
+            try:
+                return c.health() == "SERVING"
+            except Exception:
+                return False
+
+        assert wait_until(up, 300, 0.05), "paraminit-server not SERVING after 300 s"
     return proc, target
