@@ -6,8 +6,13 @@ test_payloads.py and test_reliability.py.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
+import socket
+import subprocess
+import sys
 import threading
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +27,7 @@ from safetensors.numpy import save_file
 
 from conftest import running_server, serve_subprocess, target_of, wait_until
 from paraminit import dtypes, wire
+from paraminit.header_checksum import header_crc32c
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
@@ -32,8 +38,10 @@ from paraminit_server.config import ServerConfig
 from paraminit_server.files import FileChanged
 from paraminit_server.materializer import PayloadPiece
 from paraminit_server.payloads import BoundSources
+from paraminit_server.server import start
 
 MiB = 1 << 20
+BIN = Path(sys.executable).parent
 
 
 def _region_param(shape: list[int], region: list[tuple[int, int]], seed: int = 9) -> plan_pb2.Param:
@@ -525,3 +533,165 @@ def test_validate_trims_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
     with running_server() as r:
         r.plane.validate(plan_of([param("w", [4], {"zeros": {}})]), Caller())
         assert trims == [1]
+
+
+# -- item 13: the stream header's checksum ------------------------------------------------------
+
+
+class FlipProxy:
+    """A TCP proxy that flips one bit of the first server-to-client occurrence of `pattern` (at `at`)."""
+
+    def __init__(self, upstream: int, pattern: bytes, at: int) -> None:
+        self.upstream, self.pattern, self.at = upstream, pattern, at
+        self.flipped = threading.Event()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.sock.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, flip: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                i = data.find(self.pattern) if flip and not self.flipped.is_set() else -1
+                if i >= 0:
+                    b = bytearray(data)
+                    b[i + self.at] ^= 0x01
+                    data = bytes(b)
+                    self.flipped.set()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+HEADER_PLAN = plan_of([param("weight_one", [8, 8], {"uniform": {"lo": -1, "hi": 1, "seed": 1}}),
+                       param("bias_two", [8], {"zeros": {}})])
+
+
+@pytest.mark.parametrize("where", ["prefix", "name", "digest", "offset"])
+def test_corrupted_stream_header_is_data_loss_before_anything_is_written(where: str, tmp_path: Path) -> None:
+    digest = planlib.digest(HEADER_PLAN)
+    patterns = {"prefix": (b'"__metadata__"', 3),  # still JSON, a renamed key
+                "name": (b"weight_one", 0),  # the first occurrence is the tensor table's
+                "digest": (digest[:16].encode(), 5),
+                "offset": (b'"data_offsets":[0,', 16)}  # "[0," -> "[1,"
+    pattern, at = patterns[where]
+    with running_server() as r:
+        proxy = FlipProxy(r.port, pattern, at)
+        try:
+            with Client(f"127.0.0.1:{proxy.port}", timeout=30) as c:
+                with pytest.raises(ParaminitError) as info:
+                    c.materialize_to_file(HEADER_PLAN, tmp_path / "out.safetensors")
+                assert proxy.flipped.is_set()
+                assert info.value.code == grpc.StatusCode.DATA_LOSS and "header checksum" in info.value.message
+                assert list(tmp_path.iterdir()) == []  # not even a temporary file
+        finally:
+            proxy.close()
+        with Client(target_of(r)) as c:  # the same stream unproxied is fine and carries the checksum
+            header, chunks = c.stream(HEADER_PLAN)
+            list(chunks)
+            assert header.header_crc32c == header_crc32c(header) != 0
+
+
+# -- item 17: Unix sockets, uploads drain at SIGTERM; item 22: startup errors -----------------------
+
+
+def _server(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen([str(BIN / "paraminit-server"), "--backend", "cpu", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def test_unix_socket_host_prints_a_usable_address(tmp_path: Path) -> None:
+    sock = tmp_path / "p.sock"
+    proc = _server(["--host", f"unix:{sock}"])
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        address = line.split("listening on ", 1)[1].split()[0]
+        assert address == f"unix:{sock}", line
+        assert oct(sock.stat().st_mode & 0o777) == "0o600"  # the server's user only
+        with Client(address) as c:
+            c.wait_ready(300)
+            assert c.materialize(HEADER_PLAN)["bias_two"].tolist() == [0.0] * 8
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
+
+
+def test_uploads_in_flight_drain_at_shutdown() -> None:
+    """Shutdown (what SIGTERM runs) waits up to --drain-seconds for an upload in flight, not grpc's 1 s."""
+    r = start(ServerConfig(host="127.0.0.1", port=0, backend="cpu", drain_seconds=60), warm_up_async=False)
+    values = np.arange(1 << 20, dtype=np.float32)
+    raw = values.tobytes()
+    go = threading.Event()
+    result: list[Any] = []
+
+    def chunks() -> Any:
+        yield pb.PayloadChunk(dtype=dtypes.by_name("float32").enum, count=values.size,  # type: ignore[arg-type]
+                              data=raw[:1 << 20])
+        assert go.wait(60)
+        for off in range(1 << 20, len(raw), 1 << 20):
+            yield pb.PayloadChunk(data=raw[off:off + (1 << 20)])
+
+    def upload() -> None:
+        with Client(target_of(r)) as c:
+            try:
+                result.append(c._call(c.stub.UploadPayload, chunks()))
+            except ParaminitError as err:
+                result.append(err)
+
+    uploader = threading.Thread(target=upload)
+    uploader.start()
+    try:
+        assert wait_until(lambda: r.plane.sources._uploads == 1, 30)
+        stopper = threading.Thread(target=r.stop)
+        stopper.start()
+        assert not wait_until(lambda: not stopper.is_alive(), 3.0)  # still draining the upload
+        with Client(target_of(r), timeout=5) as probe, pytest.raises(ParaminitError):
+            probe.validate(HEADER_PLAN)  # new work is refused meanwhile
+    finally:
+        go.set()
+        uploader.join(60)
+    stopper.join(60)
+    assert not stopper.is_alive()
+    assert not isinstance(result[0], ParaminitError), result[0]
+    assert result[0].count == values.size
+
+
+@pytest.mark.parametrize("args,env", [(["--backend", "foo"], {}), (["--log-format", "jsonx"], {}),
+                                      ([], {"PARAMINIT_BACKEND": "foo"}), ([], {"PARAMINIT_LOG_FORMAT": "jsonx"}),
+                                      (["--backend", "cupy"], {}), (["--port", "TAKEN"], {}),
+                                      (["--host", "unix:/tmp/" + "x" * 120], {})])
+def test_startup_errors_are_one_line_and_non_zero(args: list[str], env: dict[str, str]) -> None:
+    if "cupy" in args and importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = [str(taken.getsockname()[1]) if a == "TAKEN" else a for a in args]
+        cmd = [str(BIN / "paraminit-server"), *args] if "--backend" in args else \
+            [str(BIN / "paraminit-server"), "--backend", "cpu", *args]
+        if env:
+            cmd = [str(BIN / "paraminit-server"), *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PARAMINIT_PORT": "0", **env})
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("paraminit-server: error:")

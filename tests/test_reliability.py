@@ -241,3 +241,29 @@ def test_concurrent_requests_do_not_crash(client: Client) -> None:
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: client.materialize(plan)["w"].tobytes(), range(16)))
     assert len(set(results)) == 1
+
+
+def test_segments_of_a_killed_server_go_at_the_next_start() -> None:
+    """SIGKILL leaves five leased segments behind; the next server removes them, never a live server's."""
+    live, live_target = serve_subprocess()
+    proc, target = serve_subprocess()
+    try:
+        with Client(live_target) as other:
+            kept = other.export(plan_of([param("k", [1024], {"ones": {}})]))
+            with Client(target) as c:
+                leases = [c.export(plan_of([param("w", [1024], {"ones": {}})])) for _ in range(5)]
+                names = [f"/dev/shm/{x.info.shm.segment_name}" for x in leases]
+                proc.kill()
+                proc.wait(30)
+                for x in leases:
+                    x.stop_renewing()
+            assert all(os.path.exists(n) for n in names)
+            proc, target = serve_subprocess()  # the next start
+            assert wait_until(lambda: not any(os.path.exists(n) for n in names), 30)
+            assert os.path.exists(f"/dev/shm/{kept.info.shm.segment_name}")  # the live server's is untouched
+            assert np.all(kept.arrays["k"] == 1.0)
+            kept.release()
+    finally:
+        for p in (proc, live):
+            p.terminate()
+            p.wait(30)

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
 from paraminit import dtypes, times, wire
+from paraminit.header_checksum import header_crc32c
 from paraminit.hostmem import host_buffer
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
@@ -183,6 +184,10 @@ class Client:
         if not isinstance(first, pb.MaterializeResponse) or first.WhichOneof("msg") != "header":
             call.cancel()
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
+        if header_crc32c(first.header) != first.header.header_crc32c:  # before anyone writes a byte of it
+            call.cancel()
+            raise ParaminitError(grpc.StatusCode.DATA_LOSS, "stream header checksum mismatch: the prefix, tensor "
+                                 "table or digest was corrupted in transit")
         return first.header, _verified_chunks(call, first.header.data_bytes)
 
     def _local_stream(self, plan: plan_pb2.Plan) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
-from paraminit_server import backends
+from paraminit_server import backends, shm
 from paraminit_server.auth import AuthInterceptor, TokenAuth, server_credentials
 from paraminit_server.config import ServerConfig
 from paraminit_server.limits import prepare_jit_cache
@@ -80,6 +80,8 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     """Build, bind and start a server; warm-up (kernel compilation) runs before SERVING."""
     backend = backend or backends.create(config.backend, config.device, config.threads or None)
     tokens = TokenAuth.load(config.auth_tokens_file, config.auth_tokens)
+    if backend.delivery == backends.SHM:
+        shm.instance_tag()  # take this instance's lock; segments of instances that died go now
     plane = Materializer(config, backend)
     metrics = Metrics() if config.metrics_port else None
     servicer = InitServicer(plane, tokens, metrics)

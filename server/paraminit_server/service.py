@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from paraminit import dtypes, peers, times
+from paraminit.header_checksum import header_crc32c
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit_server import errors
@@ -203,8 +204,10 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
 def _header(start: StreamStart) -> pb.StreamHeader:
     lay = start.layout
-    return pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes,
-                           tensors=tensor_infos(lay))
+    header = pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes,
+                             tensors=tensor_infos(lay))
+    header.header_crc32c = header_crc32c(header)  # clients check it before writing anything
+    return header
 
 
 def tensor_infos(lay: Layout) -> list[pb.TensorInfo]:

@@ -3,14 +3,24 @@
 A segment is created exclusively with mode 0600 under a 128-bit random name,
 its tmpfs space reserved up front (a full /dev/shm is ENOSPC here, not SIGBUS
 mid-fill), and unlinked on close.
+
+A server killed outright (SIGKILL, OOM) cannot unlink its segments, so every
+name carries the process's instance tag (`paraminit-<tag>-<random>`), and the
+process holds an exclusive flock on `<tag>.lock` in a directory of its user for
+as long as it lives. A starting server removes the segments of every tag whose
+lock it can take: those instances are dead. A live server's lock cannot be
+taken, so its segments are never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import mmap
 import os
 import secrets
+import threading
 
 import numpy as np
 
@@ -19,6 +29,73 @@ from paraminit_server.backends import SHM, ExportHandle
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "paraminit-"
+log = logging.getLogger("paraminit.server")
+_instance: tuple[str, int] | None = None  # (tag, fd of the held lock)
+_instance_lock = threading.Lock()
+
+
+def lock_dir() -> str:
+    """Where this user's instance locks live (mode 0700, one per user)."""
+    return os.path.join(SHM_DIR, f".paraminit-locks-{os.geteuid()}")
+
+
+def instance_tag() -> str:
+    """This process's tag, created with its lock (and earlier instances swept) on first use."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            d = lock_dir()
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            tag = secrets.token_hex(6)
+            tmp = os.path.join(d, f"{tag}.lock.new")
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held until the process ends, however it ends
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.rename(tmp, os.path.join(d, f"{tag}.lock"))  # sweepers only ever see locked locks
+            _instance = (tag, fd)
+            sweep()
+        return _instance[0]
+
+
+def sweep() -> list[str]:
+    """Remove the segments of this user's dead instances (their locks are free); returns what went."""
+    d = lock_dir()
+    own = _instance[0] if _instance is not None else None
+    removed: list[str] = []
+    try:
+        locks = [f for f in os.listdir(d) if f.endswith(".lock")]
+    except OSError:
+        return removed
+    for name in locks:
+        tag = name[:-len(".lock")]
+        if tag == own:
+            continue
+        path = os.path.join(d, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # alive
+            for seg in os.listdir(SHM_DIR):
+                if seg.startswith(f"{SHM_PREFIX}{tag}-"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(SHM_DIR, seg))
+                        removed.append(seg)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("removed %d shared-memory segments of server instances that died", len(removed))
+    return removed
+
+
+def new_name() -> str:
+    return f"{SHM_PREFIX}{instance_tag()}-{secrets.token_hex(16)}"
 
 
 class ShmSegment:
@@ -26,7 +103,7 @@ class ShmSegment:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.name = SHM_PREFIX + secrets.token_hex(16)
+        self.name = new_name()
         self.path = os.path.join(SHM_DIR, self.name)
         try:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -52,7 +129,7 @@ class ShmSegment:
 
     def recycle(self) -> bool:
         """A fresh unguessable name for the same pages; the old name stops resolving at once."""
-        name = SHM_PREFIX + secrets.token_hex(16)
+        name = new_name()
         path = os.path.join(SHM_DIR, name)
         try:
             os.rename(self.path, path)

@@ -147,6 +147,7 @@ class StreamHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     SAFETENSORS_PREFIX_FIELD_NUMBER: _builtins.int
     DATA_BYTES_FIELD_NUMBER: _builtins.int
+    HEADER_CRC32C_FIELD_NUMBER: _builtins.int
     plan_digest: _builtins.str
     """hex SHA-256 of the deterministically serialized plan"""
     safetensors_prefix: _builtins.bytes
@@ -155,6 +156,14 @@ class StreamHeader(_message.Message):
     """
     data_bytes: _builtins.int
     """total bytes of the data section"""
+    header_crc32c: _builtins.int
+    """CRC-32C (as in DataChunk) of everything above, which clients check before
+    writing anything: the concatenation of safetensors_prefix, plan_digest
+    (UTF-8) and, per tensor in order, name (UTF-8) - each byte string as its
+    8-byte little-endian length then its bytes - with data_bytes after the
+    digest and, after each name, dtype, rank, every shape dim, offset and
+    nbytes, each as an 8-byte little-endian integer (paraminit/header_checksum.py).
+    """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]: ...
     def __init__(
@@ -164,10 +173,11 @@ class StreamHeader(_message.Message):
         tensors: _abc.Iterable[Global___TensorInfo] | None = ...,
         safetensors_prefix: _builtins.bytes = ...,
         data_bytes: _builtins.int = ...,
+        header_crc32c: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_bytes", b"data_bytes", "plan_digest", b"plan_digest", "safetensors_prefix", b"safetensors_prefix", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_bytes", b"data_bytes", "header_crc32c", b"header_crc32c", "plan_digest", b"plan_digest", "safetensors_prefix", b"safetensors_prefix", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
