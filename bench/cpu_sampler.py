@@ -158,6 +158,30 @@ def main() -> None:
     print("-" * len(head))
     for name, gbps, xf, xt in rows:
         print(f"{name:<44} {gbps:8.2f} {f'{xf:.2f}' if xf else '-':>8} {f'{xt:.2f}' if xt else '-':>8}")
+    targets(rows)
+
+
+def targets(rows: list[tuple[str, float, float | None, float | None]]) -> None:
+    """The issue's targets from this run's ratios: normal vs torch normal_, uniform family vs ndarray.fill,
+    and 16-bit formats' element rate vs float32's."""
+    by = {name: (gbps, xf, xt) for name, gbps, xf, xt in rows}
+    checks: list[tuple[str, float, float]] = []
+    for dt, want in (("float32", 1.5), ("bfloat16", 2.0), ("float16", 2.0), ("float64", 1.5)):
+        xt = by.get(f"paraminit normal {dt}", (0.0, None, None))[2]
+        if xt:
+            checks.append((f"normal {dt} vs torch normal_", xt, want))
+    for init in ("uniform", "xavier_uniform", "kaiming_uniform"):
+        r32 = by.get(f"paraminit {init} float32")
+        if r32 and r32[1]:
+            checks.append((f"{init} float32 vs ndarray.fill", r32[1], 0.85))
+        for dt in ("float16", "bfloat16"):
+            r16 = by.get(f"paraminit {init} {dt}")
+            if r32 and r16:  # element rate: 16-bit outputs write half the bytes per element
+                checks.append((f"{init} {dt} elements/s vs float32", r16[0] / 2 / (r32[0] / 4), 0.9))
+    if checks:
+        print("\ntargets")
+        for name, got, want in checks:
+            print(f"  {name:<44} {got:6.2f}x  (target >= {want:.2f}x)  {'ok' if got >= want else 'MISSED'}")
 
 
 if __name__ == "__main__":

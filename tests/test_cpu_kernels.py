@@ -247,3 +247,15 @@ def test_random_plans_match_reference(p: ResolvedParam) -> None:
 
 def test_kinds_cover_all_initializers() -> None:
     assert {make_param(i, dtypes.FLOAT32, [2, 2]).kind for i in INITS} == set(Kind)
+
+
+@pytest.mark.parametrize("dt", dtypes.SUPPORTED, ids=lambda d: d.name)
+@pytest.mark.parametrize(("lo", "hi"), [(-1e308, 1e308), (-1e-40, 1e-40), (0.0, 3e-37), (-2.0**-70, 2.0**-70),
+                                        (1e-300, 1e-299), (-70000.0, 70000.0), (0.0, 0.0)])
+def test_uniform_extreme_bounds(lo: float, hi: float, dt: dtypes.DTypeInfo) -> None:
+    """Bounds that give NaN (hi - lo overflows), infinities, exact zeros and 16-bit subnormals take the
+    kernels' rare path, block by block, and still match the reference."""
+    p = make_param("uniform", dt, [3, 1700], lo=lo, hi=hi)
+    got = fill(p)
+    want = reference.materialize(p).reshape(-1)
+    assert same(got, want)
