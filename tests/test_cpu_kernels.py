@@ -259,3 +259,19 @@ def test_uniform_extreme_bounds(lo: float, hi: float, dt: dtypes.DTypeInfo) -> N
     got = fill(p)
     want = reference.materialize(p).reshape(-1)
     assert same(got, want)
+
+
+def test_segment_draw_forms_agree() -> None:
+    """draw_seg's 32-bit form (hosts without a 64-bit vector multiply) equals the plain SplitMix64, checked in
+    Python integers on words around segment edges (this host may compile only the other form)."""
+    rng = np.random.default_rng(5)
+    m64 = (1 << 64) - 1
+    for x in [int(v) for v in rng.integers(0, 2**63, 200, dtype=np.int64)] + [m64, (1 << 30) - 1, 1 << 30]:
+        c0 = x >> 30
+        c = c0 & 0xFFFFFFFF
+        c1 = (((((x ^ c0) >> 32) * 0x1CE4E5B9) & 0xFFFFFFFF) << 32) & m64
+        a = ((x & 0xFFFFFFFF) ^ c) & 0xFFFFFFFF
+        z = (a * 0x1CE4E5B9 + ((a * 0xBF58476D) << 32) + c1) & m64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
+        assert (z ^ (z >> 31)) & 0xFFFFFFFF == spec.mix((x - spec.GOLDEN) & m64) & 0xFFFFFFFF
+        assert cpu_kernels.low_draw(np.uint64(x)) == float(spec.mix((x - spec.GOLDEN) & m64) & 0xFFFFFFFF)

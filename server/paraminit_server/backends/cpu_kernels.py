@@ -118,22 +118,37 @@ def low_draw(x: Any) -> Any:
     return bits_f64((mix(x - _GOLDEN) & _LOW32) | _EXP52) - _TWO52
 
 
+def _wide_multiply() -> bool:
+    """Whether the host has a 64-bit vector multiply (AVX-512DQ vpmullq); the kernels compile for the host."""
+    try:
+        from llvmlite import binding
+
+        return bool(binding.get_host_cpu_features().get("avx512dq", False))
+    except Exception:  # pragma: no cover - feature query unavailable: the 32-bit form is right everywhere
+        return False
+
+
+WIDE_MULTIPLY = _wide_multiply()
+
+
 @_jit
 def seg_consts(x0: Any) -> Any:
     """Constants of a segment of words x = key + GOLDEN + i that share `x >> 30` (see draw_seg)."""
     c = x0 >> _S30
     a_hi = (x0 ^ c) >> _S32
-    return c & _LOW32, ((a_hi * _MUL1_LO) & _LOW32) << _S32
+    return c & _LOW32, ((a_hi * _MUL1_LO) & _LOW32) << _S32, x0 & ~_LOW32
 
 
 @_jit
-def draw_seg(xl: Any, c: Any, c1: Any) -> Any:
-    """low_draw(x) for x = high | xl in a segment with constants seg_consts(x).
+def draw_seg(xl: Any, c: Any, c1: Any, hi: Any) -> Any:
+    """low_draw(x) for x = hi | xl in a segment with constants seg_consts(x).
 
-    a = x ^ (x >> 30) = x ^ C; its high word is constant, so a * MUL1 needs
-    a_lo * MUL1_lo (64-bit) and the low word of a_lo * MUL1_hi only; the
-    high-word product is folded into c1.
+    With a 64-bit vector multiply (AVX-512DQ) the plain SplitMix64 is cheapest. Without one (AVX2):
+    a = x ^ (x >> 30) = x ^ C; its high word is constant, so a * MUL1 needs a_lo * MUL1_lo (64-bit) and the
+    low word of a_lo * MUL1_hi only; the high-word product is folded into c1.
     """
+    if WIDE_MULTIPLY:
+        return low_draw(hi | xl)
     a = (xl ^ c) & _LOW32
     z = a * _MUL1_LO + ((a * _MUL1_HI) << _S32) + c1
     z = (z ^ (z >> _S27)) * _MUL2
@@ -292,7 +307,7 @@ def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
     while k < m:
         x = x0 + np.uint64(k)
         cnt = min(m - k, seg_room(x))
-        c, c1 = seg_consts(x)
+        c, c1, hi = seg_consts(x)
         step = cnt if plain else _ABLOCK
         for b0 in range(0, cnt, step):
             nb_ = min(cnt - b0, step)
@@ -301,16 +316,16 @@ def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
             rare = 0
             if sc == 1.0:
                 for j in range(nb_):
-                    rare += store_fast(sub, np.uint64(j), p0 + draw_seg(xl + np.uint64(j), c, c1) * p1, h)
+                    rare += store_fast(sub, np.uint64(j), p0 + draw_seg(xl + np.uint64(j), c, c1, hi) * p1, h)
             else:
                 for j in range(nb_):
-                    rare += store_fast(sub, np.uint64(j), p0 + (draw_seg(xl + np.uint64(j), c, c1) * sc) * p1, h)
+                    rare += store_fast(sub, np.uint64(j), p0 + (draw_seg(xl + np.uint64(j), c, c1, hi) * sc) * p1, h)
             if rare and sc == 1.0:
                 for j in range(nb_):
-                    store(sub, np.uint64(j), p0 + draw_seg(xl + np.uint64(j), c, c1) * p1, h)
+                    store(sub, np.uint64(j), p0 + draw_seg(xl + np.uint64(j), c, c1, hi) * p1, h)
             elif rare:
                 for j in range(nb_):
-                    store(sub, np.uint64(j), p0 + (draw_seg(xl + np.uint64(j), c, c1) * sc) * p1, h)
+                    store(sub, np.uint64(j), p0 + (draw_seg(xl + np.uint64(j), c, c1, hi) * sc) * p1, h)
         k += cnt
 
 
@@ -739,7 +754,7 @@ def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
             store(dst, np.uint64(k), normal_exact(low_draw(x), low_draw(x + _U1), p0, p1), h)
             k += 1
             continue
-        c, c1 = seg_consts(x)
+        c, c1, hi = seg_consts(x)
         for b0 in range(0, cnt, _NBLOCK):
             nb_ = min(cnt - b0, _NBLOCK)
             xl = (x & _LOW32) + _U2 * np.uint64(b0)
@@ -747,14 +762,14 @@ def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
             bad = 0
             for j in range(nb_):
                 w = xl + _U2 * np.uint64(j)
-                v, u = normal_fast(sub, draw_seg(w, c, c1), draw_seg(w + _U1, c, c1), p0, p1, h)
+                v, u = normal_fast(sub, draw_seg(w, c, c1, hi), draw_seg(w + _U1, c, c1, hi), p0, p1, h)
                 store(sub, np.uint64(j), v, h)
                 bad += u
             if bad:
                 for j in range(nb_):
                     w = xl + _U2 * np.uint64(j)
-                    d1 = draw_seg(w, c, c1)
-                    d2 = draw_seg(w + _U1, c, c1)
+                    d1 = draw_seg(w, c, c1, hi)
+                    d2 = draw_seg(w + _U1, c, c1, hi)
                     _, u = normal_fast(sub, d1, d2, p0, p1, h)
                     if u:
                         store(sub, np.uint64(j), normal_exact(d1, d2, p0, p1), h)
