@@ -6,25 +6,29 @@ threads take from a shared counter; each piece walks its runs (Runs in plan.py)
 with contiguous inner loops, and every element depends only on (key, global
 index): bytes never depend on threads, scheduling or chunking.
 
-Speed comes from letting LLVM vectorize every inner loop (AVX2 on the target
-machines), so the loops are kept free of branches and of anything that
-blocks vectorization:
+Speed comes from letting LLVM vectorize every inner loop (AVX2 or AVX-512 on
+the host), so the loops are kept free of branches and of anything that blocks
+vectorization; rare elements are redone block by block after a vector pass:
 - indices are unsigned, so numba emits no negative-index wraparound per store;
-- the first SplitMix64 multiply works on 32-bit halves: inside a segment where
-  `x >> 30` is constant, `x ^ (x >> 30)` has a constant high word, so its
-  product needs two 32x32 multiplies instead of three (AVX2 has no 64-bit
-  multiply);
+- SplitMix64 runs as is where the host has a 64-bit vector multiply
+  (AVX-512DQ); elsewhere its first multiply works on 32-bit halves: inside a
+  segment where `x >> 30` is constant, `x ^ (x >> 30)` has a constant high
+  word, so its product needs two 32x32 multiplies instead of three;
 - the low 32 bits of a draw become a binary64 by the exponent-bias trick
   (OR into 2^52, subtract 2^52), which is exact and needs no packing;
-- float16/bfloat16 bits come from a branch-free integer rounding (normal
-  range), a floating-point add of a magic constant (subnormal range, where the
-  hardware's round-to-nearest-even is the one rounding) and selects.
-No fastmath anywhere: every binary64 operation of the spec (docs/SAMPLER.md)
-rounds on its own (no FMA contraction). `log` and `cos` in `normal` are
-correctly rounded (section 2.1) by the vectorized code of the "Correctly
-rounded log and cos" section below, with fused multiply-adds inside them only.
+- float16/bfloat16 bits come through binary32 rounded to odd (half_bits), so
+  the hardware conversions give the one rounding;
+- normal: log and cos are correctly rounded (docs/SAMPLER.md section 2.1) by
+  the "Correctly rounded log and cos" section below. float64 outputs take the
+  double-double evaluation; float32 and 16-bit outputs a cheaper evaluation
+  whose error interval is carried through the spec's monotone operations, and
+  only elements whose interval straddles a rounding boundary of the output
+  format (about one in a million) are redone exactly.
+No fastmath anywhere: every binary64 operation of the spec rounds on its own
+(no FMA contraction); fused multiply-adds appear only inside log and cos.
 
-Compiled lazily on first call (no work at import) and cached on disk.
+Compiled lazily on first call and cached on disk; import builds the log/cos tables
+(decimal arithmetic, tens of milliseconds).
 """
 
 from __future__ import annotations
@@ -412,7 +416,7 @@ _COS_N = 128  # cos table step pi/128
 
 
 def _tables() -> dict[str, Any]:
-    """Reduction tables and constants, from decimal arithmetic at 80 digits (about 5 ms at import)."""
+    """Reduction tables and constants, from decimal arithmetic at 80 digits (at import, tens of ms)."""
     with decimal.localcontext() as ctx:
         ctx.prec = 80
         r_tab, th_tab, tl_tab = [], [], []
