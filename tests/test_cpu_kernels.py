@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import numba
+import numba as nb
 import numpy as np
 import pytest
 import reference
@@ -170,6 +171,35 @@ def test_half_rounding(dt: dtypes.DTypeInfo) -> None:
     want = np.array([reference.round_half_bits(v, dt.fmt) for v in values.tolist()], dtype=np.uint16)
     bad = np.flatnonzero(got != want)
     assert bad.size == 0, f"{bad.size} mismatches, first {values[bad[0]]!r}: {got[bad[0]]:#06x} != {want[bad[0]]:#06x}"
+
+
+@nb.njit(cache=False)
+def _half_paths(values: Any, fmt: int) -> Any:
+    """half_bits_int and the store_fast path (flags too) of every value, whatever the host compiles for fill."""
+    n = values.shape[0]
+    ints = np.empty(n, dtype=np.uint16)
+    fast = np.empty(n, dtype=np.uint16)
+    flags = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        h = cpu_kernels._F16 if fmt == 1 else cpu_kernels._BF16
+        ints[i] = cpu_kernels.half_bits_int(values[i], h)
+        flags[i] = cpu_kernels.store_fast(fast, i, values[i], h)
+    return ints, fast, flags
+
+
+@pytest.mark.parametrize("dt", [dtypes.FLOAT16, dtypes.BFLOAT16], ids=lambda d: d.name)
+def test_half_rounding_paths(dt: dtypes.DTypeInfo) -> None:
+    """The integer fallback (hosts without F16C) is exact everywhere; the fast store is exact wherever it
+    does not flag the element (flags: NaN and nonzero |v| < 2^-126 only)."""
+    values = _half_probe_values()
+    want = np.array([reference.round_half_bits(v, dt.fmt) for v in values.tolist()], dtype=np.uint16)
+    ints, fast, flags = _half_paths(values, dt.fmt)
+    assert (ints == want).all()
+    ok = flags == 0
+    assert (fast[ok] == want[ok]).all()
+    with np.errstate(invalid="ignore"):
+        rare = np.isnan(values) | ((np.abs(values) < 2.0**-126) & (values != 0))
+    assert (flags.astype(bool) == rare).all() and ok.sum() > values.size // 2
 
 
 @pytest.mark.parametrize("dt", [dtypes.FLOAT32, dtypes.FLOAT64], ids=lambda d: d.name)

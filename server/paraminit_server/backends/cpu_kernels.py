@@ -122,17 +122,26 @@ def low_draw(x: Any) -> Any:
     return bits_f64((mix(x - _GOLDEN) & _LOW32) | _EXP52) - _TWO52
 
 
-def _wide_multiply() -> bool:
-    """Whether the host has a 64-bit vector multiply (AVX-512DQ vpmullq); the kernels compile for the host."""
+
+
+def _host_feature(name: str) -> bool:
+    """Whether the host CPU (which the kernels are compiled for) has an LLVM feature, e.g. f16c."""
     try:
         from llvmlite import binding
 
-        return bool(binding.get_host_cpu_features().get("avx512dq", False))
-    except Exception:  # pragma: no cover - feature query unavailable: the 32-bit form is right everywhere
+        return bool(binding.get_host_cpu_features().get(name, False))
+    except Exception:  # pragma: no cover - feature query unavailable: take the integer paths
         return False
 
 
+def _wide_multiply() -> bool:
+    """Whether the host has a 64-bit vector multiply (AVX-512DQ vpmullq); the kernels compile for the host."""
+    return _host_feature("avx512dq")
+
+
 WIDE_MULTIPLY = _wide_multiply()
+F16C = _host_feature("f16c")  # binary32 -> float16 conversion (vcvtps2ph)
+AVX512BF16 = _host_feature("avx512bf16")  # binary32 -> bfloat16 (vcvtneps2bf16; flushes binary32 subnormals)
 
 
 @_jit
@@ -204,8 +213,34 @@ def _f16_of_f32_bits(typingctx: Any, b: Any) -> Any:
     return types.uint16(types.uint32), codegen
 
 
+class _BFloat(ir.Type):  # type: ignore[misc]
+    """LLVM's bfloat type (llvmlite.ir has none)."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+def _bf16_of_f32_bits(typingctx: Any, b: Any) -> Any:
+    """bfloat16 bits of a normal binary32, rounded to nearest even (vcvtneps2bf16; AVX512BF16 hosts only)."""
+    if b != types.uint32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f = builder.bitcast(args[0], ir.FloatType())
+        return builder.bitcast(builder.fptrunc(f, _BFloat()), ir.IntType(16))
+
+    return types.uint16(types.uint32), codegen
+
+
 f32_bits: Any = intrinsic(_f32_bits)
 f16_of_f32_bits: Any = intrinsic(_f16_of_f32_bits)
+bf16_of_f32_bits: Any = intrinsic(_bf16_of_f32_bits)
 _LOW29 = np.int64((1 << 29) - 1)
 _LOW16 = np.int64(0xFFFF)
 _I16 = np.int64(16)
@@ -213,6 +248,28 @@ _I29 = np.int64(29)
 _I48 = np.int64(48)
 _BF16_ROUND = np.int64(0x7FFF)
 _F32_MIN_NORMAL = 2.0**-126
+
+
+@_jit
+def half_bits_int(v: float, h: Any) -> Any:
+    """half_bits in integer arithmetic on the binary64 bits (hosts without F16C).
+
+    Normal range: round at bit `shift` of the binary64 bits with the exponent rebiased in the same addition;
+    carries run into the exponent, and |v| is first clamped to the smallest value that rounds to infinity.
+    Subnormal range: |v| + magic has the target's subnormal spacing as its ulp, so the hardware's one
+    rounding is the spec's. NaN keeps its sign and becomes the quiet NaN.
+    """
+    shift, adj, _, nan_bits, min_normal, ovf, magic, magic_bits = h
+    av = abs(v)
+    a = np.uint64(f64_bits(min(av, ovf)))
+    rn = np.int64((a + np.uint64(adj) + ((a >> np.uint64(shift)) & _U1)) >> np.uint64(shift))
+    rs = f64_bits(av + magic) - np.int64(magic_bits)
+    r = rn
+    if av < min_normal:
+        r = rs
+    if av != av:
+        r = np.int64(nan_bits)
+    return np.uint16(r | ((f64_bits(v) >> 48) & _SIGN16))
 
 
 @_jit
@@ -239,7 +296,9 @@ def half_bits(v: float, h: Any) -> Any:
     shift, _, _, nan_bits, min_normal, _, magic, magic_bits = h
     bv = f64_bits(v)
     f = sticky32(v)
-    if shift == 42:  # float16 (a compile-time constant once inlined)
+    if shift == 42 and not F16C:  # float16 (compile-time constants once inlined) without the conversion
+        return half_bits_int(v, h)
+    if shift == 42:
         r = np.int64(f16_of_f32_bits(f32_bits(f)))
     else:
         b = np.int64(f32_bits(f))
@@ -280,8 +339,12 @@ def _store_fast_overload(out: Any, k: Any, v: Any, h: Any) -> Any:
         def store_half(out: Any, k: Any, v: Any, h: Any) -> Any:
             # half_bits without its NaN and bfloat16-subnormal paths; zero is exact on the common path
             b = f32_bits(sticky32(v))
-            if h[0] == 42:
+            if h[0] == 42 and F16C:
                 out[k] = f16_of_f32_bits(b)
+            elif h[0] == 42:
+                out[k] = half_bits_int(v, h)
+            elif AVX512BF16:
+                out[k] = bf16_of_f32_bits(b)
             else:
                 bb = np.int64(b)
                 out[k] = np.uint16(((bb + _BF16_ROUND + ((bb >> _I16) & 1)) >> _I16) & _LOW16)
