@@ -86,8 +86,7 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     metrics = Metrics() if config.metrics_port else None
     servicer = InitServicer(plane, tokens, metrics)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
-                         options=[*GRPC_OPTIONS, ("grpc.max_concurrent_streams", streams_per_connection(config.workers))],
-                         interceptors=[AuthInterceptor(tokens)] if tokens else [])
+                         options=GRPC_OPTIONS, interceptors=[AuthInterceptor(tokens)] if tokens else [])
     server.add_generic_rpc_handlers((_service_handler(servicer),))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -174,12 +173,6 @@ def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> No
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1,
                                                                           {"ServerReflectionInfo": handler}),))
-
-
-def streams_per_connection(workers: int) -> int:
-    """Concurrent calls one connection may hold: half the workers, so calls that never send their request
-    cannot take every worker from health checks and other clients."""
-    return max(2, workers // 2)
 
 
 def bind_address(host: str, port: int) -> str:
