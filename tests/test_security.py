@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import running_server, server_fixture
+from conftest import running_server, serve_subprocess, server_fixture
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server.auth import certificate_identity, local_identity, peer_uid
@@ -255,3 +255,27 @@ def test_certificates_without_subject_do_not_share_an_identity(tmp_path: Path, p
             assert info.value.code == grpc.StatusCode.NOT_FOUND
             assert lease.release()
     assert certificate_identity({"x509_pem_cert": [b"A"]}) != certificate_identity({"x509_pem_cert": [b"B"]})
+
+
+def test_unauthenticated_bodies_are_not_buffered() -> None:
+    """Six 64 MiB requests without a token: refused on their headers, the server's memory does not grow by them."""
+    proc, target = serve_subprocess({"PARAMINIT_AUTH_TOKENS": f"alice:{ALICE}"})
+
+    def rss() -> int:
+        with open(f"/proc/{proc.pid}/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+    try:
+        before = rss()
+        with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 128 << 20)]) as ch:
+            call = ch.unary_unary("/paraminit.v1.InitService/Validate", request_serializer=bytes,
+                                  response_deserializer=bytes)
+            body = b"\0" * (64 << 20)
+            for f in [call.future(body, timeout=60) for _ in range(6)]:
+                assert f.exception() is not None and f.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert rss() - before < 64 << 20, (before, rss())
+        with Client(target, token=ALICE) as alice:
+            assert alice.validate(PLAN).ok
+    finally:
+        proc.terminate()
+        proc.wait(30)
