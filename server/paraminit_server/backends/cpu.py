@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import threading
 from collections.abc import Callable, Sequence
@@ -23,6 +24,11 @@ FILL_WINDOW = 64 << 20
 # ("workqueue") threading layer, which aborts the process. Every fill already uses all cores,
 # so serializing kernel launches costs nothing and is safe under any layer.
 _KERNEL_LOCK = threading.Lock()
+# OpenMP's fork and join cost milliseconds per parallel call once the cores are oversubscribed (8-16 ms
+# measured on a busy 2-core host, against 0.1-0.3 ms for numba's own workqueue layer), and a stream
+# makes one call per slab. Launches are serialized above, which is all the workqueue layer asks for.
+# An explicit NUMBA_THREADING_LAYER still wins.
+DEFAULT_THREADING_LAYER = "workqueue"
 
 
 class CpuBackend:
@@ -31,6 +37,8 @@ class CpuBackend:
     delivery = SHM
 
     def __init__(self, threads: int | None = None) -> None:
+        if "NUMBA_THREADING_LAYER" not in os.environ:
+            numba.config.THREADING_LAYER = DEFAULT_THREADING_LAYER  # type: ignore[attr-defined]
         self._threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS)) if threads else None  # type: ignore[attr-defined]
 
     def warm_up(self) -> None:
