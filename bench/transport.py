@@ -1,51 +1,97 @@
-"""Transport benchmark: paraminit's STREAM delivery against the transport's own ceiling, in one run.
+"""Transport benchmark: paraminit's STREAM and upload paths against the transport's own ceiling, in one run.
 
-Rows: a bare gRPC server (separate process) streaming raw 1 MiB byte chunks, a
-plain TCP socket, and Client.materialize / materialize_to_file against a
-`paraminit serve` subprocess. Target: materialize >= 0.8x the bare gRPC stream.
+Rows: a bare gRPC server (separate process) streaming raw byte chunks of the
+client's chunk size, a plain TCP socket, Client.materialize and
+materialize_to_file (durable and not) against a `paraminit-server` subprocess,
+the disk itself (write + fsync of the same bytes), a bare gRPC client stream
+of the same bytes and Client.upload_payload. Targets: materialize >= 0.8x the
+bare stream, materialize_to_file >= 0.7x, upload >= 0.5x the bare client stream.
+Each row is the best of --repeat runs; the median is printed too.
 
-    python bench/transport.py [--mib 256]
+    python bench/transport.py [--mib 256] [--repeat 5] [--chunk-mib 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import best_of, serve, table
+from _common import serve
 
 BARE_SERVER = textwrap.dedent("""
     import sys, grpc
     from concurrent import futures
-    payload = b"x" * (1 << 20)
-    def handler(req, ctx):
-        for _ in range(int(req)):
+    def stream(req, ctx):
+        n, size = map(int, req.split(b","))
+        payload = b"x" * size
+        for _ in range(n):
             yield payload
-    h = grpc.method_handlers_generic_handler("bare.Bare", {"S": grpc.unary_stream_rpc_method_handler(handler)})
-    s = grpc.server(futures.ThreadPoolExecutor(4)); s.add_generic_rpc_handlers((h,))
+    def sink(it, ctx):
+        return str(sum(len(x) for x in it)).encode()
+    h = grpc.method_handlers_generic_handler("bare.Bare", {"S": grpc.unary_stream_rpc_method_handler(stream),
+                                                           "U": grpc.stream_unary_rpc_method_handler(sink)})
+    s = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
+    s.add_generic_rpc_handlers((h,))
     print(s.add_insecure_port("127.0.0.1:0"), flush=True); s.start(); sys.stdin.read()
 """)
 
 
-def bare_grpc(n_chunks: int) -> float:
+def bare_grpc(nbytes: int, chunk: int, repeat: int) -> tuple[list[float], list[float]]:
+    """A bare server-stream and a bare client-stream of nbytes in chunk-sized messages (seconds per run)."""
     proc = subprocess.Popen([sys.executable, "-c", BARE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
-            call = ch.unary_stream("/bare.Bare/S")
-            return best_of(lambda: sum(len(x) for x in call(str(n_chunks).encode())))
+        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
+            down = ch.unary_stream("/bare.Bare/S")
+            up = ch.stream_unary("/bare.Bare/U")
+            payload = b"x" * chunk
+            request = f"{nbytes // chunk},{chunk}".encode()
+            stream = runs(lambda: sum(len(x) for x in down(request)), repeat)
+            upload = runs(lambda: up(bytes(payload) for _ in range(nbytes // chunk)), repeat)
+            return stream, upload
     finally:
         proc.kill()
+
+
+def runs(fn: Callable[[], object], repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def disk(nbytes: int, directory: str, repeat: int) -> list[float]:
+    """The disk's own speed for the same file size: write and fsync."""
+    block = b"x" * (1 << 20)
+
+    def write() -> None:
+        path = Path(directory) / "disk.bin"
+        with open(path, "wb") as f:
+            for _ in range(nbytes >> 20):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        path.unlink()
+
+    return runs(write, repeat)
 
 
 def tcp_socket(nbytes: int) -> float:
@@ -73,27 +119,45 @@ def tcp_socket(nbytes: int) -> float:
                     break
                 got += n
 
-    return best_of(receive)
+    return runs(receive, 3)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--chunk-mib", type=float, default=1.0)
     args = ap.parse_args()
     nbytes = args.mib << 20
+    chunk = int(args.chunk_mib * (1 << 20)) // 8 * 8
     from paraminit_client import Client, param, plan_of
 
     plan = plan_of([param("w", [nbytes // 4], {"uniform": {"lo": -1, "hi": 1, "seed": 1}})])
-    rows = [("bare gRPC stream, 1 MiB chunks", bare_grpc(nbytes >> 20)), ("TCP socket", tcp_socket(nbytes))]
-    with serve() as target, Client(target) as c, tempfile.TemporaryDirectory() as tmp:
+    values = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+    bare_stream, bare_upload = bare_grpc(nbytes, chunk, args.repeat)
+    rows = [("bare gRPC stream", bare_stream), ("TCP socket", tcp_socket(nbytes))]
+    with serve() as target, Client(target) as c, tempfile.TemporaryDirectory(dir=".") as tmp:
         c.materialize(plan_of([param("w", [1024], {"zeros": {}})]))
-        rows.append(("Client.materialize (serve subprocess)", best_of(lambda: c.materialize(plan))))
+        rows.append(("Client.materialize", runs(lambda: c.materialize(plan, chunk_bytes=chunk), args.repeat)))
         out = Path(tmp) / "w.safetensors"
-        rows.append(("Client.materialize_to_file", best_of(lambda: c.materialize_to_file(plan, out))))
+        rows.append(("materialize_to_file, durable", runs(lambda: c.materialize_to_file(plan, out, chunk_bytes=chunk),
+                                                          args.repeat)))
+        rows.append(("materialize_to_file, page cache", runs(
+            lambda: c.materialize_to_file(plan, out, chunk_bytes=chunk, durable=False), args.repeat)))
+        rows.append(("disk: write + fsync", disk(nbytes, tmp, args.repeat)))
+        rows.append(("bare gRPC client stream", bare_upload))
+        rows.append(("Client.upload_payload", runs(lambda: c.upload_payload(values, chunk_bytes=chunk), args.repeat)))
     with Client() as c:
-        rows.append(("Client.materialize (embedded, one process)", best_of(lambda: c.materialize(plan))))
-    print(f"transport: {args.mib} MiB float32 uniform plan")
-    table(rows, nbytes, ["bare gRPC stream, 1 MiB chunks"])
+        c.materialize(plan_of([param("w", [1024], {"zeros": {}})]))
+        rows.append(("Client.materialize (in process)", runs(lambda: c.materialize(plan), args.repeat)))
+    print(f"transport: {args.mib} MiB float32 uniform plan, {chunk} B messages, best and median of {args.repeat}")
+    best = {name: min(t) for name, t in rows}
+    head = f"{'what':<36} {'best GB/s':>10} {'median GB/s':>12} {'x bare stream':>14} {'x bare upload':>14}"
+    print(head)
+    print("-" * len(head))
+    for name, t in rows:
+        print(f"{name:<36} {nbytes / min(t) / 1e9:>10.2f} {nbytes / statistics.median(t) / 1e9:>12.2f} "
+              f"{best['bare gRPC stream'] / min(t):>14.2f} {best['bare gRPC client stream'] / min(t):>14.2f}")
 
 
 if __name__ == "__main__":

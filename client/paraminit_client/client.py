@@ -7,12 +7,14 @@ no chunk encoding and arrays filled in place.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,8 +175,12 @@ class Client:
                 raise ParaminitError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.target} not SERVING after {timeout} s")
             time.sleep(0.05)
 
-    def stream(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:
-        """Start a STREAM materialization: the header, then verified chunks in order."""
+    def stream(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
+               check_crc: bool = True) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:
+        """Start a STREAM materialization: the header, then verified chunks in order.
+
+        `check_crc=False` leaves each chunk's CRC32C to the consumer (see `land`), which may check it
+        on another thread; order and length are checked here either way."""
         if self.in_process:
             return self._local_stream(plan)
         call = self._materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
@@ -188,7 +194,7 @@ class Client:
             call.cancel()
             raise ParaminitError(grpc.StatusCode.DATA_LOSS, "stream header checksum mismatch: the prefix, tensor "
                                  "table or digest was corrupted in transit")
-        return first.header, _verified_chunks(call, first.header.data_bytes)
+        return first.header, _verified_chunks(call, first.header.data_bytes, check_crc)
 
     def _local_stream(self, plan: plan_pb2.Plan) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:
         """In process: slabs straight from the data plane (nothing crossed a wire, so no CRC to check)."""
@@ -278,10 +284,11 @@ class Client:
             with rpc_errors():
                 self._local.fill(plan, outputs)
             return
-        header, chunks = self.stream(plan)
+        header, chunks = self.stream(plan, check_crc=False)
         spans = sorted(((t.offset, t.offset + t.nbytes, outputs[t.name].reshape(-1).view(np.uint8))
                         for t in header.tensors if t.name in outputs), key=lambda s: s[0])
-        for c in chunks:
+
+        def put(c: wire.Chunk) -> None:
             lo, hi = c.offset, c.offset + len(c.data)
             data = np.frombuffer(c.data, dtype=np.uint8)
             for start, stop, out in spans:
@@ -289,14 +296,17 @@ class Client:
                     a, b = max(start, lo), min(stop, hi)
                     out[a - start:b - start] = data[a - lo:b - lo]
 
+        land(chunks, put)
+
     def _materialize_one(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
                          progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:
-        header, chunks = self.stream(plan, chunk_bytes=chunk_bytes)
+        header, chunks = self.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
         buf = host_buffer(header.data_bytes)  # huge pages: first-touch faults cost more than the copy itself
-        for c in chunks:
+
+        def put(c: wire.Chunk) -> None:
             buf[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
-            if progress is not None:
-                progress(len(c.data))
+
+        land(chunks, put, progress)
         return arrays_from_buffer(header.tensors, buf)
 
     def _materialize_split(self, plan: plan_pb2.Plan) -> dict[str, np.ndarray[Any, Any]]:
@@ -322,7 +332,7 @@ class Client:
         and the directory entry to disk before returning, so the file survives a crash once this
         returns; without it the page cache decides (faster where the disk is slower than the network)."""
         dest = Path(path)
-        header, chunks = self.stream(plan, chunk_bytes=chunk_bytes)
+        header, chunks = self.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
         bar = _progress_bar(header.data_bytes, dest.name) if progress else None
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent or ".")
         base = len(header.safetensors_prefix)
@@ -331,14 +341,14 @@ class Client:
                 if base + header.data_bytes:
                     os.posix_fallocate(fd, 0, base + header.data_bytes)
                 os.pwrite(fd, header.safetensors_prefix, 0)
-                for c in chunks:
-                    data = c.data
-                    pos = base + c.offset
+
+                def put(c: wire.Chunk) -> None:
+                    data, pos = c.data, base + c.offset
                     while data:  # a short write is legal: write the rest
                         n = os.pwrite(fd, data, pos)
                         data, pos = data[n:], pos + n
-                    if bar is not None:
-                        bar.update(len(c.data))
+
+                land(chunks, put, bar.update if bar is not None else None)
                 if durable:
                     os.fsync(fd)
                 os.fchmod(fd, 0o644 & ~_umask())
@@ -413,8 +423,43 @@ def _progress_bar(total: int, name: str) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, leave=True)  # the finished bar stays on screen
 
 
-def _verified_chunks(call: Any, total: int) -> Iterator[wire.Chunk]:
-    """Chunks in order with CRC32C and length checks; cancels the call if the consumer stops early."""
+def land(chunks: Iterator[wire.Chunk], put: Callable[[wire.Chunk], None],
+         progress: Callable[[int], None] | None = None, depth: int = 8) -> None:
+    """Check each chunk's CRC32C and `put` it on a helper thread while this one takes the next from gRPC.
+
+    The checksum and the copy (or pwrite) release the GIL, so receiving and landing overlap; at most
+    `depth` chunks are in flight. A mismatch is DATA_LOSS and stops the stream."""
+
+    def check_and_put(c: wire.Chunk) -> int:
+        if crc32c.crc32c(c.data) != c.crc32c:
+            raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"CRC32C mismatch in chunk at offset {c.offset}")
+        put(c)
+        return len(c.data)
+
+    pending: collections.deque[Future[int]] = collections.deque()
+    with ThreadPoolExecutor(1, thread_name_prefix="paraminit-land") as pool:
+        try:
+            for c in chunks:
+                pending.append(pool.submit(check_and_put, c))
+                while pending and (len(pending) > depth or pending[0].done()):
+                    n = pending.popleft().result()
+                    if progress is not None:
+                        progress(n)
+            while pending:
+                n = pending.popleft().result()
+                if progress is not None:
+                    progress(n)
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            if isinstance(chunks, Generator):
+                chunks.close()  # cancels the call
+            raise
+
+
+def _verified_chunks(call: Any, total: int, check_crc: bool = True) -> Iterator[wire.Chunk]:
+    """Chunks in order with length checks (and CRC32C unless the consumer checks it: `land`); cancels the
+    call if the consumer stops early."""
     expected = 0
     try:
         with rpc_errors():
@@ -424,7 +469,7 @@ def _verified_chunks(call: Any, total: int) -> Iterator[wire.Chunk]:
                 if c.offset != expected or expected + len(c.data) > total:
                     raise ParaminitError(grpc.StatusCode.DATA_LOSS,
                                          f"out-of-order or oversized chunk at offset {c.offset} (expected {expected})")
-                if crc32c.crc32c(c.data) != c.crc32c:
+                if check_crc and crc32c.crc32c(c.data) != c.crc32c:
                     raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"CRC32C mismatch in chunk at offset {c.offset}")
                 expected += len(c.data)
                 yield c
