@@ -96,12 +96,12 @@ def reference_window(p: ResolvedParam, l_begin: int, n: int) -> np.ndarray[Any, 
 
 
 def check_sample(gpu: Any, p: ResolvedParam, out: Any) -> str:
-    """Compare both ends of a filled GPU output with reference.py: exact, except normal (counted, <= 1 ulp).
+    """Compare both ends of a filled GPU output with reference.py: every element bit for bit (log and cos in
+    normal are correctly rounded on both sides, docs/SAMPLER.md section 2.1).
 
     reference.py, not the CPU backend, so the bench needs no numba compile.
     """
     n = p.numel
-    diffs = 0
     ub = f"u{p.dtype.itemsize}"
     sample = NORMAL_SAMPLE if p.kind == Kind.NORMAL else SAMPLE
     for l_begin in sorted({0, max(0, n - sample)}):
@@ -109,13 +109,9 @@ def check_sample(gpu: Any, p: ResolvedParam, out: Any) -> str:
         got = np.asarray(gpu.to_host(out[l_begin:l_begin + m])).view(ub)
         want = reference_window(p, l_begin, m).view(ub)
         bad = np.flatnonzero(got != want)
-        if bad.size and (p.kind != Kind.NORMAL or (p.dtype.itemsize == 8 and bad.size > m // 2)):
+        if bad.size:
             raise SystemExit(f"MISMATCH: {p.name} differs from reference.py at element {l_begin + int(bad[0])}")
-        ulps = np.abs(got[bad].astype(np.int64) - want[bad].astype(np.int64))
-        if bad.size and p.dtype.itemsize < 8 and ulps.max() > 1:
-            raise SystemExit(f"MISMATCH: {p.name} off by more than 1 ulp at element {l_begin + int(bad[0])}")
-        diffs += int(bad.size)
-    return "exact" if diffs == 0 else f"{diffs} elements 1 ulp off"
+    return "exact"
 
 
 def gpt_like_plan(total_bytes: int) -> list[ResolvedParam]:

@@ -10,7 +10,7 @@ import math
 
 from paraminit.shapes import fan_in_out, numel, shape_str
 
-__all__ = ["fan_in_out", "kaiming_bound", "key", "mix", "normal_value", "numel", "shape_str", "unit", "xavier_bound"]
+__all__ = ["fan_in_out", "kaiming_bound", "key", "mix", "numel", "shape_str", "unit", "xavier_bound"]
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -48,13 +48,3 @@ def xavier_bound(fan_in: int, fan_out: int) -> float:
 def kaiming_bound(fan_in: int) -> float:
     """sqrt(6 / fanIn) (He-uniform for ReLU); 0 for a zero fan."""
     return 0.0 if fan_in == 0 else math.sqrt(6.0 / float(fan_in))
-
-
-def normal_value(seed: int, i: int, mean: float, std: float) -> float:
-    """Box-Muller cosine branch on draws 2i and 2i+1, as TorchLean defines it."""
-    u1 = unit(seed, 2 * i)
-    u2 = unit(seed, 2 * i + 1)
-    if u1 <= NORMAL_U1_FLOOR:
-        u1 = NORMAL_U1_FLOOR
-    z = math.sqrt(-2.0 * math.log(u1)) * math.cos(TWO_PI * u2)
-    return mean + std * z
