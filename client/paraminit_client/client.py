@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from paraminit import dtypes, times, wire
 from paraminit.header_checksum import header_crc32c
-from paraminit.hostmem import host_buffer
+from paraminit.hostmem import host_buffer, tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
@@ -103,6 +103,7 @@ class Client:
             return
         assert isinstance(target, str)
         self.target = target
+        tune_malloc_for_streams()  # megabyte messages reuse heap memory (paraminit.hostmem)
         if credentials is None and (tls_ca or tls_cert):
             credentials = tls_credentials(tls_ca or "", tls_cert or "", tls_key or "")
         if credentials is None:

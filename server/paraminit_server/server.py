@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from paraminit import wire
+from paraminit.hostmem import tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_server import backends, shm
 from paraminit_server.auth import AuthInterceptor, TokenAuth, server_credentials
@@ -78,6 +79,7 @@ class Running:
 
 def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up_async: bool = True) -> Running:
     """Build, bind and start a server; warm-up (kernel compilation) runs before SERVING."""
+    tune_malloc_for_streams()
     backend = backend or backends.create(config.backend, config.device, config.threads or None)
     tokens = TokenAuth.load(config.auth_tokens_file, config.auth_tokens)
     if backend.delivery == backends.SHM:
