@@ -23,7 +23,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-import torch
 
 import paraminit.cuda as cuda
 from conftest import running_server, target_of
@@ -31,7 +30,6 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_client import exports as client_exports
-from paraminit_client import torch as client_torch
 from paraminit_server import errors
 from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportHandle
 from paraminit_server.backends import cupy_backend as cb
@@ -839,15 +837,20 @@ def test_a_malformed_handle_is_refused_before_opening(world: World, no_driver: N
 
 
 class FakeTensor:
-    def __init__(self, device: torch.device, log: list[str]) -> None:
+    """A tensor on a CUDA device (torch here has none): only where it is, and copies that log themselves."""
+
+    def __init__(self, device: Any, log: list[str]) -> None:
         self.device, self.log = device, log
 
-    def to(self, device: torch.device, copy: bool = False) -> FakeTensor:
+    def to(self, device: Any, copy: bool = False) -> FakeTensor:
         self.log.append(f"copy {self.device}->{device}")
         return FakeTensor(device, self.log)
 
 
 def test_gpu_to_gpu_copy_is_synchronized_before_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from paraminit_client import torch as client_torch
+
     log: list[str] = []
     src = torch.device("cuda", 0)
 
