@@ -81,7 +81,7 @@ def values_f64(p: ResolvedParam, g: npt.NDArray[np.int64] | None = None) -> npt.
         return p.p0 + units(p.key, g.astype(np.uint64)) * p.p1
     if p.kind == Kind.FLAT:
         assert p.values is not None
-        return p.values[g]
+        return np.asarray(p.values[g], dtype=np.float64)  # payloads keep their own dtype
     u1 = units(p.key, 2 * g.astype(np.uint64))
     u2 = units(p.key, 2 * g.astype(np.uint64) + np.uint64(1))
     z = [normal_z(a, b) for a, b in zip(u1.tolist(), u2.tolist(), strict=True)]

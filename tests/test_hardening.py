@@ -444,16 +444,17 @@ def test_digest_covers_checkpoint_contents(ckpt_server: Any) -> None:
 
 
 def test_concurrent_uploads_cannot_overshoot_the_payload_limit() -> None:
-    """Four uploads of 1.5 MiB (as binary64) against a 4 MiB limit, all receiving at once: two fit."""
+    """Four uploads of 1.5 MiB (float64, kept as uploaded) against a 4 MiB limit, all receiving at once: two fit."""
     count = (3 * MiB // 2) // 8
     go = threading.Event()
     with running_server(max_payload_bytes=4 * MiB) as r:
         plane = r.plane
-        values = np.arange(count, dtype=np.float32)
+        values = np.arange(count, dtype=np.float64)
         raw = values.tobytes()
+        f64 = dtypes.by_name("float64").enum
 
         def pieces() -> Any:
-            yield PayloadPiece(dtypes.by_name("float32").enum, count, raw[:4096])
+            yield PayloadPiece(f64, count, raw[:4096])
             assert go.wait(60)
             yield PayloadPiece(0, 0, raw[4096:])
 
@@ -480,7 +481,7 @@ def test_concurrent_uploads_cannot_overshoot_the_payload_limit() -> None:
         assert all(np.array_equal(p.values, values) for _, p in stored)
 
         def failing() -> Any:  # a failed upload gives its bytes back
-            yield PayloadPiece(0, count, raw[:4096])
+            yield PayloadPiece(f64, count, raw[:4096])
             raise errors.InvalidRequest("client went away")
 
         with pytest.raises(errors.ResourceExhausted):

@@ -13,7 +13,9 @@ import reference
 from safetensors.numpy import save_file
 
 from conftest import running_server, target_of
+from paraminit import dtypes
 from paraminit_client import Client, ParaminitError, param, plan_from_safetensors, plan_of
+from paraminit_server.caller import Caller
 from paraminit_server.server import Running
 
 
@@ -116,3 +118,30 @@ def test_checkpoint_mismatches_are_clear(client: Client, ckpt_dir: Path, tmp_pat
     assert any("has shape [4, 4] in the file; the parameter's shape is [2, 8]" in m for m in lines)
     assert any("tensor 'nope' is not in" in m for m in lines)
     assert any("is not under an allowed directory" in m for m in lines)
+
+
+@pytest.mark.parametrize("src", ["float32", "bfloat16", "float16", "float64"])
+def test_payloads_keep_their_dtype_and_windows_convert_exactly(server: Running, client: Client, src: str) -> None:
+    """Stored as uploaded (no binary64 copy); any window, region or column of them gives the same bytes."""
+    rng = np.random.default_rng(7)
+    shape = (300, 70)
+    values = rng.standard_normal(shape).astype(np.float32).astype(dtypes.by_name(src).numpy)
+    pid = client.upload_payload(values)
+    [payload] = [p for p in server.plane.sources._payloads.values() if p.values.tobytes() == values.tobytes()]
+    assert payload.values.dtype == values.dtype  # kept as uploaded
+    want64 = values.astype(np.float64)
+    owner = payload.owner
+    for dst in ("float32", "bfloat16", "float64"):
+        dt = dtypes.by_name(dst)
+        for region in ((), ((17, 250), (3, 4)), ((299, 300), (0, 70)), ((5, 290), (10, 60))):
+            plan = plan_of([param("w", list(shape), {"flatRef": {"payloadId": pid}}, dst, region=region or None)])
+            got = client.materialize(plan)["w"]
+            box = tuple(slice(a, b) for a, b in region) if region else (slice(None), slice(None))
+            want = reference.cast(np.ascontiguousarray(want64[box]).reshape(-1), dt)  # one rounding from binary64
+            assert got.view(dt.storage).reshape(-1).tobytes() == want.tobytes(), (dst, region)
+            # any window of the region, as streams and exports cut them
+            [rp] = server.plane.check(plan, Caller(owner)).params
+            for a, b in ((0, rp.numel), (1, rp.numel - 1), (rp.numel // 3, rp.numel // 3 + 7), (rp.numel - 1, rp.numel)):
+                out = np.full(b - a, 0xFFFF if dt.itemsize == 2 else np.nan, dtype=dt.storage)
+                server.plane.backend.fill(rp, out, a)
+                assert out.tobytes() == want[a:b].tobytes(), (dst, region, a, b)

@@ -26,7 +26,7 @@ from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
 from paraminit_server.exports import Export, Exports
 from paraminit_server.leases import LeaseRecord, LeaseTable
-from paraminit_server.payloads import BoundSources, Payload, PayloadTicket, Sources
+from paraminit_server.payloads import BoundSources, Payload, PayloadTicket, Sources, payload_hasher
 
 PREFETCH = 2  # slabs generated ahead of the one being sent
 
@@ -233,13 +233,15 @@ class Materializer:
     # -- payloads ------------------------------------------------------------------------
 
     def upload(self, pieces: Iterable[PayloadPiece], caller: Caller) -> tuple[str, Payload]:
-        """Receive a payload into one buffer; the first piece's dtype and count size it, and its binary64
-        bytes are taken from the payload limit before anything is kept (uploads in flight count against it;
-        the bytes go back on every failure). Shutdown lets uploads in flight finish within the drain time."""
+        """Receive a payload into one buffer, in its own dtype, hashing it on the way in; the first piece's
+        dtype and count size it, and its bytes are taken from the payload limit before anything is kept
+        (uploads in flight count against it; the bytes go back on every failure). Shutdown lets uploads in
+        flight finish within the drain time."""
         with self.sources.uploading():
             ticket: PayloadTicket | None = None
             try:
                 buf: npt.NDArray[np.uint8] | None = None
+                hasher: Any = None
                 dtype = count = received = 0
                 for piece in pieces:
                     if buf is None:
@@ -248,19 +250,23 @@ class Materializer:
                         if dt is None:
                             raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype}; expected one of "
                                                         f"{', '.join(d.name for d in dtypes.SUPPORTED)}")
-                        if count * 8 > self.sources.max_bytes:
-                            raise errors.ResourceExhausted(f"payload of {count} values needs {count * 8} bytes as "
-                                                           f"binary64; the payload limit is {self.sources.max_bytes}")
-                        ticket = self.sources.reserve(count * 8)
-                        buf = np.empty(count * dt.itemsize, dtype=np.uint8)
+                        if count * dt.itemsize > self.sources.max_bytes:
+                            raise errors.ResourceExhausted(f"payload of {count} {dt.name} values needs "
+                                                           f"{count * dt.itemsize} bytes; the payload limit is "
+                                                           f"{self.sources.max_bytes}")
+                        ticket = self.sources.reserve(count * dt.itemsize)
+                        buf = host_buffer(count * dt.itemsize)
+                        hasher = payload_hasher(dt)
                     data = piece.data
                     if received + len(data) > len(buf):
                         raise errors.InvalidRequest(f"payload is longer than the declared {count} values")
                     buf[received:received + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                    hasher.update(data)  # releases the GIL: overlaps the next receive
                     received += len(data)
                 if buf is None:
                     raise errors.InvalidRequest("empty payload upload")
-                return self.sources.store(caller.identity, dtype, count, buf[:received], ticket)
+                return self.sources.store(caller.identity, dtype, count, buf[:received], ticket,
+                                          hasher.hexdigest() if received == len(buf) else "")
             except BaseException:
                 if ticket is not None:
                     ticket.cancel()

@@ -1,8 +1,10 @@
 """Flat payloads beyond one gRPC message: uploaded payloads and safetensors files the server reads.
 
-Both become binary64 arrays, converted exactly from float32, float16, bfloat16
-or float64, so a checkpoint tensor passes through the usual single rounding
-into the parameter's dtype and loads bit for bit when the dtypes agree.
+Uploaded payloads are kept in their own dtype; backends convert the slice a
+window reads to binary64 (exact: every supported dtype embeds in binary64).
+Checkpoint values become binary64 when read. Either way a value passes through
+the usual single rounding into the parameter's dtype and loads bit for bit when
+the dtypes agree.
 
 Uploads reserve their bytes against the payload limit before the first byte is
 kept, so concurrent uploads cannot overshoot it. Checkpoints are read through
@@ -47,10 +49,32 @@ def to_binary64(raw: npt.NDArray[np.uint8], dt: dtypes.DTypeInfo) -> npt.NDArray
     return raw.view("<f4" if dt.itemsize == 4 else "<f8").astype(np.float64)
 
 
+def payload_sha256(dt: dtypes.DTypeInfo, data: Any = b"") -> str:
+    """What plan digests cover for a payload: SHA-256 of the dtype name, a NUL and the bytes as uploaded."""
+    return str(payload_hasher(dt, data).hexdigest())
+
+
+def payload_hasher(dt: dtypes.DTypeInfo, data: Any = b"") -> Any:
+    h = hashlib.sha256(dt.name.encode() + b"\0")
+    h.update(np.ascontiguousarray(data).data if isinstance(data, np.ndarray) else data)
+    return h
+
+
+def _nonfinite(values: npt.NDArray[Any], piece: int = 1 << 22) -> tuple[int, int]:
+    """(count of NaN/inf values, index of the first or -1), in pieces so the mask stays small."""
+    count, first = 0, -1
+    for lo in range(0, values.size, piece):
+        bad = np.flatnonzero(~np.isfinite(values[lo:lo + piece]))
+        if bad.size:
+            count += int(bad.size)
+            first = lo + int(bad[0]) if first < 0 else first
+    return count, first
+
+
 @dataclass
 class Payload:
     owner: str
-    values: npt.NDArray[np.float64]
+    values: npt.NDArray[Any]  # in the uploaded dtype (bfloat16 via ml_dtypes)
     expires_at: float
     nonfinite: int  # count of NaN/inf values
     first_nonfinite: int
@@ -102,12 +126,12 @@ class Sources:
         return sum(p.values.nbytes for p in self._payloads.values()) + self._pending
 
     def reserve(self, nbytes: int) -> PayloadTicket:
-        """Take an upload's binary64 bytes from the limit now, before anything is received."""
+        """Take an upload's bytes from the limit now, before anything is received."""
         self._expire()
         with self._lock:
             used = self._used_locked()
             if used + nbytes > self.max_bytes:
-                raise errors.ResourceExhausted(f"payload needs {nbytes} bytes as binary64; {max(0, self.max_bytes - used)}"
+                raise errors.ResourceExhausted(f"payload needs {nbytes} bytes; {max(0, self.max_bytes - used)}"
                                                f" of {self.max_bytes} payload bytes are free (uploads in flight count)")
             self._pending += nbytes
         return PayloadTicket(self, nbytes)
@@ -130,24 +154,24 @@ class Sources:
             return self._idle.wait_for(lambda: self._uploads == 0, max(0.0, timeout))
 
     def store(self, owner: str, dtype_enum: int, count: int, data: npt.NDArray[np.uint8],
-              ticket: PayloadTicket | None = None) -> tuple[str, Payload]:
-        """Keep an upload; with a ticket its bytes were reserved already, without one they are taken now."""
+              ticket: PayloadTicket | None = None, sha256: str = "") -> tuple[str, Payload]:
+        """Keep an upload in its own dtype; with a ticket its bytes were reserved already, without one they are
+        taken now. `sha256` of the dtype name, a NUL and the bytes, if the caller hashed them on the way in."""
         dt = dtypes.by_enum(dtype_enum)
         if dt is None:
             raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype_enum}")
-        if len(data) != count * dt.itemsize:
-            raise errors.InvalidRequest(f"payload declared {count} {dt.name} values ({count * dt.itemsize} bytes) but "
+        nbytes = count * dt.itemsize
+        if len(data) != nbytes:
+            raise errors.InvalidRequest(f"payload declared {count} {dt.name} values ({nbytes} bytes) but "
                                         f"{len(data)} bytes arrived")
-        ticket = ticket or self.reserve(count * 8)
+        ticket = ticket or self.reserve(nbytes)
         try:
-            if ticket.nbytes < count * 8:
+            if ticket.nbytes < nbytes:
                 raise errors.InvalidRequest(f"payload of {count} values is larger than reserved")
-            values = to_binary64(data, dt)
-            finite = np.isfinite(values)
-            bad = np.flatnonzero(~finite) if not finite.all() else np.zeros(0, np.int64)
-            digest = hashlib.sha256(dt.name.encode() + b"\0" + np.ascontiguousarray(data).data).hexdigest()
-            payload = Payload(owner, values, time.time() + self.ttl, int(bad.size), int(bad[0]) if bad.size else -1,
-                              digest)
+            values = data.view(dt.numpy.newbyteorder("<"))
+            nonfinite, first = _nonfinite(values)
+            digest = sha256 or payload_sha256(dt, data)
+            payload = Payload(owner, values, time.time() + self.ttl, nonfinite, first, digest)
             pid = secrets.token_hex(16)
             with self._lock:
                 if ticket.done:

@@ -46,6 +46,28 @@ class Runs:
     base: int
     run_len: int
 
+    def global_index(self, l: int) -> int:
+        """Global flat index of local element l (what the kernels compute per element)."""
+        r, off = divmod(l, self.run_len)
+        g = self.base + off
+        for d in range(len(self.outer_ext) - 1, -1, -1):
+            r, digit = divmod(r, int(self.outer_ext[d]))
+            g += (digit + int(self.outer_start[d])) * int(self.outer_stride[d])
+        return g
+
+    def global_indices(self, l_begin: int, n: int) -> npt.NDArray[np.int64]:
+        """Global flat indices of local elements [l_begin, l_begin + n), vectorized."""
+        r, g = np.divmod(np.arange(l_begin, l_begin + n, dtype=np.int64), self.run_len)
+        g += self.base
+        for d in range(len(self.outer_ext) - 1, -1, -1):
+            r, digit = np.divmod(r, int(self.outer_ext[d]))
+            g += (digit + int(self.outer_start[d])) * int(self.outer_stride[d])
+        return g
+
+    def shifted(self, by: int) -> Runs:
+        """The same runs with every global index `by` lower (for a slice of the values that starts there)."""
+        return replace(self, base=self.base - by)
+
 
 @dataclass(frozen=True)
 class ResolvedParam:
@@ -61,7 +83,9 @@ class ResolvedParam:
     p0: float = 0.0
     p1: float = 0.0
     key: int = 0
-    values: npt.NDArray[np.float64] | None = field(default=None, repr=False)
+    # FLAT values: binary64, or an uploaded payload kept in its own float dtype (exact in binary64; backends
+    # convert the slice a window reads)
+    values: npt.NDArray[Any] | None = field(default=None, repr=False)
     patches: tuple[Patch, ...] = ()
     compact: bool = False  # values hold only the region (row-major), not the whole tensor: values[local index]
 

@@ -15,11 +15,13 @@ from paraminit.hostmem import host_buffer
 from paraminit_server.admission import host_memory
 from paraminit_server.backends import HOST, SHM, DeviceDescription, ExportBuffer, cpu_kernels
 from paraminit_server.errors import Cancelled
-from paraminit_server.plan import Kind, ResolvedParam, warm_up_params
+from paraminit_server.plan import Kind, ResolvedParam, Runs, warm_up_params
 from paraminit_server.shm import ShmSegment
 
 _NO_VALUES = np.zeros(0, dtype=np.float64)
+_NO_INDEX = np.zeros(0, dtype=np.int64)
 FILL_WINDOW = 64 << 20
+CONVERT_PIECE = 1 << 20  # payload elements converted to binary64 at a time (8 MiB)
 # Numba's parallel kernels are not safe to enter from two threads at once under its fallback
 # ("workqueue") threading layer, which aborts the process. Every fill already uses all cores,
 # so serializing kernel launches costs nothing and is safe under any layer.
@@ -57,6 +59,20 @@ class CpuBackend:
             return
         runs = p.runs()
         values = p.values if p.kind == Kind.FLAT and p.values is not None else _NO_VALUES
+        if values.dtype != np.float64:  # a payload in its own dtype: convert only what this window reads
+            for lo in range(0, n, CONVERT_PIECE):  # (exact: every float dtype embeds in binary64)
+                hi = min(n, lo + CONVERT_PIECE)
+                g_lo, g_hi = runs.global_index(l_begin + lo), runs.global_index(l_begin + hi - 1)
+                if g_hi - g_lo < 2 * (hi - lo):  # mostly contiguous: one slice
+                    part, at, piece_runs = values[g_lo:g_hi + 1].astype(np.float64), l_begin + lo, runs.shifted(g_lo)
+                else:  # a sparse region (e.g. a column): gather just its elements, indexed 0..hi-lo
+                    part = values[runs.global_indices(l_begin + lo, hi - lo)].astype(np.float64)
+                    at, piece_runs = 0, Runs(_NO_INDEX, _NO_INDEX, _NO_INDEX, 0, hi - lo)
+                self._launch(p, out[lo:hi], at, piece_runs, part)
+            return
+        self._launch(p, out, l_begin, runs, values)
+
+    def _launch(self, p: ResolvedParam, out: Any, l_begin: int, runs: Runs, values: Any) -> None:
         with _KERNEL_LOCK:
             if self._threads is not None:
                 numba.set_num_threads(self._threads)

@@ -27,7 +27,7 @@ from paraminit import dtypes
 from paraminit.cuda import IPC_HANDLE_BYTES, device_uuid
 from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle
 from paraminit_server.errors import BackendUnavailable, Cancelled, ResourceExhausted
-from paraminit_server.plan import Kind, ResolvedParam, Runs, warm_up_params
+from paraminit_server.plan import Kind, ResolvedParam, warm_up_params
 
 KERNEL_DIR = Path(__file__).parent / "cuda"
 KERNEL_SOURCE = KERNEL_DIR / "paraminit_kernels.cu"
@@ -99,16 +99,6 @@ class Packed:
         return self.njobs * DESC_WORDS + self.njobs + 1
 
 
-def global_index(runs: Runs, l: int) -> int:
-    """Global flat index of local element l (what pi_global computes on the device)."""
-    r, off = divmod(l, runs.run_len)
-    g = runs.base + off
-    for d in range(len(runs.outer_ext) - 1, -1, -1):
-        r, digit = divmod(r, int(runs.outer_ext[d]))
-        g += (digit + int(runs.outer_start[d])) * int(runs.outer_stride[d])
-    return g
-
-
 def pack(jobs: Sequence[Job]) -> Packed:
     """Pack jobs into the kernel's meta layout; empty jobs are dropped, bad windows raise ValueError."""
     rows: list[npt.NDArray[np.int64]] = []
@@ -145,8 +135,8 @@ def pack(jobs: Sequence[Job]) -> Packed:
         if p.kind == Kind.FLAT:
             # Only the window's slice of the payload travels; the kernel reads values[g - vshift].
             assert p.values is not None
-            g_lo = global_index(runs, job.l_begin)
-            g_hi = global_index(runs, job.l_begin + n - 1)
+            g_lo = runs.global_index(job.l_begin)
+            g_hi = runs.global_index(job.l_begin + n - 1)
             values.append(np.ascontiguousarray(p.values[g_lo:g_hi + 1], dtype=np.float64))
             row[W_VSHIFT] = g_lo - vpos
             vpos += g_hi + 1 - g_lo
