@@ -42,8 +42,10 @@ def local() -> Any:
 
 def test_no_sockets_and_same_bytes_as_a_server(local: Client, server: Running) -> None:
     assert local.in_process and local.target == "in-process"
-    assert not any(t.name.startswith("paraminit-rpc") for t in threading.enumerate())
+    before = set(threading.enumerate())
     got = local.materialize(mixed_plan())
+    new = [t.name for t in set(threading.enumerate()) - before]
+    assert not any(n.startswith(("paraminit-rpc", "grpc")) for n in new), new
     with Client(target_of(server)) as remote:
         want = remote.materialize(mixed_plan())
     assert list(got) == list(want)

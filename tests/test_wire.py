@@ -50,3 +50,21 @@ def test_truncated_chunk_is_an_error() -> None:
     raw = wire.encode_chunk(1, b"abcdef", 0)
     with pytest.raises(Exception):  # noqa: B017  (protobuf's DecodeError or the codec's ValueError)
         wire.decode_response(raw[:-3])
+
+
+@settings(max_examples=200, deadline=None)
+@given(dtype=st.integers(0, 4), count=st.integers(0, 2**64 - 1), data=st.binary(max_size=3000))
+def test_payload_chunks_round_trip_with_the_generated_classes(dtype: int, count: int, data: bytes) -> None:
+    raw = wire.encode_payload_chunk(memoryview(data), dtype, count)
+    msg = pb.PayloadChunk.FromString(raw)
+    assert (msg.dtype, msg.count, msg.data) == (dtype, count, data)
+    back = wire.decode_payload_chunk(pb.PayloadChunk(dtype=dtype, count=count, data=data).SerializeToString())  # type: ignore[arg-type]
+    assert (back.dtype, back.count, bytes(back.data)) == (dtype, count, data)
+
+
+def test_payload_chunk_fields_come_from_the_descriptors() -> None:
+    fields = pb.PayloadChunk.DESCRIPTOR.fields_by_name
+    assert (fields["dtype"].number, fields["count"].number,
+                                                          fields["data"].number) == (wire._P_DTYPE, wire._P_COUNT, wire._P_DATA)
+    with pytest.raises(ValueError):
+        wire.decode_payload_chunk(wire.encode_payload_chunk(b"abcdef", 1, 6)[:-2])

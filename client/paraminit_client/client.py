@@ -114,6 +114,9 @@ class Client:
         if token:
             self._channel = grpc.intercept_channel(self._channel, _BearerToken(token))
         self.stub = pb_grpc.InitServiceStub(self._channel)
+        # Uploads with the chunk codec: each message is encoded once, without a protobuf copy of the data.
+        self._upload = self._channel.stream_unary("/paraminit.v1.InitService/UploadPayload",
+                                                  request_serializer=bytes, response_deserializer=pb.PayloadRef.FromString)
         # Materialize with the chunk codec: payloads arrive as views, not as copies inside messages.
         self._materialize = self._channel.unary_stream(
             "/paraminit.v1.InitService/Materialize",
@@ -251,12 +254,20 @@ class Client:
         kind: Any = dt.enum
         raw = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
-        def chunks() -> Iterator[pb.PayloadChunk]:
-            yield pb.PayloadChunk(dtype=kind, count=arr.size, data=bytes(raw[:chunk_bytes]))
-            for off in range(chunk_bytes, len(raw), chunk_bytes):
-                yield pb.PayloadChunk(data=bytes(raw[off:off + chunk_bytes]))
+        if self.in_process:
+            def messages() -> Iterator[pb.PayloadChunk]:
+                yield pb.PayloadChunk(dtype=kind, count=arr.size, data=bytes(raw[:chunk_bytes]))
+                for off in range(chunk_bytes, len(raw), chunk_bytes):
+                    yield pb.PayloadChunk(data=bytes(raw[off:off + chunk_bytes]))
 
-        return str(self._call(self.stub.UploadPayload, chunks()).payload_id)
+            return str(self._call(self.stub.UploadPayload, messages()).payload_id)
+
+        def encoded() -> Iterator[bytes]:  # PayloadChunk messages encoded once, with one copy of the data
+            yield wire.encode_payload_chunk(raw[:chunk_bytes], kind, arr.size)
+            for off in range(chunk_bytes, len(raw), chunk_bytes):
+                yield wire.encode_payload_chunk(raw[off:off + chunk_bytes])
+
+        return str(self._call(self._upload, encoded()).payload_id)
 
     def leases(self) -> list[pb.LeaseStatus]:
         return list(self._call(self.stub.ListLeases, pb.ListLeasesRequest()).leases)

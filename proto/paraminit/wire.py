@@ -25,6 +25,9 @@ _CHUNK = _number(pb.MaterializeResponse, "chunk")
 _OFFSET = _number(pb.DataChunk, "offset")
 _DATA = _number(pb.DataChunk, "data")
 _CRC = _number(pb.DataChunk, "crc32c")
+_P_DTYPE = _number(pb.PayloadChunk, "dtype")
+_P_COUNT = _number(pb.PayloadChunk, "count")
+_P_DATA = _number(pb.PayloadChunk, "data")
 _CHUNK_FIELD_TAG = _CHUNK << 3 | _LEN
 _OFFSET_TAG = _OFFSET << 3 | _VARINT
 _DATA_TAG = _DATA << 3 | _LEN
@@ -119,3 +122,54 @@ def _decode_chunk(buf: memoryview) -> Chunk:
     if pos != len(buf):
         raise ValueError("truncated chunk")
     return Chunk(offset, data, crc)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A decoded PayloadChunk; `data` is a view into the received message bytes."""
+
+    dtype: int
+    count: int
+    data: memoryview
+
+
+def encode_payload_chunk(data: memoryview | bytes, dtype: int = 0, count: int = 0) -> bytes:
+    """Serialized PayloadChunk{dtype, count, data} with one copy of data (zero fields omitted, as proto3 does)."""
+    head = b""
+    if dtype:
+        head += _varint(_P_DTYPE << 3 | _VARINT) + _varint(dtype)
+    if count:
+        head += _varint(_P_COUNT << 3 | _VARINT) + _varint(count)
+    return b"".join((head, _varint(_P_DATA << 3 | _LEN), _varint(len(data)), data))
+
+
+def decode_payload_chunk(raw: bytes) -> Piece:
+    """A PayloadChunk without copying its data; ValueError for bytes that are not one."""
+    buf = memoryview(raw)
+    dtype = count = pos = 0
+    data = memoryview(b"")
+    while pos < len(buf):
+        tag, pos = _read_varint(buf, pos)
+        field, wire_type = tag >> 3, tag & 7
+        if wire_type == _VARINT:
+            value, pos = _read_varint(buf, pos)
+            if field == _P_DTYPE:
+                dtype = value
+            elif field == _P_COUNT:
+                count = value
+        elif wire_type == _LEN:
+            length, pos = _read_varint(buf, pos)
+            if pos + length > len(buf):
+                raise ValueError("truncated payload chunk")
+            if field == _P_DATA:
+                data = buf[pos:pos + length]
+            pos += length
+        elif wire_type == _FIXED32:
+            pos += 4
+        elif wire_type == 1:
+            pos += 8
+        else:
+            raise ValueError(f"unexpected wire type {wire_type}")
+    if pos != len(buf):
+        raise ValueError("truncated payload chunk")
+    return Piece(dtype, count, data)

@@ -7,8 +7,10 @@ slab sizing and chunk encoding live here, so every door behaves the same.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Generator, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +62,7 @@ class PayloadPiece:
 
     dtype: int
     count: int
-    data: bytes
+    data: bytes | memoryview
 
 
 @dataclass(frozen=True)
@@ -243,26 +245,37 @@ class Materializer:
                 buf: npt.NDArray[np.uint8] | None = None
                 hasher: Any = None
                 dtype = count = received = 0
-                for piece in pieces:
-                    if buf is None:
-                        dtype, count = piece.dtype, piece.count
-                        dt = dtypes.by_enum(dtype)
-                        if dt is None:
-                            raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype}; expected one of "
-                                                        f"{', '.join(d.name for d in dtypes.SUPPORTED)}")
-                        if count * dt.itemsize > self.sources.max_bytes:
-                            raise errors.ResourceExhausted(f"payload of {count} {dt.name} values needs "
-                                                           f"{count * dt.itemsize} bytes; the payload limit is "
-                                                           f"{self.sources.max_bytes}")
-                        ticket = self.sources.reserve(count * dt.itemsize)
-                        buf = host_buffer(count * dt.itemsize)
-                        hasher = payload_hasher(dt)
-                    data = piece.data
-                    if received + len(data) > len(buf):
-                        raise errors.InvalidRequest(f"payload is longer than the declared {count} values")
-                    buf[received:received + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                    hasher.update(data)  # releases the GIL: overlaps the next receive
-                    received += len(data)
+                with ThreadPoolExecutor(1, thread_name_prefix="paraminit-upload") as pool:
+                    landed: collections.deque[Future[None]] = collections.deque()
+
+                    def land(at: int, data: Any) -> None:  # copy and hash release the GIL: overlaps receiving
+                        assert buf is not None
+                        buf[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                        hasher.update(data)
+
+                    for piece in pieces:
+                        if buf is None:
+                            dtype, count = piece.dtype, piece.count
+                            dt = dtypes.by_enum(dtype)
+                            if dt is None:
+                                raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype}; expected one "
+                                                            f"of {', '.join(d.name for d in dtypes.SUPPORTED)}")
+                            if count * dt.itemsize > self.sources.max_bytes:
+                                raise errors.ResourceExhausted(f"payload of {count} {dt.name} values needs "
+                                                               f"{count * dt.itemsize} bytes; the payload limit is "
+                                                               f"{self.sources.max_bytes}")
+                            ticket = self.sources.reserve(count * dt.itemsize)
+                            buf = host_buffer(count * dt.itemsize)
+                            hasher = payload_hasher(dt)
+                        data = piece.data
+                        if received + len(data) > len(buf):
+                            raise errors.InvalidRequest(f"payload is longer than the declared {count} values")
+                        landed.append(pool.submit(land, received, data))
+                        received += len(data)
+                        while len(landed) > 8 or (landed and landed[0].done()):
+                            landed.popleft().result()
+                    while landed:
+                        landed.popleft().result()
                 if buf is None:
                     raise errors.InvalidRequest("empty payload upload")
                 return self.sources.store(caller.identity, dtype, count, buf[:received], ticket,

@@ -10,6 +10,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from types import FrameType
@@ -209,17 +210,23 @@ def listen_address(host: str, port: int) -> str:
     return host if host.startswith("unix:") else bind_address(host, port)
 
 
-def _lenient_parser(cls: Any) -> Any:
-    """Parse a request; undecodable bytes become a MalformedRequest that the boundary reports as
-    INVALID_ARGUMENT (grpc's own deserializer failure would surface as INTERNAL)."""
+def _lenient_parser(cls: Any, decode: Callable[[bytes], Any] | None = None) -> Any:
+    """Parse a request (with `decode` where a hand codec reads it without copies); undecodable bytes become
+    a MalformedRequest that the boundary reports as INVALID_ARGUMENT (grpc's own deserializer failure would
+    surface as INTERNAL)."""
+    read = decode or cls.FromString
 
     def parse(raw: bytes) -> Any:
         try:
-            return cls.FromString(raw)
+            return read(raw)
         except Exception as exc:  # DecodeError, or recursion limits on hostile input
             return MalformedRequest(f"request is not a valid {cls.DESCRIPTOR.full_name}: {exc}")
 
     return parse
+
+
+# Requests read by paraminit.wire: uploaded payload bytes stay views of the received message.
+HAND_DECODED: dict[str, Callable[[bytes], Any]] = {"UploadPayload": wire.decode_payload_chunk}
 
 
 def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
@@ -230,7 +237,7 @@ def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         fn = methods[method.name]
-        parse = _lenient_parser(request_cls)
+        parse = _lenient_parser(request_cls, HAND_DECODED.get(method.name))
         if method.client_streaming:
             handlers[method.name] = grpc.stream_unary_rpc_method_handler(
                 fn, request_deserializer=parse, response_serializer=response_cls.SerializeToString)

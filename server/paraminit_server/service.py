@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from paraminit import dtypes, peers, times
+from paraminit import dtypes, peers, times, wire
 from paraminit.header_checksum import header_crc32c
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
@@ -74,7 +74,7 @@ class Handlers:
             dtypes=[d.enum for d in info.dtypes],  # type: ignore[misc]
             deliveries=[DELIVERIES[d] for d in info.deliveries])  # type: ignore[misc]
 
-    def upload(self, request: Iterable[pb.PayloadChunk | MalformedRequest], caller: Caller) -> pb.PayloadRef:
+    def upload(self, request: Iterable[pb.PayloadChunk | wire.Piece | MalformedRequest], caller: Caller) -> pb.PayloadRef:
         def pieces() -> Iterator[PayloadPiece]:
             for chunk in request:
                 if isinstance(chunk, MalformedRequest):
