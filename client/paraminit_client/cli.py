@@ -63,14 +63,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _size(raw: str) -> int:
-    try:
-        return sizes.parse_size(raw)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-_size.__name__ = "size"
 
 
 def _client(args: argparse.Namespace, default_target: str | None = None) -> Client:
@@ -265,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
             "was written: parameters, bytes, time, throughput and the plan digest.")
     m.add_argument("plan", help="plan file: JSON or YAML form of paraminit.v1.Plan")
     m.add_argument("-o", "--output", required=True, metavar="FILE", help="safetensors file to write")
-    m.add_argument("--chunk-bytes", type=_size, default=0, metavar="SIZE",
+    m.add_argument("--chunk-bytes", type=sizes.size_arg, default=0, metavar="SIZE",
                    help="largest stream chunk to ask the server for, e.g. 2MiB (default: 0, the server's choice)")
     m.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar, even on a terminal")

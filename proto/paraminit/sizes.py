@@ -9,6 +9,7 @@ powers of 1024; `KB`, `MB`, `GB`, `TB` are powers of 1000; `B` or no unit is byt
 
 from __future__ import annotations
 
+import argparse
 import re
 
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
@@ -57,3 +58,14 @@ def exact_size(n: int) -> str:
         if n and n % (1 << shift) == 0:
             return f"{n >> shift}{unit}"
     return str(n)
+
+
+def size_arg(raw: str) -> int:
+    """An argparse `type` for size flags: a usage error, not a traceback, for a bad size."""
+    try:
+        return parse_size(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+size_arg.__name__ = "size"  # argparse names the type in its error message

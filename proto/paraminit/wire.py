@@ -8,6 +8,7 @@ through the generated message class, so any conforming peer interoperates.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,34 +94,45 @@ def decode_response(raw: bytes) -> Chunk | pb.MaterializeResponse:
     return pb.MaterializeResponse.FromString(raw)
 
 
-def _decode_chunk(buf: memoryview) -> Chunk:
-    offset = crc = 0
-    data = memoryview(b"")
+def _fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
+    """(field number, value) of each field of a message: varints as ints, fixed32 as ints, length-delimited
+    fields as views of buf; ValueError for bytes that are not a well-formed message."""
     pos = 0
     while pos < len(buf):
         tag, pos = _read_varint(buf, pos)
         field, wire_type = tag >> 3, tag & 7
         if wire_type == _VARINT:
             value, pos = _read_varint(buf, pos)
-            if field == _OFFSET:
-                offset = value
+            yield field, value
         elif wire_type == _LEN:
             length, pos = _read_varint(buf, pos)
             if pos + length > len(buf):
-                raise ValueError("truncated chunk")
-            if field == _DATA:
-                data = buf[pos:pos + length]
+                raise ValueError("truncated message")
+            yield field, buf[pos:pos + length]
             pos += length
         elif wire_type == _FIXED32:
-            if field == _CRC:
-                crc = int.from_bytes(buf[pos:pos + 4], "little")
+            if pos + 4 > len(buf):
+                raise ValueError("truncated message")
+            yield field, int.from_bytes(buf[pos:pos + 4], "little")
             pos += 4
         elif wire_type == 1:
             pos += 8
         else:
             raise ValueError(f"unexpected wire type {wire_type}")
     if pos != len(buf):
-        raise ValueError("truncated chunk")
+        raise ValueError("truncated message")
+
+
+def _decode_chunk(buf: memoryview) -> Chunk:
+    offset = crc = 0
+    data = memoryview(b"")
+    for field, value in _fields(buf):
+        if field == _OFFSET and isinstance(value, int):
+            offset = value
+        elif field == _DATA and isinstance(value, memoryview):
+            data = value
+        elif field == _CRC and isinstance(value, int):
+            crc = value
     return Chunk(offset, data, crc)
 
 
@@ -145,31 +157,13 @@ def encode_payload_chunk(data: memoryview | bytes, dtype: int = 0, count: int = 
 
 def decode_payload_chunk(raw: bytes) -> Piece:
     """A PayloadChunk without copying its data; ValueError for bytes that are not one."""
-    buf = memoryview(raw)
-    dtype = count = pos = 0
+    dtype = count = 0
     data = memoryview(b"")
-    while pos < len(buf):
-        tag, pos = _read_varint(buf, pos)
-        field, wire_type = tag >> 3, tag & 7
-        if wire_type == _VARINT:
-            value, pos = _read_varint(buf, pos)
-            if field == _P_DTYPE:
-                dtype = value
-            elif field == _P_COUNT:
-                count = value
-        elif wire_type == _LEN:
-            length, pos = _read_varint(buf, pos)
-            if pos + length > len(buf):
-                raise ValueError("truncated payload chunk")
-            if field == _P_DATA:
-                data = buf[pos:pos + length]
-            pos += length
-        elif wire_type == _FIXED32:
-            pos += 4
-        elif wire_type == 1:
-            pos += 8
-        else:
-            raise ValueError(f"unexpected wire type {wire_type}")
-    if pos != len(buf):
-        raise ValueError("truncated payload chunk")
+    for field, value in _fields(memoryview(raw)):
+        if field == _P_DTYPE and isinstance(value, int):
+            dtype = value
+        elif field == _P_COUNT and isinstance(value, int):
+            count = value
+        elif field == _P_DATA and isinstance(value, memoryview):
+            data = value
     return Piece(dtype, count, data)

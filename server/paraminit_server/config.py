@@ -119,14 +119,6 @@ HELP: dict[str, str] = {
 }
 
 
-def _size_arg(raw: str) -> int:
-    try:
-        return sizes.parse_size(raw)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-_size_arg.__name__ = "size"
 
 
 def _parse(name: str, raw: str, kind: type) -> Any:
@@ -152,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         size = f.name in SIZE_FIELDS
         shown = sizes.exact_size(default) if size else repr(default)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_size_arg if size else type(default),
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=sizes.size_arg if size else type(default),
                             default=None, metavar="SIZE" if size else None,
                             choices=CHOICES[f.name] if f.name in ("backend", "log_format") else None,
                             help=f"{HELP.get(f.name, '')} (env PARAMINIT_{f.name.upper()}; default {shown})")
