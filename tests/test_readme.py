@@ -29,8 +29,9 @@ def _scratch(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
 def test_python_block_runs(index: int, tmp_path: Path) -> None:
     code = blocks("python")[index]
-    if "torch" in code:
-        pytest.importorskip("torch")
+    for optional in ("torch", "transformers"):
+        if optional in code:
+            pytest.importorskip(optional)
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_scratch(tmp_path), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, f"README python block {index} failed:\n{code}\n{done.stderr[-3000:]}"
