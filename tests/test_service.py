@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -233,3 +234,19 @@ def test_unknown_delivery_is_invalid_argument(client: Client) -> None:
     with pytest.raises(grpc.RpcError) as info:
         list(client.stub.Materialize(pb.MaterializeRequest(plan=mixed_plan(), delivery=77)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_durable_file_flushes_as_it_goes(client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The early-flush thread runs several times during a write, and the file is still exactly the stream."""
+    from paraminit_client import client as client_module
+
+    syncs: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(client_module._Flusher, "FLUSH_BYTES", 1 << 20)
+    monkeypatch.setattr(client_module.os, "fdatasync", lambda fd: (syncs.append(fd), real(fd)))
+    plan = plan_of([param("w", [3 << 20], {"normal": {"std": 0.02, "seed": 4}})])  # 12 MiB
+    client.materialize_to_file(plan, tmp_path / "w.safetensors", chunk_bytes=1 << 20)
+    from safetensors.numpy import load_file
+
+    assert load_file(str(tmp_path / "w.safetensors"))["w"].tobytes() == client.materialize(plan)["w"].tobytes()
+    assert len(syncs) >= 2
