@@ -48,7 +48,7 @@ RUN python3 -m venv /opt/build \
 # same base: a wheel picked under Debian's newer glibc might not install here.
 FROM ${CUDA_IMAGE}${CUDA_DIGEST:+@}${CUDA_DIGEST} AS gpu-base
 ENV DEBIAN_FRONTEND=noninteractive
-# libgomp1 backs Numba's OpenMP threading layer (see NUMBA_THREADING_LAYER).
+# libgomp1 backs Numba's OpenMP layer, should NUMBA_THREADING_LAYER be set to omp (the image uses workqueue).
 # Exact apt versions are not pinned: the archive drops superseded patch
 # versions, which would break rebuilds; the base image (digest) pins the release.
 # hadolint ignore=DL3008
