@@ -239,6 +239,18 @@ def test_extreme_bounds(lo: float, hi: float, dt: dtypes.DTypeInfo) -> None:
     assert same(fill(p), want)
 
 
+@pytest.mark.parametrize("key", [((b - spec.GOLDEN - 1001) % 2**64) for b in (1 << 30, 1 << 32, 1 << 64)])
+@pytest.mark.parametrize(("lo", "hi"), [(-0.5, 2.0), (-70000.0, 70000.0), (0.0, 3e-37), (-1e-40, 1e-40)])
+@pytest.mark.parametrize("dt", [dtypes.FLOAT16, dtypes.BFLOAT16, dtypes.FLOAT32], ids=lambda d: d.name)
+def test_uniform_half_segments(key: int, lo: float, hi: float, dt: dtypes.DTypeInfo) -> None:
+    """Each format's own affine kernel, on the unblocked path (bounds that cannot give a rare element) and
+    the blocked one, with a fast-path segment edge inside the vector loop, from the start and from an offset."""
+    p = dataclasses.replace(make_param("uniform", dt, [2, 1500], lo=lo, hi=hi), key=key)
+    want = reference.materialize(p).reshape(-1)
+    assert same(fill(p), want)
+    assert same(fill(p, 37, 2900), want[37:2937])
+
+
 def test_small_outputs_and_scalars() -> None:
     for init in INITS:
         for dt in dtypes.SUPPORTED:

@@ -361,13 +361,18 @@ def _store_fast_overload(out: Any, k: Any, v: Any, h: Any) -> Any:
 _ABLOCK = 2048  # elements per fast pass of fill_affine; a block with a rare element is stored again exactly
 
 
-@_jit
-def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> None:
-    """dst[k] = p0 + unit(g + k) * p1 with x0 = key + GOLDEN + g; `sc * p1` is p1 * 2^-32 split exactly."""
+@_inline
+def affine_body(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> None:
+    """dst[k] = p0 + unit(g + k) * p1 with x0 = key + GOLDEN + g; `sc * p1` is p1 * 2^-32 split exactly.
+
+    Inlined by numba into fill_affine_f16 / fill_affine_bf16 with h a global constant, so the format's
+    branches fold at compile time (passed as an argument, h is a runtime tuple and the vector loop carries
+    both formats' code and a test per iteration).
+    """
     m = dst.shape[0]
     # No NaN, and no nonzero |value| below 2^-126 (where bfloat16 rounds on another path), can occur when p0 and
     # p1 are finite and |p0| >= 2^-73 (values near -p0 are then multiples of 2^-126) or p0 = 0 and
-    # |p1| >= 2^-90: then store_fast never flags and the blocks need no check.
+    # |p1| >= 2^-90: then store_fast never flags, and its flag is not even computed (the loop drops it).
     plain = (sc == 1.0) & math.isfinite(p0) & math.isfinite(p1) & (
         (abs(p0) >= 2.0**-73) | ((p0 == 0.0) & (abs(p1) >= 2.0**-122)))
     k = 0
@@ -375,9 +380,15 @@ def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
         x = x0 + np.uint64(k)
         cnt = min(m - k, seg_room(x))
         c, c1, hi = seg_consts(x)
-        step = cnt if plain else _ABLOCK
-        for b0 in range(0, cnt, step):
-            nb_ = min(cnt - b0, step)
+        if plain:
+            xl = x & _LOW32
+            sub = dst[k:k + cnt]
+            for j in range(cnt):
+                store_fast(sub, np.uint64(j), p0 + draw_seg(xl + np.uint64(j), c, c1, hi) * p1, h)
+            k += cnt
+            continue
+        for b0 in range(0, cnt, _ABLOCK):
+            nb_ = min(cnt - b0, _ABLOCK)
             xl = (x & _LOW32) + np.uint64(b0)
             sub = dst[k + b0:k + b0 + nb_]
             rare = 0
@@ -394,6 +405,27 @@ def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
                 for j in range(nb_):
                     store(sub, np.uint64(j), p0 + (draw_seg(xl + np.uint64(j), c, c1, hi) * sc) * p1, h)
         k += cnt
+
+
+@_jit
+def fill_affine_f16(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None:
+    """affine_body for float16 outputs."""
+    affine_body(dst, x0, p0, sc, p1, _F16)
+
+
+@_jit
+def fill_affine_bf16(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None:
+    """affine_body for bfloat16 outputs (and float outputs, which ignore the format)."""
+    affine_body(dst, x0, p0, sc, p1, _BF16)
+
+
+@_jit
+def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> None:
+    """dst[k] = p0 + unit(g + k) * p1 (affine_body), the format's kernel chosen once per call."""
+    if h[0] == 42:
+        fill_affine_f16(dst, x0, p0, sc, p1)
+    else:
+        fill_affine_bf16(dst, x0, p0, sc, p1)
 
 
 # ---------------------------------------------------------------------------
