@@ -611,6 +611,36 @@ def test_corrupted_stream_header_is_data_loss_before_anything_is_written(where: 
             assert header.header_crc32c == header_crc32c(header) != 0
 
 
+MARKED = np.arange(1, 4097, dtype=np.float32) + np.float32(0.25)  # no value is zero; the marker sits mid-chunk
+MARKED_PLAN = plan_of([param("w", [4096], {"flat": {"values": [float(v) for v in MARKED]}})])
+
+
+@pytest.mark.parametrize("door", ["materialize", "materialize_into", "materialize_to_file", "stream"])
+def test_corrupted_chunk_data_is_data_loss_on_every_client_path(door: str, tmp_path: Path) -> None:
+    """One bit flipped in a chunk's data (not its header) fails each way of receiving a stream, and the file
+    path leaves no file behind: every path checks each chunk's CRC32C exactly once, wherever it does it."""
+    with running_server() as r:
+        proxy = FlipProxy(r.port, MARKED[3000:3002].tobytes(), 2)
+        try:
+            with Client(f"127.0.0.1:{proxy.port}", timeout=30) as c, pytest.raises(ParaminitError) as info:
+                if door == "materialize":
+                    c.materialize(MARKED_PLAN, chunk_bytes=4096)
+                elif door == "materialize_into":
+                    out = np.full(4096, np.nan, dtype=np.float32)
+                    c.materialize_into(MARKED_PLAN, {"w": out})
+                elif door == "materialize_to_file":
+                    c.materialize_to_file(MARKED_PLAN, tmp_path / "out.safetensors", chunk_bytes=4096)
+                else:
+                    list(c.stream(MARKED_PLAN, chunk_bytes=4096)[1])
+            assert proxy.flipped.is_set()
+            assert info.value.code == grpc.StatusCode.DATA_LOSS and "CRC32C mismatch" in info.value.message
+            assert list(tmp_path.iterdir()) == []
+        finally:
+            proxy.close()
+        with Client(target_of(r)) as c:  # unproxied, the same plan arrives intact
+            np.testing.assert_array_equal(c.materialize(MARKED_PLAN, chunk_bytes=4096)["w"], MARKED)
+
+
 # -- item 17: Unix sockets, uploads drain at SIGTERM; item 22: startup errors -----------------------
 
 
