@@ -31,6 +31,7 @@ from paraminit.header_checksum import header_crc32c
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
+from paraminit_client import client as client_module
 from paraminit_server import errors, files
 from paraminit_server import plan as planlib
 from paraminit_server.caller import Caller
@@ -615,10 +616,14 @@ MARKED = np.arange(1, 4097, dtype=np.float32) + np.float32(0.25)  # no value is 
 MARKED_PLAN = plan_of([param("w", [4096], {"flat": {"values": [float(v) for v in MARKED]}})])
 
 
+@pytest.mark.parametrize("threaded", [True, False], ids=["land-thread", "land-inline"])
 @pytest.mark.parametrize("door", ["materialize", "materialize_into", "materialize_to_file", "stream"])
-def test_corrupted_chunk_data_is_data_loss_on_every_client_path(door: str, tmp_path: Path) -> None:
-    """One bit flipped in a chunk's data (not its header) fails each way of receiving a stream, and the file
-    path leaves no file behind: every path checks each chunk's CRC32C exactly once, wherever it does it."""
+def test_corrupted_chunk_data_is_data_loss_on_every_client_path(door: str, threaded: bool, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """One bit flipped in a chunk's data (not its header) fails each way of receiving a stream, with chunks
+    landed on a helper thread or inline, and the file path leaves no file behind: every path checks each
+    chunk's CRC32C exactly once, wherever it does it."""
+    monkeypatch.setattr(client_module, "LAND_THREAD_MIN_CPUS", 1 if threaded else 1 << 20)
     with running_server() as r:
         proxy = FlipProxy(r.port, MARKED[3000:3002].tobytes(), 2)
         try:

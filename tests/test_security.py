@@ -22,7 +22,9 @@ import pytest
 from conftest import running_server, serve_subprocess, server_fixture
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.auth import certificate_identity, local_identity, peer_uid
+from paraminit_server import peer_user
+from paraminit_server.auth import certificate_identity, local_identity
+from paraminit_server.peer_user import _proc_uid, peer_uid
 from paraminit_server.server import Running
 
 x509 = pytest.importorskip("cryptography.x509")
@@ -213,7 +215,7 @@ def test_local_users_are_isolated_without_tokens(tmp_path: Path) -> None:
         assert lease.release() is True
 
 
-def test_peer_uid_reads_the_socket_table() -> None:
+def test_peer_uid_reads_the_socket_table(monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen()
@@ -221,6 +223,19 @@ def test_peer_uid_reads_the_socket_table() -> None:
             port = cl.getsockname()[1]
             assert peer_uid(f"ipv4:127.0.0.1:{port}") == os.geteuid()
             assert local_identity(f"ipv4:127.0.0.1:{port}") == "anonymous"
+            # the /proc fallback (no netlink) gives the same answer
+            packed = socket.inet_aton("127.0.0.1")
+            assert _proc_uid(packed, port, ("/proc/net/tcp", "/proc/net/tcp6")) == os.geteuid()
+            with monkeypatch.context() as m:
+                m.setattr(peer_user, "_netlink_uid", lambda *a: (_ for _ in ()).throw(PermissionError("no netlink")))
+                assert peer_uid(f"ipv4:127.0.0.1:{port}") == os.geteuid()
+    for family, host in ((socket.AF_INET6, "::1"), (socket.AF_INET6, "::ffff:127.0.0.1")):
+        with socket.socket(family) as srv:
+            srv.bind(("::" if "." in host else host, 0))
+            srv.listen()
+            with socket.socket(family) as cl:
+                cl.connect((host, srv.getsockname()[1]))
+                assert peer_uid(f"ipv6:[{host}]:{cl.getsockname()[1]}") == os.geteuid()
     assert local_identity("ipv4:10.1.2.3:5000") == "remote"
     assert peer_uid("ipv4:127.0.0.1:1") is None
 

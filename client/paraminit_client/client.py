@@ -482,18 +482,37 @@ def _progress_bar(total: int, name: str) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, leave=True)  # the finished bar stays on screen
 
 
+LAND_THREAD_MIN_CPUS = 4  # below this a helper thread only trades the cores it needs for handoffs
+
+
 def land(chunks: Iterator[wire.Chunk], put: Callable[[wire.Chunk], None],
-         progress: Callable[[int], None] | None = None, depth: int = 8) -> None:
-    """Check each chunk's CRC32C and `put` it on a helper thread while this one takes the next from gRPC.
+         progress: Callable[[int], None] | None = None, depth: int = 8, threaded: bool | None = None) -> None:
+    """Check each chunk's CRC32C and `put` it, on a helper thread while this one takes the next from gRPC.
 
     The checksum and the copy (or pwrite) release the GIL, so receiving and landing overlap; at most
-    `depth` chunks are in flight. A mismatch is DATA_LOSS and stops the stream."""
+    `depth` chunks are in flight. Where the process has fewer than LAND_THREAD_MIN_CPUS cores
+    (`threaded=None`) both run on this thread: on two cores the handoffs cost more than the overlap
+    gives (measured 1.7 vs 2.0 GB/s). A mismatch is DATA_LOSS and stops the stream."""
+    if threaded is None:
+        threaded = len(os.sched_getaffinity(0)) >= LAND_THREAD_MIN_CPUS
 
     def check_and_put(c: wire.Chunk) -> int:
         if crc32c.crc32c(c.data) != c.crc32c:
             raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"CRC32C mismatch in chunk at offset {c.offset}")
         put(c)
         return len(c.data)
+
+    if not threaded:
+        try:
+            for c in chunks:
+                n = check_and_put(c)
+                if progress is not None:
+                    progress(n)
+        except BaseException:
+            if isinstance(chunks, Generator):
+                chunks.close()  # cancels the call
+            raise
+        return
 
     pending: collections.deque[Future[int]] = collections.deque()
     with ThreadPoolExecutor(1, thread_name_prefix="paraminit-land") as pool:

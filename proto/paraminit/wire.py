@@ -47,6 +47,10 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+_CRC_TAG_BYTES = _varint(_CRC_TAG)
+CRC_TRAILER_BYTES = len(_CRC_TAG_BYTES) + 4
+
+
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
@@ -60,12 +64,22 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def chunk_frame(offset: int, size: int) -> tuple[bytes, int]:
+    """The bytes before a chunk's `size` data bytes in its MaterializeResponse, and how many follow them
+    (`crc_trailer`): a sender can build the message around data it writes in place."""
+    inner_head = _varint(_OFFSET_TAG) + _varint(offset) + _varint(_DATA_TAG) + _varint(size)
+    inner_len = len(inner_head) + size + CRC_TRAILER_BYTES
+    return _varint(_CHUNK_FIELD_TAG) + _varint(inner_len) + inner_head, CRC_TRAILER_BYTES
+
+
+def crc_trailer(crc32c: int) -> bytes:
+    return _CRC_TAG_BYTES + crc32c.to_bytes(4, "little")
+
+
 def encode_chunk(offset: int, data: memoryview | bytes, crc32c: int) -> bytes:
     """Serialized MaterializeResponse{chunk: DataChunk{offset, data, crc32c}} with one copy of data."""
-    inner_head = _varint(_OFFSET_TAG) + _varint(offset) + _varint(_DATA_TAG) + _varint(len(data))
-    inner_tail = _varint(_CRC_TAG) + crc32c.to_bytes(4, "little")
-    inner_len = len(inner_head) + len(data) + len(inner_tail)
-    return b"".join((_varint(_CHUNK_FIELD_TAG), _varint(inner_len), inner_head, data, inner_tail))
+    head, _ = chunk_frame(offset, len(data))
+    return b"".join((head, data, crc_trailer(crc32c)))
 
 
 def serialize_response(msg: pb.MaterializeResponse | bytes) -> bytes:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import socket
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,8 @@ from typing import Any
 import grpc
 
 from paraminit import peers
+
+from .peer_user import peer_uid
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
@@ -79,46 +79,6 @@ def certificate_identity(auth: dict[str, list[bytes]]) -> str | None:
     pem = b"".join(auth.get("x509_pem_cert") or ())
     if pem:
         return "cert-sha256:" + hashlib.sha256(pem).hexdigest()
-    return None
-
-
-def _proc_address(host: str) -> str | None:
-    """An address as /proc/net/tcp{,6} spells it (32-bit words in host byte order, hex)."""
-    try:
-        raw = socket.inet_pton(socket.AF_INET6, host) if ":" in host else socket.inet_aton(host)
-    except OSError:
-        return None
-    return "".join(f"{int.from_bytes(raw[i:i + 4], sys.byteorder):08X}" for i in range(0, len(raw), 4))
-
-
-def peer_uid(peer: str, tables: tuple[str, ...] = ("/proc/net/tcp", "/proc/net/tcp6")) -> int | None:
-    """The user id of the process at the other end of a loopback TCP connection, from the kernel's socket
-    table (the client's socket is the entry whose local address is the peer's); None when unknown."""
-    if peer.startswith("ipv4:"):
-        host, _, port = peer[5:].rpartition(":")
-    elif peer.startswith("ipv6:"):
-        host, _, port = peer[5:].rpartition(":")
-        host = host.strip("[]")
-        if host.startswith("::ffff:") and "." in host:
-            host = host[7:]
-    else:
-        return None
-    addr = _proc_address(host)
-    if addr is None or not port.isdigit():
-        return None
-    wanted = {f"{addr}:{int(port):04X}"}
-    if len(addr) == 8:  # an IPv4 peer may appear as a v4-mapped address in tcp6
-        wanted.add(f"0000000000000000FFFF0000{addr}:{int(port):04X}")
-    for table in tables:
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 7 and fields[1] in wanted:
-                        return int(fields[7])
-        except OSError:
-            continue
     return None
 
 

@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from paraminit import dtypes, wire
 from paraminit.hostmem import host_buffer
+from paraminit.sendbuf import MessagePool
 from paraminit.v1 import plan_pb2
 from paraminit_server import __version__, admission, engine, errors, layout, plan, validation
 from paraminit_server.admission import Admission, host_memory
@@ -87,7 +88,9 @@ class Materializer:
         device_budget = None
         if backend.memory != HOST:
             device_budget = config.device_memory_budget or backend.device().memory_free // 2
-        self.admission = Admission(config.max_concurrent, host_budget, device_budget)
+        # encoded chunk messages, reused across streams (their memory is part of each stream's reservation)
+        self.messages = MessagePool(config.slab_bytes * (PREFETCH + 2) * config.max_concurrent)
+        self.admission = Admission(config.max_concurrent, host_budget, device_budget, on_idle=self.messages.clear)
         self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
                                  config.max_lease_ttl)
         self.exports = Exports(backend, self.leases, self.admission.backend, config.shm_pool_bytes)
@@ -150,9 +153,20 @@ class Materializer:
             with self._reserve(held, held, caller, "stream"):
 
                 def encoded(start: int, host: Any) -> list[bytes]:
-                    mv = memoryview(host).toreadonly()
-                    pieces = ((off, mv[off:off + chunk]) for off in range(0, len(mv), chunk))
-                    return [wire.encode_chunk(start + off, piece, crc32c.crc32c(piece)) for off, piece in pieces]
+                    """The slab's chunk messages, each written once into a reusable bytes object (sendbuf)."""
+                    out = []
+                    for off in range(0, int(host.shape[0]), chunk):
+                        piece = host[off:off + chunk]
+                        n = int(piece.shape[0])
+                        head, tail = wire.chunk_frame(start + off, n)
+                        m = self.messages.take(len(head) + n + tail)
+                        h = len(head)
+                        m.view[:h] = np.frombuffer(head, dtype=np.uint8)
+                        body = m.view[h:h + n]
+                        body[:] = piece
+                        m.view[h + n:] = np.frombuffer(wire.crc_trailer(crc32c.crc32c(body.data)), dtype=np.uint8)
+                        out.append(m.data)
+                    return out
 
                 if not encode:
                     yield from engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH)
