@@ -20,12 +20,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import grpc
 import numpy as np
 import pytest
 
 import paraminit.cuda as cuda
 from conftest import running_server, target_of
+from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
@@ -36,7 +38,7 @@ from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
-from paraminit_server.materializer import Materializer
+from paraminit_server.materializer import Materializer, StreamStart
 from paraminit_server.plan import ResolvedParam
 
 MiB = 1 << 20
@@ -242,6 +244,14 @@ class FakeCupy:
             memory=types.SimpleNamespace(Memory=lambda size: FakeMemory(self, size)),
             UnownedMemory=lambda ptr, size, owner, device_id: FakeUnownedMemory(self, ptr, size, owner, device_id),
             MemoryPointer=FakeMemoryPointer)
+        class Event:
+            def record(self) -> None:
+                proc.record("event_record")
+
+            def synchronize(self) -> None:
+                proc.record("event_synchronize")
+
+        self.cuda.Event = Event
         self.ndarray = DeviceArray
         self.uint8 = np.uint8
         self._pool = types.SimpleNamespace(free_all_blocks=lambda: self.record("free_all_blocks"))
@@ -266,6 +276,14 @@ class FakeCupy:
 
     def get_default_memory_pool(self) -> Any:
         return self._pool
+
+    def asnumpy(self, a: Any, out: Any = None, blocking: bool = True) -> Any:
+        self.record("copy_to_host", blocking=blocking, array_device=a.device_id)
+        host = np.asarray(a)
+        if out is None:
+            return host.copy()
+        out[...] = host
+        return out
 
     def empty(self, n: Any, dtype: Any = np.uint8) -> DeviceArray:
         if self.empty_failures:
@@ -531,6 +549,16 @@ def test_zero_synchronize_and_to_host_run_in_the_device_context(monkeypatch: pyt
     assert (host[100:200] == 0).all() and (host[:100] == POISON).all() and (host[200:] == POISON).all()
     assert [e[2] for e in world.events("write")] == [2]
     assert [e[2] for e in world.events("synchronize")] == [2]
+    # the copy is queued without blocking, then waited for through an event, all on the buffer's device
+    assert [(e[2], e[3]["blocking"], e[3]["array_device"]) for e in world.events("copy_to_host")] == [(2, False, 2)]
+    assert [e[2] for e in world.events("event_record", "event_synchronize")] == [2, 2]
+    world.log.clear()
+    staged = gpu.host_staging(8192)
+    wait = gpu.start_to_host(buf, staged[:4096])
+    assert not world.events("event_synchronize")  # queued, not waited for
+    assert wait() is not None and (staged[100:200] == 0).all() and (staged[:100] == POISON).all()
+    assert [e[1] for e in world.log if e[1] in ("copy_to_host", "event_record", "event_synchronize")] == [
+        "copy_to_host", "event_record", "event_synchronize"]
     assert cp.current() == 0  # contexts are left as found
 
 
@@ -590,6 +618,23 @@ class FakeDeviceBackend:
     def to_host(self, buf: Any) -> Any:
         with self._call("to_host"):
             return np.asarray(buf).copy()
+
+    def host_staging(self, nbytes: int) -> Any:
+        with self._call("host_staging", size=nbytes):
+            return np.full(nbytes, POISON, dtype=np.uint8)
+
+    def start_to_host(self, buf: Any, out: Any) -> Callable[[], Any]:
+        """Like a device: the copy happens late (when waited for), so a slot the engine refilled or restaged
+        before waiting would show up as another slab's bytes."""
+        with self._call("start_to_host", size=int(buf.shape[0])):
+            dest = np.empty(int(buf.shape[0]), dtype=np.uint8) if out is None else out
+
+        def wait() -> Any:
+            with self._call("wait_to_host"):
+                dest[:] = np.asarray(buf)
+            return dest
+
+        return wait
 
     def device(self) -> DeviceDescription:
         return DeviceDescription("cuda", "Fake H200", cuda.device_uuid(self.cp, self.ordinal), self.ordinal,
@@ -665,6 +710,39 @@ def test_export_fills_in_the_device_context_and_synchronizes_before_the_handle(w
         assert not writes_outside_context(world)
         assert plane.release(export.lease.lease_id, Caller("alice"))
         assert world.events("free")
+    finally:
+        plane.close()
+
+
+def test_device_streams_fill_the_next_slab_while_this_one_is_sent(world: World, no_driver: None) -> None:
+    """The engine's two-slot ring on a device: slab k+1 is filled and its copy queued before slab k is
+    waited for and encoded; the copies land late (the fake copies when waited for), so reusing a slot too
+    early would put another slab's bytes in the stream. Two device slabs and two staging slots serve all."""
+    cp = FakeCupy(world, [0, 1], "server")
+    config = ServerConfig(backend="cpu", metrics_port=0, slab_bytes=64 << 10, chunk_bytes=16 << 10)
+    plane = Materializer(config, FakeDeviceBackend(cp, 1))
+    plan = plan_of([param("w", [200, 300], {"normal": {"std": 0.02, "seed": 8}}),
+                    param("b", [77], {"uniform": {"lo": -1, "hi": 1, "seed": 9}}, "bfloat16")])
+    try:
+        items = list(plane.stream(plan, Caller("alice")))
+        start, messages = items[0], items[1:]
+        assert isinstance(start, StreamStart)
+        data = np.full(start.layout.data_bytes, POISON, dtype=np.uint8)
+        for raw in messages:
+            c = wire.decode_response(raw)
+            assert isinstance(c, wire.Chunk) and crc32c.crc32c(c.data) == c.crc32c
+            data[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
+        want = want_arrays(plan)
+        for pl in start.layout.placements:
+            assert data[pl.offset:pl.offset + pl.param.nbytes].tobytes() == want[pl.param.name]
+        names = [e[1] for e in world.log if e[0] == "server" and e[1] in ("fill", "start_to_host", "wait_to_host")]
+        slabs = -(-start.layout.data_bytes // (64 << 10))
+        assert slabs > 3 and names.count("start_to_host") == names.count("wait_to_host") == slabs
+        starts = [i for i, n in enumerate(names) if n == "start_to_host"]
+        waits = [i for i, n in enumerate(names) if n == "wait_to_host"]
+        assert all(starts[k + 1] < waits[k] for k in range(slabs - 1))  # k+1 queued before k is waited for
+        assert len(world.events("scratch")) == 2 and len(world.events("host_staging")) == 2
+        assert not writes_outside_context(world)
     finally:
         plane.close()
 

@@ -7,12 +7,13 @@ background thread while slab k is being sent.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from paraminit_server.backends import Backend
+from paraminit_server.backends import HOST, Backend
 from paraminit_server.layout import SLAB_QUANTUM, Layout
 from paraminit_server.plan import ResolvedParam
 
@@ -85,25 +86,42 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
     alloc = backend.scratch
 
     def produce() -> None:
-        # With a transform the slab is consumed before it is queued, so one buffer serves every slab:
-        # fresh memory costs a page fault per 4 KiB, about as much as generating into it.
+        # With a transform each slab is consumed before it is queued, so a ring of buffers serves every slab:
+        # fresh memory costs a page fault per 4 KiB, about as much as generating into it. On a device the
+        # ring has two slots: slab k+1 is filled and copied to host (asynchronously) while slab k is encoded
+        # on this thread and earlier ones are sent; the copy of k+1 lands in the other staging slot, and
+        # the fill of k+2 is queued behind the copy of k on the device, so no slot is reused too early.
+        depth = 2 if transform is not None and backend.memory != HOST else 1
         try:
-            reused = alloc(min(slab, total)) if transform is not None and total else None
-            for start in range(0, total, slab):
-                if cancel.is_set() or should_stop():
-                    break
-                size = min(slab, total - start)
-                buf = reused[:size] if reused is not None else alloc(size)
-                fill_window(backend, layout, buf, start)
-                host = backend.to_host(buf)
+            first = min(slab, total)
+            ring = [alloc(first) for _ in range(depth)] if transform is not None and total else []
+            staging = [backend.host_staging(first) for _ in ring]
+            pending: collections.deque[tuple[int, Callable[[], Any]]] = collections.deque()
+
+            def emit(start: int, ready: Callable[[], Any]) -> bool:
+                host = ready()
                 item = transform(start, host) if transform is not None else (start, host)
                 while not cancel.is_set():
                     try:
                         q.put(item, timeout=0.1)
-                        break
+                        return True
                     except queue.Full:
                         if should_stop():
                             cancel.set()
+                return False
+
+            for k, start in enumerate(range(0, total, slab)):
+                if cancel.is_set() or should_stop():
+                    break
+                size = min(slab, total - start)
+                buf = ring[k % depth][:size] if ring else alloc(size)
+                fill_window(backend, layout, buf, start)
+                out = staging[k % depth][:size] if staging and staging[k % depth] is not None else None
+                pending.append((start, backend.start_to_host(buf, out)))
+                if len(pending) == depth and not emit(*pending.popleft()):
+                    break
+            while pending and not cancel.is_set() and not should_stop():
+                emit(*pending.popleft())
             q.put(None) if not cancel.is_set() else None
         except BaseException as exc:  # surfaced to the consumer, which owns error reporting
             if not cancel.is_set():

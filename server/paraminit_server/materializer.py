@@ -148,9 +148,10 @@ class Materializer:
         chunk = self.chunk_size(chunk_bytes)
         slab = max(chunk, self.config.slab_bytes // chunk * chunk)
         held = min(lay.data_bytes, slab * (PREFETCH + 2))  # slabs in flight, and as many encoded copies
+        staging = 0 if self.backend.memory == HOST else min(lay.data_bytes, 2 * slab)  # engine's pinned ring
         with self.admission.admit(checked.report.total_bytes):
             yield StreamStart(lay, checked.digest)
-            with self._reserve(held, held, caller, "stream"):
+            with self._reserve(held, held + staging, caller, "stream"):
 
                 def encoded(start: int, host: Any) -> list[bytes]:
                     """The slab's chunk messages, each written once into a reusable bytes object (sendbuf)."""

@@ -89,6 +89,14 @@ class Backend(Protocol):
     def to_host(self, buf: Any) -> Any:
         """A host numpy view or copy of a backend buffer."""
 
+    def host_staging(self, nbytes: int) -> Any:
+        """Host memory a backend buffer of up to nbytes can be copied into without waiting (page-locked on a
+        device), reused slab after slab; None where backend buffers are host memory already."""
+
+    def start_to_host(self, buf: Any, out: Any) -> Callable[[], Any]:
+        """Queue a copy of buf into `out` (from host_staging, or None for new memory) behind every fill issued
+        so far and return at once; calling the result waits for the copy and returns the host array."""
+
     def device(self) -> DeviceDescription:
         """What the backend runs on, for GetInfo and metrics."""
 

@@ -99,6 +99,12 @@ class CpuBackend:
     def to_host(self, buf: Any) -> Any:
         return buf
 
+    def host_staging(self, nbytes: int) -> Any:
+        return None
+
+    def start_to_host(self, buf: Any, out: Any) -> Callable[[], Any]:
+        return lambda: buf
+
     def device(self) -> DeviceDescription:
         total, free = host_memory()
         return DeviceDescription("cpu", platform.processor() or platform.machine(), "", -1, total, free)

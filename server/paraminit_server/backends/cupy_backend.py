@@ -421,12 +421,32 @@ class CupyBackend:
 
     def to_host(self, buf: Any) -> Any:
         """Copy into pinned host memory (CuPy's pinned pool), the fast path for device-to-host copies."""
+        return self.start_to_host(buf, None)()
+
+    def host_staging(self, nbytes: int) -> Any:
+        """Page-locked host memory from CuPy's pinned pool: device-to-host copies into it are DMA, and
+        asynchronous, so the device fills and copies the next slab while the host sends this one."""
         import cupyx  # with CuPy, which this module imports only when the backend is chosen
 
         with self._device:
-            host = cupyx.empty_pinned(buf.shape, dtype=buf.dtype)
-            buf.get(out=host)
+            return cupyx.empty_pinned((int(nbytes),), dtype=np.uint8)
+
+    def start_to_host(self, buf: Any, out: Any) -> Callable[[], Any]:
+        """The copy goes on this thread's current stream, the one the fills went on, so it follows them;
+        an event recorded after it is what the returned function waits for."""
+        cp = self._cp
+        host = self.host_staging(buf.nbytes).view(buf.dtype).reshape(buf.shape) if out is None else out
+        with self._device:
+            cp.asnumpy(buf, out=host, blocking=False)
+            done = cp.cuda.Event()
+            done.record()
+
+        def wait() -> Any:
+            with self._device:
+                done.synchronize()
             return host
+
+        return wait
 
     def device(self) -> DeviceDescription:
         cp = self._cp
