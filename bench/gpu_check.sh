@@ -4,8 +4,8 @@
 # The packages the image lacks (protobuf, grpcio, ...) travel as wheels: run `make gpu-wheels` here and carry .whl/;
 # they are installed offline into a temporary directory, never fetched. Without them, and without those packages in
 # the image, the check stops at once with one line saying so.
-# Logs go to $OUT (default ./out): env.txt, wheels.log, warm_gpu.log, test_gpu.log, normal_parity.log, bench_gpu.log,
-# bench_gpu.json.
+# Logs go to $OUT (default ./out): env.txt, wheels.log, warm_gpu.log, test_gpu.log, normal_parity.log,
+# transport_gpu.log, bench_gpu.log, bench_gpu.json.
 #
 #   bash bench/gpu_check.sh    # PYTHON=... picks the interpreter, GPU_CHECK_GIB the bench size (default 1)
 #
@@ -143,6 +143,15 @@ PYEOF
 rc=$?
 tail -n 14 "$OUT/normal_parity.log"
 [ $rc -eq 124 ] && say "normal parity timed out after ${cap}s"
+[ $rc -ne 0 ] && status=1
+
+say "== bench/transport.py --backend cupy (STREAM from a GPU server: device fill, pinned ring, send)"
+cap=$(left $BENCH_RESERVE)
+[ "$cap" -gt 60 ] && cap=60
+timeout "$cap" "$PY" bench/transport.py --backend cupy --mib 256 --repeat 3 > "$OUT/transport_gpu.log" 2>&1
+rc=$?
+grep -v " INFO " "$OUT/transport_gpu.log" | tail -n 12
+[ $rc -eq 124 ] && say "bench/transport.py timed out after ${cap}s"
 [ $rc -ne 0 ] && status=1
 
 say "== bench/gpu.py"

@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--chunk-mib", type=float, default=1.0)
+    ap.add_argument("--backend", default="cpu", help="the server's backend: cpu, or cupy for a GPU server's stream")
     args = ap.parse_args()
     nbytes = args.mib << 20
     chunk = int(args.chunk_mib * (1 << 20)) // 8 * 8
@@ -140,7 +141,7 @@ def main() -> None:
     rows = [("bare gRPC stream", bare_stream), ("TCP socket", tcp_socket(nbytes))]
     # Uploaded payloads expire after 0.5 s here, so each timed upload lands in memory the server has just freed,
     # as a trainer's one upload does, not in a heap grown by the earlier runs.
-    env = {"PARAMINIT_PAYLOAD_TTL": "0.5", "PARAMINIT_MAX_PAYLOAD_BYTES": "4GiB"}
+    env = {"PARAMINIT_PAYLOAD_TTL": "0.5", "PARAMINIT_MAX_PAYLOAD_BYTES": "4GiB", "PARAMINIT_BACKEND": args.backend}
     with serve(env=env) as target, Client(target) as c, tempfile.TemporaryDirectory(dir=".") as tmp:
         c.materialize(plan_of([param("w", [1024], {"zeros": {}})]))
         rows.append(("Client.materialize", runs(lambda: c.materialize(plan, chunk_bytes=chunk), args.repeat)))
@@ -156,7 +157,8 @@ def main() -> None:
     with Client() as c:
         c.materialize(plan_of([param("w", [1024], {"zeros": {}})]))
         rows.append(("Client.materialize (in process)", runs(lambda: c.materialize(plan), args.repeat)))
-    print(f"transport: {args.mib} MiB float32 uniform plan, {chunk} B messages, best and median of {args.repeat}")
+    print(f"transport: {args.mib} MiB float32 uniform plan, {chunk} B messages, {args.backend} server, best and median "
+          f"of {args.repeat}")
     best = {name: min(t) for name, t in rows}
     head = f"{'what':<36} {'best GB/s':>10} {'median GB/s':>12} {'x bare stream':>14} {'x bare upload':>14}"
     print(head)
