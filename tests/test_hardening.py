@@ -26,12 +26,11 @@ import reference
 from safetensors.numpy import save_file
 
 from conftest import running_server, serve_subprocess, target_of, wait_until
-from paraminit import dtypes, wire
+from paraminit import dtypes, overlap, wire
 from paraminit.header_checksum import header_crc32c
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_client import client as client_module
 from paraminit_server import errors, files
 from paraminit_server import plan as planlib
 from paraminit_server.caller import Caller
@@ -623,7 +622,7 @@ def test_corrupted_chunk_data_is_data_loss_on_every_client_path(door: str, threa
     """One bit flipped in a chunk's data (not its header) fails each way of receiving a stream, with chunks
     landed on a helper thread or inline, and the file path leaves no file behind: every path checks each
     chunk's CRC32C exactly once, wherever it does it."""
-    monkeypatch.setattr(client_module, "LAND_THREAD_MIN_CPUS", 1 if threaded else 1 << 20)
+    monkeypatch.setattr(overlap, "HELPER_MIN_CPUS", 1 if threaded else 1 << 20)
     with running_server() as r:
         proxy = FlipProxy(r.port, MARKED[3000:3002].tobytes(), 2)
         try:

@@ -7,15 +7,13 @@ no chunk encoding and arrays filled in place.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
-from paraminit import dtypes, times, wire
+from paraminit import dtypes, overlap, times, wire
 from paraminit.header_checksum import header_crc32c
 from paraminit.hostmem import host_buffer, tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
@@ -482,19 +480,11 @@ def _progress_bar(total: int, name: str) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, leave=True)  # the finished bar stays on screen
 
 
-LAND_THREAD_MIN_CPUS = 4  # below this a helper thread only trades the cores it needs for handoffs
-
-
 def land(chunks: Iterator[wire.Chunk], put: Callable[[wire.Chunk], None],
-         progress: Callable[[int], None] | None = None, depth: int = 8, threaded: bool | None = None) -> None:
-    """Check each chunk's CRC32C and `put` it, on a helper thread while this one takes the next from gRPC.
-
-    The checksum and the copy (or pwrite) release the GIL, so receiving and landing overlap; at most
-    `depth` chunks are in flight. Where the process has fewer than LAND_THREAD_MIN_CPUS cores
-    (`threaded=None`) both run on this thread: on two cores the handoffs cost more than the overlap
-    gives (measured 1.7 vs 2.0 GB/s). A mismatch is DATA_LOSS and stops the stream."""
-    if threaded is None:
-        threaded = len(os.sched_getaffinity(0)) >= LAND_THREAD_MIN_CPUS
+         progress: Callable[[int], None] | None = None, depth: int = 8) -> None:
+    """Check each chunk's CRC32C and `put` it behind the thread that receives (paraminit.overlap: on a
+    helper thread where cores allow, at most `depth` chunks in flight). A mismatch is DATA_LOSS and stops
+    the stream."""
 
     def check_and_put(c: wire.Chunk) -> int:
         if crc32c.crc32c(c.data) != c.crc32c:
@@ -502,37 +492,9 @@ def land(chunks: Iterator[wire.Chunk], put: Callable[[wire.Chunk], None],
         put(c)
         return len(c.data)
 
-    if not threaded:
-        try:
-            for c in chunks:
-                n = check_and_put(c)
-                if progress is not None:
-                    progress(n)
-        except BaseException:
-            if isinstance(chunks, Generator):
-                chunks.close()  # cancels the call
-            raise
-        return
-
-    pending: collections.deque[Future[int]] = collections.deque()
-    with ThreadPoolExecutor(1, thread_name_prefix="paraminit-land") as pool:
-        try:
-            for c in chunks:
-                pending.append(pool.submit(check_and_put, c))
-                while pending and (len(pending) > depth or pending[0].done()):
-                    n = pending.popleft().result()
-                    if progress is not None:
-                        progress(n)
-            while pending:
-                n = pending.popleft().result()
-                if progress is not None:
-                    progress(n)
-        except BaseException:
-            for f in pending:
-                f.cancel()
-            if isinstance(chunks, Generator):
-                chunks.close()  # cancels the call
-            raise
+    for n in overlap.behind(chunks, check_and_put, depth):
+        if progress is not None:
+            progress(n)
 
 
 def _verified_chunks(call: Any, total: int, check_crc: bool = True) -> Iterator[wire.Chunk]:

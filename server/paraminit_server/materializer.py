@@ -7,10 +7,8 @@ slab sizing and chunk encoding live here, so every door behaves the same.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections.abc import Generator, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +16,7 @@ import crc32c
 import numpy as np
 import numpy.typing as npt
 
-from paraminit import dtypes, wire
+from paraminit import dtypes, overlap, wire
 from paraminit.hostmem import host_buffer
 from paraminit.sendbuf import MessagePool
 from paraminit.v1 import plan_pb2
@@ -255,49 +253,13 @@ class Materializer:
         (uploads in flight count against it; the bytes go back on every failure). Shutdown lets uploads in
         flight finish within the drain time."""
         with self.sources.uploading():
-            ticket: PayloadTicket | None = None
+            receiving = _Upload(self.sources)
             try:
-                buf: npt.NDArray[np.uint8] | None = None
-                hasher: Any = None
-                dtype = count = received = 0
-                with ThreadPoolExecutor(1, thread_name_prefix="paraminit-upload") as pool:
-                    landed: collections.deque[Future[None]] = collections.deque()
-
-                    def land(at: int, data: Any) -> None:  # copy and hash release the GIL: overlaps receiving
-                        assert buf is not None
-                        buf[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                        hasher.update(data)
-
-                    for piece in pieces:
-                        if buf is None:
-                            dtype, count = piece.dtype, piece.count
-                            dt = dtypes.by_enum(dtype)
-                            if dt is None:
-                                raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype}; expected one "
-                                                            f"of {', '.join(d.name for d in dtypes.SUPPORTED)}")
-                            if count * dt.itemsize > self.sources.max_bytes:
-                                raise errors.ResourceExhausted(f"payload of {count} {dt.name} values needs "
-                                                               f"{count * dt.itemsize} bytes; the payload limit is "
-                                                               f"{self.sources.max_bytes}")
-                            ticket = self.sources.reserve(count * dt.itemsize)
-                            buf = host_buffer(count * dt.itemsize)
-                            hasher = payload_hasher(dt)
-                        data = piece.data
-                        if received + len(data) > len(buf):
-                            raise errors.InvalidRequest(f"payload is longer than the declared {count} values")
-                        landed.append(pool.submit(land, received, data))
-                        received += len(data)
-                        while len(landed) > 8 or (landed and landed[0].done()):
-                            landed.popleft().result()
-                    while landed:
-                        landed.popleft().result()
-                if buf is None:
-                    raise errors.InvalidRequest("empty payload upload")
-                return self.sources.store(caller.identity, dtype, count, buf[:received], ticket,
-                                          hasher.hexdigest() if received == len(buf) else "")
+                for _ in overlap.behind(receiving.located(pieces), receiving.land):
+                    pass
+                return receiving.store(caller.identity)
             except BaseException:
-                if ticket is not None:
-                    ticket.cancel()
+                receiving.cancel()
                 raise
 
     # -- the server ----------------------------------------------------------------------
@@ -309,3 +271,57 @@ class Materializer:
     def close(self) -> None:
         """Free every lease and pooled buffer (shutdown)."""
         self.exports.close()
+
+
+class _Upload:
+    """One payload arriving: sized and reserved by its first piece, then each piece copied and hashed
+    (`land`, which releases the GIL, behind the receiving thread)."""
+
+    def __init__(self, sources: Sources) -> None:
+        self.sources = sources
+        self.ticket: PayloadTicket | None = None
+        self.buf: npt.NDArray[np.uint8] | None = None
+        self.hasher: Any = None
+        self.dtype = self.count = self.received = 0
+
+    def located(self, pieces: Iterable[PayloadPiece]) -> Iterator[tuple[int, bytes | memoryview]]:
+        """(offset, data) of each piece, checked against the declared size before anything is copied."""
+        for piece in pieces:
+            if self.buf is None:
+                self._start(piece)
+            assert self.buf is not None
+            data = piece.data
+            if self.received + len(data) > len(self.buf):
+                raise errors.InvalidRequest(f"payload is longer than the declared {self.count} values")
+            yield self.received, data
+            self.received += len(data)
+
+    def _start(self, first: PayloadPiece) -> None:
+        self.dtype, self.count = first.dtype, first.count
+        dt = dtypes.by_enum(first.dtype)
+        if dt is None:
+            raise errors.InvalidRequest(f"unknown payload dtype enum value {first.dtype}; expected one "
+                                        f"of {', '.join(d.name for d in dtypes.SUPPORTED)}")
+        nbytes = first.count * dt.itemsize
+        if nbytes > self.sources.max_bytes:
+            raise errors.ResourceExhausted(f"payload of {first.count} {dt.name} values needs {nbytes} bytes; the "
+                                           f"payload limit is {self.sources.max_bytes}")
+        self.ticket = self.sources.reserve(nbytes)
+        self.buf = host_buffer(nbytes)
+        self.hasher = payload_hasher(dt)
+
+    def land(self, item: tuple[int, bytes | memoryview]) -> None:
+        at, data = item
+        assert self.buf is not None
+        self.buf[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.hasher.update(data)
+
+    def store(self, identity: str) -> tuple[str, Payload]:
+        if self.buf is None:
+            raise errors.InvalidRequest("empty payload upload")
+        return self.sources.store(identity, self.dtype, self.count, self.buf[:self.received], self.ticket,
+                                  self.hasher.hexdigest() if self.received == len(self.buf) else "")
+
+    def cancel(self) -> None:
+        if self.ticket is not None:
+            self.ticket.cancel()
