@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +29,7 @@ from paraminit.hostmem import host_buffer, tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
-from paraminit_client import scaleout
+from paraminit_client import filesink, scaleout
 from paraminit_client._embedded import start_embedded
 from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
 from paraminit_client.errors import ParaminitError, Violation
@@ -339,10 +338,11 @@ class Client:
                             chunk_bytes: int = 0, durable: bool = True) -> pb.StreamHeader:
         """Write a safetensors file atomically: a temporary file renamed into place only when complete.
 
-        The file is sized up front (a full disk fails before any transfer) and each chunk is written at
-        its own offset as it arrives, with no copy in between. `durable` (the default) flushes the data
-        and the directory entry to disk before returning, so the file survives a crash once this
-        returns; without it the page cache decides (faster where the disk is slower than the network)."""
+        The file is sized up front (a full disk fails before any transfer) and each chunk is written as
+        it arrives (paraminit_client.filesink). `durable` (the default) writes the data with direct I/O
+        where the file system allows and flushes it and the directory entry to disk before returning,
+        so the file survives a crash once this returns; without it the page cache decides (faster where
+        the disk is slower than the network)."""
         dest = Path(path)
         header, chunks = self.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
         bar = _progress_bar(header.data_bytes, dest.name) if progress else None
@@ -352,23 +352,12 @@ class Client:
             try:
                 if base + header.data_bytes:
                     os.posix_fallocate(fd, 0, base + header.data_bytes)
-                os.pwrite(fd, header.safetensors_prefix, 0)
-
-                flusher = _Flusher(fd) if durable else None
-
-                def put(c: wire.Chunk) -> None:
-                    data, pos = c.data, base + c.offset
-                    while data:  # a short write is legal: write the rest
-                        n = os.pwrite(fd, data, pos)
-                        data, pos = data[n:], pos + n
-                    if flusher is not None:
-                        flusher.wrote(len(c.data))
-
+                sink = filesink.open_sink(fd, tmp, header.safetensors_prefix, header.data_bytes, durable)
                 try:
-                    land(chunks, put, bar.update if bar is not None else None)
+                    land(chunks, sink.put, bar.update if bar is not None else None)
+                    sink.finish()
                 finally:
-                    if flusher is not None:
-                        flusher.stop()
+                    sink.close()
                 if durable:
                     os.fsync(fd)
                 os.fchmod(fd, 0o644 & ~_umask())
@@ -385,43 +374,6 @@ class Client:
             if bar is not None:
                 bar.close()
         return header
-
-
-class _Flusher:
-    """Starts the disk writing early: a thread fdatasyncs the file every FLUSH_BYTES written, so the final
-    fsync waits for the last stretch only and the disk works while the network does."""
-
-    FLUSH_BYTES = 16 << 20  # 16 MiB: measured 1.22 GB/s durable against 1.13 at 64 MiB (a shorter final fsync)
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._pending = 0
-        self._cond = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="paraminit-flush", daemon=True)
-        self._thread.start()
-
-    def wrote(self, n: int) -> None:
-        with self._cond:
-            self._pending += n
-            if self._pending >= self.FLUSH_BYTES:
-                self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stopped or self._pending >= self.FLUSH_BYTES)
-                if self._stopped:
-                    return
-                self._pending = 0
-            with contextlib.suppress(OSError):  # the final fsync reports any error
-                os.fdatasync(self._fd)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        self._thread.join()
 
 
 def _fsync_dir(path: Path) -> None:
