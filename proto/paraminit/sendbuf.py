@@ -27,10 +27,6 @@ _new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)  # a NULL source leave
 _bytes_data = ctypes.pythonapi.PyBytes_AsString
 _bytes_data.restype = ctypes.c_void_p
 _bytes_data.argtypes = (ctypes.py_object,)
-# sys.getrefcount of the bytes of a pooled message nobody holds: the Message's and the call's argument; of the
-# Message itself while take() looks at it: the ring's, take()'s variable and the argument. A writer holds the
-# Message until it has handed the bytes on, so one of the two counts is always higher while it is in use.
-_FREE_DATA, _FREE_MESSAGE = 2, 3
 
 
 @dataclass(eq=False)
@@ -56,16 +52,22 @@ class MessagePool:
         self.held = 0
         self._lock = threading.Lock()
         self._by_size: dict[int, collections.deque[Message]] = {}
+        self._probe = collections.deque([new_message(2)])  # never handed out
 
     def take(self, size: int) -> Message:
         """A message of `size` bytes that nobody else references (contents unspecified). Keep the Message
-        until its bytes are referenced elsewhere (sent, queued): until then only the Message marks it busy."""
+        until its bytes are referenced elsewhere (sent, queued): until then only the Message marks it busy;
+        a message counts as free when neither it nor its bytes has a reference beyond the pool's."""
         with self._lock:
             ring = self._by_size.setdefault(size, collections.deque())
+            # What "nobody else" reads as: a probe message held exactly as a free pooled one is (one ring slot,
+            # one local name), counted by the same expressions, so no interpreter's counting convention matters.
+            p = self._probe[0]
+            free_data, free_message = sys.getrefcount(p.data), sys.getrefcount(p)
             for _ in range(len(ring)):  # oldest first: the ones sent longest ago are the likeliest free
                 m = ring[0]
                 ring.rotate(-1)
-                if sys.getrefcount(m.data) == _FREE_DATA and sys.getrefcount(m) == _FREE_MESSAGE:
+                if sys.getrefcount(m.data) == free_data and sys.getrefcount(m) == free_message:
                     return m
             m = new_message(size)
             if self.held + size <= self.max_bytes:
