@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -534,6 +535,33 @@ def test_validate_trims_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
     with running_server() as r:
         r.plane.validate(plan_of([param("w", [4], {"zeros": {}})]), Caller())
         assert trims == [1]
+
+
+def test_heap_is_trimmed_once_after_the_server_stays_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Back-to-back calls keep their heap (no trim between them, one timer however many calls end); a trim
+    and the message pool's release come once the server has been idle for the whole wait."""
+    from paraminit_server import admission
+
+    trims: list[float] = []
+    idles: list[int] = []
+    monkeypatch.setattr(admission, "trim_heap", lambda: trims.append(time.monotonic()))
+    monkeypatch.setattr(admission, "TRIM_AFTER_IDLE", 0.3)
+    adm = admission.Admission(4, 1 << 30, on_idle=lambda: idles.append(1))
+    threads_before = threading.active_count()
+    last = 0.0
+    for _ in range(200):
+        with adm.admit(1):
+            pass
+        last = time.monotonic()
+    assert threading.active_count() <= threads_before + 1  # one pending timer, not one per call
+    with adm.admit(1):  # busy when the timer fires: no trim while a call is in flight
+        time.sleep(0.4)
+        assert trims == []
+    last = time.monotonic()
+    assert wait_until(lambda: len(trims) == 1, timeout=5)
+    assert trims[0] - last >= 0.29 and idles == [1]
+    time.sleep(0.5)
+    assert len(trims) == 1  # nothing more until the next call
 
 
 # -- item 13: the stream header's checksum ------------------------------------------------------

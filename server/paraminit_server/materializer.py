@@ -86,8 +86,8 @@ class Materializer:
         device_budget = None
         if backend.memory != HOST:
             device_budget = config.device_memory_budget or backend.device().memory_free // 2
-        # encoded chunk messages, reused across streams (their memory is part of each stream's reservation)
-        self.messages = MessagePool(config.slab_bytes * (PREFETCH + 2) * config.max_concurrent)
+        # encoded chunk messages, reused across streams: two streams' worth at most (more streams make their own)
+        self.messages = MessagePool(config.slab_bytes * (PREFETCH + 2) * min(2, config.max_concurrent))
         self.admission = Admission(config.max_concurrent, host_budget, device_budget, on_idle=self.messages.clear)
         self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
                                  config.max_lease_ttl)
