@@ -437,7 +437,10 @@ class CupyBackend:
         cp = self._cp
         host = self.host_staging(buf.nbytes).view(buf.dtype).reshape(buf.shape) if out is None else out
         with self._device:
-            cp.asnumpy(buf, out=host, blocking=False)
+            try:
+                cp.asnumpy(buf, out=host, blocking=False)
+            except TypeError:  # a CuPy without `blocking`: the copy is synchronous, the event passes at once
+                buf.get(out=host)
             done = cp.cuda.Event()
             done.record()
 
