@@ -66,7 +66,7 @@ class DirectSink:
         except OSError as exc:
             raise DirectUnavailable(str(exc)) from None
         self._total = total
-        self._maps = [mmap.mmap(-1, self.BLOCK) for _ in range(self.RING)]  # page-aligned
+        self._maps = _blocks(self.BLOCK, self.RING)
         self._ring = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
         try:  # a file system may accept the flag at open and refuse the write
             self._pwrite(0, 0, ALIGN)
@@ -117,8 +117,32 @@ class DirectSink:
             self._pool.shutdown(wait=True, cancel_futures=True)
         os.close(self._fd)
         self._ring.clear()
-        for m in self._maps:
-            m.close()
+        _give_back(self._maps)
+
+
+_spare: list[mmap.mmap] = []  # blocks of the last direct write, kept for the next: fresh pages cost a fault each
+_spare_lock = threading.Lock()
+
+
+def _blocks(size: int, count: int) -> list[mmap.mmap]:
+    """`count` page-aligned blocks of `size` bytes, the ones a previous write touched first."""
+    with _spare_lock:
+        reused = [m for m in _spare if len(m) == size][:count]
+        for m in reused:
+            _spare.remove(m)
+    return reused + [mmap.mmap(-1, size) for _ in range(count - len(reused))]
+
+
+def _give_back(blocks: list[mmap.mmap]) -> None:
+    """Keep one write's worth of blocks of the latest size for the next write; close the rest."""
+    with _spare_lock:
+        drop = [m for m in _spare if blocks and len(m) != len(blocks[0])]
+        for m in drop:
+            _spare.remove(m)
+        keep = max(0, DirectSink.RING - len(_spare))
+        _spare.extend(blocks[:keep])
+    for m in drop + blocks[keep:]:
+        m.close()
 
 
 class BufferedSink:
