@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -538,30 +537,45 @@ def test_validate_trims_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_heap_is_trimmed_once_after_the_server_stays_idle(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Back-to-back calls keep their heap (no trim between them, one timer however many calls end); a trim
-    and the message pool's release come once the server has been idle for the whole wait."""
+    """Back-to-back calls keep their heap: one pending timer however many calls end, no trim while a call
+    is in flight or when one came during the wait; the trim (and the message pool's release) comes once the
+    server has been idle for a whole wait. Timers are fired by hand, so no timing matters."""
     from paraminit_server import admission
 
-    trims: list[float] = []
+    timers: list[tuple[float, Any, tuple[Any, ...]]] = []
+
+    class Timer:
+        def __init__(self, interval: float, fn: Any, args: tuple[Any, ...] = ()) -> None:
+            self.entry = (interval, fn, args)
+            self.daemon = False
+
+        def start(self) -> None:
+            timers.append(self.entry)
+
+    def fire() -> None:
+        _, fn, args = timers.pop(0)
+        fn(*args)
+
+    trims: list[int] = []
     idles: list[int] = []
-    monkeypatch.setattr(admission, "trim_heap", lambda: trims.append(time.monotonic()))
-    monkeypatch.setattr(admission, "TRIM_AFTER_IDLE", 0.3)
+    monkeypatch.setattr(admission, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(admission.threading, "Timer", Timer)
     adm = admission.Admission(4, 1 << 30, on_idle=lambda: idles.append(1))
-    threads_before = threading.active_count()
-    last = 0.0
     for _ in range(200):
         with adm.admit(1):
             pass
-        last = time.monotonic()
-    assert threading.active_count() <= threads_before + 1  # one pending timer, not one per call
-    with adm.admit(1):  # busy when the timer fires: no trim while a call is in flight
-        time.sleep(0.4)
-        assert trims == []
-    last = time.monotonic()
-    assert wait_until(lambda: len(trims) == 1, timeout=5)
-    assert trims[0] - last >= 0.29 and idles == [1]
-    time.sleep(0.5)
-    assert len(trims) == 1  # nothing more until the next call
+    assert len(timers) == 1 and timers[0][0] == admission.TRIM_AFTER_IDLE  # one pending, not one per call
+    with adm.admit(1):
+        fire()  # fires while a call is in flight: nothing, and nothing pending
+        assert trims == [] and timers == []
+    assert len(timers) == 1  # the call's end starts the wait again
+    with adm.admit(1):
+        pass
+    assert len(timers) == 1  # still one
+    fire()  # idle now, but a call came during the wait: wait again
+    assert trims == [] and len(timers) == 1
+    fire()  # a whole wait without a call
+    assert trims == [1] and idles == [1] and timers == []
 
 
 # -- item 13: the stream header's checksum ------------------------------------------------------
