@@ -1,17 +1,22 @@
 """Fast codec for MaterializeResponse data chunks, wire-compatible with init_service.proto.
 
 A 1 MiB chunk built and parsed through generated messages is copied four times
-or more; here the server joins header and payload once and the client reads the
-payload as a memoryview of the received bytes. Anything that is not a chunk goes
+or more; here the server writes header, payload and checksum once into the bytes
+gRPC sends and the client reads the payload as a memoryview of the received bytes. Anything that is not a chunk goes
 through the generated message class, so any conforming peer interoperates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c
+import numpy as np
+import numpy.typing as npt
+
+from paraminit.sendbuf import Message
 from paraminit.v1 import init_service_pb2 as pb
 
 
@@ -48,7 +53,7 @@ def _varint(n: int) -> bytes:
 
 
 _CRC_TAG_BYTES = _varint(_CRC_TAG)
-CRC_TRAILER_BYTES = len(_CRC_TAG_BYTES) + 4
+_CRC_TRAILER_BYTES = len(_CRC_TAG_BYTES) + 4
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -64,22 +69,21 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def chunk_frame(offset: int, size: int) -> tuple[bytes, int]:
-    """The bytes before a chunk's `size` data bytes in its MaterializeResponse, and how many follow them
-    (`crc_trailer`): a sender can build the message around data it writes in place."""
-    inner_head = _varint(_OFFSET_TAG) + _varint(offset) + _varint(_DATA_TAG) + _varint(size)
-    inner_len = len(inner_head) + size + CRC_TRAILER_BYTES
-    return _varint(_CHUNK_FIELD_TAG) + _varint(inner_len) + inner_head, CRC_TRAILER_BYTES
-
-
-def crc_trailer(crc32c: int) -> bytes:
-    return _CRC_TAG_BYTES + crc32c.to_bytes(4, "little")
-
-
-def encode_chunk(offset: int, data: memoryview | bytes, crc32c: int) -> bytes:
-    """Serialized MaterializeResponse{chunk: DataChunk{offset, data, crc32c}} with one copy of data."""
-    head, _ = chunk_frame(offset, len(data))
-    return b"".join((head, data, crc_trailer(crc32c)))
+def write_chunk(take: Callable[[int], Message], offset: int, data: npt.NDArray[np.uint8]) -> bytes:
+    """Serialized MaterializeResponse{chunk: DataChunk{offset, data, crc32c(data)}}, written into a message
+    from take(size) (paraminit.sendbuf) with one copy of data and the checksum taken of the bytes as
+    written; returns the message's bytes, for gRPC to send."""
+    n = int(data.shape[0])
+    inner_head = _varint(_OFFSET_TAG) + _varint(offset) + _varint(_DATA_TAG) + _varint(n)
+    head = _varint(_CHUNK_FIELD_TAG) + _varint(len(inner_head) + n + _CRC_TRAILER_BYTES) + inner_head
+    h = len(head)
+    m = take(h + n + _CRC_TRAILER_BYTES)
+    m.view[:h] = np.frombuffer(head, dtype=np.uint8)
+    body = m.view[h:h + n]
+    body[:] = data
+    trailer = _CRC_TAG_BYTES + crc32c.crc32c(body.data).to_bytes(4, "little")
+    m.view[h + n:] = np.frombuffer(trailer, dtype=np.uint8)
+    return m.data
 
 
 def serialize_response(msg: pb.MaterializeResponse | bytes) -> bytes:

@@ -12,7 +12,6 @@ from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c
 import numpy as np
 import numpy.typing as npt
 
@@ -153,19 +152,8 @@ class Materializer:
 
                 def encoded(start: int, host: Any) -> list[bytes]:
                     """The slab's chunk messages, each written once into a reusable bytes object (sendbuf)."""
-                    out = []
-                    for off in range(0, int(host.shape[0]), chunk):
-                        piece = host[off:off + chunk]
-                        n = int(piece.shape[0])
-                        head, tail = wire.chunk_frame(start + off, n)
-                        m = self.messages.take(len(head) + n + tail)
-                        h = len(head)
-                        m.view[:h] = np.frombuffer(head, dtype=np.uint8)
-                        body = m.view[h:h + n]
-                        body[:] = piece
-                        m.view[h + n:] = np.frombuffer(wire.crc_trailer(crc32c.crc32c(body.data)), dtype=np.uint8)
-                        out.append(m.data)
-                    return out
+                    return [wire.write_chunk(self.messages.take, start + off, host[off:off + chunk])
+                            for off in range(0, int(host.shape[0]), chunk)]
 
                 if not encode:
                     yield from engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH)
