@@ -24,6 +24,10 @@ def arrays_from_buffer(tensors: Iterable[Any], buf: Any) -> dict[str, np.ndarray
     """Views of each tensor (name, dtype, shape, offset, nbytes) inside one buffer (numpy or any buffer)."""
     host = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
     out: dict[str, np.ndarray[Any, Any]] = {}
+    kinds: dict[int, np.dtype[Any]] = {}  # one lookup per dtype, not per tensor
     for t in tensors:
-        out[t.name] = host[t.offset:t.offset + t.nbytes].view(numpy_dtype(t.dtype)).reshape(tuple(t.shape))
+        dt = kinds.get(t.dtype)
+        if dt is None:
+            dt = kinds[t.dtype] = numpy_dtype(t.dtype)
+        out[t.name] = host[t.offset:t.offset + t.nbytes].view(dt).reshape(tuple(t.shape))
     return out

@@ -21,7 +21,7 @@ from paraminit_server import backends
 from paraminit_server.__main__ import main as serve_main
 from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
-from paraminit_server.layout import Layout
+from paraminit_server.layout import Layout, TensorSpan
 from paraminit_server.materializer import Materializer, StreamStart
 from paraminit_server.server import Running, start
 from paraminit_server.service import Handlers, tensor_infos
@@ -128,10 +128,11 @@ class InProcess:
         """Exports (the stream delivery has its own calls below)."""
         return [self.call("Materialize", lambda r, c: self.handlers.export(r, c), request, self.caller)]
 
-    def fill(self, plan: plan_pb2.Plan, outputs: Mapping[str, Any] | None = None) -> tuple[list[pb.TensorInfo], str, Any]:
-        """Tensor table, digest and one buffer in stream layout; or, with outputs, fill those arrays in place."""
+    def fill(self, plan: plan_pb2.Plan, outputs: Mapping[str, Any] | None = None) -> tuple[list[TensorSpan], str, Any]:
+        """Tensor table, digest and one buffer in stream layout; or, with outputs, fill those arrays in place
+        (and return no table: the caller has its arrays)."""
         lay, digest, buf = self.call("Materialize", lambda: self.plane.fill_host(plan, self.caller, outputs))
-        return tensor_infos(lay), digest, buf
+        return (lay.spans() if outputs is None else []), digest, buf
 
     def stream(self, plan: plan_pb2.Plan) -> Iterator[pb.StreamHeader | tuple[int, Any]]:
         """A header, then (offset, host slab) pairs: for writing files without an extra copy."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from paraminit_server.plan import ResolvedParam
 
@@ -33,6 +34,21 @@ class Layout:
 
     def in_offset_order(self) -> list[Placement]:
         return sorted(self.placements, key=lambda pl: pl.offset)
+
+    def spans(self) -> list[TensorSpan]:
+        """Where each tensor lies, in plan order, as plain tuples (no protobuf for in-process callers)."""
+        return [TensorSpan(pl.param.name, pl.param.dtype.enum, pl.param.out_shape, pl.offset, pl.param.nbytes)
+                for pl in self.placements]
+
+
+class TensorSpan(NamedTuple):
+    """One tensor of a delivered buffer: the fields of the contract's TensorInfo, as a plain tuple."""
+
+    name: str
+    dtype: int  # paraminit.v1.DType enum value
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
 
 
 def _round_up(n: int, a: int) -> int:

@@ -9,6 +9,7 @@ payloads (inline values, uploaded payloads, checkpoint tensors).
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -89,15 +90,16 @@ class ResolvedParam:
     patches: tuple[Patch, ...] = ()
     compact: bool = False  # values hold only the region (row-major), not the whole tensor: values[local index]
 
-    @property
+    # Computed once per parameter (a plan of 100k small tensors asks for these several times each).
+    @functools.cached_property
     def out_shape(self) -> tuple[int, ...]:
         return tuple(stop - start for start, stop in self.region)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return spec.numel(self.out_shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
@@ -106,6 +108,14 @@ class ResolvedParam:
         return self.out_shape == self.shape
 
     def runs(self) -> Runs:
+        """The region's row-major runs (computed once per parameter)."""
+        cached: Runs | None = self.__dict__.get("_runs")
+        if cached is None:
+            cached = self._make_runs()
+            self.__dict__["_runs"] = cached  # frozen: cache beside the fields, as cached_property does
+        return cached
+
+    def _make_runs(self) -> Runs:
         if self.compact:  # values are indexed by the local index: one run from 0
             return Runs(_i64([]), _i64([]), _i64([]), 0, max(1, self.numel))
         rank = len(self.shape)
