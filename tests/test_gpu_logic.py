@@ -946,3 +946,39 @@ def test_gpu_to_gpu_copy_is_synchronized_before_release(monkeypatch: pytest.Monk
     assert log[:2] == ["copy cuda:0->cuda:1"] * 2
     assert sorted(log[2:4]) == ["synchronize cuda:0", "synchronize cuda:1"]
     assert log[4:] == ["release"]
+
+
+def test_a_failed_attribute_query_is_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels compiled, then the device's attribute query failed: BackendUnavailable, not a raw CUDA error."""
+
+    class Function:
+        kernel = object()
+        num_regs = 40
+
+    class Module:
+        def __init__(self, code: str, options: Sequence[str]) -> None:
+            assert "pi_fill_plan" in code and tuple(options) == cb.NVRTC_OPTIONS
+
+        def get_function(self, name: str) -> Function:
+            return Function()
+
+    class Device:
+        def __init__(self, device: int) -> None:
+            self.id = device
+
+        def __enter__(self) -> Device:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        @property
+        def attributes(self) -> dict[str, int]:
+            raise CudaError(CUDA_ERROR_ILLEGAL_ADDRESS)
+
+    fake = types.SimpleNamespace(RawModule=Module, cuda=types.SimpleNamespace(Device=Device))
+    monkeypatch.setattr(cb, "_import_cupy", lambda: fake)
+    monkeypatch.setattr(cb, "_KERNELS", {})
+    with pytest.raises(errors.BackendUnavailable, match="attributes failed"):
+        cb.kernels(5)
+    assert cb._KERNELS == {}  # nothing half-made is cached

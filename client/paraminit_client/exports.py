@@ -45,7 +45,8 @@ def _import_cupy() -> Any:
         import cupy  # optional: only CUDA_IPC leases need it
     except ImportError:
         raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "CUDA_IPC leases need CuPy: pip install 'paraminit[gpu]' (or cupy-cuda13x)") from None
+                             "CUDA_IPC leases need CuPy: pip install 'paraminit[gpu-cuda13]' on CUDA 13, "
+                             "'paraminit[gpu]' on CUDA 12") from None
     return cupy
 
 
