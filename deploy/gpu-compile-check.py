@@ -17,7 +17,7 @@ from paraminit_server.backends import cupy_backend as cb
 
 ARCH = "90"
 compiler._get_arch_for_options_for_nvrtc = lambda arch=None: (f"-arch=sm_{arch or ARCH}", "cubin")
-options = core.assemble_cupy_compiler_options(tuple(cb.NVRTC_OPTIONS)) + ("-ftz=true",)
+options = (*core.assemble_cupy_compiler_options(tuple(cb.NVRTC_OPTIONS)), "-ftz=true")
 print("nvrtc", compiler._get_nvrtc_version(), "options", " ".join(o for o in options if not o.startswith("-I")))
 print("include dirs", [o[2:] for o in options if o.startswith("-I")])
 failed = 0
