@@ -71,7 +71,15 @@ typedef unsigned int pi_u32;
 #define PI_W_NOUTER 11  // number of outer dimensions
 #define PI_W_DIMS 12    // offset of (start, ext, stride) triples in the dims section
 
-#if defined(__CUDA_ARCH__)
+// The device branches of the loads and primitives below. The host harness also
+// builds them on the CPU (PI_DEVICE_MATH_ON_HOST, with plain C++ stand-ins for
+// the intrinsics, tests/test_cuda_harness.py) so that code runs somewhere
+// before a device; the kernels' own compile is checked in test_nvrtc_ptx.py.
+#if defined(__CUDA_ARCH__) || defined(PI_DEVICE_MATH_ON_HOST)
+#define PI_DEVICE_MATH 1
+#endif
+
+#if defined(PI_DEVICE_MATH)
 #define PI_LDG(p) __ldg(p)
 #else
 #define PI_LDG(p) (*(p))
@@ -81,7 +89,7 @@ typedef unsigned int pi_u32;
 // Exactly rounded binary64 primitives.
 
 PI_HD pi_u64 pi_bits(double x) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return (pi_u64)__double_as_longlong(x);
 #else
     pi_u64 b;
@@ -91,7 +99,7 @@ PI_HD pi_u64 pi_bits(double x) {
 }
 
 PI_HD double pi_double(pi_u64 b) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __longlong_as_double((long long)b);
 #else
     double x;
@@ -101,7 +109,7 @@ PI_HD double pi_double(pi_u64 b) {
 }
 
 PI_HD double pi_add(double a, double b) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __dadd_rn(a, b);
 #else
     return a + b;
@@ -109,7 +117,7 @@ PI_HD double pi_add(double a, double b) {
 }
 
 PI_HD double pi_sub(double a, double b) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __dsub_rn(a, b);
 #else
     return a - b;
@@ -117,7 +125,7 @@ PI_HD double pi_sub(double a, double b) {
 }
 
 PI_HD double pi_mul(double a, double b) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __dmul_rn(a, b);
 #else
     return a * b;
@@ -125,7 +133,7 @@ PI_HD double pi_mul(double a, double b) {
 }
 
 PI_HD double pi_sqrt(double a) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __dsqrt_rn(a);
 #else
     return std::sqrt(a);
@@ -133,7 +141,7 @@ PI_HD double pi_sqrt(double a) {
 }
 
 PI_HD double pi_fma(double a, double b, double c) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __fma_rn(a, b, c);
 #else
     return std::fma(a, b, c);
