@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# PyTorch tests (tests/test_torch.py) run against the CPU build; they skip cleanly without torch.
 	$(PY) -m pip install -q 'torch==2.13.0' || echo "torch 2.13.0 not installable here: PyTorch tests will skip"
+	# promtool (Debian's prometheus package) for tests/test_prometheus_rules.py, where this runs as root with apt.
+	command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; }; }; } || \
+		echo "promtool not installable here: the alert rule tests will skip"
 	touch $(STAMP)
 
 venv: $(STAMP)

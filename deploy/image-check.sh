@@ -1,5 +1,5 @@
 #!/bin/sh
-# Builds the CPU image without any registry and runs it the way compose and the Deployment do.
+# Builds the CPU and GPU images without any registry and runs them the way compose and the Deployment do.
 #
 #   sudo deploy/image-check.sh          (or: make image-check)
 #
@@ -16,11 +16,17 @@
 #
 # Needs root, a Docker daemon (started here from `dockerd` when none answers) and, for the base, mmdebstrap:
 #   apt-get install -y docker.io mmdebstrap
-# Environment: IMAGE (default paraminit:check), BASE_REBUILD=1 rebuilds the base, MAX_READY_S (default 3).
+# 7. The GPU image (same base; cupy-cuda13x, the CUDA runtime with its headers and NVRTC from PyPI wheels, no NVIDIA
+#    registry) is built, and the kernels compile inside it, hardened and without a GPU, through CuPy's own compiler
+#    path with its full option set (deploy/gpu-compile-check.py).
+# Environment: IMAGE (default paraminit:check), GPU_IMAGE (default paraminit:check-gpu), TARGETS ("cpu gpu", or
+# "cpu" / "gpu" alone), BASE_REBUILD=1 rebuilds the base, MAX_READY_S (default 3).
 set -eu
 
 cd "$(dirname "$0")/.."
 IMAGE=${IMAGE:-paraminit:check}
+GPU_IMAGE=${GPU_IMAGE:-paraminit:check-gpu}
+TARGETS=${TARGETS:-cpu gpu}
 BASE=docker.io/library/python:3.11-slim-bookworm
 MAX_READY_S=${MAX_READY_S:-3}
 NAME=paraminit-check-$$
@@ -78,21 +84,45 @@ else
 fi
 
 # --- build ------------------------------------------------------------------------------------------------------
-step "build --target cpu -> $IMAGE"
-t0=$(now)
 rev=$(git rev-parse --short HEAD 2>/dev/null || true)
 if [ -n "$rev" ] && ! git diff --quiet HEAD -- proto server client pyproject.toml 2>/dev/null; then
     rev="$rev-dirty"
 fi
-if docker buildx version >/dev/null 2>&1; then
-    docker buildx build --load --target cpu --build-arg "PARAMINIT_REVISION=$rev" -t "$IMAGE" . >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; fail "build"; }
-else
-    # Docker CLIs from 23 on need the buildx plugin for BuildKit; Debian's docker.io client (20.10) has it built in.
-    client=docker
-    [ -x /usr/bin/docker ] && client=/usr/bin/docker
-    DOCKER_BUILDKIT=1 "$client" build --progress=plain --target cpu --build-arg "PARAMINIT_REVISION=$rev" -t "$IMAGE" . >"$WORK/build.log" 2>&1 \
-        || { tail -40 "$WORK/build.log"; fail "build"; }
+build() {  # target, tag
+    if docker buildx version >/dev/null 2>&1; then
+        docker buildx build --load --target "$1" --build-arg "PARAMINIT_REVISION=$rev" -t "$2" . >"$WORK/build-$1.log" 2>&1 \
+            || { tail -40 "$WORK/build-$1.log"; fail "build $1"; }
+    else
+        # Docker CLIs from 23 on need the buildx plugin for BuildKit; Debian's docker.io client (20.10) has it built in.
+        client=docker
+        [ -x /usr/bin/docker ] && client=/usr/bin/docker
+        DOCKER_BUILDKIT=1 "$client" build --progress=plain --target "$1" --build-arg "PARAMINIT_REVISION=$rev" -t "$2" . \
+            >"$WORK/build-$1.log" 2>&1 || { tail -40 "$WORK/build-$1.log"; fail "build $1"; }
+    fi
+}
+
+# --- GPU image: built on the same base, CUDA from PyPI wheels; the kernels compile inside it without a GPU --------
+gpu_check() {
+    step "build --target gpu -> $GPU_IMAGE (cupy-cuda13x, CUDA runtime headers and NVRTC from PyPI wheels)"
+    t0=$(now)
+    build gpu "$GPU_IMAGE"
+    echo "built in $(since "$t0") s: $(docker image inspect --format '{{.Id}} {{.Size}} bytes' "$GPU_IMAGE")"
+    user=$(docker image inspect --format '{{.Config.User}}' "$GPU_IMAGE")
+    [ "$user" = "10001:10001" ] || fail "gpu image user is $user"
+    step "gpu image, hardened and without a GPU or network: the kernels compile through CuPy's compiler (NVRTC)"
+    # shellcheck disable=SC2086
+    docker run --rm -i --network none $CLIENT_OPTS --tmpfs "$TMPFS_TMP" --tmpfs "$TMPFS_CACHE" \
+        --entrypoint python3 "$GPU_IMAGE" - < deploy/gpu-compile-check.py || fail "the kernels do not compile in $GPU_IMAGE"
+}
+if [ "$TARGETS" = gpu ]; then
+    gpu_check
+    step "image-check passed (gpu image only)"
+    exit 0
 fi
+
+step "build --target cpu -> $IMAGE"
+t0=$(now)
+build cpu "$IMAGE"
 echo "built in $(since "$t0") s: $(docker image inspect --format '{{.Id}} {{.Size}} bytes' "$IMAGE")"
 user=$(docker image inspect --format '{{.Config.User}}' "$IMAGE")
 entry=$(docker image inspect --format '{{json .Config.Entrypoint}}' "$IMAGE")
@@ -221,5 +251,7 @@ echo "server exit code $server_rc after $(since "$t0") s; stream client exit cod
 docker logs "$NAME" 2>&1 | tail -3
 [ "$server_rc" = 0 ] || fail "server exited $server_rc"
 [ "$stream_rc" = 0 ] || fail "stream client exited $stream_rc"
+
+case " $TARGETS " in *" gpu "*) gpu_check ;; esac
 
 step "image-check passed"

@@ -9,5 +9,5 @@ compile() {
         --no-emit-find-links "$@"
 }
 compile "$@" -o deploy/requirements.lock pyproject.toml
-compile "$@" --extra gpu -o deploy/requirements-gpu.lock pyproject.toml
+compile "$@" --extra gpu-cuda13 -o deploy/requirements-gpu.lock pyproject.toml
 compile "$@" -o deploy/requirements-build.lock deploy/requirements-build.in

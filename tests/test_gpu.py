@@ -7,6 +7,7 @@ identical bytes: log and cos are correctly rounded on both sides
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,11 @@ if _device_count() == 0:
 from paraminit_server.backends.cupy_backend import CupyBackend, fill_plan  # noqa: E402
 
 GUARD = 256  # poisoned bytes around each output: stray writes show up there
+
+# bench/gpu_check.sh probes CUDA IPC between two processes first; where the environment refuses it (a sandboxed
+# host), it says why here, and the tests that need IPC are skipped with that reason instead of failing.
+IPC_REFUSED = os.environ.get("PARAMINIT_CUDA_IPC_REFUSED", "")
+needs_ipc = pytest.mark.skipif(bool(IPC_REFUSED), reason=f"this environment refuses CUDA IPC: {IPC_REFUSED}")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +94,7 @@ def test_device_description(gpu: CupyBackend) -> None:
     print(f"\ndevice: {d}")
 
 
+@needs_ipc
 def test_export_buffer_is_a_whole_rounded_allocation_exportable_by_ipc(gpu: CupyBackend) -> None:
     pool = cp.get_default_memory_pool()
     stale = cp.cuda.Memory(4 << 20)  # freed just before: cudaMalloc is likely to hand the same bytes back

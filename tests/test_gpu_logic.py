@@ -119,18 +119,20 @@ class DeviceArray(np.ndarray):  # type: ignore[type-arg]
 
     proc: FakeCupy | None = None
     device_id: int = -1
+    memptr: Any = None  # as cupy's ndarray.data: every view holds its memory (and the memory's owner)
 
     def __new__(cls, shape: Any, dtype: Any = np.uint8, memptr: Any = None) -> DeviceArray:
         dt = np.dtype(dtype)
         n = int(np.prod(shape)) * dt.itemsize
         host = memptr.mem.host[memptr.offset:memptr.offset + n]
         arr = host.view(dt).reshape(shape).view(cls)
-        arr.proc, arr.device_id = memptr.mem.proc, memptr.mem.device_id
+        arr.proc, arr.device_id, arr.memptr = memptr.mem.proc, memptr.mem.device_id, memptr
         return arr
 
     def __array_finalize__(self, obj: Any) -> None:
         self.proc = getattr(obj, "proc", None)
         self.device_id = getattr(obj, "device_id", -1)
+        self.memptr = getattr(obj, "memptr", None)
 
     def _wrote(self) -> None:
         if self.proc is not None:
@@ -884,6 +886,39 @@ def test_release_closes_the_mapping_before_sending_release(world: World, no_driv
     assert [e for e in tail if e[0] == "rpc:Release"] == [("rpc:Release", -1)]
 
 
+def test_a_mapping_stays_open_while_a_view_is_alive(world: World, no_driver: None, client_cupy: FakeCupy) -> None:
+    """close() under a live view defers the unmap to the view's end: a use after unmapping would be an
+    illegal address that poisons the whole CUDA context."""
+    info = exported_info(world, 0, 4096, [])
+    mapping = client_exports.CudaMapping(info.cuda_ipc, client_cupy)
+    view = mapping.array[256:512].view(np.float32)
+    ran: list[str] = []
+    assert mapping.close(then=lambda: ran.append("then")) is False
+    assert mapping.ptr is None and mapping.array is None
+    assert "ipcCloseMemHandle" not in [e[1] for e in world.log if e[0] == "client"] and world.mapped
+    assert np.asarray(view).tobytes() == world.keep[0].host[256:512].tobytes()  # still readable
+    assert ran == []
+    del view
+    assert [e[1] for e in world.log if e[0] == "client"][-2:] == ["synchronize", "ipcCloseMemHandle"]
+    assert ran == ["then"] and not world.mapped
+    assert mapping.close() is True  # once
+
+
+def test_release_with_a_live_view_waits_for_it(world: World, no_driver: None, client_cupy: FakeCupy) -> None:
+    info = exported_info(world, 0, 4096, [("w", [16, 4], 256)])
+    lease = client_exports.Lease(RecordingClient(world), info)
+    lease._release_in_background = lease._send_release  # type: ignore[method-assign]  # synchronous here
+    kept = lease.arrays["w"]  # e.g. a model parameter aliasing the lease
+    assert lease.release() is False  # Release waits for the view
+    events = [e[1] for e in world.log if e[0] == "client"]
+    assert "ipcCloseMemHandle" not in events and "rpc:Release" not in events
+    assert not lease._stop.is_set()  # still renewing while the memory is in use
+    del kept
+    tail = [e[1] for e in world.log if e[0] == "client"][-3:]
+    assert tail == ["synchronize", "ipcCloseMemHandle", "rpc:Release"]
+    assert lease._stop.is_set() and lease.release() is False
+
+
 def test_a_failed_lease_closes_its_mapping(world: World, no_driver: None, client_cupy: FakeCupy) -> None:
     info = exported_info(world, 1, 4096, [("w", [16, 5], 0)])
     info.tensors[0].nbytes = 64  # does not match its shape: building the arrays fails after the handle opened
@@ -946,3 +981,39 @@ def test_gpu_to_gpu_copy_is_synchronized_before_release(monkeypatch: pytest.Monk
     assert log[:2] == ["copy cuda:0->cuda:1"] * 2
     assert sorted(log[2:4]) == ["synchronize cuda:0", "synchronize cuda:1"]
     assert log[4:] == ["release"]
+
+
+def test_a_failed_attribute_query_is_backend_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels compiled, then the device's attribute query failed: BackendUnavailable, not a raw CUDA error."""
+
+    class Function:
+        kernel = object()
+        num_regs = 40
+
+    class Module:
+        def __init__(self, code: str, options: Sequence[str]) -> None:
+            assert "pi_fill_plan" in code and tuple(options) == cb.NVRTC_OPTIONS
+
+        def get_function(self, name: str) -> Function:
+            return Function()
+
+    class Device:
+        def __init__(self, device: int) -> None:
+            self.id = device
+
+        def __enter__(self) -> Device:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        @property
+        def attributes(self) -> dict[str, int]:
+            raise CudaError(CUDA_ERROR_ILLEGAL_ADDRESS)
+
+    fake = types.SimpleNamespace(RawModule=Module, cuda=types.SimpleNamespace(Device=Device))
+    monkeypatch.setattr(cb, "_import_cupy", lambda: fake)
+    monkeypatch.setattr(cb, "_KERNELS", {})
+    with pytest.raises(errors.BackendUnavailable, match="attributes failed"):
+        cb.kernels(5)
+    assert cb._KERNELS == {}  # nothing half-made is cached

@@ -8,10 +8,13 @@ IPC handle once and expose cupy arrays. Either converts to torch without a copy
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -24,6 +27,7 @@ from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
 from paraminit_client.errors import ParaminitError
 
 SHM_DIR = "/dev/shm"
+log = logging.getLogger(__name__)
 
 
 def _map_shm(name: str, size: int) -> mmap.mmap:
@@ -45,20 +49,74 @@ def _import_cupy() -> Any:
         import cupy  # optional: only CUDA_IPC leases need it
     except ImportError:
         raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "CUDA_IPC leases need CuPy: pip install 'paraminit[gpu]' (or cupy-cuda13x)") from None
+                             "CUDA_IPC leases need CuPy: pip install 'paraminit[gpu-cuda13]' on CUDA 13, "
+                             "'paraminit[gpu]' on CUDA 12") from None
     return cupy
+
+
+class _After:
+    """What runs once a mapping is unmapped; added to only while it has not run yet."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fns: list[Callable[[], None]] = []
+        self._done = False
+
+    def add(self, fn: Callable[[], None]) -> bool:
+        """Queue fn; False when the unmapping already happened (fn is not queued)."""
+        with self._lock:
+            if self._done:
+                return False
+            self._fns.append(fn)
+            return True
+
+    def run(self) -> None:
+        with self._lock:
+            self._done = True
+            fns, self._fns = self._fns, []
+        for fn in fns:
+            try:
+                fn()
+            except Exception as exc:  # a finalizer must not raise
+                log.warning("after closing a CUDA IPC mapping: %s", exc)
+
+
+def _unmap(cp: Any, ordinal: int, ptr: int, after: _After) -> None:
+    """Finish this process's work on the memory, unmap it in its device's context, then run `after`.
+
+    Runs as a finalizer (possibly during garbage collection, on any thread), so it never raises."""
+    try:
+        with cp.cuda.Device(ordinal):
+            cp.cuda.Device(ordinal).synchronize()
+            cp.cuda.runtime.ipcCloseMemHandle(ptr)
+    except Exception as exc:  # a dead context: nothing more to do for this mapping
+        log.warning("closing a CUDA IPC mapping failed: %s", exc)
+    after.run()
+
+
+class _Mapped:
+    """An open IPC mapping: the `owner` of the memory every view holds (cupy arrays through their
+    MemoryPointer, torch tensors through the DLPack capsule), so it is unmapped when the last view is gone."""
+
+    def __init__(self, cp: Any, ordinal: int, ptr: int) -> None:
+        self.after = _After()
+        self.finalizer = weakref.finalize(self, _unmap, cp, ordinal, ptr, self.after)
+        self.finalizer.atexit = False  # at exit the driver unmaps everything, and CuPy may be torn down first
 
 
 class CudaMapping:
     """An opened CUDA IPC handle: the peer's allocation mapped on this process's ordinal for the same GPU.
 
     The server names its GPU by UUID because ordinals differ between processes (CUDA_VISIBLE_DEVICES);
-    an empty export carries no handle and maps nothing."""
+    an empty export carries no handle and maps nothing. The mapping stays open while any view of it is
+    alive, even after close(): unmapping under a live view would make its next use an illegal address,
+    which poisons this process's CUDA context."""
 
     def __init__(self, info: pb.CudaIpcExport, cp: Any = None, uuid_of: cuda.UuidOf | None = None) -> None:
         self.cp = cp if cp is not None else _import_cupy()
         self.size = int(info.size)
         self.ptr: int | None = None
+        self._mapped: _Mapped | None = None
         try:
             self.ordinal = cuda.local_ordinal(self.cp, info.device_uuid, uuid_of) if info.device_uuid else int(info.device)
         except Exception as exc:  # not visible here, or no usable driver: the caller may fall back to STREAM
@@ -68,30 +126,43 @@ class CudaMapping:
                                  f"bytes, expected {cuda.IPC_HANDLE_BYTES}")
         with self.cp.cuda.Device(self.ordinal):
             if self.size == 0:  # an empty plan: nothing was allocated, nothing to open
-                self.array = self.cp.empty(0, dtype=self.cp.uint8)
+                self.array: Any = self.cp.empty(0, dtype=self.cp.uint8)
                 return
             try:
                 self.ptr = int(self.cp.cuda.runtime.ipcOpenMemHandle(bytes(info.ipc_handle)))
             except self.cp.cuda.runtime.CUDARuntimeError as exc:
                 raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
                                      f"cannot open the CUDA IPC handle: {exc}") from None
+            self._mapped = _Mapped(self.cp, self.ordinal, self.ptr)
+            mem: Any = None
             try:
-                mem = self.cp.cuda.UnownedMemory(self.ptr, self.size, self, self.ordinal)
+                mem = self.cp.cuda.UnownedMemory(self.ptr, self.size, self._mapped, self.ordinal)
                 self.array = self.cp.ndarray((self.size,), dtype=self.cp.uint8,
                                              memptr=self.cp.cuda.MemoryPointer(mem, 0))
             except BaseException:
+                mem = None  # the traceback keeps this frame: it must not keep the mapping
                 self.close()
                 raise
 
-    def close(self) -> None:
-        """Finish this process's work on the memory, then unmap it (in its device's context), exactly once.
-        CUDA's IPC rules: the exporter may free the allocation only after every importer closed its handle."""
-        ptr, self.ptr = self.ptr, None
+    def close(self, then: Callable[[], None] | None = None) -> bool:
+        """Drop this object's hold on the mapping, exactly once. CUDA's IPC rules: the exporter may free the
+        allocation only after every importer closed its handle.
+
+        Returns:
+            True when the memory was unmapped now (or nothing was mapped): `then` is not called. False
+            when views of it are still alive: it is unmapped when the last of them is gone, and `then`
+            runs after that (from a finalizer, on whichever thread drops the view: it must be quick).
+        """
+        mapped, self._mapped = self._mapped, None
+        self.ptr = None
         self.array = None
-        if ptr is not None:
-            with self.cp.cuda.Device(self.ordinal):
-                self.cp.cuda.Device(self.ordinal).synchronize()
-                self.cp.cuda.runtime.ipcCloseMemHandle(ptr)
+        if mapped is None:
+            return True
+        finalizer, after = mapped.finalizer, mapped.after
+        del mapped  # the last reference unless a view holds one: then the finalizer runs here
+        if not finalizer.alive:
+            return True
+        return then is None or not after.add(then)
 
 
 _BFLOAT16 = plan_pb2.DTYPE_BFLOAT16
@@ -126,6 +197,7 @@ class Lease:
                 self.arrays = {t.name: self.buffer[t.offset:t.offset + t.nbytes].view(_cupy_dtype(t.dtype))
                                .reshape(tuple(t.shape)) for t in info.tensors}
             except BaseException:
+                self.buffer = None
                 self._cuda.close()
                 raise
         self._stop = threading.Event()
@@ -177,23 +249,43 @@ class Lease:
         """Give the memory back; safe to call twice. Arrays must not be used afterwards.
 
         The mapping is closed first and Release sent after, so the server never frees memory this
-        process still maps."""
+        process still maps. When views of a CUDA_IPC lease are still alive (arrays or torch tensors kept
+        past the release), the mapping stays open and the lease keeps renewing until the last of them is
+        gone; Release is sent then, from a background thread.
+
+        Returns:
+            Whether the server released the lease now (False when called twice, or when Release waits
+            for the last view).
+        """
         with self._lock:
             if self._released:
                 return False
             self._released = True
-        self._stop.set()
         self.arrays = {}
         self.buffer = None
+        deferred = False
         try:
             if self._map is not None:
                 with contextlib.suppress(BufferError):  # caller still holds a view; unmapped when it goes
                     self._map.close()
             if self._cuda is not None:
-                self._cuda.close()
+                deferred = not self._cuda.close(then=self._release_in_background)
         finally:
-            resp = self._client._call(self._client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
-        return bool(resp.released)
+            if not deferred:
+                self._stop.set()
+                resp = self._client._call(self._client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
+        return False if deferred else bool(resp.released)
+
+    def _release_in_background(self) -> None:
+        """Called once the last view of a released CUDA_IPC lease is gone and the memory unmapped."""
+        threading.Thread(target=self._send_release, daemon=True, name="paraminit-release").start()
+
+    def _send_release(self) -> None:
+        self._stop.set()
+        try:
+            self._client._call(self._client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
+        except (ParaminitError, ValueError) as exc:  # the client was closed meanwhile: the lease expires
+            log.warning("releasing lease %s after its last view went: %s", self.lease_id, exc)
 
     def __enter__(self) -> Lease:
         return self

@@ -33,6 +33,8 @@ KERNEL_DIR = Path(__file__).parent / "cuda"
 KERNEL_SOURCE = KERNEL_DIR / "paraminit_kernels.cu"
 KERNEL_HEADER = KERNEL_DIR / "paraminit_kernels.cuh"
 # --fmad=false on top of the header's explicit __dadd_rn/__dmul_rn: nothing may contract into an FMA.
+# CuPy appends -ftz=true after these (it cannot be overridden), so the header never computes or converts
+# a float32 value; tests/test_nvrtc_ptx.py compiles with CuPy's option set and checks the PTX.
 NVRTC_OPTIONS = ("--fmad=false",)
 FILL_KERNEL = "pi_fill"
 FILL_PLAN_KERNEL = "pi_fill_plan"
@@ -162,7 +164,7 @@ def _import_cupy() -> Any:
         import cupy
     except ImportError as exc:
         raise BackendUnavailable(f"cupy backend unavailable: CuPy is not installed ({_one_line(exc)}); "
-                                 "install cupy-cuda13x (or cupy-cuda12x) to use the GPU") from None
+                                 "install paraminit[gpu-cuda13] (CUDA 13) or paraminit[gpu] (CUDA 12) to use the GPU") from None
     except Exception as exc:  # a broken CUDA install can fail the import in many ways
         raise BackendUnavailable(f"cupy backend unavailable: importing CuPy failed ({_one_line(exc)})") from None
     return cupy
@@ -199,7 +201,11 @@ def kernels(device_id: int) -> Kernels:
                     _ = fill.kernel, fill_plan.kernel  # compile and load now, not at the first launch
                 except Exception as exc:
                     raise BackendUnavailable(f"cupy backend: compiling the CUDA kernels failed ({_one_line(exc)})") from exc
-                attrs = cp.cuda.Device(device_id).attributes
+                try:
+                    attrs = cp.cuda.Device(device_id).attributes
+                except Exception as exc:  # a raw CUDARuntimeError here would escape the backend's error contract
+                    raise BackendUnavailable(f"cupy backend: querying device {device_id}'s attributes failed "
+                                             f"({_one_line(exc)})") from exc
             k = Kernels(fill, fill_plan, _wave_grid(fill, attrs), _wave_grid(fill_plan, attrs))
             _KERNELS[device_id] = k
     return k

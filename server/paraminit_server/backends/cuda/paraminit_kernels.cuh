@@ -11,6 +11,11 @@
 // cos_dd, decided, the FIX tables), with fused multiply-adds exactly where it has
 // them (__fma_rn on the device, std::fma on the host), so CPU and GPU bytes agree.
 //
+// Output rounding (float32 included) is integer arithmetic on the binary64 bits
+// (pi_narrow_bits), identical on host and device and immune to CuPy's forced
+// -ftz=true; tests/test_nvrtc_ptx.py compiles this source as CuPy does and
+// checks the PTX for flush-to-zero and contracted instructions.
+//
 // No system header is needed under NVRTC (__CUDACC_RTC__): the math functions
 // and intrinsics are built in there.
 
@@ -66,7 +71,15 @@ typedef unsigned int pi_u32;
 #define PI_W_NOUTER 11  // number of outer dimensions
 #define PI_W_DIMS 12    // offset of (start, ext, stride) triples in the dims section
 
-#if defined(__CUDA_ARCH__)
+// The device branches of the loads and primitives below. The host harness also
+// builds them on the CPU (PI_DEVICE_MATH_ON_HOST, with plain C++ stand-ins for
+// the intrinsics, tests/test_cuda_harness.py) so that code runs somewhere
+// before a device; the kernels' own compile is checked in test_nvrtc_ptx.py.
+#if defined(__CUDA_ARCH__) || defined(PI_DEVICE_MATH_ON_HOST)
+#define PI_DEVICE_MATH 1
+#endif
+
+#if defined(PI_DEVICE_MATH)
 #define PI_LDG(p) __ldg(p)
 #else
 #define PI_LDG(p) (*(p))
@@ -76,7 +89,7 @@ typedef unsigned int pi_u32;
 // Exactly rounded binary64 primitives.
 
 PI_HD pi_u64 pi_bits(double x) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return (pi_u64)__double_as_longlong(x);
 #else
     pi_u64 b;
@@ -86,7 +99,7 @@ PI_HD pi_u64 pi_bits(double x) {
 }
 
 PI_HD double pi_double(pi_u64 b) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __longlong_as_double((long long)b);
 #else
     double x;
@@ -96,7 +109,7 @@ PI_HD double pi_double(pi_u64 b) {
 }
 
 PI_HD double pi_add(double a, double b) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __dadd_rn(a, b);
 #else
     return a + b;
@@ -104,7 +117,7 @@ PI_HD double pi_add(double a, double b) {
 }
 
 PI_HD double pi_sub(double a, double b) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __dsub_rn(a, b);
 #else
     return a - b;
@@ -112,7 +125,7 @@ PI_HD double pi_sub(double a, double b) {
 }
 
 PI_HD double pi_mul(double a, double b) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __dmul_rn(a, b);
 #else
     return a * b;
@@ -120,7 +133,7 @@ PI_HD double pi_mul(double a, double b) {
 }
 
 PI_HD double pi_sqrt(double a) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __dsqrt_rn(a);
 #else
     return std::sqrt(a);
@@ -128,19 +141,10 @@ PI_HD double pi_sqrt(double a) {
 }
 
 PI_HD double pi_fma(double a, double b, double c) {
-#if defined(__CUDA_ARCH__)
+#if defined(PI_DEVICE_MATH)
     return __fma_rn(a, b, c);
 #else
     return std::fma(a, b, c);
-#endif
-}
-
-// binary64 -> binary32, one round-to-nearest-even (x86-64 SSE conversion on the host).
-PI_HD float pi_f32(double v) {
-#if defined(__CUDA_ARCH__)
-    return __double2float_rn(v);
-#else
-    return static_cast<float>(v);
 #endif
 }
 
@@ -810,19 +814,26 @@ PI_HD double pi_normal(pi_u64 key, pi_u64 g, double mean, double std_dev) {
 }
 
 // ---------------------------------------------------------------------------
-// Casts (section 4): binary64 -> 16-bit float, one round-to-nearest-even on the
-// binary64 bits (never through binary32, which would round twice). `mant`
-// fraction bits, smallest normal exponent `emin`; carries into the exponent
-// field, and on to infinity, fall out of the integer addition.
+// Casts (section 4): binary64 -> float32, float16 or bfloat16, one
+// round-to-nearest-even on the binary64 bits (never through binary32 for the
+// 16-bit types, which would round twice). Integer arithmetic only: CuPy compiles
+// every kernel with -ftz=true (appended after the caller's options, so it cannot
+// be overridden), under which a float32 conversion or operation flushes
+// subnormals to zero, and the CPU keeps them. New stores of narrow floats must
+// go through these functions, never through a float32 instruction.
 
-PI_HD unsigned short pi_half_bits(double v, int mant, int emin, pi_u32 inf_bits) {
+// The bit pattern of v rounded to a binary format with `mant` fraction bits,
+// smallest normal exponent `emin`, infinity pattern `inf_bits` and sign bit
+// `sign_bit`. Carries into the exponent field, and on to infinity, fall out of
+// the integer addition; NaN keeps its sign and becomes the quiet NaN.
+PI_HD pi_u32 pi_narrow_bits(double v, int mant, int emin, pi_u32 inf_bits, int sign_bit) {
     const pi_u64 b = pi_bits(v);
-    const pi_u32 sign = (pi_u32)(b >> 48) & 0x8000u;
+    const pi_u32 sign = (pi_u32)(b >> 63) << sign_bit;
     const int big_e = (int)((b >> 52) & 0x7FF);
     const pi_u64 frac = b & 0xFFFFFFFFFFFFFULL;
-    if (big_e == 0x7FF) return (unsigned short)(sign | inf_bits | (frac != 0 ? (1u << (mant - 1)) : 0u));
+    if (big_e == 0x7FF) return sign | inf_bits | (frac != 0 ? (1u << (mant - 1)) : 0u);
     const int e = big_e - 1023;
-    if (e < emin - mant - 1) return (unsigned short)sign;  // below half the smallest subnormal
+    if (e < emin - mant - 1) return sign;  // below half the smallest subnormal
     const pi_u64 sig = frac | (1ULL << 52);
     int shift = 52 - mant;
     pi_u64 lead = (pi_u64)(e - emin);  // biased exponent minus one, for normal results
@@ -836,11 +847,12 @@ PI_HD unsigned short pi_half_bits(double v, int mant, int emin, pi_u32 inf_bits)
     if (rem > half || (rem == half && (rounded & 1) != 0)) rounded += 1;
     pi_u64 out = (lead << mant) + rounded;
     if (out > inf_bits) out = inf_bits;
-    return (unsigned short)(sign | (pi_u32)out);
+    return sign | (pi_u32)out;
 }
 
-PI_HD unsigned short pi_f16_bits(double v) { return pi_half_bits(v, 10, -14, 0x7C00u); }
-PI_HD unsigned short pi_bf16_bits(double v) { return pi_half_bits(v, 7, -126, 0x7F80u); }
+PI_HD pi_u32 pi_f32_bits(double v) { return pi_narrow_bits(v, 23, -126, 0x7F800000u, 31); }
+PI_HD unsigned short pi_f16_bits(double v) { return (unsigned short)pi_narrow_bits(v, 10, -14, 0x7C00u, 15); }
+PI_HD unsigned short pi_bf16_bits(double v) { return (unsigned short)pi_narrow_bits(v, 7, -126, 0x7F80u, 15); }
 
 // ---------------------------------------------------------------------------
 // Regions (section 5) as plan.Runs: local element l lies in run l / run_len;
@@ -911,7 +923,7 @@ PI_HD double pi_value(const PiJob& j, const double* values, pi_i64 g) {
 template <int OTYPE>
 PI_HD void pi_store(unsigned char* out, pi_i64 k, double v) {
     if (OTYPE == PI_F32) {
-        reinterpret_cast<float*>(out)[k] = pi_f32(v);
+        reinterpret_cast<pi_u32*>(out)[k] = pi_f32_bits(v);  // the float32 bits
     } else if (OTYPE == PI_F64) {
         reinterpret_cast<double*>(out)[k] = v;
     } else if (OTYPE == PI_F16) {

