@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/paraminit materialize examples/gpt2_small.json -o demo.safetensors --summary
+	$(VENV)/bin/paraminit materialize examples/gpt2_small.json -o demo.safetensors
+	@echo
+	@echo "paraminit is installed in $(VENV)/bin, which is not on your PATH. Run it as"
+	@echo "  $(VENV)/bin/paraminit --help"
+	@echo "or activate the environment first:"
+	@echo "  . $(VENV)/bin/activate && paraminit inspect demo.safetensors"
 
 test: $(STAMP)
 	$(PY) -m pytest -q
