@@ -125,7 +125,7 @@ def test_inspect_small_chunks_give_the_same_statistics(mixed_file: Path, monkeyp
 def test_inspect_with_its_plan_passes_every_tensor(mixed_file: Path, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     plan = write_plan(tmp_path / "plan.json", MIXED)
-    code, out, err = run_cli(capsys, "inspect", str(mixed_file), "--plan", str(plan))
+    code, out, err = run_cli(capsys, "inspect", str(mixed_file), "--plan", str(plan), "--wide")
     assert code == cli.EXIT_OK, out + err
     lines = out.splitlines()
     assert lines[0].split()[:8] == ["name", "dtype", "shape", "bytes", "mean", "std", "min", "max"]
@@ -245,7 +245,8 @@ def test_inspect_gpt2_demo_plan(server: Running, tmp_path: Path, capsys: pytest.
     out = tmp_path / "gpt2.safetensors"
     code, _, err = run_cli(capsys, "materialize", str(plan), "-o", str(out), "--target", target_of(server), "-q")
     assert code == 0, err
-    code, table, _ = run_cli(capsys, "inspect", str(out), "--plan", str(plan), "--plot", str(tmp_path / "png"))
+    code, table, _ = run_cli(capsys, "inspect", str(out), "--plan", str(plan), "--plot", str(tmp_path / "png"),
+                             "--wide")
     assert code == 0, table
     line = next(ln for ln in table.splitlines() if ln.startswith("h.0.attn.c_attn.weight "))
     assert "normal(0, 0.02)" in line and line.rstrip().endswith("ok")

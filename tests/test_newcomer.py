@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from conftest import running_server, target_of
-from paraminit import exitcodes
-from paraminit_client import cli
+from paraminit import exitcodes, times
+from paraminit_client import Client, cli, param, plan_of
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -230,3 +232,153 @@ def test_an_explicit_allow_list_in_process_is_enforced_and_named(tmp_path: Path)
     assert "not under an allowed directory" in caught.value.message and "elsewhere" in caught.value.message
     with pytest.raises(ValueError, match="in process only"):
         Client("127.0.0.1:1", safetensors_dirs=["/"])
+
+
+# -- leases from the shell ------------------------------------------------------------------------------------------
+
+
+def test_leases_list_renew_release_from_the_shell(capsys: pytest.CaptureFixture[str]) -> None:
+    with running_server() as server, Client(target_of(server)) as c:
+        target = target_of(server)
+        code, out, _ = run_cli(capsys, "leases", "--target", target)
+        assert code == 0 and "no live leases" in out
+        lease = c.export(plan_of([param("w", [1024], {"ones": {}})]), ttl_seconds=60)
+        code, out, err = run_cli(capsys, "leases", "--target", target)
+        assert code == 0, err
+        assert lease.lease_id in out and "shm" in out and "4.0 KiB" in out and "1 lease," in out
+        assert all(len(line) <= 100 for line in out.splitlines())
+        code, out, _ = run_cli(capsys, "leases", "--json", "--target", target)
+        (row,) = json.loads(out)
+        assert row["lease_id"] == lease.lease_id and row["nbytes"] == 4096 and 0 < row["expires_in_s"] <= 60
+        code, out, err = run_cli(capsys, "leases", "renew", lease.lease_id, "--ttl", "600", "--target", target)
+        assert code == 0 and "renewed" in out, err
+        (status,) = c.leases()
+        assert times.epoch(status.lease.expires_at) - time.time() > 300
+        code, out, err = run_cli(capsys, "leases", "release", lease.lease_id, "--target", target)
+        assert code == 0 and f"{lease.lease_id}: released" in out, err
+        assert c.leases() == []
+        code, _, err = run_cli(capsys, "leases", "release", "--target", target)
+        assert code == cli.EXIT_USAGE and "LEASE_ID" in err
+        code, _, err = run_cli(capsys, "leases")
+        assert code == cli.EXIT_USAGE and "--target" in err
+        lease.stop_renewing()
+
+
+# -- inspect --------------------------------------------------------------------------------------------------------
+
+
+def _odd_file(tmp_path: Path) -> Path:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(3)
+    path = tmp_path / "odd.safetensors"
+    save_file({"transformer.encoder.layers.11.self_attention.query_key_value.weight":
+               (rng.standard_normal((64, 48)) * 0.02).astype(np.float32),
+               "bad": np.array([np.nan, np.inf, -np.inf, 1.0], dtype=np.float32)}, str(path))
+    return path
+
+
+def test_inspect_default_fits_100_columns_and_counts_non_finite_values(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from paraminit_client import inspect
+
+    path = _odd_file(tmp_path)
+    code, out, _ = run_cli(capsys, "inspect", str(path))
+    assert code == 0
+    lines = out.splitlines()
+    table = lines[:3]
+    assert all(len(line) <= inspect.COMPACT_COLUMNS for line in table), [len(x) for x in table]
+    assert "non-finite" in lines[0].split() and "min" not in lines[0].split()
+    bad = next(line for line in table if line.startswith("bad "))
+    assert bad.split()[-1] == "3"  # NaN, +inf, -inf: counted, not hidden behind mean 1 std 0
+    long_row = next(line for line in table if line.startswith("transformer."))
+    assert "~" in long_row.split()[0] and long_row.split()[0].endswith("value.weight")
+    code, wide, _ = run_cli(capsys, "inspect", str(path), "--wide")
+    head = wide.splitlines()[0].split()
+    assert {"min", "max", "non-finite"} <= set(head)
+    assert "transformer.encoder.layers.11.self_attention.query_key_value.weight" in wide
+
+
+def test_plot_is_checked_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from paraminit_client import inspect
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    worked: list[str] = []
+    monkeypatch.setattr(inspect, "inspect_file", lambda *a, **k: worked.append("stats"))
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    code, _, err = run_cli(capsys, "inspect", str(tmp_path / "x.safetensors"), "--plot", str(tmp_path / "png"))
+    assert code == cli.EXIT_ERROR and "pip install 'paraminit[plot]'" in err and worked == []
+
+
+def test_plot_log_draws_the_tails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    path = _odd_file(tmp_path)
+    code, _, err = run_cli(capsys, "inspect", str(path), "--plot", str(tmp_path / "png"), "--plot-log")
+    assert code == 0, err
+    pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
+    assert len(pngs) == 2 and all((tmp_path / "png" / p).stat().st_size > 5000 for p in pngs)
+
+
+# -- plan from-module: the hf policy and overrides ------------------------------------------------------------------
+
+HF_SRC = """
+import torch
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=8))
+
+
+def proj_uniform(name, tensor):
+    if name.endswith("c_proj.weight"):
+        return {"uniform": {"lo": -0.125, "hi": 0.125}}
+    return None
+"""
+
+
+def test_plan_from_module_takes_the_hf_policy_and_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    (tmp_path / "hfmodels.py").write_text(HF_SRC)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    code, out, err = run_cli(capsys, "plan", "from-module", "hfmodels:tiny_gpt2", "--policy", "hf", "--seed", "3",
+                             "--overrides", "hfmodels:proj_uniform")
+    assert code == 0, err
+    from paraminit_client import plan_from_dict
+    from paraminit_client.torch import plan_from_module
+
+    plan = plan_from_dict(json.loads(out))
+    import hfmodels  # type: ignore[import-not-found]
+
+    with torch.device("meta"):
+        model = hfmodels.tiny_gpt2()
+    assert plan == plan_from_module(model, seed=3, policy="hf", overrides=hfmodels.proj_uniform)
+    by_name = {p.name: p for p in plan.params}
+    assert by_name["transformer.h.0.attn.c_proj.weight"].init.WhichOneof("kind") == "uniform"
+    assert by_name["transformer.h.0.attn.c_attn.weight"].init.normal.std == pytest.approx(0.02)
+    code, _, err = run_cli(capsys, "plan", "from-module", "hfmodels:tiny_gpt2", "--overrides", "hfmodels:nothing")
+    assert code == cli.EXIT_ERROR and "nothing" in err
+
+
+def test_hf_extra_installs_transformers_and_info_help_speaks_of_a_server() -> None:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("transformers") for d in extras["hf"]) and any(d.startswith("torch") for d in extras["hf"])
+    info = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "info")[1]
+    text = info.format_help()
+    assert not re.search(r"\bplans?\b", text.split("exit codes:")[0]), text

@@ -252,14 +252,16 @@ def _dtype_name(value: int) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.plot:
+        inspect.check_plot(args.plot)  # before any work: matplotlib and a writable directory
     plan = load_plan(args.plan) if args.plan else None
     report = inspect.inspect_file(args.file, plan)
     if args.json:
         print(json.dumps(inspect.to_json(report), indent=1))
     else:
-        print(inspect.format_table(report))
+        print(inspect.format_table(report, wide=args.wide))
     if args.plot:
-        written = inspect.plot(report, args.plot)
+        written = inspect.plot(report, args.plot, log=args.plot_log)
         print(f"wrote {len(written)} histograms to {args.plot}", file=sys.stderr)
     return EXIT_FLAGGED if plan is not None and not report.ok else EXIT_OK
 
@@ -303,7 +305,9 @@ def cmd_plan_from_module(args: argparse.Namespace) -> int:
         module = factory()
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"{args.factory} returned {type(module).__name__}, not a torch.nn.Module")
-    _write(plan_to_json(plan_from_module(module, seed=args.seed, policy=args.policy)), args.output)
+    overrides = _factory(args.overrides) if args.overrides else None
+    _write(plan_to_json(plan_from_module(module, seed=args.seed, policy=args.policy, overrides=overrides)),
+           args.output)
     return EXIT_OK
 
 
@@ -400,8 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(serve, version=False)
         serve.set_defaults(func=cmd_serve, server_missing="")
 
-    def with_target(p: argparse.ArgumentParser, default: str | None = None) -> None:
-        where = f"default: {default}" if default else "default: none, the plan runs in this process on the CPU"
+    def with_target(p: argparse.ArgumentParser, default: str | None = None,
+                    local: str = "the plan runs in this process on the CPU") -> None:
+        where = f"default: {default}" if default else f"default: none, {local}"
         p.add_argument("--target", default=None, metavar="HOST:PORT", help=f"server to use ({where})")
         p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                        help="deadline of each call (default: none" + (", 5 for health)" if default else ")"))
@@ -436,13 +441,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_validate)
 
     ins = add("inspect", "list a safetensors file's tensors with their statistics, and check them against a plan",
-              "One line per tensor: name, dtype, shape, bytes, mean, std, min, max. With --plan also the mean, "
-              "standard deviation and bounds each initializer promises, and a check column: FLAG when the sample "
+              "One line per tensor: name, dtype, shape, bytes, mean, std (over the finite values), and a "
+              "non-finite count when any value is NaN or infinite; --wide adds min and max. With --plan also the "
+              "initializer (--wide: the mean, standard deviation and bounds it promises), and a check column: "
+              "FLAG when the sample "
               "mean or std is more than 5 standard errors (plus the dtype's rounding) from the expected one, or a "
               "value lies outside the bounds; the FLAG lines below the table say why.")
     ins.add_argument("file", help="safetensors file")
     ins.add_argument("--plan", metavar="PLAN", help="plan whose initializers the tensors should follow")
     ins.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    ins.add_argument("--wide", action="store_true", help="every column (min, max, the expected mean, std and "
+                     "bounds); the default table fits 100 columns, long names cut in the middle with '~'")
+    ins.add_argument("--plot-log", action="store_true", help="with --plot: the whole range of values on a "
+                     "logarithmic density axis, so the tails show (default: the bulk, mean +- 4 std, linear)")
     ins.add_argument("--plot", metavar="DIR", help="write one PNG histogram per tensor into DIR, the plan's "
                      "expected density drawn over it (needs matplotlib: pip install 'paraminit[plot]')")
     ins.set_defaults(func=cmd_inspect)
@@ -467,9 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "the current directory is importable")
     fm.add_argument("--seed", type=int, default=0, help="plan seed; each parameter's seed derives from it and "
                     "the parameter name (default: 0)")
-    fm.add_argument("--policy", choices=("torch", "torchlean"), default="torch",
-                    help="torch: PyTorch's own default distributions; torchlean: kaiming/xavier uniform "
-                    "(default: torch)")
+    fm.add_argument("--policy", choices=("torch", "torchlean", "hf"), default="torch",
+                    help="torch: PyTorch's own default distributions; torchlean: kaiming/xavier uniform, as "
+                    "TorchLean (the Lean runtime whose sampler paraminit reproduces) initializes; hf: Hugging Face "
+                    "transformers' own _init_weights (pip install 'paraminit[hf]') (default: torch)")
+    fm.add_argument("--overrides", metavar="package.module:callable", help="asked first for every tensor: "
+                    "callable(name, tensor) or callable(name, tensor, module, module_name) returning an "
+                    "initializer as JSON ({'normal': {'std': 0.02}}) or an Init, or None to leave it to the policy")
     fm.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     fm.set_defaults(func=cmd_plan_from_module)
 
@@ -484,13 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="renew: new time to live from now (default: 0, the server's --lease-ttl, capped by its "
                     "--max-lease-ttl)")
     ls.add_argument("--json", action="store_true", help="list as JSON")
-    with_target(ls)
+    with_target(ls, local="required: leases live on a server")
     ls.set_defaults(func=cmd_leases)
 
-    i = add("info", "server version, backend, device and limits (no plan involved)",
+    i = add("info", "server version, backend, device and limits",
             "Ask a server (or, without --target, the in-process data plane) for its version, backend, device, "
             "memory and limits.")
-    with_target(i)
+    with_target(i, local="this process's own data plane answers")
     i.set_defaults(func=cmd_info)
 
     h = add("health", "print the server's health status; exit 0 when it is SERVING",
@@ -541,6 +556,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         violations = [{"file": err.file, **v} for v in err.to_json()]
     except UsageError as err:
         message, lines, code = str(err), [], EXIT_USAGE
+    except BrokenPipeError:  # `paraminit inspect f | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except OSError as err:
         message, lines, code = _os_line(err), [], EXIT_ERROR
     except (ValueError, RuntimeError) as err:
