@@ -198,11 +198,21 @@ class Client:
         if not isinstance(first, pb.MaterializeResponse) or first.WhichOneof("msg") != "header":
             call.cancel()
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
-        if header_crc32c(first.header) != first.header.header_crc32c:  # before anyone writes a byte of it
+        header = first.header
+        for k in range(header.header_parts):  # a large table and prefix come in parts (init_service.proto)
+            with rpc_errors():
+                part = next(call, None)
+            if not isinstance(part, pb.MaterializeResponse) or part.WhichOneof("msg") != "header_part":
+                call.cancel()
+                raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream header part {k + 1} of "
+                                     f"{header.header_parts} is missing")
+            header.tensors.extend(part.header_part.tensors)
+            header.safetensors_prefix += part.header_part.safetensors_prefix
+        if header_crc32c(header) != header.header_crc32c:  # before anyone writes a byte of it
             call.cancel()
             raise ParaminitError(grpc.StatusCode.DATA_LOSS, "stream header checksum mismatch: the prefix, tensor "
                                  "table or digest was corrupted in transit")
-        return first.header, _verified_chunks(call, first.header.data_bytes, check_crc)
+        return header, _verified_chunks(call, header.data_bytes, check_crc)
 
     def _local_stream(self, plan: plan_pb2.Plan) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:
         """In process: slabs straight from the data plane, as chunks with the same CRC32C a server sends."""
