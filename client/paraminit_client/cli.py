@@ -545,8 +545,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except ParaminitError as err:
         if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.violations:
-            message = f"invalid plan: {_plural(len(err.violations), 'violation')}"
+            message = f"invalid plan: {_plural(len(err.violations) + err.omitted, 'violation')}"
             lines = [v.description for v in err.violations]
+            if err.omitted:
+                lines.append(f"... and {err.omitted} more (`paraminit validate` lists every one)")
             violations = [{"field": v.field, "message": v.description} for v in err.violations]
             code = EXIT_INVALID
         else:
