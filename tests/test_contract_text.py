@@ -248,3 +248,39 @@ def test_a_safetensors_reference_digest_is_reproduced_and_any_dtype_kept(tmp_pat
     refs = [{"params": [{"name": "w", "shape": [2], "init": {"safetensors": r}}]} for r in (ref, {**ref, "dtype": "float32"})]
     got = [planlib.digest(plan_from_dict(r)) for r in refs]  # without sources: the canonical bytes alone
     assert got == [hashlib.sha256(encode("Plan", r)).hexdigest() for r in refs] and got[0] != got[1]
+
+
+# -- reflection carries the comments --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("service", ["grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"])
+def test_reflection_serves_the_contract_with_its_comments(server: Running, service: str) -> None:
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as r
+
+    with grpc.insecure_channel(target_of(server)) as channel:
+        call = channel.stream_stream(f"/{service}/ServerReflectionInfo",
+                                     request_serializer=r.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=r.ServerReflectionResponse.FromString)
+        (resp,) = list(call(iter([r.ServerReflectionRequest(file_containing_symbol="paraminit.v1.InitService")]),
+                            timeout=10))
+    files = {f.name: f for f in map(descriptor_pb2.FileDescriptorProto.FromString,
+                                    resp.file_descriptor_response.file_descriptor_proto)}
+    comments = {name: " ".join(loc.leading_comments + loc.trailing_comments + " ".join(loc.leading_detached_comments)
+                               for loc in f.source_code_info.location) for name, f in files.items()}
+    service_text = " ".join(comments["paraminit/v1/init_service.proto"].split())
+    plan_text = " ".join(comments["paraminit/v1/plan.proto"].split())
+    assert "Castagnoli" in service_text and "0xE3069283" in service_text and "header_parts" in service_text
+    assert "VIOLATIONS_TRUNCATED" in service_text and "rounded down to a multiple of 8 bytes" in service_text
+    assert "canonical bytes" in plan_text and "SplitMix64" in plan_text
+    # the same descriptors as the generated code, plus the comments
+    from paraminit.v1 import init_service_pb2 as generated
+
+    bare = descriptor_pb2.FileDescriptorProto()
+    generated.DESCRIPTOR.CopyToProto(bare)
+    served = files["paraminit/v1/init_service.proto"]
+    served.ClearField("source_code_info")
+    for message in served.message_type:  # protoc also writes each field's JSON name, which the pool derives
+        for f in message.field:
+            f.ClearField("json_name")
+    assert served == bare
