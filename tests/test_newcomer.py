@@ -132,6 +132,19 @@ def test_output_onto_the_plan_is_refused_and_the_plan_kept(tmp_path: Path,
     assert code == cli.EXIT_USAGE and plan.read_text() == text
 
 
+def test_plan_output_onto_its_fallback_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones(3, dtype=np.float32)}, str(tmp_path / "c.safetensors"))
+    fallback = tmp_path / "fallback.json"
+    fallback.write_text('{"params": [{"name": "w", "shape": [3], "init": {"zeros": {}}}]}')
+    before = fallback.read_text()
+    code, _, err = run_cli(capsys, "plan", "from-safetensors", str(tmp_path / "c.safetensors"), "--fallback",
+                           str(fallback), "-o", str(fallback))
+    assert code == cli.EXIT_USAGE and "input file" in err and fallback.read_text() == before
+
+
 def test_output_errors_name_the_target_file_not_a_temporary(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     plan = ROOT / "examples/mlp.json"

@@ -267,6 +267,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_plan_from_safetensors(args: argparse.Namespace) -> int:
+    if args.output and args.output != "-":
+        check_output(args.output, [args.file, args.fallback])
     fallback = load_plan(args.fallback) if args.fallback else None
     _write(plan_to_json(plan_from_safetensors(args.file, fallback)), args.output)
     return EXIT_OK
