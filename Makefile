@@ -23,7 +23,12 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/paraminit materialize examples/gpt2_small.json -o demo.safetensors --summary
+	$(VENV)/bin/paraminit materialize examples/gpt2_small.json -o demo.safetensors
+	@echo
+	@echo "paraminit is installed in $(VENV)/bin, which is not on your PATH. Run it as"
+	@echo "  $(VENV)/bin/paraminit --help"
+	@echo "or activate the environment first:"
+	@echo "  . $(VENV)/bin/activate && paraminit inspect demo.safetensors"
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -32,10 +37,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check proto server client tests bench
 	$(VENV)/bin/mypy server/paraminit_server client/paraminit_client
 
-# Regenerates the committed contract code; tests/test_proto_fresh.py fails when it is stale.
+# Regenerates the committed contract code; tests/test_proto_fresh.py fails when it is stale. contract.binpb holds the
+# descriptors with their comments, which server reflection serves (the generated code carries none).
 proto: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m grpc_tools.protoc -I proto --python_out=proto --grpc_python_out=proto \
-		--mypy_out=proto --mypy_grpc_out=proto $(PROTOS)
+		--mypy_out=proto --mypy_grpc_out=proto --include_source_info \
+		--descriptor_set_out=proto/paraminit/v1/contract.binpb $(PROTOS)
 
 bench: $(STAMP)
 	$(PY) bench/cpu_sampler.py

@@ -22,7 +22,8 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
     protos = sorted(str(p.relative_to(src)) for p in (src / "paraminit/v1").glob("*.proto"))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", str(src), f"--python_out={tmp_path}",
-                    f"--grpc_python_out={tmp_path}", f"--mypy_out={tmp_path}", f"--mypy_grpc_out={tmp_path}", *protos],
+                    f"--grpc_python_out={tmp_path}", f"--mypy_out={tmp_path}", f"--mypy_grpc_out={tmp_path}",
+                    "--include_source_info", f"--descriptor_set_out={tmp_path / 'contract.binpb'}", *protos],
                    check=True, env=env, capture_output=True)
     stale = []
     for proto in protos:
@@ -32,4 +33,6 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
             committed = (src / (stem + suffix)).read_bytes()
             if fresh != committed:
                 stale.append(stem + suffix)
+    if (tmp_path / "contract.binpb").read_bytes() != (src / "paraminit/v1/contract.binpb").read_bytes():
+        stale.append("paraminit/v1/contract.binpb")
     assert not stale, f"generated code is stale, run `make proto`: {stale}"

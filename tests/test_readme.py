@@ -1,4 +1,4 @@
-"""Every code block of README.md runs as written (from a scratch directory holding the examples)."""
+"""Every code block of README.md and docs/*.md runs as written (from a scratch directory holding the examples)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,12 @@ BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
 NOT_RUN = re.compile(r"^\s*(pip install|make |docker|kubectl|kustomize|buildah)", re.M)
 
 
-def blocks(lang: str) -> list[str]:
-    return [body for kind, body in BLOCK.findall((ROOT / "README.md").read_text()) if kind == lang]
+# The sampler spec's blocks are pseudo-code; every other page's blocks are run.
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "SAMPLER.md")]
+
+
+def blocks(lang: str, pages: list[Path] = PAGES) -> list[str]:
+    return [body for page in pages for kind, body in BLOCK.findall(page.read_text()) if kind == lang]
 
 
 def _scratch(tmp_path: Path) -> dict[str, str]:
@@ -34,7 +38,7 @@ def test_python_block_runs(index: int, tmp_path: Path) -> None:
             pytest.importorskip(optional)
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_scratch(tmp_path), capture_output=True,
                           text=True, timeout=300)
-    assert done.returncode == 0, f"README python block {index} failed:\n{code}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"python block {index} failed:\n{code}\n{done.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("index", range(len(blocks("sh"))))
@@ -44,11 +48,20 @@ def test_shell_block_runs(index: int, tmp_path: Path) -> None:
         pytest.skip("install/build commands: exercised by make test and the image check")
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=_scratch(tmp_path),
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"README sh block {index} failed:\n{code}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"sh block {index} failed:\n{code}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
 
 def test_readme_has_runnable_blocks() -> None:
-    assert len(blocks("python")) >= 3 and any(not NOT_RUN.search(b) for b in blocks("sh"))
+    readme = [ROOT / "README.md"]
+    assert len(blocks("python", readme)) >= 3 and any(not NOT_RUN.search(b) for b in blocks("sh", readme))
+
+
+@pytest.mark.parametrize("page", ["concepts.md", "cli.md", "plan-format.md", "pytorch.md", "troubleshooting.md"])
+def test_docs_pages_exist_have_runnable_blocks_and_are_linked(page: str) -> None:
+    path = ROOT / "docs" / page
+    assert path in PAGES and f"docs/{page}" in (ROOT / "README.md").read_text()
+    runnable = [b for kind, b in BLOCK.findall(path.read_text()) if kind in ("python", "sh", "json")]
+    assert runnable, f"docs/{page} has no block the tests run"
 
 
 @pytest.mark.parametrize("index", range(len(blocks("json"))))

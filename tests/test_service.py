@@ -96,7 +96,7 @@ def test_invalid_plan_gives_every_violation(client: Client) -> None:
     err = info.value
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
     assert [v.field for v in err.violations] == ["params[0].init.uniform", "params[1].init.flat.values",
-                                                 "params[2].init.kaiming_uniform_for_shape"]
+                                                 "params[2].init.kaimingUniformForShape"]
     assert "initialization: uniform lower bound must not exceed the upper bound" in err.message
     assert "Traceback" not in err.message
 

@@ -47,9 +47,9 @@ def test_every_violation_reported_at_once() -> None:
         "params[2].init.normal ('n'): initialization: normal mean and standard deviation must be finite",
         "params[3].init.normal ('n2'): initialization: normal standard deviation must be nonnegative",
         "params[4].init.flat.values ('f'): torch.runtimeInit: flat initializer length mismatch (expected 6, got 2)",
-        "params[5].init.xavier_uniform_for_shape ('x'): torch.runtimeInit: Xavier initialization expects at least 2 "
+        "params[5].init.xavierUniformForShape ('x'): torch.runtimeInit: Xavier initialization expects at least 2 "
         "dimensions, got [5]",
-        "params[6].init.kaiming_uniform_for_shape ('k'): torch.runtimeInit: Kaiming initialization expects at least 2 "
+        "params[6].init.kaimingUniformForShape ('k'): torch.runtimeInit: Kaiming initialization expects at least 2 "
         "dimensions, got []",
         "params[7].name (''): parameter name must not be empty",
         "params[8].name ('u'): duplicate parameter name 'u' (first at params[0])",

@@ -6,6 +6,7 @@ Exit codes (also in every --help and the README): see EXIT_CODES_HELP.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -18,13 +19,14 @@ from typing import Any, NoReturn
 
 import grpc
 
-from paraminit import dtypes, sizes
+from paraminit import dtypes, exitcodes, sizes
 from paraminit_client import __version__, inspect
 from paraminit_client.client import Client
 from paraminit_client.errors import ParaminitError
 from paraminit_client.plans import PlanFileError, load_plan, plan_from_safetensors, plan_to_json
 
-EXIT_OK, EXIT_ERROR, EXIT_INVALID, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 3, 64, 130
+EXIT_OK, EXIT_ERROR, EXIT_INVALID, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = (
+    exitcodes.OK, exitcodes.ERROR, exitcodes.INVALID, exitcodes.FLAGGED, exitcodes.USAGE, exitcodes.INTERRUPTED)
 DEFAULT_HEALTH_TARGET = "127.0.0.1:50051"
 EXIT_CODES_HELP = f"""exit codes:
   {EXIT_OK:<4} success
@@ -66,7 +68,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def _client(args: argparse.Namespace, default_target: str | None = None) -> Client:
-    return Client(args.target or default_target, timeout=getattr(args, "timeout", None), token=args.token or None,
+    if args.target is None and default_target is not None:
+        args.target = default_target  # errors name the target tried
+    return Client(check_target(args.target), timeout=getattr(args, "timeout", None), token=args.token or None,
                   tls_ca=args.tls_ca or None, tls_cert=args.tls_cert or None, tls_key=args.tls_key or None)
 
 
@@ -82,31 +86,131 @@ def _write(text: str, output: str | None) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """`paraminit serve ...` is `paraminit-server ...`."""
-    try:
-        from paraminit_server import embedded  # optional: the client can be installed alone
-    except ImportError as exc:
-        print(f"paraminit: the server is not installed ({exc})", file=sys.stderr)
+    """`paraminit serve ...` is `paraminit-server ...`: the same flags, variables and exit codes."""
+    if args.server_missing:
+        print(f"paraminit: the server is not installed ({args.server_missing})", file=sys.stderr)
         return EXIT_ERROR
+    from paraminit_server.config import from_args
+    from paraminit_server.server import serve
+
     try:
-        return embedded.serve_main(args.server_args)
-    except SystemExit as done:  # argparse: --help/--version (0) or a usage error (2)
-        code = done.code if isinstance(done.code, int) else EXIT_ERROR
-        return EXIT_USAGE if code == 2 else code
+        config = from_args(args)
+    except ValueError as exc:
+        raise UsageError(" ".join(str(exc).split())) from None
+    try:
+        return serve(config)
+    except Exception as exc:  # port in use, a backend that cannot run here, unreadable TLS files: one line
+        print(f"paraminit serve: error: {' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr,
+              flush=True)
+        return EXIT_ERROR
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def check_target(target: str | None) -> str | None:
+    """`target` if a channel could use it: host:port with a port in 1-65535, [v6]:port, unix:PATH, dns:...; a
+    UsageError that says what is wrong otherwise, before anything connects.
+
+    Args:
+        target: the --target value (None: no server, the plan runs in process).
+
+    Returns:
+        The target unchanged.
+
+    Raises:
+        UsageError: a URL scheme, a missing or malformed port, an empty host.
+    """
+    if target is None or target.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return target
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", target)
+    if scheme:
+        rest = target[scheme.end():].rstrip("/")
+        raise UsageError(f"--target {target!r}: gRPC targets take no {scheme.group(1)}:// scheme; "
+                         f"write HOST:PORT ({rest or 'localhost:50051'}) or unix:PATH")
+    host, sep, port = target.rpartition(":")
+    if not sep or (":" in host and not host.startswith("[")):  # no port, or a bare IPv6 address
+        example = f"[{target}]:50051" if ":" in target else f"{target}:50051"
+        raise UsageError(f"--target {target!r} has no port: write HOST:PORT, e.g. {example}")
+    if not host or host in ("[]",):
+        raise UsageError(f"--target {target!r} has no host: write HOST:PORT, e.g. localhost{target}")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--target {target!r}: port {port!r} is not a number from 1 to 65535")
+    return target
+
+
+def _same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).resolve() == Path(b).resolve()
+
+
+def check_output(output: str, inputs: Sequence[str | None]) -> Path:
+    """The -o file, refused before any work when it is one of the inputs, a directory, or in a missing directory.
+
+    Args:
+        output: the path given to -o.
+        inputs: the files the command reads (None entries are ignored).
+
+    Returns:
+        The output path.
+
+    Raises:
+        UsageError: `output` names an input file.
+        OSError: a directory, or a parent directory that does not exist (naming `output`).
+    """
+    dest = Path(output)
+    for given in inputs:
+        if given is not None and _same_file(given, dest):
+            raise UsageError(f"-o {output} is the input file {given}: writing it would replace the input")
+    if dest.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory; -o takes a file name", output)
+    if not dest.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, f"directory {str(dest.parent)!r} does not exist", output)
+    return dest
 
 
 def cmd_materialize(args: argparse.Namespace) -> int:
+    started = time.time()  # one clock (tqdm's) for the bar and the summary
+    check_output(args.output, [args.plan])
     plan = load_plan(args.plan)
-    started = time.perf_counter()
-    with _client(args) as c:
-        header = c.materialize_to_file(plan, args.output, progress=args.progress and sys.stderr.isatty(),
-                                       chunk_bytes=args.chunk_bytes)
-    seconds = time.perf_counter() - started
+    show_bar = args.progress and not args.quiet and sys.stderr.isatty()
+    bar: Any = None
+    data_at: list[float] = []
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if not data_at:
+            data_at.append(time.time())
+            if show_bar:
+                bar = _progress_bar(total, Path(args.output).name)
+                bar.start_t = started  # elapsed and rate from the command's start, as the summary
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    try:
+        with _client(args) as c:
+            header = c.materialize_to_file(plan, args.output, progress=progress, chunk_bytes=args.chunk_bytes)
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.time() - started
     total = header.data_bytes
     if not args.quiet:
-        print(f"wrote {args.output}: {len(header.tensors)} parameters, {sizes.format_size(total)} in {seconds:.2f} s "
-              f"({total / max(seconds, 1e-9) / 1e9:.2f} GB/s), plan digest {header.plan_digest}", flush=True)
+        setup = data_at[0] - started if data_at else seconds
+        print(f"wrote {args.output}: {_plural(len(header.tensors), 'parameter')}, {sizes.format_size(total)} in "
+              f"{seconds:.2f} s ({sizes.format_size(total / max(seconds, 1e-9))}/s; {setup:.2f} s of it before the "
+              f"first byte: plan checks, kernel compilation), plan digest {header.plan_digest}", flush=True)
     return EXIT_OK
+
+
+def _progress_bar(total: int, name: str) -> Any:
+    from tqdm import tqdm
+
+    # "iB" with unit_divisor 1024 reads KiB, MiB, GiB: the units of the summary line
+    return tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=1024, desc=name, leave=True)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -134,7 +238,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         entry = by_dtype.setdefault(_dtype_name(p.dtype), [0, 0])
         entry[0] += 1
         entry[1] += nbytes
-    print(f"valid plan {report.plan_digest[:16]}: {len(plan.params)} parameters, {sizes.format_size(report.total_bytes)}")
+    print(f"valid plan {report.plan_digest[:16]}: {_plural(len(plan.params), 'parameter')}, "
+          f"{sizes.format_size(report.total_bytes)}")
     print(f"  {'dtype':<10} {'params':>7} {'bytes':>12}")
     for name, (count, nbytes) in sorted(by_dtype.items()):
         print(f"  {name:<10} {count:>7} {sizes.format_size(nbytes):>12}")
@@ -147,19 +252,23 @@ def _dtype_name(value: int) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.plot:
+        inspect.check_plot(args.plot)  # before any work: matplotlib and a writable directory
     plan = load_plan(args.plan) if args.plan else None
     report = inspect.inspect_file(args.file, plan)
     if args.json:
         print(json.dumps(inspect.to_json(report), indent=1))
     else:
-        print(inspect.format_table(report))
+        print(inspect.format_table(report, wide=args.wide))
     if args.plot:
-        written = inspect.plot(report, args.plot)
+        written = inspect.plot(report, args.plot, log=args.plot_log)
         print(f"wrote {len(written)} histograms to {args.plot}", file=sys.stderr)
     return EXIT_FLAGGED if plan is not None and not report.ok else EXIT_OK
 
 
 def cmd_plan_from_safetensors(args: argparse.Namespace) -> int:
+    if args.output and args.output != "-":
+        check_output(args.output, [args.file, args.fallback])
     fallback = load_plan(args.fallback) if args.fallback else None
     _write(plan_to_json(plan_from_safetensors(args.file, fallback)), args.output)
     return EXIT_OK
@@ -198,8 +307,59 @@ def cmd_plan_from_module(args: argparse.Namespace) -> int:
         module = factory()
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"{args.factory} returned {type(module).__name__}, not a torch.nn.Module")
-    _write(plan_to_json(plan_from_module(module, seed=args.seed, policy=args.policy)), args.output)
+    overrides = _factory(args.overrides) if args.overrides else None
+    _write(plan_to_json(plan_from_module(module, seed=args.seed, policy=args.policy, overrides=overrides)),
+           args.output)
     return EXIT_OK
+
+
+def _lease_rows(leases: Sequence[Any], now: float) -> list[dict[str, Any]]:
+    from paraminit import times
+    from paraminit.v1 import init_service_pb2 as pb
+
+    return [{"lease_id": s.lease.lease_id,
+             "delivery": pb.Delivery.Name(s.lease.delivery).removeprefix("DELIVERY_").lower(),
+             "nbytes": s.lease.nbytes, "expires_in_s": round(times.epoch(s.lease.expires_at) - now, 1),
+             "age_s": round(times.seconds(s.age), 1), "owner": s.owner, "plan_digest": s.plan_digest}
+            for s in leases]
+
+
+def cmd_leases(args: argparse.Namespace) -> int:
+    """List, release or renew this identity's leases on a server."""
+    if args.target is None:
+        raise UsageError("leases live on a server: give --target HOST:PORT (an in-process client's leases end "
+                         "with its process)")
+    action = args.action
+    if action != "list" and not args.lease_ids:
+        raise UsageError(f"leases {action} needs at least one LEASE_ID (see `paraminit leases`)")
+    with _client(args) as c:
+        if action == "list":
+            rows = _lease_rows(c.leases(), time.time())
+            if args.json:
+                print(json.dumps(rows, indent=1))
+            elif not rows:
+                print(f"no live leases for this identity on {args.target}")
+            else:
+                head = ("lease id", "delivery", "size", "expires in", "age", "plan digest")
+                table = [head] + [(r["lease_id"], r["delivery"], sizes.format_size(r["nbytes"]),
+                                   f"{r['expires_in_s']:.0f} s", f"{r['age_s']:.0f} s", r["plan_digest"][:16])
+                                  for r in rows]
+                widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+                for row in table:
+                    print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+                total = sum(r["nbytes"] for r in rows)
+                print(f"{_plural(len(rows), 'lease')}, {sizes.format_size(total)}, owner {rows[0]['owner']}")
+            return EXIT_OK
+        if action == "release":
+            for lease_id in args.lease_ids:
+                done = c.release(lease_id)
+                print(f"{lease_id}: {'released' if done else 'already released'}")
+            return EXIT_OK
+        for lease_id in args.lease_ids:
+            expires = c.renew(lease_id, args.ttl)
+            print(f"{lease_id}: renewed, expires in {expires - time.time():.0f} s "
+                  f"({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(expires))})")
+        return EXIT_OK
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -236,12 +396,19 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     serve = add("serve", "run the gRPC server (the same as paraminit-server; `paraminit serve --help` lists its "
-                "flags, each with its PARAMINIT_* variable and default)", add_help=False)
-    serve.add_argument("server_args", nargs=argparse.REMAINDER, help="paraminit-server flags")
-    serve.set_defaults(func=cmd_serve)
+                "flags, each with its PARAMINIT_* variable and default)",
+                "Run the paraminit gRPC server: the same flags, variables and exit codes as paraminit-server.")
+    try:
+        from paraminit_server.config import add_arguments  # optional: the client can be installed alone
+    except ImportError as exc:
+        serve.set_defaults(func=cmd_serve, server_missing=str(exc))
+    else:
+        add_arguments(serve, version=False)
+        serve.set_defaults(func=cmd_serve, server_missing="")
 
-    def with_target(p: argparse.ArgumentParser, default: str | None = None) -> None:
-        where = f"default: {default}" if default else "default: none, the plan runs in this process on the CPU"
+    def with_target(p: argparse.ArgumentParser, default: str | None = None,
+                    local: str = "the plan runs in this process on the CPU") -> None:
+        where = f"default: {default}" if default else f"default: none, {local}"
         p.add_argument("--target", default=None, metavar="HOST:PORT", help=f"server to use ({where})")
         p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                        help="deadline of each call (default: none" + (", 5 for health)" if default else ")"))
@@ -261,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest stream chunk to ask the server for, e.g. 2MiB (default: 0, the server's choice)")
     m.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar, even on a terminal")
-    m.add_argument("-q", "--quiet", action="store_true", help="no summary line on success")
+    m.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors: no bar, no summary line")
     m.add_argument("--summary", action="store_true", help=argparse.SUPPRESS)  # the summary is always printed now
     with_target(m)
     m.set_defaults(func=cmd_materialize)
@@ -276,13 +443,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_validate)
 
     ins = add("inspect", "list a safetensors file's tensors with their statistics, and check them against a plan",
-              "One line per tensor: name, dtype, shape, bytes, mean, std, min, max. With --plan also the mean, "
-              "standard deviation and bounds each initializer promises, and a check column: FLAG when the sample "
+              "One line per tensor: name, dtype, shape, bytes, mean, std (over the finite values), and a "
+              "non-finite count when any value is NaN or infinite; --wide adds min and max. With --plan also the "
+              "initializer (--wide: the mean, standard deviation and bounds it promises), and a check column: "
+              "FLAG when the sample "
               "mean or std is more than 5 standard errors (plus the dtype's rounding) from the expected one, or a "
               "value lies outside the bounds; the FLAG lines below the table say why.")
     ins.add_argument("file", help="safetensors file")
     ins.add_argument("--plan", metavar="PLAN", help="plan whose initializers the tensors should follow")
     ins.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    ins.add_argument("--wide", action="store_true", help="every column (min, max, the expected mean, std and "
+                     "bounds); the default table fits 100 columns, long names cut in the middle with '~'")
+    ins.add_argument("--plot-log", action="store_true", help="with --plot: the whole range of values on a "
+                     "logarithmic density axis, so the tails show (default: the bulk, mean +- 4 std, linear)")
     ins.add_argument("--plot", metavar="DIR", help="write one PNG histogram per tensor into DIR, the plan's "
                      "expected density drawn over it (needs matplotlib: pip install 'paraminit[plot]')")
     ins.set_defaults(func=cmd_inspect)
@@ -307,14 +480,34 @@ def build_parser() -> argparse.ArgumentParser:
                     "the current directory is importable")
     fm.add_argument("--seed", type=int, default=0, help="plan seed; each parameter's seed derives from it and "
                     "the parameter name (default: 0)")
-    fm.add_argument("--policy", choices=("torch", "torchlean"), default="torch",
-                    help="torch: PyTorch's own default distributions; torchlean: kaiming/xavier uniform "
-                    "(default: torch)")
+    fm.add_argument("--policy", choices=("torch", "torchlean", "hf"), default="torch",
+                    help="torch: PyTorch's own default distributions; torchlean: kaiming/xavier uniform, as "
+                    "TorchLean (the Lean runtime whose sampler paraminit reproduces) initializes; hf: Hugging Face "
+                    "transformers' own _init_weights (pip install 'paraminit[hf]') (default: torch)")
+    fm.add_argument("--overrides", metavar="package.module:callable", help="asked first for every tensor: "
+                    "callable(name, tensor) or callable(name, tensor, module, module_name) returning an "
+                    "initializer as JSON ({'normal': {'std': 0.02}}) or an Init, or None to leave it to the policy")
     fm.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     fm.set_defaults(func=cmd_plan_from_module)
 
-    i = add("info", "server version, backend, device and limits")
-    with_target(i)
+    ls = add("leases", "list, release or renew your shared-memory / CUDA IPC leases on a server",
+             "Leases hold exported buffers (SHM, CUDA IPC) until released or expired. Without an action: list "
+             "this identity's live leases (id, delivery, size, time to expiry, age, plan digest).")
+    ls.add_argument("action", nargs="?", choices=("list", "release", "renew"), default="list",
+                    help="list (the default): this identity's live leases; release: free them at once; renew: "
+                    "extend them")
+    ls.add_argument("lease_ids", nargs="*", metavar="LEASE_ID", help="the leases to release or renew")
+    ls.add_argument("--ttl", type=float, default=0.0, metavar="SECONDS",
+                    help="renew: new time to live from now (default: 0, the server's --lease-ttl, capped by its "
+                    "--max-lease-ttl)")
+    ls.add_argument("--json", action="store_true", help="list as JSON")
+    with_target(ls, local="required: leases live on a server")
+    ls.set_defaults(func=cmd_leases)
+
+    i = add("info", "server version, backend, device and limits",
+            "Ask a server (or, without --target, the in-process data plane) for its version, backend, device, "
+            "memory and limits.")
+    with_target(i, local="this process's own data plane answers")
     i.set_defaults(func=cmd_info)
 
     h = add("health", "print the server's health status; exit 0 when it is SERVING",
@@ -345,32 +538,44 @@ def _os_line(err: OSError) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; every failure is one exit code and words on stderr (and, with --json, a JSON object on
+    stdout: {"ok": false, "exit_code", "error", "violations"})."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    violations: list[dict[str, Any]] = []
     try:
         return int(args.func(args))
     except ParaminitError as err:
         if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.violations:
-            print(f"paraminit: invalid plan: {len(err.violations)} violation(s)", file=sys.stderr)
-            for v in err.violations:
-                print(v.description, file=sys.stderr)
-            return EXIT_INVALID
-        print(f"paraminit: {_rpc_line(err, getattr(args, 'target', None))}", file=sys.stderr)
-        return EXIT_ERROR
+            message = f"invalid plan: {_plural(len(err.violations) + err.omitted, 'violation')}"
+            lines = [v.description for v in err.violations]
+            if err.omitted:
+                lines.append(f"... and {err.omitted} more (`paraminit validate` lists every one)")
+            violations = [{"field": v.field, "message": v.description} for v in err.violations]
+            code = EXIT_INVALID
+        else:
+            message, lines, code = _rpc_line(err, getattr(args, "target", None)), [], EXIT_ERROR
     except PlanFileError as err:
-        print(f"paraminit: {err}", file=sys.stderr)
-        return EXIT_INVALID
+        message, lines, code = str(err), [], EXIT_INVALID
+        violations = [{"file": err.file, **v} for v in err.to_json()]
     except UsageError as err:
-        print(f"paraminit: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        message, lines, code = str(err), [], EXIT_USAGE
+    except BrokenPipeError:  # `paraminit inspect f | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except OSError as err:
-        print(f"paraminit: {_os_line(err)}", file=sys.stderr)
-        return EXIT_ERROR
+        message, lines, code = _os_line(err), [], EXIT_ERROR
     except (ValueError, RuntimeError) as err:
-        print(f"paraminit: {err}", file=sys.stderr)
-        return EXIT_ERROR
+        message, lines, code = str(err), [], EXIT_ERROR
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    print(f"paraminit: {message}", file=sys.stderr)
+    for line in lines:
+        print(line, file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "valid": False if code == EXIT_INVALID else None, "exit_code": code,
+                          "error": message.splitlines()[0].rstrip(":"), "violations": violations}, indent=1))
+    return code
 
 
 if __name__ == "__main__":

@@ -71,9 +71,14 @@ class Client:
     def __init__(self, target: str | Sequence[str] | None = None, *, timeout: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None, split_bytes: int = 64 << 20,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, safetensors_dirs: Sequence[str] | None = None) -> None:
         """`token`: bearer token (default: $PARAMINIT_TOKEN). `tls_ca`/`tls_cert`/`tls_key`: TLS, and a client
-        certificate for mutual TLS; `credentials` overrides them."""
+        certificate for mutual TLS; `credentials` overrides them. `safetensors_dirs` (in process only): the
+        directories whose safetensors files plans may name; default: every file this process can read (a
+        server's own --safetensors-dirs decides for a server)."""
+        if safetensors_dirs is not None and target is not None:
+            raise ValueError("safetensors_dirs applies in process only; a server's --safetensors-dirs decides "
+                             "which files its plans may read")
         self._local: Any = None  # paraminit_server.embedded.InProcess when no target is given
         self._finalizer: Any = None  # weakref.finalize closing the in-process data plane
         self._workers: list[Client] = []
@@ -93,7 +98,8 @@ class Client:
             options.append(("grpc.lb_policy_name", "round_robin"))
         self.timeout = timeout
         if target is None:
-            self._local = start_embedded()
+            dirs = "/" if safetensors_dirs is None else ":".join(os.fspath(d) for d in safetensors_dirs)
+            self._local = start_embedded(safetensors_dirs=dirs)
             # a client that is never closed still frees its leases and segments when collected or at exit
             self._finalizer = weakref.finalize(self, self._local.close)
             self.target = "in-process"
@@ -192,11 +198,21 @@ class Client:
         if not isinstance(first, pb.MaterializeResponse) or first.WhichOneof("msg") != "header":
             call.cancel()
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
-        if header_crc32c(first.header) != first.header.header_crc32c:  # before anyone writes a byte of it
+        header = first.header
+        for k in range(header.header_parts):  # a large table and prefix come in parts (init_service.proto)
+            with rpc_errors():
+                part = next(call, None)
+            if not isinstance(part, pb.MaterializeResponse) or part.WhichOneof("msg") != "header_part":
+                call.cancel()
+                raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream header part {k + 1} of "
+                                     f"{header.header_parts} is missing")
+            header.tensors.extend(part.header_part.tensors)
+            header.safetensors_prefix += part.header_part.safetensors_prefix
+        if header_crc32c(header) != header.header_crc32c:  # before anyone writes a byte of it
             call.cancel()
             raise ParaminitError(grpc.StatusCode.DATA_LOSS, "stream header checksum mismatch: the prefix, tensor "
                                  "table or digest was corrupted in transit")
-        return first.header, _verified_chunks(call, first.header.data_bytes, check_crc)
+        return header, _verified_chunks(call, header.data_bytes, check_crc)
 
     def _local_stream(self, plan: plan_pb2.Plan) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:
         """In process: slabs straight from the data plane, as chunks with the same CRC32C a server sends."""
@@ -268,7 +284,31 @@ class Client:
         return str(self._call(self._upload, encoded()).payload_id)
 
     def leases(self) -> list[pb.LeaseStatus]:
+        """The live leases this caller's identity holds on the server (`paraminit leases` prints them)."""
         return list(self._call(self.stub.ListLeases, pb.ListLeasesRequest()).leases)
+
+    def release(self, lease_id: str) -> bool:
+        """Free a lease by id (one this process no longer holds as a Lease object, e.g. after a crash).
+
+        Args:
+            lease_id: the id `leases()` lists.
+
+        Returns:
+            False when it was already released.
+
+        Raises:
+            ParaminitError: NOT_FOUND for an unknown or foreign lease.
+        """
+        return bool(self._call(self.stub.Release, pb.ReleaseRequest(lease_id=lease_id)).released)
+
+    def renew(self, lease_id: str, ttl_seconds: float = 0.0) -> float:
+        """Extend a lease by id; `ttl_seconds` 0 is the server's default. Returns the new expiry (epoch seconds).
+
+        Raises:
+            ParaminitError: NOT_FOUND for an unknown or foreign lease.
+        """
+        resp = self._call(self.stub.Renew, pb.RenewRequest(lease_id=lease_id, ttl=times.duration(ttl_seconds)))
+        return times.epoch(resp.lease.expires_at)
 
     def materialize(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
                     progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:
@@ -334,7 +374,8 @@ class Client:
         scaleout.run_parts(parts, workers, lambda w, sub: w._materialize_one(sub), put)
         return out
 
-    def materialize_to_file(self, plan: plan_pb2.Plan, path: str | os.PathLike[str], *, progress: bool = False,
+    def materialize_to_file(self, plan: plan_pb2.Plan, path: str | os.PathLike[str], *,
+                            progress: bool | Callable[[int, int], None] = False,
                             chunk_bytes: int = 0, durable: bool = True) -> pb.StreamHeader:
         """Write a safetensors file atomically: a temporary file renamed into place only when complete.
 
@@ -342,10 +383,14 @@ class Client:
         it arrives (paraminit_client.filesink). `durable` (the default) writes the data with direct I/O
         where the file system allows and flushes it and the directory entry to disk before returning,
         so the file survives a crash once this returns; without it the page cache decides (faster where
-        the disk is slower than the network)."""
+        the disk is slower than the network). `progress`: True for a bar on stderr, or a callable given
+        (bytes written, total bytes): once with 0 when the header arrives, then after each chunk."""
         dest = Path(path)
         header, chunks = self.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
-        bar = _progress_bar(header.data_bytes, dest.name) if progress else None
+        bar = _progress_bar(header.data_bytes, dest.name) if progress is True else None
+        update: Callable[[int], None] | None = bar.update if bar is not None else None
+        if callable(progress):
+            update = _cumulative(progress, header.data_bytes)
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent or ".")
         base = len(header.safetensors_prefix)
         try:
@@ -354,7 +399,7 @@ class Client:
                     os.posix_fallocate(fd, 0, base + header.data_bytes)
                 sink = filesink.open_sink(fd, tmp, header.safetensors_prefix, header.data_bytes, durable)
                 try:
-                    land(chunks, sink.put, bar.update if bar is not None else None)
+                    land(chunks, sink.put, update)
                     sink.finish()
                 finally:
                     sink.close()
@@ -428,8 +473,22 @@ def _umask() -> int:
     return mask
 
 
+def _cumulative(report: Callable[[int, int], None], total: int) -> Callable[[int], None]:
+    """A per-chunk byte counter that calls `report(bytes so far, total)`; reports (0, total) at once."""
+    done = 0
+
+    def update(n: int) -> None:
+        nonlocal done
+        done += n
+        report(done, total)
+
+    report(0, total)
+    return update
+
+
 def _progress_bar(total: int, name: str) -> Any:
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name, leave=True)  # the finished bar stays on screen
+    # "iB" with unit_divisor 1024 reads KiB, MiB, GiB: the units of every size paraminit prints
+    return tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=1024, desc=name, leave=True)  # the finished bar stays on screen
 
 
 def land(chunks: Iterator[wire.Chunk], put: Callable[[wire.Chunk], None],

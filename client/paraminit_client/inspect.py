@@ -287,24 +287,58 @@ def _shape(shape: Sequence[int]) -> str:
     return "x".join(str(d) for d in shape) if shape else "scalar"
 
 
-def format_table(report: Report) -> str:
-    """The human table: one line per tensor, a verdict per tensor with a plan, and a total line."""
-    head = ["name", "dtype", "shape", "bytes", "mean", "std", "min", "max"]
+COMPACT_COLUMNS = 100  # the default table fits a terminal this wide; --wide shows every column
+
+
+def _fit(text: str, width: int) -> str:
+    """`text` cut in the middle to `width` characters (names differ most at both ends)."""
+    if len(text) <= width:
+        return text
+    keep = width - 1
+    return text[:keep - keep // 2] + "~" + text[len(text) - keep // 2:]
+
+
+def format_table(report: Report, wide: bool = False) -> str:
+    """The human table: one line per tensor, a verdict per tensor with a plan, and a total line.
+
+    Args:
+        report: what inspect_file found.
+        wide: every column (min, max, the plan's expected statistics); the default is a compact table that fits
+            COMPACT_COLUMNS: name, dtype, shape, bytes, mean, std, non-finite count (when any), and with a plan
+            the expected initializer and the check. Long names are cut in the middle to fit.
+
+    Returns:
+        The table, the FLAG lines and a summary line.
+    """
+    any_nonfinite = any(r.stats is not None and r.stats.nonfinite for r in report.rows)
+    cols: list[tuple[str, bool]] = [("name", False), ("dtype", False), ("shape", False), ("bytes", True),
+                                    ("mean", True), ("std", True)]
+    if wide:
+        cols += [("min", True), ("max", True)]
+    if wide or any_nonfinite:
+        cols.append(("non-finite", True))
     if report.with_plan:
-        head += ["expected", "exp mean", "exp std", "exp min", "exp max", "check"]
-    lines = [head]
+        cols.append(("expected", False))
+        if wide:
+            cols += [("exp mean", True), ("exp std", True), ("exp min", True), ("exp max", True)]
+        cols.append(("check", False))
+    lines: list[list[str]] = [[c for c, _ in cols]]
     for r in report.rows:
-        s = r.stats
-        cells = [r.name, r.dtype, _shape(r.shape), format_size(r.nbytes)]
-        cells += [_num(s.mean), _num(s.std), _num(s.min), _num(s.max)] if s else ["-"] * 4
-        if report.with_plan:
-            x = r.expected
-            cells += [x.label, _num(x.mean), _num(x.std), _num(x.lo), _num(x.hi)] if x else ["-"] * 5
-            cells.append(r.status)
-        lines.append(cells)
-    numeric = {3, 4, 5, 6, 7, 9, 10, 11, 12}
-    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    out = ["  ".join(c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        s, x = r.stats, r.expected
+        cell = {"name": r.name, "dtype": r.dtype, "shape": _shape(r.shape), "bytes": format_size(r.nbytes),
+                "mean": _num(s.mean) if s else "-", "std": _num(s.std) if s else "-",
+                "min": _num(s.min) if s else "-", "max": _num(s.max) if s else "-",
+                "non-finite": str(s.nonfinite) if s else "-", "expected": x.label if x else "-",
+                "exp mean": _num(x.mean) if x else "-", "exp std": _num(x.std) if x else "-",
+                "exp min": _num(x.lo) if x else "-", "exp max": _num(x.hi) if x else "-", "check": r.status}
+        lines.append([cell[c] for c, _ in cols])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(cols))]
+    if not wide:
+        others = sum(widths[1:]) + 2 * (len(cols) - 1)
+        widths[0] = max(min(widths[0], COMPACT_COLUMNS - others), 12)
+        for row in lines:
+            row[0] = _fit(row[0], widths[0])
+    out = ["  ".join(c.rjust(w) if right else c.ljust(w) for c, w, (_, right) in zip(row, widths, cols, strict=True))
            .rstrip() for row in lines]
     for r in report.rows:
         for problem in r.problems:
@@ -357,20 +391,43 @@ def _file_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name) + ".png"
 
 
-def plot(report: Report, out_dir: str | os.PathLike[str], bins: int = 100) -> list[Path]:
-    """One PNG per tensor: a density histogram of its values, with the plan's expected density drawn over it.
-    Needs matplotlib (`pip install 'paraminit[plot]'`)."""
+def check_plot(out_dir: str | os.PathLike[str]) -> Path:
+    """Make sure `plot` can run before any statistics are computed: matplotlib imports and `out_dir` is (or can
+    be made) a writable directory.
+
+    Args:
+        out_dir: where the PNGs go.
+
+    Returns:
+        The directory, created if it was missing.
+
+    Raises:
+        RuntimeError: matplotlib is not installed.
+        OSError: the directory cannot be made or written.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install 'paraminit[plot]'") from None
-    _, entries = read_header(report.path)
-    by_name = {e.name: e for e in entries}
     target = Path(out_dir)
     target.mkdir(parents=True, exist_ok=True)
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise PermissionError(13, "cannot write into this directory", str(target))
+    return target
+
+
+def plot(report: Report, out_dir: str | os.PathLike[str], bins: int = 100, log: bool = False) -> list[Path]:
+    """One PNG per tensor: a density histogram of its values, with the plan's expected density drawn over it.
+    Needs matplotlib (`pip install 'paraminit[plot]'`). The x range is the bulk of the distribution (normal: mean
+    +- 4 std); `log` draws the whole range of the values with a logarithmic density axis, so the tails show."""
+    target = check_plot(out_dir)
+    import matplotlib.pyplot as plt
+
+    _, entries = read_header(report.path)
+    by_name = {e.name: e for e in entries}
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     try:
@@ -379,7 +436,7 @@ def plot(report: Report, out_dir: str | os.PathLike[str], bins: int = 100) -> li
             if r.stats is None or r.stats.count == 0:
                 continue
             ax.clear()
-            _draw(ax, r, _values(report.path, e), bins)
+            _draw(ax, r, _values(report.path, e), bins, log)
             path = target / _file_name(r.name)
             fig.tight_layout()
             fig.savefig(path)
@@ -389,15 +446,16 @@ def plot(report: Report, out_dir: str | os.PathLike[str], bins: int = 100) -> li
     return written
 
 
-def _draw(ax: Any, r: Row, chunks: Iterator[np.ndarray[Any, Any]], bins: int) -> None:
+def _draw(ax: Any, r: Row, chunks: Iterator[np.ndarray[Any, Any]], bins: int, log: bool = False) -> None:
     s, x = r.stats, r.expected
     assert s is not None
     lo, hi = s.min, s.max
     if x is not None and x.density in ("normal", "uniform"):
         lo, hi = min(lo, x.lo), max(hi, x.hi)
-        if x.density == "normal":  # the tails beyond 4.5 sigma hold a few in a million: keep the bulk readable
-            lo, hi = max(lo, x.mean - 4.5 * x.std), min(hi, x.mean + 4.5 * x.std)
-            lo, hi = min(lo, s.min), max(hi, s.max)
+    if not log and s.std > 0:  # the bulk: beyond 4 std a normal holds 6e-5 of its values, invisible on a linear axis
+        centre, spread = (x.mean, x.std) if x is not None and x.density == "normal" else (s.mean, s.std)
+        if x is None or x.density == "normal":
+            lo, hi = max(lo, centre - 4 * spread), min(hi, centre + 4 * spread)
     if hi <= lo:  # every value the same: one bar holding all of them
         pad = max(abs(lo) * 0.01, 1e-3)
         ax.bar([lo], [1.0], width=pad / 5, color="#8fb3d9", label=f"values ({s.count:,}): all {lo:g}")
@@ -426,8 +484,15 @@ def _draw(ax: Any, r: Row, chunks: Iterator[np.ndarray[Any, Any]], bins: int) ->
             ax.plot(grid, pdf, color="#c0392b", lw=1.6, label=f"expected {x.label}")
         elif x.density == "point":
             ax.axvline(x.mean, color="#c0392b", lw=1.6, ls="--", label=f"expected {x.label}: all {x.mean:g}")
-    ax.set_ylabel("density")
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # headroom for the legend
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylabel("density (log scale)")
+        positive = density[density > 0]
+        if positive.size:
+            ax.set_ylim(positive.min() / 2, positive.max() * 20)  # headroom for the legend
+    else:
+        ax.set_ylabel("density")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # headroom for the legend
     _label(ax, r, s)
 
 

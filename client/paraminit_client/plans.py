@@ -11,6 +11,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,30 +23,170 @@ from paraminit.v1 import plan_pb2
 
 
 def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
-    """Read a JSON or YAML plan file into a Plan; unknown fields are errors, not silently dropped."""
+    """Read a JSON or YAML plan file into a Plan, reporting every mistake in the file at once.
+
+    Args:
+        path: a `.json` file (proto3 JSON form of paraminit.v1.Plan) or a `.yaml`/`.yml` file of the same structure.
+
+    Returns:
+        The plan.
+
+    Raises:
+        OSError: the file cannot be read.
+        PlanFileError: a syntax error (with its line and column), or every unknown field, initializer and dtype,
+            every value of the wrong type and every duplicate key, each with its camelCase path and line.
+    """
     p = Path(path)
     text = p.read_text()
+    is_yaml = p.suffix.lower() in (".yaml", ".yml")
     try:
-        data = yaml.safe_load(text) if p.suffix.lower() in (".yaml", ".yml") else json.loads(text)
+        data = yaml.safe_load(text) if is_yaml else json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise PlanFileError(str(p), [_json_syntax(text, exc)]) from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = f"{mark.line + 1}:{mark.column + 1}" if mark is not None else None
+        what = " ".join(x for x in (exc.context, exc.problem) if x)
+        raise PlanFileError(str(p), [PlanProblem((), f"YAML syntax: {what}", line)]) from None
+    except yaml.YAMLError as exc:
+        raise PlanFileError(str(p), [PlanProblem((), f"YAML: {exc}")]) from None
+    except _DuplicateKey as exc:
+        raise PlanFileError(str(p), [PlanProblem((), str(exc))]) from None
+    try:
         return plan_from_dict(data)
-    except (ValueError, json_format.ParseError) as exc:
-        raise PlanFileError(f"{p}: not a valid plan: {_clean(str(exc))}") from None
-    except Exception as exc:  # yaml.YAMLError and friends: still a bad file, not a crash
-        raise PlanFileError(f"{p}: not a valid plan: {exc}") from None
+    except PlanFileError as exc:
+        lines = _key_lines(text)
+        raise PlanFileError(str(p), [q.at_line(lines.get(q.anchor)) for q in exc.problems]) from None
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    """One mistake in a plan file: where (path as written, camelCase), what, and the line when the format gives it."""
+
+    path: tuple[str | int, ...]
+    message: str
+    line: str | None = None  # "LINE" or "LINE:COLUMN"
+    anchor: tuple[str | int, ...] = ()  # the node the line is that of
+
+    @property
+    def where(self) -> str:
+        out = ""
+        for part in self.path:
+            out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        return out
+
+    def at_line(self, line: int | None) -> PlanProblem:
+        return PlanProblem(self.path, self.message, str(line) if line else self.line, self.anchor)
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}" if self.path else self.message
 
 
 class PlanFileError(ValueError):
-    """A plan file that does not parse as paraminit.v1.Plan."""
+    """A plan (file) that does not parse as paraminit.v1.Plan: every problem found, in file order."""
+
+    def __init__(self, file: str | None, problems: Sequence[PlanProblem]) -> None:
+        self.file = file
+        self.problems = list(problems)
+        super().__init__(self.text())
+
+    def text(self) -> str:
+        """One line per problem, each led by `FILE:LINE:` (or `FILE:` where the format gives no line)."""
+        if self.file is None:
+            return "; ".join(str(q) for q in self.problems)
+        body = [f"  {self.file}:{q.line}: {q}" if q.line else f"  {self.file}: {q}" for q in self.problems]
+        return f"{self.file}: not a valid plan ({_plural(len(self.problems), 'problem')}):\n" + "\n".join(body)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The problems as JSON objects: field (path), line (or null), message."""
+        return [{"field": q.where, "line": int(q.line.split(":")[0]) if q.line else None, "message": q.message}
+                for q in self.problems]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"duplicate key {key!r} in one object (JSON keeps only the last; remove one)")
+        out[key] = value
+    return out
+
+
+def _json_syntax(text: str, exc: json.JSONDecodeError) -> PlanProblem:
+    """A JSON syntax error at the place to fix: a trailing comma is reported where the comma is, not at the
+    next line's closing bracket."""
+    before = text[:exc.pos].rstrip()
+    if before.endswith(",") and exc.msg.startswith(("Expecting property name", "Expecting value")):
+        pos = len(before) - 1
+        line = text.count("\n", 0, pos) + 1
+        column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+        return PlanProblem((), "JSON syntax: a trailing comma (JSON allows none after the last item)",
+                           f"{line}:{column}")
+    return PlanProblem((), f"JSON syntax: {exc.msg}", f"{exc.lineno}:{exc.colno}")
+
+
+def _key_lines(text: str) -> dict[tuple[str | int, ...], int]:
+    """Line of every key and list item of a JSON or YAML document, by path (empty when it does not compose)."""
+    try:
+        root = yaml.compose(text)
+    except Exception:  # JSON that PyYAML reads differently: no lines, the paths still say where
+        return {}
+    out: dict[tuple[str | int, ...], int] = {}
+
+    def walk(node: Any, path: tuple[str | int, ...]) -> None:
+        out.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                out[(*path, key.value)] = key.start_mark.line + 1
+                walk(value, (*path, key.value))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, (*path, i))
+
+    if root is not None:
+        walk(root, ())
+    return out
 
 
 def plan_from_dict(data: Mapping[str, Any]) -> plan_pb2.Plan:
-    """A Plan from its JSON form. Dtypes may be written "bfloat16", "bf16", ... as well as "DTYPE_BFLOAT16"; an
-    unknown field, initializer or dtype is a ValueError that names its path, the nearest valid name and all of them."""
+    """A Plan from its JSON form. Dtypes may be written "bfloat16", "bf16", ... as well as "DTYPE_BFLOAT16".
+
+    Args:
+        data: the parsed JSON (or YAML) document.
+
+    Returns:
+        The plan.
+
+    Raises:
+        PlanFileError: (a ValueError) naming every unknown field, initializer or dtype (with the nearest valid name
+            and all of them), every value of the wrong type or sign, and initializers given twice.
+    """
     if not isinstance(data, Mapping):
-        raise ValueError("the top level must be an object with a 'params' list")
+        raise PlanFileError(None, [PlanProblem((), f"the top level must be an object with a 'params' list, "
+                                                   f"not {_kind(data)}")])
     plan = plan_pb2.Plan()
-    json_format.ParseDict(_checked(data, plan_pb2.Plan.DESCRIPTOR, ""), plan)
+    _parsed(data, plan)
     return plan
+
+
+def _parsed(data: Mapping[str, Any], message: Any, path: tuple[str | int, ...] = ()) -> Any:
+    problems: list[PlanProblem] = []
+    cleaned = _walk(data, message.DESCRIPTOR, path, problems)
+    if problems:
+        raise PlanFileError(None, problems)
+    try:
+        json_format.ParseDict(cleaned, message)
+    except json_format.ParseError as exc:  # a case the walk does not know: protobuf's words, without its chatter
+        raise PlanFileError(None, [PlanProblem(path, _clean(str(exc)))]) from None
+    return message
 
 
 def dtype_of(name: str, where: str = "dtype") -> dtypes.DTypeInfo:
@@ -54,10 +195,17 @@ def dtype_of(name: str, where: str = "dtype") -> dtypes.DTypeInfo:
         return dtypes.by_name(name)
     except ValueError:
         pass
+    raise ValueError(f"{where}: {_unknown_dtype(name)}")
+
+
+def _unknown_dtype(name: str) -> str:
     choices = [*dtypes.NAMES, *(a for d in dtypes.SUPPORTED for a in d.aliases)]
-    raise ValueError(f"{where}: unknown dtype {name!r}{_nearest(name.lower().removeprefix('dtype_'), choices)}; "
-                     f"valid: {', '.join(dtypes.NAMES)} (aliases: {', '.join(choices[len(dtypes.NAMES):])}, "
-                     f"or DTYPE_FLOAT32 ...)")
+    word = name.lower().removeprefix("dtype_")
+    # a suggestion keeps the digits (bit widths) the user wrote: 'bf61' -> 'bf16', but 'float8' is no 'float'
+    digits = sorted(c for c in word if c.isdigit())
+    same_width = [c for c in choices if sorted(ch for ch in c if ch.isdigit()) == digits]
+    return (f"unknown dtype {name!r}{_nearest(word, same_width)}; valid: {', '.join(dtypes.NAMES)} "
+            f"(aliases: {', '.join(choices[len(dtypes.NAMES):])}, or DTYPE_FLOAT32 ...)")
 
 
 def _nearest(word: str, choices: Sequence[str]) -> str:
@@ -69,41 +217,121 @@ def _nearest(word: str, choices: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _checked(data: Mapping[str, Any], desc: descriptor.Descriptor, path: str) -> dict[str, Any]:
-    """`data` with dtype names as enum names, after checking every key against the message (recursively), so
-    mistakes read as "params[0].init: unknown initializer 'normall'; did you mean 'normal'?" rather than as
-    protobuf's parser text."""
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _walk(data: Any, desc: descriptor.Descriptor, path: tuple[str | int, ...],
+          problems: list[PlanProblem]) -> dict[str, Any]:
+    """Check `data` against the message `desc` recursively, appending every problem; returns what protobuf's
+    parser should get (dtype names as enum names)."""
+    if not isinstance(data, Mapping):
+        problems.append(PlanProblem(path, f"expected an object, got {_kind(data)}", anchor=path))
+        return {}
     by_key = {k: f for f in desc.fields for k in (f.json_name, f.name)}
+    is_init = desc is plan_pb2.Init.DESCRIPTOR
     out: dict[str, Any] = {}
+    oneofs: dict[str, list[str]] = {}
     for key, value in data.items():
         field = by_key.get(key) if isinstance(key, str) else None
-        where = f"{path}.{key}" if path else str(key)
+        here = (*path, str(key))
         if field is None:
             names = [f.json_name for f in desc.fields]
-            what = "initializer" if desc is plan_pb2.Init.DESCRIPTOR else "field"
-            at = path or "the plan"
-            raise ValueError(f"{at}: unknown {what} {key!r}{_nearest(str(key), names)}; valid: {', '.join(names)}")
-        out[key] = _checked_value(value, field, where)
+            what = "initializer" if is_init else "field"
+            problems.append(PlanProblem(path, f"unknown {what} {str(key)!r}{_nearest(str(key), names)}; valid: "
+                                        f"{', '.join(names)}", anchor=here))
+            continue
+        if field.containing_oneof is not None and value is not None:
+            oneofs.setdefault(field.containing_oneof.name, []).append(str(key))
+        out[key] = _walk_value(value, field, here, problems)
+    for group, keys in oneofs.items():
+        if len(keys) > 1:
+            what = "initializer" if is_init else f"member of {group}"
+            problems.append(PlanProblem(path, f"more than one {what}: {', '.join(map(repr, keys))}; give one",
+                                        anchor=(*path, keys[1])))
     return out
 
 
-def _checked_value(value: Any, field: descriptor.FieldDescriptor, where: str) -> Any:
-    if field.is_repeated and isinstance(value, list):
-        return [_checked_one(v, field, f"{where}[{i}]") for i, v in enumerate(value)]
-    return _checked_one(value, field, where)
+def _walk_value(value: Any, field: descriptor.FieldDescriptor, path: tuple[str | int, ...],
+                problems: list[PlanProblem]) -> Any:
+    if value is None:
+        return None  # JSON null: the field's default
+    if field.is_repeated:
+        if not isinstance(value, list):
+            problems.append(PlanProblem(path, f"expected a list, got {_kind(value)} ({_short(value)})", anchor=path))
+            return []
+        return [_walk_one(v, field, (*path, i), problems) for i, v in enumerate(value)]
+    return _walk_one(value, field, path, problems)
 
 
-_UNSIGNED = (descriptor.FieldDescriptor.TYPE_UINT64, descriptor.FieldDescriptor.TYPE_UINT32,
-             descriptor.FieldDescriptor.TYPE_FIXED64, descriptor.FieldDescriptor.TYPE_FIXED32)
+_FD = descriptor.FieldDescriptor
+_UNSIGNED = (_FD.TYPE_UINT64, _FD.TYPE_UINT32, _FD.TYPE_FIXED64, _FD.TYPE_FIXED32)
+_INTS = {_FD.TYPE_INT32: (-(1 << 31), 1 << 31), _FD.TYPE_SINT32: (-(1 << 31), 1 << 31),
+         _FD.TYPE_SFIXED32: (-(1 << 31), 1 << 31), _FD.TYPE_INT64: (-(1 << 63), 1 << 63),
+         _FD.TYPE_SINT64: (-(1 << 63), 1 << 63), _FD.TYPE_SFIXED64: (-(1 << 63), 1 << 63),
+         _FD.TYPE_UINT32: (0, 1 << 32), _FD.TYPE_FIXED32: (0, 1 << 32), _FD.TYPE_UINT64: (0, 1 << 64),
+         _FD.TYPE_FIXED64: (0, 1 << 64)}
+_FLOAT_WORDS = ("NaN", "Infinity", "-Infinity")
 
 
-def _checked_one(value: Any, field: descriptor.FieldDescriptor, where: str) -> Any:
-    if field.message_type is not None and isinstance(value, Mapping):
-        return _checked(value, field.message_type, where)
-    if field.enum_type is plan_pb2.DType.DESCRIPTOR and isinstance(value, str):
-        return plan_pb2.DType.Name(dtype_of(value, where).enum)  # type: ignore[arg-type]
-    if field.type in _UNSIGNED and isinstance(value, int) and not isinstance(value, bool) and value < 0:
-        raise ValueError(f"{where}: must not be negative, got {value}")
+def _short(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict, str, int, float, bool)) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _walk_one(value: Any, field: descriptor.FieldDescriptor, path: tuple[str | int, ...],
+              problems: list[PlanProblem]) -> Any:
+    def wrong(expected: str) -> None:
+        problems.append(PlanProblem(path, f"expected {expected}, got {_kind(value)} ({_short(value)})", anchor=path))
+
+    if field.message_type is not None:
+        return _walk(value, field.message_type, path, problems) if isinstance(value, Mapping) else wrong("an object")
+    if field.enum_type is not None:
+        if isinstance(value, str):
+            if field.enum_type is plan_pb2.DType.DESCRIPTOR:
+                try:
+                    return plan_pb2.DType.Name(dtypes.by_name(value).enum)  # type: ignore[arg-type]
+                except ValueError:
+                    problems.append(PlanProblem(path, _unknown_dtype(value), anchor=path))
+                    return None
+            if value not in field.enum_type.values_by_name:
+                names = list(field.enum_type.values_by_name)
+                problems.append(PlanProblem(path, f"unknown value {value!r}{_nearest(value, names)}; valid: "
+                                            f"{', '.join(names)}", anchor=path))
+            return value
+        return value if isinstance(value, int) and not isinstance(value, bool) else wrong("a name")
+    if field.type in _INTS:
+        number: Any = value
+        if (isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip())) or (
+                isinstance(value, float) and value.is_integer()):
+            number = int(value)
+        if not isinstance(number, int) or isinstance(number, bool):
+            wrong("a whole number")
+            return None
+        lo, hi = _INTS[field.type]
+        if number < 0 and field.type in _UNSIGNED:
+            problems.append(PlanProblem(path, f"must not be negative, got {number}", anchor=path))
+        elif not lo <= number < hi:
+            problems.append(PlanProblem(path, f"{number} is out of range [{lo}, {hi - 1}]", anchor=path))
+        return number
+    if field.type in (_FD.TYPE_DOUBLE, _FD.TYPE_FLOAT):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                float(value)
+                return value if value in _FLOAT_WORDS else float(value)
+            except ValueError:
+                pass
+        wrong('a number (or "NaN", "Infinity", "-Infinity")')
+        return None
+    if field.type == _FD.TYPE_BOOL:
+        return value if isinstance(value, bool) else wrong("true or false")
+    if field.type == _FD.TYPE_STRING:
+        return value if isinstance(value, str) else wrong("a string")
     return value
 
 
@@ -123,7 +351,7 @@ def param(name: str, shape: Sequence[int], init: plan_pb2.Init | Mapping[str, An
     if isinstance(init, plan_pb2.Init):
         p.init.CopyFrom(init)
     else:
-        json_format.ParseDict(_checked(init, plan_pb2.Init.DESCRIPTOR, "init"), p.init)
+        _parsed(init, p.init, ("init",))
     for start, stop in region or ():
         p.region.add(start=start, stop=stop)
     return p

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 INVALID = "invalid"
@@ -30,3 +31,9 @@ def describe(index: int, name: str, field: str, message: str) -> str:
     """`params[3].init.normal ('fc.weight'): initialization: ...`; plan-wide problems name no parameter."""
     who = "" if index < 0 else f" ({name!r})"
     return f"{field}{who}: {message}"
+
+
+def camel_path(path: str) -> str:
+    """A field path with each segment in its JSON (lowerCamelCase) name, as plan files spell it:
+    `init.kaiming_uniform_for_shape` -> `init.kaimingUniformForShape`; indices are kept."""
+    return re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), path)

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from paraminit import sizes
+from paraminit import exitcodes, sizes
 from paraminit_server import __version__, limits
 
 MiB = 1 << 20
@@ -134,12 +134,18 @@ def _parse(name: str, raw: str, kind: type) -> Any:
                          f"{'size' if name in SIZE_FIELDS else kind.__name__}{why}") from None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one --flag per config field; unset flags fall back to the environment, then defaults."""
+def add_arguments(parser: argparse.ArgumentParser, version: bool = True) -> None:
+    """Add one --flag per config field; unset flags fall back to the environment, then defaults.
+
+    Args:
+        parser: the parser to extend; its epilog becomes the fallback rule, the size units and the exit codes.
+        version: add --version too (False where the parser has its own).
+    """
     defaults = ServerConfig()
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.epilog = parser.epilog or ("Each flag falls back to its PARAMINIT_* variable, then to its default; "
-                                      f"{sizes.UNITS_HELP}.")
+    if version:
+        parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.epilog = ("Each flag falls back to its PARAMINIT_* variable, then to its default; "
+                     f"{sizes.UNITS_HELP}.\n\n{exitcodes.SERVER_HELP}")
     for f in fields(ServerConfig):
         default = getattr(defaults, f.name)
         size = f.name in SIZE_FIELDS

@@ -202,7 +202,8 @@ class Sources:
         """(resolved path, the path as errors show it), if it lies under an allowed directory; raises otherwise."""
         shown = files.echo(path)
         if not self.dirs:
-            raise errors.InvalidRequest("this server reads no files: start it with --safetensors-dirs")
+            raise errors.InvalidRequest("this server reads no files: start it with --safetensors-dirs DIR[:DIR...] "
+                                        "(in process, Client(safetensors_dirs=[...]))")
         if "\0" in path:
             raise errors.InvalidRequest(f"path {shown} contains a NUL character")
         try:
@@ -210,7 +211,8 @@ class Sources:
         except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, names too long
             raise errors.InvalidRequest(f"cannot resolve {shown}: {files.echo(str(exc), 120)}") from None
         if not any(real.is_relative_to(d) for d in self.dirs):
-            raise errors.InvalidRequest(f"{shown} is not under an allowed directory")
+            allowed = ", ".join(files.echo(str(d)) for d in self.dirs)
+            raise errors.InvalidRequest(f"{shown} is not under an allowed directory ({allowed})")
         return str(real), shown
 
     def remembered_hash(self, key: tuple[Any, ...]) -> str | None:

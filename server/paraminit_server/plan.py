@@ -265,11 +265,24 @@ def resolve(plan: plan_pb2.Plan, sources: Any = None) -> list[ResolvedParam]:
     return [resolve_param(i, p, sources) for i, p in enumerate(plan.params)]
 
 
+def canonical(plan: plan_pb2.Plan) -> bytes:
+    """The plan's canonical bytes (plan.proto, above `message Plan`): aliases resolved (an unspecified
+    Param.dtype is float32), unknown fields dropped, then proto3's binary encoding in field-number order with every field at
+    its default omitted; Python protobuf's deterministic serialization is exactly that encoding."""
+    out = plan_pb2.Plan()
+    out.CopyFrom(plan)
+    out.DiscardUnknownFields()
+    for p in out.params:  # SafetensorsRef.dtype keeps 0: there it means "any", not float32
+        if p.dtype == plan_pb2.DTYPE_UNSPECIFIED:
+            p.dtype = plan_pb2.DTYPE_FLOAT32
+    return out.SerializeToString(deterministic=True)
+
+
 def digest(plan: plan_pb2.Plan, sources: Any = None) -> str:
-    """Hex SHA-256 of the deterministic serialization and, with `sources`, of the content every payload and
-    checkpoint reference uses: the same digest always names the same bytes, also after a checkpoint is
-    rewritten in place. A plan without references digests its serialization alone."""
-    h = hashlib.sha256(plan.SerializeToString(deterministic=True))
+    """Hex SHA-256 of the canonical form and, with `sources`, of the content every payload and checkpoint
+    reference uses: the same digest always names the same bytes, also after a checkpoint is rewritten in
+    place. A plan without references digests its canonical bytes alone (plan.proto says how to reproduce it)."""
+    h = hashlib.sha256(canonical(plan))
     if sources is None:
         return h.hexdigest()
     contents = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import logging
 import os
@@ -10,7 +11,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from types import FrameType
@@ -18,8 +19,9 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from paraminit import wire
 from paraminit.hostmem import tune_malloc_for_streams
@@ -161,6 +163,36 @@ def _register_reflection_v1_descriptor() -> None:
     pool.Add(fdp)
 
 
+def documented_files() -> dict[str, bytes]:
+    """The contract's FileDescriptorProtos with their comments (source info), by file name, from the descriptor
+    set `make proto` writes beside the generated code; empty when it is missing."""
+    raw = importlib.resources.files("paraminit.v1").joinpath("contract.binpb")
+    try:
+        files = descriptor_pb2.FileDescriptorSet.FromString(raw.read_bytes()).file
+    except (OSError, DecodeError):
+        return {}
+    return {f.name: f.SerializeToString() for f in files}
+
+
+class DocumentedReflection(reflection.ReflectionServicer):  # type: ignore[misc]
+    """Reflection whose paraminit files carry the .proto comments (formulas, checksum layout, size rules), so a
+    client generated from reflection alone sees the whole contract; other files as the pool has them."""
+
+    def __init__(self, service_names: tuple[str, ...]) -> None:
+        super().__init__(service_names)
+        self._documented = documented_files()
+
+    def ServerReflectionInfo(self, request_iterator: Any, context: Any) -> Iterator[Any]:
+        for response in super().ServerReflectionInfo(request_iterator, context):
+            if response.HasField("file_descriptor_response"):
+                files = response.file_descriptor_response.file_descriptor_proto
+                for k, raw in enumerate(files):
+                    name = descriptor_pb2.FileDescriptorProto.FromString(raw).name
+                    if name in self._documented:
+                        files[k] = self._documented[name]
+            yield response
+
+
 def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> None:
     """Server reflection as grpc.reflection.v1 (what newer clients such as grpcurl ask first) and v1alpha.
 
@@ -169,8 +201,8 @@ def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> No
     """
     _register_reflection_v1_descriptor()
     names = (*service_names, REFLECTION_V1, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    servicer = reflection.ReflectionServicer(names)
+    servicer = DocumentedReflection(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
     handler = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)

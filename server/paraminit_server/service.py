@@ -43,7 +43,10 @@ class Handlers:
     def stream(self, request: pb.MaterializeRequest, caller: Caller) -> Iterator[Any]:
         """The header message, then pre-encoded chunk messages (bytes, paraminit.wire)."""
         for item in self.plane.stream(request.plan, caller, request.chunk_bytes):
-            yield pb.MaterializeResponse(header=_header(item)) if isinstance(item, StreamStart) else item
+            if isinstance(item, StreamStart):
+                yield from header_messages(_header(item))
+            else:
+                yield item
 
     def export(self, request: pb.MaterializeRequest, caller: Caller) -> pb.MaterializeResponse:
         delivery = DELIVERY_NAMES.get(request.delivery)
@@ -208,6 +211,37 @@ def _header(start: StreamStart) -> pb.StreamHeader:
                              tensors=tensor_infos(lay))
     header.header_crc32c = header_crc32c(header)  # clients check it before writing anything
     return header
+
+
+HEADER_PART_BYTES = 1 << 20  # tensor table and prefix bytes per message: each message stays under 2 MiB
+
+
+def header_messages(header: pb.StreamHeader, part_bytes: int = HEADER_PART_BYTES) -> list[pb.MaterializeResponse]:
+    """`header` as the stream's first messages: a StreamHeader, then `header_parts` HeaderParts, so that no
+    message comes near a client's default 4 MiB receive limit however many tensors the plan has. Message k
+    holds the k-th group of tensors (at most `part_bytes` of them serialized) and the k-th `part_bytes` slice of
+    the prefix; the checksum is that of the whole header (init_service.proto, StreamHeader)."""
+    groups: list[list[pb.TensorInfo]] = [[]]
+    size = 0
+    for t in header.tensors:
+        n = t.ByteSize() + 5  # tag and length
+        if size + n > part_bytes and groups[-1]:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += n
+    prefix = header.safetensors_prefix
+    slices = [prefix[i:i + part_bytes] for i in range(0, len(prefix), part_bytes)] or [b""]
+    count = max(len(groups), len(slices))
+    groups += [[]] * (count - len(groups))
+    slices += [b""] * (count - len(slices))
+    if count == 1:
+        return [pb.MaterializeResponse(header=header)]
+    first = pb.StreamHeader(plan_digest=header.plan_digest, tensors=groups[0], safetensors_prefix=slices[0],
+                            data_bytes=header.data_bytes, header_crc32c=header.header_crc32c, header_parts=count - 1)
+    return [pb.MaterializeResponse(header=first)] + [
+        pb.MaterializeResponse(header_part=pb.HeaderPart(tensors=g, safetensors_prefix=b))
+        for g, b in zip(groups[1:], slices[1:], strict=True)]
 
 
 def tensor_infos(lay: Layout) -> list[pb.TensorInfo]:

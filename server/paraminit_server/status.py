@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
-from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -27,10 +26,14 @@ log = logging.getLogger("paraminit.server")
 F = TypeVar("F", bound=Callable[..., Any])
 
 # A status travels in trailers: grpc-message (percent-encoded, up to 3 bytes per byte) and
-# grpc-status-details-bin (base64 of message + details). Clients refuse trailers over 8 KiB, and then the
-# caller gets RESOURCE_EXHAUSTED and none of the violations; these bounds keep the whole status near 4 KiB.
+# grpc-status-details-bin (base64 of the google.rpc.Status: message + details). Stock clients (C-core, grpc-js,
+# grpc-java) refuse trailers over 8 KiB by default, and then the caller gets RESOURCE_EXHAUSTED and none of the
+# violations. The BadRequest therefore holds as many violations as keep every trailer within TRAILER_BUDGET
+# (HPACK counts name + value + 32 bytes per entry); the rest are counted in a google.rpc.ErrorInfo.
 MAX_MESSAGE_BYTES = 400
-MAX_DETAIL_BYTES = 2000
+TRAILER_BUDGET = 8192 - 1024  # room for the transport's own entries and any a proxy adds
+TRUNCATED_REASON = "VIOLATIONS_TRUNCATED"
+ERROR_DOMAIN = "paraminit.v1"
 MAX_NAME_ECHO = 48
 MAX_FIELD_ECHO = 64
 MAX_DESCRIPTION_ECHO = 200
@@ -50,18 +53,56 @@ def short(v: Violation) -> str:
                     clip(v.message, MAX_DESCRIPTION_ECHO))
 
 
-def bad_request(violations: Sequence[Violation], limit: int = MAX_DETAIL_BYTES) -> error_details_pb2.BadRequest:
-    """The first violations that fit in `limit` bytes, then one entry counting the rest."""
+def _percent_len(text: str) -> int:
+    """Bytes of grpc-message on the wire: printable ASCII but '%' as is, every other byte as %XX."""
+    return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in text.encode("utf-8"))
+
+
+def trailer_bytes(st: status_pb2.Status) -> int:
+    """What the trailers of `st` count against a client's metadata limit (HPACK: name + value + 32 each)."""
+    details = 4 * -(-int(st.ByteSize()) // 3)  # base64 without padding loss
+    return (32 + len("grpc-status") + 2) + (32 + len("grpc-message") + _percent_len(st.message)) + \
+        (32 + len("grpc-status-details-bin") + details)
+
+
+def truncation_info(total: int, included: int) -> error_details_pb2.ErrorInfo:
+    """The ErrorInfo saying how many violations a BadRequest left out (reason VIOLATIONS_TRUNCATED)."""
+    return error_details_pb2.ErrorInfo(reason=TRUNCATED_REASON, domain=ERROR_DOMAIN, metadata={
+        "total_violations": str(total), "included_violations": str(included),
+        "omitted_violations": str(total - included), "every_violation": "Validate returns every one"})
+
+
+def with_violations(st: status_pb2.Status, violations: Sequence[Violation],
+                    budget: int = TRAILER_BUDGET) -> status_pb2.Status:
+    """`st` with a BadRequest of the first violations whose trailers fit `budget`, one FieldViolation per
+    violation (never a made-up one), and, when some do not fit, an ErrorInfo counting them."""
+    fvs = [error_details_pb2.BadRequest.FieldViolation(field=clip(v.field, MAX_FIELD_ECHO), description=short(v))
+           for v in violations]
+
+    def build(n: int) -> status_pb2.Status:
+        out = status_pb2.Status()
+        out.CopyFrom(st)
+        br = error_details_pb2.BadRequest(field_violations=fvs[:n])
+        out.details.add().Pack(br)
+        if n < len(fvs):
+            out.details.add().Pack(truncation_info(len(fvs), n))
+        return out
+
+    lo, hi = 0, len(fvs)  # the largest n that fits: sizes grow with n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if trailer_bytes(build(mid)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return build(lo)
+
+
+def bad_request(violations: Sequence[Violation], budget: int = TRAILER_BUDGET) -> error_details_pb2.BadRequest:
+    """The BadRequest a status with these violations carries (see with_violations)."""
+    st = with_violations(status_pb2.Status(code=code_pb2.INVALID_ARGUMENT), violations, budget)
     br = error_details_pb2.BadRequest()
-    size = 0
-    for k, v in enumerate(violations):
-        fv = error_details_pb2.BadRequest.FieldViolation(field=clip(v.field, MAX_FIELD_ECHO), description=short(v))
-        if size + fv.ByteSize() + 4 > limit - 96:  # room for the count of the rest
-            br.field_violations.add(field="params", description=f"... and {len(violations) - k} more violations; "
-                                                                "Validate returns every one")
-            break
-        br.field_violations.append(fv)
-        size += fv.ByteSize() + 4
+    st.details[0].Unpack(br)
     return br
 
 
@@ -86,9 +127,7 @@ def to_status(err: errors.ParaminitServerError) -> grpc.Status:
     st = status_pb2.Status(code=getattr(code_pb2, code.name), message=_message(err))
     violations = err.violations if isinstance(err, (errors.InvalidPlan, errors.ResourceExhausted)) else ()
     if violations:
-        detail = any_pb2.Any()
-        detail.Pack(bad_request(violations))
-        st.details.append(detail)
+        st = with_violations(st, violations)
     return rpc_status.to_status(st)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from paraminit import dtypes
 from paraminit.v1 import plan_pb2
-from paraminit.violations import INVALID, LIMIT, Violation
+from paraminit.violations import INVALID, LIMIT, Violation, camel_path
 from paraminit_server import errors, spec
 
 __all__ = ["INVALID", "LIMIT", "Limits", "Report", "Violation", "validate"]
@@ -70,7 +70,7 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = N
 
         def bad(field: str, message: str, category: str = INVALID, _i: int = i, _p: plan_pb2.Param = p,
                 found: list[Violation] = found) -> None:
-            found.append(Violation(_i, _shown_name(_p.name), f"params[{_i}].{field}", message, category))
+            found.append(Violation(_i, _shown_name(_p.name), f"params[{_i}].{camel_path(field)}", message, category))
 
         if not p.name:
             bad("name", "parameter name must not be empty")

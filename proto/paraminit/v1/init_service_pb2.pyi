@@ -6,10 +6,18 @@ stream, or export them zero-copy to a colocated trainer under a lease.
 
 Errors: every failure is a gRPC status. An invalid plan is INVALID_ARGUMENT
 whose status details (grpc-status-details-bin, a google.rpc.Status) carry one
-google.rpc.BadRequest with a FieldViolation per problem: `field` is the path
-("params[3].init.normal.std", "params[1].name"; plan-wide: "params") and
-`description` is "<field> ('<param name>'): <message>". The status message
-repeats them as text (the first 50). Resource limits are RESOURCE_EXHAUSTED
+google.rpc.BadRequest with a FieldViolation per problem: `field` is the path,
+with plan-file (JSON, lowerCamelCase) names, down to the initializer or field
+at fault ("params[3].init.normal", "params[3].init.kaimingUniformForShape",
+"params[1].name", "params[2].region[0]"; plan-wide: "params") and
+`description` is "<field> ('<param name>'): <message>". The details hold as
+many violations as keep the status trailers within 8 KiB (the default
+metadata limit of stock clients), in plan order; when some are left out, a
+google.rpc.ErrorInfo (reason "VIOLATIONS_TRUNCATED", domain "paraminit.v1")
+follows with metadata "total_violations", "included_violations" and
+"omitted_violations" (decimal strings). Validate returns every violation.
+The status message repeats the first ones as text, up to 400 bytes.
+Resource limits are RESOURCE_EXHAUSTED
 (with a BadRequest when a plan-size limit is the reason); zero-copy delivery
 to a peer on another host is FAILED_PRECONDITION; an unknown or foreign lease
 is NOT_FOUND; a missing or wrong bearer token is UNAUTHENTICATED; a draining
@@ -70,7 +78,12 @@ class MaterializeRequest(_message.Message):
     LEASE_TTL_FIELD_NUMBER: _builtins.int
     delivery: Global___Delivery.ValueType
     chunk_bytes: _builtins.int
-    """Largest data chunk the client wants; 0 = server default; capped by the server."""
+    """Largest data chunk the client wants, in bytes. 0 = the server default
+    (--chunk-bytes, GetInfo does not report it); otherwise rounded down to a
+    multiple of 8 bytes, at least 8, and capped at Limits.max_chunk_bytes
+    (itself under 4 MiB with framing). So 1, 3 and 7 give 8-byte chunks and 12
+    gives 8. Every chunk but the last of a stream has exactly that size.
+    """
     @_builtins.property
     def plan(self) -> _plan_pb2.Plan: ...
     @_builtins.property
@@ -139,6 +152,15 @@ class StreamHeader(_message.Message):
     plan order within one item size, without gaps; so every tensor starts on a
     multiple of its item size. `tensors` lists them in plan order with their
     offsets. The data section starts 64-byte aligned in the file.
+
+    Size: no response message of a stream exceeds 2 MiB serialized, so a client
+    with any stock default receive limit (4 MiB) takes any plan. A large tensor
+    table and prefix are therefore split: the StreamHeader carries the first
+    tensors and the first bytes of the prefix, and `header_parts` HeaderPart
+    messages follow it, before the first DataChunk, each with the next tensors
+    and the next prefix bytes (either may be empty). The whole table is the
+    concatenation of `tensors` over the header and its parts, in order; the whole
+    prefix likewise. Every other field is in the StreamHeader only.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -148,11 +170,15 @@ class StreamHeader(_message.Message):
     SAFETENSORS_PREFIX_FIELD_NUMBER: _builtins.int
     DATA_BYTES_FIELD_NUMBER: _builtins.int
     HEADER_CRC32C_FIELD_NUMBER: _builtins.int
+    HEADER_PARTS_FIELD_NUMBER: _builtins.int
     plan_digest: _builtins.str
-    """hex SHA-256 of the deterministically serialized plan"""
+    """Hex SHA-256 of the plan's canonical form (see Plan in plan.proto): the same
+    plan gives the same digest from any client.
+    """
     safetensors_prefix: _builtins.bytes
-    """The safetensors prefix: 8-byte little-endian length + JSON header (padded).
-    prefix + all chunk data, in order, is a valid safetensors file.
+    """The safetensors prefix (its first bytes when split): 8-byte little-endian
+    length + JSON header (padded). Prefix + all chunk data, in order, is a
+    valid safetensors file.
     """
     data_bytes: _builtins.int
     """total bytes of the data section"""
@@ -163,9 +189,16 @@ class StreamHeader(_message.Message):
     8-byte little-endian length then its bytes - with data_bytes after the
     digest and, after each name, dtype, rank, every shape dim, offset and
     nbytes, each as an 8-byte little-endian integer (paraminit/header_checksum.py).
+    It covers the whole table and prefix, after the HeaderParts are joined.
+    """
+    header_parts: _builtins.int
+    """HeaderPart messages that follow this one before the first DataChunk; 0
+    when the table and prefix fit here.
     """
     @_builtins.property
-    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]: ...
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
+        """the first tensors of the table"""
+
     def __init__(
         self,
         *,
@@ -174,14 +207,42 @@ class StreamHeader(_message.Message):
         safetensors_prefix: _builtins.bytes = ...,
         data_bytes: _builtins.int = ...,
         header_crc32c: _builtins.int = ...,
+        header_parts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_bytes", b"data_bytes", "header_crc32c", b"header_crc32c", "plan_digest", b"plan_digest", "safetensors_prefix", b"safetensors_prefix", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_bytes", b"data_bytes", "header_crc32c", b"header_crc32c", "header_parts", b"header_parts", "plan_digest", b"plan_digest", "safetensors_prefix", b"safetensors_prefix", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StreamHeader: _TypeAlias = StreamHeader  # noqa: Y015
+
+@_typing.final
+class HeaderPart(_message.Message):
+    """The next tensors of the table and the next bytes of the safetensors prefix,
+    after a StreamHeader whose header_parts counts these messages.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENSORS_FIELD_NUMBER: _builtins.int
+    SAFETENSORS_PREFIX_FIELD_NUMBER: _builtins.int
+    safetensors_prefix: _builtins.bytes
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]: ...
+    def __init__(
+        self,
+        *,
+        tensors: _abc.Iterable[Global___TensorInfo] | None = ...,
+        safetensors_prefix: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["safetensors_prefix", b"safetensors_prefix", "tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeaderPart: _TypeAlias = HeaderPart  # noqa: Y015
 
 @_typing.final
 class DataChunk(_message.Message):
@@ -344,24 +405,28 @@ class MaterializeResponse(_message.Message):
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
     EXPORT_FIELD_NUMBER: _builtins.int
+    HEADER_PART_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___StreamHeader: ...
     @_builtins.property
     def chunk(self) -> Global___DataChunk: ...
     @_builtins.property
     def export(self) -> Global___ExportInfo: ...
+    @_builtins.property
+    def header_part(self) -> Global___HeaderPart: ...
     def __init__(
         self,
         *,
         header: Global___StreamHeader | None = ...,
         chunk: Global___DataChunk | None = ...,
         export: Global___ExportInfo | None = ...,
+        header_part: Global___HeaderPart | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "export", b"export", "header", b"header", "msg", b"msg"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "export", b"export", "header", b"header", "header_part", b"header_part", "msg", b"msg"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "export", b"export", "header", b"header", "msg", b"msg"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "export", b"export", "header", b"header", "header_part", b"header_part", "msg", b"msg"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["header", "chunk", "export"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["header", "chunk", "export", "header_part"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 

@@ -6,10 +6,18 @@ stream, or export them zero-copy to a colocated trainer under a lease.
 
 Errors: every failure is a gRPC status. An invalid plan is INVALID_ARGUMENT
 whose status details (grpc-status-details-bin, a google.rpc.Status) carry one
-google.rpc.BadRequest with a FieldViolation per problem: `field` is the path
-("params[3].init.normal.std", "params[1].name"; plan-wide: "params") and
-`description` is "<field> ('<param name>'): <message>". The status message
-repeats them as text (the first 50). Resource limits are RESOURCE_EXHAUSTED
+google.rpc.BadRequest with a FieldViolation per problem: `field` is the path,
+with plan-file (JSON, lowerCamelCase) names, down to the initializer or field
+at fault ("params[3].init.normal", "params[3].init.kaimingUniformForShape",
+"params[1].name", "params[2].region[0]"; plan-wide: "params") and
+`description` is "<field> ('<param name>'): <message>". The details hold as
+many violations as keep the status trailers within 8 KiB (the default
+metadata limit of stock clients), in plan order; when some are left out, a
+google.rpc.ErrorInfo (reason "VIOLATIONS_TRUNCATED", domain "paraminit.v1")
+follows with metadata "total_violations", "included_violations" and
+"omitted_violations" (decimal strings). Validate returns every violation.
+The status message repeats the first ones as text, up to 400 bytes.
+Resource limits are RESOURCE_EXHAUSTED
 (with a BadRequest when a plan-size limit is the reason); zero-copy delivery
 to a peer on another host is FAILED_PRECONDITION; an unknown or foreign lease
 is NOT_FOUND; a missing or wrong bearer token is UNAUTHENTICATED; a draining

@@ -73,6 +73,31 @@ Global___DType: _TypeAlias = DType  # noqa: Y015
 
 @_typing.final
 class Plan(_message.Message):
+    """plan_digest (StreamHeader, ExportInfo, ValidateResponse, the safetensors
+    metadata) is the lowercase hex SHA-256 of the plan's canonical bytes:
+     1. Aliases resolved: a Param.dtype of DTYPE_UNSPECIFIED becomes
+        DTYPE_FLOAT32 (a SafetensorsRef.dtype stays as given: there 0 means
+        "any"). Unknown fields are dropped.
+     2. Encoded in the protobuf binary format, each message's fields in
+        ascending field number; a field at its default is not written (0, +0.0,
+        false, "", empty bytes, an empty repeated field; -0.0 is written); a
+        message field is written when it is set, even empty (`"zeros": {}` is
+        tag 0x0A, length 0), and not when unset; repeated numbers are packed
+        (one length-delimited field); lengths and integers are minimal varints,
+        doubles 8 bytes little-endian; fields of a oneof other than the set one
+        are not written.
+     3. When the plan names uploaded payloads (flat_ref) or checkpoint tensors
+        (safetensors), the hash continues over their content: for each Param i
+        in order and, within it, its init then each patch's init, one line per
+        reference, each line preceded by "\\n": "<i>:payload:<hex SHA-256 of
+        the payload's dtype name (e.g. float32), a NUL byte and its bytes as
+        uploaded>" or "<i>:safetensors:<hex SHA-256 of the bytes of the Param's
+        region (the whole tensor without one), row-major, as the file stores
+        them>" ("-" when it cannot be read).
+    So `{"params": [{"name": "w", "shape": [2], "init": {"zeros": {}}}]}` and
+    the same plan with "dtype": "DTYPE_FLOAT32" have one digest, from any client.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PARAMS_FIELD_NUMBER: _builtins.int

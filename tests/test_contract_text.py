@@ -1,0 +1,286 @@
+"""The contract as another language reads it from the .proto alone: a stock gRPC client with default options takes
+a 60,000-parameter plan; a status with many violations carries them all or counts the rest (no made-up entry);
+chunk_bytes rounds as written; plan_digest is reproduced by an encoder written here from plan.proto's text."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from conftest import running_server, target_of
+from paraminit.header_checksum import header_crc32c
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit.v1 import init_service_pb2_grpc as pb_grpc
+from paraminit_client import Client, param, plan_from_dict, plan_of
+from paraminit_server.server import Running
+
+ROOT = Path(__file__).resolve().parents[1]
+PROTO = " ".join((ROOT / "proto/paraminit/v1/init_service.proto").read_text().replace("//", " ").split())
+PLAN_PROTO = " ".join((ROOT / "proto/paraminit/v1/plan.proto").read_text().replace("//", " ").split())
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Running]:
+    with running_server() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def stock(server: Running) -> Iterator[Any]:
+    """A plain generated stub on a channel with every default (4 MiB receive limit, 8 KiB metadata)."""
+    channel = grpc.insecure_channel(target_of(server))
+    try:
+        yield pb_grpc.InitServiceStub(channel)
+    finally:
+        channel.close()
+
+
+# -- a large plan through a stock client ----------------------------------------------------------------------------
+
+
+def test_a_stock_client_streams_a_60000_parameter_plan(stock: Any) -> None:
+    n = 60_000
+    plan = plan_of(param(f"model.layers.{i}.block.attention.output.dense.weight", [1],
+                         {"normal": {"std": 1.0, "seed": i}}) for i in range(n))
+    messages = list(stock.Materialize(pb.MaterializeRequest(plan=plan), timeout=600))
+    first = messages[0]
+    assert first.WhichOneof("msg") == "header"
+    header = pb.StreamHeader()
+    header.CopyFrom(first.header)
+    count = header.header_parts
+    parts = messages[1:1 + count]
+    assert count >= 1 and all(m.WhichOneof("msg") == "header_part" for m in parts)
+    assert all(m.ByteSize() <= 2 << 20 for m in messages[:1 + count])  # as the proto promises
+    for m in parts:
+        header.tensors.extend(m.header_part.tensors)
+        header.safetensors_prefix += m.header_part.safetensors_prefix
+    assert header_crc32c(header) == header.header_crc32c
+    assert len(header.tensors) == n and header.tensors[n - 1].name == f"model.layers.{n - 1}.block.attention.output.dense.weight"
+    prefix = header.safetensors_prefix
+    table = json.loads(prefix[8:8 + int.from_bytes(prefix[:8], "little")])
+    assert len([k for k in table if k != "__metadata__"]) == n
+    data = b""
+    for m in messages[1 + count:]:
+        assert m.WhichOneof("msg") == "chunk" and crc32c.crc32c(m.chunk.data) == m.chunk.crc32c
+        assert m.chunk.offset == len(data)
+        data += m.chunk.data
+    assert len(data) == header.data_bytes == 4 * n
+    with Client() as c:  # the same bytes as the in-process data plane gives
+        want = c.materialize(plan)
+    t = header.tensors[12345]
+    assert data[t.offset:t.offset + t.nbytes] == want[t.name].tobytes()
+
+
+def test_the_proto_states_the_header_size_rule() -> None:
+    assert "header_parts" in PROTO and "2 MiB" in PROTO and "4 MiB" in PROTO and "message HeaderPart" in PROTO
+
+
+# -- violations -----------------------------------------------------------------------------------------------------
+
+
+def _status(err: grpc.RpcError) -> status_pb2.Status:
+    raw = dict(err.trailing_metadata() or ())["grpc-status-details-bin"]
+    return status_pb2.Status.FromString(raw)
+
+
+def _details(st: status_pb2.Status) -> tuple[error_details_pb2.BadRequest, error_details_pb2.ErrorInfo | None]:
+    br, info = error_details_pb2.BadRequest(), None
+    for d in st.details:
+        if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            d.Unpack(br)
+        elif d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            d.Unpack(info)
+    return br, info
+
+
+@pytest.mark.parametrize(("count", "name_len"), [(60, 4), (60, 60), (400, 60)])
+def test_every_violation_or_a_count_of_the_rest(stock: Any, count: int, name_len: int) -> None:
+    plan = plan_of(param(f"p{i:03d}".ljust(name_len, "x"), [4], {"normal": {"std": -1.0}}) for i in range(count))
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stock.Materialize(pb.MaterializeRequest(plan=plan), timeout=60))
+    err = caught.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT  # the trailers fit a stock client's default limit
+    br, info = _details(_status(err))
+    fields = [v.field for v in br.field_violations]
+    assert fields == [f"params[{i}].init.normal" for i in range(len(fields))]  # one per problem, in plan order
+    assert all("more" not in v.description for v in br.field_violations)
+    if len(fields) == count:
+        assert info is None
+    else:
+        assert info is not None and info.reason == "VIOLATIONS_TRUNCATED" and info.domain == "paraminit.v1"
+        assert (int(info.metadata["total_violations"]), int(info.metadata["included_violations"]),
+                int(info.metadata["omitted_violations"])) == (count, len(fields), count - len(fields))
+    assert len(fields) >= 20  # as many as the default 8 KiB allow, not a fixed handful
+
+
+def test_the_proto_field_path_example_is_what_the_server_sends() -> None:
+    assert '"params[3].init.normal"' in PROTO and "params[3].init.normal.std" not in PROTO
+    assert "VIOLATIONS_TRUNCATED" in PROTO and "omitted_violations" in PROTO
+
+
+# -- chunk_bytes ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("asked", "got"), [(1, 8), (3, 8), (7, 8), (8, 8), (12, 8), (20, 16), (1000, 1000)])
+def test_chunk_bytes_rounds_as_the_proto_says(stock: Any, asked: int, got: int) -> None:
+    plan = plan_of([param("w", [1000], {"uniform": {"lo": -1, "hi": 1, "seed": 3}})])
+    messages = list(stock.Materialize(pb.MaterializeRequest(plan=plan, chunk_bytes=asked), timeout=60))
+    sizes = [len(m.chunk.data) for m in messages if m.WhichOneof("msg") == "chunk"]
+    assert sizes[:-1] == [got] * (len(sizes) - 1) and 0 < sizes[-1] <= got and sum(sizes) == 4000
+    assert "rounded down to a multiple of 8 bytes, at least 8" in PROTO
+
+
+# -- plan_digest from the text --------------------------------------------------------------------------------------
+
+# plan.proto's fields by JSON name: (field number, kind, repeated). Written by hand from the .proto text.
+SCHEMA: dict[str, dict[str, tuple[int, str, bool]]] = {
+    "Plan": {"params": (1, "Param", True)},
+    "Param": {"name": (1, "string", False), "shape": (2, "uint64", True), "dtype": (3, "dtype", False),
+              "init": (4, "Init", False), "region": (5, "Range", True), "patches": (6, "Patch", True)},
+    "Patch": {"box": (1, "Range", True), "init": (2, "Init", False)},
+    "Range": {"start": (1, "uint64", False), "stop": (2, "uint64", False)},
+    "Init": {"zeros": (1, "Empty", False), "ones": (2, "Empty", False), "uniform": (3, "Uniform", False),
+             "normal": (4, "Normal", False), "xavierUniform": (5, "XavierUniform", False),
+             "kaimingUniform": (6, "KaimingUniform", False), "flat": (7, "Flat", False),
+             "xavierUniformForShape": (8, "Seeded", False), "kaimingUniformForShape": (9, "Seeded", False),
+             "flatRef": (10, "FlatRef", False), "safetensors": (11, "SafetensorsRef", False)},
+    "Empty": {},
+    "Uniform": {"lo": (1, "double", False), "hi": (2, "double", False), "seed": (3, "uint64", False)},
+    "Normal": {"mean": (1, "double", False), "std": (2, "double", False), "seed": (3, "uint64", False)},
+    "XavierUniform": {"fanIn": (1, "uint64", False), "fanOut": (2, "uint64", False), "seed": (3, "uint64", False)},
+    "KaimingUniform": {"fanIn": (1, "uint64", False), "seed": (2, "uint64", False)},
+    "Seeded": {"seed": (1, "uint64", False)},
+    "Flat": {"values": (1, "double", True)},
+    "FlatRef": {"payloadId": (1, "string", False)},
+    "SafetensorsRef": {"path": (1, "string", False), "tensor": (2, "string", False), "dtype": (3, "dtype", False)},
+}
+DTYPES = {"float32": 1, "DTYPE_FLOAT32": 1, "float64": 2, "DTYPE_FLOAT64": 2, "float16": 3, "bfloat16": 4,
+          "DTYPE_UNSPECIFIED": 0}
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def encode(message: str, data: dict[str, Any]) -> bytes:
+    """The canonical bytes of plan.proto's text: ascending field numbers, defaults omitted, set messages written
+    even when empty, packed repeated numbers, unspecified dtypes as float32."""
+    fields = SCHEMA[message]
+    if message == "Param":  # an unspecified dtype is float32 (a SafetensorsRef's stays: there 0 means "any")
+        data = {**data, "dtype": DTYPES[data.get("dtype", "DTYPE_UNSPECIFIED")] or 1}
+    elif message == "SafetensorsRef":
+        data = {**data, "dtype": DTYPES[data.get("dtype", "DTYPE_UNSPECIFIED")]}
+    out = b""
+    for key, (number, kind, repeated) in sorted(fields.items(), key=lambda kv: kv[1][0]):
+        if key not in data:
+            continue
+        value = data[key]
+        if kind in SCHEMA:
+            for item in value if repeated else [value]:
+                body = encode(kind, item)
+                out += varint(number << 3 | 2) + varint(len(body)) + body
+        elif repeated:  # packed
+            body = b"".join(varint(v) if kind == "uint64" else struct.pack("<d", v) for v in value)
+            if body:
+                out += varint(number << 3 | 2) + varint(len(body)) + body
+        elif kind == "string":
+            if value:
+                raw = value.encode()
+                out += varint(number << 3 | 2) + varint(len(raw)) + raw
+        elif kind in ("uint64", "dtype"):
+            if value:
+                out += varint(number << 3) + varint(value)
+        elif kind == "double" and (value != 0 or math.copysign(1.0, value) < 0):  # +0.0 omitted, -0.0 written
+            out += varint(number << 3 | 1) + struct.pack("<d", value)
+    return out
+
+
+PLANS: list[dict[str, Any]] = [
+    {"params": [{"name": "w", "shape": [2], "init": {"zeros": {}}}]},
+    {"params": [{"name": "w", "shape": [2], "dtype": "DTYPE_FLOAT32", "init": {"zeros": {}}}]},
+    {"params": [{"name": "h.0.attn.c_attn.weight", "shape": [768, 2304], "dtype": "bfloat16",
+                 "init": {"normal": {"mean": -0.0, "std": 0.02, "seed": 2**64 - 1}},
+                 "region": [{"start": 0, "stop": 384}, {"start": 5, "stop": 2304}],
+                 "patches": [{"box": [{"start": 0, "stop": 1}, {"start": 0, "stop": 2304}], "init": {"ones": {}}}]},
+                {"name": "b", "shape": [3], "dtype": "float64", "init": {"flat": {"values": [0.0, -1.5, 1e300]}}},
+                {"name": "k", "shape": [4, 8], "init": {"kaimingUniformForShape": {}}},
+                {"name": "x", "shape": [4, 8], "dtype": "float16", "init": {"xavierUniform": {"fanIn": 3, "fanOut": 0}}},
+                {"name": "u", "shape": [], "init": {"uniform": {"lo": 0.0, "hi": 1.0, "seed": 0}}}]},
+]
+
+
+@pytest.mark.parametrize("index", range(len(PLANS)))
+def test_plan_digest_is_reproduced_from_the_proto_text(index: int) -> None:
+    data = PLANS[index]
+    with Client() as c:
+        served = c.validate(plan_from_dict(data)).plan_digest
+    assert served == hashlib.sha256(encode("Plan", data)).hexdigest()
+
+
+def test_an_omitted_dtype_and_float32_have_one_digest() -> None:
+    with Client() as c:
+        digests = {c.validate(plan_from_dict(p)).plan_digest for p in PLANS[:2]}
+    assert len(digests) == 1
+    assert re.search(r"canonical bytes", PLAN_PROTO) and "DTYPE_UNSPECIFIED becomes DTYPE_FLOAT32" in PLAN_PROTO
+
+
+def test_a_safetensors_reference_digest_is_reproduced_and_any_dtype_kept(tmp_path: Path) -> None:
+    from paraminit_server import plan as planlib
+
+    ref = {"path": str(tmp_path / "a.safetensors"), "tensor": "w"}
+    refs = [{"params": [{"name": "w", "shape": [2], "init": {"safetensors": r}}]} for r in (ref, {**ref, "dtype": "float32"})]
+    got = [planlib.digest(plan_from_dict(r)) for r in refs]  # without sources: the canonical bytes alone
+    assert got == [hashlib.sha256(encode("Plan", r)).hexdigest() for r in refs] and got[0] != got[1]
+
+
+# -- reflection carries the comments --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("service", ["grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"])
+def test_reflection_serves_the_contract_with_its_comments(server: Running, service: str) -> None:
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as r
+
+    with grpc.insecure_channel(target_of(server)) as channel:
+        call = channel.stream_stream(f"/{service}/ServerReflectionInfo",
+                                     request_serializer=r.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=r.ServerReflectionResponse.FromString)
+        (resp,) = list(call(iter([r.ServerReflectionRequest(file_containing_symbol="paraminit.v1.InitService")]),
+                            timeout=10))
+    files = {f.name: f for f in map(descriptor_pb2.FileDescriptorProto.FromString,
+                                    resp.file_descriptor_response.file_descriptor_proto)}
+    comments = {name: " ".join(loc.leading_comments + loc.trailing_comments + " ".join(loc.leading_detached_comments)
+                               for loc in f.source_code_info.location) for name, f in files.items()}
+    service_text = " ".join(comments["paraminit/v1/init_service.proto"].split())
+    plan_text = " ".join(comments["paraminit/v1/plan.proto"].split())
+    assert "Castagnoli" in service_text and "0xE3069283" in service_text and "header_parts" in service_text
+    assert "VIOLATIONS_TRUNCATED" in service_text and "rounded down to a multiple of 8 bytes" in service_text
+    assert "canonical bytes" in plan_text and "SplitMix64" in plan_text
+    # the same descriptors as the generated code, plus the comments
+    from paraminit.v1 import init_service_pb2 as generated
+
+    bare = descriptor_pb2.FileDescriptorProto()
+    generated.DESCRIPTOR.CopyToProto(bare)
+    served = files["paraminit/v1/init_service.proto"]
+    served.ClearField("source_code_info")
+    for message in served.message_type:  # protoc also writes each field's JSON name, which the pool derives
+        for f in message.field:
+            f.ClearField("json_name")
+    assert served == bare
