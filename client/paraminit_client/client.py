@@ -8,6 +8,7 @@ no chunk encoding and arrays filled in place.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 import time
@@ -35,7 +36,16 @@ from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
 from paraminit_client.errors import ParaminitError, Violation
 from paraminit_client.exports import Lease
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20)]
+# gRPC's own retries (gRFC A6), for every InitService method: a call refused before any response (a busy or
+# draining server: RESOURCE_EXHAUSTED, UNAVAILABLE) is sent again after an exponential backoff with jitter, or
+# after the server's grpc-retry-pushback-ms (a negative pushback, sent for limits no retry can fix, stops it);
+# the call's deadline bounds every attempt together. Any gRPC client can use this JSON as its service config.
+RETRY_POLICY: dict[str, Any] = {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "5s",
+                                "backoffMultiplier": 2, "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"]}
+SERVICE_CONFIG: dict[str, Any] = {"methodConfig": [{"name": [{"service": "paraminit.v1.InitService"}],
+                                                    "retryPolicy": RETRY_POLICY}]}
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20),
+                   ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(SERVICE_CONFIG))]
 
 
 @dataclass(frozen=True)
