@@ -190,9 +190,9 @@ def test_a_queued_call_waits_for_the_slot_and_one_without_deadline_is_refused_wi
 
 def test_a_refusal_no_retry_can_fix_tells_clients_not_to_retry() -> None:
     with running_server(max_plan_bytes=1024) as r, \
-            grpc.insecure_channel(target_of(r), options=[("grpc.enable_retries", 0)]) as ch:
-        with pytest.raises(grpc.RpcError) as over:
-            list(pb_grpc.InitServiceStub(ch).Materialize(pb.MaterializeRequest(plan=_plan(1, 4096))))
+            grpc.insecure_channel(target_of(r), options=[("grpc.enable_retries", 0)]) as ch, \
+            pytest.raises(grpc.RpcError) as over:
+        list(pb_grpc.InitServiceStub(ch).Materialize(pb.MaterializeRequest(plan=_plan(1, 4096))))
     assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert dict(over.value.trailing_metadata() or ())[PUSHBACK] == "-1"
 
@@ -276,3 +276,14 @@ def test_client_stops_at_a_negative_pushback_and_after_max_attempts(stand_in: tu
             c.info()
     policy = SERVICE_CONFIG["methodConfig"][0]["retryPolicy"]
     assert impl.attempts["GetInfo"] == 1 + policy["maxAttempts"]
+
+
+def test_the_documented_service_config_is_the_clients() -> None:
+    """Other languages copy the README's service config: it must be the one the Python client uses."""
+    import json
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = [json.loads(b) for b in re.findall(r"```json\n(.*?)```", readme, re.S) if "retryPolicy" in b]
+    assert blocks == [SERVICE_CONFIG]

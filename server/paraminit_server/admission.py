@@ -99,7 +99,7 @@ WAIT_SLICE = 0.25  # a queued call looks at least this often whether its caller 
 
 
 class _Waiter:
-    __slots__ = ("identity", "granted", "wake")
+    __slots__ = ("granted", "identity", "wake")
 
     def __init__(self, identity: str, lock: threading.Lock) -> None:
         self.identity = identity
