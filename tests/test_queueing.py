@@ -287,3 +287,26 @@ def test_the_documented_service_config_is_the_clients() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     blocks = [json.loads(b) for b in re.findall(r"```json\n(.*?)```", readme, re.S) if "retryPolicy" in b]
     assert blocks == [SERVICE_CONFIG]
+
+
+def test_a_stream_being_retried_when_its_server_goes_away_still_ends(stand_in: tuple[grpc.Server, int]) -> None:
+    """gRPC Python's stream iterator can wait forever when a retried call fails as the server leaves (a
+    draining worker); the client reads the first response so that the call's status always gets through."""
+    server, port = stand_in
+    impl = _RefusingFirst(10**6, grpc.StatusCode.UNAVAILABLE, None)
+    _serve(server, impl)
+    outcome: list[grpc.StatusCode] = []
+
+    def call() -> None:
+        with Client(f"127.0.0.1:{port}", timeout=LONG) as c:
+            try:
+                c.stream(_plan(1, 4))
+            except ParaminitError as err:
+                outcome.append(err.code)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    assert wait_until(lambda: impl.attempts["Materialize"] >= 1)
+    server.stop(0)  # the next attempt finds no server
+    t.join(LONG)
+    assert outcome == [grpc.StatusCode.UNAVAILABLE]

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -64,6 +65,33 @@ class ValidationReport:
     def lines(self) -> list[str]:
         return [f"{v.field} ({v.name!r}): {v.message}" if v.index >= 0 else f"{v.field}: {v.message}"
                 for v in self.violations]
+
+
+def first_response(call: Any) -> Any:
+    """The first message of a server-streaming call (None if it ends without one); raises the call's error.
+
+    With retries enabled, gRPC Python (seen with 1.85) can leave the response iterator waiting forever when the
+    call fails while an attempt is being retried and the server goes away (a draining worker): the call has its
+    status (`call.code()` returns) but the pending read never completes, deadline or not. Retries happen only
+    before the first response, so that one is awaited on a helper thread while the call's end is watched; the
+    rest of the stream is read as usual. A helper stuck on such a call stays parked (a daemon thread)."""
+    box: list[Any] = []
+    arrived = threading.Event()
+
+    def read() -> None:
+        try:
+            box.append(next(call, None))
+        except BaseException as exc:  # handed to the caller below
+            box.append(exc)
+        arrived.set()
+
+    threading.Thread(target=read, daemon=True, name="paraminit-first-response").start()
+    while not arrived.wait(0.05):
+        if call.done() and call.code() != grpc.StatusCode.OK:
+            raise call  # the call is its own RpcError: code, details and trailers
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 @contextlib.contextmanager
@@ -198,7 +226,7 @@ class Client:
         call = self._materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
                                                            chunk_bytes=chunk_bytes), timeout=self.timeout)
         with rpc_errors():
-            first = next(call, None)
+            first = first_response(call)
         if not isinstance(first, pb.MaterializeResponse) or first.WhichOneof("msg") != "header":
             call.cancel()
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
@@ -239,7 +267,9 @@ class Client:
             raise ValueError(f"delivery must be one of {sorted(kinds)}, got {delivery!r}")
         request = pb.MaterializeRequest(plan=plan, delivery=kinds[delivery], lease_ttl=times.duration(ttl_seconds))
         with rpc_errors():
-            responses = list(self.stub.Materialize(request, timeout=self.timeout))
+            call = self.stub.Materialize(request, timeout=self.timeout)
+            first = first_response(call)
+            responses = [] if first is None else [first, *call]
         if len(responses) != 1 or responses[0].WhichOneof("msg") != "export":
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not answer the export with one ExportInfo")
         try:
