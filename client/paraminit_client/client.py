@@ -268,8 +268,11 @@ class Client:
         request = pb.MaterializeRequest(plan=plan, delivery=kinds[delivery], lease_ttl=times.duration(ttl_seconds))
         with rpc_errors():
             call = self.stub.Materialize(request, timeout=self.timeout)
-            first = first_response(call)
-            responses = [] if first is None else [first, *call]
+            if self.in_process:  # the in-process stub answers with a list
+                responses = list(call)
+            else:
+                first = first_response(call)
+                responses = [] if first is None else [first, *call]
         if len(responses) != 1 or responses[0].WhichOneof("msg") != "export":
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not answer the export with one ExportInfo")
         try:
