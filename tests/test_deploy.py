@@ -34,7 +34,7 @@ SERVICE_UID = 10001
 K8S_VERSION = "1.34.0"
 GPU = "nvidia.com/gpu"
 CORE_GROUPS = ("v1", "apps/", "autoscaling/", "policy/", "networking.k8s.io/", "resource.k8s.io/")
-HPA_METRIC = "paraminit_materialize_requests_per_second"
+HPA_METRIC = "paraminit_queue_wait_seconds_mean"
 
 Obj = dict[str, Any]
 
@@ -658,10 +658,10 @@ def test_disruption_budget_autoscaler_and_network_policy(overlay: str) -> None:
     resource = {m["resource"]["name"] for m in metrics if m["type"] == "Resource"}
     pods_metrics = {m["pods"]["metric"]["name"] for m in metrics if m["type"] == "Pods"}
     if overlay == "gpu":
-        # Scarce GPU pods scale on the request rate alone; CPU load says nothing about GPU load.
+        # Scarce GPU pods scale on the queue wait alone; CPU load says nothing about GPU load.
         assert pods_metrics == {HPA_METRIC} and not resource
     else:
-        assert resource == {"cpu"} and not pods_metrics
+        assert resource == {"cpu"} and pods_metrics == {HPA_METRIC}
 
     policy = _one(objs, "NetworkPolicy")["spec"]
     assert _matches(policy["podSelector"]["matchLabels"], pod_labels)
@@ -736,7 +736,9 @@ def _exported_series() -> frozenset[str]:
 
     m = Metrics()
     m.bind(inflight=lambda: 0, inflight_bytes=lambda: 0, leases=lambda: 0, leased_bytes=lambda: 0,
-           memory_free=lambda: 1, memory_total=lambda: 2, backend=Backend())
+           memory_free=lambda: 1, memory_total=lambda: 2, backend=Backend(), queued=lambda: 0)
+    m.queue_wait.observe(0.1)
+    m.refusals.labels("Materialize", "queue_full").inc()
     for method, code in (("Materialize", "OK"),):
         m.requests.labels(method, code).inc()
     m.bytes.labels("cupy", "float32", "zeros").inc()
@@ -769,7 +771,8 @@ def test_prometheus_rules_cover_the_failure_modes() -> None:
     rule = _one(_monitoring(), "PrometheusRule")
     rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     alerts = {r["alert"]: r for r in rules if "alert" in r}
-    for name in ("ParaminitServerErrors", "ParaminitSaturated", "ParaminitLeakedLeases", "ParaminitNotServing"):
+    for name in ("ParaminitServerErrors", "ParaminitSaturated", "ParaminitQueueWaits", "ParaminitLeakedLeases",
+                 "ParaminitNotServing"):
         assert name in alerts, name
     recorded = {r["record"] for r in rules if "record" in r}
     exported = _exported_series()
@@ -784,9 +787,10 @@ def test_prometheus_rules_cover_the_failure_modes() -> None:
     assert "paraminit_serving" in alerts["ParaminitNotServing"]["expr"]
     assert "paraminit_leases_active" in alerts["ParaminitLeakedLeases"]["expr"]
     assert "RESOURCE_EXHAUSTED" in alerts["ParaminitSaturated"]["expr"]
+    assert "paraminit_queue_wait_seconds_bucket" in alerts["ParaminitQueueWaits"]["expr"]
 
 
-def test_autoscaler_metric_comes_from_a_counter_rate() -> None:
+def test_autoscaler_metric_is_the_mean_queue_wait() -> None:
     rules = [r for g in _one(_monitoring(), "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
     adapter = yaml.safe_load((DEPLOY / "examples" / "prometheus-adapter-values.yaml").read_text())
     (custom,) = adapter["rules"]["custom"]
@@ -794,7 +798,9 @@ def test_autoscaler_metric_comes_from_a_counter_rate() -> None:
     series = re.match(r"^([a-z_:0-9]+)\{", custom["seriesQuery"])
     assert series is not None
     record = next(r for r in rules if r.get("record") == series.group(1))
-    assert "rate(paraminit_requests_total" in record["expr"] and "by (namespace, pod)" in record["expr"]
+    # the mean wait: rates of the histogram's sum over its count, per pod
+    assert "rate(paraminit_queue_wait_seconds_sum" in record["expr"] and "by (namespace, pod)" in record["expr"]
+    assert "rate(paraminit_queue_wait_seconds_count" in record["expr"]
 
 
 def test_grafana_dashboard() -> None:
@@ -812,13 +818,14 @@ def test_grafana_dashboard() -> None:
                 assert series in exported or base in exported, f"panel {panel['title']!r}: {series} is not exported"
                 seen.add(series)
     for needed in ("paraminit_requests_total", "process_resident_memory_bytes", "paraminit_leases_active",
-                   "paraminit_materialize_seconds_bucket", "paraminit_serving"):
+                   "paraminit_materialize_seconds_bucket", "paraminit_serving", "paraminit_queued_requests",
+                   "paraminit_queue_wait_seconds_bucket", "paraminit_refusals_total"):
         assert needed in seen, needed
 
 
 def test_deploy_readme_sizing_guide() -> None:
     text = (DEPLOY / "README.md").read_text()
-    for needle in ("## Sizing", "memory budget", "PARAMINIT_MAX_CONCURRENT", "PARAMINIT_SLAB_BYTES",
+    for needle in ("## Sizing", "memory budget", "PARAMINIT_MAX_CONCURRENT", "PARAMINIT_MAX_QUEUED", "PARAMINIT_SLAB_BYTES",
                    "PARAMINIT_DEVICE_MEMORY_BUDGET", "threads", str(METRICS_PORT), "9090", "--format docker",
                    "paraminit-tls", "paraminit-tokens", "image-check"):
         assert needle in text, needle

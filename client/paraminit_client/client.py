@@ -8,8 +8,10 @@ no chunk encoding and arrays filled in place.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +37,16 @@ from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
 from paraminit_client.errors import ParaminitError, Violation
 from paraminit_client.exports import Lease
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20)]
+# gRPC's own retries (gRFC A6), for every InitService method: a call refused before any response (a busy or
+# draining server: RESOURCE_EXHAUSTED, UNAVAILABLE) is sent again after an exponential backoff with jitter, or
+# after the server's grpc-retry-pushback-ms (a negative pushback, sent for limits no retry can fix, stops it);
+# the call's deadline bounds every attempt together. Any gRPC client can use this JSON as its service config.
+RETRY_POLICY: dict[str, Any] = {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "5s",
+                                "backoffMultiplier": 2, "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"]}
+SERVICE_CONFIG: dict[str, Any] = {"methodConfig": [{"name": [{"service": "paraminit.v1.InitService"}],
+                                                    "retryPolicy": RETRY_POLICY}]}
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20),
+                   ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(SERVICE_CONFIG))]
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,33 @@ class ValidationReport:
     def lines(self) -> list[str]:
         return [f"{v.field} ({v.name!r}): {v.message}" if v.index >= 0 else f"{v.field}: {v.message}"
                 for v in self.violations]
+
+
+def first_response(call: Any) -> Any:
+    """The first message of a server-streaming call (None if it ends without one); raises the call's error.
+
+    With retries enabled, gRPC Python (seen with 1.85) can leave the response iterator waiting forever when the
+    call fails while an attempt is being retried and the server goes away (a draining worker): the call has its
+    status (`call.code()` returns) but the pending read never completes, deadline or not. Retries happen only
+    before the first response, so that one is awaited on a helper thread while the call's end is watched; the
+    rest of the stream is read as usual. A helper stuck on such a call stays parked (a daemon thread)."""
+    box: list[Any] = []
+    arrived = threading.Event()
+
+    def read() -> None:
+        try:
+            box.append(next(call, None))
+        except BaseException as exc:  # handed to the caller below
+            box.append(exc)
+        arrived.set()
+
+    threading.Thread(target=read, daemon=True, name="paraminit-first-response").start()
+    while not arrived.wait(0.05):
+        if call.done() and call.code() != grpc.StatusCode.OK:
+            raise call  # the call is its own RpcError: code, details and trailers
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 @contextlib.contextmanager
@@ -194,7 +232,7 @@ class Client:
         call = self._materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
                                                            chunk_bytes=chunk_bytes), timeout=self.timeout)
         with rpc_errors():
-            first = next(call, None)
+            first = first_response(call)
         if not isinstance(first, pb.MaterializeResponse) or first.WhichOneof("msg") != "header":
             call.cancel()
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
@@ -245,7 +283,12 @@ class Client:
             raise ValueError(f"delivery must be one of {sorted(kinds)}, got {delivery!r}")
         request = pb.MaterializeRequest(plan=plan, delivery=kinds[delivery], lease_ttl=times.duration(ttl_seconds))
         with rpc_errors():
-            responses = list(self.stub.Materialize(request, timeout=self.timeout))
+            call = self.stub.Materialize(request, timeout=self.timeout)
+            if self.in_process:  # the in-process stub answers with a list
+                responses = list(call)
+            else:
+                first = first_response(call)
+                responses = [] if first is None else [first, *call]
         if len(responses) != 1 or responses[0].WhichOneof("msg") != "export":
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not answer the export with one ExportInfo")
         try:

@@ -1,4 +1,4 @@
-"""Admission: a concurrency limit, host and device memory budgets, and the draining flag.
+"""Admission: a concurrency limit with a fair bounded queue, host and device memory budgets, and the draining flag.
 
 Requests reserve the memory they will hold before allocating it: a stream its
 few slabs (on the backend) and their encoded copies (on the host), an export its
@@ -6,18 +6,28 @@ whole buffer for as long as the lease lives, an upload its payload. A plan that
 cannot be admitted fails fast with RESOURCE_EXHAUSTED (or waits a bounded time
 when the client's deadline leaves room) and allocates nothing. On the CPU
 backend host and backend memory are one budget.
+
+A call that finds every concurrency slot taken waits in a queue for as long as
+its caller allows (Caller.queue_wait: part of its deadline, capped by the
+server's --max-queue-wait); slots go round-robin across identities and in
+arrival order within one, so one caller with many threads cannot starve
+another. Refusals say when a retry makes sense (errors.*.retry_after, sent as
+gRPC's grpc-retry-pushback-ms trailer).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 from paraminit_server import errors
+from paraminit_server.caller import IN_PROCESS, Caller
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -76,19 +86,141 @@ class MemoryBudget:
                 if left <= 0:
                     raise errors.ResourceExhausted(
                         f"{what} needs {nbytes} bytes of {self.name} memory, {self.limit - self.reserved} of "
-                        f"{self.limit} are available now; retry later")
+                        f"{self.limit} are available now; retry later", retry_after=MEMORY_RETRY_AFTER,
+                        reason="memory")
                 self._cond.wait(left)
             self.reserved += nbytes
         return Reservation(self, nbytes)
 
 
+MEMORY_RETRY_AFTER = 1.0  # seconds a client refused for memory waits before its retry: streams end, leases go
+DRAIN_RETRY_AFTER = 0.5  # a draining worker's refusal: a retry on a balanced channel reaches another worker
+WAIT_SLICE = 0.25  # a queued call looks at least this often whether its caller left or the server is draining
+
+
+class _Waiter:
+    __slots__ = ("granted", "identity", "wake")
+
+    def __init__(self, identity: str, lock: threading.Lock) -> None:
+        self.identity = identity
+        self.granted = False
+        self.wake = threading.Condition(lock)
+
+
+class SlotQueue:
+    """`slots` concurrency slots; callers that find none free queue, at most `max_queued` of them.
+
+    A freed slot goes straight to the next waiter: identities take turns (round-robin, in the order they
+    joined the queue) and each identity's calls go in arrival order. While anyone waits no slot is free, so a
+    newcomer cannot overtake the queue. Refusals raise ResourceExhausted with a retry hint sized from how
+    long slots have recently been held."""
+
+    def __init__(self, slots: int, max_queued: int = 0) -> None:
+        self.slots = slots
+        self.max_queued = max_queued
+        self._lock = threading.Lock()
+        self._free = slots
+        self._lines: collections.OrderedDict[str, collections.deque[_Waiter]] = collections.OrderedDict()
+        self.queued = 0
+        self._held_for = 0.1  # moving average of how long a slot is held (seconds), for the retry hint
+
+    def _retry_after(self, ahead: int) -> float:
+        """Roughly when a slot frees for someone behind `ahead` waiters, jittered so refused callers spread."""
+        turns = ahead / max(1, self.slots) + 1
+        return min(10.0, max(0.05, self._held_for * turns)) * random.uniform(0.5, 1.5)
+
+    def _refuse(self, reason: str, message: str, ahead: int) -> errors.ResourceExhausted:
+        return errors.ResourceExhausted(message, retry_after=self._retry_after(ahead), reason=reason)
+
+    def acquire(self, identity: str, wait: float, stop: Callable[[], bool] = lambda: False) -> float:
+        """Take a slot, waiting up to `wait` seconds in line; returns the seconds waited.
+
+        Raises:
+            ResourceExhausted: no slot and no wait allowed (reason "busy"), the queue full ("queue_full"), or
+                no slot within `wait` ("queue_timeout").
+            Unavailable: the server started draining while the call waited.
+            Cancelled: `stop()` turned true (the caller went away) while the call waited."""
+        started = time.monotonic()
+        with self._lock:
+            if self._free > 0:
+                self._free -= 1
+                return 0.0
+            if wait <= 0:
+                raise self._refuse("busy", f"server is at its limit of {self.slots} concurrent materializations; "
+                                           "retry later (give the call a deadline to wait in line)", self.queued)
+            if self.queued >= self.max_queued:
+                raise self._refuse("queue_full", f"server is at its limit of {self.slots} concurrent "
+                                                 f"materializations and {self.max_queued} queued calls; retry later",
+                                   self.queued)
+            me = _Waiter(identity, self._lock)
+            self._lines.setdefault(identity, collections.deque()).append(me)
+            self.queued += 1
+            deadline = started + wait
+            try:
+                while not me.granted:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise self._refuse("queue_timeout", f"no concurrency slot within {wait:.1f} s (limit "
+                                           f"{self.slots}, {self.queued} queued); retry later", self.queued)
+                    if stop():
+                        raise errors.Cancelled("client cancelled or deadline passed while queued")
+                    me.wake.wait(min(left, WAIT_SLICE))
+            except BaseException:
+                if me.granted:  # the slot arrived as we gave up: pass it on
+                    self._grant_next()
+                else:
+                    self._leave(me)
+                raise
+            return time.monotonic() - started
+
+    def _leave(self, me: _Waiter) -> None:
+        line = self._lines[me.identity]
+        line.remove(me)
+        self.queued -= 1
+        if not line:
+            del self._lines[me.identity]
+
+    def _grant_next(self) -> None:
+        """Hand a slot to the next identity's oldest waiter, or free it (lock held)."""
+        if not self._lines:
+            self._free += 1
+            return
+        identity, line = next(iter(self._lines.items()))
+        me = line.popleft()
+        self.queued -= 1
+        if line:
+            self._lines.move_to_end(identity)  # its other calls wait for the other identities' turns
+        else:
+            del self._lines[identity]
+        me.granted = True
+        me.wake.notify()
+
+    def release(self, held_for: float = 0.0) -> None:
+        """Give a slot back (to the next waiter, if any); `held_for` seconds feed the retry hint."""
+        with self._lock:
+            self._held_for += 0.2 * (held_for - self._held_for)
+            self._grant_next()
+
+    def waiting(self) -> list[str]:
+        """The identities in line, in the order they would be served now (for tests and debugging)."""
+        with self._lock:
+            lines = [list(line) for line in self._lines.values()]
+        order: list[str] = []
+        while any(lines):
+            for line in lines:
+                if line:
+                    order.append(line.pop(0).identity)
+        return order
+
+
 class Admission:
-    """Concurrency limit plus a draining flag: refuse rather than queue without bound."""
+    """Concurrency limit with a fair bounded queue, plus a draining flag."""
 
     def __init__(self, max_concurrent: int, host_limit: int, device_limit: int | None = None,
-                 on_idle: Callable[[], None] = lambda: None) -> None:
+                 on_idle: Callable[[], None] = lambda: None, max_queued: int = 0) -> None:
         self._on_idle = on_idle  # drops caches before the heap is trimmed
-        self._sem = threading.BoundedSemaphore(max_concurrent)
+        self.slots = SlotQueue(max_concurrent, max_queued)
+        self.on_queue_wait: Callable[[float], None] = lambda seconds: None  # metrics: seconds waited for a slot
         self.max_concurrent = max_concurrent
         self.host = MemoryBudget(host_limit, "host")
         # the backend's own memory: a separate budget on a device, the host budget on the CPU
@@ -102,12 +234,24 @@ class Admission:
         self._trim_timer: threading.Timer | None = None
 
     @contextlib.contextmanager
-    def admit(self, nbytes: int) -> Iterator[None]:
+    def admit(self, nbytes: int, caller: Caller = IN_PROCESS) -> Iterator[None]:
+        """Hold a concurrency slot for the block, queueing up to `caller.queue_wait` seconds for one.
+
+        Raises:
+            Unavailable: the server is draining.
+            ResourceExhausted: no slot (see SlotQueue.acquire)."""
         if self.draining.is_set():
-            raise errors.Unavailable("server is shutting down; retry on another worker")
-        if not self._sem.acquire(blocking=False):
-            raise errors.ResourceExhausted(
-                f"server is at its limit of {self.max_concurrent} concurrent materializations; retry later")
+            raise errors.Unavailable("server is shutting down; retry on another worker", retry_after=DRAIN_RETRY_AFTER)
+
+        def stop() -> bool:
+            if self.draining.is_set():
+                raise errors.Unavailable("server is shutting down; retry on another worker",
+                                         retry_after=DRAIN_RETRY_AFTER)
+            return caller.gone()
+
+        waited = self.slots.acquire(caller.identity, caller.queue_wait, stop)
+        self.on_queue_wait(waited)
+        granted = time.monotonic()
         with self._lock:
             self.in_flight += 1
             self.in_flight_bytes += nbytes
@@ -120,7 +264,7 @@ class Admission:
                 self.in_flight_bytes -= nbytes
                 idle = self.in_flight == 0
                 self.idle.notify_all()
-            self._sem.release()
+            self.slots.release(time.monotonic() - granted)
             if idle:
                 self._trim_later()
 

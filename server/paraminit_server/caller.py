@@ -15,12 +15,14 @@ def _always() -> bool:
 @dataclass(frozen=True)
 class Caller:
     """identity owns leases and payloads; local peers may receive zero-copy buffers; `wait` is how long the
-    call may wait for memory (0: refuse at once); `active()` turns false when the caller has gone."""
+    call may wait for memory (0: refuse at once); `queue_wait` how long it may wait in line for a concurrency
+    slot (0: refuse at once when all are taken); `active()` turns false when the caller has gone."""
 
     identity: str = ANONYMOUS
     local: bool = True
     wait: float = 0.0
     active: Callable[[], bool] = field(default=_always)
+    queue_wait: float = 0.0
 
     def gone(self) -> bool:
         return not self.active()

@@ -23,7 +23,7 @@ class ServerConfig:
     backend: str = "auto"  # auto | cpu | cupy (numpy = cpu)
     device: int = 0
     threads: int = field(default_factory=limits.default_threads)  # CPU kernel threads; default: the container's CPU quota; 0 = all cores
-    workers: int = 16  # gRPC worker threads
+    workers: int = 48  # gRPC worker threads: running + queued calls + control calls (health, Release, ...)
     max_plan_bytes: int = 16 * GiB
     max_param_bytes: int = 16 * GiB
     max_concurrent: int = 8
@@ -42,6 +42,9 @@ class ServerConfig:
     memory_budget: int = field(default_factory=limits.default_memory_budget)
     device_memory_budget: int = 0  # GPU bytes requests may hold (device slabs, CUDA IPC exports); 0 = half of free
     admission_wait: float = 5.0  # longest wait for memory when the client's deadline allows it
+    max_queued: int = 32  # calls that may wait for a concurrency slot; beyond it RESOURCE_EXHAUSTED
+    max_queue_wait: float = 60.0  # longest wait in line for a slot (and at most half the call's deadline)
+    queue_wait_no_deadline: float = 0.0  # wait in line for calls without a deadline; 0 = refuse when busy
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""  # set: clients must present a certificate signed by it (mutual TLS)
@@ -86,10 +89,11 @@ HELP: dict[str, str] = {
     "backend": "auto (CuPy when it imports and a GPU is present, else cpu), cpu (alias numpy) or cupy",
     "device": "CUDA device ordinal for the cupy backend",
     "threads": "CPU kernel threads; 0 = every core; the default is the container's CPU quota (0 without one)",
-    "workers": "gRPC worker threads: calls the server answers at once",
+    "workers": "gRPC worker threads: calls the server answers at once, queued ones included (keep it above "
+               "--max-concurrent + --max-queued, with room for health checks and lease calls)",
     "max_plan_bytes": "largest plan (all its parameters' bytes) a call may materialize",
     "max_param_bytes": "largest single parameter",
-    "max_concurrent": "materializations running at once; beyond it calls get RESOURCE_EXHAUSTED",
+    "max_concurrent": "materializations running at once; beyond it calls wait in line (--max-queued)",
     "chunk_bytes": "STREAM data chunk size when the client asks for none",
     "max_chunk_bytes": "largest chunk a client may ask for (a chunk and its framing stay under gRPC's 4 MiB message limit)",
     "slab_bytes": "generation granularity of STREAM deliveries: host memory one stream holds",
@@ -106,6 +110,12 @@ HELP: dict[str, str] = {
                             "memory free at start",
     "admission_wait": "longest wait (seconds) for memory when the client's deadline allows it; calls without a "
                       "deadline are refused at once",
+    "max_queued": "calls that may wait for a concurrency slot (round-robin across identities, arrival order within "
+                  "one); beyond it RESOURCE_EXHAUSTED; keep --workers above --max-concurrent plus this",
+    "max_queue_wait": "longest wait (seconds) in line for a concurrency slot; a call waits at most half its "
+                      "deadline",
+    "queue_wait_no_deadline": "wait (seconds) in line for calls without a deadline; 0 = refuse them at once when "
+                              "every slot is taken",
     "tls_cert": "server certificate (PEM) for TLS; needs --tls-key",
     "tls_key": "server private key (PEM) for TLS; needs --tls-cert",
     "tls_ca": "CA certificate (PEM): clients must present a certificate it signed (mutual TLS)",

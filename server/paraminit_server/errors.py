@@ -27,10 +27,17 @@ class InvalidRequest(ParaminitServerError):
 
 
 class ResourceExhausted(ParaminitServerError):
-    """Over a byte, concurrency or lease limit, or out of memory."""
+    """Over a byte, concurrency or lease limit, or out of memory.
 
-    def __init__(self, message: str, violations: Sequence[Violation] = ()) -> None:
+    `retry_after`: seconds after which the same call may succeed (a busy server, memory in use); None when a
+    retry cannot help (the plan is over a limit), which clients' retry policies are told (pushback -1).
+    `reason`: a short label for the refusals metric."""
+
+    def __init__(self, message: str, violations: Sequence[Violation] = (), retry_after: float | None = None,
+                 reason: str = "limit") -> None:
         self.violations = tuple(violations)
+        self.retry_after = retry_after
+        self.reason = reason
         super().__init__(message)
 
 
@@ -43,7 +50,12 @@ class FailedPrecondition(ParaminitServerError):
 
 
 class Unavailable(ParaminitServerError):
-    """The server is shutting down or not ready."""
+    """The server is shutting down or not ready; `retry_after` seconds, when set, is sent as retry pushback."""
+
+    def __init__(self, message: str, retry_after: float | None = None, reason: str = "draining") -> None:
+        self.retry_after = retry_after
+        self.reason = reason
+        super().__init__(message)
 
 
 class Unauthenticated(ParaminitServerError):

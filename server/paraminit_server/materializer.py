@@ -87,7 +87,8 @@ class Materializer:
             device_budget = config.device_memory_budget or backend.device().memory_free // 2
         # encoded chunk messages, reused across streams: two streams' worth at most (more streams make their own)
         self.messages = MessagePool(config.slab_bytes * (PREFETCH + 2) * min(2, config.max_concurrent))
-        self.admission = Admission(config.max_concurrent, host_budget, device_budget, on_idle=self.messages.clear)
+        self.admission = Admission(config.max_concurrent, host_budget, device_budget, on_idle=self.messages.clear,
+                                   max_queued=config.max_queued)
         self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
                                  config.max_lease_ttl)
         self.exports = Exports(backend, self.leases, self.admission.backend, config.shm_pool_bytes)
@@ -146,7 +147,7 @@ class Materializer:
         slab = max(chunk, self.config.slab_bytes // chunk * chunk)
         held = min(lay.data_bytes, slab * (PREFETCH + 2))  # slabs in flight, and as many encoded copies
         staging = 0 if self.backend.memory == HOST else min(lay.data_bytes, 2 * slab)  # engine's pinned ring
-        with self.admission.admit(checked.report.total_bytes):
+        with self.admission.admit(checked.report.total_bytes, caller):
             yield StreamStart(lay, checked.digest)
             with self._reserve(held, held + staging, caller, "stream"):
 
@@ -189,7 +190,7 @@ class Materializer:
             raise errors.FailedPrecondition(f"in-process fills need a host backend, not {self.backend.name}")
         checked = self.check(p, caller)
         params = checked.params
-        with contextlib.closing(checked), self.admission.admit(checked.report.total_bytes):
+        with contextlib.closing(checked), self.admission.admit(checked.report.total_bytes, caller):
             if outputs is None:
                 lay = layout.stream_layout(params, checked.digest)
                 with self._reserve(0, lay.data_bytes, caller, "materialization"):
@@ -214,7 +215,7 @@ class Materializer:
     def export(self, p: plan_pb2.Plan, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
         """Fill a buffer local peers map (SHM or CUDA IPC) and lend it under a lease."""
         checked = self.check(p, caller)
-        with contextlib.closing(checked), self.admission.admit(checked.report.total_bytes):
+        with contextlib.closing(checked), self.admission.admit(checked.report.total_bytes, caller):
             return self.exports.export(checked.params, checked.digest, delivery, caller, ttl_seconds)
 
     # -- leases --------------------------------------------------------------------------
@@ -230,7 +231,7 @@ class Materializer:
 
     def apply(self, lease_id: str, p: plan_pb2.Plan, caller: Caller) -> str:
         checked = self.check(p, caller)
-        with contextlib.closing(checked), self.admission.admit(0):
+        with contextlib.closing(checked), self.admission.admit(0, caller):
             return self.exports.apply(lease_id, checked.params, checked.digest, caller)
 
     # -- payloads ------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+QUEUE_WAIT_BUCKETS = (0.0, 0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)  # 0: admitted without waiting
 # Stays clear of Prometheus itself (9090), Alertmanager (9093), the node exporter (9100) and the OpenTelemetry
 # Prometheus exporter (9464), which commonly share a pod or a host with the server. Images and manifests use it.
 DEFAULT_PORT = 9478
@@ -48,6 +49,12 @@ class Metrics:
         self.latency = Histogram("paraminit_materialize_seconds", "Materialize latency by delivery", ["delivery"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.inflight = Gauge("paraminit_inflight_requests", "materializations in progress", registry=r)
+        # the scaling signal: calls waiting for a concurrency slot, and how long they waited
+        self.queued = Gauge("paraminit_queued_requests", "calls waiting for a concurrency slot", registry=r)
+        self.queue_wait = Histogram("paraminit_queue_wait_seconds", "time admitted calls waited for a concurrency "
+                                    "slot", buckets=QUEUE_WAIT_BUCKETS, registry=r)
+        self.refusals = Counter("paraminit_refusals", "calls refused for load (RESOURCE_EXHAUSTED, UNAVAILABLE) by "
+                                "method and reason", ["method", "reason"], registry=r)
         self.inflight_bytes = Gauge("paraminit_inflight_bytes", "bytes of materializations in progress", registry=r)
         self.leases = Gauge("paraminit_leases_active", "live zero-copy leases", registry=r)
         self.leased_bytes = Gauge("paraminit_leased_bytes", "bytes held by live leases", registry=r)
@@ -64,13 +71,14 @@ class Metrics:
 
     def bind(self, inflight: Callable[[], float], inflight_bytes: Callable[[], float], leases: Callable[[], float],
              leased_bytes: Callable[[], float], memory_free: Callable[[], float], memory_total: Callable[[], float],
-             backend: Any = None) -> None:
+             backend: Any = None, queued: Callable[[], float] = lambda: 0.0) -> None:
         """Gauges read live state at scrape time instead of being kept in sync by hand.
 
         Device memory is exported only for a device backend (`backend.device().kind != "cpu"`): on the CPU backend
         it would be the node's memory, which process_resident_memory_bytes and the container limit describe better.
         """
         self.inflight.set_function(inflight)
+        self.queued.set_function(queued)
         self.inflight_bytes.set_function(inflight_bytes)
         self.leases.set_function(leases)
         self.leased_bytes.set_function(leased_bytes)

@@ -287,7 +287,8 @@ def _serve_metrics(config: ServerConfig, plane: Materializer, metrics: Metrics) 
     metrics.bind(inflight=lambda: adm.in_flight, inflight_bytes=lambda: adm.in_flight_bytes,
                  leases=lambda: len(leases.list()), leased_bytes=leases.leased_bytes,
                  memory_free=lambda: backend.device().memory_free, memory_total=lambda: backend.device().memory_total,
-                 backend=backend)
+                 backend=backend, queued=lambda: adm.slots.queued)
+    adm.on_queue_wait = metrics.queue_wait.observe
     return metrics.serve(config.host, config.metrics_port if config.metrics_port > 0 else 0)
 
 

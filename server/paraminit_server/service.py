@@ -127,13 +127,24 @@ class InitServicer(pb_grpc.InitServiceServicer):
         if self.metrics is not None:
             self.metrics.requests.labels(method, code.name).inc()
 
+    def refused(self, method: str, reason: str) -> None:
+        """A call turned away for load (RESOURCE_EXHAUSTED or UNAVAILABLE), by why: busy, queue_full,
+        queue_timeout, memory, draining, limit."""
+        if self.metrics is not None:
+            self.metrics.refusals.labels(method, reason).inc()
+
     def caller(self, context: grpc.ServicerContext) -> Caller:
         """The data plane's view of a call: identity, locality, how long it may wait for memory."""
         remaining: float | None = context.time_remaining()
+        config = self.plane.config
         wait = 0.0  # no deadline: refuse at once rather than hold the call for --admission-wait
+        queue_wait = config.queue_wait_no_deadline  # 0 by default: refuse at once when busy
         if remaining is not None and remaining < NO_DEADLINE:
-            wait = max(0.0, min(self.plane.config.admission_wait, remaining / 2))
-        return Caller(identity(context, self.tokens), peers.is_local_peer(context.peer()), wait, context.is_active)
+            wait = max(0.0, min(config.admission_wait, remaining / 2))
+            # half the deadline in line at most: the other half is for the work once a slot is free
+            queue_wait = max(0.0, min(config.max_queue_wait, remaining / 2))
+        return Caller(identity(context, self.tokens), peers.is_local_peer(context.peer()), wait, context.is_active,
+                      queue_wait)
 
     # -- RPCs ------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ traceback never reaches the client.
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import logging
@@ -21,6 +22,7 @@ from grpc_status import rpc_status
 
 from paraminit.violations import Violation, describe
 from paraminit_server import errors
+from paraminit_server.admission import DRAIN_RETRY_AFTER, MEMORY_RETRY_AFTER
 
 log = logging.getLogger("paraminit.server")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -122,13 +124,34 @@ def _message(err: errors.ParaminitServerError) -> str:
     return clip("\n".join(lines), MAX_MESSAGE_BYTES)
 
 
+PUSHBACK = "grpc-retry-pushback-ms"  # gRPC's retry pushback trailer (gRFC A6): a delay, or negative for "don't"
+
+
+class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status):  # type: ignore[misc]
+    pass
+
+
+def pushback_ms(err: errors.ParaminitServerError) -> int | None:
+    """The retry pushback for a refusal: milliseconds until a retry makes sense, -1 for a RESOURCE_EXHAUSTED
+    that no retry can fix (clients retry RESOURCE_EXHAUSTED by policy), None to leave the client's backoff."""
+    if isinstance(err, errors.ResourceExhausted):
+        return -1 if err.retry_after is None else max(0, round(err.retry_after * 1000))
+    if isinstance(err, errors.Unavailable) and err.retry_after is not None:
+        return max(0, round(err.retry_after * 1000))
+    return None
+
+
 def to_status(err: errors.ParaminitServerError) -> grpc.Status:
     code = errors.status_of(err)
     st = status_pb2.Status(code=getattr(code_pb2, code.name), message=_message(err))
     violations = err.violations if isinstance(err, (errors.InvalidPlan, errors.ResourceExhausted)) else ()
     if violations:
         st = with_violations(st, violations)
-    return rpc_status.to_status(st)
+    status = rpc_status.to_status(st)
+    pushback = pushback_ms(err)
+    if pushback is None:
+        return status
+    return _Status(status.code, status.details, (*status.trailing_metadata, (PUSHBACK, str(pushback))))
 
 
 class Servicer(Protocol):
@@ -150,14 +173,15 @@ def _precheck(owner: Servicer, request: Any = None) -> None:
     if isinstance(request, MalformedRequest):
         raise errors.InvalidRequest(request.reason)
     if owner.draining():
-        raise errors.Unavailable("server is shutting down; retry on another worker")
+        raise errors.Unavailable("server is shutting down; retry on another worker", retry_after=DRAIN_RETRY_AFTER)
 
 
 def status_for(exc: BaseException, method: str) -> grpc.Status:
     """The status a client gets for an exception: ours by the STATUS table, anything else INTERNAL with an
     error id that is in the server log (never the traceback)."""
     if isinstance(exc, MemoryError):  # allocation failed: everything of the request is already unwound
-        exc = errors.ResourceExhausted(f"out of memory while materializing ({exc or 'allocation failed'}); retry later")
+        exc = errors.ResourceExhausted(f"out of memory while materializing ({exc or 'allocation failed'}); retry later",
+                                       retry_after=MEMORY_RETRY_AFTER, reason="memory")
     if isinstance(exc, errors.ParaminitServerError):
         return to_status(exc)
     error_id = uuid.uuid4().hex[:12]
@@ -169,6 +193,10 @@ def status_for(exc: BaseException, method: str) -> grpc.Status:
 def _abort(owner: Servicer, context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
     st = status_for(exc, method)
     owner.count(method, st.code)
+    if st.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        refused = getattr(owner, "refused", None)
+        if refused is not None:
+            refused(method, getattr(exc, "reason", "memory" if isinstance(exc, MemoryError) else "limit"))
     context.abort_with_status(st)
 
 
