@@ -916,7 +916,8 @@ def trunc_exact(g: Any, p0: float, p1: float, lo: float, hi: float, seed: Any) -
         v = normal_exact(low_draw(x), low_draw(x + _U1), p0, p1)
         if lo <= v and v <= hi:
             return v
-    return min(max(v, lo), hi)
+    c = lo if lo > v else v  # Python's min(max(v, lo), hi), as the spec writes it
+    return hi if hi < c else c
 
 
 @_jit
