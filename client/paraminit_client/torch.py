@@ -92,7 +92,8 @@ Override = Callable[..., "plan_pb2.Init | Mapping[str, Any] | None"]
 POLICIES = ("torch", "torchlean", "hf")
 LEASE_ATTR = "_paraminit_lease"
 
-_SEEDED = {"uniform", "normal", "truncatedNormal", "truncated_normal", "xavierUniform", "xavier_uniform", "kaimingUniform", "kaiming_uniform",
+_SEEDED = {"uniform", "normal", "truncatedNormal", "truncated_normal",
+           "xavierUniform", "xavier_uniform", "kaimingUniform", "kaiming_uniform",
            "xavierUniformForShape", "xavier_uniform_for_shape", "kaimingUniformForShape", "kaiming_uniform_for_shape"}
 
 
