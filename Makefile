@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# PyTorch tests (tests/test_torch.py) run against the CPU build; they skip cleanly without torch.
 	$(PY) -m pip install -q 'torch==2.13.0' || echo "torch 2.13.0 not installable here: PyTorch tests will skip"
+	# torchtitan (tests/test_torchtitan.py) after torch, so its requirements find the CPU build installed.
+	$(PY) -m pip install -q -e '.[torchtitan]' || echo "torchtitan not installable here: torchtitan tests will skip"
 	touch $(STAMP)
 
 venv: $(STAMP)
