@@ -71,3 +71,12 @@ def test_cli_materialize_matches_vectors(tmp_path: Path, capsys: pytest.CaptureF
         width = 2 if case["dtype"] in ("float16", "bfloat16") else 8 if case["dtype"] == "float64" else 4
         got = np.frombuffer(data[start + a:start + b], dtype=f"<u{width}")
         assert [int(x) for x in got] == expected_bits(case), case["name"]
+
+
+SHARED_SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec"
+
+
+@pytest.mark.skipif(not (SHARED_SPEC / "vectors.json").exists(), reason="no shared spec checkout beside the repository")
+def test_vectors_are_the_shared_specs() -> None:
+    """tests/vectors.json is a copy of the spec's reference cases (kept in sync when the spec changes)."""
+    assert json.loads((SHARED_SPEC / "vectors.json").read_text()) == VECTORS
