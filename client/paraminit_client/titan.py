@@ -27,6 +27,7 @@ computes them with the modules' own ``_init_self_buffers``.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,9 +49,8 @@ def _qualified(fn: Any) -> str:
 
 
 def _titan_module() -> Any:
-    from torchtitan.protocols.module import Module
-
-    return Module
+    """torchtitan's Module base class (imported here: torchtitan is optional and ships no type information)."""
+    return importlib.import_module("torchtitan.protocols.module").Module
 
 
 def refused_modules(root: nn.Module) -> dict[str, str]:
