@@ -167,3 +167,17 @@ def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path) -> None:
             assert res["regions"][name][0] == [r * rows, (r + 1) * rows], (r, name)
             assert res["regions"][name][1:] == [[0, d] for d in shape[1:]], (r, name)
             assert res["local"][name] == [rows, *shape[1:]], (r, name)
+
+
+def test_tied_embedding_takes_the_lm_heads_initializer() -> None:
+    """Llama 3 1B ties tok_embeddings.weight to lm_head.weight and skips the embedding's init: the one tensor
+    gets lm_head's truncated normal (read from the 1B config: std dim**-0.5, cut at 3 sigma)."""
+    with torch.device("meta"):
+        model = llama3.llama3_configs["1B"](attn_backend="flex").build()
+    assert model.tok_embeddings.weight is model.lm_head.weight
+    plan = plan_from_module(model, seed=0, policy="torchtitan")
+    by = {p.name: p for p in plan.params}
+    assert "lm_head.weight" not in by  # a tied tensor appears once, under its first name
+    t = by["tok_embeddings.weight"].init.truncated_normal
+    s = 2048**-0.5
+    assert (t.std, t.lo, t.hi) == (s, -3 * s, 3 * s) and list(by["tok_embeddings.weight"].shape) == [128256, 2048]
