@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 		{ apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
 		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; }; }; } || \
 		echo "promtool not installable here: the alert rule tests will skip"
+	# torchtitan (tests/test_torchtitan.py) after torch, so its requirements find the CPU build installed.
+	$(PY) -m pip install -q -e '.[torchtitan]' || echo "torchtitan not installable here: torchtitan tests will skip"
 	touch $(STAMP)
 
 venv: $(STAMP)

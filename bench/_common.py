@@ -72,6 +72,9 @@ def bench_param(init: str, dtype_enum: int, rows: int, cols: int, region: tuple[
         i.uniform.lo, i.uniform.hi, i.uniform.seed = -0.05, 0.05, 1
     elif init == "normal":
         i.normal.mean, i.normal.std, i.normal.seed = 0.0, 0.02, 2
+    elif init == "truncated_normal":  # +-2 sigma: one element in 22 needs another candidate
+        t = i.truncated_normal
+        t.mean, t.std, t.lo, t.hi, t.seed = 0.0, 0.02, -0.04, 0.04, 7
     elif init == "xavier_uniform":
         i.xavier_uniform.fan_in, i.xavier_uniform.fan_out, i.xavier_uniform.seed = cols, rows, 3
     elif init == "kaiming_uniform":

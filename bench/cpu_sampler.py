@@ -6,9 +6,11 @@ importable, and paraminit's CPU backend (CpuBackend.fill) for every
 initializer and dtype. GB/s counts bytes written. Each paraminit row is
 compared with `x fill` (ndarray.fill on the same storage dtype) and `x torch`
 (the torch operation that does the same job: uniform_ for the uniform
-family, normal_ for normal, fill_ for constants, copy_ from float64 for
-flat). Targets (float32, 2 threads): uniform/xavier/kaiming >= 0.8x fill and
->= 10x torch uniform_; normal >= 1.0x torch normal_. The first and last row
+family, normal_ for normal, nn.init.trunc_normal_ for truncated_normal
+(both at +-2 sigma), fill_ for constants, copy_ from float64 for flat).
+Targets (float32, 2 threads): uniform/xavier/kaiming >= 0.8x fill and >= 10x
+torch uniform_; normal >= 1.0x torch normal_; truncated_normal >= 1.5x torch
+trunc_normal_ on every dtype. The first and last row
 of every output is checked against the plain reference first, so a fast
 wrong kernel cannot pass.
 
@@ -42,8 +44,9 @@ from paraminit_server.plan import Kind, ResolvedParam, resolve_param  # noqa: E4
 
 COLS = 4096
 INITS = ("zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",
-         "xavier_uniform_for_shape", "kaiming_uniform_for_shape")
-TORCH_OP = {Kind.CONST: "fill_", Kind.AFFINE: "uniform_", Kind.NORMAL: "normal_", Kind.FLAT: "copy_"}
+         "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "truncated_normal")
+TORCH_OP = {Kind.CONST: "fill_", Kind.AFFINE: "uniform_", Kind.NORMAL: "normal_", Kind.FLAT: "copy_",
+            Kind.TRUNCNORM: "trunc_normal_"}
 
 
 def make_param(init: str, dt: dtypes.DTypeInfo, rows: int, values: np.ndarray[Any, Any]) -> ResolvedParam:
@@ -135,7 +138,8 @@ def main() -> None:
             src = torch.from_numpy(values[:t.numel()])
             ops: dict[str, Callable[[], object]] = {
                 "fill_": functools.partial(t.fill_, 1.0), "uniform_": functools.partial(t.uniform_, -0.05, 0.05),
-                "normal_": functools.partial(t.normal_, 0.0, 0.02), "copy_": functools.partial(t.copy_, src)}
+                "normal_": functools.partial(t.normal_, 0.0, 0.02), "copy_": functools.partial(t.copy_, src),
+                "trunc_normal_": functools.partial(torch.nn.init.trunc_normal_, t, 0.0, 0.02, -0.04, 0.04)}
             for op, fn in ops.items():
                 fn()
                 torch_s[(op, dt.name)] = best_of(fn, args.repeat)
@@ -170,6 +174,13 @@ def targets(rows: list[tuple[str, float, float | None, float | None]]) -> None:
         xt = by.get(f"paraminit normal {dt}", (0.0, None, None))[2]
         if xt:
             checks.append((f"normal {dt} vs torch normal_", xt, want))
+    for dt in ("float32", "bfloat16", "float16", "float64"):
+        xt = by.get(f"paraminit truncated_normal {dt}", (0.0, None, None))[2]
+        if xt:
+            checks.append((f"truncated_normal {dt} vs torch trunc_normal_", xt, 1.5))
+        tn, nn_ = by.get(f"paraminit truncated_normal {dt}"), by.get(f"paraminit normal {dt}")
+        if tn and nn_:  # +-2 sigma: 4.6 % of the elements take the exact path through more candidates
+            checks.append((f"truncated_normal {dt} vs paraminit normal", tn[0] / nn_[0], 0.8))
     for init in ("uniform", "xavier_uniform", "kaiming_uniform"):
         r32 = by.get(f"paraminit {init} float32")
         if r32 and r32[1]:

@@ -90,7 +90,7 @@ def reference_window(p: ResolvedParam, l_begin: int, n: int) -> np.ndarray[Any, 
     """reference.py's values for local elements [l_begin, l_begin + n) of a region, in storage dtype."""
     local = np.unravel_index(np.arange(l_begin, l_begin + n, dtype=np.int64), p.out_shape)
     g = np.ravel_multi_index(tuple(ix + a for ix, (a, _) in zip(local, p.region, strict=True)), p.shape)
-    window = SimpleNamespace(kind=p.kind, p0=p.p0, p1=p.p1, key=p.key, values=p.values,
+    window = SimpleNamespace(kind=p.kind, p0=p.p0, p1=p.p1, key=p.key, values=p.values, lo=p.lo, hi=p.hi, seed=p.seed,
                              global_indices=lambda: np.asarray(g, dtype=np.int64))
     return reference.cast(reference.values_f64(cast(ResolvedParam, window)), p.dtype)
 

@@ -23,6 +23,10 @@ from paraminit_client import Client
 from paraminit_server.config import ServerConfig
 from paraminit_server.server import Running, start
 
+# JAX tests run on a 2x2 mesh of CPU devices; the flag must be set before JAX initializes its backend.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
 VECTORS = json.loads((Path(__file__).parent / "vectors.json").read_text())
 
 

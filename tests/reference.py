@@ -82,10 +82,23 @@ def values_f64(p: ResolvedParam, g: npt.NDArray[np.int64] | None = None) -> npt.
     if p.kind == Kind.FLAT:
         assert p.values is not None
         return np.asarray(p.values[g], dtype=np.float64)  # payloads keep their own dtype
+    if p.kind == Kind.TRUNCNORM:
+        return np.asarray([truncated_normal(p, int(i)) for i in g.tolist()], dtype=np.float64)
     u1 = units(p.key, 2 * g.astype(np.uint64))
     u2 = units(p.key, 2 * g.astype(np.uint64) + np.uint64(1))
     z = [normal_z(a, b) for a, b in zip(u1.tolist(), u2.tolist(), strict=True)]
     return p.p0 + p.p1 * np.asarray(z, dtype=np.float64)
+
+
+def truncated_normal(p: ResolvedParam, i: int) -> float:
+    """Section 2.2 for element i, candidate by candidate from spec.unit (scalar Python)."""
+    v = p.p0
+    for j in range(spec.TRUNC_CANDIDATES):
+        s = spec.candidate_seed(p.seed, j)
+        v = p.p0 + p.p1 * normal_z(spec.unit(s, 2 * i), spec.unit(s, 2 * i + 1))
+        if p.lo <= v <= p.hi:
+            return v
+    return min(max(v, p.lo), p.hi)
 
 
 def round_half_bits(v: float, fmt: int) -> int:

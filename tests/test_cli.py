@@ -36,6 +36,7 @@ from paraminit.v1 import plan_pb2
 from paraminit_client import Client, cli, inspect, load_plan, param, plan_from_dict, plan_from_safetensors, plan_of
 from paraminit_client.plans import PlanFileError, plan_to_json
 from paraminit_server import config as server_config
+from paraminit_server import plan as planlib
 from paraminit_server.server import Running
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,6 +152,25 @@ def test_expected_distributions_follow_the_formulas() -> None:
     uniform = inspect.expected_of(param("u", [3], {"uniform": {"lo": -1, "hi": 5}}))
     assert uniform is not None and (uniform.mean, uniform.std) == (2.0, pytest.approx(6 / math.sqrt(12)))
     assert inspect.expected_of(param("f", [2], {"flatRef": {"payloadId": "x"}})) is None
+
+
+def test_truncated_normal_expectation_fits_the_kernels_and_flags_a_plain_normal(cpu_backend: Any) -> None:
+    """The moments of the truncated normal (asymmetric bounds) against 200000 values the CPU kernels draw, and
+    the untruncated normal of the same seed is flagged (values outside the bounds, std too large)."""
+    init = {"truncatedNormal": {"mean": 0.1, "std": 0.02, "lo": 0.07, "hi": 0.16, "seed": 5}}
+    exp = inspect.expected_of(param("t", [200000], init))
+    assert exp is not None and exp.lo == pytest.approx(0.07) and exp.hi == pytest.approx(0.16)
+    assert 0.1 < exp.mean < 0.11 and exp.std < 0.02  # the cut at -1.5 sigma pulls the mean up, narrows the spread
+    got = np.empty(200000, np.float64)
+    got.fill(np.nan)
+    cpu_backend.fill(planlib.resolve_param(0, param("t", [200000], init, "float64")), got)
+    assert inspect.judge(inspect.tensor_stats(iter([got])), exp, "float64") == []
+    plain = np.empty(200000, np.float64)
+    plain.fill(np.nan)
+    cpu_backend.fill(planlib.resolve_param(0, param("n", [200000], {"normal": {"mean": 0.1, "std": 0.02, "seed": 5}},
+                                                    "float64")), plain)
+    problems = inspect.judge(inspect.tensor_stats(iter([plain])), exp, "float64")
+    assert any("values in" in p for p in problems) and any(p.startswith("std") for p in problems), problems
 
 
 def test_inspect_flags_what_does_not_match(mixed_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

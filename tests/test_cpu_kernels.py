@@ -24,13 +24,14 @@ from hypothesis import strategies as st
 from conftest import poisoned
 from paraminit import dtypes
 from paraminit.v1 import plan_pb2
+from paraminit_client import plans
 from paraminit_server import spec
 from paraminit_server.backends import cpu_kernels
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.plan import Kind, ResolvedParam, resolve_param
 
 INITS = ("zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",
-         "xavier_uniform_for_shape", "kaiming_uniform_for_shape")
+         "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "truncated_normal")
 BACKEND = CpuBackend()
 
 
@@ -42,6 +43,10 @@ def make_param(init: str, dt: dtypes.DTypeInfo, shape: list[int], seed: int = 7,
         i.uniform.lo, i.uniform.hi, i.uniform.seed = lo, hi, seed
     elif init == "normal":
         i.normal.mean, i.normal.std, i.normal.seed = lo, hi - lo, seed
+    elif init == "truncated_normal":  # about one element in six needs a second candidate
+        t = i.truncated_normal
+        t.mean, t.std, t.seed = lo, hi - lo, seed
+        t.lo, t.hi = lo - 0.7 * (hi - lo), lo + 2.0 * (hi - lo)
     elif init == "xavier_uniform":
         i.xavier_uniform.fan_in, i.xavier_uniform.fan_out, i.xavier_uniform.seed = 3, 5, seed
     elif init == "kaiming_uniform":
@@ -102,7 +107,7 @@ def test_threads_and_reference(init: str, dt: dtypes.DTypeInfo) -> None:
 
 
 @pytest.mark.parametrize("dt", dtypes.SUPPORTED, ids=lambda d: d.name)
-@pytest.mark.parametrize("init", ["uniform", "normal", "flat", "ones"])
+@pytest.mark.parametrize("init", ["uniform", "normal", "flat", "ones", "truncated_normal"])
 def test_chunking_invariance(init: str, dt: dtypes.DTypeInfo) -> None:
     """Filling any sequence of l_begin windows and concatenating gives the one-call bytes."""
     shape = [4, 9, 5000]
@@ -118,7 +123,7 @@ def test_chunking_invariance(init: str, dt: dtypes.DTypeInfo) -> None:
 
 
 @pytest.mark.parametrize("dt", [dtypes.FLOAT32, dtypes.BFLOAT16], ids=lambda d: d.name)
-@pytest.mark.parametrize("init", ["uniform", "normal", "kaiming_uniform_for_shape", "flat"])
+@pytest.mark.parametrize("init", ["uniform", "normal", "kaiming_uniform_for_shape", "flat", "truncated_normal"])
 def test_region_partition(init: str, dt: dtypes.DTypeInfo) -> None:
     """The shards of a random grid partition, each filled as its own region, tile the whole tensor."""
     shape = [6, 5, 7, 11]
@@ -226,6 +231,50 @@ def test_segment_boundaries(init: str, key: int) -> None:
     p = dataclasses.replace(make_param(init, dtypes.FLOAT64, [40]), key=key)
     assert same(fill(p), reference.materialize(p))
     assert same(fill(p, 3, 20), reference.materialize(p)[3:23])
+
+
+def unmix(z: int) -> int:
+    """The x with spec.mix(x) == z (each step of SplitMix64's finalizer is a bijection)."""
+    z ^= (z >> 31) ^ (z >> 62)
+    z = (z * pow(spec.MUL2, -1, 2**64)) % 2**64
+    z ^= (z >> 27) ^ (z >> 54)
+    z = (z * pow(spec.MUL1, -1, 2**64)) % 2**64
+    z ^= (z >> 30) ^ (z >> 60)
+    return (z - spec.GOLDEN) % 2**64
+
+
+@pytest.mark.parametrize("key", EDGE_KEYS[::2])
+@pytest.mark.parametrize("dt", [dtypes.FLOAT64, dtypes.BFLOAT16], ids=lambda d: d.name)
+def test_truncated_normal_segment_boundaries(key: int, dt: dtypes.DTypeInfo) -> None:
+    """Candidate 0 of a seed whose key puts a fast-path segment edge inside the tensor (the straddling pair
+    takes the exact path), with bounds that reject about one element in three."""
+    seed = unmix(key)
+    assert spec.key(seed) == key
+    p = resolve_param(0, plans.param("w", [40], {"truncatedNormal": {"mean": 0.5, "std": 2.0, "lo": -1.0,
+                                                                    "hi": 2.5, "seed": str(seed)}}, dt.name))
+    assert same(fill(p), reference.materialize(p))
+    assert same(fill(p, 3, 20), reference.materialize(p)[3:23])
+
+
+@pytest.mark.parametrize("dt", dtypes.SUPPORTED, ids=lambda d: d.name)
+def test_truncated_normal_is_normal_inside(dt: dtypes.DTypeInfo) -> None:
+    """Candidate 0 is the normal of the same seed: equal wherever that lies in the bounds (binary64), and every
+    other element lies in [lo, hi] and differs; no reference needed, so the sample is large."""
+    n, mean, std, lo, hi = 300_000, 0.25, 1.5, -1.25, 2.0  # [mean - sigma, mean + 1.17 sigma]: a third rejected
+    normal = make_param("normal", dtypes.FLOAT64, [n], seed=99, lo=mean, hi=mean + std)
+    v0 = fill(normal)
+    trunc = resolve_param(0, plans.param("t", [n], {"truncatedNormal": {"mean": mean, "std": std, "lo": lo,
+                                                                        "hi": hi, "seed": 99}}, dt.name))
+    got = fill(trunc)
+    inside = (v0 >= lo) & (v0 <= hi)
+    assert 0.25 < 1 - inside.mean() < 0.4
+    want_inside = fill(dataclasses.replace(normal, dtype=dt))[inside]
+    assert same(got[inside], want_inside)
+    wide = got.view(dt.numpy).astype(np.float64) if dt.fmt != dtypes.FMT_NATIVE else got.astype(np.float64)
+    slack = 2.0**-7 * 2.0  # one bfloat16 rounding of values up to 2
+    assert (wide >= lo - slack).all() and (wide <= hi + slack).all()
+    if dt == dtypes.FLOAT64:
+        assert (wide[~inside] >= lo).all() and (wide[~inside] <= hi).all()
 
 
 @pytest.mark.parametrize(("lo", "hi"), [(0.0, 5e-324), (-1e-310, 1e-310), (-1e308, 1e308), (3.0, 3.0),

@@ -64,10 +64,12 @@ static std::vector<unsigned char> slurp(const char* path) {
 
 static int consts() {
     std::printf("BLOCK %d\nEPT %d\nTILE %d\nDESC_WORDS %d\n", PI_BLOCK, PI_EPT, PI_TILE, PI_DESC_WORDS);
-    std::printf("W %d %d %d %d %d %d %d %d %d %d %d %d %d\n", PI_W_OUT, PI_W_N, PI_W_LBEGIN, PI_W_KIND, PI_W_OTYPE,
-                PI_W_KEY, PI_W_P0, PI_W_P1, PI_W_VSHIFT, PI_W_BASE, PI_W_RUNLEN, PI_W_NOUTER, PI_W_DIMS);
-    std::printf("KIND %d %d %d %d\nOTYPE %d %d %d %d\n", PI_CONST, PI_AFFINE, PI_NORMAL, PI_FLAT,
+    std::printf("W %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d\n", PI_W_OUT, PI_W_N, PI_W_LBEGIN, PI_W_KIND,
+                PI_W_OTYPE, PI_W_KEY, PI_W_P0, PI_W_P1, PI_W_VSHIFT, PI_W_BASE, PI_W_RUNLEN, PI_W_NOUTER, PI_W_DIMS,
+                PI_W_LO, PI_W_HI, PI_W_SEED);
+    std::printf("KIND %d %d %d %d %d\nOTYPE %d %d %d %d\n", PI_CONST, PI_AFFINE, PI_NORMAL, PI_FLAT, PI_TRUNCNORM,
                 PI_F32, PI_F64, PI_F16, PI_BF16);
+    std::printf("CANDIDATES %d\n", PI_TRUNC_CANDIDATES);
     return 0;
 }
 
@@ -221,8 +223,9 @@ def test_constants_agree(harness: Path) -> None:
     assert table["TILE"] == [cb.TILE]
     assert table["DESC_WORDS"] == [cb.DESC_WORDS]
     assert table["W"] == [cb.W_OUT, cb.W_N, cb.W_LBEGIN, cb.W_KIND, cb.W_OTYPE, cb.W_KEY, cb.W_P0, cb.W_P1,
-                          cb.W_VSHIFT, cb.W_BASE, cb.W_RUNLEN, cb.W_NOUTER, cb.W_DIMS]
-    assert table["KIND"] == [int(Kind.CONST), int(Kind.AFFINE), int(Kind.NORMAL), int(Kind.FLAT)]
+                          cb.W_VSHIFT, cb.W_BASE, cb.W_RUNLEN, cb.W_NOUTER, cb.W_DIMS, cb.W_LO, cb.W_HI, cb.W_SEED]
+    assert table["KIND"] == [int(Kind.CONST), int(Kind.AFFINE), int(Kind.NORMAL), int(Kind.FLAT), int(Kind.TRUNCNORM)]
+    assert table["CANDIDATES"] == [spec.TRUNC_CANDIDATES]
     assert table["OTYPE"] == [cb.OTYPE_F32, cb.OTYPE_F64, cb.OTYPE_F16, cb.OTYPE_BF16]
     assert [cb.otype(d) for d in (dtypes.FLOAT32, dtypes.FLOAT64, dtypes.FLOAT16, dtypes.BFLOAT16)] == [0, 1, 2, 3]
 
@@ -382,7 +385,7 @@ def test_vectors_through_the_packed_kernel_path(harness: Path, tmp_path: Path) -
 
 
 INITS = ("zeros", "ones", "uniform", "normal", "flat", "xavier_uniform", "kaiming_uniform",
-         "xavier_uniform_for_shape", "kaiming_uniform_for_shape")
+         "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "truncated_normal")
 
 
 def random_param(rng: np.random.Generator, index: int, max_numel: int = 6000, max_dim: int = 8) -> ResolvedParam:
@@ -406,6 +409,10 @@ def random_param(rng: np.random.Generator, index: int, max_numel: int = 6000, ma
         i.uniform.lo, i.uniform.hi, i.uniform.seed = lo, hi, seed
     elif init == "normal":
         i.normal.mean, i.normal.std, i.normal.seed = float(rng.normal()), float(rng.uniform(0, 100)), seed
+    elif init == "truncated_normal":  # from the narrowest valid interval to about 3 sigma
+        t = i.truncated_normal
+        t.mean, t.std, t.seed = float(rng.normal()), float(rng.uniform(0, 10)), seed
+        t.lo, t.hi = t.mean - t.std * float(rng.uniform(0.5, 3)), t.mean + t.std * float(rng.uniform(0.5, 3))
     elif init == "flat":
         scale = 10.0 ** rng.integers(-45, 40, spec.numel(shape))
         i.flat.values.extend((rng.normal(0, 1, spec.numel(shape)) * scale).tolist())
@@ -444,8 +451,8 @@ def reference_window(p: ResolvedParam, l_begin: int, n: int) -> bytes:
     local = np.unravel_index(np.arange(l_begin, l_begin + n, dtype=np.int64), p.out_shape) if p.shape else ()
     g = (np.ravel_multi_index(tuple(ix + a for ix, (a, _) in zip(local, p.region, strict=True)), p.shape)
          if p.shape else np.zeros(n, dtype=np.int64))
-    window = SimpleNamespace(kind=p.kind, p0=p.p0, p1=p.p1, key=p.key, values=p.values,
-                             global_indices=lambda: np.asarray(g, dtype=np.int64))
+    window = SimpleNamespace(kind=p.kind, p0=p.p0, p1=p.p1, key=p.key, values=p.values, lo=p.lo, hi=p.hi,
+                             seed=p.seed, global_indices=lambda: np.asarray(g, dtype=np.int64))
     return reference.cast(reference.values_f64(cast(ResolvedParam, window)), p.dtype).tobytes()
 
 

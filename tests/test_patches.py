@@ -55,6 +55,10 @@ def patched_plan() -> plan_pb2.Plan:
         param("outside", [8, 3], {"normal": {"std": 1, "seed": 4}}, [([(0, 2), (0, 3)], {"ones": {}})],
               dtype="float64", region=[(4, 8), (0, 3)]),
         param("plain", [5], {"normal": {"std": 1, "seed": 5}}, []),
+        # a truncated normal patch over a truncated normal base (the base of an embedding's rows 2..4)
+        param("trunc", [6, 9], {"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04, "seed": 6}},
+              [([(2, 5), (1, 8)], {"truncatedNormal": {"mean": 1, "std": 0.5, "lo": 0.5, "hi": 1.6, "seed": 7}})],
+              dtype="bfloat16"),
     ])
 
 
@@ -80,12 +84,13 @@ def test_validation_reports_every_bad_patch() -> None:
         ([(0, 1), (0, 5)], {"flat": {"values": [0.0]}}),  # flat kinds are refused
         ([(0, 1), (0, 5)], {"normal": {"std": -1}}),      # the initializer's own rules
         ([(0, 1), (0, 5)], {}),                           # unset
+        ([(0, 1), (0, 5)], {"truncatedNormal": {"std": 1, "lo": -0.4, "hi": 1}}),  # bounds too tight
     ])
     report = validation.validate(plan_pb2.Plan(params=[p]))
     fields = sorted(v.field for v in report.violations)
     assert fields == ["params[0].patches[0].box", "params[0].patches[1].box[0]", "params[0].patches[1].box[1]",
                       "params[0].patches[2].init.flat", "params[0].patches[3].init.normal",
-                      "params[0].patches[4].init"], fields
+                      "params[0].patches[4].init", "params[0].patches[5].init.truncated_normal"], fields
     assert validation.validate(patched_plan()).ok
 
 

@@ -33,7 +33,7 @@ def _scratch(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
 def test_python_block_runs(index: int, tmp_path: Path) -> None:
     code = blocks("python")[index]
-    for optional in ("torch", "transformers"):
+    for optional in ("torch", "transformers", "torchtitan", "jax"):
         if optional in code:
             pytest.importorskip(optional)
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_scratch(tmp_path), capture_output=True,

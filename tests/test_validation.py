@@ -64,6 +64,33 @@ def test_every_violation_reported_at_once() -> None:
     assert any(g.startswith("params[9].init ('noinit'): initializer is not set") for g in got)
 
 
+def test_truncated_normal_rules_reported_with_the_rest() -> None:
+    plan = plan_of([
+        param("t_inf", [2], {"truncatedNormal": {"std": 1, "lo": "-Infinity", "hi": 2}}),
+        param("t_nan", [2], {"truncatedNormal": {"mean": "NaN", "std": 1, "lo": -2, "hi": 2}}),
+        param("t_neg", [2], {"truncatedNormal": {"std": -1, "lo": -2, "hi": 2}}),
+        param("t_lo", [2], {"truncatedNormal": {"std": 1, "lo": -0.49, "hi": 2}}),
+        param("t_hi", [2], {"truncatedNormal": {"mean": 1, "std": 0.02, "lo": 0.9, "hi": 1.0099}}),
+        param("n", [2], {"normal": {"std": -0.5}}),
+        param("ok_edge", [2], {"truncatedNormal": {"std": 1, "lo": -0.5, "hi": 0.5}}),
+        param("ok_point", [2], {"truncatedNormal": {"mean": 3, "std": 0, "lo": 3, "hi": 3}}),
+    ])
+    got = messages(plan)
+    assert got[:3] == [
+        "params[0].init.truncated_normal ('t_inf'): initialization: truncated normal mean, standard deviation and "
+        "bounds must be finite",
+        "params[1].init.truncated_normal ('t_nan'): initialization: truncated normal mean, standard deviation and "
+        "bounds must be finite",
+        "params[2].init.truncated_normal ('t_neg'): initialization: truncated normal standard deviation must be "
+        "nonnegative"]
+    assert got[3].startswith("params[3].init.truncated_normal ('t_lo'): truncated normal bounds [-0.49, 2.0] are "
+                             "too tight: they must hold [mean - std / 2, mean + std / 2] = [-0.5, 0.5]")
+    assert got[4].startswith("params[4].init.truncated_normal ('t_hi'): truncated normal bounds [0.9, 1.0099] are "
+                             "too tight")
+    assert got[5] == "params[5].init.normal ('n'): initialization: normal standard deviation must be nonnegative"
+    assert len(got) == 6
+
+
 def test_equal_bounds_and_zero_std_are_valid() -> None:
     plan = plan_of([param("a", [2], {"uniform": {"lo": 1, "hi": 1}}), param("b", [2], {"normal": {"std": 0}}),
                     param("c", [2], {"kaimingUniform": {"fanIn": 0}}), param("d", [2], {"xavierUniform": {}})])

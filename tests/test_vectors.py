@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 import reference
 
 from conftest import VECTORS, case_param, poisoned
+from paraminit_client import cli, plans
 from paraminit_server import spec
 from paraminit_server.plan import resolve_param
 
@@ -50,3 +53,30 @@ def test_cpu_backend_matches_vectors(case: dict[str, Any], cpu_backend: Any) -> 
     out = poisoned(p.numel, p.dtype.storage)
     cpu_backend.fill(p, out)
     assert as_bits(out) == expected_bits(case)
+
+
+def test_cli_materialize_matches_vectors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every case through `paraminit materialize` (the embedded server, a plan file, a safetensors file)."""
+    plan = {"params": [{"name": c["name"], "shape": c["shape"], "dtype": c["dtype"], "init": c["init"],
+                        **({"region": [{"start": a, "stop": b} for a, b in c["region"]]} if "region" in c else {})}
+                       for c in CASES]}
+    src, out = tmp_path / "vectors_plan.json", tmp_path / "vectors.safetensors"
+    src.write_text(json.dumps(plan))
+    assert cli.main(["materialize", str(src), "-o", str(out), "-q"]) == 0, capsys.readouterr().err
+    header = plans.safetensors_header(out)
+    data = out.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    for case in CASES:
+        a, b = header[case["name"]]["data_offsets"]
+        width = 2 if case["dtype"] in ("float16", "bfloat16") else 8 if case["dtype"] == "float64" else 4
+        got = np.frombuffer(data[start + a:start + b], dtype=f"<u{width}")
+        assert [int(x) for x in got] == expected_bits(case), case["name"]
+
+
+SHARED_SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec"
+
+
+@pytest.mark.skipif(not (SHARED_SPEC / "vectors.json").exists(), reason="no shared spec checkout beside the repository")
+def test_vectors_are_the_shared_specs() -> None:
+    """tests/vectors.json is a copy of the spec's reference cases (kept in sync when the spec changes)."""
+    assert json.loads((SHARED_SPEC / "vectors.json").read_text()) == VECTORS

@@ -164,6 +164,9 @@ def expected_of(p: plan_pb2.Param) -> Expected | None:
         m, s = init.normal.mean, init.normal.std
         return Expected(f"normal({_g(m)}, {_g(s)})", m, s, m - Z_MAX * s, m + Z_MAX * s, _KURTOSIS_NORMAL,
                         "normal" if s > 0 else "point")
+    if kind == "truncated_normal":
+        t = init.truncated_normal
+        return _truncated(t.mean, t.std, t.lo, t.hi)
     fan_in, fan_out = shapes.fan_in_out(list(p.shape))
     if kind == "xavier_uniform":
         fan_in, fan_out = init.xavier_uniform.fan_in, init.xavier_uniform.fan_out
@@ -187,6 +190,31 @@ def expected_of(p: plan_pb2.Param) -> Expected | None:
     else:
         return None
     return Expected(label, 0.0, bound / math.sqrt(3), -bound, bound, _KURTOSIS_UNIFORM, "uniform" if bound else "point")
+
+
+def _truncated(m: float, s: float, lo: float, hi: float) -> Expected:
+    """Moments of normal(m, s) conditioned on [lo, hi] (and on the sampler's own |z| <= Z_MAX)."""
+    label = f"truncated_normal({_g(m)}, {_g(s)}, {_g(lo)}, {_g(hi)})"
+    if s <= 0:
+        return Expected(label, m, 0.0, m, m, 0.0, "point")
+    a, b = max((lo - m) / s, -Z_MAX), min((hi - m) / s, Z_MAX)
+    # raw moments of the standard normal on [a, b]: E z^k = (I_k(b) - I_k(a)) / mass, by the recursion
+    # I_k = -z^(k-1) phi(z) + (k - 1) I_(k-2) of the integrals of z^k phi(z)
+    def phi(z: float) -> float:
+        return math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+    def big_phi(z: float) -> float:
+        return 0.5 * math.erfc(-z / math.sqrt(2))
+
+    mass = big_phi(b) - big_phi(a)
+    ints = [mass, phi(a) - phi(b)]
+    for k in range(2, 5):
+        ints.append(a ** (k - 1) * phi(a) - b ** (k - 1) * phi(b) + (k - 1) * ints[k - 2])
+    e1, e2, e3, e4 = (ints[k] / mass for k in range(1, 5))
+    var = max(e2 - e1 * e1, 0.0)
+    m4 = e4 - 4 * e1 * e3 + 6 * e1 * e1 * e2 - 3 * e1**4
+    kurt = m4 / (var * var) if var > 0 else 0.0
+    return Expected(label, m + s * e1, s * math.sqrt(var), m + s * a, m + s * b, kurt, "")  # no density curve
 
 
 @dataclass

@@ -25,6 +25,9 @@ Policies:
   normal(0, initializer_range) weights, zero biases, unit norms, GPT-2's scaled
   residual projections, for GPT-2, Llama, Mistral, Qwen2, BERT and every family
   using the base rules.
+- ``"torchtitan"``: torchtitan's own ``param_init`` (paraminit_client.titan), read
+  from each module's config-built initializers: truncated normals where it uses
+  ``trunc_normal_``, RoPE caches computed by the modules themselves.
 
 An Embedding's ``padding_idx`` row is zero under every policy (a plan patch over
 the base initializer). DTensor parameters stay DTensors and each rank fills only
@@ -89,10 +92,11 @@ __all__ = ["LEASE_ATTR", "POLICIES", "UnsupportedModuleError", "lease_of", "mate
 # overrides(name, tensor) or overrides(name, tensor, module, module_name): the module owning the tensor under
 # `name` and its qualified name in the model ("" for the root); None leaves the tensor to the policy.
 Override = Callable[..., "plan_pb2.Init | Mapping[str, Any] | None"]
-POLICIES = ("torch", "torchlean", "hf")
+POLICIES = ("torch", "torchlean", "hf", "torchtitan")
 LEASE_ATTR = "_paraminit_lease"
 
-_SEEDED = {"uniform", "normal", "xavierUniform", "xavier_uniform", "kaimingUniform", "kaiming_uniform",
+_SEEDED = {"uniform", "normal", "truncatedNormal", "truncated_normal",
+           "xavierUniform", "xavier_uniform", "kaimingUniform", "kaiming_uniform",
            "xavierUniformForShape", "xavier_uniform_for_shape", "kaimingUniformForShape", "kaiming_uniform_for_shape"}
 
 
@@ -216,6 +220,11 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
 
         plan = plan_from_module(model, seed=0, policy="hf", overrides=scheme)
     """
+    with _state_dict_as_parameters(module):
+        return _plan_from_module(module, seed, policy, overrides)
+
+
+def _plan_from_module(module: nn.Module, seed: int, policy: str, overrides: Override | None) -> plan_pb2.Plan:
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     owners = _owners(module)
@@ -225,6 +234,10 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
     kinds: dict[str, str] = {}
     if policy == "hf":
         _hf_inits(module, seed, owners, inits, patches, tensors, kinds)
+    if policy == "torchtitan":
+        from paraminit_client import titan
+
+        ties, refused = titan.tied_owners(module), titan.refused_modules(module)
     for name, t in ([] if policy == "hf" else _distinct_tensors(module)):
         if not _is_plan_tensor(t):
             continue  # integer/bool buffers: not expressible in the plan's float dtypes (see materialize_module)
@@ -237,6 +250,13 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
         if owner is None:
             inits[name] = "state_dict name not found among the module's parameters and persistent buffers"
             continue
+        if policy == "torchtitan":
+            why = next((f"{r} (module {m!r})" for m, r in refused.items()
+                        if not m or name.startswith(m + ".")), None)
+            got_titan = why or titan.init_for([owner, *[o for o in ties.get(id(t), []) if o != owner]], t,
+                                              param_seed(seed, name))
+            inits[name] = got_titan if got_titan is not None else f"{kinds[name]} has no rule for {owner[1]!r}"
+            continue
         rule = _rule_of(owner[0])
         if isinstance(rule, str):
             inits[name] = rule
@@ -244,7 +264,7 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
         got = rule(owner[0], owner[1], t, param_seed(seed, name), policy)
         inits[name] = got if got is not None else f"{kinds[name]} has no rule for its tensor {owner[1]!r}"
         patches[name] = _fixed_elements(owner[0], owner[1], t)
-    if policy != "hf":
+    if policy not in ("hf", "torchtitan"):
         _container_rules(module, policy, seed, inits)
     problems: list[tuple[str, str, str]] = []
     params: list[plan_pb2.Param] = []
@@ -378,6 +398,14 @@ def materialize_module(module: nn.Module, client: Client, device: str | torch.de
     server's accounting); Apply needs a live lease. Materializing the module
     again releases the previous lease.
     """
+    with _state_dict_as_parameters(module):
+        return _materialize_module(module, client, device, delivery, plan, seed, policy, overrides, ttl_seconds,
+                                   auto_renew)
+
+
+def _materialize_module(module: nn.Module, client: Client, device: str | torch.device, delivery: str,
+                        plan: plan_pb2.Plan | None, seed: int, policy: str, overrides: Override | None,
+                        ttl_seconds: float, auto_renew: bool | None) -> Lease | None:
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # compare like with like: tensors report cuda:N
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -468,6 +496,33 @@ class _Held:
         return f"<paraminit lease {self.lease.lease_id if self.lease else None}>"
 
 
+_STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks")
+
+
+@contextlib.contextmanager
+def _state_dict_as_parameters(module: nn.Module) -> Iterator[None]:
+    """torchtitan models only: their state_dict hooks rename tensors for checkpoints (the fused wqkv saved as
+    wq/wk/wv, gathered to Replicate under DTensors), so plans and fills use the parameters themselves, each
+    rank's shard in place, with the hooks set aside for the duration."""
+    titan_module = getattr(sys.modules.get("torchtitan.protocols.module"), "Module", None)
+    if titan_module is None or not isinstance(module, titan_module):
+        yield
+        return
+    saved = []
+    for mod in module.modules():
+        for attr in _STATE_DICT_HOOKS:
+            hooks = mod.__dict__.get(attr)
+            if hooks:
+                saved.append((hooks, dict(hooks)))
+                hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)
+
+
 def _compute_transient_buffers(module: nn.Module, device: torch.device) -> None:
     """Non-persistent buffers left on meta (rotary inv_freq, position ids), computed on `device` by the model's
     own code where it has some: transformers models' _init_weights (paraminit_client.hf.fill_buffers)."""
@@ -479,6 +534,10 @@ def _compute_transient_buffers(module: nn.Module, device: torch.device) -> None:
                 pending[f"{prefix}.{key}" if prefix else key] = (mod, key)
     if pending and "transformers" in sys.modules:  # a transformers model implies transformers is loaded
             hf.fill_buffers(module, pending, device)
+    if pending and "torchtitan" in sys.modules:  # torchtitan modules compute theirs (RoPE caches)
+        from paraminit_client import titan
+
+        titan.fill_buffers(module, device)
 
 
 @contextlib.contextmanager

@@ -44,6 +44,11 @@ def _normal(std: float, seed: int) -> plan_pb2.Init:
     return plan_pb2.Init(normal=plan_pb2.Normal(mean=0.0, std=std, seed=seed))
 
 
+def _trunc_normal(mean: float, std: float, a: float, b: float, seed: int) -> plan_pb2.Init:
+    """nn.init.trunc_normal_(t, mean, std, a, b): a and b are absolute bounds, as in the plan."""
+    return plan_pb2.Init(truncated_normal=plan_pb2.TruncatedNormal(mean=mean, std=std, lo=a, hi=b, seed=seed))
+
+
 def _xavier(seed: int) -> plan_pb2.Init:
     return plan_pb2.Init(xavier_uniform_for_shape=plan_pb2.XavierUniformForShape(seed=seed))
 

@@ -1,9 +1,9 @@
 """A validated plan resolved into what kernels need: value kind, two binary64 parameters, key, runs.
 
-Every initializer reduces to one of four value kinds, so a backend implements
-four value formulas whatever the initializer: constants, affine maps of the unit
-draw (uniform, xavier, kaiming, their "for shape" forms), normal, and flat
-payloads (inline values, uploaded payloads, checkpoint tensors).
+Every initializer reduces to one of five value kinds, so a backend implements
+five value formulas whatever the initializer: constants, affine maps of the unit
+draw (uniform, xavier, kaiming, their "for shape" forms), normal, truncated
+normal, and flat payloads (inline values, uploaded payloads, checkpoint tensors).
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from paraminit_server import errors, spec
 
 
 class Kind(enum.IntEnum):
-    """The four value kinds a kernel computes."""
+    """The five value kinds a kernel computes."""
 
     CONST = 0
     AFFINE = 1  # p0 + unit(i) * p1
     NORMAL = 2  # p0 + p1 * z(i)
     FLAT = 3  # values[i]
+    TRUNCNORM = 4  # the first p0 + p1 * z_j(i) in [lo, hi], z_j under candidate_seed(seed, j)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,10 @@ class ResolvedParam:
     values: npt.NDArray[Any] | None = field(default=None, repr=False)
     patches: tuple[Patch, ...] = ()
     compact: bool = False  # values hold only the region (row-major), not the whole tensor: values[local index]
+    # TRUNCNORM: the absolute bounds and the raw seed (candidate j's key is key(candidate_seed(seed, j)))
+    lo: float = 0.0
+    hi: float = 0.0
+    seed: int = 0
 
     # Computed once per parameter (a plan of 100k small tensors asks for these several times each).
     @functools.cached_property
@@ -232,6 +237,9 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
     if which == "normal":
         n = init.normal
         return make(Kind.NORMAL, n.mean, n.std, n.seed)
+    if which == "truncated_normal":
+        t = init.truncated_normal
+        return replace(make(Kind.TRUNCNORM, t.mean, t.std, t.seed), lo=t.lo, hi=t.hi, seed=t.seed)
     if which == "flat":
         values = np.asarray(init.flat.values, dtype=np.float64)
         return make(Kind.FLAT, values=values)
@@ -310,9 +318,11 @@ def warm_up_params() -> list[ResolvedParam]:
     """One small parameter of every kernel kind and dtype: what backends compile before SERVING."""
     params: list[ResolvedParam] = []
     for dt in dtypes.SUPPORTED:
-        for init in ("zeros", "uniform", "normal", "flat"):
+        for init in ("zeros", "uniform", "normal", "truncated_normal", "flat"):
             p = plan_pb2.Param(name=f"{init}_{dt.name}", shape=[2, 3], dtype=dt.enum)  # type: ignore[arg-type]
             getattr(p.init, init).SetInParent()
+            if init == "truncated_normal":
+                p.init.truncated_normal.std, p.init.truncated_normal.lo, p.init.truncated_normal.hi = 1.0, -2.0, 2.0
             if init == "flat":
                 p.init.flat.values.extend([0.0] * 6)
             params.append(resolve_param(len(params), p))

@@ -155,7 +155,7 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
         which = q.init.WhichOneof("kind") if q.HasField("init") else None
         if which in _FLAT_KINDS:
             sub(f"init.{which}", f"a patch cannot use {which} values (patches take zeros, ones, uniform, normal, "
-                                 "xavier or kaiming initializers)")
+                                 "truncated_normal, xavier or kaiming initializers)")
         else:
             _check_init(shape, q, sub)
 
@@ -179,7 +179,8 @@ def _check_init(shape: list[int], p: plan_pb2.Param | plan_pb2.Patch, bad: _Bad,
     init = p.init
     if which is None:
         bad("init", "initializer is not set (expected one of zeros, ones, uniform, normal, xavier_uniform, "
-            "kaiming_uniform, flat, xavier_uniform_for_shape, kaiming_uniform_for_shape, flat_ref, safetensors)")
+            "kaiming_uniform, flat, xavier_uniform_for_shape, kaiming_uniform_for_shape, flat_ref, safetensors, "
+            "truncated_normal)")
     elif which == "uniform":
         if not _finite(init.uniform.lo, init.uniform.hi):
             bad("init.uniform", "initialization: uniform bounds must be finite")
@@ -192,6 +193,8 @@ def _check_init(shape: list[int], p: plan_pb2.Param | plan_pb2.Patch, bad: _Bad,
             bad("init.normal", "initialization: normal mean and standard deviation must be finite")
         elif init.normal.std < 0:
             bad("init.normal", "initialization: normal standard deviation must be nonnegative")
+    elif which == "truncated_normal":
+        _check_truncated_normal(init.truncated_normal, bad)
     elif which == "flat":
         expected = spec.numel(shape)
         got = len(init.flat.values)
@@ -208,6 +211,19 @@ def _check_init(shape: list[int], p: plan_pb2.Param | plan_pb2.Patch, bad: _Bad,
     elif which in ("xavier_uniform_for_shape", "kaiming_uniform_for_shape") and len(shape) < 2:
         who = "Xavier" if which == "xavier_uniform_for_shape" else "Kaiming"
         bad(f"init.{which}", f"torch.runtimeInit: {who} initialization expects at least 2 dimensions, got {spec.shape_str(shape)}")
+
+
+def _check_truncated_normal(t: plan_pb2.TruncatedNormal, bad: _Bad) -> None:
+    """docs/SAMPLER.md 2.2: finite, std >= 0, and bounds wide enough that 64 candidates practically never fail."""
+    if not _finite(t.mean, t.std, t.lo, t.hi):
+        bad("init.truncated_normal", "initialization: truncated normal mean, standard deviation and bounds must "
+                                     "be finite")
+    elif t.std < 0:
+        bad("init.truncated_normal", "initialization: truncated normal standard deviation must be nonnegative")
+    elif not spec.trunc_bounds_ok(t.mean, t.std, t.lo, t.hi):
+        bad("init.truncated_normal", f"truncated normal bounds [{t.lo!r}, {t.hi!r}] are too tight: they must hold "
+                                     f"[mean - std / 2, mean + std / 2] = [{t.mean - 0.5 * t.std!r}, "
+                                     f"{t.mean + 0.5 * t.std!r}] (lo <= mean - 0.5 * std, hi >= mean + 0.5 * std)")
 
 
 def _length_message(expected: int, got: int) -> str:

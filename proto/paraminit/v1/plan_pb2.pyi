@@ -241,6 +241,7 @@ class Init(_message.Message):
     KAIMING_UNIFORM_FOR_SHAPE_FIELD_NUMBER: _builtins.int
     FLAT_REF_FIELD_NUMBER: _builtins.int
     SAFETENSORS_FIELD_NUMBER: _builtins.int
+    TRUNCATED_NORMAL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def zeros(self) -> Global___Zeros: ...
     @_builtins.property
@@ -267,6 +268,8 @@ class Init(_message.Message):
     def safetensors(self) -> Global___SafetensorsRef:
         """A tensor of a safetensors file the server can read (under its allowed directories)."""
 
+    @_builtins.property
+    def truncated_normal(self) -> Global___TruncatedNormal: ...
     def __init__(
         self,
         *,
@@ -281,12 +284,13 @@ class Init(_message.Message):
         kaiming_uniform_for_shape: Global___KaimingUniformForShape | None = ...,
         flat_ref: Global___FlatRef | None = ...,
         safetensors: Global___SafetensorsRef | None = ...,
+        truncated_normal: Global___TruncatedNormal | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "safetensors", b"safetensors", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "safetensors", b"safetensors", "truncated_normal", b"truncated_normal", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "safetensors", b"safetensors", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "safetensors", b"safetensors", "truncated_normal", b"truncated_normal", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat", "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "flat_ref", "safetensors"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat", "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "flat_ref", "safetensors", "truncated_normal"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -389,6 +393,46 @@ class Normal(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Normal: _TypeAlias = Normal  # noqa: Y015
+
+@_typing.final
+class TruncatedNormal(_message.Message):
+    """A normal cut to [lo, hi] by counter-based rejection (docs/SAMPLER.md 2.2):
+    candidate j (0 <= j < 64) is the Normal value of element i under the seed
+    (seed + j * 0x9E3779B97F4A7C15) mod 2^64; the value is the first candidate in
+    [lo, hi], or the last one clamped to [lo, hi]. Candidate 0 is Normal(mean,
+    std, seed) itself, so the two agree inside the bounds. lo and hi are absolute,
+    as in PyTorch's trunc_normal_(mean, std, a, b). All four finite, std >= 0,
+    lo <= mean - 0.5 * std and hi >= mean + 0.5 * std.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEAN_FIELD_NUMBER: _builtins.int
+    STD_FIELD_NUMBER: _builtins.int
+    LO_FIELD_NUMBER: _builtins.int
+    HI_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    mean: _builtins.float
+    std: _builtins.float
+    lo: _builtins.float
+    hi: _builtins.float
+    seed: _builtins.int
+    def __init__(
+        self,
+        *,
+        mean: _builtins.float = ...,
+        std: _builtins.float = ...,
+        lo: _builtins.float = ...,
+        hi: _builtins.float = ...,
+        seed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hi", b"hi", "lo", b"lo", "mean", b"mean", "seed", b"seed", "std", b"std"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TruncatedNormal: _TypeAlias = TruncatedNormal  # noqa: Y015
 
 @_typing.final
 class XavierUniform(_message.Message):

@@ -76,7 +76,8 @@ class CpuBackend:
         with _KERNEL_LOCK:
             if self._threads is not None:
                 numba.set_num_threads(self._threads)
-            cpu_kernels.fill(out, l_begin, int(p.kind), np.uint64(p.key), p.p0, p.p1, values, p.dtype.fmt,
+            cpu_kernels.fill(out, l_begin, int(p.kind), np.uint64(p.key), p.p0, p.p1, p.lo, p.hi, np.uint64(p.seed),
+                             values, p.dtype.fmt,
                              runs.outer_start, runs.outer_ext, runs.outer_stride, runs.base, runs.run_len)
 
     def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],

@@ -875,6 +875,90 @@ def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
         k += cnt
 
 
+def trunc_fast(out: Any, d1: float, d2: float, p0: float, p1: float, lo: float, hi: float, h: Any) -> Any:
+    """(candidate 0 to store, flag) for one truncated-normal element; the flag marks an element whose candidate 0
+    may lie outside [lo, hi] or whose rounding is undecided. Vectorizable, branch-free."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(trunc_fast, inline="always")
+def _trunc_fast_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
+    if out.dtype == types.float64:
+        def f64(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
+            lh, _, lok = log_dd(log_input(d1))
+            ch, _, cok = cos_dd(cos_input(d2))
+            v = p0 + p1 * (sqrt(-2.0 * lh) * ch)
+            return v, np.int64(1) - np.int64(lok & cok & (lo <= v) & (v <= hi))
+        return f64
+    if out.dtype == types.float32:
+        def f32(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
+            va, vb = normal_bounds(d1, d2, p0, p1)
+            inside = np.int64((lo <= va) & (vb <= hi))
+            return va, np.int64(np.float32(va) != np.float32(vb)) | (np.int64(1) - inside)
+        return f32
+
+    def half(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
+        va, vb = normal_bounds(d1, d2, p0, p1)
+        inside = np.int64((lo <= va) & (vb <= hi))
+        return va, np.int64((sticky32(va) != sticky32(vb)) | (abs(va) < _F32_MIN_NORMAL)) | (np.int64(1) - inside)
+    return half
+
+
+_CANDIDATES = 64  # spec.TRUNC_CANDIDATES
+
+
+@_jit
+def trunc_exact(g: Any, p0: float, p1: float, lo: float, hi: float, seed: Any) -> Any:
+    """Section 2.2 for global element g, candidate by candidate on the exact path (scalar)."""
+    v = p0
+    for j in range(_CANDIDATES):
+        x = mix(seed + np.uint64(j) * _GOLDEN) + _GOLDEN + _U2 * g  # key(s_j) + GOLDEN + 2g, as fill_normal's x0
+        v = normal_exact(low_draw(x), low_draw(x + _U1), p0, p1)
+        if lo <= v and v <= hi:
+            return v
+    c = lo if lo > v else v  # Python's min(max(v, lo), hi), as the spec writes it
+    return hi if hi < c else c
+
+
+@_jit
+def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, hi: float, seed: Any,
+                   h: Any) -> None:
+    """dst[k] = truncated normal of element g0 + k; x0 = key(seed) + GOLDEN + 2 g0 (candidate 0's draws).
+
+    One vectorized pass computes candidate 0 as fill_normal does and flags the elements it cannot settle
+    (outside the bounds, or rounding undecided) in a byte per element; only those are redone, one by one,
+    through every candidate on the exact path, so an element inside the bounds costs what a normal costs.
+    """
+    m = dst.shape[0]
+    flags = np.empty(_NBLOCK, dtype=np.uint8)
+    k = 0
+    while k < m:
+        x = x0 + np.uint64(2 * k)
+        cnt = min(m - k, seg_room(x) // 2)  # whole pairs left
+        if cnt <= 0:  # this element's pair straddles a segment boundary
+            store(dst, np.uint64(k), trunc_exact(g0 + np.uint64(k), p0, p1, lo, hi, seed), h)
+            k += 1
+            continue
+        c, c1, hi32 = seg_consts(x)
+        for b0 in range(0, cnt, _NBLOCK):
+            nb_ = min(cnt - b0, _NBLOCK)
+            xl = (x & _LOW32) + _U2 * np.uint64(b0)
+            sub = dst[k + b0:k + b0 + nb_]
+            bad = 0
+            for j in range(nb_):
+                w = xl + _U2 * np.uint64(j)
+                v, u = trunc_fast(sub, draw_seg(w, c, c1, hi32), draw_seg(w + _U1, c, c1, hi32), p0, p1, lo, hi, h)
+                store(sub, np.uint64(j), v, h)
+                flags[j] = u
+                bad += u
+            if bad:
+                gb = g0 + np.uint64(k + b0)
+                for j in range(nb_):
+                    if flags[j]:
+                        store(sub, np.uint64(j), trunc_exact(gb + np.uint64(j), p0, p1, lo, hi, seed), h)
+        k += cnt
+
+
 @_jit
 def fill_flat(dst: Any, values: Any, g: int, h: Any) -> None:
     """dst[k] = values[g + k], cast."""
@@ -904,9 +988,11 @@ def run_global(r: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base
 
 @_jit
 def fill_run(dst: Any, g: int, kind: int, s: Any, p0: float, p1: float, sc: float, p1b: float,
-             values: Any, h: Any) -> None:
+             lo: float, hi: float, seed: Any, values: Any, h: Any) -> None:
     """dst = elements g, g+1, ... of the full tensor (Kind codes as in plan.py); s = key + GOLDEN."""
-    if kind == 1:
+    if kind == 4:
+        fill_truncnorm(dst, s + _U2 * np.uint64(g), np.uint64(g), p0, p1, lo, hi, seed, h)
+    elif kind == 1:
         fill_affine(dst, s + np.uint64(g), p0, sc, p1b, h)
     elif kind == 2:
         fill_normal(dst, s + _U2 * np.uint64(g), p0, p1, h)
@@ -917,33 +1003,33 @@ def fill_run(dst: Any, g: int, kind: int, s: Any, p0: float, p1: float, sc: floa
 
 
 def run_any(out: Any, dst: Any, g: int, kind: int, s: Any, p0: float, p1: float, sc: float, p1b: float,
-            values: Any, fmt: int) -> None:
+            lo: float, hi: float, seed: Any, values: Any, fmt: int) -> None:
     """fill_run with the half format's constants fixed at compile time (float arrays ignore them)."""
     raise NotImplementedError("called only inside kernels")
 
 
 @overload(run_any)
 def _run_any_overload(out: Any, dst: Any, g: Any, kind: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any,
-                      values: Any, fmt: Any) -> Any:
+                      lo: Any, hi: Any, seed: Any, values: Any, fmt: Any) -> Any:
     if out.dtype == types.uint16:
         def half(out: Any, dst: Any, g: Any, kind: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any,
-                 values: Any, fmt: Any) -> Any:
+                 lo: Any, hi: Any, seed: Any, values: Any, fmt: Any) -> Any:
             if fmt == 1:
-                fill_run(dst, g, kind, s, p0, p1, sc, p1b, values, _F16)
+                fill_run(dst, g, kind, s, p0, p1, sc, p1b, lo, hi, seed, values, _F16)
             else:
-                fill_run(dst, g, kind, s, p0, p1, sc, p1b, values, _BF16)
+                fill_run(dst, g, kind, s, p0, p1, sc, p1b, lo, hi, seed, values, _BF16)
         return half
 
     def native(out: Any, dst: Any, g: Any, kind: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any,
-               values: Any, fmt: Any) -> Any:
-        fill_run(dst, g, kind, s, p0, p1, sc, p1b, values, _BF16)
+               lo: Any, hi: Any, seed: Any, values: Any, fmt: Any) -> Any:
+        fill_run(dst, g, kind, s, p0, p1, sc, p1b, lo, hi, seed, values, _BF16)
     return native
 
 
 @_jit
 def fill_piece(out: Any, l: int, lend: int, l_begin: int, kind: int, key: Any, p0: float, p1: float, sc: float,
-               p1b: float, values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any,
-               base: int, run_len: int) -> None:
+               p1b: float, lo: float, hi: float, seed: Any, values: Any, fmt: int, outer_start: Any, outer_ext: Any,
+               outer_stride: Any, base: int, run_len: int) -> None:
     """Local elements [l, lend) of the region, run by run (compiled once, called by both entry points)."""
     s = key + _GOLDEN
     while l < lend:
@@ -952,7 +1038,7 @@ def fill_piece(out: Any, l: int, lend: int, l_begin: int, kind: int, key: Any, p
         g = run_global(r, outer_start, outer_ext, outer_stride, base) + off
         m = min(lend - l, run_len - off)
         dst = out[l - l_begin:l - l_begin + m]
-        run_any(out, dst, g, kind, s, p0, p1, sc, p1b, values, fmt)
+        run_any(out, dst, g, kind, s, p0, p1, sc, p1b, lo, hi, seed, values, fmt)
         l += m
 
 
@@ -973,8 +1059,8 @@ fetch_add: Any = intrinsic(_fetch_add)
 
 @_parallel
 def fill_parallel(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, sc: float, p1b: float,
-                  values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
-                  run_len: int) -> None:
+                  lo: float, hi: float, seed: Any, values: Any, fmt: int, outer_start: Any, outer_ext: Any,
+                  outer_stride: Any, base: int, run_len: int) -> None:
     """Workers take the next piece from a shared counter until none are left.
 
     Not a static split: on a shared machine a thread slowed by other work would hold up the whole call. The
@@ -988,15 +1074,17 @@ def fill_parallel(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: fl
         t = fetch_add(counter, 1)
         while t < pieces:
             l = l_begin + t * PIECE
-            fill_piece(out, l, min(l + PIECE, l_begin + n), l_begin, kind, key, p0, p1, sc, p1b, values, fmt,
-                       outer_start, outer_ext, outer_stride, base, run_len)
+            fill_piece(out, l, min(l + PIECE, l_begin + n), l_begin, kind, key, p0, p1, sc, p1b, lo, hi, seed,
+                       values, fmt, outer_start, outer_ext, outer_stride, base, run_len)
             t = fetch_add(counter, 1)
 
 
 @_jit
-def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, values: Any, fmt: int,
-         outer_start: Any, outer_ext: Any, outer_stride: Any, base: int, run_len: int) -> None:
+def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, lo: float, hi: float, seed: Any,
+         values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int, run_len: int) -> None:
     """Fill out[k] with the value of local element l_begin + k of a region (Kind codes as in plan.py).
+
+    lo, hi and seed are the truncated normal's bounds and raw seed (ignored by the other kinds).
 
     Small outputs stay on the calling thread: waking the pool costs more than they do.
     """
@@ -1007,9 +1095,9 @@ def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, valu
     p1s = p1 * _TWO_NEG_32
     sc, p1b = (1.0, p1s) if p1s * 2.0**32 == p1 else (_TWO_NEG_32, p1)
     if n <= PIECE:
-        fill_piece(out, l_begin, l_begin + n, l_begin, kind, key, p0, p1, sc, p1b, values, fmt,
+        fill_piece(out, l_begin, l_begin + n, l_begin, kind, key, p0, p1, sc, p1b, lo, hi, seed, values, fmt,
                    outer_start, outer_ext, outer_stride, base, run_len)
     else:
-        fill_parallel(out, l_begin, kind, key, p0, p1, sc, p1b, values, fmt,
+        fill_parallel(out, l_begin, kind, key, p0, p1, sc, p1b, lo, hi, seed, values, fmt,
                       outer_start, outer_ext, outer_stride, base, run_len)
 

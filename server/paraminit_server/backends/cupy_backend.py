@@ -45,7 +45,8 @@ EPT = 8
 TILE = BLOCK * EPT
 WAVES = 4  # grid = whole waves of resident blocks, each striding over many tiles
 DESC_WORDS = 16
-W_OUT, W_N, W_LBEGIN, W_KIND, W_OTYPE, W_KEY, W_P0, W_P1, W_VSHIFT, W_BASE, W_RUNLEN, W_NOUTER, W_DIMS = range(13)
+(W_OUT, W_N, W_LBEGIN, W_KIND, W_OTYPE, W_KEY, W_P0, W_P1, W_VSHIFT, W_BASE, W_RUNLEN, W_NOUTER, W_DIMS, W_LO, W_HI,
+ W_SEED) = range(16)
 OTYPE_F32, OTYPE_F64, OTYPE_F16, OTYPE_BF16 = range(4)
 
 _INCLUDE = '#include "paraminit_kernels.cuh"'
@@ -128,6 +129,9 @@ def pack(jobs: Sequence[Job]) -> Packed:
         row.view(np.uint64)[W_KEY] = p.key
         row.view(np.float64)[W_P0] = p.p0
         row.view(np.float64)[W_P1] = p.p1
+        row.view(np.float64)[W_LO] = p.lo
+        row.view(np.float64)[W_HI] = p.hi
+        row.view(np.uint64)[W_SEED] = p.seed
         row[W_BASE] = runs.base
         row[W_RUNLEN] = runs.run_len
         row[W_NOUTER] = len(runs.outer_ext)
@@ -394,7 +398,8 @@ class CupyBackend:
                    (out, np.int64(n), np.int64(l_begin), np.int32(row[W_KIND]), np.int32(row[W_OTYPE]),
                     row.view(np.uint64)[W_KEY], row.view(np.float64)[W_P0], row.view(np.float64)[W_P1],
                     values, np.int64(row[W_VSHIFT]), dims, np.int32(n_outer),
-                    np.int64(row[W_BASE]), np.int64(row[W_RUNLEN])))
+                    np.int64(row[W_BASE]), np.int64(row[W_RUNLEN]), row.view(np.float64)[W_LO],
+                    row.view(np.float64)[W_HI], row.view(np.uint64)[W_SEED]))
 
     def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
                   should_stop: Callable[[], bool] | None = None) -> None:

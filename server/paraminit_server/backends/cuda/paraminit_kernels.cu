@@ -7,11 +7,12 @@
 
 // One parameter: local elements [l_begin, l_begin + n) of its region into out.
 // dims is the (start, ext, stride) triples of the region's outer dimensions
-// (may be null when n_outer == 0); values the flat payload, indexed g - vshift.
+// (may be null when n_outer == 0); values the flat payload, indexed g - vshift;
+// lo, hi and seed the truncated normal's bounds and raw seed (other kinds ignore them).
 extern "C" __global__ void __launch_bounds__(PI_BLOCK)
 pi_fill(unsigned char* out, long long n, long long l_begin, int kind, int otype, unsigned long long key,
         double p0, double p1, const double* values, long long vshift, const long long* dims, int n_outer,
-        long long base, long long run_len) {
+        long long base, long long run_len, double lo, double hi, unsigned long long seed) {
     PiJob j;
     j.out_off = 0;
     j.n = n;
@@ -26,6 +27,9 @@ pi_fill(unsigned char* out, long long n, long long l_begin, int kind, int otype,
     j.run_len = run_len;
     j.n_outer = n_outer;
     j.dims_off = 0;
+    j.lo = lo;
+    j.hi = hi;
+    j.seed = seed;
     const pi_i64 tiles = (n + PI_TILE - 1) / PI_TILE;
     for (pi_i64 t = blockIdx.x; t < tiles; t += gridDim.x) {
         pi_run_tile(j, dims, values, out, t, (int)threadIdx.x);

@@ -48,6 +48,7 @@ typedef unsigned int pi_u32;
 #define PI_AFFINE 1
 #define PI_NORMAL 2
 #define PI_FLAT 3
+#define PI_TRUNCNORM 4
 
 #define PI_F32 0
 #define PI_F64 1
@@ -70,6 +71,9 @@ typedef unsigned int pi_u32;
 #define PI_W_RUNLEN 10  // Runs.run_len
 #define PI_W_NOUTER 11  // number of outer dimensions
 #define PI_W_DIMS 12    // offset of (start, ext, stride) triples in the dims section
+#define PI_W_LO 13      // truncated normal: lower bound, binary64 bits
+#define PI_W_HI 14      // truncated normal: upper bound, binary64 bits
+#define PI_W_SEED 15    // truncated normal: raw seed, uint64 bits (candidate j's key is mix(seed + j * golden))
 
 // The device branches of the loads and primitives below. The host harness also
 // builds them on the CPU (PI_DEVICE_MATH_ON_HOST, with plain C++ stand-ins for
@@ -813,6 +817,21 @@ PI_HD double pi_normal(pi_u64 key, pi_u64 g, double mean, double std_dev) {
     return pi_add(mean, pi_mul(std_dev, pi_normal_z(key, g)));
 }
 
+// Section 2.2: the first of 64 candidates in [lo, hi]; candidate j is the normal under the seed
+// seed + j * golden, so candidate 0 (key = key(seed)) is normal(mean, std, seed) itself. The final clamp
+// is written as Python's min(max(v, lo), hi) (which keeps v when it equals a bound).
+#define PI_TRUNC_CANDIDATES 64
+PI_HD double pi_truncnorm(pi_u64 key, pi_u64 seed, pi_u64 g, double mean, double std_dev, double lo, double hi) {
+    double v = pi_normal(key, g, mean, std_dev);
+    if (lo <= v && v <= hi) return v;
+    for (int j = 1; j < PI_TRUNC_CANDIDATES; ++j) {
+        v = pi_normal(pi_mix(seed + (pi_u64)j * 0x9E3779B97F4A7C15ULL), g, mean, std_dev);
+        if (lo <= v && v <= hi) return v;
+    }
+    const double c = lo > v ? lo : v;
+    return hi < c ? hi : c;
+}
+
 // ---------------------------------------------------------------------------
 // Casts (section 4): binary64 -> float32, float16 or bfloat16, one
 // round-to-nearest-even on the binary64 bits (never through binary32 for the
@@ -878,6 +897,9 @@ struct PiJob {
     pi_i64 run_len;
     int n_outer;
     pi_i64 dims_off;
+    double lo;
+    double hi;
+    pi_u64 seed;
 };
 
 PI_HD PiJob pi_load_job(const pi_i64* w) {
@@ -895,6 +917,9 @@ PI_HD PiJob pi_load_job(const pi_i64* w) {
     j.run_len = PI_LDG(w + PI_W_RUNLEN);
     j.n_outer = (int)PI_LDG(w + PI_W_NOUTER);
     j.dims_off = PI_LDG(w + PI_W_DIMS);
+    j.lo = pi_double((pi_u64)PI_LDG(w + PI_W_LO));
+    j.hi = pi_double((pi_u64)PI_LDG(w + PI_W_HI));
+    j.seed = (pi_u64)PI_LDG(w + PI_W_SEED);
     return j;
 }
 
@@ -916,6 +941,7 @@ template <int KIND>
 PI_HD double pi_value(const PiJob& j, const double* values, pi_i64 g) {
     if (KIND == PI_AFFINE) return pi_affine(j.key, (pi_u64)g, j.p0, j.p1);
     if (KIND == PI_NORMAL) return pi_normal(j.key, (pi_u64)g, j.p0, j.p1);
+    if (KIND == PI_TRUNCNORM) return pi_truncnorm(j.key, j.seed, (pi_u64)g, j.p0, j.p1, j.lo, j.hi);
     if (KIND == PI_FLAT) return PI_LDG(values + (g - j.vshift));
     return j.p0;
 }
@@ -946,8 +972,9 @@ PI_HD void pi_store_rt(int otype, unsigned char* out, pi_i64 k, double v) {
 // tile * PI_TILE + e * PI_BLOCK + tid, so each store instruction of a warp is
 // contiguous. Every element depends only on (key, global index). The
 // memory-bound kinds are specialized per output type and unrolled (PI_EPT
-// independent elements in flight); normal is compute-bound, so it keeps one
-// copy of log/cos and picks the output type at run time (a uniform branch).
+// independent elements in flight); normal and truncated normal are
+// compute-bound, so each keeps one copy of log/cos and picks the output type
+// at run time (a uniform branch).
 template <int KIND, int OTYPE>
 PI_HD void pi_tile(const PiJob& j, const pi_i64* dims, const double* values, unsigned char* arena,
                    pi_i64 tile, int tid) {
@@ -955,7 +982,7 @@ PI_HD void pi_tile(const PiJob& j, const pi_i64* dims, const double* values, uns
     const pi_i64 k0 = tile * PI_TILE + tid;
     if (j.n_outer == 0) {  // one run: g = base + l
         const pi_i64 g0 = j.base + j.l_begin;
-        if (KIND == PI_NORMAL) {
+        if (KIND == PI_NORMAL || KIND == PI_TRUNCNORM) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll 1
 #endif
@@ -981,7 +1008,8 @@ PI_HD void pi_tile(const PiJob& j, const pi_i64* dims, const double* values, uns
             const pi_i64 k = k0 + (pi_i64)e * PI_BLOCK;
             if (k < j.n) {
                 const double v = pi_value<KIND>(j, values, pi_global(j.l_begin + k, j, d));
-                if (KIND == PI_NORMAL) pi_store_rt(j.otype, out, k, v); else pi_store<OTYPE>(out, k, v);
+                if (KIND == PI_NORMAL || KIND == PI_TRUNCNORM) pi_store_rt(j.otype, out, k, v);
+                else pi_store<OTYPE>(out, k, v);
             }
         }
     }
@@ -991,6 +1019,10 @@ PI_HD void pi_run_tile(const PiJob& j, const pi_i64* dims, const double* values,
                        pi_i64 tile, int tid) {
     if (j.kind == PI_NORMAL) {
         pi_tile<PI_NORMAL, PI_F64>(j, dims, values, arena, tile, tid);  // output type chosen inside
+        return;
+    }
+    if (j.kind == PI_TRUNCNORM) {
+        pi_tile<PI_TRUNCNORM, PI_F64>(j, dims, values, arena, tile, tid);
         return;
     }
 #define PI_CASE(K, O) \

@@ -1,0 +1,176 @@
+"""policy="torchtitan": torchtitan's own ``param_init`` replayed as plan initializers.
+
+torchtitan modules carry a ``_param_init`` dict (local parameter name ->
+init callable) built from the model's config objects, and ``init_states``
+applies it module by module (``protocols/module.py``); a module without one
+falls back to its ``reset_parameters``. This policy reads those same
+callables and translates each into an Init, so no number is hard-coded
+here: Llama 3's ``partial(trunc_normal_, std=0.02)`` (absolute bounds
+``a=-2, b=2`` from PyTorch's defaults), the depth-scaled output projections,
+``lm_head``'s ``trunc_normal_(std=s, a=-3s, b=3s)``, ``normal_(std=1)`` for
+embeddings and ``ones_`` for norms come out of the config as written.
+
+Translated: ``nn.init.trunc_normal_``, ``normal_``, ``uniform_``,
+``constant_``, ``zeros_``, ``ones_`` (bare or as ``functools.partial``),
+the fused-QKV wrapper of ``config_utils._fused_qkv_param_init`` (it draws
+its base initializer element by element, so the fused tensor has that
+initializer's distribution), and ``skip_param_init`` on a tied tensor whose
+other owner initializes it. Anything else (an unknown callable, a custom
+``generator``, a module overriding ``init_states`` or
+``_init_self_parameters``, a plain ``nn.Module`` owner, which torchtitan
+never initializes) is refused with the reason, never guessed.
+
+Buffers such as RoPE caches are not in the plan: ``materialize_module``
+computes them with the modules' own ``_init_self_buffers``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+from paraminit.v1 import plan_pb2
+from paraminit_client.torch_rules import _ones, _rule_of, _trunc_normal, _uniform, _zeros
+
+__all__ = ["fill_buffers", "init_for", "refused_modules"]
+
+# init_states implementations that only re-tie weights before the standard recursion
+_PLAIN_INIT_STATES = {"torchtitan.protocols.module.Module.init_states",
+                      "torchtitan.models.common.decoder.Decoder.init_states"}
+
+
+def _qualified(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+
+
+def _titan_module() -> Any:
+    """torchtitan's Module base class (imported here: torchtitan is optional and ships no type information)."""
+    return importlib.import_module("torchtitan.protocols.module").Module
+
+
+def refused_modules(root: nn.Module) -> dict[str, str]:
+    """Qualified module name -> why its subtree cannot be replayed (an initialization this policy cannot read)."""
+    module_cls = _titan_module()
+    out: dict[str, str] = {}
+    for name, mod in root.named_modules():
+        if not isinstance(mod, module_cls):
+            continue
+        if _qualified(type(mod).init_states) not in _PLAIN_INIT_STATES:
+            out[name] = f"{type(mod).__name__} overrides init_states"
+        elif type(mod)._init_self_parameters is not module_cls._init_self_parameters:
+            out[name] = f"{type(mod).__name__} overrides _init_self_parameters"
+        elif type(mod)._init_param is not module_cls._init_param:
+            out[name] = f"{type(mod).__name__} overrides _init_param"
+    return out
+
+
+class _Skip:
+    """skip_param_init: the tensor is initialized through another owner, if any."""
+
+
+SKIP = _Skip()
+
+
+def _closure_var(fn: Any, name: str) -> Any:
+    code = getattr(fn, "__code__", None)
+    if code is None or fn.__closure__ is None or name not in code.co_freevars:
+        return None
+    return fn.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def translate(fn: Callable[..., Any], seed: int) -> plan_pb2.Init | str | _Skip:
+    """One torchtitan init callable as an Init, SKIP, or the reason it cannot be expressed."""
+    func: Any = fn
+    args: tuple[Any, ...] = ()
+    kw: dict[str, Any] = {}
+    if isinstance(fn, functools.partial):
+        func, args, kw = fn.func, fn.args, dict(fn.keywords)
+    if getattr(func, "__name__", "") == "skip_param_init" and "torchtitan" in getattr(func, "__module__", ""):
+        return SKIP
+    if "_fused_qkv_param_init" in getattr(func, "__qualname__", ""):
+        base = _closure_var(func, "base_init")  # q, k and v each drawn by base_init, then interleaved
+        return translate(base, seed) if base is not None else f"fused initializer {_qualified(func)} without base_init"
+    table: dict[Any, Callable[[dict[str, Any]], plan_pb2.Init | str]] = {
+        nn.init.trunc_normal_: lambda a: _trunc_normal(float(a["mean"]), float(a["std"]), float(a["a"]),
+                                                       float(a["b"]), seed),
+        nn.init.normal_: lambda a: plan_pb2.Init(normal=plan_pb2.Normal(mean=float(a["mean"]), std=float(a["std"]),
+                                                                        seed=seed)),
+        nn.init.uniform_: lambda a: _uniform(float(a["a"]), float(a["b"]), seed),
+        nn.init.zeros_: lambda a: _zeros(),
+        nn.init.ones_: lambda a: _ones(),
+        nn.init.constant_: lambda a: _uniform(float(a["val"]), float(a["val"]), seed),  # lo == hi: the constant
+    }
+    make = table.get(func)
+    if make is None:
+        return f"unknown initializer {_qualified(func)}"
+    try:
+        bound = inspect.signature(func).bind(None, *args, **kw)
+    except TypeError as exc:
+        return f"{_qualified(func)} with arguments it does not take: {exc}"
+    bound.apply_defaults()
+    if bound.arguments.get("generator") is not None:
+        return f"{_qualified(func)} with its own generator"
+    return make(bound.arguments)
+
+
+def init_for(owners: list[tuple[nn.Module, str]], t: Any, seed: int) -> plan_pb2.Init | str | None:
+    """The Init torchtitan's init_states gives a tensor, from its owners (the first, then those it is tied to)."""
+    module_cls = _titan_module()
+    reasons = []
+    for mod, key in owners:
+        if not isinstance(mod, module_cls):
+            reasons.append(f"{type(mod).__name__} is not a torchtitan Module: init_states never initializes it")
+            continue
+        table = mod._param_init
+        if table is None:  # torchtitan falls back to reset_parameters: PyTorch's own rule
+            rule = _rule_of(mod)
+            if isinstance(rule, str):
+                reasons.append(f"no param_init, and for reset_parameters: {rule}")
+                continue
+            got = rule(mod, key, t, seed, "torch")
+            if got is None or isinstance(got, str):
+                reasons.append(got or f"{type(mod).__name__} has no rule for {key!r}")
+                continue
+            return got
+        fn = table.get(key)
+        if fn is None:
+            reasons.append(f"{type(mod).__name__}'s param_init has no entry for {key!r}")
+            continue
+        got2 = translate(fn, seed)
+        if isinstance(got2, _Skip):
+            reasons.append(f"skip_param_init on {type(mod).__name__}.{key} and no tied owner initializes it")
+            continue
+        if isinstance(got2, str):
+            reasons.append(got2)
+            continue
+        return got2
+    return "; ".join(reasons) if reasons else None
+
+
+def tied_owners(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(tensor) -> every (module, local key) holding it, in module order (weight tying shows as several)."""
+    out: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, mod in root.named_modules(remove_duplicate=False):
+        for key, p in mod._parameters.items():
+            if p is not None and (mod, key) not in out.get(id(p), []):
+                out.setdefault(id(p), []).append((mod, key))
+    return out
+
+
+def _pending(root: nn.Module) -> Iterator[nn.Module]:
+    for mod in root.modules():
+        if any(b is not None and b.is_meta for b in mod._buffers.values()):
+            yield mod
+
+
+def fill_buffers(root: nn.Module, device: Any) -> None:
+    """Compute the buffers still on meta (RoPE caches) with each torchtitan module's own _init_self_buffers."""
+    module_cls = _titan_module()
+    for mod in list(_pending(root)):
+        if isinstance(mod, module_cls):
+            mod._init_self_buffers(buffer_device=device)

@@ -1,0 +1,183 @@
+"""policy="torchtitan" on torchtitan's Llama 3 debug model: torchtitan's own distributions (std within 2 %,
+truncation where it truncates, RoPE caches equal), unknown initializers refused, and FSDP2 over 4 gloo ranks
+filling only their shards with the single-process bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchtitan")
+llama3 = pytest.importorskip("torchtitan.models.llama3")
+
+from paraminit_client import Client  # noqa: E402
+from paraminit_client.torch import UnsupportedModuleError, materialize_module, plan_from_module  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def debug_config() -> Any:
+    return llama3.llama3_configs["debugmodel"](attn_backend="flex")
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Any, Any, Any]:
+    """(ours, torchtitan's, our plan): the debug model materialized by policy torchtitan and by its own
+    to_empty + init_weights."""
+    cfg = debug_config()
+    with torch.device("meta"):
+        ours, theirs = cfg.build(), cfg.build()
+    plan = plan_from_module(ours, seed=0, policy="torchtitan")
+    with Client() as c:
+        materialize_module(ours, c, plan=plan)
+    torch.manual_seed(0)
+    theirs.to_empty(device="cpu")
+    theirs.init_weights(buffer_device=torch.device("cpu"))
+    return ours, theirs, plan
+
+
+def test_debug_model_has_torchtitans_distributions(pair: tuple[Any, Any, Any]) -> None:
+    ours, theirs, plan = pair
+    mine, ref = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    assert mine.keys() == ref.keys() and sum(p.numel() for p in mine.values()) == 6_163_712
+    kinds = {p.name: p.init.WhichOneof("kind") for p in plan.params}
+    for name, p in mine.items():
+        a, b = p.detach(), ref[name].detach()
+        assert not a.is_meta and a.dtype == b.dtype and a.shape == b.shape
+        if b.std() == 0:  # norms: ones
+            assert torch.equal(a, b) and kinds[name] == "ones", name
+            continue
+        assert abs(a.std().item() / b.std().item() - 1) < 0.02, name
+        assert abs(a.mean().item() - b.mean().item()) < 0.02 * b.std().item() + 1e-3, name
+    s = 256**-0.5  # dim ** -0.5, as the model's config computes it
+    head = next(p for p in plan.params if p.name == "lm_head.weight").init.truncated_normal
+    assert (head.std, head.lo, head.hi) == (s, -3 * s, 3 * s)
+    assert mine["lm_head.weight"].abs().max().item() <= 3 * s and ref["lm_head.weight"].abs().max().item() <= 3 * s
+    assert mine["lm_head.weight"].abs().max().item() > 2.9 * s  # the tails reach the cut, as torchtitan's do
+    wo = next(p for p in plan.params if p.name == "layers.3.attention.wo.weight").init.truncated_normal
+    assert (wo.std, wo.lo, wo.hi) == (0.02 / (2 * 4) ** 0.5, -2.0, 2.0)  # depth-scaled; trunc_normal_'s a, b
+    assert kinds["tok_embeddings.weight"] == "normal" and kinds["layers.0.attention.qkv_linear.wqkv.weight"] == (
+        "truncated_normal")
+    for (n, x), (_, y) in zip(ours.named_buffers(), theirs.named_buffers(), strict=True):
+        assert torch.equal(x, y), n  # RoPE caches: the modules' own code
+
+
+def test_unknown_initializers_are_refused() -> None:
+    cfg = debug_config()
+    with torch.device("meta"):
+        model = cfg.build()
+    model.lm_head._param_init = {"weight": lambda t: t.fill_(0.5), "bias": torch.nn.init.zeros_}
+    model.layers["2"].feed_forward.w1._param_init = {
+        "weight": __import__("functools").partial(torch.nn.init.trunc_normal_, std=0.02, generator=torch.Generator())}
+    with pytest.raises(UnsupportedModuleError) as err:
+        plan_from_module(model, seed=0, policy="torchtitan")
+    text = str(err.value)
+    assert "lm_head.weight" in text and "unknown initializer" in text
+    assert "layers.2.feed_forward.w1.weight" in text and "its own generator" in text
+    assert len(err.value.problems) == 2
+
+
+RANK_SCRIPT = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torchtitan.models.llama3 import llama3_configs
+from paraminit_client import Client
+from paraminit_client.torch import materialize_module, plan_from_module
+
+class Recording(Client):
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+    def materialize_into(self, plan, outputs):
+        self.asked.append(plan)
+        return super().materialize_into(plan, outputs)
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (4,))
+cfg = llama3_configs["debugmodel"](attn_backend="flex")
+with torch.device("meta"):
+    model = cfg.build()
+for layer in model.layers.values():
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+plan = plan_from_module(model, seed=5, policy="torchtitan")
+client = Recording()
+materialize_module(model, client, plan=plan)
+(asked,) = client.asked
+full = {p.name: list(p.shape) for p in plan.params}
+regions = {q.name: [[r.start, r.stop] for r in q.region] for q in asked.params}
+with torch.device("meta"):
+    single = cfg.build()
+with Client() as c:
+    materialize_module(single, c, plan=plan)
+ref = dict(single.named_parameters())
+equal, local = {}, {}
+for name, p in model.named_parameters():
+    local[name] = list(p.to_local().shape)
+    equal[name] = bool(torch.equal(p.full_tensor().detach().view(torch.uint8), ref[name].detach().view(torch.uint8)))
+json.dump({"regions": regions, "full": full, "local": local, "equal": equal,
+           "placements": {n: str(p.placements) for n, p in model.named_parameters()}},
+          open(sys.argv[1] + f".{rank}", "w"))
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    out = tmp_path / "result"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "4",
+           "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(4)]
+    for r, res in enumerate(results):
+        assert all(res["equal"].values()), [n for n, ok in res["equal"].items() if not ok]
+        assert set(res["regions"]) == set(res["full"])  # one request, every parameter, each its own shard
+        for name, shape in res["full"].items():
+            rows = shape[0] // 4
+            assert res["placements"][name] == "(Shard(dim=0),)", name
+            assert res["regions"][name][0] == [r * rows, (r + 1) * rows], (r, name)
+            assert res["regions"][name][1:] == [[0, d] for d in shape[1:]], (r, name)
+            assert res["local"][name] == [rows, *shape[1:]], (r, name)
+
+
+def test_tied_embedding_takes_the_lm_heads_initializer() -> None:
+    """Llama 3 1B ties tok_embeddings.weight to lm_head.weight and skips the embedding's init: the one tensor
+    gets lm_head's truncated normal (read from the 1B config: std dim**-0.5, cut at 3 sigma)."""
+    with torch.device("meta"):
+        model = llama3.llama3_configs["1B"](attn_backend="flex").build()
+    assert model.tok_embeddings.weight is model.lm_head.weight
+    plan = plan_from_module(model, seed=0, policy="torchtitan")
+    by = {p.name: p for p in plan.params}
+    assert "lm_head.weight" not in by  # a tied tensor appears once, under its first name
+    t = by["tok_embeddings.weight"].init.truncated_normal
+    s = 2048**-0.5
+    assert (t.std, t.lo, t.hi) == (s, -3 * s, 3 * s) and list(by["tok_embeddings.weight"].shape) == [128256, 2048]
