@@ -325,3 +325,14 @@ def test_failed_warm_up_exits_non_zero_with_one_line(read_only_install: dict[str
     assert len(errors) == 1, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "threading layer" in errors[0].lower(), errors[0]
+
+
+def test_default_budget_counts_reclaimable_cache_as_available(tmp_path: Path) -> None:
+    """Half of MemAvailable, not of MemFree: page cache left by an install is memory the server can have."""
+    from paraminit_server.admission import host_memory
+
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       24000000 kB\nMemFree:          250000 kB\nMemAvailable:   20000000 kB\n")
+    assert host_memory(str(info))[1] == 20000000 * 1024
+    info.write_text("MemTotal:       24000000 kB\nMemFree:          250000 kB\n")  # no MemAvailable: free pages
+    assert host_memory(str(info))[1] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

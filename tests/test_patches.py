@@ -90,7 +90,7 @@ def test_validation_reports_every_bad_patch() -> None:
     fields = sorted(v.field for v in report.violations)
     assert fields == ["params[0].patches[0].box", "params[0].patches[1].box[0]", "params[0].patches[1].box[1]",
                       "params[0].patches[2].init.flat", "params[0].patches[3].init.normal",
-                      "params[0].patches[4].init", "params[0].patches[5].init.truncated_normal"], fields
+                      "params[0].patches[4].init", "params[0].patches[5].init.truncatedNormal"], fields
     assert validation.validate(patched_plan()).ok
 
 

@@ -77,15 +77,15 @@ def test_truncated_normal_rules_reported_with_the_rest() -> None:
     ])
     got = messages(plan)
     assert got[:3] == [
-        "params[0].init.truncated_normal ('t_inf'): initialization: truncated normal mean, standard deviation and "
+        "params[0].init.truncatedNormal ('t_inf'): initialization: truncated normal mean, standard deviation and "
         "bounds must be finite",
-        "params[1].init.truncated_normal ('t_nan'): initialization: truncated normal mean, standard deviation and "
+        "params[1].init.truncatedNormal ('t_nan'): initialization: truncated normal mean, standard deviation and "
         "bounds must be finite",
-        "params[2].init.truncated_normal ('t_neg'): initialization: truncated normal standard deviation must be "
+        "params[2].init.truncatedNormal ('t_neg'): initialization: truncated normal standard deviation must be "
         "nonnegative"]
-    assert got[3].startswith("params[3].init.truncated_normal ('t_lo'): truncated normal bounds [-0.49, 2.0] are "
+    assert got[3].startswith("params[3].init.truncatedNormal ('t_lo'): truncated normal bounds [-0.49, 2.0] are "
                              "too tight: they must hold [mean - std / 2, mean + std / 2] = [-0.5, 0.5]")
-    assert got[4].startswith("params[4].init.truncated_normal ('t_hi'): truncated normal bounds [0.9, 1.0099] are "
+    assert got[4].startswith("params[4].init.truncatedNormal ('t_hi'): truncated normal bounds [0.9, 1.0099] are "
                              "too tight")
     assert got[5] == "params[5].init.normal ('n'): initialization: normal standard deviation must be nonnegative"
     assert len(got) == 6

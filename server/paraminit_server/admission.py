@@ -47,10 +47,22 @@ trim_heap = _malloc_trim()  # give freed slab memory back to the OS once the ser
 TRIM_AFTER_IDLE = 1.0  # seconds without a materialization before freed heap goes back to the OS
 
 
-def host_memory() -> tuple[int, int]:
-    """(total, available) bytes of host memory."""
+def host_memory(meminfo: str = "/proc/meminfo") -> tuple[int, int]:
+    """(total, available) bytes of host memory.
+
+    Available is the kernel's MemAvailable (free pages plus the page cache it can reclaim), not MemFree: after a
+    large install or file copy most memory is cache, and a budget of "half the free pages" would shrink to a few
+    hundred megabytes on an idle host. MemFree only where /proc/meminfo has no MemAvailable (not Linux)."""
     page = os.sysconf("SC_PAGE_SIZE")
-    return page * os.sysconf("SC_PHYS_PAGES"), page * os.sysconf("SC_AVPHYS_PAGES")
+    total = page * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return total, int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total, page * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class Reservation:
