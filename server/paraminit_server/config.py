@@ -38,7 +38,7 @@ class ServerConfig:
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off, -1 = any free port
     drain_seconds: float = 25.0
     # host bytes requests may hold (slabs, payloads, SHM exports); default: half the container's memory limit,
-    # 0 = half of what is free at start
+    # 0 = half of what is available (MemAvailable) at start
     memory_budget: int = field(default_factory=limits.default_memory_budget)
     device_memory_budget: int = 0  # GPU bytes requests may hold (device slabs, CUDA IPC exports); 0 = half of free
     admission_wait: float = 5.0  # longest wait for memory when the client's deadline allows it
@@ -104,7 +104,7 @@ HELP: dict[str, str] = {
     "shm_pool_bytes": "keep released SHM segments for the same identity's next export, up to this size; 0 = off",
     "metrics_port": "Prometheus HTTP port; 0 = off, -1 = any free port",
     "drain_seconds": "on SIGTERM, how long running streams may take to finish before the server exits",
-    "memory_budget": "host bytes requests may hold (slabs, payloads, SHM exports); 0 = half of the memory free at "
+    "memory_budget": "host bytes requests may hold (slabs, payloads, SHM exports); 0 = half of the memory available at "
                      "start; the default is half the container's memory limit (0 without one)",
     "device_memory_budget": "GPU bytes requests may hold (device slabs, CUDA IPC exports); 0 = half of the device "
                             "memory free at start",
