@@ -287,7 +287,7 @@ def test_hostile_paths_are_invalid_argument(ckpt_server: Any) -> None:
     (d / "loop_b").symlink_to(d / "loop_a")
     os.mkfifo(d / "pipe.safetensors")
     (d / "dir.safetensors").mkdir()
-    cases = {str(d / "loop_a"): "cannot resolve", str(d / "bad\0name"): "NUL character",
+    cases = {str(d / "loop_a"): "symbolic link", str(d / "bad\0name"): "NUL character",
              str(d / "pipe.safetensors"): "not a regular file", str(d / "dir.safetensors"): "not a regular file",
              str(d / ("x" * 5000)): ""}
     with Client(target_of(r), timeout=30) as c:

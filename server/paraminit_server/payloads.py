@@ -107,7 +107,12 @@ class Sources:
     def __init__(self, max_bytes: int, ttl: float, safetensors_dirs: Iterable[str] = ()) -> None:
         self.max_bytes = max_bytes
         self.ttl = ttl
+        # each allowed directory as resolved at start, and as written (an operator's path may pass through links
+        # above the directory; nothing beneath it may)
         self.dirs = [Path(d).resolve() for d in safetensors_dirs if d]
+        self._roots = sorted({(str(Path(os.path.abspath(d))), str(Path(d).resolve())) for d in safetensors_dirs if d}
+                             | {(str(Path(d).resolve()), str(Path(d).resolve())) for d in safetensors_dirs if d},
+                             key=lambda r: -len(r[0]))
         self._payloads: dict[str, Payload] = {}
         self._pending = 0  # bytes of uploads in flight
         self._uploads = 0  # uploads in flight, for draining
@@ -198,20 +203,20 @@ class Sources:
 
     # -- safetensors files ---------------------------------------------------------------
 
-    def allowed(self, path: str) -> tuple[str, str]:
-        """(resolved path, the path as errors show it), if it lies under an allowed directory; raises otherwise."""
+    def allowed(self, path: str) -> tuple[str, str, str]:
+        """(allowed directory, the path relative to it, the path as errors show it); raises unless the path, as
+        written, names something beneath an allowed directory. Nothing is resolved here: links are refused when
+        the file is opened (files.open_beneath), in every component, so what is checked is what is read."""
         shown = files.echo(path)
         if not self.dirs:
             raise errors.InvalidRequest("this server reads no files: start it with --safetensors-dirs")
         if "\0" in path:
             raise errors.InvalidRequest(f"path {shown} contains a NUL character")
-        try:
-            real = Path(path).resolve()
-        except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, names too long
-            raise errors.InvalidRequest(f"cannot resolve {shown}: {files.echo(str(exc), 120)}") from None
-        if not any(real.is_relative_to(d) for d in self.dirs):
-            raise errors.InvalidRequest(f"{shown} is not under an allowed directory")
-        return str(real), shown
+        full = os.path.normpath(os.path.abspath(path))  # '..' folds lexically: a/link/.. is a, never link's parent
+        for written, real in self._roots:
+            if full.startswith(written.rstrip("/") + "/"):
+                return real, full[len(written.rstrip("/")) + 1:], shown
+        raise errors.InvalidRequest(f"{shown} is not under an allowed directory")
 
     def remembered_hash(self, key: tuple[Any, ...]) -> str | None:
         with self._lock:
@@ -245,8 +250,9 @@ class BoundSources:
     @contextlib.contextmanager
     def _open(self, path: str) -> Iterator[tuple[int, Header, str]]:
         """The open file and its header, parsed once per file version in this request."""
-        real, shown = self.sources.allowed(path)
-        fd, st = files.open_regular(real, shown)
+        root, rel, shown = self.sources.allowed(path)
+        real = os.path.join(root, rel)
+        fd, st = files.open_beneath(root, rel, shown)
         try:
             header = self._headers.get(real)
             if header is None or header.key != files.FileKey.of(st):
