@@ -90,7 +90,7 @@ class _OpenHow(ctypes.Structure):
 def _openat2(dir_fd: int, rel: str) -> int | None:
     """openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS); None where the kernel or libc has no openat2."""
     global _openat2_missing
-    if _openat2_missing:
+    if _openat2_missing or SYS_OPENAT2 is None:
         return None
     how = _OpenHow(_OPEN_FLAGS, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
     global _libc

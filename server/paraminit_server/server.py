@@ -308,7 +308,9 @@ def serve(config: ServerConfig) -> int:
         if running.warm_error:
             log.error("warm-up failed, exiting: %s", running.warm_error)
             running.stop(grace=0)
+            shm.release_instance()
             return 1
     running.stop()
+    shm.release_instance()  # the lock file goes with the server
     log.info("stopped")
     return 0
