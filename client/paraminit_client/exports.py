@@ -7,11 +7,13 @@ IPC handle once and expose cupy arrays. Either converts to torch without a copy
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import mmap
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import grpc
@@ -101,6 +103,29 @@ def _cupy_dtype(dtype_enum: int) -> Any:
     return np.dtype(np.uint16) if dtype_enum == _BFLOAT16 else numpy_dtype(dtype_enum)
 
 
+_live: weakref.WeakSet[Lease] = weakref.WeakSet()  # leases of remote clients not yet released
+_at_exit = threading.Lock()
+_at_exit_registered = False
+EXIT_RELEASE_TIMEOUT = 5.0
+
+
+def _release_at_exit() -> None:
+    """Release what this process still holds, so short jobs do not leave leases to their TTL: a lease
+    outlives its process only when the process is killed outright (and then its TTL reclaims it)."""
+    for lease in list(_live):
+        with contextlib.suppress(Exception):  # a closed channel, a server gone: the TTL reclaims it
+            lease.release(timeout=EXIT_RELEASE_TIMEOUT)
+
+
+def _track(lease: Lease) -> None:
+    global _at_exit_registered
+    with _at_exit:
+        if not _at_exit_registered:
+            atexit.register(_release_at_exit)
+            _at_exit_registered = True
+        _live.add(lease)
+
+
 class Lease:
     """A held export. `arrays` alias the server's memory; release() (or leaving the with-block) gives it back."""
 
@@ -130,6 +155,8 @@ class Lease:
                 raise
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        if not getattr(client, "in_process", True):  # the in-process plane frees its leases when it closes
+            _track(self)
         if auto_renew:
             ttl = max(1.0, self.expires_at - time.time())
             self._renewer = threading.Thread(target=self._renew_loop, args=(ttl / 3,), daemon=True,
@@ -173,8 +200,10 @@ class Lease:
         self.plan_digest = resp.plan_digest
         return str(resp.plan_digest)
 
-    def release(self) -> bool:
-        """Give the memory back; safe to call twice. Arrays must not be used afterwards.
+    def release(self, timeout: float | None = None) -> bool:
+        """Give the memory back; safe to call twice. Arrays must not be used afterwards. Leases of a remote
+        client still held at interpreter exit are released then. `timeout`: for the Release call (default: the
+        client's).
 
         The mapping is closed first and Release sent after, so the server never frees memory this
         process still maps."""
@@ -192,7 +221,15 @@ class Lease:
             if self._cuda is not None:
                 self._cuda.close()
         finally:
-            resp = self._client._call(self._client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
+            _live.discard(self)
+            request = pb.ReleaseRequest(lease_id=self.lease_id)
+            if timeout is None:
+                resp = self._client._call(self._client.stub.Release, request)
+            else:
+                try:
+                    resp = self._client.stub.Release(request, timeout=timeout)
+                except grpc.RpcError as err:
+                    raise ParaminitError.from_rpc(err) from None
         return bool(resp.released)
 
     def __enter__(self) -> Lease:
