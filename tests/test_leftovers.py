@@ -7,10 +7,16 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Any
 
-from conftest import serve_subprocess, wait_until
+import pytest
+
+from conftest import running_server, serve_subprocess, target_of, wait_until
 from paraminit_client import Client, param, plan_of
+from paraminit_client.plans import plan_to_json
+from paraminit_server.backends.cpu import CpuBackend
 
 
 def test_lock_file_goes_with_the_server() -> None:
@@ -52,3 +58,39 @@ def test_remote_client_releases_its_leases_at_exit() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+class GatedBackend(CpuBackend):
+    """Blocks the fill of parameter 'slow' until the test opens the gate: the stream is mid-file, for sure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def fill(self, p: Any, out: Any, l_begin: int = 0) -> None:
+        if p.name == "slow":
+            self.gate.wait(120)
+        super().fill(p, out, l_begin)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_interrupted_materialize_leaves_no_partial_file(tmp_path: Path, sig: signal.Signals) -> None:
+    backend = GatedBackend()
+    plan = plan_of([param("a", [1 << 18], {"ones": {}}), param("slow", [1 << 18], {"ones": {}})])
+    (tmp_path / "plan.json").write_text(plan_to_json(plan))
+    out = tmp_path / "out" / "big.safetensors"
+    out.parent.mkdir()
+    with running_server(backend) as r:
+        try:
+            proc = subprocess.Popen([str(Path(sys.executable).parent / "paraminit"), "materialize",
+                                     str(tmp_path / "plan.json"), "-o", str(out), "--target", target_of(r)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert wait_until(lambda: any(out.parent.iterdir()) or proc.poll() is not None, 120)
+            assert proc.poll() is None, proc.communicate()
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            backend.gate.set()
+    assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig)
+    assert f"interrupted by {sig.name}" in err and "was not written" in err, err
+    assert list(out.parent.iterdir()) == []

@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ EXIT_CODES_HELP = f"""exit codes:
   {EXIT_INVALID:<4} invalid plan: every violation is on stderr and no output file is written
   {EXIT_FLAGGED:<4} inspect --plan: a tensor does not match the plan (FLAG lines say why)
   {EXIT_USAGE:<4} usage error: unknown command or flag, a missing or malformed argument
-  {EXIT_INTERRUPTED:<4} interrupted (Ctrl-C)
+  {EXIT_INTERRUPTED:<4} interrupted (Ctrl-C); 128+N for signal N (SIGTERM 143, SIGHUP 129); no output is left
 {sizes.UNITS_HELP}."""
 
 # gRPC status codes in words, for one clear line on stderr.
@@ -344,9 +345,24 @@ def _os_line(err: OSError) -> str:
     return str(err)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the main thread is, as Ctrl-C is: what is half written goes."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # how batch schedulers and closed terminals end a job
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _raise_interrupted)
     try:
         return int(args.func(args))
     except ParaminitError as err:
@@ -369,8 +385,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, RuntimeError) as err:
         print(f"paraminit: {err}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as err:
+        signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
+        output = getattr(args, "output", None) if args.func is cmd_materialize else None
+        left = f"; {output} was not written" if output else ""
+        print(f"paraminit: interrupted by {signal.Signals(signum).name}{left}", file=sys.stderr)
+        return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
 
 
 if __name__ == "__main__":
