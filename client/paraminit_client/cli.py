@@ -6,14 +6,16 @@ Exit codes (also in every --help and the README): see EXIT_CODES_HELP.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import re
 import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -357,14 +359,28 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
 
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGTERM and SIGHUP (how batch schedulers and closed terminals end a job) raise Interrupted while a command
+    runs; handlers someone else set, and those of callers on other threads, are left alone."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, _raise_interrupted)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # how batch schedulers and closed terminals end a job
-        if signal.getsignal(sig) == signal.SIG_DFL:
-            signal.signal(sig, _raise_interrupted)
     try:
-        return int(args.func(args))
+        with _interruptible():
+            return int(args.func(args))
     except ParaminitError as err:
         if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.violations:
             print(f"paraminit: invalid plan: {len(err.violations)} violation(s)", file=sys.stderr)
