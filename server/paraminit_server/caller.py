@@ -15,12 +15,14 @@ def _always() -> bool:
 @dataclass(frozen=True)
 class Caller:
     """identity owns leases and payloads; local peers may receive zero-copy buffers; `wait` is how long the
-    call may wait for memory (0: refuse at once); `active()` turns false when the caller has gone."""
+    call may wait for memory (0: refuse at once); `active()` turns false when the caller has gone; `uid` is the
+    caller's user as the kernel shows it (None: in process, or not known), which decides who can open a segment."""
 
     identity: str = ANONYMOUS
     local: bool = True
     wait: float = 0.0
     active: Callable[[], bool] = field(default=_always)
+    uid: int | None = None
 
     def gone(self) -> bool:
         return not self.active()

@@ -213,6 +213,7 @@ class Materializer:
 
     def export(self, p: plan_pb2.Plan, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
         """Fill a buffer local peers map (SHM or CUDA IPC) and lend it under a lease."""
+        self.exports.check_caller(delivery, caller)  # before the plan is even resolved
         checked = self.check(p, caller)
         with contextlib.closing(checked), self.admission.admit(checked.report.total_bytes):
             return self.exports.export(checked.params, checked.digest, delivery, caller, ttl_seconds)

@@ -18,7 +18,7 @@ from paraminit.header_checksum import header_crc32c
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit_server import errors
-from paraminit_server.auth import TokenAuth, identity
+from paraminit_server.auth import Endpoint, TokenAuth, identity
 from paraminit_server.backends import CUDA_IPC, SHM, ExportHandle
 from paraminit_server.caller import Caller
 from paraminit_server.exports import Export
@@ -108,6 +108,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
         self.handlers = Handlers(plane)
         self.tokens = tokens
         self.metrics = metrics
+        self.endpoint = Endpoint()  # where callers' connections end; set once the server has bound
 
     def methods(self) -> dict[str, Callable[..., Any]]:
         """The RPC implementations by method name, for the server's handler table."""
@@ -130,7 +131,8 @@ class InitServicer(pb_grpc.InitServiceServicer):
         wait = 0.0  # no deadline: refuse at once rather than hold the call for --admission-wait
         if remaining is not None and remaining < NO_DEADLINE:
             wait = max(0.0, min(self.plane.config.admission_wait, remaining / 2))
-        return Caller(identity(context, self.tokens), peers.is_local_peer(context.peer()), wait, context.is_active)
+        ident, uid = identity(context, self.tokens, self.endpoint)
+        return Caller(ident, peers.is_local_peer(context.peer()), wait, context.is_active, uid)
 
     # -- RPCs ------------------------------------------------------------------------------
 
