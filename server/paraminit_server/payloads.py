@@ -247,6 +247,10 @@ class BoundSources:
     def payload(self, payload_id: str) -> Payload | None:
         return self.sources.payload(payload_id, self.owner)
 
+    def hold(self, held: Held) -> None:
+        """Keep a reservation of the request's until release()."""
+        self._held.append(held)
+
     @contextlib.contextmanager
     def _open(self, path: str) -> Iterator[tuple[int, Header, str]]:
         """The open file and its header, parsed once per file version in this request."""
@@ -317,7 +321,7 @@ class BoundSources:
             return digest
 
     def release(self) -> None:
-        """Give back the memory reserved for checkpoint values (idempotent)."""
+        """Give back the memory reserved for checkpoint values and held for the request (idempotent)."""
         held, self._held = self._held, []
         for r in held:
             r.release()

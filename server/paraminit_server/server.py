@@ -29,7 +29,7 @@ from paraminit_server import backends, shm
 from paraminit_server.auth import AuthInterceptor, Endpoint, TokenAuth, server_credentials
 from paraminit_server.config import ServerConfig
 from paraminit_server.limits import prepare_jit_cache
-from paraminit_server.materializer import Materializer
+from paraminit_server.materializer import Materializer, max_request_bytes
 from paraminit_server.metrics import Metrics
 from paraminit_server.service import InitServicer
 from paraminit_server.status import MalformedRequest
@@ -90,7 +90,7 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     metrics = Metrics() if config.metrics_port else None
     servicer = InitServicer(plane, tokens, metrics)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
-                         options=GRPC_OPTIONS, interceptors=[AuthInterceptor(tokens)] if tokens else [])
+                         options=_grpc_options(plane), interceptors=[AuthInterceptor(tokens)] if tokens else [])
     server.add_generic_rpc_handlers((_service_handler(servicer),))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -193,6 +193,13 @@ def _private_umask(private: bool) -> Iterator[None]:
     finally:
         if old is not None:
             os.umask(old)
+
+
+def _grpc_options(plane: Materializer) -> list[tuple[str, Any]]:
+    """GRPC_OPTIONS with the request size limit the memory budget allows (materializer.max_request_bytes)."""
+    limit = max_request_bytes(plane.admission.host.limit, plane.config.max_concurrent)
+    return [("grpc.max_receive_message_length", limit) if k == "grpc.max_receive_message_length" else (k, v)
+            for k, v in GRPC_OPTIONS]
 
 
 def bind_address(host: str, port: int) -> str:
