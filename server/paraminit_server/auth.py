@@ -46,15 +46,27 @@ class TokenAuth:
         if env_value:
             lines += env_value.split(",")
         tokens: dict[str, str] = {}
+        named: set[str] = set()
+        unnamed: set[str] = set()
         for n, line in enumerate(x.strip() for x in lines):
             if not line or line.startswith("#"):
                 continue
             ident, sep, token = line.partition(":")
             if not sep:
                 ident, token = f"token-{n}", line
+                unnamed.add(ident)
+            elif not ident.strip():
+                raise ValueError(f"auth token on line {n + 1} has an empty identity")
+            else:
+                named.add(ident)
             if len(token) < 16:
                 raise ValueError(f"auth token for {ident!r} is shorter than 16 characters")
+            if tokens.get(token, ident) != ident:  # one token, two identities: it would act as either
+                raise ValueError(f"one auth token is given for two identities, {tokens[token]!r} and {ident!r}")
             tokens[token] = ident
+        if named & unnamed:  # a bare token's name given to a named one: two secrets for one identity by accident
+            raise ValueError(f"identity {sorted(named & unnamed)[0]!r} is both named and the name of a bare token; "
+                             "name every token or none with that name")
         return cls(tokens) if tokens else None
 
     def identify(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
