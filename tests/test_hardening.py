@@ -518,7 +518,8 @@ def test_many_long_violations_arrive_as_invalid_argument() -> None:
 
 
 def test_name_length_is_limited() -> None:
-    with running_server() as r, Client(target_of(r), timeout=60) as c:
+    # a budget whose request size limit (materializer.max_request_bytes) lets the 100 MB plan arrive at all
+    with running_server(memory_budget=4 << 30, max_concurrent=1) as r, Client(target_of(r), timeout=60) as c:
         plan = plan_of([param("n" * (100 << 20), [1], {"zeros": {}})])  # a 100 MB name
         report = c.validate(plan)
         assert not report.valid and any("bytes long; the limit is 1024" in line for line in report.lines())
