@@ -2,10 +2,11 @@
 
 A file under an allowed directory may be replaced, truncated, a FIFO or a
 symlink loop by the time a request reads it, and any directory on its way may
-be swapped for a link. Files are opened beneath the allowed directory's fd with
-no link followed in any component (openat2 RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS,
-or a walk of O_NOFOLLOW opens where the kernel lacks it), non-blocking (a FIFO never blocks a worker), must be regular files by fstat, and
-are read with pread of bounded size: a file that shrinks under the read is an
+be swapped for a link. Files are opened once, beneath the allowed directory's
+fd, with no link followed in any component (openat2 RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS, or a walk of O_NOFOLLOW opens where the kernel lacks it),
+non-blocking (a FIFO never blocks a worker); they must be regular files by
+fstat, are read through that fd only, with pread of bounded size: a file that shrinks under the read is an
 error of the request (INVALID_ARGUMENT), never SIGBUS for the whole server.
 Headers are parsed strictly; anything malformed is INVALID_ARGUMENT with a
 message that says what is wrong.
@@ -89,11 +90,10 @@ class _OpenHow(ctypes.Structure):
 
 def _openat2(dir_fd: int, rel: str) -> int | None:
     """openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS); None where the kernel or libc has no openat2."""
-    global _openat2_missing
+    global _openat2_missing, _libc
     if _openat2_missing or SYS_OPENAT2 is None:
         return None
     how = _OpenHow(_OPEN_FLAGS, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
-    global _libc
     try:
         _libc = _libc or ctypes.CDLL(None, use_errno=True)
         fd = int(_libc.syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(rel)),

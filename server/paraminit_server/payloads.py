@@ -110,9 +110,9 @@ class Sources:
         # each allowed directory as resolved at start, and as written (an operator's path may pass through links
         # above the directory; nothing beneath it may)
         self.dirs = [Path(d).resolve() for d in safetensors_dirs if d]
-        self._roots = sorted({(str(Path(os.path.abspath(d))), str(Path(d).resolve())) for d in safetensors_dirs if d}
-                             | {(str(Path(d).resolve()), str(Path(d).resolve())) for d in safetensors_dirs if d},
-                             key=lambda r: -len(r[0]))
+        roots = {(written, str(Path(d).resolve())) for d in safetensors_dirs if d
+                 for written in (os.path.abspath(d), str(Path(d).resolve()))}
+        self._roots = sorted(roots, key=lambda r: -len(r[0]))  # (as written or resolved, resolved), deepest first
         self._payloads: dict[str, Payload] = {}
         self._pending = 0  # bytes of uploads in flight
         self._uploads = 0  # uploads in flight, for draining
