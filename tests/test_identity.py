@@ -167,3 +167,31 @@ def test_loopback_lookup_matches_both_ends_and_refuses_ambiguity() -> None:
                     a.close()
             finally:
                 child.communicate("done\n", timeout=30)
+
+
+def test_shm_for_a_user_who_could_not_open_it_is_refused_before_any_work() -> None:
+    """uid 65534 asks a root-owned server for an SHM export: FAILED_PRECONDITION saying what works, and no
+    segment was made or filled for it; STREAM works for them."""
+    from conftest import running_server, target_of
+
+    with running_server() as r:
+        made: list[int] = []
+        original = r.plane.backend.export_buffer
+        r.plane.backend.export_buffer = lambda n: (made.append(n), original(n))[1]  # type: ignore[method-assign]
+        out = _as_nobody(f"""
+            import json
+            from paraminit_client import Client, ParaminitError, param, plan_of
+            with Client("{target_of(r)}") as c:
+                try:
+                    c.export(plan_of([param("w", [1 << 20], {{"ones": {{}}}})]))
+                    out = {{"export": "OK"}}
+                except ParaminitError as err:
+                    out = {{"export": err.code.name, "message": err.message}}
+                out["stream"] = c.materialize(plan_of([param("v", [4], {{"ones": {{}}}})]))["v"].tolist()
+            print(json.dumps(out))
+        """)
+        assert out["export"] == "FAILED_PRECONDITION", out
+        message = str(out["message"])
+        assert f"uid {NOBODY}" in message and "use STREAM delivery" in message
+        assert made == [] and r.plane.admission.host.reserved == 0
+        assert out["stream"] == [1.0] * 4
