@@ -99,7 +99,7 @@ def test_expiry_frees_and_renew_extends(client: Client, server: Running) -> None
     assert info.value.code == grpc.StatusCode.NOT_FOUND
     statuses = client.leases()
     assert [s.lease.lease_id for s in statuses] == [kept.lease_id]
-    assert statuses[0].lease.nbytes == kept.info.shm.size and statuses[0].owner == "anonymous"
+    assert statuses[0].lease.nbytes == kept.info.shm.size and statuses[0].owner == f"uid:{os.geteuid()}"
     kept.release()
 
 

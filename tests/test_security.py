@@ -171,7 +171,7 @@ def test_stalled_unauthenticated_calls_hold_no_worker(token_server: Running) -> 
 
 def test_local_users_are_isolated_without_tokens(tmp_path: Path) -> None:
     """Another local user (nobody) sees none of this user's leases or payloads and cannot release, renew
-    or apply over them; it is `uid:65534`, this user stays `anonymous`."""
+    or apply over them, and is refused SHM exports it could not open; it is `uid:65534`, this user `uid:<its uid>`."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run a client as another user")
     with running_server() as r, Client(f"127.0.0.1:{r.port}") as mine:
@@ -198,6 +198,11 @@ def test_local_users_are_isolated_without_tokens(tmp_path: Path) -> None:
                 out["payload"] = report.lines()
                 theirs = c.upload_payload(__import__("numpy").zeros(4, "float32"))
                 out["theirs"] = theirs
+                try:
+                    c.export(plan_of([param("w", [1 << 20], {{"ones": {{}}}})]))
+                    out["export"] = "OK"
+                except ParaminitError as err:
+                    out["export"] = [err.code.name, err.message]
             print(json.dumps(out))
         """))
         env = {k: v for k, v in os.environ.items() if k != "PARAMINIT_TOKEN"}
@@ -208,7 +213,8 @@ def test_local_users_are_isolated_without_tokens(tmp_path: Path) -> None:
         assert out["leases"] == []
         assert out["release"] == out["renew"] == out["apply"] == "NOT_FOUND"
         assert any("no payload" in line for line in out["payload"])
-        assert [s.owner for s in mine.leases()] == ["anonymous"]
+        assert [s.owner for s in mine.leases()] == [f"uid:{os.geteuid()}"]
+        assert out["export"][0] == "FAILED_PRECONDITION" and "use STREAM" in out["export"][1], out["export"]
         assert np.all(lease.arrays["w"] != 0)  # Apply did not zero it
         report = mine.validate(plan_of([param("p", [4], {"flatRef": {"payloadId": out["theirs"]}})]))
         assert any("no payload" in line for line in report.lines())
@@ -223,7 +229,7 @@ def test_peer_uid_reads_the_socket_table(monkeypatch: pytest.MonkeyPatch) -> Non
         with socket.create_connection(srv.getsockname()) as cl:
             port = cl.getsockname()[1]
             assert peer_uid(f"ipv4:127.0.0.1:{port}") == os.geteuid()
-            assert local_identity(f"ipv4:127.0.0.1:{port}") == "anonymous"
+            assert local_identity(f"ipv4:127.0.0.1:{port}") == f"uid:{os.geteuid()}"
             # the /proc fallback (no netlink) gives the same answer
             packed = socket.inet_aton("127.0.0.1")
             assert _proc_uid(packed, port, ("/proc/net/tcp", "/proc/net/tcp6")) == os.geteuid()

@@ -246,6 +246,15 @@ def test_durable_file_flushes_as_it_goes(client: Client, tmp_path: Path, monkeyp
     monkeypatch.setattr(filesink.BufferedSink, "FLUSH_BYTES", 1 << 20)
     monkeypatch.setattr(filesink.os, "fdatasync", lambda fd: (syncs.append(fd), real(fd)))
     monkeypatch.setattr(filesink, "DirectSink", _no_direct)
+    put = filesink.BufferedSink.put
+
+    def put_then_let_the_flusher_run(self: Any, c: Any) -> None:
+        """Each MiB is taken by the flush thread before the next arrives: how often it runs does not depend on
+        how the scheduler treats a loaded machine."""
+        put(self, c)
+        assert wait_until(lambda: self._pending < self.FLUSH_BYTES, 60, 0.001)
+
+    monkeypatch.setattr(filesink.BufferedSink, "put", put_then_let_the_flusher_run)
     plan = plan_of([param("w", [3 << 20], {"normal": {"std": 0.02, "seed": 4}})])  # 12 MiB
     client.materialize_to_file(plan, tmp_path / "w.safetensors", chunk_bytes=1 << 20)
     from safetensors.numpy import load_file

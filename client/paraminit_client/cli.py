@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 import errno
+import contextlib
 import importlib
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,7 +37,7 @@ EXIT_CODES_HELP = f"""exit codes:
   {EXIT_INVALID:<4} invalid plan: every violation is on stderr and no output file is written
   {EXIT_FLAGGED:<4} inspect --plan: a tensor does not match the plan (FLAG lines say why)
   {EXIT_USAGE:<4} usage error: unknown command or flag, a missing or malformed argument
-  {EXIT_INTERRUPTED:<4} interrupted (Ctrl-C)
+  {EXIT_INTERRUPTED:<4} interrupted (Ctrl-C); 128+N for signal N (SIGTERM 143, SIGHUP 129); no output is left
 {sizes.UNITS_HELP}."""
 
 # gRPC status codes in words, for one clear line on stderr.
@@ -537,6 +540,34 @@ def _os_line(err: OSError) -> str:
     return str(err)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the main thread is, as Ctrl-C is: what is half written goes."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGTERM and SIGHUP (how batch schedulers and closed terminals end a job) raise Interrupted while a command
+    runs; handlers someone else set, and those of callers on other threads, are left alone."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, _raise_interrupted)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; every failure is one exit code and words on stderr (and, with --json, a JSON object on
     stdout: {"ok": false, "exit_code", "error", "violations"})."""
@@ -544,7 +575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     violations: list[dict[str, Any]] = []
     try:
-        return int(args.func(args))
+        with _interruptible():
+            return int(args.func(args))
     except ParaminitError as err:
         if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.violations:
             message = f"invalid plan: {_plural(len(err.violations) + err.omitted, 'violation')}"
@@ -567,8 +599,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         message, lines, code = _os_line(err), [], EXIT_ERROR
     except (ValueError, RuntimeError) as err:
         message, lines, code = str(err), [], EXIT_ERROR
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as err:
+        signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
+        output = getattr(args, "output", None) if args.func is cmd_materialize else None
+        left = f"; {output} was not written" if output else ""
+        print(f"paraminit: interrupted by {signal.Signals(signum).name}{left}", file=sys.stderr)
+        return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
     print(f"paraminit: {message}", file=sys.stderr)
     for line in lines:
         print(line, file=sys.stderr)

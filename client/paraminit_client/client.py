@@ -439,7 +439,11 @@ class Client:
         try:
             try:
                 if base + header.data_bytes:
-                    os.posix_fallocate(fd, 0, base + header.data_bytes)
+                    try:
+                        os.posix_fallocate(fd, 0, base + header.data_bytes)
+                    except OSError as exc:  # a full disk: say which file, and how much it needed
+                        raise OSError(exc.errno, f"{exc.strerror} (the file needs {base + header.data_bytes} "
+                                                 "bytes)", str(dest)) from None
                 sink = filesink.open_sink(fd, tmp, header.safetensors_prefix, header.data_bytes, durable)
                 try:
                     land(chunks, sink.put, update)

@@ -7,6 +7,7 @@ IPC handle once and expose cupy arrays. Either converts to torch without a copy
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import mmap
@@ -172,6 +173,29 @@ def _cupy_dtype(dtype_enum: int) -> Any:
     return np.dtype(np.uint16) if dtype_enum == _BFLOAT16 else numpy_dtype(dtype_enum)
 
 
+_live: weakref.WeakSet[Lease] = weakref.WeakSet()  # leases of remote clients not yet released
+_at_exit = threading.Lock()
+_at_exit_registered = False
+EXIT_RELEASE_TIMEOUT = 5.0
+
+
+def _release_at_exit() -> None:
+    """Release what this process still holds, so short jobs do not leave leases to their TTL: a lease
+    outlives its process only when the process is killed outright (and then its TTL reclaims it)."""
+    for lease in list(_live):
+        with contextlib.suppress(Exception):  # a closed channel, a server gone: the TTL reclaims it
+            lease.release(timeout=EXIT_RELEASE_TIMEOUT)
+
+
+def _track(lease: Lease) -> None:
+    global _at_exit_registered
+    with _at_exit:
+        if not _at_exit_registered:
+            atexit.register(_release_at_exit)
+            _at_exit_registered = True
+        _live.add(lease)
+
+
 class Lease:
     """A held export. `arrays` alias the server's memory; release() (or leaving the with-block) gives it back."""
 
@@ -202,6 +226,8 @@ class Lease:
                 raise
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        if not getattr(client, "in_process", True):  # the in-process plane frees its leases when it closes
+            _track(self)
         if auto_renew:
             ttl = max(1.0, self.expires_at - time.time())
             self._renewer = threading.Thread(target=self._renew_loop, args=(ttl / 3,), daemon=True,
@@ -245,8 +271,10 @@ class Lease:
         self.plan_digest = resp.plan_digest
         return str(resp.plan_digest)
 
-    def release(self) -> bool:
-        """Give the memory back; safe to call twice. Arrays must not be used afterwards.
+    def release(self, timeout: float | None = None) -> bool:
+        """Give the memory back; safe to call twice. Arrays must not be used afterwards. Leases of a remote
+        client still held at interpreter exit are released then. `timeout`: for the Release call (default: the
+        client's).
 
         The mapping is closed first and Release sent after, so the server never frees memory this
         process still maps. When views of a CUDA_IPC lease are still alive (arrays or torch tensors kept
@@ -271,10 +299,20 @@ class Lease:
             if self._cuda is not None:
                 deferred = not self._cuda.close(then=self._release_in_background)
         finally:
+            _live.discard(self)
             if not deferred:
                 self._stop.set()
-                resp = self._client._call(self._client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
+                resp = self._send_release_now(timeout)
         return False if deferred else bool(resp.released)
+
+    def _send_release_now(self, timeout: float | None) -> Any:
+        request = pb.ReleaseRequest(lease_id=self.lease_id)
+        if timeout is None:
+            return self._client._call(self._client.stub.Release, request)
+        try:
+            return self._client.stub.Release(request, timeout=timeout)
+        except grpc.RpcError as err:
+            raise ParaminitError.from_rpc(err) from None
 
     def _release_in_background(self) -> None:
         """Called once the last view of a released CUDA_IPC lease is gone and the memory unmapped."""
@@ -283,7 +321,7 @@ class Lease:
     def _send_release(self) -> None:
         self._stop.set()
         try:
-            self._client._call(self._client.stub.Release, pb.ReleaseRequest(lease_id=self.lease_id))
+            self._send_release_now(None)
         except (ParaminitError, ValueError) as exc:  # the client was closed meanwhile: the lease expires
             log.warning("releasing lease %s after its last view went: %s", self.lease_id, exc)
 

@@ -5,7 +5,8 @@ environment, and are compared in constant time. With tokens configured, every
 RPC but health needs `authorization: Bearer <token>`. Under mutual TLS the
 client certificate is the identity when no token is given. Without either, a
 local caller is its process user (from the kernel's socket table), so users of
-one host never see or touch each other's leases and payloads.
+one host never see or touch each other's leases and payloads. No identity sees
+another's leases, the server's own user included.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +24,13 @@ import grpc
 
 from paraminit import peers
 
-from .peer_user import peer_uid
+from .peer_user import AMBIGUOUS, peer_uid
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
-ANONYMOUS = "anonymous"
-REMOTE = "remote"  # unauthenticated callers from other hosts
+REMOTE = "remote"  # unauthenticated callers from other hosts, and local ones the kernel cannot tell apart
 UNKNOWN_LOCAL = "uid:unknown"  # a local peer whose user the socket table does not show
+UNIX_SHARED = "unix:shared"  # callers on a Unix socket opened wider than the server's user
 
 
 class TokenAuth:
@@ -43,15 +46,27 @@ class TokenAuth:
         if env_value:
             lines += env_value.split(",")
         tokens: dict[str, str] = {}
+        named: set[str] = set()
+        unnamed: set[str] = set()
         for n, line in enumerate(x.strip() for x in lines):
             if not line or line.startswith("#"):
                 continue
             ident, sep, token = line.partition(":")
             if not sep:
                 ident, token = f"token-{n}", line
+                unnamed.add(ident)
+            elif not ident.strip():
+                raise ValueError(f"auth token on line {n + 1} has an empty identity")
+            else:
+                named.add(ident)
             if len(token) < 16:
                 raise ValueError(f"auth token for {ident!r} is shorter than 16 characters")
+            if tokens.get(token, ident) != ident:  # one token, two identities: it would act as either
+                raise ValueError(f"one auth token is given for two identities, {tokens[token]!r} and {ident!r}")
             tokens[token] = ident
+        if named & unnamed:  # a bare token's name given to a named one: two secrets for one identity by accident
+            raise ValueError(f"identity {sorted(named & unnamed)[0]!r} is both named and the name of a bare token; "
+                             "name every token or none with that name")
         return cls(tokens) if tokens else None
 
     def identify(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
@@ -82,27 +97,60 @@ def certificate_identity(auth: dict[str, list[bytes]]) -> str | None:
     return None
 
 
-def local_identity(peer: str) -> str:
-    """Who an unauthenticated caller is: the server's own user is `anonymous` (as before); another user of
-    this host is `uid:N`, so it sees and touches only its own leases and payloads; a remote peer is
-    `remote`. Unix-socket peers are the server's user: the socket is created mode 0600."""
+@dataclass(frozen=True)
+class Endpoint:
+    """Where this server listens, which a caller's connection must end at: its TCP ports, its Unix socket."""
+
+    ports: tuple[int, ...] = ()
+    unix_path: str = ""
+
+
+def server_user() -> str:
+    """The identity of the server's own user when it calls without a token: its uid, like any other user."""
+    return f"uid:{os.geteuid()}"
+
+
+def peer_identity(peer: str, endpoint: Endpoint = Endpoint()) -> tuple[str, int | None]:
+    """(identity, uid) of an unauthenticated caller, from what the kernel proves; uid None when unknown.
+
+    A loopback TCP peer is the user whose socket has the peer's address and port and ends at a port of this
+    server (`uid:N`; the server's own user too); an ambiguous answer (sockets of two users) is `remote`, as
+    is any other host. gRPC does not say which Unix-socket connection a call came on, so SO_PEERCRED cannot be
+    asked: a Unix-socket caller is the server's user only while the socket's mode lets no one else connect
+    (0600, owned by that user, as the server creates it); once an operator widens it, its callers are
+    UNIX_SHARED, an identity of its own that owns only what such callers made (tokens tell them apart)."""
     if peer.startswith("unix:"):
-        return ANONYMOUS
+        try:
+            st = os.stat(endpoint.unix_path) if endpoint.unix_path else None
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            return server_user(), os.geteuid()
+        return UNIX_SHARED, None
     if not peers.is_local_peer(peer):
-        return REMOTE
-    uid = peer_uid(peer)
+        return REMOTE, None
+    uid = peer_uid(peer, endpoint.ports)
     if uid is None:
-        return UNKNOWN_LOCAL
-    return ANONYMOUS if uid == os.geteuid() else f"uid:{uid}"
+        return UNKNOWN_LOCAL, None
+    if uid == AMBIGUOUS:
+        return REMOTE, None
+    return f"uid:{uid}", uid
 
 
-def identity(context: grpc.ServicerContext, tokens: TokenAuth | None) -> str:
-    """Who is calling: token identity, else client certificate, else the peer's local user."""
-    if tokens is not None:
-        ident = tokens.identify(context.invocation_metadata())
-        if ident is not None:
-            return f"token:{ident}"
-    return certificate_identity(context.auth_context() or {}) or local_identity(context.peer())
+def local_identity(peer: str, endpoint: Endpoint = Endpoint()) -> str:
+    """Who an unauthenticated caller is (see peer_identity): `uid:N` for a local user, `remote` otherwise."""
+    return peer_identity(peer, endpoint)[0]
+
+
+def identity(context: grpc.ServicerContext, tokens: TokenAuth | None,
+             endpoint: Endpoint = Endpoint()) -> tuple[str, int | None]:
+    """Who is calling: token identity, else client certificate, else the peer's local user; and the caller's
+    uid where the kernel shows it (whatever the identity), for what only that user can open."""
+    ident = tokens.identify(context.invocation_metadata()) if tokens is not None else None
+    peer_ident, uid = peer_identity(context.peer(), endpoint)
+    if ident is not None:
+        return f"token:{ident}", uid
+    return certificate_identity(context.auth_context() or {}) or peer_ident, uid
 
 
 class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]

@@ -16,13 +16,15 @@ def _always() -> bool:
 class Caller:
     """identity owns leases and payloads; local peers may receive zero-copy buffers; `wait` is how long the
     call may wait for memory (0: refuse at once); `queue_wait` how long it may wait in line for a concurrency
-    slot (0: refuse at once when all are taken); `active()` turns false when the caller has gone."""
+    slot (0: refuse at once when all are taken); `active()` turns false when the caller has gone; `uid` is the
+    caller's user as the kernel shows it (None: in process, or not known), which decides who can open a segment."""
 
     identity: str = ANONYMOUS
     local: bool = True
     wait: float = 0.0
     active: Callable[[], bool] = field(default=_always)
     queue_wait: float = 0.0
+    uid: int | None = None
 
     def gone(self) -> bool:
         return not self.active()

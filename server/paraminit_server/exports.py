@@ -8,14 +8,16 @@ leaves, and freed exactly once: on Release, expiry or shutdown.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from paraminit_server import engine, errors, layout
 from paraminit_server.admission import MemoryBudget, Reservation
+from paraminit_server.auth import REMOTE, UNIX_SHARED
 from paraminit_server.backends import HOST, Backend, ExportBuffer, ExportHandle
-from paraminit_server.caller import ANONYMOUS, Caller
+from paraminit_server.caller import Caller
 from paraminit_server.leases import LeaseRecord, LeaseTable
 from paraminit_server.plan import ResolvedParam
 
@@ -98,12 +100,7 @@ class Exports:
     def export(self, params: Sequence[ResolvedParam], digest: str, delivery: str, caller: Caller,
                ttl_seconds: float = 0.0) -> Export:
         """Fill a new buffer with the plan and lend it; every limit is taken before anything is allocated."""
-        if not caller.local:
-            raise errors.FailedPrecondition(f"{delivery.upper()} hands out memory on this host only and this caller "
-                                            "is remote: use STREAM delivery")
-        if delivery != self.backend.delivery:
-            raise errors.FailedPrecondition(f"{delivery.upper()} is not available on the {self.backend.name} backend; "
-                                            f"this server offers {self.backend.delivery.upper()}")
+        self.check_caller(delivery, caller)
         ttl = self.leases.ttl(ttl_seconds)
         lay = layout.export_layout(params, self.align)
         slot = self.leases.reserve(caller.identity, lay.data_bytes)
@@ -139,6 +136,29 @@ class Exports:
         rec = self.leases.add(slot, delivery, ttl, digest, release, (lay, buf))
         return Export(rec, lay, handle)
 
+    def check_caller(self, delivery: str, caller: Caller) -> None:
+        """Refuse, before any work, an export this caller could not use.
+
+        Raises:
+            errors.FailedPrecondition: a remote caller, a delivery this backend lacks, or a segment (mode 0600,
+                owned by the server's user) that the caller's user cannot open.
+        """
+        if not caller.local:
+            raise errors.FailedPrecondition(f"{delivery.upper()} hands out memory on this host only and this caller "
+                                            "is remote: use STREAM delivery")
+        if delivery != self.backend.delivery:
+            raise errors.FailedPrecondition(f"{delivery.upper()} is not available on the {self.backend.name} backend; "
+                                            f"this server offers {self.backend.delivery.upper()}")
+        if delivery == "shm" and caller.identity in (REMOTE, UNIX_SHARED):
+            raise errors.FailedPrecondition(
+                "SHM segments are mode 0600 and only the server's user can open them; the kernel does not show "
+                f"which user this caller is ({caller.identity}): use STREAM delivery, or call as the server's user "
+                "over a socket only it can connect to (loopback TCP, or the Unix socket at 0600), or with a token")
+        if delivery == "shm" and caller.uid is not None and caller.uid not in (0, os.geteuid()):
+            raise errors.FailedPrecondition(
+                f"SHM segments are mode 0600 and owned by the server's user (uid {os.geteuid()}); this caller is uid "
+                f"{caller.uid} and could not open one: use STREAM delivery, or a server run by the same user")
+
     def _reserve(self, nbytes: int, caller: Caller) -> Reservation:
         try:
             return self.budget.reserve(nbytes, caller.wait, "export")
@@ -155,7 +175,7 @@ class Exports:
         return self.leases.renew(lease_id, caller.identity, ttl_seconds)
 
     def list(self, caller: Caller) -> list[LeaseRecord]:
-        return self.leases.list(None if caller.identity == ANONYMOUS else caller.identity)
+        return self.leases.list(caller.identity)  # no identity sees another's leases
 
     def apply(self, lease_id: str, params: Sequence[ResolvedParam], digest: str, caller: Caller) -> str:
         """Re-initialize a live lease in place; the plan must have the lease's parameter list exactly."""

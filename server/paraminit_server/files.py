@@ -1,9 +1,12 @@
 """Checkpoint files read defensively: bounded pread into buffers, never a memory map.
 
 A file under an allowed directory may be replaced, truncated, a FIFO or a
-symlink loop by the time a request reads it. Files are opened O_NOFOLLOW and
-non-blocking (a FIFO never blocks a worker), must be regular files by fstat, and
-are read with pread of bounded size: a file that shrinks under the read is an
+symlink loop by the time a request reads it, and any directory on its way may
+be swapped for a link. Files are opened once, beneath the allowed directory's
+fd, with no link followed in any component (openat2 RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS, or a walk of O_NOFOLLOW opens where the kernel lacks it),
+non-blocking (a FIFO never blocks a worker); they must be regular files by
+fstat, are read through that fd only, with pread of bounded size: a file that shrinks under the read is an
 error of the request (INVALID_ARGUMENT), never SIGBUS for the whole server.
 Headers are parsed strictly; anything malformed is INVALID_ARGUMENT with a
 message that says what is wrong.
@@ -11,6 +14,8 @@ message that says what is wrong.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import math
 import os
@@ -71,12 +76,84 @@ def echo(text: str, limit: int = MAX_PATH_ECHO) -> str:
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
-def open_regular(path: str, shown: str) -> tuple[int, os.stat_result]:
-    """Open for reading without following a final symlink and without blocking; only regular files."""
+RESOLVE_NO_SYMLINKS, RESOLVE_BENEATH = 0x04, 0x08  # linux/openat2.h
+SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437}.get(os.uname().machine)
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_openat2_missing = SYS_OPENAT2 is None  # set once the kernel says it has no openat2
+_openat2_seen_working = False  # after one success, ENOSYS/EPERM are not taken for "no openat2"
+_libc: Any = None
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _openat2(dir_fd: int, rel: str) -> int | None:
+    """openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS); None where the kernel or libc has no openat2."""
+    global _openat2_missing, _libc
+    if _openat2_missing or SYS_OPENAT2 is None:
+        return None
+    how = _OpenHow(_OPEN_FLAGS, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        _libc = _libc or ctypes.CDLL(None, use_errno=True)
+        fd = int(_libc.syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(rel)),
+                              ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))))
+    except (OSError, AttributeError):
+        _openat2_missing = True
+        return None
+    if fd >= 0:
+        return fd
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EPERM) and not _openat2_seen_working:  # no openat2, or a seccomp filter
+        _openat2_missing = True
+        return None
+    raise OSError(err, os.strerror(err))
+
+
+def _walk(dir_fd: int, parts: list[str]) -> int:
+    """The component walk openat2 does in the kernel: each directory opened from its parent's fd, none a link."""
+    fd = os.dup(dir_fd)
+    try:
+        for name in parts[:-1]:
+            nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(parts[-1], _OPEN_FLAGS, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def open_beneath(root: str, rel: str, shown: str) -> tuple[int, os.stat_result]:
+    """Open `rel` (components without '.', '..' or empty names) beneath the directory `root`, following no
+    symbolic link in any component, without blocking; only regular files.
+
+    The file is opened once, and everything after reads through the returned fd: a directory swapped for a link
+    while the request runs cannot lead the read outside `root`.
+
+    Raises:
+        errors.InvalidRequest: the file cannot be opened that way, or is not a regular file.
+    """
+    global _openat2_seen_working
+    parts = rel.split("/")
+    if not rel or any(p in ("", ".", "..") for p in parts):
+        raise errors.InvalidRequest(f"{shown} is not a plain path beneath an allowed directory")
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
+        raise errors.InvalidRequest(f"cannot open the allowed directory of {shown}: {exc.strerror}") from None
+    try:
+        fd = _openat2(root_fd, rel)
+        if fd is None:
+            fd = _walk(root_fd, parts)
+        else:
+            _openat2_seen_working = True
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR):  # a link (or a swapped one) on the way
+            raise errors.InvalidRequest(f"cannot open {shown}: it is, or lies under, a symbolic link or not a "
+                                        f"directory (links are not followed under allowed directories)") from None
         raise errors.InvalidRequest(f"cannot open {shown}: {exc.strerror}") from None
+    finally:
+        os.close(root_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -112,7 +189,8 @@ def read_header(fd: int, st: os.stat_result, shown: str) -> Header:
     """Parse the header once; entries are checked when a tensor is looked up."""
     n = int.from_bytes(pread_exact(fd, 0, 8, shown), "little")
     if n < 2 or n > MAX_HEADER_BYTES or 8 + n > st.st_size:
-        raise errors.InvalidRequest(f"{shown} is not a safetensors file (header length {n}, file size {st.st_size})")
+        raise errors.InvalidRequest(f"{shown} is not a safetensors file (its header length field does not fit the "
+                                    f"file)")  # never the field itself: 8 bytes of the file
     raw = pread_exact(fd, 8, n, shown)
     try:
         header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)

@@ -29,6 +29,23 @@ from paraminit_server.leases import LeaseRecord, LeaseTable
 from paraminit_server.payloads import BoundSources, Payload, PayloadTicket, Sources, payload_hasher
 
 PREFETCH = 2  # slabs generated ahead of the one being sent
+# What checking a plan costs in host memory, charged to the budget before the work: per parameter (its
+# protobuf wrappers, validation, resolution, digest and layout entries: about 2.7 KB measured for small
+# parameters, streamed) and per byte of the plan as received (gRPC's buffers, the bytes, their parsed
+# message: 229 MiB measured for a 33 MB plan).
+PLAN_PARAM_BYTES = 3072
+PLAN_WIRE_FACTOR = 8
+
+
+def plan_memory(p: plan_pb2.Plan) -> int:
+    """The host memory a plan's parse, validation and resolution are charged (an estimate, on the high side)."""
+    return PLAN_PARAM_BYTES * len(p.params) + PLAN_WIRE_FACTOR * p.ByteSize()
+
+
+def max_request_bytes(host_budget: int, max_concurrent: int) -> int:
+    """The largest request gRPC accepts: as many received at once, with their parsed copies, fit the budget
+    (received before any handler runs, so they cannot be charged one by one); 4 MiB to 256 MiB."""
+    return max(4 << 20, min(256 << 20, host_budget // (PLAN_WIRE_FACTOR * max(1, max_concurrent))))
 
 
 @dataclass(frozen=True)
@@ -41,7 +58,7 @@ class Checked:
     sources: BoundSources | None = None  # holds the memory of checkpoint values until close()
 
     def close(self) -> None:
-        """Give back the memory reserved for checkpoint values."""
+        """Give back the memory reserved for the plan and its checkpoint values."""
         if self.sources is not None:
             self.sources.release()
 
@@ -95,14 +112,18 @@ class Materializer:
 
     # -- plans ---------------------------------------------------------------------------
 
-    def _sources(self, caller: Caller) -> BoundSources:
-        # checkpoint values are held host memory: reserved before they are read
-        return BoundSources(self.sources, caller.identity,
-                            lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"))
+    def _sources(self, caller: Caller, p: plan_pb2.Plan) -> BoundSources:
+        """The request's view of payloads and checkpoints, holding the plan's own memory (plan_memory) until
+        it is released; checkpoint values are host memory too, reserved before they are read."""
+        sources = BoundSources(self.sources, caller.identity,
+                               lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"))
+        sources.hold(self.admission.host.reserve(
+            plan_memory(p), caller.wait, f"checking a plan of {len(p.params)} parameters ({p.ByteSize()} bytes)"))
+        return sources
 
     def validate(self, p: plan_pb2.Plan, caller: Caller) -> tuple[validation.Report, str]:
         """Every violation of the plan (limits included) and its digest; raises nothing for a bad plan."""
-        sources = self._sources(caller)
+        sources = self._sources(caller, p)
         try:
             return validation.validate(p, self.limits, sources), plan.digest(p, sources)
         finally:
@@ -111,14 +132,14 @@ class Materializer:
 
     def check(self, p: plan_pb2.Plan, caller: Caller) -> Checked:
         """Validate the whole plan; raise with every violation, or return it resolved."""
-        sources = self._sources(caller)
-        report = validation.validate(p, self.limits, sources)
-        if report.only_limits:
-            worst = "; ".join(v.message for v in report.violations)
-            raise errors.ResourceExhausted(f"plan exceeds server limits: {worst}", report.violations)
-        if not report.ok:
-            raise errors.InvalidPlan(report.violations)
+        sources = self._sources(caller, p)
         try:
+            report = validation.validate(p, self.limits, sources)
+            if report.only_limits:
+                worst = "; ".join(v.message for v in report.violations)
+                raise errors.ResourceExhausted(f"plan exceeds server limits: {worst}", report.violations)
+            if not report.ok:
+                raise errors.InvalidPlan(report.violations)
             return Checked(plan.resolve(p, sources), report, plan.digest(p, sources), sources)
         except BaseException:
             sources.release()
@@ -214,6 +235,7 @@ class Materializer:
 
     def export(self, p: plan_pb2.Plan, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
         """Fill a buffer local peers map (SHM or CUDA IPC) and lend it under a lease."""
+        self.exports.check_caller(delivery, caller)  # before the plan is even resolved
         checked = self.check(p, caller)
         with contextlib.closing(checked), self.admission.admit(checked.report.total_bytes, caller):
             return self.exports.export(checked.params, checked.digest, delivery, caller, ttl_seconds)

@@ -107,7 +107,12 @@ class Sources:
     def __init__(self, max_bytes: int, ttl: float, safetensors_dirs: Iterable[str] = ()) -> None:
         self.max_bytes = max_bytes
         self.ttl = ttl
+        # each allowed directory as resolved at start, and as written (an operator's path may pass through links
+        # above the directory; nothing beneath it may)
         self.dirs = [Path(d).resolve() for d in safetensors_dirs if d]
+        roots = {(written, str(Path(d).resolve())) for d in safetensors_dirs if d
+                 for written in (os.path.abspath(d), str(Path(d).resolve()))}
+        self._roots = sorted(roots, key=lambda r: -len(r[0]))  # (as written or resolved, resolved), deepest first
         self._payloads: dict[str, Payload] = {}
         self._pending = 0  # bytes of uploads in flight
         self._uploads = 0  # uploads in flight, for draining
@@ -198,22 +203,22 @@ class Sources:
 
     # -- safetensors files ---------------------------------------------------------------
 
-    def allowed(self, path: str) -> tuple[str, str]:
-        """(resolved path, the path as errors show it), if it lies under an allowed directory; raises otherwise."""
+    def allowed(self, path: str) -> tuple[str, str, str]:
+        """(allowed directory, the path relative to it, the path as errors show it); raises unless the path, as
+        written, names something beneath an allowed directory. Nothing is resolved here: links are refused when
+        the file is opened (files.open_beneath), in every component, so what is checked is what is read."""
         shown = files.echo(path)
         if not self.dirs:
             raise errors.InvalidRequest("this server reads no files: start it with --safetensors-dirs DIR[:DIR...] "
                                         "(in process, Client(safetensors_dirs=[...]))")
         if "\0" in path:
             raise errors.InvalidRequest(f"path {shown} contains a NUL character")
-        try:
-            real = Path(path).resolve()
-        except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, names too long
-            raise errors.InvalidRequest(f"cannot resolve {shown}: {files.echo(str(exc), 120)}") from None
-        if not any(real.is_relative_to(d) for d in self.dirs):
-            allowed = ", ".join(files.echo(str(d)) for d in self.dirs)
-            raise errors.InvalidRequest(f"{shown} is not under an allowed directory ({allowed})")
-        return str(real), shown
+        full = os.path.normpath(os.path.abspath(path))  # '..' folds lexically: a/link/.. is a, never link's parent
+        for written, real in self._roots:
+            if full.startswith(written.rstrip("/") + "/"):
+                return real, full[len(written.rstrip("/")) + 1:], shown
+        allowed = ", ".join(files.echo(written) for written, _ in self._roots)
+        raise errors.InvalidRequest(f"{shown} is not under an allowed directory ({allowed})")
 
     def remembered_hash(self, key: tuple[Any, ...]) -> str | None:
         with self._lock:
@@ -244,11 +249,16 @@ class BoundSources:
     def payload(self, payload_id: str) -> Payload | None:
         return self.sources.payload(payload_id, self.owner)
 
+    def hold(self, held: Held) -> None:
+        """Keep a reservation of the request's until release()."""
+        self._held.append(held)
+
     @contextlib.contextmanager
     def _open(self, path: str) -> Iterator[tuple[int, Header, str]]:
         """The open file and its header, parsed once per file version in this request."""
-        real, shown = self.sources.allowed(path)
-        fd, st = files.open_regular(real, shown)
+        root, rel, shown = self.sources.allowed(path)
+        real = os.path.join(root, rel)
+        fd, st = files.open_beneath(root, rel, shown)
         try:
             header = self._headers.get(real)
             if header is None or header.key != files.FileKey.of(st):
@@ -313,7 +323,7 @@ class BoundSources:
             return digest
 
     def release(self) -> None:
-        """Give back the memory reserved for checkpoint values (idempotent)."""
+        """Give back the memory reserved for checkpoint values and held for the request (idempotent)."""
         held, self._held = self._held, []
         for r in held:
             r.release()

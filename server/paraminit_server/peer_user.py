@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import struct
 import sys
+from collections.abc import Collection
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
@@ -26,6 +27,7 @@ _REQ = struct.Struct("=BBBxI")  # family, protocol, extensions, states
 _SOCKID = struct.Struct(">HH16s16sI8x")  # sport, dport, src, dst (network order), interface, cookie
 _MSG_UID_AT = 4 + _SOCKID.size + 12  # family..retrans, id, expires/rqueue/wqueue, then uid
 _PROC_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+AMBIGUOUS = -1  # more than one user's socket matches: nobody can be told apart
 
 
 def split_peer(peer: str) -> tuple[str, int] | None:
@@ -39,9 +41,12 @@ def split_peer(peer: str) -> tuple[str, int] | None:
     return (host, int(port)) if port.isdigit() else None
 
 
-def peer_uid(peer: str) -> int | None:
-    """The user id of the process at the other end of a loopback TCP connection (the client's socket is
-    the one whose local address is the peer's); None when unknown."""
+def peer_uid(peer: str, server_ports: Collection[int] = ()) -> int | None:
+    """The user id of the process at the other end of a loopback TCP connection: the client's socket is the one
+    whose local address and port are the peer's and whose remote port is one the server listens on (any, when
+    `server_ports` is empty). None when no socket matches; AMBIGUOUS when sockets of different users do (client
+    sockets set SO_REUSEADDR, so another user can bind the same local address and port for a connection
+    elsewhere, or to another of this host's addresses)."""
     where = split_peer(peer)
     if where is None:
         return None
@@ -50,12 +55,16 @@ def peer_uid(peer: str) -> int | None:
     except OSError:
         return None
     try:
-        return _netlink_uid(packed, where[1])
+        return _netlink_uid(packed, where[1], server_ports)
     except OSError:
-        return _proc_uid(packed, where[1], _PROC_TABLES)
+        return _proc_uid(packed, where[1], _PROC_TABLES, server_ports)
 
 
-def _netlink_uid(packed: bytes, port: int) -> int | None:
+def _one(uids: set[int]) -> int | None:
+    return None if not uids else uids.pop() if len(uids) == 1 else AMBIGUOUS
+
+
+def _netlink_uid(packed: bytes, port: int, server_ports: Collection[int] = ()) -> int | None:
     """Ask sock_diag for established TCP sockets with local port `port`, in each family the peer can have
     (an IPv4 client may hold a v4-mapped IPv6 socket), and match the local address."""
     wanted = {packed.ljust(16, b"\0")}
@@ -63,14 +72,13 @@ def _netlink_uid(packed: bytes, port: int) -> int | None:
     if len(packed) == 4:
         families = [(socket.AF_INET, packed), (socket.AF_INET6, b"\0" * 10 + b"\xff\xff" + packed)]
         wanted.add(families[1][1])
+    uids: set[int] = set()
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
         nl.settimeout(1.0)
         for seq, (family, _) in enumerate(families, 1):
             nl.send(_dump_request(family, port, seq))
-            uid = _read_dump(nl, port, wanted)
-            if uid is not None:
-                return uid
-    return None
+            uids |= _read_dump(nl, port, wanted, set(server_ports))
+    return _one(uids)
 
 
 def _dump_request(family: int, port: int, seq: int) -> bytes:
@@ -83,8 +91,10 @@ def _dump_request(family: int, port: int, seq: int) -> bytes:
     return _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
-def _read_dump(nl: socket.socket, port: int, wanted: set[bytes]) -> int | None:
-    found = None
+def _read_dump(nl: socket.socket, port: int, wanted: set[bytes], dports: set[int]) -> set[int]:
+    """The uids of every socket in the dump whose local end is (wanted address, port), and whose remote port is
+    in `dports` (any when empty)."""
+    found: set[int] = set()
     while True:
         data = nl.recv(1 << 16)
         pos = 0
@@ -97,26 +107,29 @@ def _read_dump(nl: socket.socket, port: int, wanted: set[bytes]) -> int | None:
             if kind == NLMSG_ERROR:
                 raise OSError("sock_diag refused the request")
             body = pos + _NLMSG.size
-            sport, _dport, src, _dst, _ifindex = _SOCKID.unpack_from(data, body + 4)
-            if sport == port and src in wanted and found is None:
-                found = int.from_bytes(data[body + _MSG_UID_AT:body + _MSG_UID_AT + 4], sys.byteorder)
+            sport, dport, src, _dst, _ifindex = _SOCKID.unpack_from(data, body + 4)
+            if sport == port and src in wanted and (not dports or dport in dports):
+                found.add(int.from_bytes(data[body + _MSG_UID_AT:body + _MSG_UID_AT + 4], sys.byteorder))
             pos += (length + 3) & ~3
 
 
-def _proc_uid(packed: bytes, port: int, tables: tuple[str, ...]) -> int | None:
+def _proc_uid(packed: bytes, port: int, tables: tuple[str, ...], server_ports: Collection[int] = ()) -> int | None:
     """The same answer from /proc/net/tcp{,6}, whose addresses are 32-bit words in host byte order, hex."""
     addr = "".join(f"{int.from_bytes(packed[i:i + 4], sys.byteorder):08X}" for i in range(0, len(packed), 4))
     wanted = {f"{addr}:{port:04X}"}
     if len(addr) == 8:  # an IPv4 peer may appear as a v4-mapped address in tcp6
         wanted.add(f"0000000000000000FFFF0000{addr}:{port:04X}")
+    dports = {f"{p:04X}" for p in server_ports}
+    uids: set[int] = set()
     for table in tables:
         try:
             with open(table) as f:
                 next(f, None)
                 for line in f:
                     fields = line.split()
-                    if len(fields) > 7 and fields[1] in wanted:
-                        return int(fields[7])
+                    if len(fields) > 7 and fields[1] in wanted and fields[3] == "01" \
+                            and (not dports or fields[2].rpartition(":")[2] in dports):
+                        uids.add(int(fields[7]))
         except OSError:
             continue
-    return None
+    return _one(uids)

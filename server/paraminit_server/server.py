@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import contextlib
 import json
 import logging
 import os
@@ -27,10 +28,10 @@ from paraminit import wire
 from paraminit.hostmem import tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_server import backends, shm
-from paraminit_server.auth import AuthInterceptor, TokenAuth, server_credentials
+from paraminit_server.auth import AuthInterceptor, Endpoint, TokenAuth, server_credentials
 from paraminit_server.config import ServerConfig
 from paraminit_server.limits import prepare_jit_cache
-from paraminit_server.materializer import Materializer
+from paraminit_server.materializer import Materializer, max_request_bytes
 from paraminit_server.metrics import Metrics
 from paraminit_server.service import InitServicer
 from paraminit_server.status import MalformedRequest
@@ -91,23 +92,27 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     metrics = Metrics() if config.metrics_port else None
     servicer = InitServicer(plane, tokens, metrics)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
-                         options=GRPC_OPTIONS, interceptors=[AuthInterceptor(tokens)] if tokens else [])
+                         options=_grpc_options(plane), interceptors=[AuthInterceptor(tokens)] if tokens else [])
     server.add_generic_rpc_handlers((_service_handler(servicer),))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
     address = bind_address(config.host, config.port)
     check_port_free(config.host, config.port)
-    if config.tls_cert or config.tls_key:
-        if not (config.tls_cert and config.tls_key):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
-        port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
-    else:
-        port = server.add_insecure_port(address)
+    if (config.tls_cert or config.tls_key) and not (config.tls_cert and config.tls_key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    with _private_umask(address.startswith("unix:")):  # a Unix socket is 0600 from its bind on, never wider
+        if config.tls_cert or config.tls_key:
+            port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key,
+                                                                      config.tls_ca))
+        else:
+            port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
     if address.startswith("unix:"):
-        os.chmod(address[5:], 0o600)  # only the server's user connects (unauthenticated callers are that user)
+        os.chmod(address[5:], 0o600)  # only the server's user connects (auth.peer_identity relies on it)
+    servicer.endpoint = Endpoint(() if address.startswith("unix:") else (port,),
+                                 address[5:] if address.startswith("unix:") else "")
     running = Running(server, port, plane, servicer, health_servicer, config, metrics)
     if metrics is not None:
         running.metrics_port = _serve_metrics(config, plane, metrics)
@@ -208,6 +213,25 @@ def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> No
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1,
                                                                           {"ServerReflectionInfo": handler}),))
+
+
+@contextlib.contextmanager
+def _private_umask(private: bool) -> Iterator[None]:
+    """umask 0177 while a Unix socket is bound (bind creates it with 0777 & ~umask; a chmod after would leave a
+    window). The umask is the process's: this runs once, at startup, before any worker thread writes files."""
+    old = os.umask(0o177) if private else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.umask(old)
+
+
+def _grpc_options(plane: Materializer) -> list[tuple[str, Any]]:
+    """GRPC_OPTIONS with the request size limit the memory budget allows (materializer.max_request_bytes)."""
+    limit = max_request_bytes(plane.admission.host.limit, plane.config.max_concurrent)
+    return [("grpc.max_receive_message_length", limit) if k == "grpc.max_receive_message_length" else (k, v)
+            for k, v in GRPC_OPTIONS]
 
 
 def bind_address(host: str, port: int) -> str:
@@ -341,7 +365,9 @@ def serve(config: ServerConfig) -> int:
         if running.warm_error:
             log.error("warm-up failed, exiting: %s", running.warm_error)
             running.stop(grace=0)
+            shm.release_instance()
             return 1
     running.stop()
+    shm.release_instance()  # the lock file goes with the server
     log.info("stopped")
     return 0

@@ -18,7 +18,7 @@ from paraminit.header_checksum import header_crc32c
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit_server import errors
-from paraminit_server.auth import TokenAuth, identity
+from paraminit_server.auth import Endpoint, TokenAuth, identity
 from paraminit_server.backends import CUDA_IPC, SHM, ExportHandle
 from paraminit_server.caller import Caller
 from paraminit_server.exports import Export
@@ -111,6 +111,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
         self.handlers = Handlers(plane)
         self.tokens = tokens
         self.metrics = metrics
+        self.endpoint = Endpoint()  # where callers' connections end; set once the server has bound
 
     def methods(self) -> dict[str, Callable[..., Any]]:
         """The RPC implementations by method name, for the server's handler table."""
@@ -143,8 +144,8 @@ class InitServicer(pb_grpc.InitServiceServicer):
             wait = max(0.0, min(config.admission_wait, remaining / 2))
             # half the deadline in line at most: the other half is for the work once a slot is free
             queue_wait = max(0.0, min(config.max_queue_wait, remaining / 2))
-        return Caller(identity(context, self.tokens), peers.is_local_peer(context.peer()), wait, context.is_active,
-                      queue_wait)
+        ident, uid = identity(context, self.tokens, self.endpoint)
+        return Caller(ident, peers.is_local_peer(context.peer()), wait, context.is_active, queue_wait, uid)
 
     # -- RPCs ------------------------------------------------------------------------------
 

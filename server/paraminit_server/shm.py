@@ -14,6 +14,7 @@ taken, so its segments are never touched.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import logging
@@ -53,8 +54,23 @@ def instance_tag() -> str:
             os.write(fd, f"{os.getpid()}\n".encode())
             os.rename(tmp, os.path.join(d, f"{tag}.lock"))  # sweepers only ever see locked locks
             _instance = (tag, fd)
+            atexit.register(release_instance)
             sweep()
         return _instance[0]
+
+
+def release_instance() -> None:
+    """Remove this process's lock file (its segments are gone by now): a server that exits leaves nothing in
+    /dev/shm. The file is unlinked while still locked, so no sweeper ever takes it for a dead instance's."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            return
+        tag, fd = _instance
+        _instance = None
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(lock_dir(), f"{tag}.lock"))
+        os.close(fd)
 
 
 def sweep() -> list[str]:
