@@ -6,8 +6,8 @@ Exit codes (also in every --help and the README): see EXIT_CODES_HELP.
 from __future__ import annotations
 
 import argparse
-import errno
 import contextlib
+import errno
 import importlib
 import json
 import os

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import contextlib
+import importlib.resources
 import json
 import logging
 import os
