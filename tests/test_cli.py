@@ -406,7 +406,7 @@ def test_server_help_says_what_each_flag_means() -> None:
     for f in dataclasses.fields(server_config.ServerConfig):
         assert server_config.HELP.get(f.name), f.name
         assert f"env PARAMINIT_{f.name.upper()}; default" in text, f.name
-    assert "0 = every core" in text and "0 = half of the memory free at start" in text
+    assert "0 = every core" in text and "0 = half of the memory available at start" in text
     assert "default 16GiB" in text and "default 4032KiB" in text
 
 
@@ -527,7 +527,7 @@ def test_readme_documents_the_exit_codes_and_the_memory_budget_default() -> None
     for code, meaning in re.findall(r"^  (\d+)\s+(\S[^:\n]*)", cli.EXIT_CODES_HELP, re.M):
         assert re.search(rf"`{code}`", reference), f"docs/cli.md does not document exit code {code} ({meaning})"
     assert "half of free memory" not in README
-    assert "half the container's memory limit" in README and "half of the memory free at start" in README
+    assert "half the container's memory limit" in README and "half of the memory available (MemAvailable) at start" in README
     assert "paraminit inspect" in README and "paraminit plan from-safetensors" in README
 
 
