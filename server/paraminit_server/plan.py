@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -94,15 +95,16 @@ class ResolvedParam:
     hi: float = 0.0
     seed: int = 0
 
-    @property
+    # Cached: the data plane asks for these many times per parameter, and a plan can hold 100,000s of them.
+    @cached_property
     def out_shape(self) -> tuple[int, ...]:
         return tuple(stop - start for start, stop in self.region)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return spec.numel(self.out_shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
@@ -111,6 +113,10 @@ class ResolvedParam:
         return self.out_shape == self.shape
 
     def runs(self) -> Runs:
+        return self._runs
+
+    @cached_property
+    def _runs(self) -> Runs:
         if self.compact:  # values are indexed by the local index: one run from 0
             return Runs(_i64([]), _i64([]), _i64([]), 0, max(1, self.numel))
         rank = len(self.shape)
@@ -134,8 +140,11 @@ class ResolvedParam:
         )
 
 
+_NO_DIMS = np.zeros(0, dtype=np.int64)  # shared by every region of one run (never written)
+
+
 def _i64(values: list[int]) -> npt.NDArray[np.int64]:
-    return np.asarray(values, dtype=np.int64)
+    return np.asarray(values, dtype=np.int64) if values else _NO_DIMS
 
 
 @dataclass(frozen=True)
