@@ -433,12 +433,14 @@ def affine_body(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
 @_jit
 def fill_affine_f16(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None:
     """affine_body for float16 outputs."""
+    wide_vectors()
     affine_body(dst, x0, p0, sc, p1, _F16)
 
 
 @_jit
 def fill_affine_bf16(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None:
     """affine_body for bfloat16 outputs (and float outputs, which ignore the format)."""
+    wide_vectors()
     affine_body(dst, x0, p0, sc, p1, _BF16)
 
 
