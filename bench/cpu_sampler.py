@@ -9,10 +9,11 @@ compared with `x fill` (ndarray.fill on the same storage dtype) and `x torch`
 family, normal_ for normal, nn.init.trunc_normal_ for truncated_normal
 (both at +-2 sigma), fill_ for constants, copy_ from float64 for flat).
 Targets (float32, 2 threads): uniform/xavier/kaiming >= 0.8x fill and >= 10x
-torch uniform_; normal >= 1.0x torch normal_; truncated_normal >= 1.5x torch
+torch uniform_; normal >= 2x torch normal_ (float32, float16, bfloat16); truncated_normal >= 1.5x torch
 trunc_normal_ on every dtype. The first and last row
 of every output is checked against the plain reference first, so a fast
-wrong kernel cannot pass.
+wrong kernel cannot pass. normal and uniform rows are timed round by round against
+the same torch call (the `interleaved` rows), which their `x torch` uses.
 
     python bench/cpu_sampler.py [--threads 2] [--mib 256] [--repeat 3]
 """
@@ -152,9 +153,24 @@ def main() -> None:
             out = arena.view(dt.storage)[:p.numel]
             backend.fill(p, out)
             check(p, out)
-            seconds = best_of(functools.partial(backend.fill, p, out), args.repeat)
-            row(f"paraminit {init} {dt.name}", seconds, fill_s[dt.storage.name],
-                torch_s.get((TORCH_OP[p.kind], dt.name)))
+            ours = functools.partial(backend.fill, p, out)
+            op = TORCH_OP[p.kind]
+            if torch is not None and op in ("normal_", "uniform_"):
+                # Round by round against the same torch call, so a busy neighbour slows both alike.
+                t = torch.empty(p.numel, dtype=getattr(torch, dt.name))
+                theirs = functools.partial(t.normal_, 0.0, 0.02) if op == "normal_" else \
+                    functools.partial(t.uniform_, -0.05, 0.05)
+                theirs()
+                seconds, their_s = float("inf"), float("inf")
+                for _ in range(args.repeat):
+                    their_s = min(their_s, best_of(theirs, 1))
+                    seconds = min(seconds, best_of(ours, 1))
+                del t
+                torch_s[(op, dt.name)] = their_s
+                row(f"torch {op} {dt.name}, interleaved", their_s, fill_s[dt.storage.name])
+            else:
+                seconds = best_of(ours, args.repeat)
+            row(f"paraminit {init} {dt.name}", seconds, fill_s[dt.storage.name], torch_s.get((op, dt.name)))
 
     print()
     head = f"{'what':<44} {'GB/s':>8} {'x fill':>8} {'x torch':>8}"
@@ -170,7 +186,7 @@ def targets(rows: list[tuple[str, float, float | None, float | None]]) -> None:
     and 16-bit formats' element rate vs float32's."""
     by = {name: (gbps, xf, xt) for name, gbps, xf, xt in rows}
     checks: list[tuple[str, float, float]] = []
-    for dt, want in (("float32", 1.5), ("bfloat16", 2.0), ("float16", 2.0), ("float64", 1.5)):
+    for dt, want in (("float32", 2.0), ("bfloat16", 2.0), ("float16", 2.0), ("float64", 1.5)):
         xt = by.get(f"paraminit normal {dt}", (0.0, None, None))[2]
         if xt:
             checks.append((f"normal {dt} vs torch normal_", xt, want))

@@ -256,6 +256,16 @@ def main() -> None:
         print(f"{name:<36} {nbytes / min(t) / 1e9:>10.2f} {nbytes / statistics.median(t) / 1e9:>12.2f} "
               f"{best['bare gRPC stream'] / min(t):>14.2f} {per_round[0]:>12.2f} "
               f"{best['bare gRPC client stream'] / min(t):>14.2f} {per_round[1]:>12.2f}")
+    fill = np.empty(nbytes, dtype=np.uint8)
+    fill.fill(0)
+    print(f"ndarray.fill {nbytes / min(runs(lambda: fill.fill(1), 3)) / 1e9:.2f} GB/s on this host (tells hosts apart)")
+    print("\ntargets (median of per-round ratios)")
+    for name, ref, want in (("Client.stream, verified chunks", "bare gRPC stream", 0.8),
+                            ("Client.materialize, new buffer", "bare gRPC stream", 0.8),
+                            ("materialize_to_file, durable", "bare gRPC stream", 0.7),
+                            ("Client.upload_payload", "bare gRPC client stream", 0.5)):
+        got = statistics.median(a / b for a, b in zip(times[ref], times[name], strict=True))
+        print(f"  {name + ' vs ' + ref:<64} {got:6.2f}x  (target >= {want:.2f}x)  {'ok' if got >= want else 'MISSED'}")
 
 
 if __name__ == "__main__":

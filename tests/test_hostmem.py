@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from paraminit.hostmem import HUGE, host_buffer
+from paraminit.hostmem import HUGE, PREFAULT_BLOCK, host_buffer, prefault
 
 # Reads glibc's own accounting (mallinfo2) rather than page faults: which arena a new thread gets, and so
 # how many fresh pages it touches, varies from run to run; whether a message is a mapping of its own, and
@@ -77,3 +77,20 @@ def test_host_buffers() -> None:
         assert buf.dtype == np.uint8 and buf.shape == (n,) and buf.flags.writeable and buf.flags.c_contiguous
         buf[:] = 0xA5
         assert n == 0 or (buf[0] == 0xA5 and buf[-1] == 0xA5)
+
+
+def test_prefault_keeps_contents_while_a_writer_runs() -> None:
+    """The helper faults pages in without writing them: what the writer put before, during and after stays."""
+    assert prefault(host_buffer(HUGE - 1)) is None  # small buffers: nothing to do
+    n = 3 * PREFAULT_BLOCK + 12345
+    buf = host_buffer(n)
+    head = np.arange(HUGE, dtype=np.uint64).view(np.uint8)[:HUGE]
+    buf[:HUGE] = head  # written before the helper starts
+    t = prefault(buf)
+    buf[n - HUGE:] = 0xA5  # written while it may run
+    if t is not None:
+        t.join(60)
+        assert not t.is_alive()
+    assert np.array_equal(buf[:HUGE], head)
+    assert (buf[n - HUGE:] == 0xA5).all()
+    assert not buf[HUGE:n - HUGE].any()  # never-written pages read as zeros, as fresh anonymous memory does

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import serve_subprocess, wait_until
 from paraminit_client import Client, ParaminitError, param, plan_of
+from paraminit_server.backends.cpu import COMPILE_LINE
 from paraminit_server.config import ServerConfig
 from paraminit_server.server import start
 
@@ -304,6 +305,28 @@ def test_unwritable_numba_cache_only_slows_start(read_only_install: dict[str, st
     assert proc.stderr is not None
     err = proc.stderr.read()
     assert "is not writable" in err and "caching into" in err, err
+    assert err.count(COMPILE_LINE) == 1, err  # a cold cache is not silent, and says so once
+
+
+def test_cold_cli_says_it_compiles_and_reports_compiling_apart(tmp_path: Path) -> None:
+    """A first materialize with an empty kernel cache prints the compile line once and reports the compile
+    seconds apart from the time its throughput is computed over; the next process loads them and says nothing."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"params": [{"name": "w", "shape": [64, 64],
+                                            "init": {"normal": {"std": 0.02, "seed": 3}}}]}))
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    summaries = []
+    for _ in range(2):
+        r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
+                           env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr
+        summaries.append((r.stdout, r.stderr))
+    (cold, cold_err), (warm, warm_err) = summaries
+    assert cold_err.count(COMPILE_LINE) == 1, cold_err
+    m = re.search(r"in [\d.]+ s plus ([\d.]+) s compiling CPU kernels \([\d.]+ \w+/s;", cold)
+    assert m and float(m.group(1)) > 0, cold
+    assert COMPILE_LINE not in warm_err and "compiling" not in warm, (warm, warm_err)
+    assert re.search(r"in [\d.]+ s \([\d.]+ \w+/s;", warm), warm
 
 
 def test_failed_warm_up_exits_non_zero_with_one_line(read_only_install: dict[str, str]) -> None:

@@ -215,6 +215,9 @@ def test_health_reports_not_serving_before_warm_up() -> None:
     gate = threading.Event()
 
     class Slow(CpuBackend):
+        def preload(self) -> None:  # a CPU server serves once its cached kernels are loaded
+            gate.wait(10)
+
         def warm_up(self) -> None:
             gate.wait(10)
 
@@ -227,6 +230,29 @@ def test_health_reports_not_serving_before_warm_up() -> None:
             assert running.ready.wait(10)
             assert stub.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
     finally:
+        running.stop(grace=0)
+
+
+def test_cpu_server_serves_while_uncached_kernels_compile() -> None:
+    """Loading the cached kernels is what a CPU server waits for; compiling the rest goes on while it serves."""
+    gate = threading.Event()
+
+    class Compiling(CpuBackend):
+        def warm_up(self) -> None:
+            gate.wait(30)
+
+    running = start(ServerConfig(host="127.0.0.1", port=0), backend=Compiling())
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert wait_until(lambda: stub.Check(health_pb2.HealthCheckRequest()).status == serving, 30, 0.05)
+            assert not gate.is_set() and not running.ready.is_set()  # still "compiling"
+            gate.set()
+            assert running.ready.wait(10)
+            assert stub.Check(health_pb2.HealthCheckRequest()).status == serving
+    finally:
+        gate.set()
         running.stop(grace=0)
 
 

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from paraminit import dtypes, overlap, times, wire
 from paraminit.header_checksum import header_crc32c
-from paraminit.hostmem import host_buffer, tune_malloc_for_streams
+from paraminit.hostmem import host_buffer, prefault, tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
@@ -396,6 +396,7 @@ class Client:
                          progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:
         header, chunks = self.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
         buf = host_buffer(header.data_bytes)  # huge pages: first-touch faults cost more than the copy itself
+        prefault(buf)  # and a helper thread takes the faults ahead of the copies
 
         def put(c: wire.Chunk) -> None:
             buf[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)

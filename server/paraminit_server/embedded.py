@@ -36,7 +36,8 @@ def data_plane(backend: str = "cpu", **config: Any) -> Materializer:
     """A warmed-up data plane in this process: no sockets, no encoding."""
     cfg = ServerConfig.from_env(backend=backend, metrics_port=0, **config)
     b = backends.create(cfg.backend, cfg.device, cfg.threads or None)
-    b.warm_up()
+    preload = getattr(b, "preload", None)  # CPU: load cached kernels, compile only what this process fills
+    (preload or b.warm_up)()
     return Materializer(cfg, b)
 
 

@@ -9,9 +9,9 @@ normal, and flat payloads (inline values, uploaded payloads, checkpoint tensors)
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -95,16 +95,16 @@ class ResolvedParam:
     hi: float = 0.0
     seed: int = 0
 
-    # Computed once per parameter (a plan of 100k small tensors asks for these several times each).
-    @functools.cached_property
+    # Cached: the data plane asks for these many times per parameter, and a plan can hold 100,000s of them.
+    @cached_property
     def out_shape(self) -> tuple[int, ...]:
         return tuple(stop - start for start, stop in self.region)
 
-    @functools.cached_property
+    @cached_property
     def numel(self) -> int:
         return spec.numel(self.out_shape)
 
-    @functools.cached_property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
@@ -113,14 +113,10 @@ class ResolvedParam:
         return self.out_shape == self.shape
 
     def runs(self) -> Runs:
-        """The region's row-major runs (computed once per parameter)."""
-        cached: Runs | None = self.__dict__.get("_runs")
-        if cached is None:
-            cached = self._make_runs()
-            self.__dict__["_runs"] = cached  # frozen: cache beside the fields, as cached_property does
-        return cached
+        return self._runs
 
-    def _make_runs(self) -> Runs:
+    @cached_property
+    def _runs(self) -> Runs:
         if self.compact:  # values are indexed by the local index: one run from 0
             return Runs(_i64([]), _i64([]), _i64([]), 0, max(1, self.numel))
         rank = len(self.shape)
@@ -144,8 +140,11 @@ class ResolvedParam:
         )
 
 
+_NO_DIMS = np.zeros(0, dtype=np.int64)  # shared by every region of one run (never written)
+
+
 def _i64(values: list[int]) -> npt.NDArray[np.int64]:
-    return np.asarray(values, dtype=np.int64)
+    return np.asarray(values, dtype=np.int64) if values else _NO_DIMS
 
 
 @dataclass(frozen=True)

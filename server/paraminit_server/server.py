@@ -82,7 +82,8 @@ class Running:
 
 
 def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up_async: bool = True) -> Running:
-    """Build, bind and start a server; warm-up (kernel compilation) runs before SERVING."""
+    """Build, bind and start a server; warm-up (kernel compilation) runs before SERVING, except that a CPU server
+    started asynchronously serves once its cached kernels are loaded and compiles the rest while serving."""
     tune_malloc_for_streams()
     backend = backend or backends.create(config.backend, config.device, config.threads or None)
     tokens = TokenAuth.load(config.auth_tokens_file, config.auth_tokens)
@@ -122,10 +123,19 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
 
     def warm() -> None:
         try:
+            preload = getattr(backend, "preload", None)
+            if warm_up_async and preload is not None:
+                # CPU: SERVING once the cached kernels are loaded; what the cache lacks compiles below, and a
+                # request that needs it first waits for it (a cold cache then costs the first requests, not
+                # the time to SERVING).
+                preload()
+                if not plane.admission.draining.is_set():
+                    running.set_serving(True)
             backend.warm_up()
         except Exception as exc:
             if not warm_up_async:
                 raise
+            running.set_serving(False)
             running.warm_error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
             running.ready.set()
             return

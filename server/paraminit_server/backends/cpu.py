@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +34,76 @@ _KERNEL_LOCK = threading.Lock()
 # makes one call per slab. Launches are serialized above, which is all the workqueue layer asks for.
 # An explicit NUMBA_THREADING_LAYER still wins.
 DEFAULT_THREADING_LAYER = "workqueue"
+log = logging.getLogger("paraminit.server")
+COMPILE_LINE = "compiling CPU kernels, once per machine"
+
+
+class _Compiles:
+    """Which `cpu_kernels.fill` specializations this process has loaded, and the time spent compiling.
+
+    A specialization missing from numba's on-disk cache is compiled before its first fill, under a lock, with
+    one line on stderr (the first time in the process) so that a cold start is not silent; its seconds are
+    counted so that reported throughput can leave them out.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ready: set[tuple[str, bool, str, bool]] = set()
+        self.seconds = 0.0
+        self.announced = False
+
+    def ensure(self, args: tuple[Any, ...], compile: bool = True) -> bool:
+        """Load or compile the specialization for these fill arguments (out, ..., values, ...).
+
+        Returns:
+            Whether it is ready: False only when `compile` is False and it would have to be compiled.
+        """
+        out, values = args[0], args[9]
+        key = (out.dtype.str, bool(out.flags.c_contiguous), values.dtype.str, bool(values.flags.c_contiguous))
+        if key in self.ready:
+            return True
+        with self.lock:
+            if key in self.ready:
+                return True
+            disp = cpu_kernels.fill
+            sig = tuple(disp.typeof_pyval(a) for a in args)
+            if sig not in disp.overloads and not _cached(disp, sig):
+                if not compile:
+                    return False
+                if not self.announced:
+                    self.announced = True
+                    if logging.getLogger("paraminit").handlers:  # a server: its log format (JSON lines, ...)
+                        log.warning("%s", COMPILE_LINE)
+                    else:
+                        print(COMPILE_LINE, file=sys.stderr, flush=True)
+                started = time.perf_counter()
+                disp.compile(sig)
+                self.seconds += time.perf_counter() - started
+            else:
+                disp.compile(sig)  # loads it from the cache (nothing when already loaded)
+            self.ready.add(key)
+            return True
+
+
+def _cached(disp: Any, sig: tuple[Any, ...]) -> bool:
+    """Whether numba's on-disk cache holds this specialization (False when that cannot be told)."""
+    try:
+        cache = disp._cache
+        return cache._index_key(sig, disp.targetctx.codegen()) in cache._cache_file._load_index()
+    except Exception:  # pragma: no cover - numba internals moved: count it as compiling
+        return False
+
+
+COMPILES = _Compiles()
+
+
+def _flat_values(p: ResolvedParam) -> Any:
+    return p.values if p.kind == Kind.FLAT and p.values is not None else _NO_VALUES
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling CPU kernels (those loaded from the disk cache cost none)."""
+    return COMPILES.seconds
 
 
 class CpuBackend:
@@ -47,6 +120,14 @@ class CpuBackend:
         for rp in warm_up_params():
             self.fill(rp, np.empty(rp.numel, dtype=rp.dtype.storage))
 
+    def preload(self) -> None:
+        """Load the kernels already in the disk cache and compile nothing: a process that fills only some
+        dtypes then compiles only those, on first use (a cold cache costs one specialization, not all)."""
+        for rp in warm_up_params():
+            out = np.empty(rp.numel, dtype=rp.dtype.storage)
+            if COMPILES.ensure(self._args(rp, out, 0, rp.runs(), _flat_values(rp)), compile=False):
+                self.fill(rp, out)
+
     def scratch(self, nbytes: int) -> Any:
         return host_buffer(nbytes)
 
@@ -58,7 +139,7 @@ class CpuBackend:
         if n == 0:
             return
         runs = p.runs()
-        values = p.values if p.kind == Kind.FLAT and p.values is not None else _NO_VALUES
+        values = _flat_values(p)
         if values.dtype != np.float64:  # a payload in its own dtype: convert only what this window reads
             for lo in range(0, n, CONVERT_PIECE):  # (exact: every float dtype embeds in binary64)
                 hi = min(n, lo + CONVERT_PIECE)
@@ -73,12 +154,17 @@ class CpuBackend:
         self._launch(p, out, l_begin, runs, values)
 
     def _launch(self, p: ResolvedParam, out: Any, l_begin: int, runs: Runs, values: Any) -> None:
+        args = self._args(p, out, l_begin, runs, values)
+        COMPILES.ensure(args)  # outside the launch lock: fills of compiled kernels go on meanwhile
         with _KERNEL_LOCK:
             if self._threads is not None:
                 numba.set_num_threads(self._threads)
-            cpu_kernels.fill(out, l_begin, int(p.kind), np.uint64(p.key), p.p0, p.p1, p.lo, p.hi, np.uint64(p.seed),
-                             values, p.dtype.fmt,
-                             runs.outer_start, runs.outer_ext, runs.outer_stride, runs.base, runs.run_len)
+            cpu_kernels.fill(*args)
+
+    @staticmethod
+    def _args(p: ResolvedParam, out: Any, l_begin: int, runs: Runs, values: Any) -> tuple[Any, ...]:
+        return (out, l_begin, int(p.kind), np.uint64(p.key), p.p0, p.p1, p.lo, p.hi, np.uint64(p.seed), values,
+                p.dtype.fmt, runs.outer_start, runs.outer_ext, runs.outer_stride, runs.base, runs.run_len)
 
     def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
                   should_stop: Callable[[], bool] | None = None) -> None:

@@ -140,6 +140,29 @@ def _wide_multiply() -> bool:
 
 
 WIDE_MULTIPLY = _wide_multiply()
+# LLVM's tuning for Intel server cores (skylake-avx512 .. emeraldrapids) prefers 256-bit vectors, which halves
+# the width of the normal kernels' double-double pipeline on hosts with AVX-512 (AMD's tuning already uses 512).
+# The normal kernels ask for 512-bit vectors per function (wide_vectors below), only where AVX-512 exists; the
+# other kernels keep LLVM's choice. The decision is a function of the host features, which key numba's cache.
+WIDE_VECTORS = _host_feature("avx512f") and _host_feature("avx512dq")
+_WIDE_ATTRS = ('"prefer-vector-width"="512"', '"min-legal-vector-width"="512"')
+
+
+def _wide_vectors(typingctx: Any) -> Any:
+    """Mark the function being compiled to vectorize 512 bits wide (a no-op without AVX-512)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        if WIDE_VECTORS:
+            for attr in _WIDE_ATTRS:
+                # llvmlite's attribute set accepts only enum attributes by name; string attributes are written
+                # into the IR text as they are.
+                set.add(builder.function.attributes, attr)
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+wide_vectors: Any = intrinsic(_wide_vectors)
 F16C = _host_feature("f16c")  # binary32 -> float16 conversion (vcvtps2ph)
 AVX512BF16 = _host_feature("avx512bf16")  # binary32 -> bfloat16 (vcvtneps2bf16; flushes binary32 subnormals)
 
@@ -410,12 +433,14 @@ def affine_body(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
 @_jit
 def fill_affine_f16(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None:
     """affine_body for float16 outputs."""
+    wide_vectors()
     affine_body(dst, x0, p0, sc, p1, _F16)
 
 
 @_jit
 def fill_affine_bf16(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None:
     """affine_body for bfloat16 outputs (and float outputs, which ignore the format)."""
+    wide_vectors()
     affine_body(dst, x0, p0, sc, p1, _BF16)
 
 
@@ -844,6 +869,7 @@ _NBLOCK = 512  # elements per fast pass; a block with an undecided element is re
 @_jit
 def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
     """dst[k] = p0 + p1 * z(g + k) with x0 = key + GOLDEN + 2g (draws 2(g+k) and 2(g+k)+1)."""
+    wide_vectors()
     m = dst.shape[0]
     k = 0
     while k < m:
@@ -929,6 +955,7 @@ def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, 
     (outside the bounds, or rounding undecided) in a byte per element; only those are redone, one by one,
     through every candidate on the exact path, so an element inside the bounds costs what a normal costs.
     """
+    wide_vectors()
     m = dst.shape[0]
     flags = np.empty(_NBLOCK, dtype=np.uint8)
     k = 0
