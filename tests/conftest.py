@@ -19,7 +19,7 @@ from google.protobuf import json_format
 
 from paraminit import dtypes
 from paraminit.v1 import plan_pb2
-from paraminit_client import Client
+from paraminit_client import Client, cli
 from paraminit_server.config import ServerConfig
 from paraminit_server.server import Running, start
 
@@ -118,3 +118,13 @@ def serve_subprocess(env: dict[str, str] | None = None, stderr: Any = None) -> t
 
         assert wait_until(up, 300, 0.05), "paraminit-server not SERVING after 300 s"
     return proc, target
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """cli.main in this process: (exit code, stdout, stderr); argparse exits become codes."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err

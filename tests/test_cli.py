@@ -29,7 +29,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import paraminit_client
-from conftest import running_server, target_of
+from conftest import run_cli, running_server, target_of
 from paraminit import sizes, times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
@@ -59,15 +59,6 @@ def server(ckpt_dir: Path) -> Iterator[Running]:
 def target(server: Running) -> str:
     return target_of(server)
 
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """cli.main in this process: (exit code, stdout, stderr); argparse exits become codes."""
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def write_plan(path: Path, plan: plan_pb2.Plan) -> Path:

@@ -13,21 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import running_server, target_of
+from conftest import run_cli, running_server, target_of
 from paraminit import exitcodes, times
 from paraminit_client import Client, cli, param, plan_of
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # -- serve and exit codes -------------------------------------------------------------------------------------------
