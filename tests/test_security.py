@@ -281,6 +281,11 @@ def test_certificates_without_subject_do_not_share_an_identity(tmp_path: Path, p
 
 def test_unauthenticated_bodies_are_not_buffered() -> None:
     """Six 64 MiB requests without a token: refused on their headers, the server's memory does not grow by them."""
+    from paraminit_server.backends.cpu import CpuBackend
+
+    # Every kernel into the disk cache first: the server loads them all before SERVING, so none compiles (and
+    # grows its peak memory) in the background while this measures.
+    CpuBackend().warm_up()
     proc, target = serve_subprocess({"PARAMINIT_AUTH_TOKENS": f"alice:{ALICE}"})
 
     def rss() -> int:
