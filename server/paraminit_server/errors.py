@@ -1,10 +1,14 @@
-"""The server's one error vocabulary and the one table that maps it to gRPC status codes."""
+"""The data plane's one error vocabulary, with no transport in sight.
+
+Each error names its canonical status code (google.rpc.Code's names, which gRPC,
+HTTP gateways and the in-process client all understand); the gRPC edge
+(`status.py`) and the in-process transport translate that name, nothing else.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import grpc
+from typing import ClassVar
 
 from paraminit.violations import Violation
 
@@ -12,9 +16,13 @@ from paraminit.violations import Violation
 class ParaminitServerError(Exception):
     """Base of every error the service reports to a client on purpose."""
 
+    code: ClassVar[str] = "INTERNAL"
+
 
 class InvalidPlan(ParaminitServerError):
     """The plan has violations; all of them are attached."""
+
+    code: ClassVar[str] = "INVALID_ARGUMENT"
 
     def __init__(self, violations: Sequence[Violation]) -> None:
         self.violations = tuple(violations)
@@ -25,6 +33,8 @@ class InvalidPlan(ParaminitServerError):
 class InvalidRequest(ParaminitServerError):
     """A request field other than the plan is wrong."""
 
+    code: ClassVar[str] = "INVALID_ARGUMENT"
+
 
 class ResourceExhausted(ParaminitServerError):
     """Over a byte, concurrency or lease limit, or out of memory.
@@ -32,6 +42,8 @@ class ResourceExhausted(ParaminitServerError):
     `retry_after`: seconds after which the same call may succeed (a busy server, memory in use); None when a
     retry cannot help (the plan is over a limit), which clients' retry policies are told (pushback -1).
     `reason`: a short label for the refusals metric."""
+
+    code: ClassVar[str] = "RESOURCE_EXHAUSTED"
 
     def __init__(self, message: str, violations: Sequence[Violation] = (), retry_after: float | None = None,
                  reason: str = "limit") -> None:
@@ -44,13 +56,19 @@ class ResourceExhausted(ParaminitServerError):
 class NotFound(ParaminitServerError):
     """An unknown lease (or one that belongs to someone else)."""
 
+    code: ClassVar[str] = "NOT_FOUND"
+
 
 class FailedPrecondition(ParaminitServerError):
     """The request cannot be served in this situation (e.g. zero-copy to a remote peer)."""
 
+    code: ClassVar[str] = "FAILED_PRECONDITION"
+
 
 class Unavailable(ParaminitServerError):
     """The server is shutting down or not ready; `retry_after` seconds, when set, is sent as retry pushback."""
+
+    code: ClassVar[str] = "UNAVAILABLE"
 
     def __init__(self, message: str, retry_after: float | None = None, reason: str = "draining") -> None:
         self.retry_after = retry_after
@@ -61,31 +79,17 @@ class Unavailable(ParaminitServerError):
 class Unauthenticated(ParaminitServerError):
     """Missing or wrong credentials."""
 
+    code: ClassVar[str] = "UNAUTHENTICATED"
+
 
 class BackendUnavailable(ParaminitServerError):
     """A backend that cannot run here (no CuPy, no driver, no device)."""
+
+    code: ClassVar[str] = "FAILED_PRECONDITION"
 
 
 class Cancelled(ParaminitServerError):
     """The client went away or the deadline passed."""
 
+    code: ClassVar[str] = "CANCELLED"
 
-STATUS: dict[type[ParaminitServerError], grpc.StatusCode] = {
-    InvalidPlan: grpc.StatusCode.INVALID_ARGUMENT,
-    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    BackendUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
-    Cancelled: grpc.StatusCode.CANCELLED,
-}
-
-
-def status_of(err: ParaminitServerError) -> grpc.StatusCode:
-    """The status code for an error, by its most specific class in STATUS."""
-    for cls in type(err).__mro__:
-        if cls in STATUS:
-            return STATUS[cls]
-    return grpc.StatusCode.INTERNAL

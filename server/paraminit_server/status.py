@@ -1,6 +1,6 @@
 """The error boundary: every servicer method reports errors here, and only here.
 
-Our errors become their status code from errors.STATUS, invalid plans carry a
+Our errors become the status code they name (errors.*.code), invalid plans carry a
 google.rpc.BadRequest with one FieldViolation per problem, and anything
 unexpected becomes INTERNAL with an error id that is in the server log; a
 traceback never reaches the client.
@@ -142,8 +142,7 @@ def pushback_ms(err: errors.ParaminitServerError) -> int | None:
 
 
 def to_status(err: errors.ParaminitServerError) -> grpc.Status:
-    code = errors.status_of(err)
-    st = status_pb2.Status(code=getattr(code_pb2, code.name), message=_message(err))
+    st = status_pb2.Status(code=getattr(code_pb2, err.code), message=_message(err))
     violations = err.violations if isinstance(err, (errors.InvalidPlan, errors.ResourceExhausted)) else ()
     if violations:
         st = with_violations(st, violations)
@@ -177,7 +176,7 @@ def _precheck(owner: Servicer, request: Any = None) -> None:
 
 
 def status_for(exc: BaseException, method: str) -> grpc.Status:
-    """The status a client gets for an exception: ours by the STATUS table, anything else INTERNAL with an
+    """The status a client gets for an exception: ours by the code they name, anything else INTERNAL with an
     error id that is in the server log (never the traceback)."""
     if isinstance(exc, MemoryError):  # allocation failed: everything of the request is already unwound
         exc = errors.ResourceExhausted(f"out of memory while materializing ({exc or 'allocation failed'}); retry later",
