@@ -2,8 +2,8 @@
 
 Every one of the 2^32 draws k gives one input per function: log(max(k * 2^-32, 1e-6)) and
 cos((2.0 * pi) * (k * 2^-32)). For each chunk of draws this compares
-- ours: cpu_kernels.cr_log / cr_cos (the double-double pass, its rounding test and the FIX tables), and the
-  plain functions' distance in ulps from the correct result (cpu_kernels.LOG_PLAIN_ULPS / COS_PLAIN_ULPS);
+- ours: cpu_kernels.cr_math.cr_log / cr_cos (the double-double pass, its rounding test and the FIX tables), and the
+  plain functions' distance in ulps from the correct result (cr_tables.LOG_PLAIN_ULPS / COS_PLAIN_ULPS);
 - the oracle, which shares no code with them: x87 extended precision (numpy longdouble, glibc's logl/cosl,
   64-bit significands) decides the rounding when its value is farther than ORACLE_BOUND (relative, 2^-62,
   2 ulps of the 64-bit format; glibc documents 1) from a binary64 rounding boundary; every other input goes to
@@ -13,7 +13,7 @@ Chunks run in worker processes; finished chunks are recorded in a JSON summary, 
 resumes where it stopped.
 
     .venv/bin/python bench/verify_cr.py                 # all of log and cos, 2 workers
-    .venv/bin/python bench/verify_cr.py --fix-tables    # regenerate the FIX tables of cpu_kernels.py
+    .venv/bin/python bench/verify_cr.py --fix-tables    # print the FIX tables of cpu_kernels/cr_tables.py
 
 The FIX tables come from running every input through the double-double pass and deciding the flagged
 ones (about 1e-6 of them) with mpmath; the full run above then re-checks everything independently.
@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 
-from paraminit_server.backends import cpu_kernels as ck
+from paraminit_server.backends.cpu_kernels import cr_math as ck
 
 FUNCS = ("log", "cos")
 ORACLE_BOUND = 2.0**-62
@@ -172,7 +172,7 @@ def fix_tables(chunk: int) -> None:
             print(f"\r{fn}: {k0 + chunk:>10} / {TOTAL} flagged {n_flag} fixes {len(fixes)}", end="",
                   file=sys.stderr, flush=True)
         print(f"\n{fn}: {n_flag} flagged, {len(fixes)} fixes, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        print(f"_{fn.upper()}_FIX: dict[int, int] = {{")
+        print(f"{fn.upper()}_FIX: dict[int, int] = {{")
         items = [f"{k}: {d}" for k, d in sorted(fixes.items())]
         for i in range(0, len(items), 6):
             print("    " + ", ".join(items[i:i + 6]) + ",")

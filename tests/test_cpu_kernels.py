@@ -26,8 +26,9 @@ from paraminit import dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_client import plans
 from paraminit_server import spec
-from paraminit_server.backends import cpu_kernels
 from paraminit_server.backends.cpu import CpuBackend
+from paraminit_server.backends.cpu_kernels import counter_rng, half_rounding
+from paraminit_server.backends.cpu_kernels.driver import PIECE
 from paraminit_server.plan import Kind, ResolvedParam, resolve_param
 
 INITS = ("zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",
@@ -84,7 +85,7 @@ def threads(n: int) -> Iterator[None]:
 
 
 # Several parallel pieces, and rows that end inside a piece.
-BIG = [3, cpu_kernels.PIECE // 2 + 77]
+BIG = [3, PIECE // 2 + 77]
 
 
 @pytest.mark.parametrize("dt", dtypes.SUPPORTED, ids=lambda d: d.name)
@@ -116,7 +117,7 @@ def test_chunking_invariance(init: str, dt: dtypes.DTypeInfo) -> None:
     rng = np.random.default_rng(3)
     n = p.numel
     for _ in range(3):
-        cuts = np.unique(np.concatenate([[0, n], rng.integers(0, n, 6), [cpu_kernels.PIECE, 4800, 4801]]))
+        cuts = np.unique(np.concatenate([[0, n], rng.integers(0, n, 6), [PIECE, 4800, 4801]]))
         cuts = cuts[cuts <= n]
         parts = [fill(p, int(a), int(b - a)) for a, b in itertools.pairwise(cuts)]
         assert same(np.concatenate(parts), whole)
@@ -186,9 +187,9 @@ def _half_paths(values: Any, fmt: int) -> Any:
     fast = np.empty(n, dtype=np.uint16)
     flags = np.empty(n, dtype=np.int64)
     for i in range(n):
-        h = cpu_kernels._F16 if fmt == 1 else cpu_kernels._BF16
-        ints[i] = cpu_kernels.half_bits_int(values[i], h)
-        flags[i] = cpu_kernels.store_fast(fast, i, values[i], h)
+        h = half_rounding.F16 if fmt == 1 else half_rounding.BF16
+        ints[i] = half_rounding.half_bits_int(values[i], h)
+        flags[i] = half_rounding.store_fast(fast, i, values[i], h)
     return ints, fast, flags
 
 
@@ -365,4 +366,4 @@ def test_segment_draw_forms_agree() -> None:
         z = (a * 0x1CE4E5B9 + ((a * 0xBF58476D) << 32) + c1) & m64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
         assert (z ^ (z >> 31)) & 0xFFFFFFFF == spec.mix((x - spec.GOLDEN) & m64) & 0xFFFFFFFF
-        assert cpu_kernels.low_draw(np.uint64(x)) == float(spec.mix((x - spec.GOLDEN) & m64) & 0xFFFFFFFF)
+        assert counter_rng.low_draw(np.uint64(x)) == float(spec.mix((x - spec.GOLDEN) & m64) & 0xFFFFFFFF)

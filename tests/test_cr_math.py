@@ -17,13 +17,15 @@ import pytest
 import reference
 
 from conftest import VECTORS
-from paraminit_server.backends import cpu_kernels as ck
+from paraminit_server.backends.cpu_kernels import cr_math as ck
+from paraminit_server.backends.cpu_kernels.cr_tables import tables
+from paraminit_server.backends.cpu_kernels.jit import jit as kernel
 
 HARD = VECTORS["hard_inputs"]
 SAMPLE = 100_000
 
 
-@nb.njit(cache=True)
+@kernel  # cached like the kernels, so a change of any kernel module recompiles it
 def _evaluate(ks: Any, fn: int) -> Any:
     """cr_*, plain and the double-double pieces of draws ks (fn 0: log, 1: cos)."""
     n = ks.shape[0]
@@ -108,15 +110,15 @@ def test_fma_rounds_once() -> None:
 
 
 def test_tables() -> None:
-    r = ck.TABLES["log_r"]
-    assert r[159] == 1.0 and ck.TABLES["log_th"][159] == 0.0
+    r = tables()["log_r"]
+    assert r[159] == 1.0 and tables()["log_th"][159] == 0.0
     scaled = [math.ldexp(math.frexp(v)[0], 20) for v in r.tolist()]
     assert all(s == int(s) for s in scaled)  # 20 significant bits: m * r - 1 is exact
-    ch, sh = ck.TABLES["cos_ch"], ck.TABLES["cos_sh"]
+    ch, sh = tables()["cos_ch"], tables()["cos_sh"]
     assert ch[64] == 0.0 and ch[192] == 0.0 and sh[0] == 0.0 and sh[128] == 0.0 and ch[256] == 1.0
     with mpmath.workprec(200):
         for j in (1, 37, 64, 100, 200, 255):
             ang = mpmath.pi * j / 128
-            assert abs(mpmath.mpf(ch[j]) + mpmath.mpf(ck.TABLES["cos_cl"][j]) - mpmath.cos(ang)) < mpmath.mpf(2) ** -104
-            assert abs(mpmath.mpf(sh[j]) + mpmath.mpf(ck.TABLES["cos_sl"][j]) - mpmath.sin(ang)) < mpmath.mpf(2) ** -104
+            assert abs(mpmath.mpf(ch[j]) + mpmath.mpf(tables()["cos_cl"][j]) - mpmath.cos(ang)) < mpmath.mpf(2) ** -104
+            assert abs(mpmath.mpf(sh[j]) + mpmath.mpf(tables()["cos_sl"][j]) - mpmath.sin(ang)) < mpmath.mpf(2) ** -104
     assert reference.cr_log(1e-6) == ck.LOG_FLOOR

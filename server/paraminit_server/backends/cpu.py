@@ -1,4 +1,4 @@
-"""The embedded CPU backend: numba kernels (cpu_kernels.py) over NumPy buffers, exports in shared memory."""
+"""The embedded CPU backend: numba kernels (the cpu_kernels package) over NumPy buffers, exports in shared memory."""
 
 from __future__ import annotations
 

@@ -1,0 +1,300 @@
+"""The value kinds' fills over one run of consecutive global elements: affine (uniform family), normal, truncated
+normal, flat payload, constant. One fused, vectorized pass per kind, casts included.
+
+Speed comes from letting LLVM vectorize every inner loop (AVX2 or AVX-512 on the host), so the loops are kept free
+of branches and of anything that blocks vectorization; rare elements are redone block by block after a vector pass.
+Indices are unsigned, so numba emits no negative-index wraparound per store. normal: float64 outputs take the
+double-double evaluation of cr_math; float32 and 16-bit outputs a cheaper evaluation whose error interval is
+carried through the spec's monotone operations, and only elements whose interval straddles a rounding boundary of
+the output format (about one in a million) are redone exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, LOW32, U1, U2, draw_seg, low_draw, mix, seg_consts, seg_room
+from paraminit_server.backends.cpu_kernels.cr_math import (
+    COS_PLAIN_ULPS,
+    LOG_PLAIN_ULPS,
+    cos_dd,
+    cos_input,
+    cos_plain,
+    cr_cos,
+    cr_log,
+    log_dd,
+    log_input,
+    log_plain,
+    sqrt,
+)
+from paraminit_server.backends.cpu_kernels.half_rounding import BF16, F16, F32_MIN_NORMAL, sticky32, store, store_fast
+from paraminit_server.backends.cpu_kernels.jit import bits_f64, f64_bits, inline, jit, wide_vectors
+
+_ABLOCK = 2048  # elements per fast pass of fill_affine; a block with a rare element is stored again exactly
+
+
+@inline
+def affine_body(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> None:
+    """dst[k] = p0 + unit(g + k) * p1 with x0 = key + GOLDEN + g; `sc * p1` is p1 * 2^-32 split exactly.
+
+    Inlined by numba into fill_affine_f16 / fill_affine_bf16 with h a global constant, so the format's
+    branches fold at compile time (passed as an argument, h is a runtime tuple and the vector loop carries
+    both formats' code and a test per iteration).
+    """
+    m = dst.shape[0]
+    # No NaN, and no nonzero |value| below 2^-126 (where bfloat16 rounds on another path), can occur when p0 and
+    # p1 are finite and |p0| >= 2^-73 (values near -p0 are then multiples of 2^-126) or p0 = 0 and
+    # |p1| >= 2^-90: then store_fast never flags, and its flag is not even computed (the loop drops it).
+    plain = (sc == 1.0) & math.isfinite(p0) & math.isfinite(p1) & (
+        (abs(p0) >= 2.0**-73) | ((p0 == 0.0) & (abs(p1) >= 2.0**-122)))
+    k = 0
+    while k < m:
+        x = x0 + np.uint64(k)
+        cnt = min(m - k, seg_room(x))
+        c, c1, hi = seg_consts(x)
+        if plain:
+            xl = x & LOW32
+            sub = dst[k:k + cnt]
+            for j in range(cnt):
+                store_fast(sub, np.uint64(j), p0 + draw_seg(xl + np.uint64(j), c, c1, hi) * p1, h)
+            k += cnt
+            continue
+        for b0 in range(0, cnt, _ABLOCK):
+            nb_ = min(cnt - b0, _ABLOCK)
+            xl = (x & LOW32) + np.uint64(b0)
+            sub = dst[k + b0:k + b0 + nb_]
+            rare = 0
+            if sc == 1.0:
+                for j in range(nb_):
+                    rare += store_fast(sub, np.uint64(j), p0 + draw_seg(xl + np.uint64(j), c, c1, hi) * p1, h)
+            else:
+                for j in range(nb_):
+                    rare += store_fast(sub, np.uint64(j), p0 + (draw_seg(xl + np.uint64(j), c, c1, hi) * sc) * p1, h)
+            if rare and sc == 1.0:
+                for j in range(nb_):
+                    store(sub, np.uint64(j), p0 + draw_seg(xl + np.uint64(j), c, c1, hi) * p1, h)
+            elif rare:
+                for j in range(nb_):
+                    store(sub, np.uint64(j), p0 + (draw_seg(xl + np.uint64(j), c, c1, hi) * sc) * p1, h)
+        k += cnt
+
+
+@jit
+def fill_affine_f16(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None:
+    """affine_body for float16 outputs."""
+    wide_vectors()
+    affine_body(dst, x0, p0, sc, p1, F16)
+
+
+@jit
+def fill_affine_bf16(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None:
+    """affine_body for bfloat16 outputs (and float outputs, which ignore the format)."""
+    wide_vectors()
+    affine_body(dst, x0, p0, sc, p1, BF16)
+
+
+@jit
+def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> None:
+    """dst[k] = p0 + unit(g + k) * p1 (affine_body), the format's kernel chosen once per call."""
+    if h[0] == 42:
+        fill_affine_f16(dst, x0, p0, sc, p1)
+    else:
+        fill_affine_bf16(dst, x0, p0, sc, p1)
+
+
+@jit
+def normal_exact(d1: float, d2: float, p0: float, p1: float) -> Any:
+    """mean + std * z of the spec, from two draws (the exact path, scalar)."""
+    return p0 + p1 * (math.sqrt(-2.0 * cr_log(d1)) * cr_cos(d2))
+
+
+# Distances in units in the last place (steps of the bit pattern), doubled where a binade boundary may halve
+# the step: sqrt(-2 L) moves at most 2 * LOG_PLAIN_ULPS + 2 steps when L moves LOG_PLAIN_ULPS, and their
+# product at most 4 * (S + C) + 8 steps.
+_Z_ULPS = np.int64(4 * ((2 * LOG_PLAIN_ULPS + 2) + COS_PLAIN_ULPS) + 8)
+
+
+@inline
+def normal_bounds(d1: float, d2: float, p0: float, p1: float) -> Any:
+    """An interval [va, vb] that holds mean + std * z of the spec, from the plain log and cos.
+
+    The correctly rounded log and cos lie within a few ulps of the plain values, so the spec's z lies within
+    _Z_ULPS steps of the plain z, and `mean + std * z` is monotone in z: its values at the ends bound it.
+    """
+    z = sqrt(-2.0 * log_plain(log_input(d1))) * cos_plain(cos_input(d2))
+    zb = f64_bits(z)
+    z0 = bits_f64(zb - _Z_ULPS)
+    z1 = bits_f64(zb + _Z_ULPS)
+    va = p0 + p1 * z0
+    vb = p0 + p1 * z1
+    return min(va, vb), max(va, vb)
+
+
+def normal_fast(out: Any, d1: float, d2: float, p0: float, p1: float, h: Any) -> Any:
+    """(value to store, undecided) for one normal element in out's dtype; vectorizable, branch-free."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(normal_fast, inline="always")
+def _normal_fast_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
+    if out.dtype == types.float64:
+        def f64(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
+            lh, _, lok = log_dd(log_input(d1))
+            ch, _, cok = cos_dd(cos_input(d2))
+            return p0 + p1 * (sqrt(-2.0 * lh) * ch), np.int64(~(lok & cok)) & 1
+        return f64
+    if out.dtype == types.float32:
+        def f32(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
+            va, vb = normal_bounds(d1, d2, p0, p1)
+            return va, np.int64(np.float32(va) != np.float32(vb))
+        return f32
+
+    def half(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
+        # half_bits(v) is a function of sticky32(v): equal sticky values give equal bits (below 2^-126, where
+        # bfloat16 takes another path, the element is simply redone)
+        va, vb = normal_bounds(d1, d2, p0, p1)
+        return va, np.int64((sticky32(va) != sticky32(vb)) | (abs(va) < F32_MIN_NORMAL))
+    return half
+
+
+_NBLOCK = 512  # elements per fast pass; a block with an undecided element is redone element by element
+
+
+@jit
+def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
+    """dst[k] = p0 + p1 * z(g + k) with x0 = key + GOLDEN + 2g (draws 2(g+k) and 2(g+k)+1)."""
+    wide_vectors()
+    m = dst.shape[0]
+    k = 0
+    while k < m:
+        x = x0 + np.uint64(2 * k)
+        cnt = min(m - k, seg_room(x) // 2)  # whole pairs left
+        if cnt <= 0:  # this element's pair straddles a segment boundary
+            store(dst, np.uint64(k), normal_exact(low_draw(x), low_draw(x + U1), p0, p1), h)
+            k += 1
+            continue
+        c, c1, hi = seg_consts(x)
+        for b0 in range(0, cnt, _NBLOCK):
+            nb_ = min(cnt - b0, _NBLOCK)
+            xl = (x & LOW32) + U2 * np.uint64(b0)
+            sub = dst[k + b0:k + b0 + nb_]
+            bad = 0
+            for j in range(nb_):
+                w = xl + U2 * np.uint64(j)
+                v, u = normal_fast(sub, draw_seg(w, c, c1, hi), draw_seg(w + U1, c, c1, hi), p0, p1, h)
+                store(sub, np.uint64(j), v, h)
+                bad += u
+            if bad:
+                for j in range(nb_):
+                    w = xl + U2 * np.uint64(j)
+                    d1 = draw_seg(w, c, c1, hi)
+                    d2 = draw_seg(w + U1, c, c1, hi)
+                    _, u = normal_fast(sub, d1, d2, p0, p1, h)
+                    if u:
+                        store(sub, np.uint64(j), normal_exact(d1, d2, p0, p1), h)
+        k += cnt
+
+
+def trunc_fast(out: Any, d1: float, d2: float, p0: float, p1: float, lo: float, hi: float, h: Any) -> Any:
+    """(candidate 0 to store, flag) for one truncated-normal element; the flag marks an element whose candidate 0
+    may lie outside [lo, hi] or whose rounding is undecided. Vectorizable, branch-free."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(trunc_fast, inline="always")
+def _trunc_fast_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
+    if out.dtype == types.float64:
+        def f64(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
+            lh, _, lok = log_dd(log_input(d1))
+            ch, _, cok = cos_dd(cos_input(d2))
+            v = p0 + p1 * (sqrt(-2.0 * lh) * ch)
+            return v, np.int64(1) - np.int64(lok & cok & (lo <= v) & (v <= hi))
+        return f64
+    if out.dtype == types.float32:
+        def f32(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
+            va, vb = normal_bounds(d1, d2, p0, p1)
+            inside = np.int64((lo <= va) & (vb <= hi))
+            return va, np.int64(np.float32(va) != np.float32(vb)) | (np.int64(1) - inside)
+        return f32
+
+    def half(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
+        va, vb = normal_bounds(d1, d2, p0, p1)
+        inside = np.int64((lo <= va) & (vb <= hi))
+        return va, np.int64((sticky32(va) != sticky32(vb)) | (abs(va) < F32_MIN_NORMAL)) | (np.int64(1) - inside)
+    return half
+
+
+_CANDIDATES = 64  # spec.TRUNC_CANDIDATES
+
+
+@jit
+def trunc_exact(g: Any, p0: float, p1: float, lo: float, hi: float, seed: Any) -> Any:
+    """Section 2.2 for global element g, candidate by candidate on the exact path (scalar)."""
+    v = p0
+    for j in range(_CANDIDATES):
+        x = mix(seed + np.uint64(j) * GOLDEN) + GOLDEN + U2 * g  # key(s_j) + GOLDEN + 2g, as fill_normal's x0
+        v = normal_exact(low_draw(x), low_draw(x + U1), p0, p1)
+        if lo <= v and v <= hi:
+            return v
+    c = lo if lo > v else v  # Python's min(max(v, lo), hi), as the spec writes it
+    return hi if hi < c else c
+
+
+@jit
+def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, hi: float, seed: Any,
+                   h: Any) -> None:
+    """dst[k] = truncated normal of element g0 + k; x0 = key(seed) + GOLDEN + 2 g0 (candidate 0's draws).
+
+    One vectorized pass computes candidate 0 as fill_normal does and flags the elements it cannot settle
+    (outside the bounds, or rounding undecided) in a byte per element; only those are redone, one by one,
+    through every candidate on the exact path, so an element inside the bounds costs what a normal costs.
+    """
+    wide_vectors()
+    m = dst.shape[0]
+    flags = np.empty(_NBLOCK, dtype=np.uint8)
+    k = 0
+    while k < m:
+        x = x0 + np.uint64(2 * k)
+        cnt = min(m - k, seg_room(x) // 2)  # whole pairs left
+        if cnt <= 0:  # this element's pair straddles a segment boundary
+            store(dst, np.uint64(k), trunc_exact(g0 + np.uint64(k), p0, p1, lo, hi, seed), h)
+            k += 1
+            continue
+        c, c1, hi32 = seg_consts(x)
+        for b0 in range(0, cnt, _NBLOCK):
+            nb_ = min(cnt - b0, _NBLOCK)
+            xl = (x & LOW32) + U2 * np.uint64(b0)
+            sub = dst[k + b0:k + b0 + nb_]
+            bad = 0
+            for j in range(nb_):
+                w = xl + U2 * np.uint64(j)
+                v, u = trunc_fast(sub, draw_seg(w, c, c1, hi32), draw_seg(w + U1, c, c1, hi32), p0, p1, lo, hi, h)
+                store(sub, np.uint64(j), v, h)
+                flags[j] = u
+                bad += u
+            if bad:
+                gb = g0 + np.uint64(k + b0)
+                for j in range(nb_):
+                    if flags[j]:
+                        store(sub, np.uint64(j), trunc_exact(gb + np.uint64(j), p0, p1, lo, hi, seed), h)
+        k += cnt
+
+
+@jit
+def fill_flat(dst: Any, values: Any, g: int, h: Any) -> None:
+    """dst[k] = values[g + k], cast."""
+    src = values[g:g + dst.shape[0]]
+    for j in range(dst.shape[0]):
+        store(dst, np.uint64(j), src[np.uint64(j)], h)
+
+
+@jit
+def fill_const(dst: Any, c: float, h: Any) -> None:
+    """The cast of c is loop-invariant: LLVM hoists it and the loop becomes a plain fill."""
+    for j in range(dst.shape[0]):
+        store(dst, np.uint64(j), c, h)

@@ -1,0 +1,130 @@
+"""How the CPU kernels are compiled: numba decorators, one cache key for the whole package, host features, bit casts.
+
+Every kernel is cached on disk. numba keys a cached function on its own bytecode and the stamp of its own source
+file only, so a kernel whose callee lives in a sibling module would load stale machine code after that sibling
+changed; `KernelCache` adds a digest of every module of this package to the key. No fastmath anywhere: every
+binary64 operation of the spec rounds on its own (no FMA contraction).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numba as nb
+from llvmlite import ir
+from numba import types
+from numba.core.caching import FunctionCache
+from numba.core.errors import NumbaIRAssumptionWarning
+from numba.extending import intrinsic
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+@functools.cache
+def sources_digest() -> str:
+    """SHA-256 over the names and bytes of this package's modules ('' where the sources are not shipped)."""
+    h = hashlib.sha256()
+    for path in sorted(_PACKAGE.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class KernelCache(FunctionCache):
+    """numba's on-disk cache of one kernel, keyed also on the sources of every kernel module (see the module doc)."""
+
+    def _index_key(self, sig: Any, codegen: Any) -> Any:
+        return (*super()._index_key(sig, codegen), sources_digest())  # type: ignore[no-untyped-call]
+
+
+def _kernel(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """njit(cache=True, nogil=True, **options), cached through KernelCache instead of numba's FunctionCache."""
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        disp = nb.njit(nogil=True, **options)(fn)
+        # what Dispatcher.enable_caching does for cache=True, with the package-wide key
+        disp._cache = KernelCache(fn)  # type: ignore[no-untyped-call]
+        return disp
+
+    return decorate
+
+
+# Helpers are small and not marked inline: LLVM inlines them after linking, before it vectorizes (numba-level
+# inlining only multiplied compile time).
+jit = _kernel()
+parallel = _kernel(parallel=True)
+# The log/cos helpers are too large for LLVM's inliner, and a call in the loop stops vectorization: they are
+# inlined by numba.
+inline = _kernel(inline="always")
+# numba's inliner reports phi variables of inlined helpers as out of scope; harmless for this code.
+warnings.filterwarnings("ignore", message="variable '.*' is not in scope", category=NumbaIRAssumptionWarning)
+
+
+def _host_feature(name: str) -> bool:
+    """Whether the host CPU (which the kernels are compiled for) has an LLVM feature, e.g. f16c."""
+    try:
+        from llvmlite import binding
+
+        return bool(binding.get_host_cpu_features().get(name, False))
+    except Exception:  # pragma: no cover - feature query unavailable: take the integer paths
+        return False
+
+
+# Host features are read when a kernel compiles (numba freezes globals); they key numba's cache through the
+# codegen's CPU name and feature string.
+# A 64-bit vector multiply (AVX-512DQ vpmullq): SplitMix64 runs as is (counter_rng.draw_seg).
+WIDE_MULTIPLY = _host_feature("avx512dq")
+# LLVM's tuning for Intel server cores (skylake-avx512 .. emeraldrapids) prefers 256-bit vectors, which halves
+# the width of the normal kernels' double-double pipeline on hosts with AVX-512 (AMD's tuning already uses 512).
+# The normal kernels ask for 512-bit vectors per function (wide_vectors below), only where AVX-512 exists; the
+# other kernels keep LLVM's choice.
+WIDE_VECTORS = _host_feature("avx512f") and _host_feature("avx512dq")
+_WIDE_ATTRS = ('"prefer-vector-width"="512"', '"min-legal-vector-width"="512"')
+F16C = _host_feature("f16c")  # binary32 -> float16 conversion (vcvtps2ph)
+AVX512BF16 = _host_feature("avx512bf16")  # binary32 -> bfloat16 (vcvtneps2bf16; flushes binary32 subnormals)
+
+
+def _wide_vectors(typingctx: Any) -> Any:
+    """Mark the function being compiled to vectorize 512 bits wide (a no-op without AVX-512)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        if WIDE_VECTORS:
+            for attr in _WIDE_ATTRS:
+                # llvmlite's attribute set accepts only enum attributes by name; string attributes are written
+                # into the IR text as they are.
+                set.add(builder.function.attributes, attr)
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+def _f64_bits(typingctx: Any, x: Any) -> Any:
+    """Reinterpret a binary64 as its bit pattern, as int64 (a plain LLVM bitcast)."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return types.int64(types.float64), codegen
+
+
+def _bits_f64(typingctx: Any, x: Any) -> Any:
+    """Reinterpret a 64-bit pattern as a binary64 (a plain LLVM bitcast)."""
+    if x not in (types.int64, types.uint64):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(x), codegen
+
+
+wide_vectors: Any = intrinsic(_wide_vectors)
+f64_bits: Any = intrinsic(_f64_bits)
+bits_f64: Any = intrinsic(_bits_f64)
