@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/paraminit/v1/*.proto)
 
-.PHONY: venv demo test lint proto bench gpu-wheels image-check clean
+.PHONY: venv demo test lint proto kernel-tables bench gpu-wheels image-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ proto: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m grpc_tools.protoc -I proto --python_out=proto --grpc_python_out=proto \
 		--mypy_out=proto --mypy_grpc_out=proto --include_source_info \
 		--descriptor_set_out=proto/paraminit/v1/contract.binpb $(PROTOS)
+
+# Rewrites the table block of the CUDA header from the CPU kernels' tables (cpu_kernels/cr_tables.py);
+# tests/test_kernel_tables.py fails when the committed block is stale.
+kernel-tables: $(STAMP)
+	$(PY) -m paraminit_server.backends.kernel_tables
 
 bench: $(STAMP)
 	$(PY) bench/cpu_sampler.py

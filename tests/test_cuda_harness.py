@@ -7,7 +7,7 @@ sample, the domain's edges and vectors.json's hard inputs), and whole packed
 plans (cupy_backend.pack, the kernels' tile loop and region mapping, emulated
 thread by thread) with reference.py and vectors.json. Normal values match
 exactly: log and cos are correctly rounded on both sides (docs/SAMPLER.md 2.1).
-The header's generated tables must equal cpu_kernels.TABLES (cuh_tables()).
+The header's table block is written by `make kernel-tables` (tests/test_kernel_tables.py).
 The kernel source itself (as the backend inlines it for NVRTC) is compiled to a
 cubin to prove it builds. Skipped without nvcc. What plain nvcc cannot show
 (CuPy's forced -ftz=true, NVRTC's code for the device branches) is checked on
@@ -35,8 +35,8 @@ from conftest import VECTORS, case_param
 from paraminit import dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_server import spec
-from paraminit_server.backends import cpu_kernels as ck
 from paraminit_server.backends import cupy_backend as cb
+from paraminit_server.backends.cpu_kernels import cr_math, cr_tables
 from paraminit_server.plan import Kind, ResolvedParam, resolve_param
 
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
@@ -265,49 +265,13 @@ def normal_ref(key: int, g: int, mean: float, std: float) -> float:
     return mean + std * reference.normal_z(u1, u2)
 
 
-def cuh_tables() -> str:
-    """The generated block of paraminit_kernels.cuh: cpu_kernels' tables and constants as bit patterns.
-
-    After a change of cpu_kernels' tables or FIX entries, paste this between the header's GENERATED markers.
-    """
-    def b(x: float) -> str:
-        return f"0x{dbits(x):016X}ULL"
-
-    consts = {"LN2H": ck._LN2H, "LN2L": ck._LN2L, "THIRD_H": ck._THIRD_H, "THIRD_L": ck._THIRD_L,
-              "SIXTH_H": ck._SIXTH_H, "SIXTH_L": ck._SIXTH_L, "P1": ck._P1, "P2": ck._P2, "P3": ck._P3,
-              "INV_STEP": ck._INV_STEP, "LOG_FLOOR": ck.LOG_FLOOR, "LOG_BOUND": ck.LOG_BOUND,
-              "COS_BOUND": ck.COS_BOUND}
-    out = ["// BEGIN GENERATED (tests/test_cuda_harness.py cuh_tables() from cpu_kernels.TABLES)"]
-    out += [f"#define PI_C_{k} {b(v)}" for k, v in consts.items()]
-    for name, key in (("PI_LOG_R", "log_r"), ("PI_LOG_TH", "log_th"), ("PI_LOG_TL", "log_tl"),
-                      ("PI_COS_CH", "cos_ch"), ("PI_COS_CL", "cos_cl"), ("PI_COS_SH", "cos_sh"),
-                      ("PI_COS_SL", "cos_sl")):
-        vals = ck.TABLES[key].tolist()
-        rows = [", ".join(b(v) for v in vals[i:i + 4]) for i in range(0, len(vals), 4)]
-        out.append(f"#define {name}_DATA \\\n" + ", \\\n".join("    " + r for r in rows))
-        out.append(f"PI_TABLE({name}, {len(vals)})")
-    for name, fix in (("PI_LOG_FIX", ck._LOG_FIX), ("PI_COS_FIX", ck._COS_FIX)):
-        items = [f"{k}ULL, {d}LL" for k, d in sorted(fix.items())] + ["0xFFFFFFFFFFFFFFFFULL, 0LL"]
-        out.append(f"#define {name}_N {len(fix)}")
-        out.append(f"#define {name}_DATA " + ", ".join(f"{{{it}}}" for it in items))
-    out.append("// END GENERATED")
-    return "\n".join(out) + "\n"
-
-
-def test_header_tables_are_the_cpu_tables() -> None:
-    text = cb.KERNEL_HEADER.read_text()
-    start = text.index("// BEGIN GENERATED")
-    end = text.index("// END GENERATED") + len("// END GENERATED\n")
-    assert text[start:end] == cuh_tables()
-
-
 def _cr_draws() -> list[int]:
     """Random draws, the log floor's edge, the zeros and extremes of cos, and every hard input."""
     rng = np.random.default_rng(99)
     around = [0, 4294, 4295, 1 << 30, 1 << 31, 3 << 30, (1 << 32) - 1]
     ks = {k + d for k in around for d in range(-30, 31)} | {int(k) for k in rng.integers(0, 1 << 32, 50_000)}
     ks |= {c["k"] for fn in ("log", "cos") for c in VECTORS["hard_inputs"][fn]}
-    ks |= {k for k in list(ck._LOG_FIX) + list(ck._COS_FIX)}
+    ks |= {k for k in list(cr_tables.LOG_FIX) + list(cr_tables.COS_FIX)}
     return sorted(k for k in ks if 0 <= k < 1 << 32)
 
 
@@ -315,7 +279,7 @@ def _cr_draws() -> list[int]:
 def test_correctly_rounded_functions_match_the_cpu_kernels(harness: Path, fn: str) -> None:
     ks = _cr_draws()
     got = run_scalar(harness, [(f"cr{fn}", k, 0, 0, 0) for k in ks])
-    cpu = ck.cr_log if fn == "log" else ck.cr_cos
+    cpu = cr_math.cr_log if fn == "log" else cr_math.cr_cos
     want = [dbits(cpu(float(k))) for k in ks]
     assert len(set(want)) > len(ks) // 2
     assert got == want
