@@ -306,7 +306,7 @@ def test_dockerfile_final_stage(target: str, base_pattern: str) -> None:
 
 def test_cpu_image_carries_compiled_kernels() -> None:
     """The kernels are compiled at build time into a seed outside the runtime mounts, which the server copies
-    into its writable cache at start (paraminit_server.limits.prepare_jit_cache)."""
+    into its writable cache at start (paraminit_server.jit_cache.prepare_jit_cache)."""
     chain = _chain(_dockerfile_stages(), "cpu")
     env = _env(chain)
     seed = env["PARAMINIT_JIT_CACHE_SEED"]
@@ -315,7 +315,7 @@ def test_cpu_image_carries_compiled_kernels() -> None:
     assert len(warm) == 1 and "NUMBA_CACHE_DIR=${PARAMINIT_JIT_CACHE_SEED}/numba" in warm[0]
     # Numba keys its cache on the CPU model: the build applies the image's CPU-model setting the way the server
     # does at start (an empty NUMBA_CPU_NAME in the environment would mean a CPU named "").
-    assert "limits.prepare_jit_cache()" in warm[0] and "NUMBA_CPU_NAME" not in env
+    assert "jit_cache.prepare_jit_cache()" in warm[0] and "NUMBA_CPU_NAME" not in env
     assert env.get("PARAMINIT_NUMBA_CPU_NAME") == "${PARAMINIT_NUMBA_CPU_NAME}"
     args = [line.split()[1] for line in _dockerfile_lines() if line.startswith("ARG ")]
     assert "PARAMINIT_NUMBA_CPU_NAME=" in args

@@ -184,7 +184,7 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_cgroup_v2_limits(tmp_path: Path) -> None:
-    from paraminit_server import limits
+    from paraminit_server import host_limits
 
     proc = _tree(tmp_path / "proc", {"cgroup": "0::/kubepods/pod1/ctr\n"}) / "cgroup"
     root = _tree(tmp_path / "cg", {
@@ -194,19 +194,19 @@ def test_cgroup_v2_limits(tmp_path: Path) -> None:
         "kubepods/pod1/memory.max": f"{6 << 30}\n", "kubepods/pod1/cpu.max": "400000 100000\n",
         "kubepods/pod1/ctr/memory.max": f"{2 << 30}\n", "kubepods/pod1/ctr/cpu.max": "150000 100000\n",
     })
-    assert limits.memory_limit(root, proc) == 2 << 30
-    assert limits.cpu_limit(root, proc) == pytest.approx(1.5)
-    assert limits.default_memory_budget(root, proc) == 1 << 30
+    assert host_limits.memory_limit(root, proc) == 2 << 30
+    assert host_limits.cpu_limit(root, proc) == pytest.approx(1.5)
+    assert host_limits.default_memory_budget(root, proc) == 1 << 30
     # Inside a container with its own cgroup namespace the path is "/" and the files sit at the root.
     own_ns = _tree(tmp_path / "proc2", {"cgroup": "0::/\n"}) / "cgroup"
     flat = _tree(tmp_path / "cg2", {"cgroup.controllers": "cpu memory\n", "memory.max": f"{3 << 30}\n",
                                     "cpu.max": "max 100000\n"})
-    assert limits.memory_limit(flat, own_ns) == 3 << 30
-    assert limits.cpu_limit(flat, own_ns) is None
+    assert host_limits.memory_limit(flat, own_ns) == 3 << 30
+    assert host_limits.cpu_limit(flat, own_ns) is None
 
 
 def test_cgroup_v1_limits(tmp_path: Path) -> None:
-    from paraminit_server import limits
+    from paraminit_server import host_limits
 
     # Docker on cgroup v1: /proc/self/cgroup names the host path, the container's own cgroup is mounted at the top.
     proc = _tree(tmp_path / "proc", {"cgroup": "12:memory:/docker/abc\n11:cpu,cpuacct:/docker/abc\n"}) / "cgroup"
@@ -214,27 +214,27 @@ def test_cgroup_v1_limits(tmp_path: Path) -> None:
         "memory/memory.limit_in_bytes": f"{512 << 20}\n",
         "cpu,cpuacct/cpu.cfs_quota_us": "50000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
     })
-    assert limits.memory_limit(root, proc) == 512 << 20
-    assert limits.cpu_limit(root, proc) == pytest.approx(0.5)
-    assert limits.default_threads(root, proc) == (1 if (os.cpu_count() or 1) > 1 else 0)
+    assert host_limits.memory_limit(root, proc) == 512 << 20
+    assert host_limits.cpu_limit(root, proc) == pytest.approx(0.5)
+    assert host_limits.default_threads(root, proc) == (1 if (os.cpu_count() or 1) > 1 else 0)
     unlimited = _tree(tmp_path / "cg1", {
         "memory/memory.limit_in_bytes": "9223372036854771712\n",
         "cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n",
     })
-    assert limits.memory_limit(unlimited, proc) is None and limits.cpu_limit(unlimited, proc) is None
-    assert limits.default_memory_budget(unlimited, proc) == 0
+    assert host_limits.memory_limit(unlimited, proc) is None and host_limits.cpu_limit(unlimited, proc) is None
+    assert host_limits.default_memory_budget(unlimited, proc) == 0
     # No cgroup files at all (not Linux, or masked): no limits rather than an error.
-    assert limits.memory_limit(tmp_path / "none", tmp_path / "none") is None
+    assert host_limits.memory_limit(tmp_path / "none", tmp_path / "none") is None
 
 
 def test_config_defaults_come_from_the_container(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from paraminit_server import limits
+    from paraminit_server import host_limits
 
     proc = _tree(tmp_path / "proc", {"cgroup": "0::/\n"}) / "cgroup"
     root = _tree(tmp_path / "cg", {"cgroup.controllers": "cpu memory\n", "memory.max": f"{2 << 30}\n",
                                    "cpu.max": "100000 100000\n"})
-    monkeypatch.setattr(limits, "CGROUP_ROOT", root)
-    monkeypatch.setattr(limits, "PROC_CGROUP", proc)
+    monkeypatch.setattr(host_limits, "CGROUP_ROOT", root)
+    monkeypatch.setattr(host_limits, "PROC_CGROUP", proc)
     config = ServerConfig.from_env({})
     assert config.memory_budget == 1 << 30
     assert config.threads == (1 if (os.cpu_count() or 1) > 1 else 0)
@@ -247,36 +247,36 @@ def test_config_defaults_come_from_the_container(tmp_path: Path, monkeypatch: py
 
 
 def test_unwritable_cache_falls_back_and_seed_is_copied(tmp_path: Path) -> None:
-    from paraminit_server import limits
+    from paraminit_server import jit_cache
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")  # unwritable even for root: a path below a regular file
     seed = _tree(tmp_path / "seed", {"numba/backends_abc/cpu_kernels.fill-1.py311.nbi": "index",
                                      "numba/backends_abc/cpu_kernels.fill-1.py311.1.nbc": "code"})
     env = {"NUMBA_CACHE_DIR": str(blocker / "numba"), "PARAMINIT_JIT_CACHE_SEED": str(seed)}
-    result = limits.prepare_jit_cache(env)
+    result = jit_cache.prepare_jit_cache(env)
     assert "not writable" in result.warning and env["NUMBA_CACHE_DIR"] == result.path != str(blocker / "numba")
     cache = Path(result.path)
     assert result.seeded == 2
     assert (cache / "backends_abc" / "cpu_kernels.fill-1.py311.1.nbc").read_text() == "code"
     # A writable cache keeps what it has (entries compiled here are newer than the seed's).
     (cache / "backends_abc" / "cpu_kernels.fill-1.py311.nbi").write_text("newer index")
-    again = limits.prepare_jit_cache({"NUMBA_CACHE_DIR": str(cache), "PARAMINIT_JIT_CACHE_SEED": str(seed)})
+    again = jit_cache.prepare_jit_cache({"NUMBA_CACHE_DIR": str(cache), "PARAMINIT_JIT_CACHE_SEED": str(seed)})
     assert again.warning == "" and again.seeded == 0
     assert (cache / "backends_abc" / "cpu_kernels.fill-1.py311.nbi").read_text() == "newer index"
 
 
 def test_cpu_model_pin_translates_only_when_asked() -> None:
-    from paraminit_server import limits
+    from paraminit_server import jit_cache
 
     env = {"PARAMINIT_NUMBA_CPU_NAME": ""}
-    limits.prepare_jit_cache(env)
+    jit_cache.prepare_jit_cache(env)
     assert "NUMBA_CPU_NAME" not in env and "NUMBA_CPU_FEATURES" not in env
     env = {"PARAMINIT_NUMBA_CPU_NAME": "x86-64-v3"}
-    limits.prepare_jit_cache(env)
+    jit_cache.prepare_jit_cache(env)
     assert env["NUMBA_CPU_NAME"] == "x86-64-v3" and env["NUMBA_CPU_FEATURES"] == ""
     env = {"PARAMINIT_NUMBA_CPU_NAME": "x86-64-v3", "NUMBA_CPU_NAME": "znver4"}  # numba's own setting wins
-    limits.prepare_jit_cache(env)
+    jit_cache.prepare_jit_cache(env)
     assert env["NUMBA_CPU_NAME"] == "znver4" and "NUMBA_CPU_FEATURES" not in env
 
 

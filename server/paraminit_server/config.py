@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from paraminit import exitcodes, sizes
-from paraminit_server import __version__, limits
+from paraminit_server import __version__, host_limits
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -22,7 +22,7 @@ class ServerConfig:
     port: int = 50051  # 0 = pick a free port and print it
     backend: str = "auto"  # auto | cpu | cupy (numpy = cpu)
     device: int = 0
-    threads: int = field(default_factory=limits.default_threads)  # CPU kernel threads; default: the container's CPU quota; 0 = all cores
+    threads: int = field(default_factory=host_limits.default_threads)  # CPU kernel threads; default: the cgroup's CPU quota; 0 = all cores
     workers: int = 48  # gRPC worker threads: running + queued calls + control calls (health, Release, ...)
     max_plan_bytes: int = 16 * GiB
     max_param_bytes: int = 16 * GiB
@@ -39,7 +39,7 @@ class ServerConfig:
     drain_seconds: float = 25.0
     # host bytes requests may hold (slabs, payloads, SHM exports); default: half the container's memory limit,
     # 0 = half of what is available (MemAvailable) at start
-    memory_budget: int = field(default_factory=limits.default_memory_budget)
+    memory_budget: int = field(default_factory=host_limits.default_memory_budget)
     device_memory_budget: int = 0  # GPU bytes requests may hold (device slabs, CUDA IPC exports); 0 = half of free
     admission_wait: float = 5.0  # longest wait for memory when the client's deadline allows it
     max_queued: int = 32  # calls that may wait for a concurrency slot; beyond it RESOURCE_EXHAUSTED

@@ -30,7 +30,7 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit_server import backends, shm
 from paraminit_server.auth import AuthInterceptor, Endpoint, TokenAuth, server_credentials
 from paraminit_server.config import ServerConfig
-from paraminit_server.limits import prepare_jit_cache
+from paraminit_server.jit_cache import prepare_jit_cache
 from paraminit_server.materializer import Materializer, max_request_bytes
 from paraminit_server.metrics import Metrics
 from paraminit_server.service import InitServicer
