@@ -55,7 +55,9 @@ class FileKey:
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class StoredTensor:
+    """One tensor of a safetensors file version, as its header places it (not the contract's TensorInfo)."""
+
     dtype: dtypes.DTypeInfo
     shape: tuple[int, ...]
     start: int  # absolute file offset of the data
@@ -209,7 +211,7 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def tensor_entry(header: Header, tensor: str, shown: str) -> TensorInfo:
+def tensor_entry(header: Header, tensor: str, shown: str) -> StoredTensor:
     """The tensor's dtype, shape and data range, each checked against the format and the file."""
     entry = header.entries.get(tensor)
     name = echo(tensor, 120)
@@ -238,7 +240,7 @@ def tensor_entry(header: Header, tensor: str, shown: str) -> TensorInfo:
     if header.data_start + end > header.key.size:
         raise errors.InvalidRequest(f"tensor {name} in {shown} ends at byte {header.data_start + end}, past the end "
                                     f"of the file ({header.key.size} bytes)")
-    return TensorInfo(dt, tuple(shape), header.data_start + begin, end - begin)
+    return StoredTensor(dt, tuple(shape), header.data_start + begin, end - begin)
 
 
 def region_runs(shape: tuple[int, ...], region: tuple[tuple[int, int], ...]) -> tuple[npt.NDArray[np.int64], int]:

@@ -32,9 +32,9 @@ import numpy.typing as npt
 
 from paraminit import dtypes
 from paraminit_server import errors, files
-from paraminit_server.files import FileChanged, Header, TensorInfo
+from paraminit_server.files import FileChanged, Header, StoredTensor
 
-__all__ = ["BoundSources", "FileChanged", "Payload", "PayloadTicket", "Sources", "TensorInfo", "to_binary64"]
+__all__ = ["BoundSources", "FileChanged", "Payload", "PayloadTicket", "Sources", "StoredTensor", "to_binary64"]
 
 CONTENT_HASHES = 4096  # remembered (file version, tensor, region) -> SHA-256, so Validate reads a file once
 
@@ -269,7 +269,7 @@ class BoundSources:
         finally:
             os.close(fd)
 
-    def tensor_info(self, path: str, tensor: str) -> TensorInfo:
+    def tensor_info(self, path: str, tensor: str) -> StoredTensor:
         with self._open(path) as (_fd, header, shown):
             return files.tensor_entry(header, tensor, shown)
 
