@@ -37,6 +37,7 @@ import numpy.typing as npt
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 
 from paraminit_server.backends.cpu_kernels import cr_math as ck
+from paraminit_server.backends.cpu_kernels.jit import parallel as kernel_parallel
 
 FUNCS = ("log", "cos")
 ORACLE_BOUND = 2.0**-62
@@ -44,7 +45,7 @@ WORST_SAMPLE = 2000
 TOTAL = 1 << 32
 
 
-@nb.njit(cache=True, parallel=True)
+@kernel_parallel  # cached on the kernels' sources too: a change in cr_math recompiles it
 def _ours(k0: int, n: int, fn: int) -> Any:
     """Correctly rounded results, plain results and the rounding-test flags of draws k0 .. k0 + n - 1."""
     cr = np.empty(n)
@@ -69,7 +70,7 @@ def _ours(k0: int, n: int, fn: int) -> Any:
     return cr, plain, flagged
 
 
-@nb.njit(cache=True, parallel=True)
+@kernel_parallel
 def _flagged(k0: int, n: int, fn: int) -> Any:
     """Draws in [k0, k0 + n) whose double-double result fails the rounding test, with that hi."""
     flags = np.zeros(n, dtype=np.bool_)
