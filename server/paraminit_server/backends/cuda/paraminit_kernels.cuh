@@ -7,7 +7,7 @@
 // intrinsics so no multiply-add is ever contracted into an FMA (the spec rounds
 // each operation on its own); host code uses plain operators and must be built
 // with -ffp-contract=off. log and cos in normal are correctly rounded (section
-// 2.1) by the same double-double code as the CPU backend (cpu_kernels.py: log_dd,
+// 2.1) by the same double-double code as the CPU backend (cpu_kernels/cr_math.py: log_dd,
 // cos_dd, decided, the FIX tables), with fused multiply-adds exactly where it has
 // them (__fma_rn on the device, std::fma on the host), so CPU and GPU bytes agree.
 //
@@ -176,7 +176,8 @@ PI_HD double pi_unit(pi_u64 key, pi_u64 i) { return pi_unit_of(pi_draw(key, i));
 #define PI_U1_FLOOR 1e-6
 
 // ---------------------------------------------------------------------------
-// Correctly rounded log and cos (section 2.1), line for line as cpu_kernels.py.
+// Correctly rounded log and cos (section 2.1), line for line as cpu_kernels/cr_math.py;
+// the tables between the GENERATED markers below are written by `make kernel-tables`.
 
 // Tables live in device memory for kernels and in host memory for the harness.
 #if defined(__CUDA_ARCH__) || defined(__CUDACC_RTC__)
