@@ -10,11 +10,11 @@ import pytest
 from paraminit_server import errors
 from paraminit_server.admission import MemoryBudget
 from paraminit_server.leases import LeaseTable
-from paraminit_server.ledger import Claim, Ledger
+from paraminit_server.ledger import Claim, Ledger, Refusal
 from paraminit_server.payloads import Sources
 
 
-def limit(most: int) -> object:
+def limit(most: int) -> Refusal:
     def refusal(ledger: Ledger, n: int, holder: str) -> errors.ResourceExhausted | None:
         return None if ledger.total + n <= most else errors.ResourceExhausted(f"{n} bytes do not fit")
 
@@ -103,12 +103,12 @@ def test_concurrent_releases_and_commits_settle_each_claim_once() -> None:
 
 def test_a_refused_claim_takes_nothing_and_a_waiting_one_gets_freed_bytes() -> None:
     ledger = Ledger()
-    first = ledger.claim(90, "a", limit(100))  # type: ignore[arg-type]
+    first = ledger.claim(90, "a", limit(100))
     with pytest.raises(errors.ResourceExhausted):
-        ledger.claim(20, "b", limit(100))  # type: ignore[arg-type]
+        ledger.claim(20, "b", limit(100))
     assert (ledger.total, ledger.claims("b")) == (90, 0)
     got: list[Claim] = []
-    waiter = threading.Thread(target=lambda: got.append(ledger.claim(20, "b", limit(100), wait=60)))  # type: ignore[arg-type]
+    waiter = threading.Thread(target=lambda: got.append(ledger.claim(20, "b", limit(100), wait=60)))
     waiter.start()
     first.release()
     waiter.join()

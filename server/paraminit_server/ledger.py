@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-__all__ = ["Claim", "Ledger"]
+__all__ = ["Claim", "Ledger", "Refusal"]
 
 PENDING, COMMITTED, RELEASED = "pending", "committed", "released"
 
