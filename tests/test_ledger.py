@@ -170,3 +170,33 @@ def test_payload_store_gives_back_bytes_on_every_failure_and_on_expiry() -> None
     assert sources.used_bytes() == 32 and sources.payload(pid, "me") is payload  # the failure took nothing back
     payload.expires_at = 0.0
     assert sources.payload(pid, "me") is None and sources.used_bytes() == 0
+
+
+def test_a_failed_export_leaves_no_slot_and_no_memory_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paraminit_client import param, plan_of
+    from paraminit_server import backends, engine
+    from paraminit_server.caller import Caller
+    from paraminit_server.config import ServerConfig
+    from paraminit_server.materializer import Materializer
+
+    plane = Materializer(ServerConfig(backend="cpu", metrics_port=0, max_leases_per_client=2, shm_pool_bytes=0),
+                         backends.create("cpu"))
+    plan = plan_of([param("w", [4096], {"zeros": {}})])
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise MemoryError("fill failed")
+
+    try:
+        monkeypatch.setattr(engine, "fill_all", broken)
+        for _ in range(3):  # more failures than the per-client lease limit would allow if slots leaked
+            with pytest.raises(MemoryError):
+                plane.export(plan, "shm", Caller("alice"))
+        assert plane.leases.leased_bytes() == 0 and plane.leases.ledger.claims("alice") == 0
+        assert plane.admission.host.reserved == 0 and plane.admission.in_flight == 0
+        monkeypatch.undo()
+        export = plane.export(plan, "shm", Caller("alice"))
+        assert plane.leases.ledger.claims("alice") == 1 and plane.leases.leased_bytes() == export.layout.data_bytes
+        assert plane.release(export.lease.lease_id, Caller("alice"))
+        assert plane.leases.leased_bytes() == 0 and plane.admission.host.reserved == 0
+    finally:
+        plane.close()
