@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import crc32c
 import grpc
 import numpy as np
 import pytest
@@ -36,12 +35,11 @@ from fakes.cupy import (
     World,
     writes_outside_context,
 )
-from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_client import exports as client_exports
-from paraminit_server import errors
+from paraminit_server import errors, materializer
 from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportHandle
 from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu import CpuBackend
@@ -471,23 +469,24 @@ def test_export_fills_in_the_device_context_and_synchronizes_before_the_handle(w
 
 
 def test_device_streams_fill_the_next_slab_while_this_one_is_sent(world: World, no_driver: None) -> None:
-    """The engine's two-slot ring on a device: slab k+1 is filled and its copy queued before slab k is
-    waited for and encoded; the copies land late (the fake copies when waited for), so reusing a slot too
-    early would put another slab's bytes in the stream. Two device slabs and two staging slots serve all."""
+    """The engine's ring on a device: slab k+1 is filled and its copy queued before slab k is waited for;
+    the copies land late (the fake copies when waited for) and each slab is lent only until the consumer asks
+    for the next, so reusing a slot too early would put another slab's bytes in the stream. PREFETCH + 2
+    device slabs and as many staging slots serve all."""
     cp = FakeCupy(world, [0, 1], "server")
     config = ServerConfig(backend="cpu", metrics_port=0, slab_bytes=64 << 10, chunk_bytes=16 << 10)
     plane = Materializer(config, FakeDeviceBackend(cp, 1))
     plan = plan_of([param("w", [200, 300], {"normal": {"std": 0.02, "seed": 8}}),
                     param("b", [77], {"uniform": {"lo": -1, "hi": 1, "seed": 9}}, "bfloat16")])
     try:
-        items = list(plane.stream(plan, Caller("alice")))
-        start, messages = items[0], items[1:]
+        items = plane.stream(plan, Caller("alice"), lend=True)
+        start = next(items)
         assert isinstance(start, StreamStart)
         data = np.full(start.layout.data_bytes, POISON, dtype=np.uint8)
-        for raw in messages:
-            c = wire.decode_response(raw)
-            assert isinstance(c, wire.Chunk) and crc32c.crc32c(c.data) == c.crc32c
-            data[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
+        for item in items:
+            assert isinstance(item, tuple)
+            offset, slab = item
+            data[offset:offset + len(slab)] = slab  # copied out before the next is asked for, as a transport does
         want = want_arrays(plan)
         for pl in start.layout.placements:
             assert data[pl.offset:pl.offset + pl.param.nbytes].tobytes() == want[pl.param.name]
@@ -497,7 +496,8 @@ def test_device_streams_fill_the_next_slab_while_this_one_is_sent(world: World, 
         starts = [i for i, n in enumerate(names) if n == "start_to_host"]
         waits = [i for i, n in enumerate(names) if n == "wait_to_host"]
         assert all(starts[k + 1] < waits[k] for k in range(slabs - 1))  # k+1 queued before k is waited for
-        assert len(world.events("scratch")) == 2 and len(world.events("host_staging")) == 2
+        ring = materializer.PREFETCH + 2
+        assert len(world.events("scratch")) == ring and len(world.events("host_staging")) == ring
         assert not writes_outside_context(world)
     finally:
         plane.close()

@@ -28,7 +28,6 @@ from safetensors.numpy import save_file
 from conftest import running_server, serve_subprocess, target_of, wait_until
 from paraminit import dtypes, overlap, wire
 from paraminit.header_checksum import header_crc32c
-from paraminit.sendbuf import new_message
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
@@ -201,7 +200,7 @@ def test_max_chunk_leaves_room_for_framing() -> None:
     limit = 4 * MiB  # grpcio's and grpc-js's default receive limit
     assert ServerConfig().max_chunk_bytes + 64 <= limit
     piece = np.zeros(ServerConfig().max_chunk_bytes, dtype=np.uint8)
-    message = wire.write_chunk(new_message, 2**63, piece)  # the largest offset varint (the CRC is fixed32)
+    message = wire.encode_chunk(2**63, piece)  # the largest offset varint (the CRC is fixed32)
     assert len(message) + 5 <= limit  # + the gRPC length prefix
     with running_server() as r:
         info = Client(target_of(r)).info()

@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paraminit import wire
-from paraminit.sendbuf import Message, new_message
 from paraminit.v1 import init_service_pb2 as pb
 
 FIELDS = pb.DataChunk.DESCRIPTOR.fields_by_name
@@ -22,14 +21,11 @@ def test_field_numbers_come_from_the_descriptors() -> None:
 
 
 def encode(offset: int, data: bytes) -> bytes:
-    """A chunk message as the server writes it, into a fresh (poisoned) message."""
-
-    def take(size: int) -> Message:
-        m = new_message(size)
-        m.view[:] = 0xA5
-        return m
-
-    return wire.write_chunk(take, offset, np.frombuffer(data, dtype=np.uint8))
+    """A chunk message as the server's service layer encodes it, from a slab it then reuses (overwritten here)."""
+    slab = np.frombuffer(bytearray(data), dtype=np.uint8)
+    message = wire.encode_chunk(offset, slab)
+    slab[:] = 0xA5  # the message holds its own copy
+    return message
 
 
 @settings(max_examples=200, deadline=None)

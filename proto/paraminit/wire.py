@@ -1,14 +1,15 @@
 """Fast codec for MaterializeResponse data chunks, wire-compatible with init_service.proto.
 
 A 1 MiB chunk built and parsed through generated messages is copied four times
-or more; here the server writes header, payload and checksum once into the bytes
-gRPC sends and the client reads the payload as a memoryview of the received bytes. Anything that is not a chunk goes
-through the generated message class, so any conforming peer interoperates.
+or more; here the server joins header, payload and checksum into the bytes gRPC
+sends with one copy of the payload, and the client reads the payload as a
+memoryview of the received bytes. Anything that is not a chunk goes through the
+generated message class, so any conforming peer interoperates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,6 @@ import crc32c
 import numpy as np
 import numpy.typing as npt
 
-from paraminit.sendbuf import Message
 from paraminit.v1 import init_service_pb2 as pb
 
 
@@ -69,21 +69,14 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def write_chunk(take: Callable[[int], Message], offset: int, data: npt.NDArray[np.uint8]) -> bytes:
-    """Serialized MaterializeResponse{chunk: DataChunk{offset, data, crc32c(data)}}, written into a message
-    from take(size) (paraminit.sendbuf) with one copy of data and the checksum taken of the bytes as
-    written; returns the message's bytes, for gRPC to send."""
+def encode_chunk(offset: int, data: npt.NDArray[np.uint8]) -> bytes:
+    """Serialized MaterializeResponse{chunk: DataChunk{offset, data, crc32c(data)}}: a new bytes object
+    holding one copy of `data` (1-D uint8), for gRPC to send; `data` may be reused once this returns."""
     n = int(data.shape[0])
     inner_head = _varint(_OFFSET_TAG) + _varint(offset) + _varint(_DATA_TAG) + _varint(n)
     head = _varint(_CHUNK_FIELD_TAG) + _varint(len(inner_head) + n + _CRC_TRAILER_BYTES) + inner_head
-    h = len(head)
-    m = take(h + n + _CRC_TRAILER_BYTES)
-    m.view[:h] = np.frombuffer(head, dtype=np.uint8)
-    body = m.view[h:h + n]
-    body[:] = data
-    trailer = _CRC_TAG_BYTES + crc32c.crc32c(body.data).to_bytes(4, "little")
-    m.view[h + n:] = np.frombuffer(trailer, dtype=np.uint8)
-    return m.data
+    body = data.data
+    return b"".join((head, body, _CRC_TAG_BYTES, crc32c.crc32c(body).to_bytes(4, "little")))
 
 
 def serialize_response(msg: pb.MaterializeResponse | bytes) -> bytes:

@@ -11,8 +11,8 @@ A call that finds every concurrency slot taken waits in a queue for as long as
 its caller allows (Caller.queue_wait: part of its deadline, capped by the
 server's --max-queue-wait); slots go round-robin across identities and in
 arrival order within one, so one caller with many threads cannot starve
-another. Refusals say when a retry makes sense (errors.*.retry_after, sent as
-gRPC's grpc-retry-pushback-ms trailer).
+another. Refusals say when a retry makes sense (errors.*.retry_after, which the
+transport passes on as retry pushback).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 
 from paraminit_server import errors
 from paraminit_server.caller import IN_PROCESS, Caller
+from paraminit_server.ledger import Claim, Ledger
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -65,44 +66,38 @@ def host_memory(meminfo: str = "/proc/meminfo") -> tuple[int, int]:
     return total, page * os.sysconf("SC_AVPHYS_PAGES")
 
 
-class Reservation:
-    """Bytes held against the budget until release(), which is idempotent."""
-
-    def __init__(self, budget: MemoryBudget, nbytes: int) -> None:
-        self._budget = budget
-        self.nbytes = nbytes
-        self._released = False
-
-    def release(self) -> None:
-        with self._budget._cond:
-            if not self._released:
-                self._released = True
-                self._budget.reserved -= self.nbytes
-                self._budget._cond.notify_all()
+Reservation = Claim  # bytes held against a MemoryBudget until release()
 
 
 class MemoryBudget:
+    """Bytes of one memory (host or device) that requests hold while they run, against a limit."""
+
     def __init__(self, limit: int, name: str = "host") -> None:
         self.limit = limit
         self.name = name
-        self.reserved = 0
-        self._cond = threading.Condition()
+        self.ledger = Ledger(name)
 
-    def reserve(self, nbytes: int, wait: float = 0.0, what: str = "request") -> Reservation:
+    @property
+    def reserved(self) -> int:
+        """Bytes held now."""
+        return self.ledger.total
+
+    def reserve(self, nbytes: int, wait: float = 0.0, what: str = "request") -> Claim:
+        """Hold `nbytes` until the claim is released, waiting up to `wait` seconds for others to give some back.
+
+        Raises:
+            ResourceExhausted: more than the whole budget (at once), or not available within `wait`."""
         if nbytes > self.limit:
             raise errors.ResourceExhausted(f"{what} needs {nbytes} bytes of {self.name} memory; the budget is {self.limit}")
-        deadline = time.monotonic() + max(0.0, wait)
-        with self._cond:
-            while self.reserved + nbytes > self.limit:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise errors.ResourceExhausted(
-                        f"{what} needs {nbytes} bytes of {self.name} memory, {self.limit - self.reserved} of "
-                        f"{self.limit} are available now; retry later", retry_after=MEMORY_RETRY_AFTER,
-                        reason="memory")
-                self._cond.wait(left)
-            self.reserved += nbytes
-        return Reservation(self, nbytes)
+
+        def refusal(ledger: Ledger, n: int, holder: str) -> errors.ResourceExhausted | None:
+            if ledger.total + n <= self.limit:
+                return None
+            return errors.ResourceExhausted(
+                f"{what} needs {n} bytes of {self.name} memory, {self.limit - ledger.total} of "
+                f"{self.limit} are available now; retry later", retry_after=MEMORY_RETRY_AFTER, reason="memory")
+
+        return self.ledger.claim(nbytes, what, refusal, wait)
 
 
 MEMORY_RETRY_AFTER = 1.0  # seconds a client refused for memory waits before its retry: streams end, leases go

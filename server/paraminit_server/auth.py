@@ -24,13 +24,12 @@ import grpc
 
 from paraminit import peers
 
+from .caller import REMOTE, UNIX_SHARED
 from .peer_user import AMBIGUOUS, peer_uid
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."
-REMOTE = "remote"  # unauthenticated callers from other hosts, and local ones the kernel cannot tell apart
 UNKNOWN_LOCAL = "uid:unknown"  # a local peer whose user the socket table does not show
-UNIX_SHARED = "unix:shared"  # callers on a Unix socket opened wider than the server's user
 
 
 class TokenAuth:

@@ -6,6 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ANONYMOUS = "anonymous"
+# identities the transport gives callers it cannot tell apart (exports refuse them segments)
+REMOTE = "remote"  # unauthenticated callers from other hosts, and local ones the kernel cannot tell apart
+UNIX_SHARED = "unix:shared"  # callers on a Unix socket opened wider than the server's user
 
 
 def _always() -> bool:

@@ -137,7 +137,7 @@ class InProcess:
 
     def stream(self, plan: plan_pb2.Plan) -> Iterator[pb.StreamHeader | tuple[int, Any]]:
         """A header, then (offset, host slab) pairs: for writing files without an extra copy."""
-        it = self.call("Materialize", lambda: self.plane.stream(plan, self.caller, encode=False))
+        it = self.call("Materialize", lambda: self.plane.stream(plan, self.caller))
         try:
             while True:
                 item = self.call("Materialize", next, it, None)

@@ -2,17 +2,20 @@
 
 Because every element depends only on (key, global index), a window is filled
 without touching the rest of the plan; STREAM generates slab k+1 on a
-background thread while slab k is being sent.
+background thread while slab k is being sent. The engine yields host slabs;
+what a transport makes of them (messages, checksums) is the transport's.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from paraminit_server import errors
 from paraminit_server.backends import HOST, Backend
 from paraminit_server.layout import SLAB_QUANTUM, Layout
 from paraminit_server.plan import ResolvedParam
@@ -72,57 +75,78 @@ def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[
 
 
 def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool],
-               prefetch: int = 2, transform: Callable[[int, Any], Any] | None = None) -> Iterator[Any]:
+               prefetch: int = 2, lend: bool = False) -> Iterator[tuple[int, Any]]:
     """Yield (offset, host uint8 array) slabs of the data section, generated ahead on a thread.
 
-    `transform(offset, host)`, when given, also runs on that thread (e.g. checksums and message
-    encoding) and its result is yielded instead, so the sending thread only sends.
+    With `lend`, slabs come from a ring of `prefetch + 2` buffers and each one is lent: it is the consumer's
+    until the consumer asks for the next item (or closes the iterator), and is refilled after that. Fresh
+    memory costs a page fault per 4 KiB, about as much as generating into it, so a consumer that copies each
+    slab out (an encoder) should borrow. Without `lend` every slab is new memory the consumer may keep.
     Stops early (and frees its slabs) when should_stop() turns true or the consumer closes the iterator.
     """
     slab = max(SLAB_QUANTUM, slab_bytes // SLAB_QUANTUM * SLAB_QUANTUM)
     total = layout.data_bytes
-    q: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
+    q: queue.Queue[tuple[int, Any, int] | BaseException | None] = queue.Queue(maxsize=prefetch)
+    ring_size = prefetch + 2 if lend and total else 0  # one lent, `prefetch` queued, one being filled
+    free: queue.Queue[int] = queue.Queue()  # ring slots the consumer has handed back
+    for i in range(ring_size):
+        free.put(i)
     cancel = threading.Event()
     alloc = backend.scratch
 
+    def stopped() -> bool:
+        return cancel.is_set() or should_stop()
+
     def produce() -> None:
-        # With a transform each slab is consumed before it is queued, so a ring of buffers serves every slab:
-        # fresh memory costs a page fault per 4 KiB, about as much as generating into it. On a device the
-        # ring has two slots: slab k+1 is filled and copied to host (asynchronously) while slab k is encoded
-        # on this thread and earlier ones are sent; the copy of k+1 lands in the other staging slot, and
-        # the fill of k+2 is queued behind the copy of k on the device, so no slot is reused too early.
-        depth = 2 if transform is not None and backend.memory != HOST else 1
+        # On a device two slabs are in the pipeline: slab k+1 is filled and copied to host (asynchronously,
+        # into its own page-locked staging slot) while slab k's copy is awaited and queued.
+        depth = 2 if ring_size and backend.memory != HOST else 1
         try:
             first = min(slab, total)
-            ring = [alloc(first) for _ in range(depth)] if transform is not None and total else []
+            ring = [alloc(first) for _ in range(ring_size)]
             staging = [backend.host_staging(first) for _ in ring]
-            pending: collections.deque[tuple[int, Callable[[], Any]]] = collections.deque()
+            pending: collections.deque[tuple[int, Callable[[], Any], int]] = collections.deque()
 
-            def emit(start: int, ready: Callable[[], Any]) -> bool:
-                host = ready()
-                item = transform(start, host) if transform is not None else (start, host)
-                while not cancel.is_set():
+            def emit(start: int, ready: Callable[[], Any], slot: int) -> bool:
+                item = (start, ready(), slot)
+                while not stopped():
                     try:
                         q.put(item, timeout=0.1)
                         return True
                     except queue.Full:
-                        if should_stop():
-                            cancel.set()
+                        pass
                 return False
 
-            for k, start in enumerate(range(0, total, slab)):
-                if cancel.is_set() or should_stop():
+            def take_slot() -> int | None:
+                while not stopped():
+                    try:
+                        return free.get(timeout=0.1)
+                    except queue.Empty:
+                        pass
+                return None
+
+            for start in range(0, total, slab):
+                if stopped():
                     break
                 size = min(slab, total - start)
-                buf = ring[k % depth][:size] if ring else alloc(size)
+                slot = -1
+                if ring:
+                    got = take_slot()
+                    if got is None:
+                        break
+                    slot = got
+                buf = ring[slot][:size] if ring else alloc(size)
                 fill_window(backend, layout, buf, start)
-                out = staging[k % depth][:size] if staging and staging[k % depth] is not None else None
-                pending.append((start, backend.start_to_host(buf, out)))
+                out = staging[slot][:size] if ring and staging[slot] is not None else None
+                pending.append((start, backend.start_to_host(buf, out), slot))
                 if len(pending) == depth and not emit(*pending.popleft()):
                     break
-            while pending and not cancel.is_set() and not should_stop():
+            while pending and not stopped():
                 emit(*pending.popleft())
-            q.put(None) if not cancel.is_set() else None
+            if not cancel.is_set():
+                with contextlib.suppress(queue.Full):  # a consumer that stopped reading is told by its own wait
+                    q.put(errors.Cancelled("client cancelled or deadline passed") if should_stop() else None,
+                          timeout=0.5)
         except BaseException as exc:  # surfaced to the consumer, which owns error reporting
             if not cancel.is_set():
                 q.put(exc)
@@ -135,13 +159,18 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
                 item = q.get(timeout=0.5)
             except queue.Empty:
                 if not worker.is_alive() and q.empty():  # never wait on a producer that is gone
+                    if should_stop():
+                        raise errors.Cancelled("client cancelled or deadline passed") from None
                     raise RuntimeError("slab producer stopped without a result") from None
                 continue
             if item is None:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            start, host, slot = item
+            yield start, host
+            if slot >= 0:
+                free.put(slot)  # the consumer asked for more: it is done with this slab
     finally:
         cancel.set()
         while True:  # drop queued slabs so their memory goes now, not at thread exit

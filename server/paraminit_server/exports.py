@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from paraminit_server import engine, errors, layout
-from paraminit_server.admission import MemoryBudget, Reservation
-from paraminit_server.auth import REMOTE, UNIX_SHARED
+from paraminit_server.admission import MemoryBudget
 from paraminit_server.backends import HOST, Backend, ExportBuffer, ExportHandle
-from paraminit_server.caller import Caller
+from paraminit_server.caller import REMOTE, UNIX_SHARED, Caller
 from paraminit_server.leases import LeaseRecord, LeaseTable
+from paraminit_server.ledger import Claim
 from paraminit_server.plan import ResolvedParam
 
 GPU_ALIGN = 256
@@ -45,7 +45,7 @@ class BufferPool:
     def __init__(self, max_bytes: int, budget: MemoryBudget) -> None:
         self.max_bytes = max_bytes
         self.budget = budget
-        self._held: list[tuple[str, ExportBuffer, Reservation]] = []  # oldest first
+        self._held: list[tuple[str, ExportBuffer, Claim]] = []  # oldest first
         self._lock = threading.Lock()
 
     @property
@@ -120,7 +120,7 @@ class Exports:
                 reservation.release()
                 raise
         except BaseException:
-            slot.cancel()
+            slot.release()
             raise
         owner = caller.identity
 
@@ -159,7 +159,7 @@ class Exports:
                 f"SHM segments are mode 0600 and owned by the server's user (uid {os.geteuid()}); this caller is uid "
                 f"{caller.uid} and could not open one: use STREAM delivery, or a server run by the same user")
 
-    def _reserve(self, nbytes: int, caller: Caller) -> Reservation:
+    def _reserve(self, nbytes: int, caller: Caller) -> Claim:
         try:
             return self.budget.reserve(nbytes, caller.wait, "export")
         except errors.ResourceExhausted:

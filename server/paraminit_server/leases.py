@@ -17,26 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paraminit_server import errors
+from paraminit_server.ledger import Claim, Ledger
 
 log = logging.getLogger("paraminit.server")
 RELEASED_MEMORY = 65536  # remembered released ids, so a second Release is not NOT_FOUND
 
 
-class Slot:
-    """A lease slot and its bytes, held from the admission check until the lease exists or the export fails."""
-
-    def __init__(self, table: LeaseTable, owner: str, nbytes: int) -> None:
-        self.table = table
-        self.owner = owner
-        self.nbytes = nbytes
-        self.done = False
-
-    def cancel(self) -> None:
-        """Give the slot back (idempotent; a slot that became a lease is not affected)."""
-        with self.table._lock:
-            if not self.done:
-                self.done = True
-                self.table._unreserve_locked(self)
+Slot = Claim  # a lease slot and its bytes, held from the admission check until the lease ends
 
 
 @dataclass
@@ -50,6 +37,7 @@ class LeaseRecord:
     plan_digest: str
     release_fn: Callable[[bool], None]  # called once with True for an explicit Release, False otherwise
     payload: Any = None  # what Apply needs: layout and buffer
+    claim: Claim | None = None  # the slot and bytes this lease holds in the table's ledger
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -62,9 +50,9 @@ class LeaseTable:
         self.max_ttl = max_ttl
         self._leases: dict[str, LeaseRecord] = {}
         self._released: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> owner
-        self._pending_count: dict[str, int] = {}  # slots reserved but not yet leases, per owner
-        self._pending_bytes = 0
-        self._lock = threading.Lock()
+        # every slot, reserved or leased, is a claim: per-owner counts and leased bytes come from one place
+        self.ledger = Ledger("leases")
+        self._lock = self.ledger.lock  # the records change in the same step as the claims
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval,), name="paraminit-reaper",
                                         daemon=True)
@@ -75,40 +63,41 @@ class LeaseTable:
             raise errors.InvalidRequest(f"lease ttl must be a non-negative number of seconds, got {requested}")
         return min(requested or self.default_ttl, self.max_ttl)
 
-    def reserve(self, owner: str, nbytes: int) -> Slot:
+    def reserve(self, owner: str, nbytes: int) -> Claim:
         """Take a lease slot and its bytes now, before anything is allocated: concurrent exports cannot
-        all pass the check and overshoot. The slot becomes the lease (add) or is given back (cancel)."""
-        with self._lock:
-            held = sum(1 for r in self._leases.values() if r.owner == owner) + self._pending_count.get(owner, 0)
+        all pass the check and overshoot. The claim becomes the lease's (add) or is released.
+
+        Raises:
+            ResourceExhausted: the owner holds its limit of leases, or the bytes would pass the table's limit."""
+
+        def refusal(ledger: Ledger, n: int, holder: str) -> errors.ResourceExhausted | None:
+            held = ledger.claims(holder)
             if held >= self.max_per_owner:
-                raise errors.ResourceExhausted(f"client holds {held} leases, the limit is {self.max_per_owner}; "
-                                               "release some first")
-            used = self.leased_bytes_locked()
-            if used + nbytes > self.max_bytes:
-                raise errors.ResourceExhausted(f"export needs {nbytes} bytes but only {self.max_bytes - used} of the "
-                                               f"{self.max_bytes} leasable bytes are free")
-            self._pending_count[owner] = self._pending_count.get(owner, 0) + 1
-            self._pending_bytes += nbytes
-        return Slot(self, owner, nbytes)
+                return errors.ResourceExhausted(f"client holds {held} leases, the limit is {self.max_per_owner}; "
+                                                "release some first")
+            used = ledger.total
+            if used + n > self.max_bytes:
+                return errors.ResourceExhausted(f"export needs {n} bytes but only {self.max_bytes - used} of the "
+                                                f"{self.max_bytes} leasable bytes are free")
+            return None
 
-    def _unreserve_locked(self, slot: Slot) -> None:
-        self._pending_count[slot.owner] -= 1
-        if not self._pending_count[slot.owner]:
-            del self._pending_count[slot.owner]
-        self._pending_bytes -= slot.nbytes
+        return self.ledger.claim(nbytes, owner, refusal)
 
-    def add(self, slot: Slot, delivery: str, ttl: float, plan_digest: str,
+    def add(self, slot: Claim, delivery: str, ttl: float, plan_digest: str,
             release_fn: Callable[[bool], None], payload: Any = None) -> LeaseRecord:
-        """Turn a reserved slot into a lease; `release_fn(explicit)` frees it exactly once."""
+        """Turn a reserved slot into a lease; `release_fn(explicit)` frees it exactly once.
+
+        Raises:
+            RuntimeError: the slot was already used or released."""
         now = time.time()
-        rec = LeaseRecord(secrets.token_hex(16), slot.owner, delivery, slot.nbytes, now, now + ttl, plan_digest,
-                          release_fn, payload)
-        with self._lock:
-            if slot.done:
-                raise RuntimeError("lease slot used twice")
-            slot.done = True
-            self._unreserve_locked(slot)
+        rec = LeaseRecord(secrets.token_hex(16), slot.holder, delivery, slot.nbytes, now, now + ttl, plan_digest,
+                          release_fn, payload, slot)
+
+        def record() -> None:
             self._leases[rec.lease_id] = rec
+
+        if not slot.commit(record):
+            raise RuntimeError("lease slot used twice")
         return rec
 
     def get(self, lease_id: str, owner: str) -> LeaseRecord:
@@ -140,12 +129,9 @@ class LeaseTable:
         with self._lock:
             return [r for r in self._leases.values() if owner is None or r.owner == owner]
 
-    def leased_bytes_locked(self) -> int:
-        return sum(r.nbytes for r in self._leases.values()) + self._pending_bytes
-
     def leased_bytes(self) -> int:
-        with self._lock:
-            return self.leased_bytes_locked()
+        """Bytes of live leases and of slots reserved for exports in progress."""
+        return self.ledger.total
 
     def reap(self) -> int:
         now = time.time()
@@ -179,6 +165,8 @@ class LeaseTable:
             except Exception:
                 log.exception("freeing lease %s (%s) failed", rec.lease_id[:8], why)
             rec.payload = None
+            if rec.claim is not None:
+                rec.claim.release()
         log.info("lease %s %s bytes=%d", rec.lease_id[:8], why, rec.nbytes)
 
     def _reap_loop(self, interval: float) -> None:

@@ -1,8 +1,9 @@
 """The data plane: validate, stream, export, lease and upload, with no transport in sight.
 
-The gRPC servicer converts protobuf to these calls and errors to status codes;
-the embedded client calls them in process. Admission, memory reservations,
-slab sizing and chunk encoding live here, so every door behaves the same.
+The gRPC servicer converts protobuf to these calls, encodes what they return
+and maps errors to status codes; the embedded client calls them in process.
+Admission, memory reservations and slab sizing live here, so every door
+behaves the same; messages and checksums are the transports'.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from paraminit import dtypes, overlap, wire
+from paraminit import dtypes, overlap
 from paraminit.hostmem import host_buffer
-from paraminit.sendbuf import MessagePool
 from paraminit.v1 import plan_pb2
 from paraminit_server import __version__, admission, engine, errors, layout, plan, validation
 from paraminit_server.admission import Admission, host_memory
@@ -26,7 +26,8 @@ from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
 from paraminit_server.exports import Export, Exports
 from paraminit_server.leases import LeaseRecord, LeaseTable
-from paraminit_server.payloads import BoundSources, Payload, PayloadTicket, Sources, payload_hasher
+from paraminit_server.ledger import Claim
+from paraminit_server.payloads import BoundSources, Payload, Sources, payload_hasher
 
 PREFETCH = 2  # slabs generated ahead of the one being sent
 # What checking a plan costs in host memory, charged to the budget before the work: per parameter (its
@@ -102,10 +103,7 @@ class Materializer:
         device_budget = None
         if backend.memory != HOST:
             device_budget = config.device_memory_budget or backend.device().memory_free // 2
-        # encoded chunk messages, reused across streams: two streams' worth at most (more streams make their own)
-        self.messages = MessagePool(config.slab_bytes * (PREFETCH + 2) * min(2, config.max_concurrent))
-        self.admission = Admission(config.max_concurrent, host_budget, device_budget, on_idle=self.messages.clear,
-                                   max_queued=config.max_queued)
+        self.admission = Admission(config.max_concurrent, host_budget, device_budget, max_queued=config.max_queued)
         self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
                                  config.max_lease_ttl)
         self.exports = Exports(backend, self.leases, self.admission.backend, config.shm_pool_bytes)
@@ -152,53 +150,43 @@ class Materializer:
     # -- deliveries ----------------------------------------------------------------------
 
     def stream(self, p: plan_pb2.Plan, caller: Caller, chunk_bytes: int = 0,
-               encode: bool = True) -> Generator[StreamStart | bytes | tuple[int, Any], None, None]:
-        """A StreamStart, then the data section: encoded MaterializeResponse chunk messages (paraminit.wire,
-        CRC32C each), or with encode=False (offset, host slab) pairs for a caller in this process. Memory is a
-        few slabs whatever the plan's size; closing the iterator or the caller going away stops generation at
-        the next slab."""
+               lend: bool = False) -> Generator[StreamStart | tuple[int, Any], None, None]:
+        """A StreamStart, then the data section as (offset, host uint8 slab) pairs in order.
+
+        Each slab is a whole number of `chunk_size(chunk_bytes)` chunks (the last may be short). With `lend`
+        a slab is the consumer's only until it asks for the next item (engine.iter_slabs): for a consumer
+        that copies each slab out, such as a transport encoding messages. Memory is a few slabs whatever
+        the plan's size; closing the iterator or the caller going away stops generation at the next slab.
+
+        Raises:
+            InvalidPlan, ResourceExhausted: as check(); ResourceExhausted, Unavailable: as admission.
+            Cancelled: the caller went away while the stream ran."""
         checked = self.check(p, caller)
         with contextlib.closing(checked):
-            yield from self._stream(checked, caller, chunk_bytes, encode)
+            yield from self._stream(checked, caller, chunk_bytes, lend)
 
     def _stream(self, checked: Checked, caller: Caller, chunk_bytes: int,
-                encode: bool) -> Generator[StreamStart | bytes | tuple[int, Any], None, None]:
+                lend: bool) -> Generator[StreamStart | tuple[int, Any], None, None]:
         lay = layout.stream_layout(checked.params, checked.digest)
         chunk = self.chunk_size(chunk_bytes)
         slab = max(chunk, self.config.slab_bytes // chunk * chunk)
-        held = min(lay.data_bytes, slab * (PREFETCH + 2))  # slabs in flight, and as many encoded copies
-        staging = 0 if self.backend.memory == HOST else min(lay.data_bytes, 2 * slab)  # engine's pinned ring
+        held = min(lay.data_bytes, slab * (PREFETCH + 2))  # slabs in flight (lent or not)
+        # the consumer's copies of the slabs in flight (a transport's messages) and, on a device, their host copies
+        host = held + (0 if self.backend.memory == HOST else held)
         with self.admission.admit(checked.report.total_bytes, caller):
             yield StreamStart(lay, checked.digest)
-            with self._reserve(held, held + staging, caller, "stream"):
-
-                def encoded(start: int, host: Any) -> list[bytes]:
-                    """The slab's chunk messages, each written once into a reusable bytes object (sendbuf)."""
-                    return [wire.write_chunk(self.messages.take, start + off, host[off:off + chunk])
-                            for off in range(0, int(host.shape[0]), chunk)]
-
-                if not encode:
-                    yield from engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH)
-                    return
-                for messages in engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH, encoded):
-                    yield from messages
+            with self._reserve(held, host, caller, "stream"):
+                for item in engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH, lend):
+                    yield item
                     if caller.gone():
                         raise errors.Cancelled("client cancelled or deadline passed")
 
     @contextlib.contextmanager
     def _reserve(self, backend_bytes: int, host_bytes: int, caller: Caller, what: str) -> Iterator[None]:
         """Hold backend and host memory (one budget on the CPU) for the duration of the block."""
-        backend_mem = self.admission.backend.reserve(backend_bytes, caller.wait, what)
-        try:
-            host_mem = self.admission.host.reserve(host_bytes, caller.wait, what)
-        except BaseException:
-            backend_mem.release()
-            raise
-        try:
+        with self.admission.backend.reserve(backend_bytes, caller.wait, what), \
+                self.admission.host.reserve(host_bytes, caller.wait, what):
             yield
-        finally:
-            backend_mem.release()
-            host_mem.release()
 
     def fill_host(self, p: plan_pb2.Plan, caller: Caller,
                   outputs: Mapping[str, npt.NDArray[Any]] | None = None) -> tuple[layout.Layout, str, Any]:
@@ -290,7 +278,7 @@ class _Upload:
 
     def __init__(self, sources: Sources) -> None:
         self.sources = sources
-        self.ticket: PayloadTicket | None = None
+        self.ticket: Claim | None = None
         self.buf: npt.NDArray[np.uint8] | None = None
         self.hasher: Any = None
         self.dtype = self.count = self.received = 0
@@ -335,4 +323,4 @@ class _Upload:
 
     def cancel(self) -> None:
         if self.ticket is not None:
-            self.ticket.cancel()
+            self.ticket.release()

@@ -33,6 +33,7 @@ import numpy.typing as npt
 from paraminit import dtypes
 from paraminit_server import errors, files
 from paraminit_server.files import FileChanged, Header, StoredTensor
+from paraminit_server.ledger import Claim, Ledger
 
 __all__ = ["BoundSources", "FileChanged", "Payload", "PayloadTicket", "Sources", "StoredTensor", "to_binary64"]
 
@@ -79,26 +80,14 @@ class Payload:
     nonfinite: int  # count of NaN/inf values
     first_nonfinite: int
     sha256: str = ""  # of the dtype and the bytes as uploaded: what plan digests cover
+    claim: Claim | None = None  # its bytes in the store's ledger, released when it expires
 
 
 class Held(Protocol):
-    def release(self) -> None: ...
+    def release(self) -> object: ...
 
 
-class PayloadTicket:
-    """Payload bytes taken from the limit for an upload in flight; they become the payload or go back."""
-
-    def __init__(self, sources: Sources, nbytes: int) -> None:
-        self.sources = sources
-        self.nbytes = nbytes
-        self.done = False
-
-    def cancel(self) -> None:
-        """Give the bytes back (idempotent; a ticket that became a payload is not affected)."""
-        with self.sources._lock:
-            if not self.done:
-                self.done = True
-                self.sources._pending -= self.nbytes
+PayloadTicket = Claim  # payload bytes taken from the limit: an upload in flight, then the stored payload
 
 
 class Sources:
@@ -114,9 +103,9 @@ class Sources:
                  for written in (os.path.abspath(d), str(Path(d).resolve()))}
         self._roots = sorted(roots, key=lambda r: -len(r[0]))  # (as written or resolved, resolved), deepest first
         self._payloads: dict[str, Payload] = {}
-        self._pending = 0  # bytes of uploads in flight
+        self.ledger = Ledger("payloads")  # uploads in flight (pending claims) and stored payloads (committed)
         self._uploads = 0  # uploads in flight, for draining
-        self._lock = threading.Lock()
+        self._lock = self.ledger.lock  # a payload is stored in the same step as its claim commits
         self._idle = threading.Condition(self._lock)
         self._hashes: collections.OrderedDict[tuple[Any, ...], str] = collections.OrderedDict()
 
@@ -124,22 +113,23 @@ class Sources:
 
     def used_bytes(self) -> int:
         """Stored and in-flight payload bytes."""
-        with self._lock:
-            return self._used_locked()
+        return self.ledger.total
 
-    def _used_locked(self) -> int:
-        return sum(p.values.nbytes for p in self._payloads.values()) + self._pending
+    def reserve(self, nbytes: int) -> Claim:
+        """Take an upload's bytes from the limit now, before anything is received.
 
-    def reserve(self, nbytes: int) -> PayloadTicket:
-        """Take an upload's bytes from the limit now, before anything is received."""
+        Raises:
+            ResourceExhausted: stored payloads and uploads in flight leave too few bytes."""
         self._expire()
-        with self._lock:
-            used = self._used_locked()
-            if used + nbytes > self.max_bytes:
-                raise errors.ResourceExhausted(f"payload needs {nbytes} bytes; {max(0, self.max_bytes - used)}"
-                                               f" of {self.max_bytes} payload bytes are free (uploads in flight count)")
-            self._pending += nbytes
-        return PayloadTicket(self, nbytes)
+
+        def refusal(ledger: Ledger, n: int, holder: str) -> errors.ResourceExhausted | None:
+            used = ledger.total
+            if used + n <= self.max_bytes:
+                return None
+            return errors.ResourceExhausted(f"payload needs {n} bytes; {max(0, self.max_bytes - used)} of "
+                                            f"{self.max_bytes} payload bytes are free (uploads in flight count)")
+
+        return self.ledger.claim(nbytes, "", refusal)
 
     @contextlib.contextmanager
     def uploading(self) -> Iterator[None]:
@@ -159,7 +149,7 @@ class Sources:
             return self._idle.wait_for(lambda: self._uploads == 0, max(0.0, timeout))
 
     def store(self, owner: str, dtype_enum: int, count: int, data: npt.NDArray[np.uint8],
-              ticket: PayloadTicket | None = None, sha256: str = "") -> tuple[str, Payload]:
+              ticket: Claim | None = None, sha256: str = "") -> tuple[str, Payload]:
         """Keep an upload in its own dtype; with a ticket its bytes were reserved already, without one they are
         taken now. `sha256` of the dtype name, a NUL and the bytes, if the caller hashed them on the way in."""
         dt = dtypes.by_enum(dtype_enum)
@@ -170,23 +160,20 @@ class Sources:
             raise errors.InvalidRequest(f"payload declared {count} {dt.name} values ({nbytes} bytes) but "
                                         f"{len(data)} bytes arrived")
         ticket = ticket or self.reserve(nbytes)
-        try:
+        with ticket:  # given back unless it becomes the payload
             if ticket.nbytes < nbytes:
                 raise errors.InvalidRequest(f"payload of {count} values is larger than reserved")
             values = data.view(dt.numpy.newbyteorder("<"))
             nonfinite, first = _nonfinite(values)
             digest = sha256 or payload_sha256(dt, data)
-            payload = Payload(owner, values, time.time() + self.ttl, nonfinite, first, digest)
+            payload = Payload(owner, values, time.time() + self.ttl, nonfinite, first, digest, ticket)
             pid = secrets.token_hex(16)
-            with self._lock:
-                if ticket.done:
-                    raise errors.InvalidRequest("payload reservation was already used")
-                ticket.done = True
-                self._pending -= ticket.nbytes
+
+            def keep() -> None:
                 self._payloads[pid] = payload
-        except BaseException:
-            ticket.cancel()
-            raise
+
+            if not ticket.commit(keep):
+                raise errors.InvalidRequest("payload reservation was already used")
         return pid, payload
 
     def payload(self, payload_id: str, owner: str) -> Payload | None:
@@ -199,7 +186,9 @@ class Sources:
         now = time.time()
         with self._lock:
             for pid in [k for k, p in self._payloads.items() if p.expires_at <= now]:
-                del self._payloads[pid]
+                gone = self._payloads.pop(pid)
+                if gone.claim is not None:
+                    gone.claim.release()
 
     # -- safetensors files ---------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """InitService over gRPC: protobuf in, data-plane calls, protobuf out.
 
-Everything else (validation, admission, memory, slabs, encoding, leases) is the
-data plane's (materializer.py); errors map to status codes in status.boundary.
+Everything else (validation, admission, memory, slabs, leases) is the data
+plane's (materializer.py); chunk messages are encoded here from the slabs it
+lends, and its errors map to status codes in status.boundary.
 """
 
 from __future__ import annotations
@@ -40,13 +41,19 @@ class Handlers:
     def __init__(self, plane: Materializer) -> None:
         self.plane = plane
 
-    def stream(self, request: pb.MaterializeRequest, caller: Caller) -> Iterator[Any]:
-        """The header message, then pre-encoded chunk messages (bytes, paraminit.wire)."""
-        for item in self.plane.stream(request.plan, caller, request.chunk_bytes):
+    def stream(self, request: pb.MaterializeRequest, caller: Caller) -> Iterator[pb.MaterializeResponse | bytes]:
+        """The header messages, then the data section as encoded chunk messages (bytes, paraminit.wire).
+
+        Chunks are encoded here, on the transport's thread, as gRPC asks for them: each slab is borrowed
+        from the data plane (lend=True) and copied into its messages before the next one is asked for."""
+        chunk = self.plane.chunk_size(request.chunk_bytes)
+        for item in self.plane.stream(request.plan, caller, request.chunk_bytes, lend=True):
             if isinstance(item, StreamStart):
                 yield from header_messages(_header(item))
-            else:
-                yield item
+                continue
+            start, slab = item
+            for off in range(0, int(slab.shape[0]), chunk):
+                yield wire.encode_chunk(start + off, slab[off:off + chunk])
 
     def export(self, request: pb.MaterializeRequest, caller: Caller) -> pb.MaterializeResponse:
         delivery = DELIVERY_NAMES.get(request.delivery)
@@ -159,7 +166,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
         try:
             if delivery == pb.DELIVERY_STREAM:
                 for message in self.handlers.stream(request, caller):
-                    if header is None:
+                    if header is None and isinstance(message, pb.MaterializeResponse):
                         header = message.header
                     yield message
             else:

@@ -1,0 +1,162 @@
+"""The data plane yields layouts and host slabs; the gRPC service layer alone encodes messages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import crc32c
+import numpy as np
+import pytest
+import reference
+
+from paraminit import wire
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit_client import param, plan_of
+from paraminit_server import backends, errors, materializer
+from paraminit_server import plan as planlib
+from paraminit_server.caller import Caller
+from paraminit_server.config import ServerConfig
+from paraminit_server.materializer import Materializer, StreamStart
+from paraminit_server.service import Handlers
+
+POISON = 0xAB
+SMALL_SLABS = {"slab_bytes": 64 << 10, "chunk_bytes": 8 << 10}  # 64 KiB slabs: many more slabs than the ring holds
+
+
+@pytest.fixture(scope="module")
+def plane() -> Iterator[Materializer]:
+    plane = Materializer(ServerConfig(backend="cpu", metrics_port=0, **SMALL_SLABS), backends.create("cpu"))
+    yield plane
+    plane.close()
+
+
+def uniform_plan(n: int, seed: int) -> Any:
+    return plan_of([param("w", [n], {"uniform": {"lo": -1, "hi": 1, "seed": seed}}),
+                    param("b", [333], {"normal": {"std": 0.5, "seed": seed + 1}}, "bfloat16")])
+
+
+def expected_data(plan: Any, start: StreamStart) -> np.ndarray[Any, Any]:
+    data = np.full(start.layout.data_bytes, POISON, dtype=np.uint8)
+    for pl, rp in zip(start.layout.placements, planlib.resolve(plan), strict=True):
+        data[pl.offset:pl.offset + pl.param.nbytes] = reference.materialize(rp).reshape(-1).view(np.uint8)
+    return data
+
+
+def test_stream_yields_a_start_then_host_slabs_that_a_keeping_consumer_owns(plane: Materializer) -> None:
+    plan = uniform_plan(96 * 1024, 3)
+    items = list(plane.stream(plan, Caller()))  # every slab kept to the end: none may be reused under it
+    start, slabs = items[0], items[1:]
+    assert isinstance(start, StreamStart) and start.digest
+    assert len(slabs) > materializer.PREFETCH + 2
+    data = np.full(start.layout.data_bytes, POISON, dtype=np.uint8)
+    at = 0
+    for item in slabs:
+        assert isinstance(item, tuple)
+        offset, slab = item
+        assert isinstance(slab, np.ndarray) and slab.dtype == np.uint8 and offset == at  # in order, no gaps
+        data[offset:offset + len(slab)] = slab
+        at += len(slab)
+    assert at == start.layout.data_bytes
+    np.testing.assert_array_equal(data, expected_data(plan, start))
+    assert plane.admission.host.reserved == 0 and plane.admission.in_flight == 0
+
+
+def test_lent_slabs_come_from_a_ring_and_are_whole_until_the_next_is_asked_for(plane: Materializer) -> None:
+    plan = uniform_plan(96 * 1024, 5)
+    it = plane.stream(plan, Caller(), lend=True)
+    start = next(it)
+    assert isinstance(start, StreamStart)
+    data = np.full(start.layout.data_bytes, POISON, dtype=np.uint8)
+    buffers: set[int] = set()
+    count = 0
+    for item in it:
+        assert isinstance(item, tuple)
+        offset, slab = item
+        buffers.add(slab.__array_interface__["data"][0])
+        data[offset:offset + len(slab)] = slab
+        count += 1
+    assert count > materializer.PREFETCH + 2
+    assert len(buffers) <= materializer.PREFETCH + 2  # the ring was reused, not fresh memory per slab
+    np.testing.assert_array_equal(data, expected_data(plan, start))
+
+
+def test_concurrent_encoded_streams_keep_every_message_intact(plane: Materializer) -> None:
+    """Two concurrent streams through the service layer, each encoding borrowed slabs; every message kept by
+    the consumer until the end decodes, carries its data's CRC32C, and equals the reference."""
+    handlers = Handlers(plane)
+    plans = [uniform_plan(96 * 1024, s) for s in (7, 8)]
+    kept: list[list[Any]] = [[], []]
+    failed: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            kept[i] = list(handlers.stream(pb.MaterializeRequest(plan=plans[i], chunk_bytes=8 << 10), Caller()))
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failed
+    for i in (0, 1):
+        header, messages = kept[i][0], kept[i][1:]
+        assert isinstance(header, pb.MaterializeResponse) and header.WhichOneof("msg") == "header"
+        start = next(x for x in plane.stream(plans[i], Caller()) if isinstance(x, StreamStart))
+        out = np.full(start.layout.data_bytes, POISON, dtype=np.uint8)
+        for raw in messages:
+            assert isinstance(raw, bytes)
+            c = wire.decode_response(raw)
+            assert isinstance(c, wire.Chunk) and crc32c.crc32c(c.data) == c.crc32c
+            assert len(c.data) <= 8 << 10
+            out[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
+        np.testing.assert_array_equal(out, expected_data(plans[i], start))
+
+
+def test_a_caller_leaving_mid_stream_cancels_it_and_gives_everything_back(plane: Materializer) -> None:
+    here = threading.Event()
+    here.set()
+    caller = Caller("leaver", active=here.is_set)
+    it = plane.stream(uniform_plan(96 * 1024, 9), caller, lend=True)
+    assert isinstance(next(it), StreamStart)
+    next(it)
+    here.clear()
+    with pytest.raises(errors.Cancelled):
+        for _ in it:
+            pass
+    assert plane.admission.host.reserved == 0 and plane.admission.in_flight == 0
+
+
+def test_closing_a_stream_early_gives_everything_back(plane: Materializer) -> None:
+    it = plane.stream(uniform_plan(96 * 1024, 10), Caller(), lend=True)
+    next(it)
+    next(it)
+    it.close()
+    assert plane.admission.host.reserved == 0 and plane.admission.in_flight == 0
+
+
+DATA_PLANE = ["materializer", "engine", "admission", "ledger", "leases", "payloads", "plan", "validation", "layout",
+              "errors", "exports", "backends", "backends.cpu"]
+
+
+def test_the_data_plane_imports_no_transport() -> None:
+    """Loading every data-plane module (and streaming through one) leaves grpc unimported."""
+    modules = ", ".join(f"paraminit_server.{m}" for m in DATA_PLANE)
+    code = (f"import sys, {modules}\n"
+            "from paraminit_server.caller import Caller\n"
+            "from paraminit_server.config import ServerConfig\n"
+            "from paraminit.v1 import plan_pb2\n"
+            "plane = paraminit_server.materializer.Materializer(ServerConfig(backend='cpu', metrics_port=0),\n"
+            "    paraminit_server.backends.create('cpu'))\n"
+            "plan = plan_pb2.Plan()\n"
+            "plan.params.add(name='w', shape=[1000]).init.ones.SetInParent()\n"
+            "assert len(list(plane.stream(plan, Caller()))) == 2\n"
+            "plane.close()\n"
+            "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.') or m.startswith('grpc_'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
