@@ -80,15 +80,17 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = N
         shape = [int(d) for d in p.shape]
         if len(shape) > MAX_RANK:
             bad("shape", f"rank {len(shape)} exceeds the maximum of {MAX_RANK}")
-        if spec.numel(shape) > MAX_ELEMENTS:
+        numel = spec.numel(shape)
+        if numel > MAX_ELEMENTS:
             bad("shape", f"the full tensor {spec.shape_str(shape)} has 2^63 elements or more; flat indices must fit "
                          "in 64 bits")
         dt = dtypes.by_enum(p.dtype)
         if dt is None:
             bad("dtype", f"unknown dtype enum value {p.dtype}")
-        region_numel = _check_region(shape, p, bad)
+        region_numel = _check_region(shape, p, bad) if p.region else numel
         _check_init(shape, p, bad, sources)
-        _check_patches(shape, p, bad)
+        if p.patches:
+            _check_patches(shape, p, bad)
         size = 0
         if dt is not None and region_numel is not None:
             size = region_numel * dt.itemsize
@@ -170,8 +172,8 @@ def _check_init(shape: list[int], p: plan_pb2.Param, bad: _Bad, sources: Any = N
         bad(field, message)
     if problems or sources is None or init is None:
         return
-    kind = inits.kind_of(init)
-    if kind is None or not kind.flat:
+    kind = inits.KINDS[init.WhichOneof("kind")]  # type: ignore[index]  # checked: a kind is set
+    if not kind.flat:
         return
     form = kind.form(getattr(init, kind.field), shape)
     if isinstance(form, inits.PayloadRef):
