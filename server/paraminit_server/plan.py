@@ -4,6 +4,9 @@ Every initializer reduces to one of five value kinds, so a backend implements
 five value formulas whatever the initializer: constants, affine maps of the unit
 draw (uniform, xavier, kaiming, their "for shape" forms), normal, truncated
 normal, and flat payloads (inline values, uploaded payloads, checkpoint tensors).
+The initializer table (paraminit.inits) maps every initializer to its value form;
+this module maps the forms to kernels, and reads payloads and checkpoints through
+the request's snapshot (payloads.BoundSources), the one validation read.
 """
 
 from __future__ import annotations

@@ -172,8 +172,8 @@ def _check_init(shape: list[int], p: plan_pb2.Param, bad: _Bad, sources: Any = N
         bad(field, message)
     if problems or sources is None or init is None:
         return
-    kind = inits.KINDS[init.WhichOneof("kind")]  # type: ignore[index]  # checked: a kind is set
-    if not kind.flat:
+    kind = inits.kind_of(init)
+    if kind is None or not kind.flat:
         return
     form = kind.form(getattr(init, kind.field), shape)
     if isinstance(form, inits.PayloadRef):
