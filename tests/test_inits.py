@@ -170,3 +170,29 @@ def test_expected_of_describes_a_patch_over_its_parameter() -> None:
     assert base is not None and patch is not None
     assert (base.mean, base.std) == (0.0, 0.02) and (patch.mean, patch.std) == (0.5, 0.1)
     assert patch.label == "normal(0.5, 0.1)"
+
+
+def test_part_statistics_over_chunks_match_numpy() -> None:
+    """Each part's statistics, gathered chunk by chunk over a row shard, equal NumPy's over that part's elements;
+    where boxes overlap the later patch owns the element."""
+    p = param("e", [50, 8], {"normal": {"std": 1}}, region=[(10, 50), (0, 8)])
+    p.patches.add(box=[plan_pb2.Range(start=0, stop=20), plan_pb2.Range(start=0, stop=4)],
+                  init=plan_pb2.Init(zeros=plan_pb2.Zeros()))
+    p.patches.add(box=[plan_pb2.Range(start=15, stop=30), plan_pb2.Range(start=0, stop=8)],
+                  init=plan_pb2.Init(ones=plan_pb2.Ones()))
+    values = np.random.default_rng(7).standard_normal(40 * 8) * 3 + 1
+    values[-1] = math.nan  # a base element (row 49)
+    parts = inspect._part_stats(iter(np.array_split(values, 7)), p, list(p.patches))
+    rows, cols = np.meshgrid(np.arange(10, 50), np.arange(8), indexing="ij")
+    owner = np.zeros((40, 8), dtype=int)
+    owner[(rows < 20) & (cols < 4)] = 1
+    owner[(rows >= 15) & (rows < 30)] = 2
+    grid = values.reshape(40, 8)
+    for k, got in enumerate(parts):
+        sel = grid[owner == k]
+        finite = sel[np.isfinite(sel)]
+        assert (got.count, got.nonfinite) == (finite.size, sel.size - finite.size)
+        assert got.mean == pytest.approx(finite.mean(), rel=1e-12)
+        assert got.std == pytest.approx(finite.std(), rel=1e-12)
+        assert (got.min, got.max) == (finite.min(), finite.max())
+    assert [parts[1].count, parts[2].count] == [5 * 4, 15 * 8]

@@ -265,22 +265,24 @@ def _judge_param(path: str | os.PathLike[str], e: Entry, p: plan_pb2.Param, row:
     patches = [q for q in p.patches if len(q.box) == len(p.shape)]
     if not patches:
         return judge(row.stats, row.expected, row.dtype) if row.expected is not None else []
+    wanted = [row.expected, *(expected_of(p, q.init) for q in patches)]
+    parts = _part_stats(_values(path, e), p, patches)  # one pass over the file whatever the number of patches
     problems = []
-    for owner in range(len(patches) + 1):
-        exp = row.expected if owner == 0 else expected_of(p, patches[owner - 1].init)
+    for owner, (exp, stats) in enumerate(zip(wanted, parts, strict=True)):
         if exp is None:
             continue
-        stats = tensor_stats(_owned(_values(path, e), p, patches, owner))
         found = judge(stats, exp, row.dtype)
         problems += found if owner == 0 else [f"patch {owner - 1} ({exp.label}): {x}" for x in found]
     return problems
 
 
-def _owned(chunks: Iterator[np.ndarray[Any, Any]], p: plan_pb2.Param, patches: Sequence[plan_pb2.Patch],
-           owner: int) -> Iterator[np.ndarray[Any, Any]]:
-    """The values whose element belongs to `owner` (0: the base; j + 1: patch j, the last covering patch wins)."""
+def _part_stats(chunks: Iterator[np.ndarray[Any, Any]], p: plan_pb2.Param,
+                patches: Sequence[plan_pb2.Patch]) -> list[Stats]:
+    """Statistics of each part of the tensor: [0] the base's elements, [j + 1] those patch j sets (the last patch
+    covering an element wins, as when it was filled)."""
     region = shapes.region_of(p)
     ext = [b - a for a, b in region]
+    parts = [Stats(0, math.nan, math.nan, math.nan, math.nan, 0) for _ in range(len(patches) + 1)]
     begin = 0
     for x in chunks:
         r = np.arange(begin, begin + x.size, dtype=np.int64)
@@ -295,7 +297,21 @@ def _owned(chunks: Iterator[np.ndarray[Any, Any]], p: plan_pb2.Param, patches: S
             for c, rng in zip(coords, q.box, strict=True):
                 inside &= (c >= rng.start) & (c < rng.stop)
             owners[inside] = j + 1
-        yield x[owners == owner]
+        for owner in np.unique(owners).tolist():
+            parts[owner] = _merged(parts[owner], tensor_stats(iter([x[owners == owner]])))
+    return parts
+
+
+def _merged(a: Stats, b: Stats) -> Stats:
+    """The statistics of two disjoint sets of values from theirs (Chan et al.)."""
+    if b.count == 0 or a.count == 0:
+        keep = b if a.count == 0 else a
+        return Stats(keep.count, keep.mean, keep.std, keep.min, keep.max, a.nonfinite + b.nonfinite)
+    n = a.count + b.count
+    delta = b.mean - a.mean
+    m2 = a.std * a.std * a.count + b.std * b.std * b.count + delta * delta * a.count * b.count / n
+    return Stats(n, a.mean + delta * b.count / n, math.sqrt(m2 / n), min(a.min, b.min), max(a.max, b.max),
+                 a.nonfinite + b.nonfinite)
 
 
 # -- output ---------------------------------------------------------------------------------------------------------
