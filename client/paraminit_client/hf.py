@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraminit import inits
 from paraminit.v1 import plan_pb2
 from paraminit_client.torch_rules import _mha
 
@@ -154,12 +155,7 @@ def _base(model: Any, mod: nn.Module, write: Write) -> None:
 def _same_kind(init: plan_pb2.Init) -> Make:
     """An Init built with some seed, rebuilt for any seed."""
     def make(seed: int) -> plan_pb2.Init:
-        out = plan_pb2.Init()
-        out.CopyFrom(init)
-        which = out.WhichOneof("kind")
-        if which is not None and hasattr(getattr(out, which), "seed"):
-            getattr(out, which).seed = seed
-        return out
+        return inits.with_seed(init, seed)
     return make
 
 

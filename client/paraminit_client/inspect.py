@@ -19,16 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from paraminit import dtypes, shapes
+from paraminit import dtypes, inits, shapes
 from paraminit.sizes import format_size
 from paraminit.v1 import plan_pb2
 
 FLAG_SIGMAS = 5.0  # a deviation of 5 standard errors flags a tensor (about 1 in 1.7 million by chance, per test)
-Z_MAX = math.sqrt(-2.0 * math.log(1e-6))  # the sampler raises u1 to 1e-6, so |z| <= 5.2565
+Z_MAX = inits.Z_MAX  # the sampler raises u1 to 1e-6, so |z| <= 5.2565
 CHUNK_ELEMENTS = 1 << 22
 # Round-off of one rounding into the dtype, relative (half an ulp): float64, float32, float16, bfloat16.
 _UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
-_KURTOSIS_NORMAL, _KURTOSIS_UNIFORM = 3.0, 1.8
 
 
 class SafetensorsError(ValueError):
@@ -145,76 +144,33 @@ class Expected:
     density: str  # "normal", "uniform" or "point"
 
 
-def _g(x: float) -> str:
-    return f"{x:.4g}"
+def expected_of(p: plan_pb2.Param, init: plan_pb2.Init | None = None) -> Expected | None:
+    """The distribution an initializer defines over the parameter's region (None for payloads and checkpoint
+    tensors, whose values are data).
 
+    Args:
+        p: the parameter (its shape and region; its own `init` unless `init` is given).
+        init: a patch's initializer to describe over the same parameter instead.
 
-def expected_of(p: plan_pb2.Param) -> Expected | None:
-    """The distribution `p.init` defines (None for payloads and checkpoint tensors, whose values are data)."""
-    init = p.init
-    kind = init.WhichOneof("kind")
-    if kind in ("zeros", "ones"):
-        v = 0.0 if kind == "zeros" else 1.0
-        return Expected(kind, v, 0.0, v, v, 0.0, "point")
-    if kind == "uniform":
-        lo, hi = init.uniform.lo, init.uniform.hi
-        return Expected(f"uniform({_g(lo)}, {_g(hi)})", (lo + hi) / 2, (hi - lo) / math.sqrt(12), lo, hi,
-                        _KURTOSIS_UNIFORM, "uniform" if hi > lo else "point")
-    if kind == "normal":
-        m, s = init.normal.mean, init.normal.std
-        return Expected(f"normal({_g(m)}, {_g(s)})", m, s, m - Z_MAX * s, m + Z_MAX * s, _KURTOSIS_NORMAL,
-                        "normal" if s > 0 else "point")
-    if kind == "truncated_normal":
-        t = init.truncated_normal
-        return _truncated(t.mean, t.std, t.lo, t.hi)
-    fan_in, fan_out = shapes.fan_in_out(list(p.shape))
-    if kind == "xavier_uniform":
-        fan_in, fan_out = init.xavier_uniform.fan_in, init.xavier_uniform.fan_out
-    if kind == "kaiming_uniform":
-        fan_in = init.kaiming_uniform.fan_in
-    if kind in ("xavier_uniform", "xavier_uniform_for_shape"):
-        total = float(fan_in) + float(fan_out)
-        bound = math.sqrt(6.0 / total) if total else 0.0
-        label = f"xavier_uniform(fan_in={fan_in}, fan_out={fan_out})"
-    elif kind in ("kaiming_uniform", "kaiming_uniform_for_shape"):
-        bound = math.sqrt(6.0 / float(fan_in)) if fan_in else 0.0
-        label = f"kaiming_uniform(fan_in={fan_in})"
-    elif kind == "flat":
-        values = np.asarray(init.flat.values, dtype=np.float64)
-        if values.size != shapes.numel(p.shape) or values.size == 0:
-            return None
-        if p.region:
-            values = values.reshape([int(d) for d in p.shape])[tuple(slice(a, b) for a, b in shapes.region_of(p))]
-        return Expected(f"flat({values.size} values)", float(values.mean()), float(values.std()),
-                        float(values.min()), float(values.max()), 0.0, "point" if values.min() == values.max() else "")
-    else:
+    Returns:
+        The expected statistics, or None when there is nothing to compare with.
+    """
+    init = p.init if init is None else init
+    if inits.kind_of(init) is None:
         return None
-    return Expected(label, 0.0, bound / math.sqrt(3), -bound, bound, _KURTOSIS_UNIFORM, "uniform" if bound else "point")
-
-
-def _truncated(m: float, s: float, lo: float, hi: float) -> Expected:
-    """Moments of normal(m, s) conditioned on [lo, hi] (and on the sampler's own |z| <= Z_MAX)."""
-    label = f"truncated_normal({_g(m)}, {_g(s)}, {_g(lo)}, {_g(hi)})"
-    if s <= 0:
-        return Expected(label, m, 0.0, m, m, 0.0, "point")
-    a, b = max((lo - m) / s, -Z_MAX), min((hi - m) / s, Z_MAX)
-    # raw moments of the standard normal on [a, b]: E z^k = (I_k(b) - I_k(a)) / mass, by the recursion
-    # I_k = -z^(k-1) phi(z) + (k - 1) I_(k-2) of the integrals of z^k phi(z)
-    def phi(z: float) -> float:
-        return math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
-
-    def big_phi(z: float) -> float:
-        return 0.5 * math.erfc(-z / math.sqrt(2))
-
-    mass = big_phi(b) - big_phi(a)
-    ints = [mass, phi(a) - phi(b)]
-    for k in range(2, 5):
-        ints.append(a ** (k - 1) * phi(a) - b ** (k - 1) * phi(b) + (k - 1) * ints[k - 2])
-    e1, e2, e3, e4 = (ints[k] / mass for k in range(1, 5))
-    var = max(e2 - e1 * e1, 0.0)
-    m4 = e4 - 4 * e1 * e3 + 6 * e1 * e1 * e2 - 3 * e1**4
-    kurt = m4 / (var * var) if var > 0 else 0.0
-    return Expected(label, m + s * e1, s * math.sqrt(var), m + s * a, m + s * b, kurt, "")  # no density curve
+    shape = [int(d) for d in p.shape]
+    form = inits.value_form(init, shape)
+    values = None
+    if isinstance(form, inits.Inline):
+        if len(form.values) != shapes.numel(shape) or not form.values:
+            return None
+        values = np.asarray(form.values, dtype=np.float64)
+        if p.region:
+            values = values.reshape(shape)[tuple(slice(a, b) for a, b in shapes.region_of(p))]
+    m = inits.moments(form, values)
+    if m is None:
+        return None
+    return Expected(inits.label(init, shape), m.mean, m.std, m.lo, m.hi, m.kurtosis, m.density)
 
 
 @dataclass
@@ -294,12 +250,68 @@ def inspect_file(path: str | os.PathLike[str], plan: plan_pb2.Plan | None = None
             if tuple(shapes.out_shape(p)) != e.shape:
                 row.problems.append(f"shape {list(e.shape)}, the plan says {list(shapes.out_shape(p))}")
             row.expected = expected_of(p)
-            if row.expected is not None and row.stats is not None and not row.problems:
-                row.problems += judge(row.stats, row.expected, row.dtype)
+            if row.stats is not None and not row.problems:
+                row.problems += _judge_param(path, e, p, row)
         rows.append(row)
     present = {e.name for e in entries}
     missing = [p.name for p in plan.params if p.name not in present] if plan is not None else []
     return Report(str(path), meta, rows, missing, plan is not None)
+
+
+def _judge_param(path: str | os.PathLike[str], e: Entry, p: plan_pb2.Param, row: Row) -> list[str]:
+    """Why the tensor does not fit its parameter: the whole tensor against the initializer, or with patches each
+    part (the base's elements, each patch's) against its own initializer, since patched rows follow their patch."""
+    assert row.stats is not None
+    patches = [q for q in p.patches if len(q.box) == len(p.shape)]
+    if not patches:
+        return judge(row.stats, row.expected, row.dtype) if row.expected is not None else []
+    wanted = [row.expected, *(expected_of(p, q.init) for q in patches)]
+    parts = _part_stats(_values(path, e), p, patches)  # one pass over the file whatever the number of patches
+    problems = []
+    for owner, (exp, stats) in enumerate(zip(wanted, parts, strict=True)):
+        if exp is None:
+            continue
+        found = judge(stats, exp, row.dtype)
+        problems += found if owner == 0 else [f"patch {owner - 1} ({exp.label}): {x}" for x in found]
+    return problems
+
+
+def _part_stats(chunks: Iterator[np.ndarray[Any, Any]], p: plan_pb2.Param,
+                patches: Sequence[plan_pb2.Patch]) -> list[Stats]:
+    """Statistics of each part of the tensor: [0] the base's elements, [j + 1] those patch j sets (the last patch
+    covering an element wins, as when it was filled)."""
+    region = shapes.region_of(p)
+    ext = [b - a for a, b in region]
+    parts = [Stats(0, math.nan, math.nan, math.nan, math.nan, 0) for _ in range(len(patches) + 1)]
+    begin = 0
+    for x in chunks:
+        r = np.arange(begin, begin + x.size, dtype=np.int64)
+        begin += x.size
+        coords: list[np.ndarray[Any, Any]] = []
+        for d in range(len(ext) - 1, -1, -1):  # global coordinates of each element, last dimension first
+            r, c = np.divmod(r, ext[d])
+            coords.insert(0, c + region[d][0])
+        owners = np.zeros(x.size, dtype=np.int32)
+        for j, q in enumerate(patches):
+            inside = np.ones(x.size, dtype=bool)
+            for c, rng in zip(coords, q.box, strict=True):
+                inside &= (c >= rng.start) & (c < rng.stop)
+            owners[inside] = j + 1
+        for owner in np.unique(owners).tolist():
+            parts[owner] = _merged(parts[owner], tensor_stats(iter([x[owners == owner]])))
+    return parts
+
+
+def _merged(a: Stats, b: Stats) -> Stats:
+    """The statistics of two disjoint sets of values from theirs (Chan et al.)."""
+    if b.count == 0 or a.count == 0:
+        keep = b if a.count == 0 else a
+        return Stats(keep.count, keep.mean, keep.std, keep.min, keep.max, a.nonfinite + b.nonfinite)
+    n = a.count + b.count
+    delta = b.mean - a.mean
+    m2 = a.std * a.std * a.count + b.std * b.std * b.count + delta * delta * a.count * b.count / n
+    return Stats(n, a.mean + delta * b.count / n, math.sqrt(m2 / n), min(a.min, b.min), max(a.max, b.max),
+                 a.nonfinite + b.nonfinite)
 
 
 # -- output ---------------------------------------------------------------------------------------------------------

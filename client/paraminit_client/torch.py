@@ -65,6 +65,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from paraminit import inits
 from paraminit.peers import is_local_target
 from paraminit.shapes import out_shape
 from paraminit.v1 import init_service_pb2 as pb
@@ -95,9 +96,7 @@ Override = Callable[..., "plan_pb2.Init | Mapping[str, Any] | None"]
 POLICIES = ("torch", "torchlean", "hf", "torchtitan")
 LEASE_ATTR = "_paraminit_lease"
 
-_SEEDED = {"uniform", "normal", "truncatedNormal", "truncated_normal",
-           "xavierUniform", "xavier_uniform", "kaimingUniform", "kaiming_uniform",
-           "xavierUniformForShape", "xavier_uniform_for_shape", "kaimingUniformForShape", "kaiming_uniform_for_shape"}
+_SEEDED = inits.SEEDED_JSON  # JSON keys (both spellings) of the seeded kinds
 
 
 class UnsupportedModuleError(ValueError):

@@ -224,8 +224,11 @@ class Sources:
 
 
 class BoundSources:
-    """Sources as one request sees them: payloads of its identity only; each checkpoint header parsed once
-    per request; checkpoint values reserved against the memory budget until release()."""
+    """Sources as one request sees them, a snapshot: payloads of its identity only, each looked up once per
+    request and kept for it (a payload that expires or is removed after validation saw it is still the one
+    resolution, the digest and the fill use); each checkpoint header parsed once per request (a file that
+    changes after that is refused, never half read); checkpoint values reserved against the memory budget
+    until release()."""
 
     def __init__(self, sources: Sources, owner: str, reserve: Callable[[int], Held] | None = None) -> None:
         self.sources = sources
@@ -234,9 +237,14 @@ class BoundSources:
         self._headers: dict[str, Header] = {}
         self._held: list[Held] = []
         self._hashes: dict[tuple[str, str, tuple[tuple[int, int], ...]], str] = {}
+        self._payloads: dict[str, Payload | None] = {}
 
     def payload(self, payload_id: str) -> Payload | None:
-        return self.sources.payload(payload_id, self.owner)
+        """The request's payload under this id: looked up on first use, the same answer for the rest of the
+        request (None when the caller has no such payload)."""
+        if payload_id not in self._payloads:
+            self._payloads[payload_id] = self.sources.payload(payload_id, self.owner)
+        return self._payloads[payload_id]
 
     def hold(self, held: Held) -> None:
         """Keep a reservation of the request's until release()."""
@@ -314,5 +322,6 @@ class BoundSources:
     def release(self) -> None:
         """Give back the memory reserved for checkpoint values and held for the request (idempotent)."""
         held, self._held = self._held, []
+        self._payloads.clear()
         for r in held:
             r.release()

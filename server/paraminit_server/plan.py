@@ -4,6 +4,9 @@ Every initializer reduces to one of five value kinds, so a backend implements
 five value formulas whatever the initializer: constants, affine maps of the unit
 draw (uniform, xavier, kaiming, their "for shape" forms), normal, truncated
 normal, and flat payloads (inline values, uploaded payloads, checkpoint tensors).
+The initializer table (paraminit.inits) maps every initializer to its value form;
+this module maps the forms to kernels, and reads payloads and checkpoints through
+the request's snapshot (payloads.BoundSources), the one validation read.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from paraminit import dtypes
+from paraminit import dtypes, inits
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors, spec
 
@@ -218,53 +221,34 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
     region = tuple((int(r.start), int(r.stop)) for r in p.region) or tuple((0, d) for d in shape)
     dt = dtypes.by_enum(p.dtype)
     assert dt is not None, "resolve_param needs a validated plan"
-    which = p.init.WhichOneof("kind")
-    init = p.init
+    kind = inits.kind_of(p.init)
+    assert kind is not None, "resolve_param needs a validated plan"
+    form = kind.form(getattr(p.init, kind.field), shape)
 
-    def make(kind: Kind, p0: float = 0.0, p1: float = 0.0, seed: int | None = None,
-             values: npt.NDArray[np.float64] | None = None) -> ResolvedParam:
-        return ResolvedParam(index, p.name, shape, region, dt, which or "", kind, p0, p1,
+    def make(kernel: Kind, p0: float = 0.0, p1: float = 0.0, seed: int | None = None,
+             values: npt.NDArray[Any] | None = None) -> ResolvedParam:
+        return ResolvedParam(index, p.name, shape, region, dt, kind.field, kernel, p0, p1,
                              0 if seed is None else spec.key(seed), values)
 
-    if which == "zeros":
-        return make(Kind.CONST, 0.0)
-    if which == "ones":
-        return make(Kind.CONST, 1.0)
-    if which == "uniform":
-        u = init.uniform
-        return make(Kind.AFFINE, u.lo, u.hi - u.lo, u.seed)
-    if which == "normal":
-        n = init.normal
-        return make(Kind.NORMAL, n.mean, n.std, n.seed)
-    if which == "truncated_normal":
-        t = init.truncated_normal
-        return replace(make(Kind.TRUNCNORM, t.mean, t.std, t.seed), lo=t.lo, hi=t.hi, seed=t.seed)
-    if which == "flat":
-        values = np.asarray(init.flat.values, dtype=np.float64)
-        return make(Kind.FLAT, values=values)
-    if which == "flat_ref":
-        payload = sources.payload(init.flat_ref.payload_id)
-        assert payload is not None, "flat_ref resolved without its payload"
+    # the value form decides the kernel: five kernels whatever the initializer (the table maps kinds to forms)
+    if isinstance(form, inits.Const):
+        return make(Kind.CONST, form.value)
+    if isinstance(form, inits.Uniform):
+        return make(Kind.AFFINE, form.lo, form.hi - form.lo, form.seed)
+    if isinstance(form, inits.Normal):
+        return make(Kind.NORMAL, form.mean, form.std, form.seed)
+    if isinstance(form, inits.TruncNormal):
+        return replace(make(Kind.TRUNCNORM, form.mean, form.std, form.seed), lo=form.lo, hi=form.hi, seed=form.seed)
+    if isinstance(form, inits.Inline):
+        return make(Kind.FLAT, values=np.asarray(form.values, dtype=np.float64))
+    if isinstance(form, inits.PayloadRef):
+        payload = None if sources is None else sources.payload(form.payload_id)
+        if payload is None:  # only when resolved without the validation that reads the same snapshot
+            raise errors.NotFound(f"no payload {form.payload_id[:64]!r} (payloads expire)")
         return make(Kind.FLAT, values=payload.values)
-    if which == "safetensors":
-        # a region reads and converts only its own values (the budget pays for those only)
-        values, compact = sources.tensor_values(init.safetensors.path, init.safetensors.tensor, region)
-        return replace(make(Kind.FLAT, values=values), compact=compact)
-    if which == "xavier_uniform":
-        bound = spec.xavier_bound(init.xavier_uniform.fan_in, init.xavier_uniform.fan_out)
-        seed = init.xavier_uniform.seed
-    elif which == "kaiming_uniform":
-        bound = spec.kaiming_bound(init.kaiming_uniform.fan_in)
-        seed = init.kaiming_uniform.seed
-    elif which == "xavier_uniform_for_shape":
-        bound = spec.xavier_bound(*spec.fan_in_out(shape))
-        seed = init.xavier_uniform_for_shape.seed
-    elif which == "kaiming_uniform_for_shape":
-        bound = spec.kaiming_bound(spec.fan_in_out(shape)[0])
-        seed = init.kaiming_uniform_for_shape.seed
-    else:
-        raise AssertionError(f"unvalidated initializer {which!r}")
-    return make(Kind.AFFINE, -bound, 2.0 * bound, seed)
+    # a checkpoint region reads and converts only its own values (the budget pays for those only)
+    values, compact = sources.tensor_values(form.path, form.tensor, region)
+    return replace(make(Kind.FLAT, values=values), compact=compact)
 
 
 def resolve(plan: plan_pb2.Plan, sources: Any = None) -> list[ResolvedParam]:
@@ -297,13 +281,16 @@ def digest(plan: plan_pb2.Plan, sources: Any = None) -> str:
         shape = tuple(int(d) for d in p.shape)
         region = tuple((int(r.start), int(r.stop)) for r in p.region) or tuple((0, d) for d in shape)
         for init in (p.init, *(q.init for q in p.patches)):
-            which = init.WhichOneof("kind")
-            if which == "flat_ref":
-                payload = sources.payload(init.flat_ref.payload_id)
+            kind = inits.kind_of(init)
+            if kind is None or not kind.flat:
+                continue
+            form = kind.form(getattr(init, kind.field), shape)
+            if isinstance(form, inits.PayloadRef):
+                payload = sources.payload(form.payload_id)
                 contents.append(f"{i}:payload:{payload.sha256 if payload is not None else '-'}")
-            elif which == "safetensors":
+            elif isinstance(form, inits.Checkpoint):
                 try:
-                    used = sources.content_hash(init.safetensors.path, init.safetensors.tensor, region)
+                    used = sources.content_hash(form.path, form.tensor, region)
                 except errors.InvalidRequest:  # validation reports why; the digest marks it unreadable
                     used = "-"
                 contents.append(f"{i}:safetensors:{used}")

@@ -7,13 +7,10 @@ its name and the field, so a user fixes a plan in one round trip.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
-from paraminit import dtypes
+from paraminit import dtypes, inits
 from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, Violation, camel_path
 from paraminit_server import errors, spec
@@ -83,15 +80,17 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = N
         shape = [int(d) for d in p.shape]
         if len(shape) > MAX_RANK:
             bad("shape", f"rank {len(shape)} exceeds the maximum of {MAX_RANK}")
-        if spec.numel(shape) > MAX_ELEMENTS:
+        numel = spec.numel(shape)
+        if numel > MAX_ELEMENTS:
             bad("shape", f"the full tensor {spec.shape_str(shape)} has 2^63 elements or more; flat indices must fit "
                          "in 64 bits")
         dt = dtypes.by_enum(p.dtype)
         if dt is None:
             bad("dtype", f"unknown dtype enum value {p.dtype}")
-        region_numel = _check_region(shape, p, bad)
+        region_numel = _check_region(shape, p, bad) if p.region else numel
         _check_init(shape, p, bad, sources)
-        _check_patches(shape, p, bad)
+        if p.patches:
+            _check_patches(shape, p, bad)
         size = 0
         if dt is not None and region_numel is not None:
             size = region_numel * dt.itemsize
@@ -132,11 +131,10 @@ def _check_region(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> int | None:
 
 
 MAX_PATCHES = 4096
-_FLAT_KINDS = ("flat", "flat_ref", "safetensors")
 
 
 def _check_patches(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
-    """Each patch: a box inside the full shape and a valid, non-flat initializer (values at global indices)."""
+    """Each patch: a box inside the full shape and a valid, patchable initializer (values at global indices)."""
     if len(p.patches) > MAX_PATCHES:
         bad("patches", f"{len(p.patches)} patches exceed the maximum of {MAX_PATCHES} per parameter")
         return
@@ -152,12 +150,8 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
                     sub(f"box[{d}]", f"range [{r.start}, {r.stop}) is empty")
                 elif r.stop > dim:
                     sub(f"box[{d}]", f"range [{r.start}, {r.stop}) is out of bounds for dimension {d} of size {dim}")
-        which = q.init.WhichOneof("kind") if q.HasField("init") else None
-        if which in _FLAT_KINDS:
-            sub(f"init.{which}", f"a patch cannot use {which} values (patches take zeros, ones, uniform, normal, "
-                                 "truncated_normal, xavier or kaiming initializers)")
-        else:
-            _check_init(shape, q, sub)
+        for field, message in inits.check(q.init if q.HasField("init") else None, shape, patch=True):
+            sub(field, message)
 
 
 def _shown_name(name: str) -> str:
@@ -170,92 +164,38 @@ def _echo(text: str) -> str:
     return repr(text) if len(text) <= ECHO else repr(text[:ECHO]) + f"... ({len(text)} characters)"
 
 
-def _finite(*xs: float) -> bool:
-    return all(math.isfinite(x) for x in xs)
-
-
-def _check_init(shape: list[int], p: plan_pb2.Param | plan_pb2.Patch, bad: _Bad, sources: Any = None) -> None:
-    which = p.init.WhichOneof("kind") if p.HasField("init") else None
-    init = p.init
-    if which is None:
-        bad("init", "initializer is not set (expected one of zeros, ones, uniform, normal, xavier_uniform, "
-            "kaiming_uniform, flat, xavier_uniform_for_shape, kaiming_uniform_for_shape, flat_ref, safetensors, "
-            "truncated_normal)")
-    elif which == "uniform":
-        if not _finite(init.uniform.lo, init.uniform.hi):
-            bad("init.uniform", "initialization: uniform bounds must be finite")
-        elif init.uniform.lo > init.uniform.hi:
-            bad("init.uniform", "initialization: uniform lower bound must not exceed the upper bound")
-        elif not math.isfinite(init.uniform.hi - init.uniform.lo):
-            bad("init.uniform", "uniform range hi - lo overflows binary64")
-    elif which == "normal":
-        if not _finite(init.normal.mean, init.normal.std):
-            bad("init.normal", "initialization: normal mean and standard deviation must be finite")
-        elif init.normal.std < 0:
-            bad("init.normal", "initialization: normal standard deviation must be nonnegative")
-    elif which == "truncated_normal":
-        _check_truncated_normal(init.truncated_normal, bad)
-    elif which == "flat":
-        expected = spec.numel(shape)
-        got = len(init.flat.values)
-        if got != expected:
-            bad("init.flat.values", _length_message(expected, got))
-        values = np.asarray(init.flat.values, dtype=np.float64)
-        nonfinite = np.flatnonzero(~np.isfinite(values))
-        if nonfinite.size:
-            bad("init.flat.values", f"flat values must be finite ({nonfinite.size} not finite, first at index {nonfinite[0]})")
-    elif which == "flat_ref":
-        _check_flat_ref(shape, init.flat_ref.payload_id, bad, sources)
-    elif which == "safetensors":
-        _check_safetensors(shape, init.safetensors, bad, sources)
-    elif which in ("xavier_uniform_for_shape", "kaiming_uniform_for_shape") and len(shape) < 2:
-        who = "Xavier" if which == "xavier_uniform_for_shape" else "Kaiming"
-        bad(f"init.{which}", f"torch.runtimeInit: {who} initialization expects at least 2 dimensions, got {spec.shape_str(shape)}")
-
-
-def _check_truncated_normal(t: plan_pb2.TruncatedNormal, bad: _Bad) -> None:
-    """docs/SAMPLER.md 2.2: finite, std >= 0, and bounds wide enough that 64 candidates practically never fail."""
-    if not _finite(t.mean, t.std, t.lo, t.hi):
-        bad("init.truncated_normal", "initialization: truncated normal mean, standard deviation and bounds must "
-                                     "be finite")
-    elif t.std < 0:
-        bad("init.truncated_normal", "initialization: truncated normal standard deviation must be nonnegative")
-    elif not spec.trunc_bounds_ok(t.mean, t.std, t.lo, t.hi):
-        bad("init.truncated_normal", f"truncated normal bounds [{t.lo!r}, {t.hi!r}] are too tight: they must hold "
-                                     f"[mean - std / 2, mean + std / 2] = [{t.mean - 0.5 * t.std!r}, "
-                                     f"{t.mean + 0.5 * t.std!r}] (lo <= mean - 0.5 * std, hi >= mean + 0.5 * std)")
-
-
-def _length_message(expected: int, got: int) -> str:
-    return f"torch.runtimeInit: flat initializer length mismatch (expected {expected}, got {got})"
-
-
-def _check_flat_ref(shape: list[int], payload_id: str, bad: _Bad, sources: Any) -> None:
-    if not payload_id:
-        bad("init.flat_ref.payload_id", "payload id must not be empty")
+def _check_init(shape: list[int], p: plan_pb2.Param, bad: _Bad, sources: Any = None) -> None:
+    """The initializer's form (the table's checks), then what it reads against the request's snapshot."""
+    init = p.init if p.HasField("init") else None
+    problems = inits.check(init, shape)
+    for field, message in problems:
+        bad(field, message)
+    if problems or sources is None or init is None:
         return
-    if sources is None:
+    kind = inits.kind_of(init)
+    if kind is None or not kind.flat:
         return
-    payload = sources.payload(payload_id)
+    form = kind.form(getattr(init, kind.field), shape)
+    if isinstance(form, inits.PayloadRef):
+        _check_payload(shape, form, bad, sources)
+    elif isinstance(form, inits.Checkpoint):
+        _check_checkpoint(shape, form, bad, sources)
+
+
+def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: Any) -> None:
+    payload = sources.payload(ref.payload_id)
     if payload is None:
-        bad("init.flat_ref.payload_id", f"no payload {_echo(payload_id)} (upload it with UploadPayload; payloads expire)")
+        bad("init.flat_ref.payload_id", f"no payload {_echo(ref.payload_id)} (upload it with UploadPayload; "
+                                        "payloads expire)")
         return
     if payload.values.size != spec.numel(shape):
-        bad("init.flat_ref", _length_message(spec.numel(shape), payload.values.size))
+        bad("init.flat_ref", inits.length_message(spec.numel(shape), payload.values.size))
     if payload.nonfinite:
         bad("init.flat_ref", f"flat values must be finite ({payload.nonfinite} not finite, first at index "
                              f"{payload.first_nonfinite})")
 
 
-def _check_safetensors(shape: list[int], ref: plan_pb2.SafetensorsRef, bad: _Bad, sources: Any) -> None:
-    if not ref.path or not ref.tensor:
-        bad("init.safetensors", "safetensors reference needs both path and tensor")
-        return
-    if ref.dtype and dtypes.by_enum(ref.dtype) is None:
-        bad("init.safetensors.dtype", f"unknown dtype enum value {ref.dtype}")
-        return
-    if sources is None:
-        return
+def _check_checkpoint(shape: list[int], ref: inits.Checkpoint, bad: _Bad, sources: Any) -> None:
     try:
         info = sources.tensor_info(ref.path, ref.tensor)
     except errors.InvalidRequest as exc:

@@ -1,0 +1,430 @@
+"""The initializer table: every kind of `paraminit.v1.Init`, in one place.
+
+Per kind: its oneof field and JSON name, whether it is seeded, whether its values
+are data (flat kinds: inline values, uploaded payloads, checkpoint tensors; never
+allowed in a patch), the form checks validation reports, and the value form it
+defines over a parameter's full shape. Validation, plan resolution, the plan digest,
+`paraminit inspect` and the client's policies read this table; adding an initializer
+touches the table and the kernels only.
+
+A value form says what element i is: a constant, an affine map of the unit draw
+(uniform and every Xavier / Kaiming kind), a normal, a truncated normal, or data.
+The Xavier and Kaiming bounds (docs/SAMPLER.md section 3) are stated here once, and
+`moments` gives the mean, standard deviation and bounds a form promises (what
+`inspect` checks a file against).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from paraminit import dtypes
+from paraminit.shapes import fan_in_out, numel, shape_str
+from paraminit.v1 import plan_pb2
+
+__all__ = [
+    "KINDS",
+    "Z_MAX",
+    "Checkpoint",
+    "Const",
+    "Data",
+    "InitKind",
+    "Inline",
+    "Moments",
+    "Normal",
+    "PayloadRef",
+    "TruncNormal",
+    "Uniform",
+    "ValueForm",
+    "check",
+    "kaiming_bound",
+    "kind_of",
+    "label",
+    "moments",
+    "trunc_bounds_ok",
+    "value_form",
+    "with_seed",
+    "xavier_bound",
+]
+
+NORMAL_U1_FLOOR = 1e-6  # the sampler raises u1 to this before log, so |z| <= Z_MAX (docs/SAMPLER.md 2.1)
+Z_MAX = math.sqrt(-2.0 * math.log(NORMAL_U1_FLOOR))
+_KURTOSIS_NORMAL, _KURTOSIS_UNIFORM = 3.0, 1.8
+
+
+# -- bounds (docs/SAMPLER.md section 3) ---------------------------------------------------------------------------------
+
+def xavier_bound(fan_in: int, fan_out: int) -> float:
+    """sqrt(6 / (fanIn + fanOut)) with fans converted to binary64 first; 0 for zero fans."""
+    denom = float(fan_in) + float(fan_out)
+    return 0.0 if denom == 0.0 else math.sqrt(6.0 / denom)
+
+
+def kaiming_bound(fan_in: int) -> float:
+    """sqrt(6 / fanIn) (He-uniform for ReLU); 0 for a zero fan."""
+    return 0.0 if fan_in == 0 else math.sqrt(6.0 / float(fan_in))
+
+
+def trunc_bounds_ok(mean: float, std: float, lo: float, hi: float) -> bool:
+    """Section 2.2's interval rule: lo <= mean - 0.5 * std and hi >= mean + 0.5 * std (binary64 roundings)."""
+    half = 0.5 * std
+    return lo <= mean - half and hi >= mean + half
+
+
+# -- value forms ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Const:
+    """value everywhere."""
+
+    value: float
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """lo + unit(seed, i) * (hi - lo)."""
+
+    lo: float
+    hi: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Normal:
+    """mean + std * z(seed, i)."""
+
+    mean: float
+    std: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class TruncNormal:
+    """The first candidate mean + std * z_j in [lo, hi] (docs/SAMPLER.md 2.2)."""
+
+    mean: float
+    std: float
+    lo: float
+    hi: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Inline:
+    """Values in the plan itself, row-major over the full shape."""
+
+    values: Sequence[float]
+
+
+@dataclass(frozen=True)
+class PayloadRef:
+    """Values uploaded with UploadPayload."""
+
+    payload_id: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A tensor of a safetensors file the server reads; dtype 0 means "do not check"."""
+
+    path: str
+    tensor: str
+    dtype: int
+
+
+Data = Inline | PayloadRef | Checkpoint
+ValueForm = Const | Uniform | Normal | TruncNormal | Data
+
+Problem = tuple[str, str]  # (field path under the Param or Patch, message)
+
+
+# -- the table ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InitKind:
+    """One initializer kind: how it is named, checked and what its values are."""
+
+    field: str  # the Init oneof field, e.g. "xavier_uniform_for_shape"
+    json: str  # its JSON name, e.g. "xavierUniformForShape"
+    seeded: bool  # its message has a `seed`
+    flat: bool  # its values are data: no distribution to check, not allowed in a patch
+    form: Callable[[Any, Sequence[int]], ValueForm]  # (the kind's message, full shape) -> value form
+    checks: Callable[[Any, Sequence[int]], list[Problem]]  # form checks on the message alone
+    describe: Callable[[Any, Sequence[int]], str] | None = None  # inspect's label; default: from the form
+
+    @property
+    def patchable(self) -> bool:
+        return not self.flat
+
+
+def _none(_m: Any, _s: Sequence[int]) -> list[Problem]:
+    return []
+
+
+def _finite(*xs: float) -> bool:
+    return all(math.isfinite(x) for x in xs)
+
+
+def _check_uniform(u: plan_pb2.Uniform, _s: Sequence[int]) -> list[Problem]:
+    lo, hi = u.lo, u.hi
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return [("init.uniform", "initialization: uniform bounds must be finite")]
+    if lo > hi:
+        return [("init.uniform", "initialization: uniform lower bound must not exceed the upper bound")]
+    if not math.isfinite(hi - lo):
+        return [("init.uniform", "uniform range hi - lo overflows binary64")]
+    return []
+
+
+def _check_normal(n: plan_pb2.Normal, _s: Sequence[int]) -> list[Problem]:
+    mean, std = n.mean, n.std
+    if not (math.isfinite(mean) and math.isfinite(std)):
+        return [("init.normal", "initialization: normal mean and standard deviation must be finite")]
+    if std < 0:
+        return [("init.normal", "initialization: normal standard deviation must be nonnegative")]
+    return []
+
+
+def _check_truncated_normal(t: plan_pb2.TruncatedNormal, _s: Sequence[int]) -> list[Problem]:
+    """Finite, std >= 0, and bounds wide enough that 64 candidates practically never fail (SAMPLER.md 2.2)."""
+    where = "init.truncated_normal"
+    if not _finite(t.mean, t.std, t.lo, t.hi):
+        return [(where, "initialization: truncated normal mean, standard deviation and bounds must be finite")]
+    if t.std < 0:
+        return [(where, "initialization: truncated normal standard deviation must be nonnegative")]
+    if not trunc_bounds_ok(t.mean, t.std, t.lo, t.hi):
+        return [(where, f"truncated normal bounds [{t.lo!r}, {t.hi!r}] are too tight: they must hold "
+                        f"[mean - std / 2, mean + std / 2] = [{t.mean - 0.5 * t.std!r}, {t.mean + 0.5 * t.std!r}] "
+                        "(lo <= mean - 0.5 * std, hi >= mean + 0.5 * std)")]
+    return []
+
+
+def length_message(expected: int, got: int) -> str:
+    """TorchLean's words for a flat initializer of the wrong length (docs/SAMPLER.md section 6)."""
+    return f"torch.runtimeInit: flat initializer length mismatch (expected {expected}, got {got})"
+
+
+def _check_flat(f: plan_pb2.Flat, shape: Sequence[int]) -> list[Problem]:
+    out = []
+    expected, got = numel(shape), len(f.values)
+    if got != expected:
+        out.append(("init.flat.values", length_message(expected, got)))
+    nonfinite = np.flatnonzero(~np.isfinite(np.asarray(f.values, dtype=np.float64)))
+    if nonfinite.size:
+        out.append(("init.flat.values", f"flat values must be finite ({nonfinite.size} not finite, first at index "
+                                        f"{nonfinite[0]})"))
+    return out
+
+
+def _check_flat_ref(r: plan_pb2.FlatRef, _s: Sequence[int]) -> list[Problem]:
+    return [] if r.payload_id else [("init.flat_ref.payload_id", "payload id must not be empty")]
+
+
+def _check_safetensors(r: plan_pb2.SafetensorsRef, _s: Sequence[int]) -> list[Problem]:
+    if not r.path or not r.tensor:
+        return [("init.safetensors", "safetensors reference needs both path and tensor")]
+    if r.dtype and dtypes.by_enum(r.dtype) is None:
+        return [("init.safetensors.dtype", f"unknown dtype enum value {r.dtype}")]
+    return []
+
+
+def _rank2(who: str, field: str) -> Callable[[Any, Sequence[int]], list[Problem]]:
+    def checks(_m: Any, shape: Sequence[int]) -> list[Problem]:
+        if len(shape) >= 2:
+            return []
+        return [(f"init.{field}", f"torch.runtimeInit: {who} initialization expects at least 2 dimensions, got "
+                                  f"{shape_str(shape)}")]
+    return checks
+
+
+def _symmetric(bound: float, seed: int) -> Uniform:
+    return Uniform(-bound, bound, seed)
+
+
+def _xavier_label(fan_in: int, fan_out: int) -> str:
+    return f"xavier_uniform(fan_in={fan_in}, fan_out={fan_out})"
+
+
+def _kaiming_label(fan_in: int) -> str:
+    return f"kaiming_uniform(fan_in={fan_in})"
+
+
+def _table() -> dict[str, InitKind]:
+    kinds = [
+        InitKind("zeros", "zeros", False, False, lambda m, s: Const(0.0), _none, lambda m, s: "zeros"),
+        InitKind("ones", "ones", False, False, lambda m, s: Const(1.0), _none, lambda m, s: "ones"),
+        InitKind("uniform", "uniform", True, False, lambda m, s: Uniform(m.lo, m.hi, m.seed), _check_uniform),
+        InitKind("normal", "normal", True, False, lambda m, s: Normal(m.mean, m.std, m.seed), _check_normal),
+        InitKind("xavier_uniform", "xavierUniform", True, False,
+                 lambda m, s: _symmetric(xavier_bound(m.fan_in, m.fan_out), m.seed), _none,
+                 lambda m, s: _xavier_label(m.fan_in, m.fan_out)),
+        InitKind("kaiming_uniform", "kaimingUniform", True, False,
+                 lambda m, s: _symmetric(kaiming_bound(m.fan_in), m.seed), _none,
+                 lambda m, s: _kaiming_label(m.fan_in)),
+        InitKind("flat", "flat", False, True, lambda m, s: Inline(m.values), _check_flat),
+        InitKind("xavier_uniform_for_shape", "xavierUniformForShape", True, False,
+                 lambda m, s: _symmetric(xavier_bound(*fan_in_out(s)), m.seed),
+                 _rank2("Xavier", "xavier_uniform_for_shape"), lambda m, s: _xavier_label(*fan_in_out(s))),
+        InitKind("kaiming_uniform_for_shape", "kaimingUniformForShape", True, False,
+                 lambda m, s: _symmetric(kaiming_bound(fan_in_out(s)[0]), m.seed),
+                 _rank2("Kaiming", "kaiming_uniform_for_shape"), lambda m, s: _kaiming_label(fan_in_out(s)[0])),
+        InitKind("flat_ref", "flatRef", False, True, lambda m, s: PayloadRef(m.payload_id), _check_flat_ref),
+        InitKind("safetensors", "safetensors", False, True, lambda m, s: Checkpoint(m.path, m.tensor, m.dtype),
+                 _check_safetensors),
+        InitKind("truncated_normal", "truncatedNormal", True, False,
+                 lambda m, s: TruncNormal(m.mean, m.std, m.lo, m.hi, m.seed), _check_truncated_normal),
+    ]
+    return {k.field: k for k in kinds}
+
+
+KINDS: dict[str, InitKind] = _table()  # by oneof field, in field-number order
+_NOT_SET = ("initializer is not set (expected one of " + ", ".join(KINDS) + ")")
+
+
+def kind_of(init: plan_pb2.Init) -> InitKind | None:
+    """The table entry of the kind `init` sets, None when it sets none."""
+    which = init.WhichOneof("kind")
+    return None if which is None else KINDS[which]
+
+
+def check(init: plan_pb2.Init | None, shape: Sequence[int], patch: bool = False) -> list[Problem]:
+    """Form problems of an initializer (references to payloads and files are checked where they are held).
+
+    Args:
+        init: the Init (None or unset: a problem).
+        shape: the parameter's full shape.
+        patch: the Init belongs to a patch, where flat kinds are not allowed.
+
+    Returns:
+        (field path, message) per problem; empty when the form is valid.
+    """
+    which = None if init is None else init.WhichOneof("kind")
+    if which is None:
+        return [("init", _NOT_SET)]
+    kind = KINDS[which]
+    if patch and kind.flat:
+        return [(f"init.{which}", f"a patch cannot use {which} values (patches take "
+                                  f"{', '.join(k.field for k in KINDS.values() if k.patchable)} initializers)")]
+    if kind.checks is _none:  # most kinds of most plans: no call at all
+        return []
+    return kind.checks(getattr(init, which), shape)
+
+
+def value_form(init: plan_pb2.Init, shape: Sequence[int]) -> ValueForm:
+    """What element i of a parameter of this full shape is; `init` must set a kind (validated)."""
+    kind = kind_of(init)
+    if kind is None:
+        raise ValueError("initializer is not set")
+    return kind.form(getattr(init, kind.field), shape)
+
+
+def with_seed(init: plan_pb2.Init, seed: int) -> plan_pb2.Init:
+    """A copy of `init` with its seed set to `seed` (unchanged for unseeded kinds)."""
+    out = plan_pb2.Init()
+    out.CopyFrom(init)
+    kind = kind_of(out)
+    if kind is not None and kind.seeded:
+        getattr(out, kind.field).seed = seed
+    return out
+
+
+SEEDED_JSON = frozenset(name for k in KINDS.values() if k.seeded for name in (k.field, k.json))
+
+
+# -- what a file should look like -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Moments:
+    """What a value form promises: mean, standard deviation, value bounds, kurtosis and density."""
+
+    mean: float
+    std: float
+    lo: float
+    hi: float
+    kurtosis: float  # of the distribution: for the standard error of the sample standard deviation
+    density: str  # "normal", "uniform", "point", or "" when no curve is drawn
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def label(init: plan_pb2.Init, shape: Sequence[int]) -> str:
+    """A short description of an initializer for tables, e.g. "normal(0, 0.02)"."""
+    kind = kind_of(init)
+    if kind is None:
+        return "-"
+    msg = getattr(init, kind.field)
+    if kind.describe is not None:
+        return kind.describe(msg, shape)
+    form = kind.form(msg, shape)
+    if isinstance(form, Uniform):
+        return f"uniform({_g(form.lo)}, {_g(form.hi)})"
+    if isinstance(form, Normal):
+        return f"normal({_g(form.mean)}, {_g(form.std)})"
+    if isinstance(form, TruncNormal):
+        return f"truncated_normal({_g(form.mean)}, {_g(form.std)}, {_g(form.lo)}, {_g(form.hi)})"
+    if isinstance(form, Inline):
+        return f"flat({len(form.values)} values)"
+    return kind.field
+
+
+def moments(form: ValueForm, values: Any = None) -> Moments | None:
+    """The moments a form promises; for Inline pass the values the file should hold (its region's), None for
+    references (their values are data the file alone holds).
+
+    Args:
+        form: a value form from `value_form`.
+        values: for Inline, the values to describe (default: all of them).
+
+    Returns:
+        The moments, or None when the form says nothing checkable.
+    """
+    if isinstance(form, Const):
+        return Moments(form.value, 0.0, form.value, form.value, 0.0, "point")
+    if isinstance(form, Uniform):
+        lo, hi = form.lo, form.hi
+        return Moments((lo + hi) / 2, (hi - lo) / math.sqrt(12), lo, hi, _KURTOSIS_UNIFORM,
+                       "uniform" if hi > lo else "point")
+    if isinstance(form, Normal):
+        m, s = form.mean, form.std
+        return Moments(m, s, m - Z_MAX * s, m + Z_MAX * s, _KURTOSIS_NORMAL, "normal" if s > 0 else "point")
+    if isinstance(form, TruncNormal):
+        return _truncated(form.mean, form.std, form.lo, form.hi)
+    if isinstance(form, Inline):
+        v = np.asarray(form.values if values is None else values, dtype=np.float64)
+        if v.size == 0:
+            return None
+        return Moments(float(v.mean()), float(v.std()), float(v.min()), float(v.max()), 0.0,
+                       "point" if v.min() == v.max() else "")
+    return None
+
+
+def _truncated(m: float, s: float, lo: float, hi: float) -> Moments:
+    """Moments of normal(m, s) conditioned on [lo, hi] (and on the sampler's own |z| <= Z_MAX)."""
+    if s <= 0:
+        return Moments(m, 0.0, m, m, 0.0, "point")
+    a, b = max((lo - m) / s, -Z_MAX), min((hi - m) / s, Z_MAX)
+
+    # raw moments of the standard normal on [a, b]: E z^k = (I_k(b) - I_k(a)) / mass, by the recursion
+    # I_k = -z^(k-1) phi(z) + (k - 1) I_(k-2) of the integrals of z^k phi(z)
+    def phi(z: float) -> float:
+        return math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+    def big_phi(z: float) -> float:
+        return 0.5 * math.erfc(-z / math.sqrt(2))
+
+    mass = big_phi(b) - big_phi(a)
+    ints = [mass, phi(a) - phi(b)]
+    for k in range(2, 5):
+        ints.append(a ** (k - 1) * phi(a) - b ** (k - 1) * phi(b) + (k - 1) * ints[k - 2])
+    e1, e2, e3, e4 = (ints[k] / mass for k in range(1, 5))
+    var = max(e2 - e1 * e1, 0.0)
+    m4 = e4 - 4 * e1 * e3 + 6 * e1 * e1 * e2 - 3 * e1**4
+    kurt = m4 / (var * var) if var > 0 else 0.0
+    return Moments(m + s * e1, s * math.sqrt(var), m + s * a, m + s * b, kurt, "")  # no density curve

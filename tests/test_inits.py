@@ -1,0 +1,198 @@
+"""The initializer table: it names every Init kind of the contract, and validation, resolution, the digest and
+`inspect` (patches included) all follow it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import run_cli, running_server, target_of
+from paraminit import inits
+from paraminit.shapes import fan_in_out
+from paraminit.v1 import plan_pb2
+from paraminit_client import Client, cli, inspect, param, plan_of
+from paraminit_client.plans import plan_to_json
+from paraminit_server import plan as planlib
+from paraminit_server import validation
+from paraminit_server.server import Running
+
+
+def test_the_table_names_every_kind_of_the_contract() -> None:
+    oneof = plan_pb2.Init.DESCRIPTOR.oneofs_by_name["kind"]
+    assert list(inits.KINDS) == [f.name for f in oneof.fields]  # field-number order, none missing or extra
+    for f in oneof.fields:
+        kind = inits.KINDS[f.name]
+        assert kind.json == f.json_name
+        assert kind.seeded == ("seed" in f.message_type.fields_by_name), f.name
+        assert kind.patchable == (not kind.flat)
+    assert {k.field for k in inits.KINDS.values() if k.flat} == {"flat", "flat_ref", "safetensors"}
+    assert {"truncatedNormal", "truncated_normal", "kaimingUniformForShape"} <= inits.SEEDED_JSON
+    assert not inits.SEEDED_JSON & {"zeros", "ones", "flat", "flatRef", "safetensors"}
+
+
+SHAPES = ([7, 5], [3, 4, 2, 2], [6])
+SEEDED = [("uniform", {"lo": -0.5, "hi": 2.0}), ("normal", {"mean": 0.25, "std": 3.0}),
+          ("xavierUniform", {"fanIn": 30, "fanOut": 9}), ("kaimingUniform", {"fanIn": 40}),
+          ("xavierUniformForShape", {}), ("kaimingUniformForShape", {}),
+          ("truncatedNormal", {"mean": 0.1, "std": 0.2, "lo": -0.3, "hi": 0.5})]
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+@pytest.mark.parametrize("name,fields", SEEDED)
+def test_resolution_and_inspect_read_the_same_bounds(name: str, fields: dict[str, Any], shape: list[int]) -> None:
+    """The server's kernel parameters and inspect's expectation come from one value form: their bounds agree to
+    the bit, and the Xavier / Kaiming bound is the one of docs/SAMPLER.md section 3."""
+    p = param("w", shape, {name: {**fields, "seed": 11}})
+    rp = planlib.resolve_param(0, p)
+    exp = inspect.expected_of(p)
+    assert exp is not None
+    fan_in, fan_out = fan_in_out(shape)
+    want = {"xavierUniform": math.sqrt(6.0 / 39), "kaimingUniform": math.sqrt(6.0 / 40),
+            "xavierUniformForShape": math.sqrt(6.0 / (fan_in + fan_out)),
+            "kaimingUniformForShape": math.sqrt(6.0 / fan_in)}.get(name)
+    if want is not None:
+        assert rp.kind == planlib.Kind.AFFINE
+        assert (rp.p0, rp.p1) == (-want, 2 * want) and (exp.lo, exp.hi) == (-want, want)
+    elif name == "uniform":
+        assert (rp.p0, rp.p0 + rp.p1) == (exp.lo, exp.hi) == (-0.5, 2.0)
+    elif name == "normal":
+        assert (rp.kind, rp.p0, rp.p1) == (planlib.Kind.NORMAL, exp.mean, exp.std)
+    else:
+        assert (rp.kind, rp.lo, rp.hi) == (planlib.Kind.TRUNCNORM, -0.3, 0.5)
+        assert (exp.lo, exp.hi) == (pytest.approx(-0.3), pytest.approx(0.5))
+    assert rp.key == planlib.spec.key(11)
+
+
+def test_validation_reports_the_tables_checks_for_params_and_patches() -> None:
+    bad_patch = param("e", [4, 3], {"normal": {"std": 1}})
+    bad_patch.patches.add(box=[plan_pb2.Range(start=0, stop=1), plan_pb2.Range(start=0, stop=3)],
+                          init=plan_pb2.Init(flat=plan_pb2.Flat(values=[0.0] * 12)))
+    bad_patch.patches.add(box=[plan_pb2.Range(start=1, stop=2), plan_pb2.Range(start=0, stop=3)],
+                          init=plan_pb2.Init(uniform=plan_pb2.Uniform(lo=1.0, hi=0.0)))
+    bad_patch.patches.add(box=[plan_pb2.Range(start=2, stop=3), plan_pb2.Range(start=0, stop=3)])
+    plan = plan_of([param("u", [2], {"uniform": {"lo": 1, "hi": -1}}),
+                    param("k", [5], {"kaimingUniformForShape": {}}),
+                    param("t", [5], {"truncatedNormal": {"std": 1, "lo": -0.1, "hi": 3}}),
+                    param("f", [3], plan_pb2.Init(flat=plan_pb2.Flat(values=[1.0, math.nan]))),
+                    bad_patch])
+    got = [(v.field, v.message) for v in validation.validate(plan).violations]
+    fields = [f for f, _ in got]
+    assert fields == ["params[0].init.uniform", "params[1].init.kaimingUniformForShape",
+                      "params[2].init.truncatedNormal", "params[3].init.flat.values", "params[3].init.flat.values",
+                      "params[4].patches[0].init.flat", "params[4].patches[1].init.uniform",
+                      "params[4].patches[2].init"], got
+    assert "Kaiming initialization expects at least 2 dimensions, got [5]" in got[1][1]
+    assert got[3][1].endswith("(expected 3, got 2)") and "1 not finite" in got[4][1]
+    assert "a patch cannot use flat values" in got[5][1]
+    assert got[7][1].startswith("initializer is not set (expected one of zeros, ones, uniform")
+
+
+def test_with_seed_sets_seeded_kinds_only() -> None:
+    for name, fields in SEEDED:
+        init = param("w", [4, 4], {name: fields}).init
+        seeded = inits.with_seed(init, 99)
+        kind = inits.kind_of(seeded)
+        assert kind is not None and getattr(seeded, kind.field).seed == 99
+        assert getattr(init, kind.field).seed == 0  # a copy: the original keeps its seed
+    ones = plan_pb2.Init(ones=plan_pb2.Ones())
+    assert inits.with_seed(ones, 5) == ones
+
+
+# -- inspect --plan with patches --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Running]:
+    with running_server() as r:
+        yield r
+
+
+def _padded_plan() -> plan_pb2.Plan:
+    """An embedding with a zero padding row (torch's padding_idx) and a normal(0.5, 0.1) block, row-sharded."""
+    emb = param("emb", [400, 64], {"normal": {"std": 0.02, "seed": 1}})
+    emb.patches.add(box=[plan_pb2.Range(start=3, stop=4), plan_pb2.Range(start=0, stop=64)],
+                    init=plan_pb2.Init(zeros=plan_pb2.Zeros()))
+    emb.patches.add(box=[plan_pb2.Range(start=100, stop=300), plan_pb2.Range(start=0, stop=32)],
+                    init=plan_pb2.Init(normal=plan_pb2.Normal(mean=0.5, std=0.1, seed=2)))
+    shard = param("shard", [400, 64], {"uniform": {"lo": -1, "hi": 1, "seed": 3}}, region=[(0, 200), (0, 64)])
+    shard.patches.add(box=[plan_pb2.Range(start=0, stop=400), plan_pb2.Range(start=60, stop=64)],
+                      init=plan_pb2.Init(ones=plan_pb2.Ones()))
+    return plan_of([emb, shard, param("plain", [1000], {"normal": {"std": 1, "seed": 4}})])
+
+
+@pytest.fixture(scope="module")
+def padded_file(server: Running, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("padded")
+    out, plan_path = tmp / "padded.safetensors", tmp / "plan.json"
+    with Client(target_of(server)) as c:
+        c.materialize_to_file(_padded_plan(), out)
+    plan_path.write_text(plan_to_json(_padded_plan()))
+    return out, plan_path
+
+
+def test_inspect_plan_honours_patches(padded_file: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    path, plan_path = padded_file
+    arrays = load_file(str(path))
+    assert not arrays["emb"][3].any() and arrays["emb"][4].all()  # the padding row is there, the next is not
+    assert np.all(arrays["shard"][:, 60:] == 1.0)
+    code, out, _ = run_cli(capsys, "inspect", str(path), "--plan", str(plan_path))
+    assert code == 0, out
+    assert "every tensor matches the plan" in out.splitlines()[-1]
+
+
+def test_inspect_plan_flags_a_patched_row_that_is_wrong(padded_file: tuple[Path, Path], tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A padding row that is not zero, and a block that is not its patch's distribution, are flagged."""
+    path, plan_path = padded_file
+    arrays = {k: v.copy() for k, v in load_file(str(path)).items()}
+    arrays["emb"][3, 5] = 0.01  # the padding row holds one nonzero value
+    arrays["shard"][:, 60:] = 0.0  # ones expected
+    broken = tmp_path / "broken.safetensors"
+    save_file(arrays, str(broken))
+    code, out, _ = run_cli(capsys, "inspect", str(broken), "--plan", str(plan_path))
+    assert code == cli.EXIT_FLAGGED, out
+    flags = [ln for ln in out.splitlines() if ln.startswith("FLAG ")]
+    assert any(ln.startswith("FLAG emb: patch 0 (zeros): ") for ln in flags), flags
+    assert any(ln.startswith("FLAG shard: patch 0 (ones): ") for ln in flags), flags
+    assert not any(ln.startswith("FLAG plain") for ln in flags), flags
+
+
+def test_expected_of_describes_a_patch_over_its_parameter() -> None:
+    p = _padded_plan().params[0]
+    base = inspect.expected_of(p)
+    patch = inspect.expected_of(p, p.patches[1].init)
+    assert base is not None and patch is not None
+    assert (base.mean, base.std) == (0.0, 0.02) and (patch.mean, patch.std) == (0.5, 0.1)
+    assert patch.label == "normal(0.5, 0.1)"
+
+
+def test_part_statistics_over_chunks_match_numpy() -> None:
+    """Each part's statistics, gathered chunk by chunk over a row shard, equal NumPy's over that part's elements;
+    where boxes overlap the later patch owns the element."""
+    p = param("e", [50, 8], {"normal": {"std": 1}}, region=[(10, 50), (0, 8)])
+    p.patches.add(box=[plan_pb2.Range(start=0, stop=20), plan_pb2.Range(start=0, stop=4)],
+                  init=plan_pb2.Init(zeros=plan_pb2.Zeros()))
+    p.patches.add(box=[plan_pb2.Range(start=15, stop=30), plan_pb2.Range(start=0, stop=8)],
+                  init=plan_pb2.Init(ones=plan_pb2.Ones()))
+    values = np.random.default_rng(7).standard_normal(40 * 8) * 3 + 1
+    values[-1] = math.nan  # a base element (row 49)
+    parts = inspect._part_stats(iter(np.array_split(values, 7)), p, list(p.patches))
+    rows, cols = np.meshgrid(np.arange(10, 50), np.arange(8), indexing="ij")
+    owner = np.zeros((40, 8), dtype=int)
+    owner[(rows < 20) & (cols < 4)] = 1
+    owner[(rows >= 15) & (rows < 30)] = 2
+    grid = values.reshape(40, 8)
+    for k, got in enumerate(parts):
+        sel = grid[owner == k]
+        finite = sel[np.isfinite(sel)]
+        assert (got.count, got.nonfinite) == (finite.size, sel.size - finite.size)
+        assert got.mean == pytest.approx(finite.mean(), rel=1e-12)
+        assert got.std == pytest.approx(finite.std(), rel=1e-12)
+        assert (got.min, got.max) == (finite.min(), finite.max())
+    assert [parts[1].count, parts[2].count] == [5 * 4, 15 * 8]
