@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
+from paraminit.regions import Region
 from paraminit_server import errors, files
 from paraminit_server.files import FileChanged, Header, TensorInfo
 
@@ -279,10 +280,9 @@ class BoundSources:
         when it is a proper part of the tensor, else the whole tensor's. Returns (values, compact)."""
         with self._open(path) as (fd, header, shown):
             info = files.tensor_entry(header, tensor, shown)
-            full = tuple((0, d) for d in info.shape)
-            region = region or full
-            compact = region != full
-            starts, run_len = files.region_runs(info.shape, region)
+            box = Region.of(info.shape, region)
+            region, compact = box.box, not box.is_full
+            starts, run_len = box.run_starts()
             numel = len(starts) * run_len
             if self._reserve is not None:  # the raw bytes and their binary64 copy
                 self._held.append(self._reserve(numel * (info.dtype.itemsize + 8)))
@@ -306,7 +306,8 @@ class BoundSources:
         cover what the file holds, not just its name. Read once per file version and region."""
         with self._open(path) as (fd, header, shown):
             info = files.tensor_entry(header, tensor, shown)
-            region = region or tuple((0, d) for d in info.shape)
+            box = Region.of(info.shape, region)
+            region = box.box
             done = self._hashes.get((path, tensor, region))
             if done is not None:
                 return done
@@ -314,7 +315,7 @@ class BoundSources:
             remembered = self.sources.remembered_hash(key)
             if remembered is not None:
                 return remembered
-            starts, run_len = files.region_runs(info.shape, region)
+            starts, run_len = box.run_starts()
             h = hashlib.sha256()
             files.read_runs(fd, info.start, info.dtype.itemsize, starts, run_len, shown,
                             lambda piece: h.update(piece.data))
