@@ -17,6 +17,7 @@ server may read files its callers cannot.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable
@@ -193,7 +194,7 @@ def _entry(name: str, position: int, entry: Any, data_start: int, size: int) -> 
         raise bad("the entry is not a JSON object")
     code = entry.get("dtype")
     bits = DTYPE_BITS.get(code) if isinstance(code, str) else None
-    if bits is None:
+    if bits is None or not isinstance(code, str):
         raise bad(f"has dtype that is not a safetensors dtype ({', '.join(DTYPE_BITS)})")
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
@@ -226,7 +227,7 @@ def _entry(name: str, position: int, entry: Any, data_start: int, size: int) -> 
 def _check_overlaps(tensors: dict[str, TensorEntry], header: dict[str, Any]) -> None:
     """No two tensors share a byte (empty tensors hold none)."""
     spans = sorted((e.begin, e.end, e.name) for e in tensors.values() if e.end > e.begin)
-    for (b0, e0, _), (b1, e1, name) in zip(spans, spans[1:], strict=False):
+    for (b0, e0, _), (b1, e1, name) in itertools.pairwise(spans):
         if b1 < e0:
             raise HeaderError(f"data_offsets [{b1}, {e1}] overlap [{b0}, {e0}] of another tensor", name,
                               list(header).index(name))
