@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from paraminit import regions, shapes
 from paraminit.regions import Region, Runs
 from paraminit.v1 import plan_pb2
+from paraminit_server import errors
+from paraminit_server import plan as planlib
+from paraminit_server.payloads import BoundSources, Sources
 
 
 def _boxes(rng: np.random.Generator, count: int) -> list[tuple[tuple[int, ...], regions.Box]]:
@@ -107,3 +113,22 @@ def test_runs_shifted_and_single() -> None:
     runs = Region.of((4, 6), ((1, 3), (2, 4))).runs()
     assert runs.shifted(5).global_indices(0, 4).tolist() == (runs.global_indices(0, 4) - 5).tolist()
     assert Runs.single(9, 3).global_indices(0, 9).tolist() == list(range(3, 12))
+
+
+def test_a_region_that_does_not_fit_its_checkpoint_tensor_is_an_error_of_the_request(tmp_path: Path) -> None:
+    """Digests read checkpoint regions before validation compares shapes: a misfit is INVALID_ARGUMENT, not a crash."""
+    save_file({"w": np.arange(4, dtype=np.float32).reshape(2, 2) + 1}, str(tmp_path / "c.safetensors"))
+    bound = BoundSources(Sources(1 << 20, 60.0, [str(tmp_path)]), "someone")
+    path = str(tmp_path / "c.safetensors")
+    assert Region.of((2, 2), ((0, 1), (0, 2))).fits and not Region.of((2, 2), ((0, 3), (0, 2))).fits
+    for region in (((0, 2),), ((0, 3), (0, 2)), ((0, 1), (0, 1), (0, 1))):
+        with pytest.raises(errors.InvalidRequest, match="does not fit tensor"):
+            bound.content_hash(path, "w", region)
+        with pytest.raises(errors.InvalidRequest, match="does not fit tensor"):
+            bound.tensor_values(path, "w", region)
+    values, compact = bound.tensor_values(path, "w", ((1, 2), (0, 2)))
+    assert compact and values.tolist() == [3.0, 4.0]
+    p = plan_pb2.Param(name="w", shape=[4], init=plan_pb2.Init(safetensors=plan_pb2.SafetensorsRef(path=path,
+                                                                                                    tensor="w")))
+    p.region.add(start=0, stop=2)
+    assert planlib.digest(plan_pb2.Plan(params=[p]), bound)  # the digest marks it unreadable; validation says why

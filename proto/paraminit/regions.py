@@ -150,6 +150,12 @@ class Region:
     def is_full(self) -> bool:
         return self.box == whole(self.shape)
 
+    @property
+    def fits(self) -> bool:
+        """Whether the box has the shape's rank and lies within it (what runs() needs)."""
+        return len(self.box) == len(self.shape) and all(
+            0 <= a <= b <= d for (a, b), d in zip(self.box, self.shape, strict=True))
+
     def runs(self) -> Runs:
         """The region's runs in the full tensor's row-major order."""
         return runs(self.shape, self.box)

@@ -235,6 +235,16 @@ class Sources:
                 self._hashes.popitem(last=False)
 
 
+def _region_of(info: TensorInfo, region: tuple[tuple[int, int], ...] | None, tensor: str, shown: str) -> Region:
+    """The region of a checkpoint tensor a plan asks for (all of it without one); a plan's digest asks before
+    validation has compared shapes, so a region that does not fit the file's tensor is an error of the request."""
+    box = Region.of(info.shape, region)
+    if not box.fits:
+        raise errors.InvalidRequest(f"region {list(box.box)} does not fit tensor {files.echo(tensor, 120)} of shape "
+                                    f"{list(info.shape)} in {shown}")
+    return box
+
+
 class BoundSources:
     """Sources as one request sees them: payloads of its identity only; each checkpoint header parsed once
     per request; checkpoint values reserved against the memory budget until release()."""
@@ -280,7 +290,7 @@ class BoundSources:
         when it is a proper part of the tensor, else the whole tensor's. Returns (values, compact)."""
         with self._open(path) as (fd, header, shown):
             info = files.tensor_entry(header, tensor, shown)
-            box = Region.of(info.shape, region)
+            box = _region_of(info, region, tensor, shown)
             region, compact = box.box, not box.is_full
             starts, run_len = box.run_starts()
             numel = len(starts) * run_len
@@ -306,7 +316,7 @@ class BoundSources:
         cover what the file holds, not just its name. Read once per file version and region."""
         with self._open(path) as (fd, header, shown):
             info = files.tensor_entry(header, tensor, shown)
-            box = Region.of(info.shape, region)
+            box = _region_of(info, region, tensor, shown)
             region = box.box
             done = self._hashes.get((path, tensor, region))
             if done is not None:
