@@ -8,7 +8,6 @@ dtype's rounding), and every value lies within the bounds.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from paraminit import dtypes, inits, shapes
+from paraminit import dtypes, inits, safetensors_header, shapes
 from paraminit.sizes import format_size
 from paraminit.v1 import plan_pb2
 
@@ -30,57 +29,26 @@ CHUNK_ELEMENTS = 1 << 22
 _UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
-class SafetensorsError(ValueError):
-    """A file that is not a readable safetensors file."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a safetensors file."""
-
-    name: str
-    code: str  # the header's dtype code ("F32", "BF16", ...)
-    shape: tuple[int, ...]
-    start: int  # absolute file offset of the first byte
-    nbytes: int
-
-    @property
-    def dtype(self) -> dtypes.DTypeInfo | None:
-        return dtypes.by_safetensors(self.code)
+SafetensorsError = safetensors_header.HeaderError  # a file that is not a readable safetensors file
+Entry = safetensors_header.TensorEntry  # one tensor of a safetensors file
 
 
 def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, str], list[Entry]]:
-    """The `__metadata__` and the tensors (in file order) of a safetensors file, checked against its size."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise SafetensorsError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        n = int.from_bytes(raw, "little")
-        if n > size - 8:
-            raise SafetensorsError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise SafetensorsError(f"{path}: not a safetensors file (header is not JSON: {exc})") from None
-    if not isinstance(header, dict):
-        raise SafetensorsError(f"{path}: not a safetensors file (header is not an object)")
-    meta = header.pop("__metadata__", None) or {}
-    entries = []
-    for name, e in header.items():
-        try:
-            b, end = (int(x) for x in e["data_offsets"])
-            entry = Entry(name, str(e["dtype"]), tuple(int(d) for d in e["shape"]), 8 + n + b, end - b)
-        except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry") from None
-        if b < 0 or end < b or entry.start + entry.nbytes > size:
-            raise SafetensorsError(f"{path}: tensor {name!r} lies outside the file")
-        dt = entry.dtype
-        if dt is not None and entry.nbytes != shapes.numel(entry.shape) * dt.itemsize:
-            raise SafetensorsError(f"{path}: tensor {name!r} has {entry.nbytes} bytes, not shape x itemsize")
-        entries.append(entry)
-    entries.sort(key=lambda e: e.start)
-    return {str(k): str(v) for k, v in meta.items()}, entries
+    """The `__metadata__` and the tensors (in file order) of a safetensors file, checked by the one strict reader
+    (paraminit.safetensors_header) the server and `plan from-safetensors` use.
+
+    Args:
+        path: the file.
+
+    Returns:
+        (metadata, tensors ordered by where their bytes lie).
+
+    Raises:
+        OSError: the file cannot be read.
+        SafetensorsError: the file breaks the format; the text names the file and the first violation.
+    """
+    header = safetensors_header.read_file(path)
+    return dict(header.metadata), header.in_file_order()
 
 
 def _values(path: str | os.PathLike[str], e: Entry) -> Iterator[np.ndarray[Any, Any]]:

@@ -19,6 +19,7 @@ import yaml
 from google.protobuf import descriptor, json_format
 
 from paraminit import dtypes
+from paraminit import safetensors_header as st_header
 from paraminit.v1 import plan_pb2
 
 
@@ -371,12 +372,21 @@ def zip_plan(specs: Sequence[tuple[str, Sequence[int]]], inits: Sequence[plan_pb
 
 
 def safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header: dict[str, Any] = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
+    """The tensors of a safetensors file's header, checked by the one strict reader (paraminit.safetensors_header).
+
+    Args:
+        path: the file.
+
+    Returns:
+        Tensor name -> {"dtype", "shape", "data_offsets"}, in the header's order, without `__metadata__`.
+
+    Raises:
+        OSError: the file cannot be read.
+        paraminit.safetensors_header.HeaderError: (a ValueError) the file breaks the format.
+    """
+    header = st_header.read_file(path)
+    return {e.name: {"dtype": e.code, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+            for e in header.tensors.values()}
 
 
 def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.Plan | None = None) -> plan_pb2.Plan:
@@ -389,8 +399,14 @@ def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.
     by the file's absolute path (the server must be able to read it, under its --safetensors-dirs). A tensor whose
     shape or dtype differs from the fallback's parameter, or whose dtype no plan can hold (integers, booleans), is
     an error.
+
+    Raises:
+        OSError: the file cannot be read.
+        paraminit.safetensors_header.HeaderError: (a ValueError) the file breaks the format (the one strict reader
+            the server and `paraminit inspect` use, so no plan is made from a file they refuse).
+        ValueError: the checkpoint does not fit the fallback plan.
     """
-    header = safetensors_header(path)
+    header = st_header.read_file(path)
     source = str(Path(path).resolve())
     out = plan_pb2.Plan()
     problems = []
@@ -406,27 +422,27 @@ def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.
         named.add(p.name)
         q = out.params.add()
         q.CopyFrom(p)
-        entry = header.get(p.name)
+        entry = header.tensors.get(p.name)
         if entry is None:
             continue
-        dtype = dtypes.by_safetensors(entry["dtype"])
+        dtype = entry.dtype
         want = dtypes.by_enum(p.dtype)
-        if list(entry["shape"]) != list(p.shape):
-            problems.append(f"{p.name}: checkpoint shape {entry['shape']} != plan shape {list(p.shape)}")
+        if list(entry.shape) != list(p.shape):
+            problems.append(f"{p.name}: checkpoint shape {list(entry.shape)} != plan shape {list(p.shape)}")
         if dtype is None or want is None or dtype.enum != want.enum:
-            problems.append(f"{p.name}: checkpoint dtype {entry['dtype']} != plan dtype {want.name if want else p.dtype}")
+            problems.append(f"{p.name}: checkpoint dtype {entry.code} != plan dtype {want.name if want else p.dtype}")
         else:
             reference(q, p.name, dtype)
-    rest = sorted((k for k in header if k not in named), key=lambda k: tuple(header[k].get("data_offsets", (0, 0))))
-    for name in rest:
-        entry = header[name]
-        dtype = dtypes.by_safetensors(entry.get("dtype"))
+    for entry in header.in_file_order():
+        if entry.name in named:
+            continue
+        dtype = entry.dtype
         if dtype is None:
-            problems.append(f"{name}: checkpoint dtype {entry.get('dtype')} is not one a plan can hold "
+            problems.append(f"{entry.name}: checkpoint dtype {entry.code} is not one a plan can hold "
                             f"({', '.join(d.safetensors for d in dtypes.SUPPORTED)})")
             continue
-        q = out.params.add(name=name, shape=list(entry["shape"]), dtype=dtype.enum)
-        reference(q, name, dtype)
+        q = out.params.add(name=entry.name, shape=list(entry.shape), dtype=dtype.enum)
+        reference(q, entry.name, dtype)
     if problems:
         raise ValueError("checkpoint does not fit the plan: " + "; ".join(problems))
     return out

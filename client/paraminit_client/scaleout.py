@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from paraminit.shapes import region_of
+from paraminit.regions import box_of
 from paraminit.v1 import plan_pb2
 from paraminit_client.errors import ParaminitError
 
@@ -40,7 +40,7 @@ def split_plan(plan: plan_pb2.Plan, param_bytes: Sequence[int], n_parts: int,
     """Parameters in balanced groups; one larger than split_bytes is cut into row regions first."""
     units: list[tuple[int, int, int, int]] = []  # (index, row0, row1, bytes)
     for i, p in enumerate(plan.params):
-        region = region_of(p)
+        region = box_of(p)
         size = param_bytes[i]
         rows = region[0][1] - region[0][0] if region else 1
         pieces = min(rows, max(1, -(-size // split_bytes))) if region and size > split_bytes else 1
@@ -61,7 +61,7 @@ def split_plan(plan: plan_pb2.Plan, param_bytes: Sequence[int], n_parts: int,
         for i, r0, r1, _ in sorted(group):
             q = sub.params.add()
             q.CopyFrom(plan.params[i])
-            region = region_of(plan.params[i])
+            region = box_of(plan.params[i])
             if region:
                 del q.region[:]
                 first = region[0][0]
@@ -119,7 +119,7 @@ def run_parts(parts: Sequence[Part], workers: Sequence[Any], fetch: Callable[[An
 def assemble(plan: plan_pb2.Plan, dtypes: Sequence[np.dtype[Any]]) -> tuple[dict[str, np.ndarray[Any, Any]],
                                                                           Callable[[int, int, int, Any], None]]:
     """Output arrays for a plan and the callback that writes one piece into them."""
-    out = {p.name: np.empty(tuple(b - a for a, b in region_of(p)), dtype=dt) for p, dt in zip(plan.params, dtypes, strict=True)}
+    out = {p.name: np.empty(tuple(b - a for a, b in box_of(p)), dtype=dt) for p, dt in zip(plan.params, dtypes, strict=True)}
     names = [p.name for p in plan.params]
 
     def put(i: int, r0: int, r1: int, arr: Any) -> None:

@@ -1,9 +1,10 @@
-"""Shapes, regions, fans and sizes: the arithmetic both ends of the contract must agree on."""
+"""Shapes, fans and sizes: the arithmetic both ends of the contract must agree on (regions: paraminit.regions)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from paraminit import regions
 from paraminit.v1 import plan_pb2
 
 
@@ -24,13 +25,13 @@ def fan_in_out(shape: Sequence[int]) -> tuple[int, int]:
 
 
 def region_of(p: plan_pb2.Param) -> list[tuple[int, int]]:
-    """The parameter's region as (start, stop) per dim; no region means the whole tensor."""
-    return [(int(r.start), int(r.stop)) for r in p.region] or [(0, int(d)) for d in p.shape]
+    """The parameter's region as (start, stop) per dim; no region means the whole tensor (regions.box_of)."""
+    return list(regions.box_of(p))
 
 
 def out_shape(p: plan_pb2.Param) -> tuple[int, ...]:
     """Shape of what is materialized: the region's extents."""
-    return tuple(stop - start for start, stop in region_of(p))
+    return tuple(stop - start for start, stop in regions.box_of(p))
 
 
 def shape_str(shape: Sequence[int]) -> str:

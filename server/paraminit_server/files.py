@@ -8,16 +8,15 @@ RESOLVE_NO_SYMLINKS, or a walk of O_NOFOLLOW opens where the kernel lacks it),
 non-blocking (a FIFO never blocks a worker); they must be regular files by
 fstat, are read through that fd only, with pread of bounded size: a file that shrinks under the read is an
 error of the request (INVALID_ARGUMENT), never SIGBUS for the whole server.
-Headers are parsed strictly; anything malformed is INVALID_ARGUMENT with a
-message that says what is wrong.
+Headers are parsed strictly (paraminit.safetensors_header, as the client's
+tools parse them); anything malformed is INVALID_ARGUMENT with a message that
+says what is wrong and quotes none of the file's bytes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import json
-import math
 import os
 import stat
 from collections.abc import Callable
@@ -27,10 +26,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from paraminit import dtypes
+from paraminit import dtypes, safetensors_header
 from paraminit_server import errors
 
-MAX_HEADER_BYTES = 100 << 20
 READ_BLOCK = 8 << 20  # the most one pread asks for
 GATHER_WINDOW = 1 << 20  # short runs of a region are gathered from windows of this many bytes
 MAX_PATH_ECHO = 200
@@ -70,7 +68,7 @@ class Header:
 
     key: FileKey
     data_start: int
-    entries: dict[str, Any]
+    parsed: safetensors_header.SafetensorsHeader
 
 
 def echo(text: str, limit: int = MAX_PATH_ECHO) -> str:
@@ -183,86 +181,31 @@ def pread_exact(fd: int, offset: int, n: int, shown: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 def read_header(fd: int, st: os.stat_result, shown: str) -> Header:
-    """Parse the header once; entries are checked when a tensor is looked up."""
-    n = int.from_bytes(pread_exact(fd, 0, 8, shown), "little")
-    if n < 2 or n > MAX_HEADER_BYTES or 8 + n > st.st_size:
-        raise errors.InvalidRequest(f"{shown} is not a safetensors file (its header length field does not fit the "
-                                    f"file)")  # never the field itself: 8 bytes of the file
-    raw = pread_exact(fd, 8, n, shown)
+    """Parse and check the whole header once (paraminit.safetensors_header): a file that breaks the format is
+    refused whichever of its tensors a plan names, with an error that quotes none of its bytes.
+
+    Raises:
+        errors.InvalidRequest: the file is not a safetensors file (FileChanged: it shrank while it was read).
+    """
     try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except RecursionError:
-        raise errors.InvalidRequest(f"{shown} is not a safetensors file (header nested too deeply)") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise errors.InvalidRequest(f"{shown} is not a safetensors file (bad header: "
-                                    f"{echo(str(exc), 120)})") from None
-    if not isinstance(header, dict):
-        raise errors.InvalidRequest(f"{shown} is not a safetensors file (the header is a JSON "
-                                    f"{type(header).__name__}, not an object)")
-    return Header(FileKey.of(st), 8 + n, header)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+        parsed = safetensors_header.read(lambda offset, n: pread_exact(fd, offset, n, shown), st.st_size)
+    except safetensors_header.HeaderError as exc:
+        raise errors.InvalidRequest(f"{shown} is not a safetensors file ({exc.describe(names=False)})") from None
+    return Header(FileKey.of(st), parsed.data_start, parsed)
 
 
 def tensor_entry(header: Header, tensor: str, shown: str) -> StoredTensor:
-    """The tensor's dtype, shape and data range, each checked against the format and the file."""
-    entry = header.entries.get(tensor)
+    """The tensor's dtype, shape and data range; the dtype must be one a plan holds."""
+    entry = header.parsed.tensors.get(tensor)
     name = echo(tensor, 120)
-    if tensor == "__metadata__" or entry is None:
+    if entry is None:
         raise errors.InvalidRequest(f"tensor {name} is not in {shown}")
-    if not isinstance(entry, dict):
-        raise errors.InvalidRequest(f"tensor {name} in {shown}: the entry is not a JSON object")
-    code = entry.get("dtype")
-    dt = dtypes.by_safetensors(code) if isinstance(code, str) else None
-    if dt is None:
-        raise errors.InvalidRequest(f"tensor {name} in {shown} has dtype {echo(str(code), 40)}, not one of "
+    dt = entry.dtype
+    if dt is None:  # a code of the format (checked), so it is no file content beyond that
+        raise errors.InvalidRequest(f"tensor {name} in {shown} has dtype {entry.code}, not one of "
                                     f"{', '.join(d.safetensors for d in dtypes.SUPPORTED)}")
-    shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise errors.InvalidRequest(f"tensor {name} in {shown}: shape must be a list of non-negative integers, got "
-                                    f"{echo(json.dumps(shape), 80)}")
-    offsets = entry.get("data_offsets")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
-        raise errors.InvalidRequest(f"tensor {name} in {shown}: data_offsets must be a list of two integers, got "
-                                    f"{echo(json.dumps(offsets), 80)}")
-    begin, end = offsets
-    size = math.prod(shape) * dt.itemsize
-    if begin < 0 or end < begin or end - begin != size:
-        raise errors.InvalidRequest(f"tensor {name} in {shown} has inconsistent data_offsets [{begin}, {end}] for "
-                                    f"{size} bytes")
-    if header.data_start + end > header.key.size:
-        raise errors.InvalidRequest(f"tensor {name} in {shown} ends at byte {header.data_start + end}, past the end "
-                                    f"of the file ({header.key.size} bytes)")
-    return StoredTensor(dt, tuple(shape), header.data_start + begin, end - begin)
-
-
-def region_runs(shape: tuple[int, ...], region: tuple[tuple[int, int], ...]) -> tuple[npt.NDArray[np.int64], int]:
-    """A region as contiguous runs of the tensor's row-major order: (start element of each run, run length).
-
-    Trailing dimensions the region covers fully merge into each run, as in plan.Runs."""
-    rank = len(shape)
-    if rank == 0:
-        return np.zeros(1, np.int64), 1
-    strides = [1] * rank
-    for d in range(rank - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    k = rank - 1
-    while k > 0 and region[k] == (0, shape[k]):
-        k -= 1
-    run_len = (region[k][1] - region[k][0]) * strides[k]
-    starts = np.array([region[k][0] * strides[k]], dtype=np.int64)
-    for d in range(k - 1, -1, -1):
-        lo, hi = region[d]
-        outer = np.arange(lo, hi, dtype=np.int64) * np.int64(strides[d])
-        starts = (outer[:, None] + starts[None, :]).reshape(-1)
-    return starts, run_len
+    return StoredTensor(dt, entry.shape, entry.start, entry.nbytes)
 
 
 def read_runs(fd: int, data_start: int, itemsize: int, starts: npt.NDArray[np.int64], run_len: int, shown: str,

@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
+from paraminit.regions import Region
 from paraminit_server import errors, files
 from paraminit_server.files import FileChanged, Header, StoredTensor
 from paraminit_server.ledger import Claim, Ledger
@@ -223,6 +224,16 @@ class Sources:
                 self._hashes.popitem(last=False)
 
 
+def _region_of(info: StoredTensor, region: tuple[tuple[int, int], ...] | None, tensor: str, shown: str) -> Region:
+    """The region of a checkpoint tensor a plan asks for (all of it without one); a plan's digest asks before
+    validation has compared shapes, so a region that does not fit the file's tensor is an error of the request."""
+    box = Region.of(info.shape, region)
+    if not box.fits:
+        raise errors.InvalidRequest(f"region {list(box.box)} does not fit tensor {files.echo(tensor, 120)} of shape "
+                                    f"{list(info.shape)} in {shown}")
+    return box
+
+
 class BoundSources:
     """Sources as one request sees them, a snapshot: payloads of its identity only, each looked up once per
     request and kept for it (a payload that expires or is removed after validation saw it is still the one
@@ -276,10 +287,9 @@ class BoundSources:
         when it is a proper part of the tensor, else the whole tensor's. Returns (values, compact)."""
         with self._open(path) as (fd, header, shown):
             info = files.tensor_entry(header, tensor, shown)
-            full = tuple((0, d) for d in info.shape)
-            region = region or full
-            compact = region != full
-            starts, run_len = files.region_runs(info.shape, region)
+            box = _region_of(info, region, tensor, shown)
+            region, compact = box.box, not box.is_full
+            starts, run_len = box.run_starts()
             numel = len(starts) * run_len
             if self._reserve is not None:  # the raw bytes and their binary64 copy
                 self._held.append(self._reserve(numel * (info.dtype.itemsize + 8)))
@@ -303,7 +313,8 @@ class BoundSources:
         cover what the file holds, not just its name. Read once per file version and region."""
         with self._open(path) as (fd, header, shown):
             info = files.tensor_entry(header, tensor, shown)
-            region = region or tuple((0, d) for d in info.shape)
+            box = _region_of(info, region, tensor, shown)
+            region = box.box
             done = self._hashes.get((path, tensor, region))
             if done is not None:
                 return done
@@ -311,7 +322,7 @@ class BoundSources:
             remembered = self.sources.remembered_hash(key)
             if remembered is not None:
                 return remembered
-            starts, run_len = files.region_runs(info.shape, region)
+            starts, run_len = box.run_starts()
             h = hashlib.sha256()
             files.read_runs(fd, info.start, info.dtype.itemsize, starts, run_len, shown,
                             lambda piece: h.update(piece.data))

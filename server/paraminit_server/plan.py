@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from paraminit import dtypes, inits
+from paraminit import dtypes, inits, regions
+from paraminit.regions import Runs as Runs  # what backends walk; defined with the regions
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors, spec
 
@@ -33,45 +34,6 @@ class Kind(enum.IntEnum):
     NORMAL = 2  # p0 + p1 * z(i)
     FLAT = 3  # values[i]
     TRUNCNORM = 4  # the first p0 + p1 * z_j(i) in [lo, hi], z_j under candidate_seed(seed, j)
-
-
-@dataclass(frozen=True)
-class Runs:
-    """A region as contiguous runs of the full tensor's row-major order.
-
-    Trailing dimensions the region covers fully are merged into each run, so a
-    whole tensor is one run and a row shard is one run per row. The global flat
-    index of a run r is `base + sum(digit_d(r) + start_d) * stride_d` over the
-    outer dimensions.
-    """
-
-    outer_start: npt.NDArray[np.int64]
-    outer_ext: npt.NDArray[np.int64]
-    outer_stride: npt.NDArray[np.int64]
-    base: int
-    run_len: int
-
-    def global_index(self, l: int) -> int:
-        """Global flat index of local element l (what the kernels compute per element)."""
-        r, off = divmod(l, self.run_len)
-        g = self.base + off
-        for d in range(len(self.outer_ext) - 1, -1, -1):
-            r, digit = divmod(r, int(self.outer_ext[d]))
-            g += (digit + int(self.outer_start[d])) * int(self.outer_stride[d])
-        return g
-
-    def global_indices(self, l_begin: int, n: int) -> npt.NDArray[np.int64]:
-        """Global flat indices of local elements [l_begin, l_begin + n), vectorized."""
-        r, g = np.divmod(np.arange(l_begin, l_begin + n, dtype=np.int64), self.run_len)
-        g += self.base
-        for d in range(len(self.outer_ext) - 1, -1, -1):
-            r, digit = np.divmod(r, int(self.outer_ext[d]))
-            g += (digit + int(self.outer_start[d])) * int(self.outer_stride[d])
-        return g
-
-    def shifted(self, by: int) -> Runs:
-        """The same runs with every global index `by` lower (for a slice of the values that starts there)."""
-        return replace(self, base=self.base - by)
 
 
 @dataclass(frozen=True)
@@ -121,33 +83,8 @@ class ResolvedParam:
     @cached_property
     def _runs(self) -> Runs:
         if self.compact:  # values are indexed by the local index: one run from 0
-            return Runs(_i64([]), _i64([]), _i64([]), 0, max(1, self.numel))
-        rank = len(self.shape)
-        strides = [1] * rank
-        for d in range(rank - 2, -1, -1):
-            strides[d] = strides[d + 1] * self.shape[d + 1]
-        # k = first dim of the run: every dim after k is covered fully.
-        k = rank - 1
-        while k > 0 and self.region[k] == (0, self.shape[k]):
-            k -= 1
-        if rank == 0:
-            return Runs(_i64([]), _i64([]), _i64([]), 0, 1)
-        run_len = (self.region[k][1] - self.region[k][0]) * strides[k]
-        outer = range(k)
-        return Runs(
-            outer_start=_i64([self.region[d][0] for d in outer]),
-            outer_ext=_i64([self.region[d][1] - self.region[d][0] for d in outer]),
-            outer_stride=_i64([strides[d] for d in outer]),
-            base=self.region[k][0] * strides[k],
-            run_len=run_len,
-        )
-
-
-_NO_DIMS = np.zeros(0, dtype=np.int64)  # shared by every region of one run (never written)
-
-
-def _i64(values: list[int]) -> npt.NDArray[np.int64]:
-    return np.asarray(values, dtype=np.int64) if values else _NO_DIMS
+            return Runs.single(max(1, self.numel))
+        return regions.runs(self.shape, self.region)
 
 
 @dataclass(frozen=True)
@@ -178,29 +115,6 @@ class Patch:
         return out
 
 
-def local_runs(region: tuple[tuple[int, int], ...], box: tuple[tuple[int, int], ...]) -> tuple[npt.NDArray[np.int64], int]:
-    """Local runs (start indices, common length) of box ∩ region in the region's row-major order."""
-    ext = [b - a for a, b in region]
-    lo = [max(r[0], b[0]) - r[0] for r, b in zip(region, box, strict=True)]
-    hi = [min(r[1], b[1]) - r[0] for r, b in zip(region, box, strict=True)]
-    if any(h <= l for l, h in zip(lo, hi, strict=True)):
-        return _i64([]), 0
-    rank = len(ext)
-    if rank == 0:
-        return _i64([0]), 1
-    strides = [1] * rank
-    for d in range(rank - 2, -1, -1):
-        strides[d] = strides[d + 1] * ext[d + 1]
-    k = rank - 1  # the first dim of a run: every later dim is covered fully
-    while k > 0 and (lo[k], hi[k]) == (0, ext[k]):
-        k -= 1
-    starts = np.zeros(1, dtype=np.int64) + lo[k] * strides[k]
-    for d in range(k - 1, -1, -1):
-        offs = np.arange(lo[d], hi[d], dtype=np.int64) * strides[d]
-        starts = (offs[:, None] + starts[None, :]).ravel()
-    return starts, (hi[k] - lo[k]) * strides[k]
-
-
 def resolve_param(index: int, p: plan_pb2.Param, sources: Any = None) -> ResolvedParam:
     """Resolve one parameter; the caller guarantees the plan validated (with the same sources)."""
     rp = _resolve_base(index, p, sources)
@@ -209,7 +123,7 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
     patches = []
     for q in p.patches:
         box = tuple((int(r.start), int(r.stop)) for r in q.box)
-        starts, run_len = local_runs(rp.region, box)
+        starts, run_len = regions.Region(rp.shape, rp.region).local_runs(box)
         if run_len:  # a box outside this region changes nothing here
             base = plan_pb2.Param(name=p.name, shape=p.shape, dtype=p.dtype, init=q.init, region=p.region)
             patches.append(Patch(box, _resolve_base(index, base, sources), starts, run_len))
@@ -218,7 +132,7 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
 
 def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> ResolvedParam:
     shape = tuple(int(d) for d in p.shape)
-    region = tuple((int(r.start), int(r.stop)) for r in p.region) or tuple((0, d) for d in shape)
+    region = regions.box_of(p)
     dt = dtypes.by_enum(p.dtype)
     assert dt is not None, "resolve_param needs a validated plan"
     kind = inits.kind_of(p.init)
@@ -279,7 +193,7 @@ def digest(plan: plan_pb2.Plan, sources: Any = None) -> str:
     contents = []
     for i, p in enumerate(plan.params):
         shape = tuple(int(d) for d in p.shape)
-        region = tuple((int(r.start), int(r.stop)) for r in p.region) or tuple((0, d) for d in shape)
+        region = regions.box_of(p)
         for init in (p.init, *(q.init for q in p.patches)):
             kind = inits.kind_of(init)
             if kind is None or not kind.flat:
