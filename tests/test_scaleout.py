@@ -15,7 +15,7 @@ import pytest
 from conftest import serve_subprocess
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, param, plan_of, scaleout
-from paraminit_client.client import numpy_dtype
+from paraminit_client.arrays import numpy_dtype
 
 BIN = Path(sys.executable).parent
 
