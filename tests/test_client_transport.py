@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -252,3 +253,15 @@ def test_file_access_error_keeps_the_os_error() -> None:
     assert isinstance(err, ParaminitError) and err.code == grpc.StatusCode.NOT_FOUND
     other: Any = FileAccessError(OSError(28, "No space left on device", "/z"))
     assert other.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_lease_keeps_its_transport_when_the_client_is_gone() -> None:
+    """`Client().export(plan)` without keeping the Client: the lease still holds the data plane."""
+    plan = mixed_plan()
+    lease = Client().export(plan)
+    gc.collect()
+    name = lease.info.shm.segment_name
+    assert name in _segments()
+    assert np.count_nonzero(lease.arrays["w"]) > 0.99 * lease.arrays["w"].size
+    assert lease.release() is True
+    assert name not in _segments()

@@ -151,8 +151,6 @@ class Client:
         self.timeout = timeout
         self.split_bytes = split_bytes
         self._renewing: weakref.WeakSet[Lease] = weakref.WeakSet()
-        # a client that is never closed still frees what it holds when collected or at exit (in its own process)
-        self._finalizer = weakref.finalize(self, self._transport.close)
 
     @property
     def in_process(self) -> bool:
@@ -183,7 +181,7 @@ class Client:
         every later call raises ClientClosed. In a forked child it frees nothing of its parent's."""
         for lease in list(self._renewing):
             lease.stop_renewing()
-        self._finalizer()
+        self._transport.close()
 
     def __enter__(self) -> Client:
         return self

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -214,6 +215,8 @@ class LocalTransport:
     def __init__(self, embedded: Any) -> None:
         self._plane = embedded
         self._gate = _Gate("in-process client")
+        # never closed: freed when the last holder (its Client, a Lease) is collected, or at exit; in its own process
+        self._finalizer = weakref.finalize(self, _close_local, self._gate, embedded)
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
@@ -301,8 +304,12 @@ class LocalTransport:
     def close(self) -> None:
         """Free every lease and segment of this data plane, once, in the process that made it (a forked
         child's close, or its exit, frees nothing of its parent's)."""
-        if self._gate.close(CLOSE_WAIT):
-            self._plane.close()
+        self._finalizer()
+
+
+def _close_local(gate: _Gate, embedded: Any) -> None:
+    if gate.close(CLOSE_WAIT):
+        embedded.close()
 
 
 def start_local(safetensors_dirs: str = "/") -> LocalTransport:
@@ -397,6 +404,7 @@ class GrpcTransport:
         self.workers = list(workers)
         self._channel = channel
         self._gate = _Gate(f"client of {target}")
+        self._finalizer = weakref.finalize(self, _close_channel, self._gate, channel)
         self.stub = pb_grpc.InitServiceStub(channel)
         # Uploads with the chunk codec: each message is encoded once, without a protobuf copy of the data.
         self._upload = channel.stream_unary("/paraminit.v1.InitService/UploadPayload",
@@ -521,10 +529,14 @@ class GrpcTransport:
 
     def close(self) -> None:
         """Close the channel (and the workers'), once, in the process that opened it."""
-        if self._gate.close(0.0):
-            for w in self.workers:
-                w.close()
-            self._channel.close()
+        for w in self.workers:
+            w.close()
+        self._finalizer()
+
+
+def _close_channel(gate: _Gate, channel: grpc.Channel) -> None:
+    if gate.close(0.0):
+        channel.close()
 
 
 def payload_bytes(values: Any) -> tuple[memoryview, int, int]:
