@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 from tqdm import tqdm
 
+from paraminit.hostmem import tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import filesink
@@ -99,6 +100,7 @@ def make_transport(target: str | Sequence[str] | None = None, *, timeout: float 
 def _grpc(target: str, timeout: float | None, credentials: grpc.ChannelCredentials | None, split_bytes: int,
           token: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
           workers: Sequence[GrpcTransport] = ()) -> GrpcTransport:
+    tune_malloc_for_streams()  # megabyte messages reuse heap memory (paraminit.hostmem); before the channel exists
     options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
     if target.startswith("dns:"):
         # client-side balancing over every address behind the name (a headless Service)

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from paraminit import dtypes, overlap, times, wire
 from paraminit.header_checksum import header_crc32c
-from paraminit.hostmem import host_buffer, prefault, tune_malloc_for_streams
+from paraminit.hostmem import host_buffer, prefault
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
@@ -397,7 +397,6 @@ class GrpcTransport:
 
     def __init__(self, target: str, channel: grpc.Channel, timeout: float | None, split_bytes: int,
                  workers: Sequence[GrpcTransport] = ()) -> None:
-        tune_malloc_for_streams()  # megabyte messages reuse heap memory (paraminit.hostmem)
         self.target = target
         self.timeout = timeout
         self.split_bytes = split_bytes
