@@ -81,9 +81,9 @@ def test_release_is_idempotent_and_unknown_is_not_found(client: Client) -> None:
     assert name in segments()
     assert lease.release() is True
     assert name not in segments()
-    assert client._call(client.stub.Release, pb.ReleaseRequest(lease_id=lease.lease_id)).released is False
+    assert client.release(lease.lease_id) is False
     with pytest.raises(ParaminitError) as info:
-        client._call(client.stub.Release, pb.ReleaseRequest(lease_id="f" * 32))
+        client.release("f" * 32)
     assert info.value.code == grpc.StatusCode.NOT_FOUND
 
 

@@ -598,15 +598,24 @@ def test_device_errors_map_by_status_code(monkeypatch: pytest.MonkeyPatch, world
 
 
 class RecordingClient:
-    """What Lease needs from a Client, logging RPCs into the world's log."""
+    """What Lease needs from a Client's transport, logging RPCs into the world's log."""
+
+    releases_at_exit = False
 
     def __init__(self, world: World) -> None:
         self.world = world
-        self.stub = types.SimpleNamespace(Release="Release", Renew="Renew", Apply="Apply")
 
-    def _call(self, method: str, request: Any) -> Any:
-        self.world.log.append(("client", f"rpc:{method}", -1, {}))
-        return types.SimpleNamespace(released=True, lease=types.SimpleNamespace(expires_at=0.0))
+    def release(self, lease_id: str, timeout: float | None = None) -> bool:
+        self.world.log.append(("client", "rpc:Release", -1, {}))
+        return True
+
+    def renew(self, lease_id: str, ttl_seconds: float = 0.0) -> float:
+        self.world.log.append(("client", "rpc:Renew", -1, {}))
+        return 0.0
+
+    def apply(self, lease_id: str, plan: Any) -> str:
+        self.world.log.append(("client", "rpc:Apply", -1, {}))
+        return "d"
 
 
 def exported_info(world: World, gpu_index: int, nbytes: int, tensors: list[tuple[str, list[int], int]]) -> Any:

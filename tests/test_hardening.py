@@ -509,7 +509,7 @@ def test_many_long_violations_arrive_as_invalid_argument() -> None:
         report = c.validate(plan)  # Validate's body still carries every violation
         assert len(report.violations) == 24
         with pytest.raises(ParaminitError) as info:  # a 1 MB lease id is echoed cut short
-            c._call(c.stub.Release, pb.ReleaseRequest(lease_id="L" * (1 << 20)))
+            c.release("L" * (1 << 20))
         assert info.value.code == grpc.StatusCode.NOT_FOUND and len(info.value.message) <= 400
 
 
@@ -731,7 +731,7 @@ def test_uploads_in_flight_drain_at_shutdown() -> None:
     def upload() -> None:
         with Client(target_of(r)) as c:
             try:
-                result.append(c._call(c.stub.UploadPayload, chunks()))
+                result.append(c.transport.call(c.stub.UploadPayload, chunks()))
             except ParaminitError as err:
                 result.append(err)
 

@@ -77,7 +77,7 @@ def test_another_user_on_a_widened_unix_socket_sees_nothing_of_the_servers(open_
                 with Client("unix:{sock}") as c:
                     out["leases"] = [s.lease.lease_id for s in c.leases()]
                     try:
-                        out["release"] = c._call(c.stub.Release, pb.ReleaseRequest(lease_id="{lease.lease_id}")).released
+                        out["release"] = c.release("{lease.lease_id}")
                     except ParaminitError as err:
                         out["release"] = err.code.name
                     out["stream"] = c.materialize(plan_of([param("v", [4], {{"ones": {{}}}})]))["v"].tolist()

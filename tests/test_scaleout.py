@@ -15,7 +15,7 @@ import pytest
 from conftest import serve_subprocess
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, param, plan_of, scaleout
-from paraminit_client.client import numpy_dtype
+from paraminit_client.arrays import numpy_dtype
 
 BIN = Path(sys.executable).parent
 
@@ -68,7 +68,7 @@ def test_worker_killed_mid_plan_is_retried(workers: list[tuple[subprocess.Popen[
             killed.append(victim[0].wait(10))
             list(chunks)
             raise AssertionError("a dead worker's stream cannot complete")
-        return c._materialize_one(sub)
+        return c.materialize(sub)  # one target: one stream
 
     try:
         sizes = [int(np.prod([d for d in p.shape])) * numpy_dtype(p.dtype).itemsize for p in plan.params]

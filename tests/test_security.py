@@ -92,7 +92,7 @@ def test_mutual_tls_and_certificate_identities(pki: Path) -> None:
             assert [s.owner for s in a.leases()] == ["cert:CN=alice"]
             assert b.leases() == []
             with pytest.raises(ParaminitError) as info:
-                b._call(b.stub.Release, pb.ReleaseRequest(lease_id=lease.lease_id))
+                b.release(lease.lease_id)
             assert info.value.code == grpc.StatusCode.NOT_FOUND
             assert lease.release()
 
@@ -125,7 +125,7 @@ def test_leases_belong_to_their_identity(token_server: Running) -> None:
                          (bob.stub.Renew, pb.RenewRequest(lease_id=lease.lease_id)),
                          (bob.stub.Apply, pb.ApplyRequest(lease_id=lease.lease_id, plan=PLAN))):
             with pytest.raises(ParaminitError) as info:
-                bob._call(rpc, req)
+                bob.transport.call(rpc, req)
             assert info.value.code == grpc.StatusCode.NOT_FOUND
         lease.renew(60)
         assert lease.release() is True
@@ -190,7 +190,7 @@ def test_local_users_are_isolated_without_tokens(tmp_path: Path) -> None:
                                        ("apply", c.stub.Apply, pb.ApplyRequest(lease_id="{lease.lease_id}",
                                         plan=plan_of([param("w", [64, 64], {{"zeros": {{}}}})])))):
                     try:
-                        c._call(rpc, req)
+                        c.transport.call(rpc, req)
                         out[name] = "OK"
                     except ParaminitError as err:
                         out[name] = err.code.name
@@ -273,7 +273,7 @@ def test_certificates_without_subject_do_not_share_an_identity(tmp_path: Path, p
             assert owner != "cert:" and "eve.example" in owner
             assert mal.leases() == []
             with pytest.raises(ParaminitError) as info:
-                mal._call(mal.stub.Release, pb.ReleaseRequest(lease_id=lease.lease_id))
+                mal.release(lease.lease_id)
             assert info.value.code == grpc.StatusCode.NOT_FOUND
             assert lease.release()
     assert certificate_identity({"x509_pem_cert": [b"A"]}) != certificate_identity({"x509_pem_cert": [b"B"]})

@@ -8,8 +8,17 @@ except _metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
 from paraminit_client.client import Client, ValidationReport
-from paraminit_client.errors import ParaminitError, Violation
-from paraminit_client.plans import load_plan, param, plan_from_dict, plan_from_safetensors, plan_of, zip_plan
+from paraminit_client.errors import ClientClosed, FileAccessError, InvalidArgument, ParaminitError, Violation
+from paraminit_client.plans import (
+    PlanFileError,
+    load_plan,
+    param,
+    plan_from_dict,
+    plan_from_safetensors,
+    plan_of,
+    zip_plan,
+)
 
-__all__ = ["Client", "ParaminitError", "ValidationReport", "Violation", "__version__", "load_plan", "param",
-           "plan_from_dict", "plan_from_safetensors", "plan_of", "zip_plan"]
+__all__ = ["Client", "ClientClosed", "FileAccessError", "InvalidArgument", "ParaminitError", "PlanFileError",
+           "ValidationReport", "Violation", "__version__", "load_plan", "param", "plan_from_dict",
+           "plan_from_safetensors", "plan_of", "zip_plan"]

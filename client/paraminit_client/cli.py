@@ -25,7 +25,7 @@ import grpc
 from paraminit import dtypes, exitcodes, sizes
 from paraminit_client import __version__, inspect
 from paraminit_client.client import Client
-from paraminit_client.errors import ParaminitError
+from paraminit_client.errors import InvalidArgument, ParaminitError
 from paraminit_client.plans import PlanFileError, load_plan, plan_from_safetensors, plan_to_json
 
 EXIT_OK, EXIT_ERROR, EXIT_INVALID, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = (
@@ -237,7 +237,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                "params": [{"name": p.name, "dtype": _dtype_name(p.dtype), "shape": list(p.shape), "bytes": n}
                           for p, n in zip(plan.params, report.param_bytes, strict=False)],
                "violations": [{"index": v.index, "name": v.name, "field": v.field, "message": v.message,
-                               "limit": v.limit} for v in report.violations]}
+                               "limit": v.is_limit} for v in report.violations]}
         print(json.dumps(out, indent=1))
         return code
     if report.violations:
@@ -584,20 +584,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     violations: list[dict[str, Any]] = []
+    lines: list[str] = []
     try:
         with _interruptible():
             return int(args.func(args))
-    except ParaminitError as err:
-        if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.violations:
-            message = f"invalid plan: {_plural(len(err.violations) + err.omitted, 'violation')}"
-            lines = [v.description for v in err.violations]
-            if err.omitted:
-                lines.append(f"... and {err.omitted} more (`paraminit validate` lists every one)")
-            violations = [{"field": v.field, "message": v.description} for v in err.violations]
-            code = EXIT_INVALID
-        else:
-            message, lines, code = _rpc_line(err, getattr(args, "target", None)), [], EXIT_ERROR
-    except PlanFileError as err:
+    except PlanFileError as err:  # before ParaminitError, which it is
         message, lines, code = str(err), [], EXIT_INVALID
         violations = [{"file": err.file, **v} for v in err.to_json()]
     except UsageError as err:
@@ -605,8 +596,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `paraminit inspect f | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except OSError as err:
+    except OSError as err:  # FileAccessError too: a file, not a status, is the news
         message, lines, code = _os_line(err), [], EXIT_ERROR
+    except InvalidArgument as err:  # an argument the client refused before any call
+        message, lines, code = err.message, [], EXIT_ERROR
+    except ParaminitError as err:
+        if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.violations:
+            message = f"invalid plan: {_plural(len(err.violations) + err.omitted, 'violation')}"
+            lines = [str(v) for v in err.violations]
+            if err.omitted:
+                lines.append(f"... and {err.omitted} more (`paraminit validate` lists every one)")
+            violations = [{"field": v.field, "message": str(v)} for v in err.violations]
+            code = EXIT_INVALID
+        else:
+            message, lines, code = _rpc_line(err, getattr(args, "target", None)), [], EXIT_ERROR
     except (ValueError, RuntimeError) as err:
         message, lines, code = str(err), [], EXIT_ERROR
     except KeyboardInterrupt as err:

@@ -1,8 +1,9 @@
 """The paraminit client: validate plans, materialize them into arrays or safetensors files.
 
-Without a target the client runs the server's data plane in this process (CPU
-backend): the same validation, errors and bytes as a server, with no sockets,
-no chunk encoding and arrays filled in place.
+A Client picks its transport once, when it is made (`transports`): with no target the server's data plane runs
+in this process (CPU backend) and is called directly: the same validation, errors and bytes as a server, with no
+sockets, no encoding and arrays filled in place; with a target it talks gRPC to a server. Its methods are the
+same either way.
 """
 
 from __future__ import annotations
@@ -11,31 +12,37 @@ import contextlib
 import json
 import os
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tqdm import tqdm
 
-from paraminit import dtypes, overlap, times, wire
-from paraminit.header_checksum import header_crc32c
-from paraminit.hostmem import host_buffer, prefault, tune_malloc_for_streams
+from paraminit.hostmem import tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
-from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
-from paraminit_client import filesink, scaleout
-from paraminit_client._embedded import start_embedded
-from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
-from paraminit_client.errors import ParaminitError, Violation
+from paraminit_client import filesink
+from paraminit_client.errors import ClientClosed, FileAccessError, InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
+from paraminit_client.transports import (
+    Chunk,
+    GrpcTransport,
+    LocalTransport,
+    Transport,
+    ValidationReport,
+    first_response,
+    land,
+    payload_bytes,
+    rpc_errors,
+    start_local,
+)
+
+__all__ = ["CHANNEL_OPTIONS", "RETRY_POLICY", "SERVICE_CONFIG", "Client", "ValidationReport", "first_response",
+           "land", "make_transport", "rpc_errors", "tls_credentials"]
 
 # gRPC's own retries (gRFC A6), for every InitService method: a call refused before any response (a busy or
 # draining server: RESOURCE_EXHAUSTED, UNAVAILABLE) is sent again after an exponential backoff with jitter, or
@@ -47,139 +54,136 @@ SERVICE_CONFIG: dict[str, Any] = {"methodConfig": [{"name": [{"service": "parami
                                                     "retryPolicy": RETRY_POLICY}]}
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20),
                    ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(SERVICE_CONFIG))]
+DELIVERIES = ("shm", "cuda_ipc")
 
 
-@dataclass(frozen=True)
-class ValidationReport:
-    valid: bool
-    fits_limits: bool
-    violations: tuple[pb.Violation, ...]
-    param_bytes: tuple[int, ...]
-    total_bytes: int
-    plan_digest: str
+def make_transport(target: str | Sequence[str] | None = None, *, timeout: float | None = None,
+                   credentials: grpc.ChannelCredentials | None = None, split_bytes: int = 64 << 20,
+                   token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                   tls_key: str | None = None, safetensors_dirs: Sequence[str] | None = None) -> Transport:
+    """The transport a Client with these arguments uses: in process without a target, else gRPC.
 
-    @property
-    def ok(self) -> bool:
-        return self.valid and self.fits_limits
+    Args:
+        target: None (in process), "host:port", a "dns:///" name, or a list of targets to split plans across.
+        timeout: each gRPC call's deadline in seconds (None: none).
+        credentials: channel credentials; overrides `tls_ca`/`tls_cert`/`tls_key`.
+        split_bytes: the size above which a parameter is cut into row regions when a plan is split.
+        token: bearer token (default: $PARAMINIT_TOKEN).
+        tls_ca: CA bundle to verify the server (TLS); tls_cert/tls_key: a client certificate (mutual TLS).
+        safetensors_dirs: in process only, the directories whose safetensors files plans may read.
 
-    def lines(self) -> list[str]:
-        return [f"{v.field} ({v.name!r}): {v.message}" if v.index >= 0 else f"{v.field}: {v.message}"
-                for v in self.violations]
+    Returns:
+        A LocalTransport or a GrpcTransport.
 
-
-def first_response(call: Any) -> Any:
-    """The first message of a server-streaming call (None if it ends without one); raises the call's error.
-
-    With retries enabled, gRPC Python (seen with 1.85) can leave the response iterator waiting forever when the
-    call fails while an attempt is being retried and the server goes away (a draining worker): the call has its
-    status (`call.code()` returns) but the pending read never completes, deadline or not. Retries happen only
-    before the first response, so that one is awaited on a helper thread while the call's end is watched; the
-    rest of the stream is read as usual. A helper stuck on such a call stays parked (a daemon thread)."""
-    box: list[Any] = []
-    arrived = threading.Event()
-
-    def read() -> None:
-        try:
-            box.append(next(call, None))
-        except BaseException as exc:  # handed to the caller below
-            box.append(exc)
-        arrived.set()
-
-    threading.Thread(target=read, daemon=True, name="paraminit-first-response").start()
-    while not arrived.wait(0.05):
-        if call.done() and call.code() != grpc.StatusCode.OK:
-            raise call  # the call is its own RpcError: code, details and trailers
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
+    Raises:
+        InvalidArgument: an empty list of targets, or safetensors_dirs with a target.
+        ParaminitError: FAILED_PRECONDITION when no target is given and the server package is not installed.
+    """
+    if target is None:
+        dirs = "/" if safetensors_dirs is None else ":".join(os.fspath(d) for d in safetensors_dirs)
+        return start_local(dirs)
+    if safetensors_dirs is not None:
+        raise InvalidArgument("safetensors_dirs applies in process only; a server's --safetensors-dirs decides "
+                              "which files its plans may read")
+    workers: list[GrpcTransport] = []
+    if isinstance(target, (list, tuple)):
+        targets = list(target)
+        if not targets:
+            raise InvalidArgument("an empty list of targets")
+        if len(targets) > 1:
+            workers = [_grpc(t, timeout, credentials, split_bytes, token, tls_ca, tls_cert, tls_key) for t in targets]
+        target = targets[0]
+    assert isinstance(target, str)
+    return _grpc(target, timeout, credentials, split_bytes, token, tls_ca, tls_cert, tls_key, workers)
 
 
-@contextlib.contextmanager
-def rpc_errors() -> Iterator[None]:
-    """Turn every gRPC failure into the one client exception type."""
-    try:
-        yield
-    except grpc.RpcError as err:
-        raise ParaminitError.from_rpc(err) from None
+def _grpc(target: str, timeout: float | None, credentials: grpc.ChannelCredentials | None, split_bytes: int,
+          token: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
+          workers: Sequence[GrpcTransport] = ()) -> GrpcTransport:
+    tune_malloc_for_streams()  # megabyte messages reuse heap memory (paraminit.hostmem); before the channel exists
+    options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
+    if target.startswith("dns:"):
+        # client-side balancing over every address behind the name (a headless Service)
+        options.append(("grpc.lb_policy_name", "round_robin"))
+    if credentials is None and (tls_ca or tls_cert):
+        credentials = tls_credentials(tls_ca or "", tls_cert or "", tls_key or "")
+    if credentials is None:
+        channel = grpc.insecure_channel(target, options=options)
+    else:
+        channel = grpc.secure_channel(target, credentials, options=options)
+    token = os.environ.get("PARAMINIT_TOKEN") if token is None else token
+    if token:
+        channel = grpc.intercept_channel(channel, _BearerToken(token))
+    return GrpcTransport(target, channel, timeout, split_bytes, workers)
 
 
 class Client:
-    """Talks to one paraminit server, or an embedded one when no target is given."""
+    """Validates plans and materializes them, from one paraminit server, several, or the data plane run in
+    this process when no target is given.
+
+    Every error it raises is a ParaminitError (`except ParaminitError` catches them all). A Client may be
+    shared by threads: in process, calls beyond the data plane's concurrency limit wait for a slot (they are
+    this process's own threads), where a server would refuse them. After close() every call raises; a forked
+    child frees nothing of its parent's (it makes its own Client()).
+    """
 
     def __init__(self, target: str | Sequence[str] | None = None, *, timeout: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None, split_bytes: int = 64 << 20,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, safetensors_dirs: Sequence[str] | None = None) -> None:
-        """`token`: bearer token (default: $PARAMINIT_TOKEN). `tls_ca`/`tls_cert`/`tls_key`: TLS, and a client
-        certificate for mutual TLS; `credentials` overrides them. `safetensors_dirs` (in process only): the
-        directories whose safetensors files plans may name; default: every file this process can read (a
-        server's own --safetensors-dirs decides for a server)."""
-        if safetensors_dirs is not None and target is not None:
-            raise ValueError("safetensors_dirs applies in process only; a server's --safetensors-dirs decides "
-                             "which files its plans may read")
-        self._local: Any = None  # paraminit_server.embedded.InProcess when no target is given
-        self._finalizer: Any = None  # weakref.finalize closing the in-process data plane
-        self._workers: list[Client] = []
-        self._renewing: weakref.WeakSet[Lease] = weakref.WeakSet()
-        self.split_bytes = split_bytes
-        options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
-        if isinstance(target, (list, tuple)):
-            targets = list(target)
-            if not targets:
-                raise ValueError("an empty list of targets")
-            if len(targets) > 1:
-                self._workers = [Client(t, timeout=timeout, credentials=credentials, token=token, tls_ca=tls_ca,
-                                        tls_cert=tls_cert, tls_key=tls_key) for t in targets]
-            target = targets[0]
-        if isinstance(target, str) and target.startswith("dns:"):
-            # client-side balancing over every address behind the name (a headless Service)
-            options.append(("grpc.lb_policy_name", "round_robin"))
+        """Args:
+            target: None for the data plane in this process (CPU backend); "host:port" or "dns:///name" for a
+                server; a list of targets to split each materialize across.
+            timeout: each call's deadline in seconds (None: none; gRPC only).
+            credentials: gRPC channel credentials; override `tls_ca`/`tls_cert`/`tls_key`.
+            split_bytes: above this many bytes a parameter is cut into row regions when a plan is split.
+            token: bearer token (default: $PARAMINIT_TOKEN).
+            tls_ca: the CA bundle that verifies the server (TLS); `tls_cert`/`tls_key`: a client certificate.
+            safetensors_dirs: in process only, the directories whose safetensors files plans may name; default:
+                every file this process can read (a server's own --safetensors-dirs decides for a server).
+
+        Raises:
+            InvalidArgument: an empty list of targets, or safetensors_dirs with a target.
+            ParaminitError: FAILED_PRECONDITION without a target when the server package is not installed.
+        """
+        self._transport: Transport = make_transport(
+            target, timeout=timeout, credentials=credentials, split_bytes=split_bytes, token=token, tls_ca=tls_ca,
+            tls_cert=tls_cert, tls_key=tls_key, safetensors_dirs=safetensors_dirs)
+        self.target = self._transport.target
         self.timeout = timeout
-        if target is None:
-            dirs = "/" if safetensors_dirs is None else ":".join(os.fspath(d) for d in safetensors_dirs)
-            self._local = start_embedded(safetensors_dirs=dirs)
-            # a client that is never closed still frees its leases and segments when collected or at exit
-            self._finalizer = weakref.finalize(self, self._local.close)
-            self.target = "in-process"
-            self.stub: Any = self._local
-            return
-        assert isinstance(target, str)
-        self.target = target
-        tune_malloc_for_streams()  # megabyte messages reuse heap memory (paraminit.hostmem)
-        if credentials is None and (tls_ca or tls_cert):
-            credentials = tls_credentials(tls_ca or "", tls_cert or "", tls_key or "")
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=options)
-        token = os.environ.get("PARAMINIT_TOKEN") if token is None else token
-        if token:
-            self._channel = grpc.intercept_channel(self._channel, _BearerToken(token))
-        self.stub = pb_grpc.InitServiceStub(self._channel)
-        # Uploads with the chunk codec: each message is encoded once, without a protobuf copy of the data.
-        self._upload = self._channel.stream_unary("/paraminit.v1.InitService/UploadPayload",
-                                                  request_serializer=bytes, response_deserializer=pb.PayloadRef.FromString)
-        # Materialize with the chunk codec: payloads arrive as views, not as copies inside messages.
-        self._materialize = self._channel.unary_stream(
-            "/paraminit.v1.InitService/Materialize",
-            request_serializer=pb.MaterializeRequest.SerializeToString, response_deserializer=wire.decode_response)
+        self.split_bytes = split_bytes
+        self._renewing: weakref.WeakSet[Lease] = weakref.WeakSet()
 
     @property
     def in_process(self) -> bool:
         """True when this client runs the data plane itself (no target given)."""
-        return self._local is not None
+        return isinstance(self._transport, LocalTransport)
+
+    @property
+    def transport(self) -> Transport:
+        """The transport chosen when this client was made."""
+        return self._transport
+
+    @property
+    def stub(self) -> Any:
+        """The generated gRPC stub, for the raw protocol (a client of a server only).
+
+        Raises:
+            ParaminitError: FAILED_PRECONDITION in process, where there is no gRPC.
+        """
+        if not isinstance(self._transport, GrpcTransport):
+            raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION, "an in-process client has no gRPC stub")
+        return self._transport.stub
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
-        for w in self._workers:
-            w.close()
+        """Stop renewing leases and close the transport: in process, every lease and segment of the data plane is
+        freed (after calls running on other threads finish); from a server, the channel closes. Safe to call twice;
+        every later call raises ClientClosed. In a forked child it frees nothing of its parent's."""
         for lease in list(self._renewing):
             lease.stop_renewing()
-        if self._finalizer is not None:
-            self._finalizer()  # frees every lease of this in-process data plane, once
-        else:
-            self._channel.close()
+        self._transport.close()
 
     def __enter__(self) -> Client:
         return self
@@ -190,145 +194,142 @@ class Client:
     # -- calls ----------------------------------------------------------------------------
 
     def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
-        with rpc_errors():
-            r = self.stub.Validate(pb.ValidateRequest(plan=plan), timeout=self.timeout)
-        return ValidationReport(r.valid, r.fits_limits, tuple(r.violations), tuple(r.param_bytes), r.total_bytes,
-                                r.plan_digest)
+        """Check a plan without materializing it.
+
+        Args:
+            plan: the plan.
+
+        Returns:
+            Every violation (limits included), the bytes per parameter and in total, and the plan's digest.
+
+        Raises:
+            ParaminitError: the call itself failed (unreachable server, closed client); an invalid plan is
+                reported in the result, not raised.
+        """
+        return self._transport.validate(plan)
 
     def info(self) -> pb.GetInfoResponse:
-        with rpc_errors():
-            return self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout)  # type: ignore[no-any-return]
+        """The server's version, backend, device, limits, dtypes and deliveries.
+
+        Raises:
+            ParaminitError: the call failed.
+        """
+        return self._transport.info()
 
     def health(self, service: str = "") -> str:
-        """The health service's status name (SERVING, NOT_SERVING, ...)."""
-        if self.in_process:
-            return "SERVING"  # kernels were compiled when the client started
-        with rpc_errors():
-            r = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                                 timeout=self.timeout or 5.0)
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+        """The health service's status name (SERVING, NOT_SERVING, ...); in process SERVING once the kernels
+        are loaded.
+
+        Args:
+            service: the service name to ask about ("" for the server as a whole).
+
+        Raises:
+            ParaminitError: the call failed.
+        """
+        return self._transport.health(service)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Block until the server reports SERVING (kernels compiled)."""
+        """Block until the server reports SERVING (kernels compiled).
+
+        Args:
+            timeout: seconds to wait.
+
+        Raises:
+            ParaminitError: DEADLINE_EXCEEDED when not SERVING within `timeout`; ClientClosed after close().
+        """
         deadline = time.monotonic() + timeout
         while True:
             try:
                 if self.health() == "SERVING":
                     return
-            except ParaminitError:
-                pass
+            except ParaminitError as err:
+                if isinstance(err, ClientClosed):
+                    raise
             if time.monotonic() > deadline:
                 raise ParaminitError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.target} not SERVING after {timeout} s")
             time.sleep(0.05)
 
     def stream(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
-               check_crc: bool = True) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:
-        """Start a STREAM materialization: the header, then verified chunks in order.
+               check_crc: bool = True) -> tuple[pb.StreamHeader, Iterator[Chunk]]:
+        """Start a STREAM materialization: the header, then the data section's chunks in order.
 
-        `check_crc=False` leaves each chunk's CRC32C to the consumer (see `land`), which may check it
-        on another thread; order and length are checked here either way."""
-        if self.in_process:
-            return self._local_stream(plan)
-        call = self._materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
-                                                           chunk_bytes=chunk_bytes), timeout=self.timeout)
-        with rpc_errors():
-            first = first_response(call)
-        if not isinstance(first, pb.MaterializeResponse) or first.WhichOneof("msg") != "header":
-            call.cancel()
-            raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
-        header = first.header
-        for k in range(header.header_parts):  # a large table and prefix come in parts (init_service.proto)
-            with rpc_errors():
-                part = next(call, None)
-            if not isinstance(part, pb.MaterializeResponse) or part.WhichOneof("msg") != "header_part":
-                call.cancel()
-                raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream header part {k + 1} of "
-                                     f"{header.header_parts} is missing")
-            header.tensors.extend(part.header_part.tensors)
-            header.safetensors_prefix += part.header_part.safetensors_prefix
-        if header_crc32c(header) != header.header_crc32c:  # before anyone writes a byte of it
-            call.cancel()
-            raise ParaminitError(grpc.StatusCode.DATA_LOSS, "stream header checksum mismatch: the prefix, tensor "
-                                 "table or digest was corrupted in transit")
-        return header, _verified_chunks(call, header.data_bytes, check_crc)
+        Args:
+            plan: the plan.
+            chunk_bytes: the chunk size asked of a server (0: its default).
+            check_crc: from a server, check each chunk's CRC32C here; False leaves it to the consumer (see
+                `land`), which may check it on another thread. In process chunks are slabs handed over
+                directly, with no CRC (`crc32c` is None). Order and length are checked either way.
 
-    def _local_stream(self, plan: plan_pb2.Plan) -> tuple[pb.StreamHeader, Iterator[wire.Chunk]]:
-        """In process: slabs straight from the data plane, as chunks with the same CRC32C a server sends."""
-        items = self._local.stream(plan)
-        with rpc_errors():
-            header = next(items)
+        Returns:
+            The StreamHeader (safetensors prefix, tensor table, digest) and an iterator of chunks; closing the
+            iterator early cancels the materialization.
 
-        def chunks() -> Iterator[wire.Chunk]:
-            with rpc_errors():
-                for offset, slab in items:
-                    data = memoryview(slab).cast("B")
-                    yield wire.Chunk(offset, data, crc32c.crc32c(data))
-
-        return header, chunks()
-
-    def _call(self, method: Any, request: Any) -> Any:
-        with rpc_errors():
-            return method(request, timeout=self.timeout)
+        Raises:
+            ParaminitError: INVALID_ARGUMENT with every violation, RESOURCE_EXHAUSTED over a limit, DATA_LOSS for
+                a corrupted or truncated stream, or the call's own failure (also while iterating).
+        """
+        return self._transport.stream(plan, chunk_bytes, check_crc)
 
     def export(self, plan: plan_pb2.Plan, delivery: str = "shm", *, ttl_seconds: float = 0.0,
                auto_renew: bool | None = None) -> Lease:
-        """Zero-copy handoff from a server on this host: "shm" (CPU) or "cuda_ipc" (GPU).
+        """Zero-copy handoff: the plan filled into shared memory ("shm", CPU) or one CUDA allocation
+        ("cuda_ipc", GPU) on this host, lent under a lease.
 
-        CUDA_IPC leases renew themselves by default (`auto_renew=None`): an expiry frees device memory
-        that kernels of this process may still be using, which no error could report."""
+        Args:
+            plan: the plan.
+            delivery: "shm" or "cuda_ipc".
+            ttl_seconds: the lease's time to live (0: the server's default).
+            auto_renew: renew the lease in the background until released; default (None) only for CUDA_IPC,
+                whose expiry would free device memory kernels of this process may still be using.
+
+        Returns:
+            The Lease: `arrays` alias the exported memory; release() (or leaving its with-block) gives it back.
+
+        Raises:
+            InvalidArgument: an unknown delivery.
+            ParaminitError: INVALID_ARGUMENT for an invalid plan, RESOURCE_EXHAUSTED over a lease or memory limit,
+                FAILED_PRECONDITION when the memory cannot be shared with this process.
+        """
+        if delivery not in DELIVERIES:
+            raise InvalidArgument(f"delivery must be one of {sorted(DELIVERIES)}, got {delivery!r}")
         if auto_renew is None:
             auto_renew = delivery == "cuda_ipc"
-        kinds = {"shm": pb.DELIVERY_SHM, "cuda_ipc": pb.DELIVERY_CUDA_IPC}
-        if delivery not in kinds:
-            raise ValueError(f"delivery must be one of {sorted(kinds)}, got {delivery!r}")
-        request = pb.MaterializeRequest(plan=plan, delivery=kinds[delivery], lease_ttl=times.duration(ttl_seconds))
-        with rpc_errors():
-            call = self.stub.Materialize(request, timeout=self.timeout)
-            if self.in_process:  # the in-process stub answers with a list
-                responses = list(call)
-            else:
-                first = first_response(call)
-                responses = [] if first is None else [first, *call]
-        if len(responses) != 1 or responses[0].WhichOneof("msg") != "export":
-            raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not answer the export with one ExportInfo")
+        info = self._transport.export(plan, delivery, ttl_seconds)
         try:
-            lease = Lease(self, responses[0].export, auto_renew=auto_renew)
-            if auto_renew:
-                self._renewing.add(lease)
-            return lease
+            lease = Lease(self._transport, info, auto_renew=auto_renew)
         except BaseException:
             with contextlib.suppress(ParaminitError):
-                self._call(self.stub.Release, pb.ReleaseRequest(lease_id=responses[0].export.lease.lease_id))
+                self._transport.release(info.lease.lease_id)
             raise
+        if auto_renew:
+            self._renewing.add(lease)
+        return lease
 
     def upload_payload(self, values: Any, *, chunk_bytes: int = 1 << 20) -> str:
-        """Upload a flat payload of any size (float32/float64/float16/bfloat16 array); plans name the returned id
-        with {"flatRef": {"payloadId": id}}. Payloads belong to this client's identity and expire."""
-        arr = np.ascontiguousarray(values)
-        dt = dtypes.by_numpy(arr.dtype)
-        if dt is None:
-            raise ValueError(f"payload dtype must be one of {', '.join(dtypes.NAMES)}, not {arr.dtype}")
-        kind: Any = dt.enum
-        raw = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        """Upload a flat payload of any size; plans name the returned id with {"flatRef": {"payloadId": id}}.
+        Payloads belong to this client's identity and expire.
 
-        if self.in_process:
-            def messages() -> Iterator[pb.PayloadChunk]:
-                yield pb.PayloadChunk(dtype=kind, count=arr.size, data=bytes(raw[:chunk_bytes]))
-                for off in range(chunk_bytes, len(raw), chunk_bytes):
-                    yield pb.PayloadChunk(data=bytes(raw[off:off + chunk_bytes]))
+        Args:
+            values: a float32/float64/float16/bfloat16 array (any shape; its values in C order).
+            chunk_bytes: bytes per upload message.
 
-            return str(self._call(self.stub.UploadPayload, messages()).payload_id)
+        Returns:
+            The payload id.
 
-        def encoded() -> Iterator[bytes]:  # PayloadChunk messages encoded once, with one copy of the data
-            yield wire.encode_payload_chunk(raw[:chunk_bytes], kind, arr.size)
-            for off in range(chunk_bytes, len(raw), chunk_bytes):
-                yield wire.encode_payload_chunk(raw[off:off + chunk_bytes])
-
-        return str(self._call(self._upload, encoded()).payload_id)
+        Raises:
+            InvalidArgument: another dtype.
+            ParaminitError: RESOURCE_EXHAUSTED over the payload limit, or the call's failure.
+        """
+        raw, dtype, count = payload_bytes(values)
+        return self._transport.upload(raw, dtype, count, chunk_bytes)
 
     def leases(self) -> list[pb.LeaseStatus]:
-        """The live leases this caller's identity holds on the server (`paraminit leases` prints them)."""
-        return list(self._call(self.stub.ListLeases, pb.ListLeasesRequest()).leases)
+        """The live leases this caller's identity holds (`paraminit leases` prints them).
+
+        Raises:
+            ParaminitError: the call failed.
+        """
+        return self._transport.leases()
 
     def release(self, lease_id: str) -> bool:
         """Free a lease by id (one this process no longer holds as a Lease object, e.g. after a crash).
@@ -342,81 +343,58 @@ class Client:
         Raises:
             ParaminitError: NOT_FOUND for an unknown or foreign lease.
         """
-        return bool(self._call(self.stub.Release, pb.ReleaseRequest(lease_id=lease_id)).released)
+        return self._transport.release(lease_id)
 
     def renew(self, lease_id: str, ttl_seconds: float = 0.0) -> float:
-        """Extend a lease by id; `ttl_seconds` 0 is the server's default. Returns the new expiry (epoch seconds).
+        """Extend a lease by id.
+
+        Args:
+            lease_id: the lease.
+            ttl_seconds: the new time to live from now (0: the server's default).
+
+        Returns:
+            The new expiry (seconds since the Unix epoch).
 
         Raises:
             ParaminitError: NOT_FOUND for an unknown or foreign lease.
         """
-        resp = self._call(self.stub.Renew, pb.RenewRequest(lease_id=lease_id, ttl=times.duration(ttl_seconds)))
-        return times.epoch(resp.lease.expires_at)
+        return self._transport.renew(lease_id, ttl_seconds)
 
     def materialize(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
                     progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:
         """All parameters as numpy arrays that share one preallocated buffer (no per-chunk copies).
 
         With several targets (or a dns:/// target) the plan is split across workers and reassembled.
+
+        Args:
+            plan: the plan.
+            chunk_bytes: the chunk size asked of a server (0: its default).
+            progress: called with the bytes of each chunk as it lands.
+
+        Returns:
+            Parameter name -> array of the parameter's (region's) shape and dtype (bfloat16 via ml_dtypes).
+
+        Raises:
+            ParaminitError: INVALID_ARGUMENT with every violation, RESOURCE_EXHAUSTED over a limit, DATA_LOSS for
+                a corrupted stream, or the call's failure.
         """
-        if self.in_process:
-            with rpc_errors():
-                tensors, _digest, buf = self._local.fill(plan)
-            if progress is not None:
-                progress(int(buf.nbytes))
-            return arrays_from_buffer(tensors, buf)
-        if self._workers or self.target.startswith("dns:"):
-            return self._materialize_split(plan)
-        return self._materialize_one(plan, chunk_bytes=chunk_bytes, progress=progress)
+        return self._transport.materialize(plan, chunk_bytes, progress)
 
     def materialize_into(self, plan: plan_pb2.Plan, outputs: dict[str, np.ndarray[Any, Any]]) -> None:
         """Fill arrays the caller owns (e.g. a module's tensors as numpy views), one per parameter name.
 
         In process the kernels write straight into them; from a server the stream is copied into them
-        as it arrives, one chunk at a time."""
-        if self.in_process:
-            with rpc_errors():
-                self._local.fill(plan, outputs)
-            return
-        header, chunks = self.stream(plan, check_crc=False)
-        spans = sorted(((t.offset, t.offset + t.nbytes, outputs[t.name].reshape(-1).view(np.uint8))
-                        for t in header.tensors if t.name in outputs), key=lambda s: s[0])
+        as it arrives, one chunk at a time.
 
-        def put(c: wire.Chunk) -> None:
-            lo, hi = c.offset, c.offset + len(c.data)
-            data = np.frombuffer(c.data, dtype=np.uint8)
-            for start, stop, out in spans:
-                if start < hi and stop > lo:
-                    a, b = max(start, lo), min(stop, hi)
-                    out[a - start:b - start] = data[a - lo:b - lo]
+        Args:
+            plan: the plan.
+            outputs: parameter name -> writable C-contiguous array of the parameter's shape and item size.
 
-        land(chunks, put)
-
-    def _materialize_one(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
-                         progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:
-        header, chunks = self.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
-        buf = host_buffer(header.data_bytes)  # huge pages: first-touch faults cost more than the copy itself
-        prefault(buf)  # and a helper thread takes the faults ahead of the copies
-
-        def put(c: wire.Chunk) -> None:
-            buf[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
-
-        land(chunks, put, progress)
-        return arrays_from_buffer(header.tensors, buf)
-
-    def _materialize_split(self, plan: plan_pb2.Plan) -> dict[str, np.ndarray[Any, Any]]:
-        report = self.validate(plan)
-        if not report.ok:
-            code = grpc.StatusCode.INVALID_ARGUMENT if not report.valid else grpc.StatusCode.RESOURCE_EXHAUSTED
-            raise ParaminitError(code, "invalid plan:\n" + "\n".join(report.lines()),
-                                 tuple(Violation(v.field, line) for v, line in zip(report.violations, report.lines(),
-                                                                                   strict=True)))
-        workers = self._workers or [self]
-        n_parts = len(workers) if self._workers else 4
-        parts = scaleout.split_plan(plan, report.param_bytes, n_parts, self.split_bytes)
-        out, put = scaleout.assemble(plan, [numpy_dtype(p.dtype) for p in plan.params])
-        scaleout.run_parts(parts, workers, lambda w, sub: w._materialize_one(sub), put)
-        return out
+        Raises:
+            ParaminitError: INVALID_ARGUMENT for an invalid plan or a missing or ill-shaped output, or the
+                call's failure.
+        """
+        self._transport.materialize_into(plan, outputs)
 
     def materialize_to_file(self, plan: plan_pb2.Plan, path: str | os.PathLike[str], *,
                             progress: bool | Callable[[int, int], None] = False,
@@ -427,15 +405,36 @@ class Client:
         it arrives (paraminit_client.filesink). `durable` (the default) writes the data with direct I/O
         where the file system allows and flushes it and the directory entry to disk before returning,
         so the file survives a crash once this returns; without it the page cache decides (faster where
-        the disk is slower than the network). `progress`: True for a bar on stderr, or a callable given
-        (bytes written, total bytes): once with 0 when the header arrives, then after each chunk."""
+        the disk is slower than the network).
+
+        Args:
+            plan: the plan.
+            path: the file to write.
+            progress: True for a bar on stderr, or a callable given (bytes written, total bytes): once with 0
+                when the header arrives, then after each chunk.
+            chunk_bytes: the chunk size asked of a server (0: its default).
+            durable: flush data and directory entry before returning.
+
+        Returns:
+            The stream's header (tensor table, digest).
+
+        Raises:
+            FileAccessError: the file cannot be created or written (a missing directory, a full disk).
+            ParaminitError: as for `stream`.
+        """
         dest = Path(path)
         header, chunks = self.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
         bar = _progress_bar(header.data_bytes, dest.name) if progress is True else None
         update: Callable[[int], None] | None = bar.update if bar is not None else None
         if callable(progress):
             update = _cumulative(progress, header.data_bytes)
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent or ".")
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent or ".")
+        except OSError as exc:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+            raise FileAccessError(exc) from None
         base = len(header.safetensors_prefix)
         try:
             try:
@@ -459,9 +458,11 @@ class Client:
             os.replace(tmp, dest)
             if durable:
                 _fsync_dir(dest.parent)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+            if isinstance(exc, OSError) and not isinstance(exc, ParaminitError):
+                raise FileAccessError(exc) from exc
             raise
         finally:
             if bar is not None:
@@ -537,42 +538,3 @@ def _cumulative(report: Callable[[int, int], None], total: int) -> Callable[[int
 def _progress_bar(total: int, name: str) -> Any:
     # "iB" with unit_divisor 1024 reads KiB, MiB, GiB: the units of every size paraminit prints
     return tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=1024, desc=name, leave=True)  # the finished bar stays on screen
-
-
-def land(chunks: Iterator[wire.Chunk], put: Callable[[wire.Chunk], None],
-         progress: Callable[[int], None] | None = None, depth: int = 8) -> None:
-    """Check each chunk's CRC32C and `put` it behind the thread that receives (paraminit.overlap: on a
-    helper thread where cores allow, at most `depth` chunks in flight). A mismatch is DATA_LOSS and stops
-    the stream."""
-
-    def check_and_put(c: wire.Chunk) -> int:
-        if crc32c.crc32c(c.data) != c.crc32c:
-            raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"CRC32C mismatch in chunk at offset {c.offset}")
-        put(c)
-        return len(c.data)
-
-    for n in overlap.behind(chunks, check_and_put, depth):
-        if progress is not None:
-            progress(n)
-
-
-def _verified_chunks(call: Any, total: int, check_crc: bool = True) -> Iterator[wire.Chunk]:
-    """Chunks in order with length checks (and CRC32C unless the consumer checks it: `land`); cancels the
-    call if the consumer stops early."""
-    expected = 0
-    try:
-        with rpc_errors():
-            for c in call:
-                if not isinstance(c, wire.Chunk):
-                    c = wire.Chunk(c.chunk.offset, memoryview(c.chunk.data), c.chunk.crc32c)
-                if c.offset != expected or expected + len(c.data) > total:
-                    raise ParaminitError(grpc.StatusCode.DATA_LOSS,
-                                         f"out-of-order or oversized chunk at offset {c.offset} (expected {expected})")
-                if check_crc and crc32c.crc32c(c.data) != c.crc32c:
-                    raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"CRC32C mismatch in chunk at offset {c.offset}")
-                expected += len(c.data)
-                yield c
-        if expected != total:
-            raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream ended after {expected} of {total} bytes")
-    finally:
-        call.cancel()

@@ -1,33 +1,47 @@
-"""The client's one exception type."""
+"""The client's one error vocabulary: `ParaminitError` (and its subclasses) and one `Violation` type.
+
+Every exception the client raises on purpose is a `ParaminitError`, whichever transport served the call and
+whether the mistake was in a plan file, an argument or the plan itself; `except ParaminitError` catches them all.
+Subclasses keep the built-in type a caller may already catch (`PlanFileError` and `InvalidArgument` are also
+`ValueError`s, `FileAccessError` an `OSError`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ast
+import errno
+import re
+from collections.abc import Sequence
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from paraminit.violations import INVALID, LIMIT, Violation
 
-@dataclass(frozen=True)
-class Violation:
-    """One problem in a plan, as the server reported it."""
+__all__ = ["ClientClosed", "FileAccessError", "InvalidArgument", "ParaminitError", "Violation", "violation_from_text"]
 
-    field: str
-    description: str
+_PARAM_FIELD = re.compile(r"params\[(\d+)\]")
+_FILE_CODES = {errno.ENOENT: grpc.StatusCode.NOT_FOUND, errno.EACCES: grpc.StatusCode.PERMISSION_DENIED,
+               errno.EPERM: grpc.StatusCode.PERMISSION_DENIED, errno.ENOSPC: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class ParaminitError(Exception):
     """Every failure the client reports: a gRPC status code, a message and, for plans, the violations."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, violations: tuple[Violation, ...] = (),
+    def __init__(self, code: grpc.StatusCode, message: str, violations: Sequence[Violation] = (),
                  omitted: int = 0) -> None:
-        """`omitted`: violations the server left out of the status details to keep its trailers within the
-        default 8 KiB metadata limit (google.rpc.ErrorInfo VIOLATIONS_TRUNCATED); Validate returns every one."""
+        """Args:
+            code: the status code (the same names in process and from a server).
+            message: what happened, in words.
+            violations: every problem of an invalid plan (or those that fit a server's trailers).
+            omitted: violations a server left out of the status details to keep its trailers within the default
+                8 KiB metadata limit (google.rpc.ErrorInfo VIOLATIONS_TRUNCATED); `validate` returns every one.
+        """
         super().__init__(message)
         self.code = code
         self.message = message
-        self.violations = violations
+        self.violations = tuple(violations)
         self.omitted = omitted
 
     def __str__(self) -> str:
@@ -35,9 +49,17 @@ class ParaminitError(Exception):
 
     @classmethod
     def from_rpc(cls, err: grpc.RpcError) -> ParaminitError:
-        """Build from a failed call, unpacking google.rpc.BadRequest details when present."""
+        """The error a failed gRPC call stands for, its google.rpc.BadRequest unpacked into Violations.
+
+        Args:
+            err: the failed call.
+
+        Returns:
+            A ParaminitError with the call's code and details; a RESOURCE_EXHAUSTED's violations are limits.
+        """
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
         details = err.details() if hasattr(err, "details") else str(err)
+        category = LIMIT if code == grpc.StatusCode.RESOURCE_EXHAUSTED else INVALID
         violations: list[Violation] = []
         omitted = 0
         try:
@@ -49,10 +71,71 @@ class ParaminitError(Exception):
                 if any_detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
                     br = error_details_pb2.BadRequest()
                     any_detail.Unpack(br)
-                    violations += [Violation(v.field, v.description) for v in br.field_violations]
+                    violations += [violation_from_text(v.field, v.description, category) for v in br.field_violations]
                 elif any_detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
                     info = error_details_pb2.ErrorInfo()
                     any_detail.Unpack(info)
                     if info.reason == "VIOLATIONS_TRUNCATED":
                         omitted = int(info.metadata.get("omitted_violations", "0") or 0)
         return cls(code, details or code.name, tuple(violations), omitted)
+
+
+class InvalidArgument(ParaminitError, ValueError):
+    """An argument the client refuses before any call (a delivery name, a payload dtype, a list of targets)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class ClientClosed(ParaminitError):
+    """A call on a Client after close(), or on an in-process Client inherited across fork()."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+class FileAccessError(ParaminitError, OSError):
+    """A file the client cannot read or write (a plan file, an output file): the OSError, as a ParaminitError."""
+
+    def __init__(self, err: OSError) -> None:
+        OSError.__init__(self, err.errno, err.strerror, err.filename)
+        self.code = _FILE_CODES.get(err.errno or 0, grpc.StatusCode.FAILED_PRECONDITION)
+        self.message = OSError.__str__(self) if err.strerror else str(err)
+        self.violations = ()
+        self.omitted = 0
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def violation_from_text(field: str, description: str, category: str = INVALID) -> Violation:
+    """A Violation back from a google.rpc.BadRequest FieldViolation, whose description is the violation's text
+    (`paraminit.violations.describe`: `FIELD ('NAME'): MESSAGE`, or `FIELD: MESSAGE` for plan-wide problems).
+
+    Args:
+        field: the FieldViolation's field (`params[3].init.normal`, or `params` for the whole plan).
+        description: its description.
+        category: INVALID or LIMIT (a BadRequest does not say; the status code does).
+
+    Returns:
+        The Violation; its `str()` is `description` again. A description in another form is kept whole as the
+        message.
+    """
+    m = _PARAM_FIELD.match(field)
+    index = int(m.group(1)) if m else -1
+    if not description.startswith(field):
+        return Violation(index, "", field, description, category)
+    rest = description[len(field):]
+    if index >= 0 and rest.startswith(" ("):
+        at = rest.find("): ")
+        while at >= 0:  # the name is a Python repr: the first cut that parses as a string is it
+            try:
+                name = ast.literal_eval(rest[2:at])
+            except (ValueError, SyntaxError):
+                name = None
+            if isinstance(name, str):
+                return Violation(index, name, field, rest[at + 3:], category)
+            at = rest.find("): ", at + 1)
+    if rest.startswith(": "):
+        return Violation(index, "", field, rest[2:], category)
+    return Violation(index, "", field, description, category)

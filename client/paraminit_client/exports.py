@@ -25,7 +25,7 @@ from paraminit import cuda, times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
-from paraminit_client.errors import ParaminitError
+from paraminit_client.errors import InvalidArgument, ParaminitError
 
 SHM_DIR = "/dev/shm"
 log = logging.getLogger(__name__)
@@ -181,8 +181,11 @@ EXIT_RELEASE_TIMEOUT = 5.0
 
 def _release_at_exit() -> None:
     """Release what this process still holds, so short jobs do not leave leases to their TTL: a lease
-    outlives its process only when the process is killed outright (and then its TTL reclaims it)."""
+    outlives its process only when the process is killed outright (and then its TTL reclaims it). A forked
+    child's exit releases nothing: the leases it inherited are its parent's."""
     for lease in list(_live):
+        if lease.pid != os.getpid():
+            continue
         with contextlib.suppress(Exception):  # a closed channel, a server gone: the TTL reclaims it
             lease.release(timeout=EXIT_RELEASE_TIMEOUT)
 
@@ -197,10 +200,22 @@ def _track(lease: Lease) -> None:
 
 
 class Lease:
-    """A held export. `arrays` alias the server's memory; release() (or leaving the with-block) gives it back."""
+    """A held export. `arrays` alias the exported memory; release() (or leaving the with-block) gives it back.
 
-    def __init__(self, client: Any, info: pb.ExportInfo, auto_renew: bool = False) -> None:
-        self._client = client
+    A Lease belongs to the process that made it: in a forked child, release() only drops the child's mapping
+    and leaves the lease to its parent."""
+
+    def __init__(self, transport: Any, info: pb.ExportInfo, auto_renew: bool = False) -> None:
+        """Args:
+            transport: the Client's transport (paraminit_client.transports.Transport): renew, apply, release.
+            info: the ExportInfo of the export.
+            auto_renew: renew in the background (every third of the TTL) until released.
+
+        Raises:
+            ParaminitError: FAILED_PRECONDITION when the memory cannot be mapped here.
+        """
+        self._transport = transport
+        self.pid = os.getpid()
         self.info = info
         self.lease_id = info.lease.lease_id
         self.expires_at = times.epoch(info.lease.expires_at)  # seconds since the Unix epoch
@@ -226,7 +241,7 @@ class Lease:
                 raise
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
-        if not getattr(client, "in_process", True):  # the in-process plane frees its leases when it closes
+        if getattr(transport, "releases_at_exit", False):  # an in-process data plane frees its leases as it closes
             _track(self)
         if auto_renew:
             ttl = max(1.0, self.expires_at - time.time())
@@ -246,44 +261,71 @@ class Lease:
                 else torch.from_dlpack(v) for k, v in self.arrays.items()}  # type: ignore[attr-defined,unused-ignore]
 
     def __reduce__(self) -> Any:
-        raise TypeError("a Lease holds a live mapping of the server's memory and cannot be pickled or copied; "
+        raise InvalidArgument("a Lease holds a live mapping of the server's memory and cannot be pickled or copied; "
                         "copy its arrays instead")
 
     def stop_renewing(self) -> None:
+        """Stop the background renewal (the lease then lasts to its expiry unless renewed)."""
         self._stop.set()
 
     def renew(self, ttl_seconds: float = 0.0) -> float:
-        resp = self._client._call(self._client.stub.Renew, pb.RenewRequest(lease_id=self.lease_id,
-                                                                               ttl=times.duration(ttl_seconds)))
-        self.expires_at = times.epoch(resp.lease.expires_at)
+        """Extend the lease.
+
+        Args:
+            ttl_seconds: the new time to live from now (0: the server's default).
+
+        Returns:
+            The new expiry (seconds since the Unix epoch).
+
+        Raises:
+            ParaminitError: NOT_FOUND once the lease is gone.
+        """
+        self.expires_at = self._transport.renew(self.lease_id, ttl_seconds)
         return self.expires_at
 
     def _renew_loop(self, period: float) -> None:
         while not self._stop.wait(period):
             try:
                 self.renew()
-            except (ParaminitError, ValueError):  # lease gone, or the client's channel was closed
+            except ParaminitError:  # lease gone, or the client was closed
                 return
 
     def apply(self, plan: Any) -> str:
-        """Re-initialize this lease in place with a plan of the same parameter list (TorchLean's applyPlan)."""
-        resp = self._client._call(self._client.stub.Apply, pb.ApplyRequest(lease_id=self.lease_id, plan=plan))
-        self.plan_digest = resp.plan_digest
-        return str(resp.plan_digest)
+        """Re-initialize this lease in place with a plan of the same parameter list (TorchLean's applyPlan),
+        all or nothing.
+
+        Args:
+            plan: the plan (same names, shapes and dtypes as the exported one).
+
+        Returns:
+            The new plan digest.
+
+        Raises:
+            ParaminitError: INVALID_ARGUMENT for an invalid or mismatching plan, NOT_FOUND once the lease is gone.
+        """
+        digest = self._transport.apply(self.lease_id, plan)
+        self.plan_digest = digest
+        return str(digest)
 
     def release(self, timeout: float | None = None) -> bool:
         """Give the memory back; safe to call twice. Arrays must not be used afterwards. Leases of a remote
-        client still held at interpreter exit are released then. `timeout`: for the Release call (default: the
-        client's).
+        client still held at interpreter exit are released then.
 
         The mapping is closed first and Release sent after, so the server never frees memory this
         process still maps. When views of a CUDA_IPC lease are still alive (arrays or torch tensors kept
         past the release), the mapping stays open and the lease keeps renewing until the last of them is
-        gone; Release is sent then, from a background thread.
+        gone; Release is sent then, from a background thread. In a forked child only the child's mapping is
+        closed: the lease is its parent's.
+
+        Args:
+            timeout: for the Release call (default: the client's).
 
         Returns:
-            Whether the server released the lease now (False when called twice, or when Release waits
-            for the last view).
+            Whether the lease was released now (False when called twice, in a forked child, or when Release
+            waits for the last view).
+
+        Raises:
+            ParaminitError: the Release call failed (the mapping is closed all the same).
         """
         with self._lock:
             if self._released:
@@ -292,27 +334,20 @@ class Lease:
         self.arrays = {}
         self.buffer = None
         deferred = False
+        mine = self.pid == os.getpid()
         try:
             if self._map is not None:
                 with contextlib.suppress(BufferError):  # caller still holds a view; unmapped when it goes
                     self._map.close()
             if self._cuda is not None:
-                deferred = not self._cuda.close(then=self._release_in_background)
+                deferred = not self._cuda.close(then=self._release_in_background if mine else None)
         finally:
             _live.discard(self)
-            if not deferred:
+            released = False
+            if mine and not deferred:
                 self._stop.set()
-                resp = self._send_release_now(timeout)
-        return False if deferred else bool(resp.released)
-
-    def _send_release_now(self, timeout: float | None) -> Any:
-        request = pb.ReleaseRequest(lease_id=self.lease_id)
-        if timeout is None:
-            return self._client._call(self._client.stub.Release, request)
-        try:
-            return self._client.stub.Release(request, timeout=timeout)
-        except grpc.RpcError as err:
-            raise ParaminitError.from_rpc(err) from None
+                released = self._transport.release(self.lease_id, timeout)
+        return released
 
     def _release_in_background(self) -> None:
         """Called once the last view of a released CUDA_IPC lease is gone and the memory unmapped."""
@@ -321,8 +356,8 @@ class Lease:
     def _send_release(self) -> None:
         self._stop.set()
         try:
-            self._send_release_now(None)
-        except (ParaminitError, ValueError) as exc:  # the client was closed meanwhile: the lease expires
+            self._transport.release(self.lease_id)
+        except ParaminitError as exc:  # the client was closed meanwhile: the lease expires
             log.warning("releasing lease %s after its last view went: %s", self.lease_id, exc)
 
     def __enter__(self) -> Lease:

@@ -22,13 +22,13 @@ from typing import Protocol
 
 import numpy as np
 
-from paraminit import wire
+from paraminit_client.transports import Chunk
 
 ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: a multiple of the largest logical block size in use
 
 
 class Sink(Protocol):
-    def put(self, c: wire.Chunk) -> None:
+    def put(self, c: Chunk) -> None:
         """Write a chunk at its place (chunks come in order)."""
 
     def finish(self) -> None:
@@ -79,7 +79,7 @@ class DirectSink:
         self._pos = 0  # next file position to be filled
         self._write(np.frombuffer(prefix, dtype=np.uint8))
 
-    def put(self, c: wire.Chunk) -> None:
+    def put(self, c: Chunk) -> None:
         self._write(np.frombuffer(c.data, dtype=np.uint8))
 
     def _write(self, data: np.ndarray) -> None:
@@ -161,7 +161,7 @@ class BufferedSink:
         if self._thread is not None:
             self._thread.start()
 
-    def put(self, c: wire.Chunk) -> None:
+    def put(self, c: Chunk) -> None:
         data, pos = c.data, self._base + c.offset
         while data:  # a short write is legal: write the rest
             n = os.pwrite(self._fd, data, pos)

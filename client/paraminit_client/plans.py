@@ -15,12 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import yaml
 from google.protobuf import descriptor, json_format
 
 from paraminit import dtypes
 from paraminit import safetensors_header as st_header
 from paraminit.v1 import plan_pb2
+from paraminit.violations import Violation
+from paraminit_client.errors import FileAccessError, InvalidArgument, ParaminitError
 
 
 def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
@@ -33,12 +36,17 @@ def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
         The plan.
 
     Raises:
-        OSError: the file cannot be read.
-        PlanFileError: a syntax error (with its line and column), or every unknown field, initializer and dtype,
+        FileAccessError: (an OSError) the file cannot be read.
+        PlanFileError: (a ValueError) a syntax error (with its line and column), or every unknown field, initializer and dtype,
             every value of the wrong type and every duplicate key, each with its camelCase path and line.
     """
     p = Path(path)
-    text = p.read_text()
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise FileAccessError(exc) from None
+    except UnicodeDecodeError as exc:
+        raise PlanFileError(str(p), [PlanProblem((), f"not UTF-8 text ({exc.reason} at byte {exc.start})")]) from None
     is_yaml = p.suffix.lower() in (".yaml", ".yml")
     try:
         data = yaml.safe_load(text) if is_yaml else json.loads(text, object_pairs_hook=_no_duplicates)
@@ -83,13 +91,19 @@ class PlanProblem:
         return f"{self.where}: {self.message}" if self.path else self.message
 
 
-class PlanFileError(ValueError):
-    """A plan (file) that does not parse as paraminit.v1.Plan: every problem found, in file order."""
+class PlanFileError(ParaminitError, ValueError):
+    """A plan (file) that does not parse as paraminit.v1.Plan: every problem found, in file order.
+
+    A ParaminitError (INVALID_ARGUMENT, one Violation per problem, `index` -1) and, as before, a ValueError."""
 
     def __init__(self, file: str | None, problems: Sequence[PlanProblem]) -> None:
         self.file = file
         self.problems = list(problems)
-        super().__init__(self.text())
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, self.text(),
+                         tuple(Violation(-1, "", q.where, q.message) for q in self.problems))
+
+    def __str__(self) -> str:
+        return self.message
 
     def text(self) -> str:
         """One line per problem, each led by `FILE:LINE:` (or `FILE:` where the format gives no line)."""
@@ -196,7 +210,7 @@ def dtype_of(name: str, where: str = "dtype") -> dtypes.DTypeInfo:
         return dtypes.by_name(name)
     except ValueError:
         pass
-    raise ValueError(f"{where}: {_unknown_dtype(name)}")
+    raise InvalidArgument(f"{where}: {_unknown_dtype(name)}")
 
 
 def _unknown_dtype(name: str) -> str:

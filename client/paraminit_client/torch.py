@@ -114,6 +114,13 @@ def param_seed(seed: int, name: str) -> int:
 
     It depends on the name only, so adding, removing or reordering other
     parameters never changes this parameter's values.
+
+    Args:
+        seed: the model's seed.
+        name: the parameter's state_dict name.
+
+    Returns:
+        The parameter's 64-bit seed.
     """
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "big")
 
@@ -218,6 +225,20 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
             return None
 
         plan = plan_from_module(model, seed=0, policy="hf", overrides=scheme)
+
+    Args:
+        module: the model (on meta, or real: only shapes and dtypes are read).
+        seed: the model's seed (each parameter's is param_seed(seed, name)).
+        policy: one of POLICIES: "torch" (PyTorch's own distributions), "torchlean", "hf" (transformers'
+            initialization), "torchtitan".
+        overrides: asked first for every tensor; returns an Init, its JSON form, or None for the policy's.
+
+    Returns:
+        The plan, one Param per distinct floating-point tensor, in state_dict order.
+
+    Raises:
+        UnsupportedModuleError: (a ValueError) tensors the policy cannot initialize without guessing, every one.
+        ValueError: an unknown policy, or an override that is not an initializer.
     """
     with _state_dict_as_parameters(module):
         return _plan_from_module(module, seed, policy, overrides)
@@ -396,6 +417,27 @@ def materialize_module(module: nn.Module, client: Client, device: str | torch.de
     the mapping, so they stay valid after release or expiry (which only free the
     server's accounting); Apply needs a live lease. Materializing the module
     again releases the previous lease.
+
+    Args:
+        module: the model, typically built on meta (or with meta_parameters()).
+        client: the Client to materialize with (in process, or a server).
+        device: where the tensors go ("cpu", "cuda", "cuda:N").
+        delivery: "auto", "in_process", "stream", "shm" or "cuda_ipc".
+        plan: the plan (default: plan_from_module(module, seed, policy, overrides)); it must name state_dict
+            tensors with their exact shapes and dtypes, whole.
+        seed: with no plan, the model's seed.
+        policy: with no plan, the initialization policy (see plan_from_module).
+        overrides: with no plan, per-tensor overrides (see plan_from_module).
+        ttl_seconds: for SHM/CUDA_IPC, the lease's time to live (0: the server's default).
+        auto_renew: for SHM/CUDA_IPC, renew the lease in the background (default: CUDA_IPC only).
+
+    Returns:
+        The lease holding the module's tensors (SHM, CUDA_IPC), or None (in process, STREAM).
+
+    Raises:
+        ParaminitError: the materialization failed (an invalid plan with every violation, a limit, the server).
+        UnsupportedModuleError: with no plan, tensors the policy cannot initialize.
+        ValueError: a delivery name, or a plan that does not match the module.
     """
     with _state_dict_as_parameters(module):
         return _materialize_module(module, client, device, delivery, plan, seed, policy, overrides, ttl_seconds,
@@ -543,7 +585,11 @@ def _compute_transient_buffers(module: nn.Module, device: torch.device) -> None:
 def meta_parameters() -> Iterator[None]:
     """Build a model with its parameters on meta and its buffers real: modules compute their buffers
     (rotary frequencies, masks, position ids) as usual, and no parameter memory or initialization is spent
-    before materialize_module. Like torch.device("meta") for parameters only."""
+    before materialize_module. Like torch.device("meta") for parameters only.
+
+    Returns:
+        A context manager: modules built inside it get meta parameters.
+    """
     register = nn.Module.register_parameter
 
     def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -559,7 +605,14 @@ def meta_parameters() -> Iterator[None]:
 
 
 def lease_of(module: nn.Module) -> Lease | None:
-    """The lease whose buffer holds the module's tensors (from materialize_module), or None."""
+    """The lease whose buffer holds the module's tensors (from materialize_module), or None.
+
+    Args:
+        module: a module materialize_module filled.
+
+    Returns:
+        Its Lease (SHM, CUDA_IPC), or None when its tensors are its own (in process, STREAM, never filled).
+    """
     held = module.__dict__.get(LEASE_ATTR)
     return held.lease if isinstance(held, _Held) else None
 

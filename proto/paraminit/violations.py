@@ -23,6 +23,11 @@ class Violation:
     def is_limit(self) -> bool:
         return self.category == LIMIT
 
+    @property
+    def description(self) -> str:
+        """The violation in one line: what a google.rpc.BadRequest FieldViolation carries as its description."""
+        return str(self)
+
     def __str__(self) -> str:
         return describe(self.index, self.name, self.field, self.message)
 

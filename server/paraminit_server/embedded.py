@@ -1,39 +1,57 @@
 """The one module through which the client embeds the server: a data plane in process, or a loopback server.
 
-`InProcess` serves the client's calls with no sockets, no chunk encoding and no
-CRC: the same data plane, errors and status codes as a server, reached by plain
-function calls.
+`InProcess` is what the client's local transport calls: the same data plane,
+validation and bytes as a server, reached by plain function calls. Nothing is
+encoded, no CRC is computed, and errors are not dressed up as gRPC calls: a
+data-plane error becomes a `Failure` (its canonical status name, message and
+violations), which the client raises as its own error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
-import grpc
-
+from paraminit import times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
-from paraminit_server import backends
+from paraminit.violations import Violation
+from paraminit_server import backends, errors, service
 from paraminit_server.__main__ import main as serve_main
+from paraminit_server.admission import MEMORY_RETRY_AFTER
 from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
-from paraminit_server.layout import Layout, TensorSpan
-from paraminit_server.materializer import Materializer, StreamStart
+from paraminit_server.materializer import Materializer, PayloadPiece, StreamStart
 from paraminit_server.server import Running, start
-from paraminit_server.service import Handlers, tensor_infos
-from paraminit_server.status import status_for
 
-__all__ = ["InProcess", "LocalRpcError", "Materializer", "Running", "ServerConfig", "data_plane", "loopback_server",
-           "serve_main"]
-T = TypeVar("T")
+__all__ = ["Failure", "InProcess", "Materializer", "Running", "ServerConfig", "Validated", "data_plane",
+           "loopback_server", "serve_main"]
+log = logging.getLogger("paraminit.server")
+
+# In process every caller is one of this process's own threads: a call beyond the concurrency limit waits in line
+# for a slot (as a lock would) instead of being refused, and waits for memory as a server's deadline allows.
+IN_PROCESS_QUEUE_WAIT = 24 * 3600.0
+IN_PROCESS_MAX_QUEUED = 1 << 20
 
 
 def data_plane(backend: str = "cpu", **config: Any) -> Materializer:
-    """A warmed-up data plane in this process: no sockets, no encoding."""
+    """A warmed-up data plane in this process: no sockets, no encoding.
+
+    Args:
+        backend: "cpu" (in-process fills need a host backend) or a GPU backend for exports.
+        **config: ServerConfig fields (e.g. safetensors_dirs, max_concurrent).
+
+    Returns:
+        The data plane, kernels loaded.
+    """
     cfg = ServerConfig.from_env(backend=backend, metrics_port=0, **config)
     b = backends.create(cfg.backend, cfg.device, cfg.threads or None)
     preload = getattr(b, "preload", None)  # CPU: load cached kernels, compile only what this process fills
@@ -47,34 +65,31 @@ def loopback_server(backend: str = "cpu", **config: Any) -> Running:
     return start(cfg, warm_up_async=False)
 
 
-class LocalRpcError(grpc.RpcError):  # type: ignore[misc]
-    """A failed in-process call, shaped like a failed gRPC call (code, details, status details trailer)."""
+@dataclass(frozen=True)
+class Failure:
+    """A failed in-process call as the client reports it: a canonical status name (google.rpc.Code), a
+    message and, for plans, every violation."""
 
-    def __init__(self, status: grpc.Status) -> None:
-        super().__init__(status.details)
-        self._status = status
-
-    def code(self) -> grpc.StatusCode:
-        code: grpc.StatusCode = self._status.code
-        return code
-
-    def details(self) -> str:
-        return str(self._status.details)
-
-    def trailing_metadata(self) -> Any:
-        return self._status.trailing_metadata
+    code: str
+    message: str
+    violations: tuple[Violation, ...] = ()
 
 
-class _Unary:
-    def __init__(self, owner: InProcess, name: str, fn: Callable[[Any, Caller], Any]) -> None:
-        self._owner, self._name, self._fn = owner, name, fn
+@dataclass(frozen=True)
+class Validated:
+    """What `validate` found: every violation (limits included), the bytes per parameter and the digest."""
 
-    def __call__(self, request: Any, timeout: float | None = None, **_: Any) -> Any:
-        return self._owner.call(self._name, self._fn, request, self._owner.caller)
+    valid: bool
+    fits_limits: bool
+    violations: tuple[Violation, ...]
+    param_bytes: tuple[int, ...]
+    total_bytes: int
+    plan_digest: str
 
 
 class InProcess:
-    """The InitService stub's surface (`stub.Validate(request)`, ...) and direct fills, served in this process.
+    """The data plane behind a client's local transport: plain calls in, plain values (or the contract's
+    messages, where the client returns them) out; every data-plane error is raised as it is (see `failure`).
 
     Starting returns at once: importing numba and loading the compiled kernels happen on a thread, while
     the caller builds its model; the first call waits for them."""
@@ -85,18 +100,14 @@ class InProcess:
             ready.set_result(plane)
             plane = ready
         self._ready = plane
-        self._handlers: Handlers | None = None
-        self.caller = Caller(identity=f"uid:{os.getuid()}", local=True)
-        self.Validate = _Unary(self, "Validate", lambda r, c: self.handlers.validate(r, c))
-        self.GetInfo = _Unary(self, "GetInfo", lambda r, c: self.handlers.info(r, c))
-        self.UploadPayload = _Unary(self, "UploadPayload", lambda r, c: self.handlers.upload(r, c))
-        self.Release = _Unary(self, "Release", lambda r, c: self.handlers.release(r, c))
-        self.Renew = _Unary(self, "Renew", lambda r, c: self.handlers.renew(r, c))
-        self.ListLeases = _Unary(self, "ListLeases", lambda r, c: self.handlers.list_leases(r, c))
-        self.Apply = _Unary(self, "Apply", lambda r, c: self.handlers.apply(r, c))
+        self._handlers: service.Handlers | None = None
+        self.caller = Caller(identity=f"uid:{os.getuid()}", local=True, wait=ServerConfig.admission_wait,
+                             queue_wait=IN_PROCESS_QUEUE_WAIT)
 
     @classmethod
     def start(cls, backend: str = "cpu", **config: Any) -> InProcess:
+        """An InProcess whose data plane is built on a helper thread (its errors surface at the first call)."""
+        config.setdefault("max_queued", IN_PROCESS_MAX_QUEUED)
         ready: Future[Materializer] = Future()
 
         def build() -> None:
@@ -112,52 +123,76 @@ class InProcess:
     def plane(self) -> Materializer:
         return self._ready.result()
 
-    @property
-    def handlers(self) -> Handlers:
+    @staticmethod
+    def failure(exc: Exception) -> Failure:
+        """The client's view of an exception a call raised: ours by the code they name, MemoryError as
+        RESOURCE_EXHAUSTED, anything else INTERNAL with an error id that is also in the log."""
+        if isinstance(exc, MemoryError):
+            return Failure("RESOURCE_EXHAUSTED", f"out of memory while materializing ({exc or 'allocation failed'}); "
+                           f"retry in {MEMORY_RETRY_AFTER:g} s or free memory")
+        if isinstance(exc, errors.ParaminitServerError):
+            return Failure(exc.code, str(exc), tuple(getattr(exc, "violations", ())))
+        error_id = uuid.uuid4().hex[:12]
+        log.error("internal error %s in process", error_id, exc_info=exc, extra={"error_id": error_id})
+        return Failure("INTERNAL", f"internal error (id {error_id}): {type(exc).__name__}: {exc}")
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def validate(self, plan: plan_pb2.Plan) -> Validated:
+        report, digest = self.plane.validate(plan, self.caller)
+        violations = tuple(report.violations)
+        return Validated(not any(not v.is_limit for v in violations), not any(v.is_limit for v in violations),
+                         violations, tuple(report.param_bytes), int(report.total_bytes), digest)
+
+    def info(self) -> pb.GetInfoResponse:
         if self._handlers is None:
-            self._handlers = Handlers(self.plane)
-        return self._handlers
+            self._handlers = service.Handlers(self.plane)
+        return self._handlers.info(pb.GetInfoRequest(), self.caller)
 
-    def call(self, method: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run a data-plane call; errors become LocalRpcError with the status a server would send."""
-        try:
-            return fn(*args)
-        except Exception as exc:
-            raise LocalRpcError(status_for(exc, method)) from None
-
-    def Materialize(self, request: pb.MaterializeRequest, timeout: float | None = None, **_: Any) -> list[Any]:
-        """Exports (the stream delivery has its own calls below)."""
-        return [self.call("Materialize", lambda r, c: self.handlers.export(r, c), request, self.caller)]
-
-    def fill(self, plan: plan_pb2.Plan, outputs: Mapping[str, Any] | None = None) -> tuple[list[TensorSpan], str, Any]:
+    def fill(self, plan: plan_pb2.Plan, outputs: Mapping[str, Any] | None = None) -> tuple[list[Any], str, Any]:
         """Tensor table, digest and one buffer in stream layout; or, with outputs, fill those arrays in place
         (and return no table: the caller has its arrays)."""
-        lay, digest, buf = self.call("Materialize", lambda: self.plane.fill_host(plan, self.caller, outputs))
+        lay, digest, buf = self.plane.fill_host(plan, self.caller, outputs)
         return (lay.spans() if outputs is None else []), digest, buf
 
-    def stream(self, plan: plan_pb2.Plan) -> Iterator[pb.StreamHeader | tuple[int, Any]]:
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int = 0) -> Iterator[pb.StreamHeader | tuple[int, Any]]:
         """A header, then (offset, host slab) pairs: for writing files without an extra copy."""
-        it = self.call("Materialize", lambda: self.plane.stream(plan, self.caller))
-        try:
-            while True:
-                item = self.call("Materialize", next, it, None)
-                if item is None:
-                    return
+        it = self.plane.stream(plan, self.caller, chunk_bytes)
+        with contextlib.closing(it):  # frees the slabs and the admission slot when the consumer stops early
+            for item in it:
                 if isinstance(item, StreamStart):
-                    yield _header(item.layout, item.digest)
+                    yield pb.StreamHeader(plan_digest=item.digest, safetensors_prefix=item.layout.prefix,
+                                          data_bytes=item.layout.data_bytes, tensors=service.tensor_infos(item.layout))
                 elif isinstance(item, tuple):
                     yield item
-        finally:
-            it.close()  # frees the slabs and the admission slot when the consumer stops early
+
+    def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float = 0.0) -> pb.ExportInfo:
+        return service._export_info(self.plane.export(plan, delivery, self.caller, ttl_seconds))
+
+    def upload(self, pieces: Iterable[tuple[int, int, Any]]) -> str:
+        """Store a payload from (dtype enum, value count, bytes) pieces (the first sizes it); returns its id."""
+        pid, _payload = self.plane.upload((PayloadPiece(d, n, data) for d, n, data in pieces), self.caller)
+        return str(pid)
+
+    def release(self, lease_id: str) -> bool:
+        return bool(self.plane.release(lease_id, self.caller))
+
+    def renew(self, lease_id: str, ttl_seconds: float = 0.0) -> float:
+        return float(self.plane.renew(lease_id, self.caller, ttl_seconds).expires_at)
+
+    def apply(self, lease_id: str, plan: plan_pb2.Plan) -> str:
+        return str(self.plane.apply(lease_id, plan, self.caller))
+
+    def leases(self) -> list[pb.LeaseStatus]:
+        now = time.time()
+        return [pb.LeaseStatus(lease=service._lease(rec), age=times.duration(now - rec.created), owner=rec.owner,
+                               plan_digest=rec.plan_digest) for rec in self.plane.list_leases(self.caller)]
 
     def close(self) -> None:
+        """Free every lease and pooled buffer of this data plane."""
         try:
             plane = self._ready.result()
         except Exception:  # it never started: nothing to free
             return
         plane.close()
 
-
-def _header(lay: Layout, digest: str) -> pb.StreamHeader:
-    return pb.StreamHeader(plan_digest=digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes,
-                           tensors=tensor_infos(lay))

@@ -31,7 +31,7 @@ from paraminit_server.backends import SHM, ExportHandle
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "paraminit-"
 log = logging.getLogger("paraminit.server")
-_instance: tuple[str, int] | None = None  # (tag, fd of the held lock)
+_instance: tuple[str, int, int] | None = None  # (tag, fd of the held lock, pid of the process that took it)
 _instance_lock = threading.Lock()
 
 
@@ -41,10 +41,11 @@ def lock_dir() -> str:
 
 
 def instance_tag() -> str:
-    """This process's tag, created with its lock (and earlier instances swept) on first use."""
+    """This process's tag, created with its lock (and earlier instances swept) on first use; a forked child
+    takes its own (its parent's lock and segments stay its parent's)."""
     global _instance
     with _instance_lock:
-        if _instance is None:
+        if _instance is None or _instance[2] != os.getpid():
             d = lock_dir()
             os.makedirs(d, mode=0o700, exist_ok=True)
             tag = secrets.token_hex(6)
@@ -53,7 +54,7 @@ def instance_tag() -> str:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held until the process ends, however it ends
             os.write(fd, f"{os.getpid()}\n".encode())
             os.rename(tmp, os.path.join(d, f"{tag}.lock"))  # sweepers only ever see locked locks
-            _instance = (tag, fd)
+            _instance = (tag, fd, os.getpid())
             atexit.register(release_instance)
             sweep()
         return _instance[0]
@@ -61,12 +62,13 @@ def instance_tag() -> str:
 
 def release_instance() -> None:
     """Remove this process's lock file (its segments are gone by now): a server that exits leaves nothing in
-    /dev/shm. The file is unlinked while still locked, so no sweeper ever takes it for a dead instance's."""
+    /dev/shm. The file is unlinked while still locked, so no sweeper ever takes it for a dead instance's. A
+    forked child's exit leaves its parent's lock alone."""
     global _instance
     with _instance_lock:
-        if _instance is None:
+        if _instance is None or _instance[2] != os.getpid():
             return
-        tag, fd = _instance
+        tag, fd, _pid = _instance
         _instance = None
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(lock_dir(), f"{tag}.lock"))

@@ -1,0 +1,551 @@
+"""How a Client reaches a data plane, chosen once when it is made (`make_transport`).
+
+`LocalTransport` calls the data plane in this process (paraminit_server.embedded):
+kernels fill the caller's arrays, slabs are handed over as they are, errors are
+the data plane's own, turned into the client's. `GrpcTransport` talks to a server:
+protobuf on the wire, each chunk's CRC32C and the header checksum checked before
+a byte is used, gRPC statuses turned into the client's errors. The Client and
+its Leases only ever see the `Transport` surface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import crc32c
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from paraminit import dtypes, overlap, times, wire
+from paraminit.header_checksum import header_crc32c
+from paraminit.hostmem import host_buffer, prefault
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit.v1 import init_service_pb2_grpc as pb_grpc
+from paraminit.v1 import plan_pb2
+from paraminit.violations import INVALID, LIMIT, Violation
+from paraminit_client import scaleout
+from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
+from paraminit_client.errors import ClientClosed, InvalidArgument, ParaminitError
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """What Validate found: every violation (limits included), the bytes per parameter and the plan's digest."""
+
+    valid: bool
+    fits_limits: bool
+    violations: tuple[Violation, ...]
+    param_bytes: tuple[int, ...]
+    total_bytes: int
+    plan_digest: str
+
+    @property
+    def ok(self) -> bool:
+        """Valid and within the limits: a materialization would be admitted."""
+        return self.valid and self.fits_limits
+
+    def lines(self) -> list[str]:
+        """One line per violation: `FIELD ('NAME'): MESSAGE`."""
+        return [str(v) for v in self.violations]
+
+
+class Chunk(Protocol):
+    """A piece of a stream's data section: `crc32c` is the sender's checksum of `data`, or None for slabs
+    handed over in this process (nothing crossed a wire, so there is nothing to check)."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def data(self) -> memoryview: ...
+
+    @property
+    def crc32c(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class Slab:
+    """A slab of the data section handed over in this process."""
+
+    offset: int
+    data: memoryview
+    crc32c: None = None
+
+
+class Transport(Protocol):
+    """What a Client and its Leases call; every error is a ParaminitError."""
+
+    target: str
+    releases_at_exit: bool  # True when leases must be given back at interpreter exit (a server outlives us)
+
+    def validate(self, plan: plan_pb2.Plan) -> ValidationReport: ...
+
+    def info(self) -> pb.GetInfoResponse: ...
+
+    def health(self, service: str) -> str: ...
+
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader,
+                                                                                      Iterator[Chunk]]: ...
+
+    def materialize(self, plan: plan_pb2.Plan, chunk_bytes: int, progress: Callable[[int], None] | None) -> Arrays: ...
+
+    def materialize_into(self, plan: plan_pb2.Plan, outputs: Mapping[str, np.ndarray[Any, Any]]) -> None: ...
+
+    def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float) -> pb.ExportInfo: ...
+
+    def upload(self, raw: memoryview, dtype: int, count: int, chunk_bytes: int) -> str: ...
+
+    def leases(self) -> list[pb.LeaseStatus]: ...
+
+    def release(self, lease_id: str, timeout: float | None = None) -> bool: ...
+
+    def renew(self, lease_id: str, ttl_seconds: float) -> float: ...
+
+    def apply(self, lease_id: str, plan: plan_pb2.Plan) -> str: ...
+
+    def close(self) -> None: ...
+
+
+# -- common to both --------------------------------------------------------------------------------------------------
+
+
+def land(chunks: Iterator[Chunk], put: Callable[[Chunk], None], progress: Callable[[int], None] | None = None,
+         depth: int = 8) -> None:
+    """Check each chunk's CRC32C (where it carries one: it crossed a wire) and `put` it behind the thread that
+    receives (paraminit.overlap: on a helper thread where cores allow, at most `depth` chunks in flight).
+
+    Raises:
+        ParaminitError: DATA_LOSS on a mismatch, which stops the stream; the stream's own errors.
+    """
+
+    def check_and_put(c: Chunk) -> int:
+        if c.crc32c is not None and crc32c.crc32c(c.data) != c.crc32c:
+            raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"CRC32C mismatch in chunk at offset {c.offset}")
+        put(c)
+        return len(c.data)
+
+    for n in overlap.behind(chunks, check_and_put, depth):
+        if progress is not None:
+            progress(n)
+
+
+def copy_into(header: pb.StreamHeader, chunks: Iterator[Chunk], outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
+    """Copy a stream into the caller's arrays, one chunk at a time (CRC32C checked by `land`)."""
+    spans = sorted(((t.offset, t.offset + t.nbytes, outputs[t.name].reshape(-1).view(np.uint8))
+                    for t in header.tensors if t.name in outputs), key=lambda s: s[0])
+
+    def put(c: Chunk) -> None:
+        lo, hi = c.offset, c.offset + len(c.data)
+        data = np.frombuffer(c.data, dtype=np.uint8)
+        for start, stop, out in spans:
+            if start < hi and stop > lo:
+                a, b = max(start, lo), min(stop, hi)
+                out[a - start:b - start] = data[a - lo:b - lo]
+
+    land(chunks, put)
+
+
+class _Gate:
+    """Refuses calls once closed, or in a process other than the one that made it (a forked child), and
+    lets close() wait for the calls that are running."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.pid = os.getpid()
+        self.closed = False
+        self._running = 0
+        self._idle = threading.Condition()
+
+    def forked(self) -> bool:
+        return os.getpid() != self.pid
+
+    def check(self) -> None:
+        if self.forked():
+            raise ClientClosed(f"this {self.what} belongs to process {self.pid}; a forked child makes its own "
+                               "Client()")
+        if self.closed:
+            raise ClientClosed(f"this {self.what} is closed")
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        with self._idle:
+            self.check()
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+
+    def close(self, wait: float) -> bool:
+        """Refuse new calls; True (once) when this process owns what is to be freed, after the running calls
+        finished (at most `wait` seconds)."""
+        with self._idle:
+            if self.closed:
+                return False
+            self.closed = True
+            if self.forked():
+                return False
+            self._idle.wait_for(lambda: self._running == 0, wait)
+            return True
+
+
+# -- in process ------------------------------------------------------------------------------------------------------
+
+
+CLOSE_WAIT = 60.0  # longest close() waits for calls still running on other threads
+
+
+class LocalTransport:
+    """The data plane in this process, called directly (paraminit_server.embedded.InProcess)."""
+
+    target = "in-process"
+    releases_at_exit = False  # closing the data plane (or this process ending) frees every lease
+
+    def __init__(self, embedded: Any) -> None:
+        self._plane = embedded
+        self._gate = _Gate("in-process client")
+        # never closed: freed when the last holder (its Client, a Lease) is collected, or at exit; in its own process
+        self._finalizer = weakref.finalize(self, _close_local, self._gate, embedded)
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """The data plane's errors as the client's (the status name they carry, their violations)."""
+        try:
+            yield
+        except ParaminitError:
+            raise
+        except Exception as exc:
+            f = self._plane.failure(exc)
+            raise ParaminitError(grpc.StatusCode[f.code], f.message, f.violations) from exc
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        with self._gate.call(), self._errors():
+            yield
+
+    def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
+        with self._call():
+            r = self._plane.validate(plan)
+        return ValidationReport(r.valid, r.fits_limits, r.violations, r.param_bytes, r.total_bytes, r.plan_digest)
+
+    def info(self) -> pb.GetInfoResponse:
+        with self._call():
+            return self._plane.info()  # type: ignore[no-any-return]
+
+    def health(self, service: str) -> str:
+        with self._call():
+            _ = self._plane.plane  # kernels loaded: SERVING (a failed start raises here)
+        return "SERVING"
+
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader,
+                                                                                      Iterator[Chunk]]:
+        with self._call():
+            items = self._plane.stream(plan, chunk_bytes)
+            header = next(items)
+
+        def slabs() -> Iterator[Chunk]:  # not a running call for close(): a consumer may never finish it
+            with contextlib.closing(items), self._errors():
+                for offset, slab in items:
+                    yield Slab(offset, memoryview(slab).cast("B"))
+
+        return header, slabs()
+
+    def materialize(self, plan: plan_pb2.Plan, chunk_bytes: int, progress: Callable[[int], None] | None) -> Arrays:
+        with self._call():
+            tensors, _digest, buf = self._plane.fill(plan)
+        if progress is not None:
+            progress(int(buf.nbytes))
+        return arrays_from_buffer(tensors, buf)
+
+    def materialize_into(self, plan: plan_pb2.Plan, outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
+        with self._call():
+            self._plane.fill(plan, outputs)
+
+    def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float) -> pb.ExportInfo:
+        with self._call():
+            return self._plane.export(plan, delivery, ttl_seconds)  # type: ignore[no-any-return]
+
+    def upload(self, raw: memoryview, dtype: int, count: int, chunk_bytes: int) -> str:
+        def pieces() -> Iterator[tuple[int, int, memoryview]]:
+            yield dtype, count, raw[:chunk_bytes]
+            for off in range(chunk_bytes, len(raw), chunk_bytes):
+                yield 0, 0, raw[off:off + chunk_bytes]
+
+        with self._call():
+            return str(self._plane.upload(pieces()))
+
+    def leases(self) -> list[pb.LeaseStatus]:
+        with self._call():
+            return list(self._plane.leases())
+
+    def release(self, lease_id: str, timeout: float | None = None) -> bool:
+        with self._call():
+            return bool(self._plane.release(lease_id))
+
+    def renew(self, lease_id: str, ttl_seconds: float) -> float:
+        with self._call():
+            return float(self._plane.renew(lease_id, ttl_seconds))
+
+    def apply(self, lease_id: str, plan: plan_pb2.Plan) -> str:
+        with self._call():
+            return str(self._plane.apply(lease_id, plan))
+
+    def close(self) -> None:
+        """Free every lease and segment of this data plane, once, in the process that made it (a forked
+        child's close, or its exit, frees nothing of its parent's)."""
+        self._finalizer()
+
+
+def _close_local(gate: _Gate, embedded: Any) -> None:
+    if gate.close(CLOSE_WAIT):
+        embedded.close()
+
+
+def start_local(safetensors_dirs: str = "/") -> LocalTransport:
+    """The in-process transport. `safetensors_dirs` (colon-separated): the files its plans may read; by default
+    every file this process can read, since the allow-list guards a server from its clients, not a process from
+    itself.
+
+    Raises:
+        ParaminitError: FAILED_PRECONDITION when the server package (the data plane) is not installed.
+    """
+    try:
+        from paraminit_server import embedded  # optional: the client can be installed alone
+    except ImportError as exc:
+        raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"no target given and the embedded server is not installed ({exc}); "
+                             "pass Client('host:port') or install paraminit with its server") from None
+    return LocalTransport(embedded.InProcess.start("cpu", safetensors_dirs=safetensors_dirs))
+
+
+# -- gRPC ------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def rpc_errors() -> Iterator[None]:
+    """Turn every gRPC failure into the client's error."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        raise ParaminitError.from_rpc(err) from None
+
+
+def first_response(call: Any) -> Any:
+    """The first message of a server-streaming call (None if it ends without one); raises the call's error.
+
+    With retries enabled, gRPC Python (seen with 1.85) can leave the response iterator waiting forever when the
+    call fails while an attempt is being retried and the server goes away (a draining worker): the call has its
+    status (`call.code()` returns) but the pending read never completes, deadline or not. Retries happen only
+    before the first response, so that one is awaited on a helper thread while the call's end is watched; the
+    rest of the stream is read as usual. A helper stuck on such a call stays parked (a daemon thread)."""
+    box: list[Any] = []
+    arrived = threading.Event()
+
+    def read() -> None:
+        try:
+            box.append(next(call, None))
+        except BaseException as exc:  # handed to the caller below
+            box.append(exc)
+        arrived.set()
+
+    threading.Thread(target=read, daemon=True, name="paraminit-first-response").start()
+    while not arrived.wait(0.05):
+        if call.done() and call.code() != grpc.StatusCode.OK:
+            raise call  # the call is its own RpcError: code, details and trailers
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _verified_chunks(call: Any, total: int, check_crc: bool = True) -> Iterator[Chunk]:
+    """Chunks in order with length checks (and CRC32C unless the consumer checks it: `land`); cancels the
+    call if the consumer stops early."""
+    expected = 0
+    try:
+        with rpc_errors():
+            for c in call:
+                if not isinstance(c, wire.Chunk):
+                    c = wire.Chunk(c.chunk.offset, memoryview(c.chunk.data), c.chunk.crc32c)
+                if c.offset != expected or expected + len(c.data) > total:
+                    raise ParaminitError(grpc.StatusCode.DATA_LOSS,
+                                         f"out-of-order or oversized chunk at offset {c.offset} (expected {expected})")
+                if check_crc and crc32c.crc32c(c.data) != c.crc32c:
+                    raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"CRC32C mismatch in chunk at offset {c.offset}")
+                expected += len(c.data)
+                yield c
+        if expected != total:
+            raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream ended after {expected} of {total} bytes")
+    finally:
+        call.cancel()
+
+
+class GrpcTransport:
+    """A paraminit server over gRPC; with `workers`, materialize splits plans across them (scaleout)."""
+
+    releases_at_exit = True  # the server keeps a lease to its TTL unless told
+
+    def __init__(self, target: str, channel: grpc.Channel, timeout: float | None, split_bytes: int,
+                 workers: Sequence[GrpcTransport] = ()) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.split_bytes = split_bytes
+        self.workers = list(workers)
+        self._channel = channel
+        self._gate = _Gate(f"client of {target}")
+        self._finalizer = weakref.finalize(self, _close_channel, self._gate, channel)
+        self.stub = pb_grpc.InitServiceStub(channel)
+        # Uploads with the chunk codec: each message is encoded once, without a protobuf copy of the data.
+        self._upload = channel.stream_unary("/paraminit.v1.InitService/UploadPayload",
+                                            request_serializer=bytes, response_deserializer=pb.PayloadRef.FromString)
+        # Materialize with the chunk codec: payloads arrive as views, not as copies inside messages.
+        self._materialize = channel.unary_stream(
+            "/paraminit.v1.InitService/Materialize",
+            request_serializer=pb.MaterializeRequest.SerializeToString, response_deserializer=wire.decode_response)
+
+    def call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        """One unary (or client-streaming) call of the raw stub, its failure as a ParaminitError."""
+        self._gate.check()
+        with rpc_errors():
+            return method(request, timeout=self.timeout if timeout is None else timeout)
+
+    def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
+        r = self.call(self.stub.Validate, pb.ValidateRequest(plan=plan))
+        violations = tuple(Violation(v.index, v.name, v.field, v.message, LIMIT if v.limit else INVALID)
+                           for v in r.violations)
+        return ValidationReport(r.valid, r.fits_limits, violations, tuple(r.param_bytes), r.total_bytes,
+                                r.plan_digest)
+
+    def info(self) -> pb.GetInfoResponse:
+        return self.call(self.stub.GetInfo, pb.GetInfoRequest())  # type: ignore[no-any-return]
+
+    def health(self, service: str) -> str:
+        r = self.call(health_pb2_grpc.HealthStub(self._channel).Check, health_pb2.HealthCheckRequest(service=service),
+                      self.timeout or 5.0)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader,
+                                                                                      Iterator[Chunk]]:
+        self._gate.check()
+        call = self._materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
+                                                       chunk_bytes=chunk_bytes), timeout=self.timeout)
+        with rpc_errors():
+            first = first_response(call)
+        if not isinstance(first, pb.MaterializeResponse) or first.WhichOneof("msg") != "header":
+            call.cancel()
+            raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
+        header = first.header
+        for k in range(header.header_parts):  # a large table and prefix come in parts (init_service.proto)
+            with rpc_errors():
+                part = next(call, None)
+            if not isinstance(part, pb.MaterializeResponse) or part.WhichOneof("msg") != "header_part":
+                call.cancel()
+                raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream header part {k + 1} of "
+                                     f"{header.header_parts} is missing")
+            header.tensors.extend(part.header_part.tensors)
+            header.safetensors_prefix += part.header_part.safetensors_prefix
+        if header_crc32c(header) != header.header_crc32c:  # before anyone writes a byte of it
+            call.cancel()
+            raise ParaminitError(grpc.StatusCode.DATA_LOSS, "stream header checksum mismatch: the prefix, tensor "
+                                 "table or digest was corrupted in transit")
+        return header, _verified_chunks(call, header.data_bytes, check_crc)
+
+    def materialize(self, plan: plan_pb2.Plan, chunk_bytes: int, progress: Callable[[int], None] | None) -> Arrays:
+        if self.workers or self.target.startswith("dns:"):
+            return self._materialize_split(plan)
+        return self._materialize_one(plan, chunk_bytes, progress)
+
+    def _materialize_one(self, plan: plan_pb2.Plan, chunk_bytes: int = 0,
+                         progress: Callable[[int], None] | None = None) -> Arrays:
+        header, chunks = self.stream(plan, chunk_bytes, check_crc=False)
+        buf = host_buffer(header.data_bytes)  # huge pages: first-touch faults cost more than the copy itself
+        prefault(buf)  # and a helper thread takes the faults ahead of the copies
+
+        def put(c: Chunk) -> None:
+            buf[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
+
+        land(chunks, put, progress)
+        return arrays_from_buffer(header.tensors, buf)
+
+    def _materialize_split(self, plan: plan_pb2.Plan) -> Arrays:
+        report = self.validate(plan)
+        if not report.ok:
+            code = grpc.StatusCode.INVALID_ARGUMENT if not report.valid else grpc.StatusCode.RESOURCE_EXHAUSTED
+            raise ParaminitError(code, "invalid plan:\n" + "\n".join(report.lines()), report.violations)
+        workers = self.workers or [self]
+        n_parts = len(workers) if self.workers else 4
+        parts = scaleout.split_plan(plan, report.param_bytes, n_parts, self.split_bytes)
+        out, put = scaleout.assemble(plan, [numpy_dtype(p.dtype) for p in plan.params])
+        scaleout.run_parts(parts, workers, lambda w, sub: w._materialize_one(sub), put)
+        return out
+
+    def materialize_into(self, plan: plan_pb2.Plan, outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
+        header, chunks = self.stream(plan, 0, check_crc=False)
+        copy_into(header, chunks, outputs)
+
+    def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float) -> pb.ExportInfo:
+        kinds = {"shm": pb.DELIVERY_SHM, "cuda_ipc": pb.DELIVERY_CUDA_IPC}
+        self._gate.check()
+        request = pb.MaterializeRequest(plan=plan, delivery=kinds[delivery], lease_ttl=times.duration(ttl_seconds))
+        with rpc_errors():
+            call = self.stub.Materialize(request, timeout=self.timeout)
+            first = first_response(call)
+            responses = [] if first is None else [first, *call]
+        if len(responses) != 1 or responses[0].WhichOneof("msg") != "export":
+            raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not answer the export with one ExportInfo")
+        return responses[0].export  # type: ignore[no-any-return]
+
+    def upload(self, raw: memoryview, dtype: int, count: int, chunk_bytes: int) -> str:
+        def encoded() -> Iterator[bytes]:  # PayloadChunk messages encoded once, with one copy of the data
+            yield wire.encode_payload_chunk(raw[:chunk_bytes], dtype, count)
+            for off in range(chunk_bytes, len(raw), chunk_bytes):
+                yield wire.encode_payload_chunk(raw[off:off + chunk_bytes])
+
+        return str(self.call(self._upload, encoded()).payload_id)
+
+    def leases(self) -> list[pb.LeaseStatus]:
+        return list(self.call(self.stub.ListLeases, pb.ListLeasesRequest()).leases)
+
+    def release(self, lease_id: str, timeout: float | None = None) -> bool:
+        return bool(self.call(self.stub.Release, pb.ReleaseRequest(lease_id=lease_id), timeout).released)
+
+    def renew(self, lease_id: str, ttl_seconds: float) -> float:
+        resp = self.call(self.stub.Renew, pb.RenewRequest(lease_id=lease_id, ttl=times.duration(ttl_seconds)))
+        return times.epoch(resp.lease.expires_at)
+
+    def apply(self, lease_id: str, plan: plan_pb2.Plan) -> str:
+        return str(self.call(self.stub.Apply, pb.ApplyRequest(lease_id=lease_id, plan=plan)).plan_digest)
+
+    def close(self) -> None:
+        """Close the channel (and the workers'), once, in the process that opened it."""
+        for w in self.workers:
+            w.close()
+        self._finalizer()
+
+
+def _close_channel(gate: _Gate, channel: grpc.Channel) -> None:
+    if gate.close(0.0):
+        channel.close()
+
+
+def payload_bytes(values: Any) -> tuple[memoryview, int, int]:
+    """A payload's bytes, dtype enum and value count.
+
+    Raises:
+        InvalidArgument: a dtype payloads cannot have.
+    """
+    arr = np.ascontiguousarray(values)
+    dt = dtypes.by_numpy(arr.dtype)
+    if dt is None:
+        raise InvalidArgument(f"payload dtype must be one of {', '.join(dtypes.NAMES)}, not {arr.dtype}")
+    return memoryview(arr.reshape(-1).view(np.uint8)), int(dt.enum), int(arr.size)  # type: ignore[arg-type]
