@@ -41,7 +41,7 @@ import reference  # noqa: E402  (tests/reference.py)
 from _common import bench_param, best_of  # noqa: E402
 
 from paraminit import dtypes  # noqa: E402
-from paraminit_server.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
+from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
 
 COLS = 4096
 INITS = ("zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",

@@ -28,8 +28,9 @@ def main() -> None:
     args = ap.parse_args()
     nbytes = args.mib << 20
     from paraminit_client import Client, param, plan_of
-    from paraminit_server import engine, layout, plan
     from paraminit_server.backends.cpu import CpuBackend
+    from paraminit_server.plane import engine, layout
+    from paraminit_server.plans import plan
 
     p = plan_of([param("w", [nbytes // 4], {"uniform": {"lo": -1, "hi": 1, "seed": 1}})])
     backend = CpuBackend()

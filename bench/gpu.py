@@ -35,7 +35,7 @@ import reference  # noqa: E402  (tests/reference.py)
 
 from paraminit import dtypes  # noqa: E402
 from paraminit.v1 import plan_pb2  # noqa: E402
-from paraminit_server.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
+from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_param  # noqa: E402

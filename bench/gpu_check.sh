@@ -74,7 +74,7 @@ fi
 
 # Everything the server, the client and the tests import that this check does not bring itself, loaded exactly as
 # the tests' child processes will load it (no relaxed version checks: a child could not inherit them).
-NEEDED=(paraminit.v1.init_service_pb2 paraminit.v1.init_service_pb2_grpc paraminit_server.server paraminit_client
+NEEDED=(paraminit.v1.init_service_pb2 paraminit.v1.init_service_pb2_grpc paraminit_server.rpc.server paraminit_client
         grpc_status google.rpc.status_pb2 crc32c mpmath)
 if ! pb_err=$("$PY" -c "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]" "${NEEDED[@]}" 2>&1); then
     why=$(printf '%s\n' "$pb_err" | tail -n 1)
@@ -216,7 +216,7 @@ from paraminit import dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.backends.cupy_backend import CupyBackend
-from paraminit_server.plan import resolve_param
+from paraminit_server.plans.plan import resolve_param
 
 gpu, cpu = CupyBackend(0), CpuBackend()
 n, bad = 1 << 24, 0

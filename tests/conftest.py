@@ -1,48 +1,21 @@
-"""Shared fixtures: plans from vectors.json, poisoned buffers, servers in process and in subprocesses."""
+"""Fixtures and hooks shared by the tests: the CPU backend, a client of a module's `server` fixture, and JAX's
+CPU device count. The plain helpers live in support.py (`from support import ...`)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import re
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
-from google.protobuf import json_format
 
-from paraminit import dtypes
-from paraminit.v1 import plan_pb2
-from paraminit_client import Client, cli
-from paraminit_server.config import ServerConfig
-from paraminit_server.server import Running, start
+from paraminit_client import Client
+from paraminit_server.rpc.server import Running
+from support import target_of
 
 # JAX tests run on a 2x2 mesh of CPU devices; the flag must be set before JAX initializes its backend.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-
-VECTORS = json.loads((Path(__file__).parent / "vectors.json").read_text())
-
-
-def case_param(case: dict[str, Any]) -> plan_pb2.Param:
-    p = plan_pb2.Param(name=case["name"], shape=case["shape"], dtype=dtypes.by_name(case["dtype"]).enum)
-    json_format.ParseDict(case["init"], p.init)
-    for lo, hi in case.get("region", []):
-        p.region.add(start=lo, stop=hi)
-    return p
-
-
-def poisoned(n: int, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """A buffer full of NaN (0xFFFF.. bit patterns) so an unwritten element never passes."""
-    out = np.empty(n, dtype=dtype)
-    out.view(np.uint8).fill(0xFF)
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -52,79 +25,8 @@ def cpu_backend() -> Any:
     return CpuBackend()
 
 
-def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.01) -> bool:
-    """Poll until predicate() is truthy; False once the timeout passes (assert on the result)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
-
-
-@contextlib.contextmanager
-def running_server(instance: Any = None, **config: Any) -> Iterator[Running]:
-    """An in-process server on a free loopback port, SERVING when entered, stopped (leases freed) on exit.
-    `instance`: a backend object to use instead of the one config.backend names."""
-    config.setdefault("backend", "cpu")
-    running = start(ServerConfig(host="127.0.0.1", port=0, **config), backend=instance, warm_up_async=False)
-    try:
-        yield running
-    finally:
-        running.stop(grace=0)
-
-
-def server_fixture(scope: Any = "module", **config: Any) -> Any:
-    """A `server` fixture for a test module: `server = server_fixture(max_plan_bytes=...)`."""
-
-    @pytest.fixture(scope=scope)
-    def server() -> Iterator[Running]:
-        with running_server(**config) as running:
-            yield running
-
-    return server
-
-
-def target_of(running: Running) -> str:
-    return f"127.0.0.1:{running.port}"
-
-
 @pytest.fixture()
 def client(server: Running) -> Iterator[Client]:
     """A client of the module's `server` fixture."""
     with Client(target_of(server)) as c:
         yield c
-
-
-def serve_subprocess(env: dict[str, str] | None = None, stderr: Any = None) -> tuple[Any, str]:
-    """A real `paraminit-server` process on a free loopback port, waited on until SERVING."""
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "paraminit-server")], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL if stderr is None else stderr, text=True,
-                            env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "cpu", **(env or {})})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    m = re.search(r"listening on [\d.]+:(\d+)", line)
-    assert m, line
-    target = f"127.0.0.1:{m.group(1)}"
-    with Client(target, timeout=5) as c:
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"paraminit-server exited with {proc.returncode} before SERVING")
-            try:
-                return c.health() == "SERVING"
-            except Exception:
-                return False
-
-        assert wait_until(up, 300, 0.05), "paraminit-server not SERVING after 300 s"
-    return proc, target
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """cli.main in this process: (exit code, stdout, stderr); argparse exits become codes."""
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err

@@ -16,8 +16,8 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
-from paraminit_server import spec
-from paraminit_server.plan import Kind, ResolvedParam
+from paraminit_server.plans import spec
+from paraminit_server.plans.plan import Kind, ResolvedParam
 
 _HALF_FORMATS = {dtypes.FMT_FLOAT16: (10, -14, 15), dtypes.FMT_BFLOAT16: (7, -126, 127)}
 

@@ -12,7 +12,7 @@ import pytest
 PROBE = textwrap.dedent("""
     import threading, numba, numpy as np
     from paraminit_client import param, plan_of
-    from paraminit_server import plan as planlib
+    from paraminit_server.plans import plan as planlib
     from paraminit_server.backends.cpu import CpuBackend
     b = CpuBackend()
     p = planlib.resolve(plan_of([param("w", [1 << 20], {"normal": {"std": 1.0, "seed": 3}})]))[0]

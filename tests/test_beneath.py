@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from paraminit_server import errors, files
-from paraminit_server.payloads import BoundSources, Sources
+from paraminit_server.plane import errors
+from paraminit_server.plans import files
+from paraminit_server.plans.payloads import BoundSources, Sources
 
 RENAME_EXCHANGE = 2
 AT_FDCWD = -100

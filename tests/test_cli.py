@@ -13,10 +13,12 @@ import os
 import pty
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,18 +28,20 @@ import crc32c
 import grpc
 import numpy as np
 import pytest
+import reference
 from safetensors.numpy import load_file, save_file
 
 import paraminit_client
-from conftest import run_cli, running_server, target_of
 from paraminit import sizes, times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, cli, inspect, load_plan, param, plan_from_dict, plan_from_safetensors, plan_of
 from paraminit_client.plans import PlanFileError, plan_to_json
 from paraminit_server import config as server_config
-from paraminit_server import plan as planlib
-from paraminit_server.server import Running
+from paraminit_server.backends.cpu import CpuBackend
+from paraminit_server.plans import plan as planlib
+from paraminit_server.rpc.server import Running
+from support import run_cli, running_server, serve_subprocess, target_of, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -688,3 +692,283 @@ def test_plan_file_errors_name_the_file(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(PlanFileError, match=r"p\.json: not a valid plan"):
         load_plan(path)
+
+
+def test_every_paraminit_help_has_the_exit_code_table(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["materialize", "--help"], ["validate", "--help"], ["inspect", "--help"],
+                 ["info", "--help"], ["health", "--help"], ["serve", "--help"]):
+        code, out, _ = run_cli(capsys, *argv)
+        assert code == 0 and "exit codes:" in out and re.search(r"^\s*64\s+usage error", out, re.M), argv
+
+
+# -- --target and -o ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("target", "says"), [
+    ("localhost", "has no port"),
+    ("localhost:99999", "is not a number from 1 to 65535"),
+    ("localhost:0", "is not a number from 1 to 65535"),
+    ("localhost:http", "is not a number"),
+    ("http://localhost:50051", "take no http:// scheme"),
+    ("grpc://10.0.0.1:50051", "take no grpc:// scheme"),
+    ("::1", "has no port"),
+    (":50051", "has no host"),
+])
+def test_a_malformed_target_is_a_usage_error_before_connecting(target: str, says: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "info", "--target", target)
+    assert code == cli.EXIT_USAGE, err
+    assert says in err and "Connection refused" not in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("target", ["localhost:50051", "[::1]:50051", "unix:/tmp/x.sock", "dns:///svc:50051", None])
+def test_well_formed_targets_pass_the_check(target: str | None) -> None:
+    assert cli.check_target(target) == target
+
+
+def test_health_without_a_target_names_the_default_it_tried(capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "DEFAULT_HEALTH_TARGET", "127.0.0.1:1")  # nothing listens on port 1
+    code, _, err = run_cli(capsys, "health", "--timeout", "5")
+    assert code == cli.EXIT_ERROR and "127.0.0.1:1" in err, err
+
+
+def test_output_onto_the_plan_is_refused_and_the_plan_kept(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "plan.json"
+    text = (ROOT / "examples/mlp.json").read_text()
+    plan.write_text(text)
+    code, _, err = run_cli(capsys, "materialize", str(plan), "-o", str(plan))
+    assert code == cli.EXIT_USAGE and "input file" in err, err
+    assert plan.read_text() == text
+    code, _, err = run_cli(capsys, "materialize", str(plan), "-o", str(tmp_path / "." / "plan.json"))
+    assert code == cli.EXIT_USAGE and plan.read_text() == text
+
+
+def test_plan_output_onto_its_fallback_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones(3, dtype=np.float32)}, str(tmp_path / "c.safetensors"))
+    fallback = tmp_path / "fallback.json"
+    fallback.write_text('{"params": [{"name": "w", "shape": [3], "init": {"zeros": {}}}]}')
+    before = fallback.read_text()
+    code, _, err = run_cli(capsys, "plan", "from-safetensors", str(tmp_path / "c.safetensors"), "--fallback",
+                           str(fallback), "-o", str(fallback))
+    assert code == cli.EXIT_USAGE and "input file" in err and fallback.read_text() == before
+
+
+def test_output_errors_name_the_target_file_not_a_temporary(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    plan = ROOT / "examples/mlp.json"
+    code, _, err = run_cli(capsys, "materialize", str(plan), "-o", str(tmp_path))
+    assert code == cli.EXIT_ERROR and str(tmp_path) in err and "is a directory" in err and ".part" not in err, err
+    missing = tmp_path / "nope" / "m.safetensors"
+    code, _, err = run_cli(capsys, "materialize", str(plan), "-o", str(missing))
+    assert code == cli.EXIT_ERROR and str(missing) in err and "does not exist" in err and ".part" not in err, err
+
+
+# -- progress, summary, -q ------------------------------------------------------------------------------------------
+
+
+def test_summary_rate_is_its_bytes_over_its_seconds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from paraminit import sizes
+
+    with running_server() as server:
+        out = tmp_path / "m.safetensors"
+        code, stdout, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out),
+                                    "--target", target_of(server))
+    assert code == 0, err
+    m = re.fullmatch(r"wrote .*: 6 parameters, ([\d.]+ \w+) in ([\d.]+) s \(([\d.]+ \w+)/s; ([\d.]+) s of it before "
+                     r"the first byte: [^)]*\), plan digest [0-9a-f]{64}\n", stdout)
+    assert m, stdout
+    total, seconds, rate, setup = sizes.parse_size(m[1].replace(" ", "")), float(m[2]), m[3], float(m[4])
+    assert abs(total - out.stat().st_size) < out.stat().st_size * 0.01
+    assert 0 <= setup <= seconds
+    # the printed rate is the printed bytes over the printed seconds (to the printed precision)
+    if seconds >= 0.05:
+        assert sizes.parse_size(rate.replace(" ", "")) == pytest.approx(total / seconds, rel=0.15)
+
+
+def test_quiet_prints_nothing_but_errors(tmp_path: Path) -> None:
+    with running_server() as server:
+        out = tmp_path / "m.safetensors"
+        done = subprocess.run([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o",
+                               str(out), "--target", target_of(server), "-q"], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0 and done.stdout == "" and done.stderr == "" and out.exists()
+        bad = subprocess.run([str(BIN / "paraminit"), "materialize", str(tmp_path / "none.json"), "-o", str(out),
+                              "--target", target_of(server), "-q"], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == cli.EXIT_ERROR and "none.json" in bad.stderr
+
+
+def test_quiet_asks_for_no_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    bars: list[int] = []
+    monkeypatch.setattr(cli, "_progress_bar", lambda total, name: bars.append(total))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    out = tmp_path / "m.safetensors"
+    code, stdout, _ = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out), "-q")
+    assert code == 0 and stdout == "" and bars == []
+
+
+# -- inspect --------------------------------------------------------------------------------------------------------
+
+
+def _odd_file(tmp_path: Path) -> Path:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(3)
+    path = tmp_path / "odd.safetensors"
+    save_file({"transformer.encoder.layers.11.self_attention.query_key_value.weight":
+               (rng.standard_normal((64, 48)) * 0.02).astype(np.float32),
+               "bad": np.array([np.nan, np.inf, -np.inf, 1.0], dtype=np.float32)}, str(path))
+    return path
+
+
+def test_inspect_default_fits_100_columns_and_counts_non_finite_values(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from paraminit_client import inspect
+
+    path = _odd_file(tmp_path)
+    code, out, _ = run_cli(capsys, "inspect", str(path))
+    assert code == 0
+    lines = out.splitlines()
+    table = lines[:3]
+    assert all(len(line) <= inspect.COMPACT_COLUMNS for line in table), [len(x) for x in table]
+    assert "non-finite" in lines[0].split() and "min" not in lines[0].split()
+    bad = next(line for line in table if line.startswith("bad "))
+    assert bad.split()[-1] == "3"  # NaN, +inf, -inf: counted, not hidden behind mean 1 std 0
+    long_row = next(line for line in table if line.startswith("transformer."))
+    assert "~" in long_row.split()[0] and long_row.split()[0].endswith("value.weight")
+    code, wide, _ = run_cli(capsys, "inspect", str(path), "--wide")
+    head = wide.splitlines()[0].split()
+    assert {"min", "max", "non-finite"} <= set(head)
+    assert "transformer.encoder.layers.11.self_attention.query_key_value.weight" in wide
+
+
+def test_plot_is_checked_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from paraminit_client import inspect
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    worked: list[str] = []
+    monkeypatch.setattr(inspect, "inspect_file", lambda *a, **k: worked.append("stats"))
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    code, _, err = run_cli(capsys, "inspect", str(tmp_path / "x.safetensors"), "--plot", str(tmp_path / "png"))
+    assert code == cli.EXIT_ERROR and "pip install 'paraminit[plot]'" in err and worked == []
+
+
+def test_plot_log_draws_the_tails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    path = _odd_file(tmp_path)
+    code, _, err = run_cli(capsys, "inspect", str(path), "--plot", str(tmp_path / "png"), "--plot-log")
+    assert code == 0, err
+    pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
+    assert len(pngs) == 2 and all((tmp_path / "png" / p).stat().st_size > 5000 for p in pngs)
+
+
+def test_hf_extra_installs_transformers_and_info_help_speaks_of_a_server() -> None:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("transformers") for d in extras["hf"]) and any(d.startswith("torch") for d in extras["hf"])
+    info = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "info")[1]
+    text = info.format_help()
+    assert not re.search(r"\bplans?\b", text.split("exit codes:")[0]), text
+
+
+def expected_arrays(plan: plan_pb2.Plan) -> dict[str, np.ndarray[Any, Any]]:
+    return {p.name: reference.materialize(p) for p in planlib.resolve(plan)}
+
+
+def test_cli_against_serve_subprocess(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    proc, target = serve_subprocess(stderr=subprocess.STDOUT)
+    try:
+        assert subprocess.run([str(BIN / "paraminit"), "health", "--target", target]).returncode == 0
+        out = tmp_path / "conv.safetensors"
+        r = subprocess.run([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out),
+                            "--target", target, "--summary"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert "10 parameters" in r.stdout
+        loaded = load_file(str(out))
+        want = expected_arrays(load_plan(ROOT / "examples/conv.json"))
+        assert set(loaded) == set(want)
+        for name, w in want.items():
+            assert loaded[name].tobytes() == w.tobytes(), name
+
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"params": [
+            {"name": "a", "shape": [5], "init": {"xavierUniformForShape": {"seed": 1}}},
+            {"name": "b", "shape": [2], "init": {"normal": {"std": -1}}}]}))
+        existing = tmp_path / "keep.safetensors"
+        existing.write_bytes(b"precious")
+        r = subprocess.run([str(BIN / "paraminit"), "materialize", str(bad), "-o", str(existing), "--target", target],
+                           capture_output=True, text=True)
+        assert r.returncode == 2
+        assert "torch.runtimeInit: Xavier initialization expects at least 2 dimensions, got [5]" in r.stderr
+        assert "initialization: normal standard deviation must be nonnegative" in r.stderr
+        assert existing.read_bytes() == b"precious"
+        assert not list(tmp_path.glob(".*.part"))
+
+        r = subprocess.run([str(BIN / "paraminit"), "info", "--target", target], capture_output=True, text=True)
+        assert r.returncode == 0 and "backend=cpu" in r.stdout
+        r = subprocess.run([str(BIN / "paraminit"), "validate", str(ROOT / "examples/mlp.json"), "--target", target],
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and "6 parameters" in r.stdout
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_health_unreachable_exits_1() -> None:
+    r = subprocess.run([str(BIN / "paraminit"), "health", "--target", "127.0.0.1:1", "--timeout", "1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
+
+
+class GatedBackend(CpuBackend):
+    """Blocks the fill of parameter 'slow' until the test opens the gate: the stream is mid-file, for sure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def fill(self, p: Any, out: Any, l_begin: int = 0) -> None:
+        if p.name == "slow":
+            self.gate.wait(120)
+        super().fill(p, out, l_begin)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_interrupted_materialize_leaves_no_partial_file(tmp_path: Path, sig: signal.Signals) -> None:
+    backend = GatedBackend()
+    plan = plan_of([param("a", [1 << 18], {"ones": {}}), param("slow", [1 << 18], {"ones": {}})])
+    (tmp_path / "plan.json").write_text(plan_to_json(plan))
+    out = tmp_path / "out" / "big.safetensors"
+    out.parent.mkdir()
+    with running_server(backend) as r:
+        try:
+            proc = subprocess.Popen([str(Path(sys.executable).parent / "paraminit"), "materialize",
+                                     str(tmp_path / "plan.json"), "-o", str(out), "--target", target_of(r)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert wait_until(lambda: any(out.parent.iterdir()) or proc.poll() is not None, 120)
+            assert proc.poll() is None, proc.communicate()
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            backend.gate.set()
+    assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig)
+    assert f"interrupted by {sig.name}" in err and "was not written" in err, err
+    assert list(out.parent.iterdir()) == []

@@ -16,7 +16,6 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import poisoned
 from paraminit.v1 import plan_pb2
 from paraminit.violations import Violation
 from paraminit_client import (
@@ -31,6 +30,7 @@ from paraminit_client import (
 )
 from paraminit_client.errors import FileAccessError, violation_from_text
 from paraminit_client.transports import GrpcTransport, LocalTransport
+from support import poisoned
 
 THREADS, CALLS = 12, 30
 

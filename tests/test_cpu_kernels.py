@@ -21,15 +21,15 @@ import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import poisoned
 from paraminit import dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_client import plans
-from paraminit_server import spec
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.backends.cpu_kernels import counter_rng, half_rounding
 from paraminit_server.backends.cpu_kernels.driver import PIECE
-from paraminit_server.plan import Kind, ResolvedParam, resolve_param
+from paraminit_server.plans import spec
+from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
+from support import poisoned
 
 INITS = ("zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",
          "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "truncated_normal")

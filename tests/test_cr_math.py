@@ -16,10 +16,10 @@ import numpy.typing as npt
 import pytest
 import reference
 
-from conftest import VECTORS
 from paraminit_server.backends.cpu_kernels import cr_math as ck
 from paraminit_server.backends.cpu_kernels.cr_tables import tables
 from paraminit_server.backends.cpu_kernels.jit import jit as kernel
+from support import VECTORS
 
 HARD = VECTORS["hard_inputs"]
 SAMPLE = 100_000

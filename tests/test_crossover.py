@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import running_server, target_of
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.auth import TokenAuth
+from paraminit_server.rpc.auth import TokenAuth
+from support import running_server, target_of
 
 A, B, C = "a" * 20, "b" * 20, "c" * 20
 

@@ -31,13 +31,13 @@ import numpy as np
 import pytest
 import reference
 
-from conftest import VECTORS, case_param
 from paraminit import dtypes
 from paraminit.v1 import plan_pb2
-from paraminit_server import spec
 from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu_kernels import cr_math, cr_tables
-from paraminit_server.plan import Kind, ResolvedParam, resolve_param
+from paraminit_server.plans import spec
+from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
+from support import VECTORS, case_param
 
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or put it on PATH)")

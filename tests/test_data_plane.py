@@ -16,12 +16,13 @@ import reference
 from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import param, plan_of
-from paraminit_server import backends, errors, materializer
-from paraminit_server import plan as planlib
-from paraminit_server.caller import Caller
+from paraminit_server import backends
 from paraminit_server.config import ServerConfig
-from paraminit_server.materializer import Materializer, StreamStart
-from paraminit_server.service import Handlers
+from paraminit_server.plane import errors, materializer
+from paraminit_server.plane.caller import Caller
+from paraminit_server.plane.materializer import Materializer, StreamStart
+from paraminit_server.plans import plan as planlib
+from paraminit_server.rpc.service import Handlers
 
 POISON = 0xAB
 SMALL_SLABS = {"slab_bytes": 64 << 10, "chunk_bytes": 8 << 10}  # 64 KiB slabs: many more slabs than the ring holds
@@ -148,10 +149,10 @@ def test_the_data_plane_imports_no_transport() -> None:
     """Loading every data-plane module (and streaming through one) leaves grpc unimported."""
     modules = ", ".join(f"paraminit_server.{m}" for m in DATA_PLANE)
     code = (f"import sys, {modules}\n"
-            "from paraminit_server.caller import Caller\n"
+            "from paraminit_server.plane.caller import Caller\n"
             "from paraminit_server.config import ServerConfig\n"
             "from paraminit.v1 import plan_pb2\n"
-            "plane = paraminit_server.materializer.Materializer(ServerConfig(backend='cpu', metrics_port=0),\n"
+            "plane = paraminit_server.plane.materializer.Materializer(ServerConfig(backend='cpu', metrics_port=0),\n"
             "    paraminit_server.backends.create('cpu'))\n"
             "plan = plan_pb2.Plan()\n"
             "plan.params.add(name='w', shape=[1000]).init.ones.SetInParent()\n"

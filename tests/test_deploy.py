@@ -306,7 +306,7 @@ def test_dockerfile_final_stage(target: str, base_pattern: str) -> None:
 
 def test_cpu_image_carries_compiled_kernels() -> None:
     """The kernels are compiled at build time into a seed outside the runtime mounts, which the server copies
-    into its writable cache at start (paraminit_server.jit_cache.prepare_jit_cache)."""
+    into its writable cache at start (paraminit_server.backends.jit_cache.prepare_jit_cache)."""
     chain = _chain(_dockerfile_stages(), "cpu")
     env = _env(chain)
     seed = env["PARAMINIT_JIT_CACHE_SEED"]
@@ -500,7 +500,7 @@ def test_overlay_objects_are_valid(overlay: str) -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_liveness_and_readiness_are_different_questions(overlay: str) -> None:
-    from paraminit_server.server import LIVENESS_SERVICE, SERVICE_NAME
+    from paraminit_server.rpc.server import LIVENESS_SERVICE, SERVICE_NAME
 
     container = _server_container(_render(overlay))
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -723,7 +723,7 @@ def _exported_series() -> frozenset[str]:
     """Every series name the server's registry exposes, device gauges included."""
     from prometheus_client import generate_latest
 
-    from paraminit_server.metrics import Metrics
+    from paraminit_server.rpc.metrics import Metrics
 
     class Device:
         kind = "cuda"

@@ -14,10 +14,10 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import poisoned, server_fixture, target_of
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.server import Running
+from paraminit_server.rpc.server import Running
+from support import poisoned, server_fixture, target_of
 
 server = server_fixture()
 

@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
-from conftest import running_server, server_fixture, target_of, wait_until
+from paraminit import times
 from paraminit.peers import is_local_peer
 from paraminit.v1 import init_service_pb2 as pb
-from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server import errors
-from paraminit_server.admission import MemoryBudget
-from paraminit_server.caller import Caller
-from paraminit_server.exports import BufferPool
-from paraminit_server.server import Running
-from paraminit_server.shm import ShmSegment
+from paraminit_client import Client, ParaminitError, cli, param, plan_of
+from paraminit_server.plane import errors
+from paraminit_server.plane.admission import MemoryBudget
+from paraminit_server.plane.caller import Caller
+from paraminit_server.plane.exports import BufferPool
+from paraminit_server.plane.shm import ShmSegment
+from paraminit_server.rpc.server import Running
+from support import run_cli, running_server, serve_subprocess, server_fixture, target_of, wait_until
 
 
 def _listing() -> set[str]:
@@ -168,7 +176,7 @@ REMOTE_CALL = textwrap.dedent("""
     import grpc
     from paraminit_client import Client, ParaminitError, param, plan_of
     from paraminit_server.config import ServerConfig
-    from paraminit_server.server import start
+    from paraminit_server.rpc.server import start
     running = start(ServerConfig(host="0.0.0.0", port=0, backend="cpu"), warm_up_async=False)
     with Client(f"192.0.2.1:{running.port}") as c:  # not loopback: this namespace's own test address
         assert len(c.materialize(plan_of([param("w", [4], {"ones": {}})]))["w"]) == 4  # STREAM works
@@ -237,3 +245,182 @@ def test_segment_pool_never_crosses_identities() -> None:
     seg.close()
     pool.close()
     assert not segments()
+
+
+MiB = 1 << 20
+
+
+# -- lease limits are reserved before allocation -------------------------------------
+
+
+def test_concurrent_exports_cannot_overshoot_lease_limits() -> None:
+    """8 concurrent 16 MiB exports against 2 leases per client and 64 MiB: at most 2 are granted."""
+    with running_server(max_leases_per_client=2, max_leased_bytes=64 * MiB, max_concurrent=8) as r, \
+            Client(target_of(r)) as c:
+        plan = plan_of([param("w", [4 * MiB], {"ones": {}})])  # 16 MiB
+        start = threading.Barrier(8)
+
+        def one(_: int) -> Any:
+            start.wait()
+            try:
+                return c.export(plan)
+            except ParaminitError as err:
+                return err
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(8)))
+        leases = [x for x in results if not isinstance(x, ParaminitError)]
+        refused = [x for x in results if isinstance(x, ParaminitError)]
+        try:
+            assert len(leases) == 2, [str(e) for e in refused]
+            assert all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused)
+            assert r.plane.leases.leased_bytes() == 2 * 16 * MiB
+            assert all(np.all(lease.arrays["w"] == 1.0) for lease in leases)
+        finally:
+            for lease in leases:
+                lease.release()
+        assert wait_until(lambda: r.plane.leases.leased_bytes() == 0)
+        c.export(plan).release()  # the slots of refused exports were given back
+
+
+# -- only explicitly released segments are pooled --------------------------------------
+
+
+def test_expired_lease_memory_is_never_lent_again() -> None:
+    plan = plan_of([param("w", [64 * 1024], {"uniform": {"lo": -1, "hi": 1, "seed": 3}})])  # 256 KiB
+    with running_server(shm_pool_bytes=64 * MiB) as r, Client(target_of(r)) as a, Client(target_of(r)) as b:
+        held = a.export(plan, ttl_seconds=0.2)
+        mine = held.arrays["w"]  # A keeps its mapping past the expiry
+        assert wait_until(lambda: not r.plane.leases.list(), 10)
+        assert r.plane.exports.pool.nbytes == 0  # expired: closed, not pooled
+        other = b.export(plan)
+        try:
+            theirs = other.arrays["w"]
+            before = theirs.copy()
+            mine[:] = 12345.0  # A writes through its stale mapping
+            assert np.array_equal(theirs, before)  # B does not see it
+            assert other.info.shm.segment_name != held.info.shm.segment_name
+        finally:
+            other.release()
+        # an explicit Release does pool the buffer (the optimisation still works)
+        assert wait_until(lambda: r.plane.exports.pool.nbytes == other.info.shm.size)
+        del mine, theirs
+        held.stop_renewing()
+
+
+def test_lock_file_goes_with_the_server() -> None:
+    proc, target = serve_subprocess()
+    try:
+        with Client(target) as c:
+            lease = c.export(plan_of([param("w", [1024], {"ones": {}})]))
+            tag = lease.info.shm.segment_name.split("-")[1]
+            lease.release()
+        lock = Path(f"/dev/shm/.paraminit-locks-{os.geteuid()}/{tag}.lock")
+        assert lock.exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert not lock.exists()
+
+
+EXITS_HOLDING = textwrap.dedent("""
+    import sys
+    from paraminit_client import Client, param, plan_of
+    c = Client(sys.argv[1])
+    lease = c.export(plan_of([param("w", [4096], {"ones": {}})]))
+    print(lease.info.shm.segment_name, flush=True)
+    # exits holding the lease and the client: nothing released by hand
+""")
+
+
+def test_remote_client_releases_its_leases_at_exit() -> None:
+    proc, target = serve_subprocess()
+    try:
+        names = []
+        for _ in range(3):
+            out = subprocess.run([sys.executable, "-c", EXITS_HOLDING, target], capture_output=True, text=True,
+                                 timeout=120, check=True)
+            names.append(Path("/dev/shm") / out.stdout.strip())
+        assert wait_until(lambda: not any(n.exists() for n in names), 10), names  # the TTL is 300 s
+        with Client(target) as c:
+            assert c.leases() == []
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_killed_client_lease_expires_and_segment_goes() -> None:
+    proc, target = serve_subprocess()
+    try:
+        code = textwrap.dedent(f"""
+            import os
+            from paraminit_client import Client, param, plan_of
+            c = Client({target!r})
+            lease = c.export(plan_of([param("w", [1024], {{"ones": {{}}}})]), ttl_seconds=1.0)
+            print(lease.info.shm.segment_name, flush=True)
+            os.kill(os.getpid(), 9)
+        """)
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert child.returncode == -signal.SIGKILL
+        name = child.stdout.strip()
+        assert name.startswith("paraminit-") and os.path.exists(f"/dev/shm/{name}")
+        assert wait_until(lambda: not os.path.exists(f"/dev/shm/{name}"), 10)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_segments_of_a_killed_server_go_at_the_next_start() -> None:
+    """SIGKILL leaves five leased segments behind; the next server removes them, never a live server's."""
+    live, live_target = serve_subprocess()
+    proc, target = serve_subprocess()
+    try:
+        with Client(live_target) as other:
+            kept = other.export(plan_of([param("k", [1024], {"ones": {}})]))
+            with Client(target) as c:
+                leases = [c.export(plan_of([param("w", [1024], {"ones": {}})])) for _ in range(5)]
+                names = [f"/dev/shm/{x.info.shm.segment_name}" for x in leases]
+                proc.kill()
+                proc.wait(30)
+                for x in leases:
+                    x.stop_renewing()
+            assert all(os.path.exists(n) for n in names)
+            proc, target = serve_subprocess()  # the next start
+            assert wait_until(lambda: not any(os.path.exists(n) for n in names), 30)
+            assert os.path.exists(f"/dev/shm/{kept.info.shm.segment_name}")  # the live server's is untouched
+            assert np.all(kept.arrays["k"] == 1.0)
+            kept.release()
+    finally:
+        for p in (proc, live):
+            p.terminate()
+            p.wait(30)
+
+
+# -- leases from the shell ------------------------------------------------------------------------------------------
+
+
+def test_leases_list_renew_release_from_the_shell(capsys: pytest.CaptureFixture[str]) -> None:
+    with running_server() as server, Client(target_of(server)) as c:
+        target = target_of(server)
+        code, out, _ = run_cli(capsys, "leases", "--target", target)
+        assert code == 0 and "no live leases" in out
+        lease = c.export(plan_of([param("w", [1024], {"ones": {}})]), ttl_seconds=60)
+        code, out, err = run_cli(capsys, "leases", "--target", target)
+        assert code == 0, err
+        assert lease.lease_id in out and "shm" in out and "4.0 KiB" in out and "1 lease," in out
+        assert all(len(line) <= 100 for line in out.splitlines())
+        code, out, _ = run_cli(capsys, "leases", "--json", "--target", target)
+        (row,) = json.loads(out)
+        assert row["lease_id"] == lease.lease_id and row["nbytes"] == 4096 and 0 < row["expires_in_s"] <= 60
+        code, out, err = run_cli(capsys, "leases", "renew", lease.lease_id, "--ttl", "600", "--target", target)
+        assert code == 0 and "renewed" in out, err
+        (status,) = c.leases()
+        assert times.epoch(status.lease.expires_at) - time.time() > 300
+        code, out, err = run_cli(capsys, "leases", "release", lease.lease_id, "--target", target)
+        assert code == 0 and f"{lease.lease_id}: released" in out, err
+        assert c.leases() == []
+        code, _, err = run_cli(capsys, "leases", "release", "--target", target)
+        assert code == cli.EXIT_USAGE and "LEASE_ID" in err
+        code, _, err = run_cli(capsys, "leases")
+        assert code == cli.EXIT_USAGE and "--target" in err
+        lease.stop_renewing()

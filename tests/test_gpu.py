@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from test_cuda_harness import huge_window, random_param
 
-from conftest import VECTORS, case_param
 from paraminit import cuda, dtypes
 from paraminit.v1 import plan_pb2
-from paraminit_server import errors
-from paraminit_server.plan import ResolvedParam, resolve_param
+from paraminit_server.plane import errors
+from paraminit_server.plans.plan import ResolvedParam, resolve_param
+from support import VECTORS, case_param
 
 pytestmark = pytest.mark.gpu
 

@@ -20,10 +20,10 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
-from conftest import running_server
 from paraminit import cuda
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.server import Running
+from paraminit_server.rpc.server import Running
+from support import running_server
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")

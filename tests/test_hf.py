@@ -3,11 +3,17 @@ non-persistent buffers of meta models."""
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from paraminit_client import cli
+from support import run_cli
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -217,3 +223,49 @@ def test_meta_parameters_is_the_way_out(client: Client) -> None:
     materialize_module(model, client)
     assert torch.equal(model.inv_freq, Rotary().inv_freq) and model.proj.weight.any()
     assert isinstance(model.proj.weight, nn.Parameter) and model.proj.weight.requires_grad
+
+
+# -- plan from-module: the hf policy and overrides ------------------------------------------------------------------
+
+
+HF_SRC = """
+import torch
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=8))
+
+
+def proj_uniform(name, tensor):
+    if name.endswith("c_proj.weight"):
+        return {"uniform": {"lo": -0.125, "hi": 0.125}}
+    return None
+"""
+
+
+def test_plan_from_module_takes_the_hf_policy_and_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    (tmp_path / "hfmodels.py").write_text(HF_SRC)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    code, out, err = run_cli(capsys, "plan", "from-module", "hfmodels:tiny_gpt2", "--policy", "hf", "--seed", "3",
+                             "--overrides", "hfmodels:proj_uniform")
+    assert code == 0, err
+    from paraminit_client import plan_from_dict
+    from paraminit_client.torch import plan_from_module
+
+    plan = plan_from_dict(json.loads(out))
+    import hfmodels  # type: ignore[import-not-found]
+
+    with torch.device("meta"):
+        model = hfmodels.tiny_gpt2()
+    assert plan == plan_from_module(model, seed=3, policy="hf", overrides=hfmodels.proj_uniform)
+    by_name = {p.name: p for p in plan.params}
+    assert by_name["transformer.h.0.attn.c_proj.weight"].init.WhichOneof("kind") == "uniform"
+    assert by_name["transformer.h.0.attn.c_attn.weight"].init.normal.std == pytest.approx(0.02)
+    code, _, err = run_cli(capsys, "plan", "from-module", "hfmodels:tiny_gpt2", "--overrides", "hfmodels:nothing")
+    assert code == cli.EXIT_ERROR and "nothing" in err

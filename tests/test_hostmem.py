@@ -1,4 +1,4 @@
-"""Host memory helpers: huge-page buffers, and heap reuse for megabyte messages."""
+"""Host memory: huge-page buffers, heap reuse for megabyte messages, and the heap trimmed once the server stays idle."""
 
 from __future__ import annotations
 
@@ -6,11 +6,15 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
 
 from paraminit.hostmem import HUGE, PREFAULT_BLOCK, host_buffer, prefault
+from paraminit_client import param, plan_of
+from paraminit_server.plane.caller import Caller
+from support import running_server
 
 # Reads glibc's own accounting (mallinfo2) rather than page faults: which arena a new thread gets, and so
 # how many fresh pages it touches, varies from run to run; whether a message is a mapping of its own, and
@@ -94,3 +98,55 @@ def test_prefault_keeps_contents_while_a_writer_runs() -> None:
     assert np.array_equal(buf[:HUGE], head)
     assert (buf[n - HUGE:] == 0xA5).all()
     assert not buf[HUGE:n - HUGE].any()  # never-written pages read as zeros, as fresh anonymous memory does
+
+
+def test_validate_trims_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paraminit_server.plane import admission
+
+    trims: list[int] = []
+    monkeypatch.setattr(admission, "trim_heap", lambda: trims.append(1))
+    with running_server() as r:
+        r.plane.validate(plan_of([param("w", [4], {"zeros": {}})]), Caller())
+        assert trims == [1]
+
+
+def test_heap_is_trimmed_once_after_the_server_stays_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Back-to-back calls keep their heap: one pending timer however many calls end, no trim while a call
+    is in flight or when one came during the wait; the trim (and the message pool's release) comes once the
+    server has been idle for a whole wait. Timers are fired by hand, so no timing matters."""
+    from paraminit_server.plane import admission
+
+    timers: list[tuple[float, Any, tuple[Any, ...]]] = []
+
+    class Timer:
+        def __init__(self, interval: float, fn: Any, args: tuple[Any, ...] = ()) -> None:
+            self.entry = (interval, fn, args)
+            self.daemon = False
+
+        def start(self) -> None:
+            timers.append(self.entry)
+
+    def fire() -> None:
+        _, fn, args = timers.pop(0)
+        fn(*args)
+
+    trims: list[int] = []
+    idles: list[int] = []
+    monkeypatch.setattr(admission, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(admission.threading, "Timer", Timer)
+    adm = admission.Admission(4, 1 << 30, on_idle=lambda: idles.append(1))
+    for _ in range(200):
+        with adm.admit(1):
+            pass
+    assert len(timers) == 1 and timers[0][0] == admission.TRIM_AFTER_IDLE  # one pending, not one per call
+    with adm.admit(1):
+        fire()  # fires while a call is in flight: nothing, and nothing pending
+        assert trims == [] and timers == []
+    assert len(timers) == 1  # the call's end starts the wait again
+    with adm.admit(1):
+        pass
+    assert len(timers) == 1  # still one
+    fire()  # idle now, but a call came during the wait: wait again
+    assert trims == [] and len(timers) == 1
+    fire()  # a whole wait without a call
+    assert trims == [1] and idles == [1] and timers == []

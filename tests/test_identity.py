@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from paraminit_client import Client, param, plan_of
-from paraminit_server import auth, peer_user
-from paraminit_server.auth import Endpoint, local_identity
 from paraminit_server.config import ServerConfig
-from paraminit_server.peer_user import AMBIGUOUS, peer_uid
-from paraminit_server.server import Running, start
+from paraminit_server.rpc import auth, peer_user
+from paraminit_server.rpc.auth import Endpoint, local_identity
+from paraminit_server.rpc.peer_user import AMBIGUOUS, _proc_uid, peer_uid
+from paraminit_server.rpc.server import Running, start
 
 NOBODY = 65534
 
@@ -172,7 +172,7 @@ def test_loopback_lookup_matches_both_ends_and_refuses_ambiguity() -> None:
 def test_shm_for_a_user_who_could_not_open_it_is_refused_before_any_work() -> None:
     """uid 65534 asks a root-owned server for an SHM export: FAILED_PRECONDITION saying what works, and no
     segment was made or filled for it; STREAM works for them."""
-    from conftest import running_server, target_of
+    from support import running_server, target_of
 
     with running_server() as r:
         made: list[int] = []
@@ -195,3 +195,28 @@ def test_shm_for_a_user_who_could_not_open_it_is_refused_before_any_work() -> No
         assert f"uid {NOBODY}" in message and "use STREAM delivery" in message
         assert made == [] and r.plane.admission.host.reserved == 0
         assert out["stream"] == [1.0] * 4
+
+
+def test_peer_uid_reads_the_socket_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        with socket.create_connection(srv.getsockname()) as cl:
+            port = cl.getsockname()[1]
+            assert peer_uid(f"ipv4:127.0.0.1:{port}") == os.geteuid()
+            assert local_identity(f"ipv4:127.0.0.1:{port}") == f"uid:{os.geteuid()}"
+            # the /proc fallback (no netlink) gives the same answer
+            packed = socket.inet_aton("127.0.0.1")
+            assert _proc_uid(packed, port, ("/proc/net/tcp", "/proc/net/tcp6")) == os.geteuid()
+            with monkeypatch.context() as m:
+                m.setattr(peer_user, "_netlink_uid", lambda *a: (_ for _ in ()).throw(PermissionError("no netlink")))
+                assert peer_uid(f"ipv4:127.0.0.1:{port}") == os.geteuid()
+    for family, host in ((socket.AF_INET6, "::1"), (socket.AF_INET6, "::ffff:127.0.0.1")):
+        with socket.socket(family) as srv:
+            srv.bind(("::" if "." in host else host, 0))
+            srv.listen()
+            with socket.socket(family) as cl:
+                cl.connect((host, srv.getsockname()[1]))
+                assert peer_uid(f"ipv6:[{host}]:{cl.getsockname()[1]}") == os.geteuid()
+    assert local_identity("ipv4:10.1.2.3:5000") == "remote"
+    assert peer_uid("ipv4:127.0.0.1:1") is None

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import run_cli, running_server, target_of
 from paraminit import inits
 from paraminit.shapes import fan_in_out
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, cli, inspect, param, plan_of
 from paraminit_client.plans import plan_to_json
-from paraminit_server import plan as planlib
-from paraminit_server import validation
-from paraminit_server.server import Running
+from paraminit_server.plans import plan as planlib
+from paraminit_server.plans import validation
+from paraminit_server.rpc.server import Running
+from support import run_cli, running_server, target_of
 
 
 def test_the_table_names_every_kind_of_the_contract() -> None:

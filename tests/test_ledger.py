@@ -1,4 +1,4 @@
-"""One reservation mechanism (paraminit_server.ledger): claims are released or committed once, whatever races."""
+"""One reservation mechanism (paraminit_server.plane.ledger): claims are released or committed once, whatever races."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import threading
 import numpy as np
 import pytest
 
-from paraminit_server import errors
-from paraminit_server.admission import MemoryBudget
-from paraminit_server.leases import LeaseTable
-from paraminit_server.ledger import Claim, Ledger, Refusal
-from paraminit_server.payloads import Sources
+from paraminit_server.plane import errors
+from paraminit_server.plane.admission import MemoryBudget
+from paraminit_server.plane.leases import LeaseTable
+from paraminit_server.plane.ledger import Claim, Ledger, Refusal
+from paraminit_server.plans.payloads import Sources
 
 
 def limit(most: int) -> Refusal:
@@ -174,10 +174,11 @@ def test_payload_store_gives_back_bytes_on_every_failure_and_on_expiry() -> None
 
 def test_a_failed_export_leaves_no_slot_and_no_memory_held(monkeypatch: pytest.MonkeyPatch) -> None:
     from paraminit_client import param, plan_of
-    from paraminit_server import backends, engine
-    from paraminit_server.caller import Caller
+    from paraminit_server import backends
     from paraminit_server.config import ServerConfig
-    from paraminit_server.materializer import Materializer
+    from paraminit_server.plane import engine
+    from paraminit_server.plane.caller import Caller
+    from paraminit_server.plane.materializer import Materializer
 
     plane = Materializer(ServerConfig(backend="cpu", metrics_port=0, max_leases_per_client=2, shm_pool_bytes=0),
                          backends.create("cpu"))

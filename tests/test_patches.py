@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import reference
 
-from conftest import poisoned, server_fixture, target_of
 from paraminit import dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client
-from paraminit_server import engine, layout, validation
-from paraminit_server import plan as planlib
-from paraminit_server.server import Running
+from paraminit_server.plane import engine, layout
+from paraminit_server.plans import plan as planlib
+from paraminit_server.plans import validation
+from paraminit_server.rpc.server import Running
+from support import poisoned, server_fixture, target_of
 
 server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import ml_dtypes
@@ -12,11 +14,13 @@ import pytest
 import reference
 from safetensors.numpy import save_file
 
-from conftest import running_server, target_of
 from paraminit import dtypes
 from paraminit_client import Client, ParaminitError, param, plan_from_safetensors, plan_of
-from paraminit_server.caller import Caller
-from paraminit_server.server import Running
+from paraminit_server.plane import errors
+from paraminit_server.plane.caller import Caller
+from paraminit_server.plane.materializer import PayloadPiece
+from paraminit_server.rpc.server import Running
+from support import running_server, target_of, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +149,55 @@ def test_payloads_keep_their_dtype_and_windows_convert_exactly(server: Running, 
                 out = np.full(b - a, 0xFFFF if dt.itemsize == 2 else np.nan, dtype=dt.storage)
                 server.plane.backend.fill(rp, out, a)
                 assert out.tobytes() == want[a:b].tobytes(), (dst, region, a, b)
+
+
+MiB = 1 << 20
+
+
+# -- uploads in flight count against the payload limit ----------------------------------
+
+
+def test_concurrent_uploads_cannot_overshoot_the_payload_limit() -> None:
+    """Four uploads of 1.5 MiB (float64, kept as uploaded) against a 4 MiB limit, all receiving at once: two fit."""
+    count = (3 * MiB // 2) // 8
+    go = threading.Event()
+    with running_server(max_payload_bytes=4 * MiB) as r:
+        plane = r.plane
+        values = np.arange(count, dtype=np.float64)
+        raw = values.tobytes()
+        f64 = dtypes.by_name("float64").enum
+
+        def pieces() -> Any:
+            yield PayloadPiece(f64, count, raw[:4096])
+            assert go.wait(60)
+            yield PayloadPiece(0, 0, raw[4096:])
+
+        results: list[Any] = []
+
+        def upload() -> None:
+            try:
+                results.append(plane.upload(pieces(), Caller("uploader")))
+            except errors.ResourceExhausted as exc:
+                results.append(exc)
+
+        threads = [threading.Thread(target=upload) for _ in range(4)]
+        for t in threads:
+            t.start()
+        # the two that do not fit are refused while the other two are still receiving
+        assert wait_until(lambda: sum(isinstance(x, errors.ResourceExhausted) for x in results) == 2, 30)
+        assert plane.sources.used_bytes() == 2 * count * 8
+        go.set()
+        for t in threads:
+            t.join(60)
+        stored = [x for x in results if not isinstance(x, BaseException)]
+        assert len(stored) == 2
+        assert plane.sources.used_bytes() == 2 * count * 8 <= 4 * MiB
+        assert all(np.array_equal(p.values, values) for _, p in stored)
+
+        def failing() -> Any:  # a failed upload gives its bytes back
+            yield PayloadPiece(f64, count, raw[:4096])
+            raise errors.InvalidRequest("client went away")
+
+        with pytest.raises(errors.ResourceExhausted):
+            plane.upload(failing(), Caller("uploader"))  # no room while two are stored
+        assert plane.sources.used_bytes() == 2 * count * 8

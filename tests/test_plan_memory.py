@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from conftest import running_server, target_of
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.materializer import PLAN_PARAM_BYTES, max_request_bytes, plan_memory
+from paraminit_server.plane.materializer import PLAN_PARAM_BYTES, max_request_bytes, plan_memory
+from support import running_server, target_of
 
 MiB = 1 << 20
 

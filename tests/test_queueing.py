@@ -13,14 +13,14 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import running_server, target_of, wait_until
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_client.client import SERVICE_CONFIG
-from paraminit_server import errors
-from paraminit_server.admission import SlotQueue
-from paraminit_server.status import PUSHBACK
+from paraminit_server.plane import errors
+from paraminit_server.plane.admission import SlotQueue
+from paraminit_server.rpc.status import PUSHBACK
+from support import running_server, target_of, wait_until
 
 MiB = 1 << 20
 LONG = 120.0  # a wait that never runs out in these tests: slots are handed over by the test itself
@@ -310,3 +310,52 @@ def test_a_stream_being_retried_when_its_server_goes_away_still_ends(stand_in: t
     server.stop(0)  # the next attempt finds no server
     t.join(LONG)
     assert outcome == [grpc.StatusCode.UNAVAILABLE]
+
+
+# -- calls without a deadline are refused at once when memory is short -------------------
+
+
+def test_no_deadline_call_is_refused_at_once() -> None:
+    """admission_wait is 10 minutes; a no-deadline call that cannot be admitted must not wait for it."""
+    with running_server(memory_budget=8 * MiB, admission_wait=600.0) as r, Client(target_of(r)) as c:
+        held = c.export(plan_of([param("a", [MiB], {"zeros": {}})]))  # 4 MiB of 8
+        done: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                c.export(plan_of([param("b", [(6 * MiB) // 4], {"zeros": {}})]))
+            except ParaminitError as err:
+                done.append(err)
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        assert wait_until(lambda: bool(done), 60), "a call without a deadline waited for --admission-wait"
+        assert isinstance(done[0], ParaminitError) and done[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        held.release()
+
+
+def test_caller_wait_is_zero_without_deadline() -> None:
+    """grpc reports about 9.2e18 s remaining for a call without a deadline; that is not a deadline."""
+    with running_server(admission_wait=5.0) as r:
+        class Ctx:
+            def __init__(self, remaining: float | None) -> None:
+                self.remaining = remaining
+
+            def time_remaining(self) -> float | None:
+                return self.remaining
+
+            def invocation_metadata(self) -> tuple[()]:
+                return ()
+
+            def auth_context(self) -> dict[str, list[bytes]]:
+                return {}
+
+            def peer(self) -> str:
+                return "ipv4:10.0.0.1:1234"
+
+            def is_active(self) -> bool:
+                return True
+
+        assert r.servicer.caller(Ctx(9.2e18)).wait == 0.0  # type: ignore[arg-type]
+        assert r.servicer.caller(Ctx(None)).wait == 0.0  # type: ignore[arg-type]
+        assert r.servicer.caller(Ctx(4.0)).wait == 2.0  # type: ignore[arg-type]

@@ -74,3 +74,11 @@ def test_json_block_is_a_valid_plan(index: int) -> None:
     with Client() as c:
         report = c.validate(plan)
     assert report.ok and len(plan.params) >= 1, report.lines()
+
+
+def test_make_demo_ends_by_saying_how_to_run_paraminit() -> None:
+    done = subprocess.run(["make", "-n", "-W", "pyproject.toml", "demo"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    tail = done.stdout[done.stdout.index("paraminit materialize"):]
+    assert ".venv/bin/paraminit --help" in tail and ". .venv/bin/activate" in tail

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conftest import running_server, target_of
 from paraminit import dtypes
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server import errors, payloads
-from paraminit_server import plan as planlib
-from paraminit_server.payloads import BoundSources, Sources
-from paraminit_server.server import Running
+from paraminit_server.plane import errors
+from paraminit_server.plans import payloads
+from paraminit_server.plans import plan as planlib
+from paraminit_server.plans.payloads import BoundSources, Sources
+from paraminit_server.rpc.server import Running
+from support import running_server, target_of
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from conftest import run_cli
 from paraminit import safetensors_header as sth
 from paraminit_client import cli, inspect, plans
-from paraminit_server import errors
-from paraminit_server.payloads import BoundSources, Sources
+from paraminit_server.plane import errors
+from paraminit_server.plans.payloads import BoundSources, Sources
+from support import run_cli
 
 SECRET = "SECRET_tensor_name_7c1f"  # a name in the file: errors the server sends must not quote it
 W = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
@@ -153,8 +153,8 @@ def test_inspect_counts_non_finite_values_per_tensor(tmp_path: Path, capsys: pyt
 def test_a_server_answers_invalid_argument_for_each_hostile_file(hostile: dict[str, Path]) -> None:
     import grpc
 
-    from conftest import running_server, target_of
     from paraminit_client import Client, ParaminitError, param, plan_of
+    from support import running_server, target_of
 
     d = next(iter(hostile.values())).parent
     with running_server(safetensors_dirs=str(d)) as r, Client(target_of(r), timeout=60) as c:

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import serve_subprocess
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, param, plan_of, scaleout
 from paraminit_client.arrays import numpy_dtype
+from support import serve_subprocess
 
 BIN = Path(sys.executable).parent
 

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from conftest import server_fixture
 from paraminit.peers import is_local_target
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client
@@ -32,6 +31,7 @@ from paraminit_client.torch import (
     param_seed,
     plan_from_module,
 )
+from support import server_fixture
 
 # -- a GPT-2-shaped model in plain torch.nn ------------------------------------------------
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from paraminit.v1 import plan_pb2
-from paraminit_client import param, plan_of, zip_plan
-from paraminit_server.validation import Limits, validate
+from paraminit_client import Client, ParaminitError, param, plan_of, zip_plan
+from paraminit_server.plans.validation import Limits, validate
+from support import running_server, server_fixture, target_of
 
 
 def messages(plan: plan_pb2.Plan, limits: Limits | None = None) -> list[str]:
@@ -115,3 +117,62 @@ def test_initializer_list_length_messages() -> None:
     with pytest.raises(ValueError, match=r"^torch.runtimeInit: initializer array longer than parameter list$"):
         zip_plan([("a", [1])], [init, init])
     assert len(zip_plan([("a", [1])], [init]).params) == 1
+
+
+server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
+
+
+def mixed_plan() -> plan_pb2.Plan:
+    return plan_of([
+        param("w", [33, 17], {"kaimingUniformForShape": {"seed": 3}}),
+        param("e", [50, 8], {"normal": {"mean": 0.5, "std": 2.0, "seed": 4}}, "bfloat16"),
+        param("h", [7], {"uniform": {"lo": -3, "hi": 5, "seed": 5}}, "float16"),
+        param("d", [4, 5, 6], {"xavierUniformForShape": {"seed": 6}}, "float64", region=[(1, 3), (0, 5), (2, 5)]),
+        param("f", [3], {"flat": {"values": [1.5, -2.25, 3e38]}}, "bfloat16"),
+        param("s", [], {"ones": {}}),
+    ])
+
+
+def test_validate_rpc(client: Client) -> None:
+    report = client.validate(mixed_plan())
+    assert report.ok and report.total_bytes == sum(report.param_bytes) > 0
+    bad = plan_of([param("a", [3], {"uniform": {"lo": 1, "hi": 0}}), param("a", [2], {"flat": {"values": [1]}})])
+    report = client.validate(bad)
+    assert not report.valid and len(report.violations) == 3
+
+
+def test_invalid_plan_gives_every_violation(client: Client) -> None:
+    bad = plan_of([param("a", [3], {"uniform": {"lo": 1, "hi": 0}}), param("b", [2], {"flat": {"values": [1]}}),
+                   param("c", [4], {"kaimingUniformForShape": {}})])
+    with pytest.raises(ParaminitError) as info:
+        client.materialize(bad)
+    err = info.value
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [v.field for v in err.violations] == ["params[0].init.uniform", "params[1].init.flat.values",
+                                                 "params[2].init.kaimingUniformForShape"]
+    assert "initialization: uniform lower bound must not exceed the upper bound" in err.message
+    assert "Traceback" not in err.message
+
+
+# -- error details stay small enough to arrive ------------------------------------------
+
+
+def test_many_long_violations_arrive_as_invalid_argument() -> None:
+    names = [f"model.layers.{i}.self_attention.query_key_value.weight.{'x' * 180}" for i in range(20)]
+    plan = plan_of([param(n, [4], {"uniform": {"lo": 1, "hi": 0}}) for n in names]
+                   + [param("y" * 10_000, [4], {"normal": {"std": -1}}),
+                      param("z", [4], {"safetensors": {"path": "/" + "p" * 4000, "tensor": "t" * 4000}}),
+                      param("q", [4], {"flatRef": {"payloadId": "f" * 50_000}})])
+    with running_server() as r, Client(target_of(r), timeout=30) as c:
+        with pytest.raises(ParaminitError) as info:
+            c.materialize(plan)
+        err = info.value
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT, err
+        assert err.violations and "uniform lower bound must not exceed the upper bound" in err.violations[0].description
+        assert len(err.violations) == 24 and err.omitted == 0  # all of them fit the default trailer limit
+        assert len(err.message.encode()) <= 400 and "invalid plan: 24 violation(s)" in err.message  # the 10k name breaks two rules
+        report = c.validate(plan)  # Validate's body still carries every violation
+        assert len(report.violations) == 24
+        with pytest.raises(ParaminitError) as info:  # a 1 MB lease id is echoed cut short
+            c.release("L" * (1 << 20))
+        assert info.value.code == grpc.StatusCode.NOT_FOUND and len(info.value.message) <= 400

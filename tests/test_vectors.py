@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import reference
 
-from conftest import VECTORS, case_param, poisoned
 from paraminit_client import cli, plans
-from paraminit_server import spec
-from paraminit_server.plan import resolve_param
+from paraminit_server.plans import spec
+from paraminit_server.plans.plan import resolve_param
+from support import VECTORS, case_param, poisoned
 
 CASES = VECTORS["cases"]
 

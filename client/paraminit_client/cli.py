@@ -94,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"paraminit: the server is not installed ({args.server_missing})", file=sys.stderr)
         return EXIT_ERROR
     from paraminit_server.config import from_args
-    from paraminit_server.server import serve
+    from paraminit_server.rpc.server import serve
 
     try:
         config = from_args(args)

@@ -9,7 +9,7 @@ from typing import NoReturn
 
 from paraminit import exitcodes
 from paraminit_server.config import add_arguments, from_args
-from paraminit_server.server import serve
+from paraminit_server.rpc.server import serve
 
 
 class _Parser(argparse.ArgumentParser):

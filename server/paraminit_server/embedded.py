@@ -24,13 +24,15 @@ from paraminit import times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit.violations import Violation
-from paraminit_server import backends, errors, service
+from paraminit_server import backends
 from paraminit_server.__main__ import main as serve_main
-from paraminit_server.admission import MEMORY_RETRY_AFTER
-from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
-from paraminit_server.materializer import Materializer, PayloadPiece, StreamStart
-from paraminit_server.server import Running, start
+from paraminit_server.plane import errors
+from paraminit_server.plane.admission import MEMORY_RETRY_AFTER
+from paraminit_server.plane.caller import Caller
+from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
+from paraminit_server.rpc import service
+from paraminit_server.rpc.server import Running, start
 
 __all__ = ["Failure", "InProcess", "Materializer", "Running", "ServerConfig", "Validated", "data_plane",
            "loopback_server", "serve_main"]

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from paraminit_server.errors import BackendUnavailable
-from paraminit_server.plan import ResolvedParam
+from paraminit_server.plane.errors import BackendUnavailable
+from paraminit_server.plans.plan import ResolvedParam
 
 HOST = "host"
 DEVICE = "device"

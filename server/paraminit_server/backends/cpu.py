@@ -15,11 +15,11 @@ import numba
 import numpy as np
 
 from paraminit.hostmem import host_buffer
-from paraminit_server.admission import host_memory
 from paraminit_server.backends import HOST, SHM, DeviceDescription, ExportBuffer, cpu_kernels
-from paraminit_server.errors import Cancelled
-from paraminit_server.plan import Kind, ResolvedParam, Runs, warm_up_params
-from paraminit_server.shm import ShmSegment
+from paraminit_server.plane.admission import host_memory
+from paraminit_server.plane.errors import Cancelled
+from paraminit_server.plane.shm import ShmSegment
+from paraminit_server.plans.plan import Kind, ResolvedParam, Runs, warm_up_params
 
 _NO_VALUES = np.zeros(0, dtype=np.float64)
 _NO_INDEX = np.zeros(0, dtype=np.int64)

@@ -26,8 +26,8 @@ import numpy.typing as npt
 from paraminit import dtypes
 from paraminit.cuda import IPC_HANDLE_BYTES, device_uuid
 from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle
-from paraminit_server.errors import BackendUnavailable, Cancelled, ResourceExhausted
-from paraminit_server.plan import Kind, ResolvedParam, warm_up_params
+from paraminit_server.plane.errors import BackendUnavailable, Cancelled, ResourceExhausted
+from paraminit_server.plans.plan import Kind, ResolvedParam, warm_up_params
 
 KERNEL_DIR = Path(__file__).parent / "cuda"
 KERNEL_SOURCE = KERNEL_DIR / "paraminit_kernels.cu"

@@ -23,9 +23,8 @@ from typing import Any
 import grpc
 
 from paraminit import peers
-
-from .caller import REMOTE, UNIX_SHARED
-from .peer_user import AMBIGUOUS, peer_uid
+from paraminit_server.plane.caller import REMOTE, UNIX_SHARED
+from paraminit_server.rpc.peer_user import AMBIGUOUS, peer_uid
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_PREFIX = "/grpc.reflection."

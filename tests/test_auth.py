@@ -1,4 +1,5 @@
-"""TLS, mutual TLS and bearer tokens, and lease isolation between identities."""
+"""Authentication and isolation: TLS, mutual TLS and certificate identities, bearer tokens, leases and payloads
+that belong to their identity, unauthenticated calls that hold no worker and no memory, and local users."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import datetime
 import ipaddress
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,13 +19,11 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import running_server, serve_subprocess, server_fixture
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server import peer_user
-from paraminit_server.auth import certificate_identity, local_identity
-from paraminit_server.peer_user import _proc_uid, peer_uid
-from paraminit_server.server import Running
+from paraminit_server.rpc.auth import certificate_identity
+from paraminit_server.rpc.server import Running
+from support import running_server, serve_subprocess, server_fixture
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
@@ -220,31 +218,6 @@ def test_local_users_are_isolated_without_tokens(tmp_path: Path) -> None:
         assert any("no payload" in line for line in report.lines())
         assert r.plane.sources.payload(out["theirs"], "uid:65534") is not None
         assert lease.release() is True
-
-
-def test_peer_uid_reads_the_socket_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen()
-        with socket.create_connection(srv.getsockname()) as cl:
-            port = cl.getsockname()[1]
-            assert peer_uid(f"ipv4:127.0.0.1:{port}") == os.geteuid()
-            assert local_identity(f"ipv4:127.0.0.1:{port}") == f"uid:{os.geteuid()}"
-            # the /proc fallback (no netlink) gives the same answer
-            packed = socket.inet_aton("127.0.0.1")
-            assert _proc_uid(packed, port, ("/proc/net/tcp", "/proc/net/tcp6")) == os.geteuid()
-            with monkeypatch.context() as m:
-                m.setattr(peer_user, "_netlink_uid", lambda *a: (_ for _ in ()).throw(PermissionError("no netlink")))
-                assert peer_uid(f"ipv4:127.0.0.1:{port}") == os.geteuid()
-    for family, host in ((socket.AF_INET6, "::1"), (socket.AF_INET6, "::ffff:127.0.0.1")):
-        with socket.socket(family) as srv:
-            srv.bind(("::" if "." in host else host, 0))
-            srv.listen()
-            with socket.socket(family) as cl:
-                cl.connect((host, srv.getsockname()[1]))
-                assert peer_uid(f"ipv6:[{host}]:{cl.getsockname()[1]}") == os.geteuid()
-    assert local_identity("ipv4:10.1.2.3:5000") == "remote"
-    assert peer_uid("ipv4:127.0.0.1:1") is None
 
 
 def test_certificates_without_subject_do_not_share_an_identity(tmp_path: Path, pki: Path) -> None:

@@ -26,9 +26,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from paraminit_server import errors
-from paraminit_server.caller import IN_PROCESS, Caller
-from paraminit_server.ledger import Claim, Ledger
+from paraminit_server.plane import errors
+from paraminit_server.plane.caller import IN_PROCESS, Caller
+from paraminit_server.plane.ledger import Claim, Ledger
 
 
 def _malloc_trim() -> Callable[[], None]:

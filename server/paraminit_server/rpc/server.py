@@ -27,14 +27,15 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from paraminit import wire
 from paraminit.hostmem import tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
-from paraminit_server import backends, shm
-from paraminit_server.auth import AuthInterceptor, Endpoint, TokenAuth, server_credentials
+from paraminit_server import backends
+from paraminit_server.backends.jit_cache import prepare_jit_cache
 from paraminit_server.config import ServerConfig
-from paraminit_server.jit_cache import prepare_jit_cache
-from paraminit_server.materializer import Materializer, max_request_bytes
-from paraminit_server.metrics import Metrics
-from paraminit_server.service import InitServicer
-from paraminit_server.status import MalformedRequest
+from paraminit_server.plane import shm
+from paraminit_server.plane.materializer import Materializer, max_request_bytes
+from paraminit_server.rpc.auth import AuthInterceptor, Endpoint, TokenAuth, server_credentials
+from paraminit_server.rpc.metrics import Metrics
+from paraminit_server.rpc.service import InitServicer
+from paraminit_server.rpc.status import MalformedRequest
 
 log = logging.getLogger("paraminit.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InitService"].full_name

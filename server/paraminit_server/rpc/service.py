@@ -18,16 +18,16 @@ from paraminit import dtypes, peers, times, wire
 from paraminit.header_checksum import header_crc32c
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
-from paraminit_server import errors
-from paraminit_server.auth import Endpoint, TokenAuth, identity
 from paraminit_server.backends import CUDA_IPC, SHM, ExportHandle
-from paraminit_server.caller import Caller
-from paraminit_server.exports import Export
-from paraminit_server.layout import Layout
-from paraminit_server.leases import LeaseRecord
-from paraminit_server.materializer import Materializer, PayloadPiece, StreamStart
-from paraminit_server.metrics import Metrics
-from paraminit_server.status import MalformedRequest, boundary
+from paraminit_server.plane import errors
+from paraminit_server.plane.caller import Caller
+from paraminit_server.plane.exports import Export
+from paraminit_server.plane.layout import Layout
+from paraminit_server.plane.leases import LeaseRecord
+from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
+from paraminit_server.rpc.auth import Endpoint, TokenAuth, identity
+from paraminit_server.rpc.metrics import Metrics
+from paraminit_server.rpc.status import MalformedRequest, boundary
 
 log = logging.getLogger("paraminit.server")
 DELIVERIES: dict[str, int] = {"stream": pb.DELIVERY_STREAM, SHM: pb.DELIVERY_SHM, CUDA_IPC: pb.DELIVERY_CUDA_IPC}

@@ -19,15 +19,17 @@ import numpy.typing as npt
 from paraminit import dtypes, overlap
 from paraminit.hostmem import host_buffer
 from paraminit.v1 import plan_pb2
-from paraminit_server import __version__, admission, engine, errors, layout, plan, validation
-from paraminit_server.admission import Admission, host_memory
+from paraminit_server import __version__
 from paraminit_server.backends import HOST, Backend, DeviceDescription
-from paraminit_server.caller import Caller
 from paraminit_server.config import ServerConfig
-from paraminit_server.exports import Export, Exports
-from paraminit_server.leases import LeaseRecord, LeaseTable
-from paraminit_server.ledger import Claim
-from paraminit_server.payloads import BoundSources, Payload, Sources, payload_hasher
+from paraminit_server.plane import admission, engine, errors, layout
+from paraminit_server.plane.admission import Admission, host_memory
+from paraminit_server.plane.caller import Caller
+from paraminit_server.plane.exports import Export, Exports
+from paraminit_server.plane.leases import LeaseRecord, LeaseTable
+from paraminit_server.plane.ledger import Claim
+from paraminit_server.plans import plan, validation
+from paraminit_server.plans.payloads import BoundSources, Payload, Sources, payload_hasher
 
 PREFETCH = 2  # slabs generated ahead of the one being sent
 # What checking a plan costs in host memory, charged to the budget before the work: per parameter (its

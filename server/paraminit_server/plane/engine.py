@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from paraminit_server import errors
 from paraminit_server.backends import HOST, Backend
-from paraminit_server.layout import SLAB_QUANTUM, Layout
-from paraminit_server.plan import ResolvedParam
+from paraminit_server.plane import errors
+from paraminit_server.plane.layout import SLAB_QUANTUM, Layout
+from paraminit_server.plans.plan import ResolvedParam
 
 
 def fill_window(backend: Backend, layout: Layout, buf: Any, start: int) -> None:

@@ -32,9 +32,10 @@ import numpy.typing as npt
 
 from paraminit import dtypes
 from paraminit.regions import Region
-from paraminit_server import errors, files
-from paraminit_server.files import FileChanged, Header, StoredTensor
-from paraminit_server.ledger import Claim, Ledger
+from paraminit_server.plane import errors
+from paraminit_server.plane.ledger import Claim, Ledger
+from paraminit_server.plans import files
+from paraminit_server.plans.files import FileChanged, Header, StoredTensor
 
 __all__ = ["BoundSources", "FileChanged", "Payload", "PayloadTicket", "Sources", "StoredTensor", "to_binary64"]
 

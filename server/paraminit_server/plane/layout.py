@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from paraminit_server.plan import ResolvedParam
+from paraminit_server.plans.plan import ResolvedParam
 
 STREAM_ALIGN = 64
 EXPORT_ALIGN = 64

@@ -23,7 +23,8 @@ import numpy.typing as npt
 from paraminit import dtypes, inits, regions
 from paraminit.regions import Runs as Runs  # what backends walk; defined with the regions
 from paraminit.v1 import plan_pb2
-from paraminit_server import errors, spec
+from paraminit_server.plane import errors
+from paraminit_server.plans import spec
 
 
 class Kind(enum.IntEnum):

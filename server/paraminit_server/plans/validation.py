@@ -13,7 +13,8 @@ from typing import Any, Protocol
 from paraminit import dtypes, inits
 from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, Violation, camel_path
-from paraminit_server import errors, spec
+from paraminit_server.plane import errors
+from paraminit_server.plans import spec
 
 __all__ = ["INVALID", "LIMIT", "Limits", "Report", "Violation", "validate"]
 

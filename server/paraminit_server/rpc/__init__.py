@@ -1,0 +1,1 @@
+"""The gRPC surface: server lifecycle, the servicer, the status boundary, authentication, metrics."""

@@ -1,0 +1,113 @@
+"""Helpers shared by the tests (`from support import ...`): plans from vectors.json, poisoned buffers,
+servers in process and in subprocesses, the CLI in process. Fixtures and hooks stay in conftest.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from google.protobuf import json_format
+
+from paraminit import dtypes
+from paraminit.v1 import plan_pb2
+from paraminit_client import Client, cli
+from paraminit_server.config import ServerConfig
+from paraminit_server.rpc.server import Running, start
+
+VECTORS = json.loads((Path(__file__).parent / "vectors.json").read_text())
+
+
+def case_param(case: dict[str, Any]) -> plan_pb2.Param:
+    p = plan_pb2.Param(name=case["name"], shape=case["shape"], dtype=dtypes.by_name(case["dtype"]).enum)
+    json_format.ParseDict(case["init"], p.init)
+    for lo, hi in case.get("region", []):
+        p.region.add(start=lo, stop=hi)
+    return p
+
+
+def poisoned(n: int, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+    """A buffer full of NaN (0xFFFF.. bit patterns) so an unwritten element never passes."""
+    out = np.empty(n, dtype=dtype)
+    out.view(np.uint8).fill(0xFF)
+    return out
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Poll until predicate() is truthy; False once the timeout passes (assert on the result)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+@contextlib.contextmanager
+def running_server(instance: Any = None, **config: Any) -> Iterator[Running]:
+    """An in-process server on a free loopback port, SERVING when entered, stopped (leases freed) on exit.
+    `instance`: a backend object to use instead of the one config.backend names."""
+    config.setdefault("backend", "cpu")
+    running = start(ServerConfig(host="127.0.0.1", port=0, **config), backend=instance, warm_up_async=False)
+    try:
+        yield running
+    finally:
+        running.stop(grace=0)
+
+
+def server_fixture(scope: Any = "module", **config: Any) -> Any:
+    """A `server` fixture for a test module: `server = server_fixture(max_plan_bytes=...)`."""
+
+    @pytest.fixture(scope=scope)
+    def server() -> Iterator[Running]:
+        with running_server(**config) as running:
+            yield running
+
+    return server
+
+
+def target_of(running: Running) -> str:
+    return f"127.0.0.1:{running.port}"
+
+
+def serve_subprocess(env: dict[str, str] | None = None, stderr: Any = None) -> tuple[Any, str]:
+    """A real `paraminit-server` process on a free loopback port, waited on until SERVING."""
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "paraminit-server")], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL if stderr is None else stderr, text=True,
+                            env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "cpu", **(env or {})})
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    m = re.search(r"listening on [\d.]+:(\d+)", line)
+    assert m, line
+    target = f"127.0.0.1:{m.group(1)}"
+    with Client(target, timeout=5) as c:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"paraminit-server exited with {proc.returncode} before SERVING")
+            try:
+                return c.health() == "SERVING"
+            except Exception:
+                return False
+
+        assert wait_until(up, 300, 0.05), "paraminit-server not SERVING after 300 s"
+    return proc, target
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """cli.main in this process: (exit code, stdout, stderr); argparse exits become codes."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -1,0 +1,135 @@
+"""The CPU kernels' JIT cache: an unwritable cache falls back and is seeded, the CPU-model pin, a read-only install
+only slows the start, a cold CLI says it compiles, and a warm-up that fails exits with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paraminit_client import Client, param, plan_of
+from paraminit_server.backends.cpu import COMPILE_LINE
+from support import serve_subprocess
+
+BIN = Path(sys.executable).parent
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+# -- JIT cache ------------------------------------------------------------------------------------------------------
+
+
+def test_unwritable_cache_falls_back_and_seed_is_copied(tmp_path: Path) -> None:
+    from paraminit_server.backends import jit_cache
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")  # unwritable even for root: a path below a regular file
+    seed = _tree(tmp_path / "seed", {"numba/backends_abc/cpu_kernels.fill-1.py311.nbi": "index",
+                                     "numba/backends_abc/cpu_kernels.fill-1.py311.1.nbc": "code"})
+    env = {"NUMBA_CACHE_DIR": str(blocker / "numba"), "PARAMINIT_JIT_CACHE_SEED": str(seed)}
+    result = jit_cache.prepare_jit_cache(env)
+    assert "not writable" in result.warning and env["NUMBA_CACHE_DIR"] == result.path != str(blocker / "numba")
+    cache = Path(result.path)
+    assert result.seeded == 2
+    assert (cache / "backends_abc" / "cpu_kernels.fill-1.py311.1.nbc").read_text() == "code"
+    # A writable cache keeps what it has (entries compiled here are newer than the seed's).
+    (cache / "backends_abc" / "cpu_kernels.fill-1.py311.nbi").write_text("newer index")
+    again = jit_cache.prepare_jit_cache({"NUMBA_CACHE_DIR": str(cache), "PARAMINIT_JIT_CACHE_SEED": str(seed)})
+    assert again.warning == "" and again.seeded == 0
+    assert (cache / "backends_abc" / "cpu_kernels.fill-1.py311.nbi").read_text() == "newer index"
+
+
+def test_cpu_model_pin_translates_only_when_asked() -> None:
+    from paraminit_server.backends import jit_cache
+
+    env = {"PARAMINIT_NUMBA_CPU_NAME": ""}
+    jit_cache.prepare_jit_cache(env)
+    assert "NUMBA_CPU_NAME" not in env and "NUMBA_CPU_FEATURES" not in env
+    env = {"PARAMINIT_NUMBA_CPU_NAME": "x86-64-v3"}
+    jit_cache.prepare_jit_cache(env)
+    assert env["NUMBA_CPU_NAME"] == "x86-64-v3" and env["NUMBA_CPU_FEATURES"] == ""
+    env = {"PARAMINIT_NUMBA_CPU_NAME": "x86-64-v3", "NUMBA_CPU_NAME": "znver4"}  # numba's own setting wins
+    jit_cache.prepare_jit_cache(env)
+    assert env["NUMBA_CPU_NAME"] == "znver4" and "NUMBA_CPU_FEATURES" not in env
+
+
+@pytest.fixture(scope="module")
+def read_only_install(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of a server installed read-only, as in the image: numba may cache only under
+    NUMBA_CACHE_DIR or the home directory (not next to the sources), and both are unwritable."""
+    base = tmp_path_factory.mktemp("ro")
+    blocker = base / "file"
+    blocker.write_text("")
+    return {"NUMBA_CACHE_LOCATOR_CLASSES": "UserProvidedCacheLocator,UserWideCacheLocator",
+            "NUMBA_CACHE_DIR": str(blocker / "numba"), "HOME": str(blocker), "XDG_CACHE_HOME": str(blocker),
+            "TMPDIR": str(base), "PARAMINIT_LOG_FORMAT": "text"}
+
+
+def test_unwritable_numba_cache_only_slows_start(read_only_install: dict[str, str]) -> None:
+    proc, target = serve_subprocess(read_only_install, stderr=subprocess.PIPE)
+    try:
+        with Client(target) as c:
+            assert c.health() == "SERVING"
+            out = c.materialize(plan_of([param("w", [64], {"uniform": {"lo": -1, "hi": 1, "seed": 5}})]))
+            assert any(float(v) != 0.0 for v in out["w"].reshape(-1))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    assert "is not writable" in err and "caching into" in err, err
+    assert err.count(COMPILE_LINE) == 1, err  # a cold cache is not silent, and says so once
+
+
+def test_cold_cli_says_it_compiles_and_reports_compiling_apart(tmp_path: Path) -> None:
+    """A first materialize with an empty kernel cache prints the compile line once and reports the compile
+    seconds apart from the time its throughput is computed over; the next process loads them and says nothing."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"params": [{"name": "w", "shape": [64, 64],
+                                            "init": {"normal": {"std": 0.02, "seed": 3}}}]}))
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    summaries = []
+    for _ in range(2):
+        r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
+                           env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr
+        summaries.append((r.stdout, r.stderr))
+    (cold, cold_err), (warm, warm_err) = summaries
+    assert cold_err.count(COMPILE_LINE) == 1, cold_err
+    m = re.search(r"in [\d.]+ s plus ([\d.]+) s compiling CPU kernels \([\d.]+ \w+/s;", cold)
+    assert m and float(m.group(1)) > 0, cold
+    assert COMPILE_LINE not in warm_err and "compiling" not in warm, (warm, warm_err)
+    assert re.search(r"in [\d.]+ s \([\d.]+ \w+/s;", warm), warm
+
+
+def test_failed_warm_up_exits_non_zero_with_one_line(read_only_install: dict[str, str]) -> None:
+    """A threading layer that cannot load fails the first parallel kernel: the server must exit (and be
+    restarted or reported) instead of staying up NOT_SERVING; stderr says why in one line, no traceback."""
+    env = {**os.environ, **read_only_install, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "cpu",
+           "NUMBA_THREADING_LAYER": "tbb"}
+    try:
+        import numba.np.ufunc.tbbpool  # noqa: F401
+    except Exception:
+        pass
+    else:
+        pytest.skip("TBB is installed here, so the tbb threading layer would load")
+    proc = subprocess.run([str(BIN / "paraminit-server")], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "warm-up failed" in line]
+    assert len(errors) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "threading layer" in errors[0].lower(), errors[0]
