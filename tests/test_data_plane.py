@@ -141,8 +141,9 @@ def test_closing_a_stream_early_gives_everything_back(plane: Materializer) -> No
     assert plane.admission.host.reserved == 0 and plane.admission.in_flight == 0
 
 
-DATA_PLANE = ["materializer", "engine", "admission", "ledger", "leases", "payloads", "plan", "validation", "layout",
-              "errors", "exports", "backends", "backends.cpu"]
+DATA_PLANE = ["plane.materializer", "plane.engine", "plane.admission", "plane.ledger", "plane.leases",
+              "plane.layout", "plane.errors", "plane.exports", "plane.shm", "plane.caller", "plans.payloads",
+              "plans.plan", "plans.validation", "plans.files", "backends", "backends.cpu"]
 
 
 def test_the_data_plane_imports_no_transport() -> None:
