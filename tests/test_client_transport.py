@@ -10,7 +10,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -224,6 +224,23 @@ def test_every_client_error_is_a_paraminit_error(tmp_path: Path) -> None:
             c.upload_payload(np.ones(3, np.int32))
         with pytest.raises(ParaminitError):
             c.materialize_to_file(mixed_plan(), tmp_path / "no" / "such" / "dir.safetensors")
+
+
+def test_plan_builders_and_adapters_raise_paraminit_errors() -> None:
+    """The plan builders and the framework adapters refuse bad arguments with the client's error too."""
+    from paraminit_client.plans import zip_plan
+
+    with pytest.raises(ParaminitError) as short:
+        zip_plan([("a", [2]), ("b", [3])], [plan_pb2.Init()])
+    assert isinstance(short.value, InvalidArgument) and "shorter" in str(short.value)
+    torch = pytest.importorskip("torch")
+    from paraminit_client.distributed import materialize_region
+    from paraminit_client.torch import plan_from_module
+
+    with pytest.raises(ParaminitError, match="policy must be one of"):
+        plan_from_module(torch.nn.Linear(2, 2, device="meta"), 0, policy=cast(Any, "bogus"))
+    with Client() as c, pytest.raises(ParaminitError, match="ranges but"):
+        materialize_region(c, param("w", [4, 4], {"ones": {}}), [(0, 2)])
 
 
 def test_one_violation_type_from_validate_errors_and_both_transports() -> None:

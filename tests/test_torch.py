@@ -331,7 +331,7 @@ def test_unknown_layers_are_reported_not_guessed(client: Client) -> None:
     assert not model[3].weight[0].any() and model[3].weight[1:].all()  # the override keeps the padding row zero
     assert torch.equal(model[1].gain, torch.ones(8)) and not model[2].weight.any()
     assert abs(float(model[3].weight.detach().std()) - 0.02) < 0.01
-    with pytest.raises(TypeError):
+    with pytest.raises(ParaminitError):
         plan_from_module(meta(build), 0, overrides=cast(Any, lambda n, t: 1.5))
     with pytest.raises(ValueError, match="not a valid Init"):
         plan_from_module(meta(build), 0, overrides=lambda n, t: {"gaussian": {}})

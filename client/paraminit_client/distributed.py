@@ -25,6 +25,7 @@ import torch
 
 from paraminit.v1 import plan_pb2
 from paraminit_client.client import Client
+from paraminit_client.errors import InvalidArgument
 from paraminit_client.torch_rules import _TORCH_DTYPES, _numpy_to_torch
 
 __all__ = ["is_dtensor", "local_region", "localize", "materialize_region", "wrap"]
@@ -56,10 +57,10 @@ def local_region(shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> 
     dt = _dtensor_module()
     for pl in placements:
         if type(pl).__name__ == "_StridedShard":
-            raise ValueError(f"{pl}: strided sharding interleaves rows, so a rank's shard is not one box; "
+            raise InvalidArgument(f"{pl}: strided sharding interleaves rows, so a rank's shard is not one box; "
                              "materialize the tensor before sharding it this way")
         if not isinstance(pl, dt.Shard | dt.Replicate):
-            raise ValueError(f"{pl}: only Shard and Replicate placements can be initialized")
+            raise InvalidArgument(f"{pl}: only Shard and Replicate placements can be initialized")
     local, offset = compute_local_shape_and_global_offset(tuple(shape), mesh, list(placements))
     return tuple((int(o), int(o) + int(n)) for o, n in zip(offset, local, strict=True))
 
@@ -108,13 +109,13 @@ def materialize_region(client: Client, param: plan_pb2.Param, region: Sequence[t
     """
     shape = [int(d) for d in param.shape]
     if len(region) != len(shape):
-        raise ValueError(f"region has {len(region)} ranges but {param.name!r} has rank {len(shape)}")
+        raise InvalidArgument(f"region has {len(region)} ranges but {param.name!r} has rank {len(shape)}")
     box = []
     for r, dim in zip(region, shape, strict=True):
         if isinstance(r, slice):
             start, stop, step = r.indices(dim)
             if step != 1:
-                raise ValueError("region slices must have step 1")
+                raise InvalidArgument("region slices must have step 1")
             box.append((start, max(start, stop)))
         else:
             box.append((int(r[0]), int(r[1])))

@@ -26,6 +26,7 @@ import numpy as np
 
 from paraminit.v1 import plan_pb2
 from paraminit_client.client import Client
+from paraminit_client.errors import InvalidArgument
 
 __all__ = ["materialize", "plan_boxes"]
 
@@ -35,7 +36,7 @@ Box = tuple[tuple[int, int], ...]
 def _perm_of(name: str, rank: int, layouts: Mapping[str, Sequence[int]] | None) -> tuple[int, ...]:
     perm = tuple(int(a) for a in (layouts or {}).get(name, range(rank)))
     if sorted(perm) != list(range(rank)):
-        raise ValueError(f"layout of {name!r} must be a permutation of its {rank} axes, got {list(perm)}")
+        raise InvalidArgument(f"layout of {name!r} must be a permutation of its {rank} axes, got {list(perm)}")
     return perm
 
 
@@ -45,7 +46,7 @@ def _box_of(index: Sequence[slice], shape: Sequence[int]) -> Box:
     for s, dim in zip(index, shape, strict=True):
         start, stop, step = s.indices(dim)
         if step != 1:
-            raise ValueError(f"shard index {index} has a step: not a box")
+            raise InvalidArgument(f"shard index {index} has a step: not a box")
         box.append((start, max(start, stop)))
     return tuple(box)
 
@@ -90,23 +91,23 @@ def materialize(plan: plan_pb2.Plan, client: Client | None = None, *, shardings:
     names = [p.name for p in plan.params]
     known = set(names)
     if len(known) != len(names):
-        raise ValueError("the plan names a parameter twice")
+        raise InvalidArgument("the plan names a parameter twice")
     by_name: Mapping[str, Any] | None = shardings if isinstance(shardings, Mapping) else None
     for what, given in (("sharding", by_name), ("layout", layouts)):
         unknown = sorted(set(given or {}) - known)
         if unknown:
-            raise ValueError(f"{what}s given for names the plan does not have: {', '.join(map(repr, unknown))}")
+            raise InvalidArgument(f"{what}s given for names the plan does not have: {', '.join(map(repr, unknown))}")
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     wide = [p.name for p in plan.params if p.dtype == plan_pb2.DTYPE_FLOAT64]
     if wide and jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
-        raise ValueError(f"float64 parameters ({', '.join(map(repr, wide[:5]))}) need jax_enable_x64; JAX would "
+        raise InvalidArgument(f"float64 parameters ({', '.join(map(repr, wide[:5]))}) need jax_enable_x64; JAX would "
                          "silently hold them as float32")
 
     request = plan_pb2.Plan()
     wanted: list[tuple[plan_pb2.Param, Any, tuple[int, ...], dict[Any, tuple[str | None, Box]]]] = []
     for p in plan.params:
         if p.region:
-            raise ValueError(f"{p.name!r} has a region; give the full tensor and let the sharding choose shards")
+            raise InvalidArgument(f"{p.name!r} has a region; give the full tensor and let the sharding choose shards")
         shape = [int(d) for d in p.shape]
         perm = _perm_of(p.name, len(shape), layouts)
         sharding = by_name.get(p.name, default) if by_name is not None else (shardings or default)
@@ -161,5 +162,5 @@ def _numpy_dtype(dtype_enum: int) -> Any:
 
     info = dtypes.by_enum(dtype_enum)
     if info is None:
-        raise ValueError(f"unknown dtype enum value {dtype_enum}")
+        raise InvalidArgument(f"unknown dtype enum value {dtype_enum}")
     return info.numpy

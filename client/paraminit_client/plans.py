@@ -379,9 +379,9 @@ def plan_of(params: Iterable[plan_pb2.Param]) -> plan_pb2.Plan:
 def zip_plan(specs: Sequence[tuple[str, Sequence[int]]], inits: Sequence[plan_pb2.Init], dtype: str = "float32") -> plan_pb2.Plan:
     """Pair a parameter list with an initializer list, as TorchLean's plan recovery does."""
     if len(inits) < len(specs):
-        raise ValueError("torch.runtimeInit: initializer array shorter than parameter list")
+        raise InvalidArgument("torch.runtimeInit: initializer array shorter than parameter list")
     if len(inits) > len(specs):
-        raise ValueError("torch.runtimeInit: initializer array longer than parameter list")
+        raise InvalidArgument("torch.runtimeInit: initializer array longer than parameter list")
     return plan_of(param(name, shape, init, dtype) for (name, shape), init in zip(specs, inits, strict=True))
 
 
@@ -458,5 +458,5 @@ def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.
         q = out.params.add(name=entry.name, shape=list(entry.shape), dtype=dtype.enum)
         reference(q, entry.name, dtype)
     if problems:
-        raise ValueError("checkpoint does not fit the plan: " + "; ".join(problems))
+        raise InvalidArgument("checkpoint does not fit the plan: " + "; ".join(problems))
     return out

@@ -72,7 +72,7 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import distributed, hf
 from paraminit_client.client import Client
-from paraminit_client.errors import ParaminitError
+from paraminit_client.errors import InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
 from paraminit_client.torch_rules import (
     _PLAN_DTYPES,
@@ -99,7 +99,7 @@ LEASE_ATTR = "_paraminit_lease"
 _SEEDED = inits.SEEDED_JSON  # JSON keys (both spellings) of the seeded kinds
 
 
-class UnsupportedModuleError(ValueError):
+class UnsupportedModuleError(InvalidArgument):
     """Tensors the policy cannot initialize without guessing; `problems` holds (name, module type, reason)."""
 
     def __init__(self, problems: list[tuple[str, str, str]]) -> None:
@@ -175,14 +175,14 @@ def _override_init(name: str, value: plan_pb2.Init | Mapping[str, Any], seed: in
     if isinstance(value, plan_pb2.Init):
         return value
     if not isinstance(value, Mapping):
-        raise TypeError(f"override for {name!r} must return an Init, a mapping or None, got {type(value).__name__}")
+        raise InvalidArgument(f"override for {name!r} must return an Init, a mapping or None, got {type(value).__name__}")
     data = {k: ({**v, "seed": seed} if k in _SEEDED and isinstance(v, Mapping) and "seed" not in v else v)
             for k, v in value.items()}
     init = plan_pb2.Init()
     try:
         json_format.ParseDict(data, init)
     except json_format.ParseError as exc:
-        raise ValueError(f"override for {name!r} is not a valid Init: {exc}") from None
+        raise InvalidArgument(f"override for {name!r} is not a valid Init: {exc}") from None
     return init
 
 
@@ -246,7 +246,7 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
 
 def _plan_from_module(module: nn.Module, seed: int, policy: str, overrides: Override | None) -> plan_pb2.Plan:
     if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        raise InvalidArgument(f"policy must be one of {POLICIES}, got {policy!r}")
     owners = _owners(module)
     inits: dict[str, plan_pb2.Init | str] = {}
     patches: dict[str, list[plan_pb2.Patch]] = {}
@@ -350,7 +350,7 @@ def _choose(client: Client, device: torch.device, delivery: str) -> list[str]:
     """Deliveries to try in order: zero-copy first when the server is on this host and offers it."""
     if delivery != "auto":
         if delivery not in ("stream", "shm", "cuda_ipc", "in_process"):
-            raise ValueError(f"delivery must be auto, stream, shm, cuda_ipc or in_process, got {delivery!r}")
+            raise InvalidArgument(f"delivery must be auto, stream, shm, cuda_ipc or in_process, got {delivery!r}")
         return [delivery]
     if client.in_process:
         return ["in_process"]  # the kernels write straight into the module's new tensors
@@ -470,7 +470,7 @@ def _materialize_module(module: nn.Module, client: Client, device: str | torch.d
             why = "not in the plan" if name in state else "a non-persistent buffer the module cannot recompute"
             missing.append(f"{name} ({t.dtype}, {why})")
     if missing:
-        raise ValueError("these tensors are still on meta and would stay unmaterialized: " + ", ".join(missing)
+        raise InvalidArgument("these tensors are still on meta and would stay unmaterialized: " + ", ".join(missing)
                          + ". Build the model under paraminit_client.torch.meta_parameters() instead of "
                          "torch.device('meta'): parameters stay on meta, buffers are computed for real, and "
                          "materialize_module fills the parameters (pass overrides for parameters a policy refuses)")
@@ -631,4 +631,4 @@ def _check_plan(plan: plan_pb2.Plan, state: Mapping[str, Any]) -> None:
         if p.region:
             problems.append(f"{p.name!r}: a region (shard) cannot fill a whole module tensor")
     if problems:
-        raise ValueError("plan does not match the module: " + "; ".join(problems))
+        raise InvalidArgument("plan does not match the module: " + "; ".join(problems))
