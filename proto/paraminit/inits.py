@@ -303,10 +303,10 @@ def check(init: plan_pb2.Init | None, shape: Sequence[int], patch: bool = False)
     Returns:
         (field path, message) per problem; empty when the form is valid.
     """
-    which = None if init is None else init.WhichOneof("kind")
-    if which is None:
+    kind = None if init is None else kind_of(init)
+    if kind is None:
         return [("init", _NOT_SET)]
-    kind = KINDS[which]
+    which = kind.field
     if patch and kind.flat:
         return [(f"init.{which}", f"a patch cannot use {which} values (patches take "
                                   f"{', '.join(k.field for k in KINDS.values() if k.patchable)} initializers)")]

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from paraminit import dtypes, peers, times, wire
+from paraminit import dtypes, inits, peers, times, wire
 from paraminit.header_checksum import header_crc32c
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
@@ -187,9 +187,9 @@ class InitServicer(pb_grpc.InitServiceServicer):
             self.metrics.latency.labels(name).observe(seconds)
             if outcome == "ok":
                 for t, p in zip(tensors, request.plan.params, strict=False):
-                    dt = dtypes.by_enum(t.dtype)
+                    dt, kind = dtypes.by_enum(t.dtype), inits.kind_of(p.init)
                     self.metrics.bytes.labels(self.plane.backend.name, dt.name if dt else "?",
-                                              p.init.WhichOneof("kind") or "").inc(t.nbytes)
+                                              kind.field if kind else "").inc(t.nbytes)
         log.info("materialize digest=%s params=%d bytes=%d delivery=%s seconds=%.3f outcome=%s",
                  digest[:16], len(tensors), nbytes, name, seconds, outcome,
                  extra={"method": "Materialize", "plan_digest": digest, "bytes": nbytes,
