@@ -23,7 +23,7 @@ from paraminit import times
 from paraminit.peers import is_local_peer
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import Client, ParaminitError, cli, param, plan_of
-from paraminit_server.plane import errors
+from paraminit_server.plane import errors, shm
 from paraminit_server.plane.admission import MemoryBudget
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import BufferPool
@@ -32,16 +32,11 @@ from paraminit_server.rpc.server import Running
 from support import run_cli, running_server, serve_subprocess, server_fixture, target_of, wait_until
 
 
-def _listing() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("paraminit-")}
-
-
-_BEFORE = _listing()  # segments some other process left: not ours to judge
-
-
 def segments() -> set[str]:
-    """This test run's segments."""
-    return _listing() - _BEFORE
+    """This process's segments (servers in this process share its instance tag); other processes' are not ours to
+    judge, and test runs in parallel on one host must not see each other's."""
+    prefix = f"paraminit-{shm.instance_tag()}-"
+    return {f for f in os.listdir("/dev/shm") if f.startswith(prefix)}
 
 
 def rss_bytes() -> int:
