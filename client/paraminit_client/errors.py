@@ -86,6 +86,9 @@ class InvalidArgument(ParaminitError, ValueError):
     def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
 
+    def __str__(self) -> str:
+        return self.message  # a ValueError's text, as callers that catch ValueError expect
+
 
 class ClientClosed(ParaminitError):
     """A call on a Client after close(), or on an in-process Client inherited across fork()."""
