@@ -367,3 +367,33 @@ def test_segment_draw_forms_agree() -> None:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
         assert (z ^ (z >> 31)) & 0xFFFFFFFF == spec.mix((x - spec.GOLDEN) & m64) & 0xFFFFFFFF
         assert counter_rng.low_draw(np.uint64(x)) == float(spec.mix((x - spec.GOLDEN) & m64) & 0xFFFFFFFF)
+
+
+def test_fill_plan_batches_small_tensors_bit_for_bit() -> None:
+    """fill_plan's one call for many small tensors (every value kind and dtype, subnormal scales, a tensor too
+    large to batch, data values, a region) writes exactly what one fill per tensor writes, and the reference's
+    values."""
+    rng = np.random.default_rng(5)
+    kinds = ["uniform", "normal", "truncated_normal", "zeros", "ones", "kaiming_uniform_for_shape", "flat"]
+    params = []
+    for j in range(160):
+        init, dt = kinds[j % len(kinds)], dtypes.SUPPORTED[j % len(dtypes.SUPPORTED)]
+        shape = [int(rng.integers(1, 30)), int(rng.integers(1, 30))]
+        if j == 8:
+            shape = [2, PIECE // 2 + 5]  # above PIECE: filled on its own, in parallel
+        region = [(1, shape[0]), (0, shape[1])] if j == 15 and shape[0] > 1 else None
+        lo, hi = (0.0, 1e-310) if j % 11 == 1 else (-0.5, 2.0)  # a std that scales the draw instead
+        params.append(dataclasses.replace(make_param(init, dt, shape, seed=1000 + j, region=region, lo=lo, hi=hi),
+                                          index=j, name=f"p{j}"))
+    offsets, pos = [], 0
+    for p in params:
+        pos = -(-pos // 8) * 8
+        offsets.append(pos)
+        pos += p.nbytes
+    got = poisoned(pos, np.dtype(np.uint8))
+    BACKEND.fill_plan(params, got, offsets)
+    for p, off in zip(params, offsets, strict=True):
+        one = got[off:off + p.nbytes].view(p.dtype.storage)
+        assert same(one, fill(p)), p.name
+        if p.numel <= 1000:
+            assert same(one, reference.materialize(p).reshape(-1)), p.name

@@ -3,6 +3,7 @@ framing that fits stock clients, cancellation, failures mid-fill, and a server k
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -111,7 +112,7 @@ def test_300_mib_plan_streams_with_default_limits(client: Client) -> None:
         assert hashlib.sha256(got[p.name].tobytes()).digest() == hashlib.sha256(want.tobytes()).digest()
     head = planlib.resolve(plan)[0]
     assert got["a"][:1000].tobytes() == reference.materialize(
-        planlib.ResolvedParam(**{**head.__dict__, "region": ((0, 1000),)})).tobytes()
+        dataclasses.replace(head, region=((0, 1000),))).tobytes()
 
 
 def test_unknown_delivery_is_invalid_argument(client: Client) -> None:

@@ -166,6 +166,9 @@ def _none(_m: Any, _s: Sequence[int]) -> list[Problem]:
     return []
 
 
+no_checks = _none  # the `checks` of kinds whose message alone cannot be wrong (callers skip the call)
+
+
 def _finite(*xs: float) -> bool:
     return all(math.isfinite(x) for x in xs)
 

@@ -52,20 +52,26 @@ class _Compiles:
         self.seconds = 0.0
         self.announced = False
 
-    def ensure(self, args: tuple[Any, ...], compile: bool = True) -> bool:
-        """Load or compile the specialization for these fill arguments (out, ..., values, ...).
+    def ensure(self, args: tuple[Any, ...], compile: bool = True, kernel: str = "fill") -> bool:
+        """Load or compile the specialization for these arguments of `kernel` ("fill": out, ..., values, ...;
+        "fill_batch": out, ...).
 
         Returns:
             Whether it is ready: False only when `compile` is False and it would have to be compiled.
         """
-        out, values = args[0], args[9]
-        key = (out.dtype.str, bool(out.flags.c_contiguous), values.dtype.str, bool(values.flags.c_contiguous))
+        out = args[0]
+        if kernel == "fill":
+            values = args[9]
+            key: tuple[Any, ...] = (out.dtype.str, bool(out.flags.c_contiguous), values.dtype.str,
+                                    bool(values.flags.c_contiguous))
+        else:
+            key = (kernel, out.dtype.str, bool(out.flags.c_contiguous))
         if key in self.ready:
             return True
         with self.lock:
             if key in self.ready:
                 return True
-            disp = cpu_kernels.fill
+            disp = getattr(cpu_kernels, kernel)
             sig = tuple(disp.typeof_pyval(a) for a in args)
             if sig not in disp.overloads and not _cached(disp, sig):
                 if not compile:
@@ -106,6 +112,88 @@ def compile_seconds() -> float:
     return COMPILES.seconds
 
 
+class _Batch:
+    """Small whole tensors of the value kinds waiting for one `fill_batch` call per dtype (see fill_plan)."""
+
+    def __init__(self, arena: Any) -> None:
+        self.arena = arena
+        self.groups: dict[int, _Group] = {}
+        self.piece: int = cpu_kernels.PIECE  # the largest tensor fill keeps on the calling thread
+
+    def add(self, p: ResolvedParam, offset: int) -> bool:
+        """Queue p (at byte `offset` of the arena) when fill_batch can fill it; False: fill it on its own."""
+        dt, n, runs = p.dtype, p.numel, p.runs()
+        if not 0 < n <= self.piece or p.kind == Kind.FLAT or runs.run_len != n or runs.base or runs.outer_ext.shape[0] \
+                or offset % dt.itemsize:
+            return False
+        group = self.groups.get(dt.enum)
+        if group is None:
+            view = self.arena[:self.arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
+            group = self.groups[dt.enum] = _Group(view, dt.fmt)
+        group.add(p, offset // dt.itemsize)
+        return True
+
+    def run(self) -> None:
+        """Fill every queued tensor, then forget them."""
+        for group in self.groups.values():
+            group.run()
+        self.groups.clear()
+
+    @staticmethod
+    def warm_up_groups(params: Sequence[ResolvedParam]) -> list[_Group]:
+        """One group per dtype of the warm-up parameters (fill_batch compiles once per storage dtype)."""
+        batches: dict[int, _Batch] = {}
+        for p in params:
+            if p.kind != Kind.FLAT:
+                batch = batches.setdefault(p.dtype.enum, _Batch(np.empty(p.nbytes, dtype=np.uint8)))
+                if not batch.groups:
+                    batch.add(p, 0)
+        return [g for b in batches.values() for g in b.groups.values()]
+
+
+class _Group:
+    """The queued tensors of one dtype: columns of fill_batch's arguments."""
+
+    def __init__(self, out: Any, fmt: int) -> None:
+        self.out, self.fmt = out, fmt
+        self.starts: list[int] = []
+        self.counts: list[int] = []
+        self.kinds: list[int] = []
+        self.keys: list[int] = []
+        self.p0: list[float] = []
+        self.p1: list[float] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+        self.seeds: list[int] = []
+
+    def add(self, p: ResolvedParam, start: int) -> None:
+        self.starts.append(start)
+        self.counts.append(p.numel)
+        self.kinds.append(p.kind)
+        self.keys.append(p.key)
+        self.p0.append(p.p0)
+        self.p1.append(p.p1)
+        self.lo.append(p.lo)
+        self.hi.append(p.hi)
+        self.seeds.append(p.seed)
+
+    def args(self) -> tuple[Any, ...]:
+        i64, u64, f64 = np.int64, np.uint64, np.float64
+        return (self.out, np.array(self.starts, i64), np.array(self.counts, i64), np.array(self.kinds, i64),
+                np.array(self.keys, u64), np.array(self.p0, f64), np.array(self.p1, f64), np.array(self.lo, f64),
+                np.array(self.hi, f64), np.array(self.seeds, u64), self.fmt)
+
+    def run(self) -> None:
+        if not self.starts:
+            return
+        args = self.args()
+        COMPILES.ensure(args, kernel="fill_batch")
+        cpu_kernels.fill_batch(*args)  # on the calling thread: not a parallel kernel, so no launch lock
+        self.starts.clear()  # queued tensors are filled once
+        for column in (self.counts, self.kinds, self.keys, self.p0, self.p1, self.lo, self.hi, self.seeds):
+            column.clear()
+
+
 class CpuBackend:
     name = "cpu"
     memory = HOST
@@ -117,16 +205,23 @@ class CpuBackend:
         self._threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS)) if threads else None  # type: ignore[attr-defined]
 
     def warm_up(self) -> None:
-        for rp in warm_up_params():
+        params = warm_up_params()
+        for rp in params:
             self.fill(rp, np.empty(rp.numel, dtype=rp.dtype.storage))
+        for group in _Batch.warm_up_groups(params):
+            group.run()
 
     def preload(self) -> None:
         """Load the kernels already in the disk cache and compile nothing: a process that fills only some
         dtypes then compiles only those, on first use (a cold cache costs one specialization, not all)."""
-        for rp in warm_up_params():
+        params = warm_up_params()
+        for rp in params:
             out = np.empty(rp.numel, dtype=rp.dtype.storage)
             if COMPILES.ensure(self._args(rp, out, 0, rp.runs(), _flat_values(rp)), compile=False):
                 self.fill(rp, out)
+        for group in _Batch.warm_up_groups(params):
+            if COMPILES.ensure(group.args(), compile=False, kernel="fill_batch"):
+                group.run()
 
     def scratch(self, nbytes: int) -> Any:
         return host_buffer(nbytes)
@@ -171,9 +266,20 @@ class CpuBackend:
         """In windows of FILL_WINDOW bytes, so a cancelled request stops within one window's time.
 
         `should_stop` is asked before each window's worth of bytes, not before each parameter: a plan of
-        many small tensors would otherwise pay for the check more than for the fill."""
+        many small tensors would otherwise pay for the check more than for the fill. Small whole tensors of
+        the value kinds are gathered per dtype and filled by one kernel call per window (`fill_batch`): one
+        launch each would cost more than their values."""
         since_check = FILL_WINDOW  # ask before the first fill
+        batch = _Batch(arena)
         for p, off in zip(params, offsets, strict=True):
+            if since_check >= FILL_WINDOW:
+                batch.run()
+                if should_stop is not None and should_stop():
+                    raise Cancelled("client cancelled or deadline passed")
+                since_check = 0
+            if batch.add(p, off):
+                since_check += p.nbytes
+                continue
             out = arena[off:off + p.nbytes].view(p.dtype.storage)
             step = max(1, FILL_WINDOW // p.dtype.itemsize)
             for lo in range(0, p.numel, step):
@@ -184,6 +290,7 @@ class CpuBackend:
                 piece = out[lo:lo + step]
                 self.fill(p, piece, lo)
                 since_check += piece.nbytes
+        batch.run()
 
     def zero(self, buf: Any, start: int, stop: int) -> None:
         buf[start:stop] = 0

@@ -12,9 +12,9 @@ the request's snapshot (payloads.BoundSources), the one validation read.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -61,18 +61,42 @@ class ResolvedParam:
     hi: float = 0.0
     seed: int = 0
 
-    # Cached: the data plane asks for these many times per parameter, and a plan can hold 100,000s of them.
-    @cached_property
-    def out_shape(self) -> tuple[int, ...]:
-        return tuple(stop - start for start, stop in self.region)
+    # Derived once at construction: the data plane asks for these many times per parameter, and a plan can hold
+    # 100,000s of them (replace() derives them again).
+    out_shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    numel: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
+    _runs: Runs = field(init=False, repr=False, compare=False)
 
-    @cached_property
-    def numel(self) -> int:
-        return spec.numel(self.out_shape)
+    def __post_init__(self) -> None:
+        region = self.region
+        out_shape = tuple([stop - start for start, stop in region])
+        numel = spec.numel(out_shape)
+        setattr_ = object.__setattr__
+        setattr_(self, "out_shape", out_shape)
+        setattr_(self, "numel", numel)
+        setattr_(self, "nbytes", numel * self.dtype.itemsize)
+        if self.compact:  # values are indexed by the local index: one run from 0
+            setattr_(self, "_runs", Runs.single(max(1, numel)))
+        elif out_shape == self.shape:  # a (valid) region as large as the tensor is the whole tensor: one run
+            setattr_(self, "_runs", Runs.single(numel))
+        else:
+            setattr_(self, "_runs", regions.runs(self.shape, region))
 
-    @cached_property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+    @classmethod
+    def whole(cls, index: int, name: str, shape: tuple[int, ...], dtype: dtypes.DTypeInfo, initializer: str,
+              kind: Kind, p0: float = 0.0, p1: float = 0.0, key: int = 0, lo: float = 0.0, hi: float = 0.0,
+              seed: int = 0) -> ResolvedParam:
+        """A whole tensor of a value kind without values or patches: what the constructor builds, without its
+        per-field calls (plans of 100,000s of small parameters are mostly these)."""
+        region, numel, runs = _whole(shape)
+        rp = object.__new__(cls)
+        object.__setattr__(rp, "__dict__", {
+            "index": index, "name": name, "shape": shape, "region": region, "dtype": dtype,
+            "initializer": initializer, "kind": kind, "p0": p0, "p1": p1, "key": key, "values": None, "patches": (),
+            "compact": False, "lo": lo, "hi": hi, "seed": seed, "out_shape": shape, "numel": numel,
+            "nbytes": numel * dtype.itemsize, "_runs": runs})
+        return rp
 
     @property
     def is_full(self) -> bool:
@@ -81,11 +105,12 @@ class ResolvedParam:
     def runs(self) -> Runs:
         return self._runs
 
-    @cached_property
-    def _runs(self) -> Runs:
-        if self.compact:  # values are indexed by the local index: one run from 0
-            return Runs.single(max(1, self.numel))
-        return regions.runs(self.shape, self.region)
+
+@functools.lru_cache(maxsize=4096)
+def _whole(shape: tuple[int, ...]) -> tuple[regions.Box, int, Runs]:
+    """The region, element count and runs of a whole tensor (immutable, so shared by every parameter of a shape)."""
+    numel = spec.numel(shape)
+    return regions.whole(shape), numel, Runs.single(numel)
 
 
 @dataclass(frozen=True)
@@ -139,21 +164,14 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
     kind = inits.kind_of(p.init)
     assert kind is not None, "resolve_param needs a validated plan"
     form = kind.form(getattr(p.init, kind.field), shape)
+    if not kind.flat:
+        return _resolve_form(index, p.name, shape, region, dt, kind.field, form)
 
     def make(kernel: Kind, p0: float = 0.0, p1: float = 0.0, seed: int | None = None,
              values: npt.NDArray[Any] | None = None) -> ResolvedParam:
         return ResolvedParam(index, p.name, shape, region, dt, kind.field, kernel, p0, p1,
                              0 if seed is None else spec.key(seed), values)
 
-    # the value form decides the kernel: five kernels whatever the initializer (the table maps kinds to forms)
-    if isinstance(form, inits.Const):
-        return make(Kind.CONST, form.value)
-    if isinstance(form, inits.Uniform):
-        return make(Kind.AFFINE, form.lo, form.hi - form.lo, form.seed)
-    if isinstance(form, inits.Normal):
-        return make(Kind.NORMAL, form.mean, form.std, form.seed)
-    if isinstance(form, inits.TruncNormal):
-        return replace(make(Kind.TRUNCNORM, form.mean, form.std, form.seed), lo=form.lo, hi=form.hi, seed=form.seed)
     if isinstance(form, inits.Inline):
         return make(Kind.FLAT, values=np.asarray(form.values, dtype=np.float64))
     if isinstance(form, inits.PayloadRef):
@@ -162,13 +180,57 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
             raise errors.NotFound(f"no payload {form.payload_id[:64]!r} (payloads expire)")
         return make(Kind.FLAT, values=payload.values)
     # a checkpoint region reads and converts only its own values (the budget pays for those only)
+    assert isinstance(form, inits.Checkpoint), "every other form is resolved above"
     values, compact = sources.tensor_values(form.path, form.tensor, region)
     return replace(make(Kind.FLAT, values=values), compact=compact)
 
 
+def _resolve_form(index: int, name: str, shape: tuple[int, ...], region: regions.Box | None, dt: dtypes.DTypeInfo,
+                  initializer: str, form: inits.ValueForm) -> ResolvedParam:
+    """A parameter whose values are a distribution or a constant (not data); region None: the whole tensor."""
+    # the value form decides the kernel: five kernels whatever the initializer (the table maps kinds to forms)
+    if isinstance(form, inits.Normal):
+        kind, p0, p1, key = Kind.NORMAL, form.mean, form.std, spec.key(form.seed)
+    elif isinstance(form, inits.Uniform):
+        kind, p0, p1, key = Kind.AFFINE, form.lo, form.hi - form.lo, spec.key(form.seed)
+    elif isinstance(form, inits.Const):
+        kind, p0, p1, key = Kind.CONST, form.value, 0.0, 0
+    else:
+        assert isinstance(form, inits.TruncNormal), "every data form is resolved by _resolve_base"
+        if region is None:
+            return ResolvedParam.whole(index, name, shape, dt, initializer, Kind.TRUNCNORM, form.mean, form.std,
+                                       spec.key(form.seed), form.lo, form.hi, form.seed)
+        return ResolvedParam(index, name, shape, region, dt, initializer, Kind.TRUNCNORM, form.mean, form.std,
+                             spec.key(form.seed), lo=form.lo, hi=form.hi, seed=form.seed)
+    if region is None:
+        return ResolvedParam.whole(index, name, shape, dt, initializer, kind, p0, p1, key)
+    return ResolvedParam(index, name, shape, region, dt, initializer, kind, p0, p1, key)
+
+
 def resolve(plan: plan_pb2.Plan, sources: Any = None) -> list[ResolvedParam]:
     """Resolve a validated plan."""
-    return [resolve_param(i, p, sources) for i, p in enumerate(plan.params)]
+    out: list[ResolvedParam] = []
+    kinds, by_enum = inits.KINDS, dtypes.by_enum
+    for i, p in enumerate(plan.params):
+        if p.region or p.patches:
+            out.append(resolve_param(i, p, sources))
+            continue
+        # the common parameter (a whole tensor, no patches, a distribution) in as few message reads as it takes
+        init = p.init
+        kind = kinds[init.WhichOneof("kind")]  # type: ignore[index]
+        if kind.flat:
+            out.append(resolve_param(i, p, sources))
+            continue
+        shape = tuple(p.shape)
+        dt = by_enum(p.dtype)
+        assert dt is not None, "resolve needs a validated plan"
+        if kind.field == "normal":  # the most common kind, read without building its value form (inits.Normal)
+            m = init.normal
+            out.append(ResolvedParam.whole(i, p.name, shape, dt, "normal", Kind.NORMAL, m.mean, m.std, spec.key(m.seed)))
+            continue
+        out.append(_resolve_form(i, p.name, shape, None, dt, kind.field,
+                                 kind.form(getattr(init, kind.field), shape)))
+    return out
 
 
 def canonical(plan: plan_pb2.Plan) -> bytes:
@@ -192,7 +254,12 @@ def digest(plan: plan_pb2.Plan, sources: Any = None) -> str:
     if sources is None:
         return h.hexdigest()
     contents = []
+    kinds = inits.KINDS
     for i, p in enumerate(plan.params):
+        if not p.patches:  # most parameters: one read says that no content is referenced
+            which = p.init.WhichOneof("kind")
+            if which is None or not kinds[which].flat:
+                continue
         shape = tuple(int(d) for d in p.shape)
         region = regions.box_of(p)
         for init in (p.init, *(q.init for q in p.patches)):

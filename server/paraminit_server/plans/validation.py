@@ -23,6 +23,7 @@ MAX_BYTES = (1 << 63) - 1
 MAX_ELEMENTS = (1 << 63) - 1  # flat indices are signed 64-bit in every kernel
 MAX_NAME_BYTES = 1024  # a name is echoed in headers and errors: a 100 MB name would double into a 200 MB header
 ECHO = 64  # characters of a user string repeated in a message
+_SHORT_NAME = MAX_NAME_BYTES // 4  # characters that are within MAX_NAME_BYTES whatever their UTF-8 length
 
 
 @dataclass(frozen=True)
@@ -63,49 +64,74 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = N
     out: list[Violation] = []
     sizes: list[int] = []
     first_seen: dict[str, int] = {}
+    max_param = limits.max_param_bytes
+    by_enum, kinds, numel, no_checks = dtypes.by_enum, inits.KINDS, spec.numel, inits.no_checks
     for i, p in enumerate(plan.params):
-        found: list[Violation] = []
-
-        def bad(field: str, message: str, category: str = INVALID, _i: int = i, _p: plan_pb2.Param = p,
-                found: list[Violation] = found) -> None:
-            found.append(Violation(_i, _shown_name(_p.name), f"params[{_i}].{camel_path(field)}", message, category))
-
-        if not p.name:
-            bad("name", "parameter name must not be empty")
-        elif len(p.name.encode()) > MAX_NAME_BYTES:
-            bad("name", f"parameter name is {len(p.name.encode())} bytes long; the limit is {MAX_NAME_BYTES}")
-        elif p.name in first_seen:
-            bad("name", f"duplicate parameter name {_echo(p.name)} (first at params[{first_seen[p.name]}])")
-        else:
-            first_seen[p.name] = i
-        shape = [int(d) for d in p.shape]
-        if len(shape) > MAX_RANK:
-            bad("shape", f"rank {len(shape)} exceeds the maximum of {MAX_RANK}")
-        numel = spec.numel(shape)
-        if numel > MAX_ELEMENTS:
-            bad("shape", f"the full tensor {spec.shape_str(shape)} has 2^63 elements or more; flat indices must fit "
-                         "in 64 bits")
-        dt = dtypes.by_enum(p.dtype)
-        if dt is None:
-            bad("dtype", f"unknown dtype enum value {p.dtype}")
-        region_numel = _check_region(shape, p, bad) if p.region else numel
-        _check_init(shape, p, bad, sources)
-        if p.patches:
-            _check_patches(shape, p, bad)
-        size = 0
-        if dt is not None and region_numel is not None:
-            size = region_numel * dt.itemsize
-            if size > MAX_BYTES:
-                bad("shape", f"size overflows: {region_numel} elements of {dt.name} exceed 2^63 bytes")
-                size = 0
-            elif limits.max_param_bytes is not None and size > limits.max_param_bytes:
-                bad("shape", f"parameter needs {size} bytes, over the per-parameter limit of {limits.max_param_bytes}", LIMIT)
-        sizes.append(size)
-        out.extend(found)
+        # The common parameter (a short new name, a plain shape, a known dtype, a distribution with no region or
+        # patches) is checked here in a few lookups: a plan can hold 100,000s of them. Anything else, and any
+        # parameter with a violation, goes through the full checks, which report the same things as ever.
+        name = p.name
+        if name and len(name) <= _SHORT_NAME and name not in first_seen and not p.region and not p.patches:
+            shape = p.shape
+            which = p.init.WhichOneof("kind")
+            dt = by_enum(p.dtype)
+            if which is not None and dt is not None and len(shape) <= MAX_RANK:
+                kind = kinds[which]
+                n = numel(shape)
+                size = n * dt.itemsize
+                if not kind.flat and n <= MAX_ELEMENTS and size <= MAX_BYTES \
+                        and (max_param is None or size <= max_param) \
+                        and (kind.checks is no_checks or not kind.checks(getattr(p.init, which), shape)):
+                    first_seen[name] = i
+                    sizes.append(size)
+                    continue
+        sizes.append(_check_param(i, p, limits, sources, first_seen, out))
     total = sum(sizes)
     if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
         out.append(Violation(-1, "", "params", f"plan needs {total} bytes, over the per-plan limit of {limits.max_plan_bytes}", LIMIT))
     return Report(tuple(out), tuple(sizes))
+
+
+def _check_param(i: int, p: plan_pb2.Param, limits: Limits, sources: Any, first_seen: dict[str, int],
+                 out: list[Violation]) -> int:
+    """Every check of one parameter; appends its violations to `out` and returns its materialized bytes."""
+    found: list[Violation] = []
+
+    def bad(field: str, message: str, category: str = INVALID) -> None:
+        found.append(Violation(i, _shown_name(p.name), f"params[{i}].{camel_path(field)}", message, category))
+
+    if not p.name:
+        bad("name", "parameter name must not be empty")
+    elif len(p.name.encode()) > MAX_NAME_BYTES:
+        bad("name", f"parameter name is {len(p.name.encode())} bytes long; the limit is {MAX_NAME_BYTES}")
+    elif p.name in first_seen:
+        bad("name", f"duplicate parameter name {_echo(p.name)} (first at params[{first_seen[p.name]}])")
+    else:
+        first_seen[p.name] = i
+    shape = [int(d) for d in p.shape]
+    if len(shape) > MAX_RANK:
+        bad("shape", f"rank {len(shape)} exceeds the maximum of {MAX_RANK}")
+    numel = spec.numel(shape)
+    if numel > MAX_ELEMENTS:
+        bad("shape", f"the full tensor {spec.shape_str(shape)} has 2^63 elements or more; flat indices must fit "
+                     "in 64 bits")
+    dt = dtypes.by_enum(p.dtype)
+    if dt is None:
+        bad("dtype", f"unknown dtype enum value {p.dtype}")
+    region_numel = _check_region(shape, p, bad) if p.region else numel
+    _check_init(shape, p, bad, sources)
+    if p.patches:
+        _check_patches(shape, p, bad)
+    size = 0
+    if dt is not None and region_numel is not None:
+        size = region_numel * dt.itemsize
+        if size > MAX_BYTES:
+            bad("shape", f"size overflows: {region_numel} elements of {dt.name} exceed 2^63 bytes")
+            size = 0
+        elif limits.max_param_bytes is not None and size > limits.max_param_bytes:
+            bad("shape", f"parameter needs {size} bytes, over the per-parameter limit of {limits.max_param_bytes}", LIMIT)
+    out.extend(found)
+    return size
 
 
 def _check_region(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> int | None:

@@ -19,13 +19,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from paraminit_server.backends.cpu_kernels.driver import PIECE, fill
+    from paraminit_server.backends.cpu_kernels.driver import PIECE, fill, fill_batch
 
-__all__ = ["PIECE", "fill"]
+__all__ = ["PIECE", "fill", "fill_batch"]
 
 
 def __getattr__(name: str) -> Any:
-    """The driver's `fill` and `PIECE`, imported on first access (numba, the tables) rather than with the package."""
+    """The driver's `fill`, `fill_batch` and `PIECE`, imported on first access (numba, the tables) rather than with the package."""
     if name in __all__:
         from paraminit_server.backends.cpu_kernels import driver
 

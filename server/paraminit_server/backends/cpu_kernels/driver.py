@@ -151,3 +151,27 @@ def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, lo: 
         fill_parallel(out, l_begin, kind, key, p0, p1, sc, p1b, lo, hi, seed, values, fmt,
                       outer_start, outer_ext, outer_stride, base, run_len)
 
+
+
+@jit
+def fill_batch(out: Any, starts: Any, counts: Any, kinds: Any, keys: Any, p0s: Any, p1s: Any, los: Any, his: Any,
+               seeds: Any, fmt: int) -> None:
+    """Whole tensors of one dtype in one call: tensor j is out[starts[j]:starts[j] + counts[j]], valued as `fill`
+    values a whole tensor of kind kinds[j] (not FLAT) with keys[j], p0s[j], ...
+
+    For plans of many small tensors: one call instead of one per tensor, on the calling thread (each tensor is
+    at most PIECE elements, what `fill` keeps on the calling thread too). Every element is computed exactly as
+    `fill` computes it.
+    """
+    no_values = np.zeros(0, dtype=np.float64)
+    no_dims = np.zeros(0, dtype=np.int64)
+    for j in range(starts.shape[0]):
+        n = counts[j]
+        if n <= 0:
+            continue
+        a = starts[j]
+        p1 = p1s[j]
+        p1s_ = p1 * TWO_NEG_32
+        sc, p1b = (1.0, p1s_) if p1s_ * 2.0**32 == p1 else (TWO_NEG_32, p1)
+        fill_piece(out[a:a + n], 0, n, 0, kinds[j], keys[j], p0s[j], p1, sc, p1b, los[j], his[j], seeds[j],
+                   no_values, fmt, no_dims, no_dims, no_dims, 0, n)
