@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import grpc
 
 from paraminit import dtypes, exitcodes, sizes
-from paraminit_client import __version__, inspect
+from paraminit_client import __version__, filesink, inspect
 from paraminit_client.client import Client
 from paraminit_client.errors import InvalidArgument, ParaminitError
 from paraminit_client.plans import PlanFileError, load_plan, plan_from_safetensors, plan_to_json
@@ -550,27 +550,35 @@ def _os_line(err: OSError) -> str:
     return str(err)
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised where the main thread is, as Ctrl-C is: what is half written goes."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupted(signum: int, frame: Any) -> None:
-    raise Interrupted(signum)
+def _interrupted_exit(signum: int, output: str | None) -> int:
+    """Say what an interrupt left (nothing) and the exit code it gives: 130 for Ctrl-C, 128+N for signal N."""
+    left = f"; {output} was not written" if output else ""
+    print(f"paraminit: interrupted by {signal.Signals(signum).name}{left}", file=sys.stderr)
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
 
 
 @contextlib.contextmanager
-def _interruptible() -> Iterator[None]:
-    """SIGTERM and SIGHUP (how batch schedulers and closed terminals end a job) raise Interrupted while a command
-    runs; handlers someone else set, and those of callers on other threads, are left alone."""
+def _interruptible(output: str | None) -> Iterator[None]:
+    """While a command runs, SIGTERM, SIGHUP (how batch schedulers and closed terminals end a job) and Ctrl-C end
+    the process at once: the files being written are removed, one line says so, and the exit code tells which
+    signal. Ending from the handler, rather than raising where the main thread happens to be, cannot leave a lock
+    held halfway through a `with` (which would hang the unwinding). Handlers someone else set, and those of callers
+    on other threads, are left alone (there Ctrl-C raises KeyboardInterrupt, handled in main)."""
+
+    def end(signum: int, frame: Any) -> None:
+        filesink.remove_partial()
+        code = _interrupted_exit(signum, output)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) == signal.SIG_DFL:
-                previous[sig] = signal.signal(sig, _raise_interrupted)
+        for sig, default in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGHUP, signal.SIG_DFL),
+                             (signal.SIGINT, signal.default_int_handler)):
+            if signal.getsignal(sig) == default:
+                previous[sig] = signal.signal(sig, end)
     try:
         yield
     finally:
@@ -585,8 +593,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     violations: list[dict[str, Any]] = []
     lines: list[str] = []
+    output = getattr(args, "output", None) if args.func is cmd_materialize else None
     try:
-        with _interruptible():
+        with _interruptible(output):
             return int(args.func(args))
     except PlanFileError as err:  # before ParaminitError, which it is
         message, lines, code = str(err), [], EXIT_INVALID
@@ -612,12 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             message, lines, code = _rpc_line(err, getattr(args, "target", None)), [], EXIT_ERROR
     except (ValueError, RuntimeError) as err:
         message, lines, code = str(err), [], EXIT_ERROR
-    except KeyboardInterrupt as err:
-        signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
-        output = getattr(args, "output", None) if args.func is cmd_materialize else None
-        left = f"; {output} was not written" if output else ""
-        print(f"paraminit: interrupted by {signal.Signals(signum).name}{left}", file=sys.stderr)
-        return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
+    except KeyboardInterrupt:  # Ctrl-C where main() does not own the handlers (another thread, a caller's handler)
+        return _interrupted_exit(int(signal.SIGINT), output)
     print(f"paraminit: {message}", file=sys.stderr)
     for line in lines:
         print(line, file=sys.stderr)

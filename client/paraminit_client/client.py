@@ -436,6 +436,7 @@ class Client:
                 close()
             raise FileAccessError(exc) from None
         base = len(header.safetensors_prefix)
+        filesink.track_partial(tmp)
         try:
             try:
                 if base + header.data_bytes:
@@ -465,6 +466,7 @@ class Client:
                 raise FileAccessError(exc) from exc
             raise
         finally:
+            filesink.forget_partial(tmp)
             if bar is not None:
                 bar.close()
         return header

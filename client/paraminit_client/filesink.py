@@ -191,3 +191,28 @@ class BufferedSink:
                 self._stopped = True
                 self._cond.notify()
             self._thread.join()
+
+
+# Files being written right now (their temporary names): what a process that must end at once removes first.
+_PARTIAL: set[str] = set()
+
+
+def track_partial(path: str) -> None:
+    """Remember a temporary file until forget_partial(path): remove_partial() deletes it if the process must end."""
+    _PARTIAL.add(path)
+
+
+def forget_partial(path: str) -> None:
+    """The file was renamed into place or already removed."""
+    _PARTIAL.discard(path)
+
+
+def remove_partial() -> list[str]:
+    """Delete every file still being written (for a process ending on a signal); returns their names."""
+    removed = []
+    for path in list(_PARTIAL):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed.append(path)
+        _PARTIAL.discard(path)
+    return removed
