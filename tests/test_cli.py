@@ -958,10 +958,15 @@ def test_interrupted_materialize_leaves_no_partial_file(tmp_path: Path, sig: sig
     (tmp_path / "plan.json").write_text(plan_to_json(plan))
     out = tmp_path / "out" / "big.safetensors"
     out.parent.mkdir()
+    # The command starts with SIGHUP and SIGINT at their defaults: a run started under `nohup` or as a background
+    # job of a non-interactive shell inherits them ignored, and the command rightly leaves ignored signals ignored.
+    argv = [str(Path(sys.executable).parent / "paraminit"), "materialize", str(tmp_path / "plan.json"), "-o", str(out)]
+    defaults = ("import os, signal, sys\n"
+                "for s in (signal.SIGHUP, signal.SIGINT): signal.signal(s, signal.SIG_DFL)\n"
+                "os.execv(sys.argv[1], sys.argv[1:])\n")
     with running_server(backend) as r:
         try:
-            proc = subprocess.Popen([str(Path(sys.executable).parent / "paraminit"), "materialize",
-                                     str(tmp_path / "plan.json"), "-o", str(out), "--target", target_of(r)],
+            proc = subprocess.Popen([sys.executable, "-c", defaults, *argv, "--target", target_of(r)],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             assert wait_until(lambda: any(out.parent.iterdir()) or proc.poll() is not None, 120)
             assert proc.poll() is None, proc.communicate()
