@@ -30,32 +30,12 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, Violation
+from paraminit.violations import ValidationReport as ValidationReport  # the client's name for it
 from paraminit_client import scaleout
 from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
 from paraminit_client.errors import ClientClosed, InvalidArgument, ParaminitError
 
 Arrays = dict[str, np.ndarray[Any, Any]]
-
-
-@dataclass(frozen=True)
-class ValidationReport:
-    """What Validate found: every violation (limits included), the bytes per parameter and the plan's digest."""
-
-    valid: bool
-    fits_limits: bool
-    violations: tuple[Violation, ...]
-    param_bytes: tuple[int, ...]
-    total_bytes: int
-    plan_digest: str
-
-    @property
-    def ok(self) -> bool:
-        """Valid and within the limits: a materialization would be admitted."""
-        return self.valid and self.fits_limits
-
-    def lines(self) -> list[str]:
-        """One line per violation: `FIELD ('NAME'): MESSAGE`."""
-        return [str(v) for v in self.violations]
 
 
 class Chunk(Protocol):
@@ -236,8 +216,8 @@ class LocalTransport:
 
     def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
         with self._call():
-            r = self._plane.validate(plan)
-        return ValidationReport(r.valid, r.fits_limits, r.violations, r.param_bytes, r.total_bytes, r.plan_digest)
+            report: ValidationReport = self._plane.validate(plan)
+        return report
 
     def info(self) -> pb.GetInfoResponse:
         with self._call():

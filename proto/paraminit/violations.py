@@ -42,3 +42,25 @@ def camel_path(path: str) -> str:
     """A field path with each segment in its JSON (lowerCamelCase) name, as plan files spell it:
     `init.kaiming_uniform_for_shape` -> `init.kaimingUniformForShape`; indices are kept."""
     return re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), path)
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    """What Validate found: every violation (limits included), the bytes per parameter and the plan's digest;
+    the same value from the data plane in process and from a server's ValidateResponse."""
+
+    valid: bool
+    fits_limits: bool
+    violations: tuple[Violation, ...]
+    param_bytes: tuple[int, ...]
+    total_bytes: int
+    plan_digest: str
+
+    @property
+    def ok(self) -> bool:
+        """Valid and within the limits: a materialization would be admitted."""
+        return self.valid and self.fits_limits
+
+    def lines(self) -> list[str]:
+        """One line per violation: `FIELD ('NAME'): MESSAGE`."""
+        return [str(v) for v in self.violations]

@@ -23,7 +23,7 @@ from typing import Any
 from paraminit import times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
-from paraminit.violations import Violation
+from paraminit.violations import ValidationReport, Violation
 from paraminit_server import backends
 from paraminit_server.__main__ import main as serve_main
 from paraminit_server.config import ServerConfig
@@ -34,7 +34,7 @@ from paraminit_server.plane.materializer import Materializer, PayloadPiece, Stre
 from paraminit_server.rpc import service
 from paraminit_server.rpc.server import Running, start
 
-__all__ = ["Failure", "InProcess", "Materializer", "Running", "ServerConfig", "Validated", "data_plane",
+__all__ = ["Failure", "InProcess", "Materializer", "Running", "ServerConfig", "data_plane",
            "loopback_server", "serve_main"]
 log = logging.getLogger("paraminit.server")
 
@@ -75,18 +75,6 @@ class Failure:
     code: str
     message: str
     violations: tuple[Violation, ...] = ()
-
-
-@dataclass(frozen=True)
-class Validated:
-    """What `validate` found: every violation (limits included), the bytes per parameter and the digest."""
-
-    valid: bool
-    fits_limits: bool
-    violations: tuple[Violation, ...]
-    param_bytes: tuple[int, ...]
-    total_bytes: int
-    plan_digest: str
 
 
 class InProcess:
@@ -140,10 +128,10 @@ class InProcess:
 
     # -- calls -----------------------------------------------------------------------------
 
-    def validate(self, plan: plan_pb2.Plan) -> Validated:
+    def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
         report, digest = self.plane.validate(plan, self.caller)
         violations = tuple(report.violations)
-        return Validated(not any(not v.is_limit for v in violations), not any(v.is_limit for v in violations),
+        return ValidationReport(not any(not v.is_limit for v in violations), not any(v.is_limit for v in violations),
                          violations, tuple(report.param_bytes), int(report.total_bytes), digest)
 
     def info(self) -> pb.GetInfoResponse:
