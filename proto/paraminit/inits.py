@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from paraminit import dtypes
 from paraminit.shapes import fan_in_out, numel, shape_str
@@ -33,6 +34,8 @@ __all__ = [
     "Checkpoint",
     "Const",
     "Data",
+    "FieldColumns",
+    "Forms",
     "InitKind",
     "Inline",
     "Moments",
@@ -140,6 +143,21 @@ class Checkpoint:
 Data = Inline | PayloadRef | Checkpoint
 ValueForm = Const | Uniform | Normal | TruncNormal | Data
 
+
+@dataclass(frozen=True)
+class Forms:
+    """The value forms of many parameters of one kind at once: the form's class and one array per field of it
+    (what `InitKind.form` gives row by row), and the rows whose form checks pass. Rows that fail are checked
+    one by one, which names the problem."""
+
+    form: type[Const | Uniform | Normal | TruncNormal]
+    fields: dict[str, npt.NDArray[Any]]
+    ok: npt.NDArray[np.bool_]
+
+
+# A numeric field of the kind's message for every row (float64 for doubles, uint64 for integers), and the row count.
+FieldColumns = Callable[[str], npt.NDArray[Any]]
+
 Problem = tuple[str, str]  # (field path under the Param or Patch, message)
 
 
@@ -156,6 +174,8 @@ class InitKind:
     form: Callable[[Any, Sequence[int]], ValueForm]  # (the kind's message, full shape) -> value form
     checks: Callable[[Any, Sequence[int]], list[Problem]]  # form checks on the message alone
     describe: Callable[[Any, Sequence[int]], str] | None = None  # inspect's label; default: from the form
+    # `form` and `checks` over many rows at once (large plans), for kinds whose form does not depend on the shape
+    forms: Callable[[FieldColumns, int], Forms] | None = None
 
     @property
     def patchable(self) -> bool:
@@ -257,18 +277,71 @@ def _kaiming_label(fan_in: int) -> str:
     return f"kaiming_uniform(fan_in={fan_in})"
 
 
+def _all(n: int) -> npt.NDArray[np.bool_]:
+    return np.ones(n, dtype=bool)
+
+
+def _fin(*xs: npt.NDArray[np.float64]) -> npt.NDArray[np.bool_]:
+    out = np.isfinite(xs[0])
+    for x in xs[1:]:
+        out &= np.isfinite(x)
+    return out
+
+
+def _const_forms(value: float) -> Callable[[FieldColumns, int], Forms]:
+    return lambda f, n: Forms(Const, {"value": np.full(n, value)}, _all(n))
+
+
+def _uniform_forms(f: FieldColumns, n: int) -> Forms:
+    lo, hi = f("lo"), f("hi")
+    with np.errstate(all="ignore"):  # the same tests as _check_uniform, row by row
+        return Forms(Uniform, {"lo": lo, "hi": hi, "seed": f("seed")}, _fin(lo, hi, hi - lo) & (lo <= hi))
+
+
+def _normal_forms(f: FieldColumns, n: int) -> Forms:
+    mean, std = f("mean"), f("std")
+    return Forms(Normal, {"mean": mean, "std": std, "seed": f("seed")}, _fin(mean, std) & (std >= 0))
+
+
+def _truncated_normal_forms(f: FieldColumns, n: int) -> Forms:
+    mean, std, lo, hi = f("mean"), f("std"), f("lo"), f("hi")
+    with np.errstate(all="ignore"):  # the same tests as _check_truncated_normal and trunc_bounds_ok
+        half = 0.5 * std
+        ok = _fin(mean, std, lo, hi) & (std >= 0) & (lo <= mean - half) & (hi >= mean + half)
+    return Forms(TruncNormal, {"mean": mean, "std": std, "lo": lo, "hi": hi, "seed": f("seed")}, ok)
+
+
+def _symmetric_forms(bound: npt.NDArray[np.float64], seed: npt.NDArray[np.uint64]) -> Forms:
+    return Forms(Uniform, {"lo": -bound, "hi": bound, "seed": seed}, _all(bound.shape[0]))
+
+
+def _xavier_forms(f: FieldColumns, n: int) -> Forms:
+    denom = f("fan_in").astype(np.float64) + f("fan_out").astype(np.float64)  # as xavier_bound: binary64 first
+    with np.errstate(divide="ignore"):
+        return _symmetric_forms(np.where(denom == 0.0, 0.0, np.sqrt(6.0 / denom)), f("seed"))
+
+
+def _kaiming_forms(f: FieldColumns, n: int) -> Forms:
+    fan_in = f("fan_in")
+    with np.errstate(divide="ignore"):
+        return _symmetric_forms(np.where(fan_in == 0, 0.0, np.sqrt(6.0 / fan_in.astype(np.float64))), f("seed"))
+
+
 def _table() -> dict[str, InitKind]:
     kinds = [
-        InitKind("zeros", "zeros", False, False, lambda m, s: Const(0.0), _none, lambda m, s: "zeros"),
-        InitKind("ones", "ones", False, False, lambda m, s: Const(1.0), _none, lambda m, s: "ones"),
-        InitKind("uniform", "uniform", True, False, lambda m, s: Uniform(m.lo, m.hi, m.seed), _check_uniform),
-        InitKind("normal", "normal", True, False, lambda m, s: Normal(m.mean, m.std, m.seed), _check_normal),
+        InitKind("zeros", "zeros", False, False, lambda m, s: Const(0.0), _none, lambda m, s: "zeros",
+                 _const_forms(0.0)),
+        InitKind("ones", "ones", False, False, lambda m, s: Const(1.0), _none, lambda m, s: "ones", _const_forms(1.0)),
+        InitKind("uniform", "uniform", True, False, lambda m, s: Uniform(m.lo, m.hi, m.seed), _check_uniform,
+                 forms=_uniform_forms),
+        InitKind("normal", "normal", True, False, lambda m, s: Normal(m.mean, m.std, m.seed), _check_normal,
+                 forms=_normal_forms),
         InitKind("xavier_uniform", "xavierUniform", True, False,
                  lambda m, s: _symmetric(xavier_bound(m.fan_in, m.fan_out), m.seed), _none,
-                 lambda m, s: _xavier_label(m.fan_in, m.fan_out)),
+                 lambda m, s: _xavier_label(m.fan_in, m.fan_out), _xavier_forms),
         InitKind("kaiming_uniform", "kaimingUniform", True, False,
                  lambda m, s: _symmetric(kaiming_bound(m.fan_in), m.seed), _none,
-                 lambda m, s: _kaiming_label(m.fan_in)),
+                 lambda m, s: _kaiming_label(m.fan_in), _kaiming_forms),
         InitKind("flat", "flat", False, True, lambda m, s: Inline(m.values), _check_flat),
         InitKind("xavier_uniform_for_shape", "xavierUniformForShape", True, False,
                  lambda m, s: _symmetric(xavier_bound(*fan_in_out(s)), m.seed),
@@ -280,7 +353,8 @@ def _table() -> dict[str, InitKind]:
         InitKind("safetensors", "safetensors", False, True, lambda m, s: Checkpoint(m.path, m.tensor, m.dtype),
                  _check_safetensors),
         InitKind("truncated_normal", "truncatedNormal", True, False,
-                 lambda m, s: TruncNormal(m.mean, m.std, m.lo, m.hi, m.seed), _check_truncated_normal),
+                 lambda m, s: TruncNormal(m.mean, m.std, m.lo, m.hi, m.seed), _check_truncated_normal,
+                 forms=_truncated_normal_forms),
     ]
     return {k.field: k for k in kinds}
 

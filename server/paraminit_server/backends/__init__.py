@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from paraminit_server.plane.errors import BackendUnavailable
-from paraminit_server.plans.plan import ResolvedParam
+from paraminit_server.plans.plan import Offsets, ResolvedParam
 
 HOST = "host"
 DEVICE = "device"
@@ -75,7 +75,7 @@ class Backend(Protocol):
     def fill(self, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
         """Write local elements [l_begin, l_begin + len(out)) of p into out (p.dtype.storage, 1-D)."""
 
-    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
+    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
                   should_stop: Callable[[], bool] | None = None) -> None:
         """Whole parameters into one 1-D uint8 arena, parameter i at byte offsets[i]; raises errors.Cancelled
         between pieces of work once should_stop() is true."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import platform
@@ -14,12 +15,14 @@ from typing import Any
 import numba
 import numpy as np
 
+from paraminit import dtypes
 from paraminit.hostmem import host_buffer
 from paraminit_server.backends import HOST, SHM, DeviceDescription, ExportBuffer, cpu_kernels
 from paraminit_server.plane.admission import host_memory
 from paraminit_server.plane.errors import Cancelled
 from paraminit_server.plane.shm import ShmSegment
-from paraminit_server.plans.plan import Kind, ResolvedParam, Runs, warm_up_params
+from paraminit_server.plans.columns import ParamTable
+from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, Runs, warm_up_params
 
 _NO_VALUES = np.zeros(0, dtype=np.float64)
 _NO_INDEX = np.zeros(0, dtype=np.int64)
@@ -186,12 +189,42 @@ class _Group:
     def run(self) -> None:
         if not self.starts:
             return
-        args = self.args()
-        COMPILES.ensure(args, kernel="fill_batch")
-        cpu_kernels.fill_batch(*args)  # on the calling thread: not a parallel kernel, so no launch lock
+        _fill_batch(self.args())
         self.starts.clear()  # queued tensors are filled once
         for column in (self.counts, self.kinds, self.keys, self.p0, self.p1, self.lo, self.hi, self.seeds):
             column.clear()
+
+
+def _fill_batch(args: tuple[Any, ...]) -> None:
+    """One fill_batch call (out, starts, counts, kinds, keys, p0s, p1s, los, his, seeds, fmt)."""
+    COMPILES.ensure(args, kernel="fill_batch")
+    cpu_kernels.fill_batch(*args)  # on the calling thread: not a parallel kernel, so no launch lock
+
+
+def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Offsets,
+                should_stop: Callable[[], bool] | None) -> None:
+    """fill_plan from a ParamTable's columns: its small plain tensors by one fill_batch call per dtype per
+    FILL_WINDOW bytes, straight from the columns; the other rows as fill_plan fills any list."""
+    cols = params.cols
+    offs = np.asarray(offsets, dtype=np.int64)
+    itemsize = np.maximum(params.itemsize, 1)
+    batched = params.plain & (cols.numel > 0) & (cols.numel <= cpu_kernels.PIECE) & (offs % itemsize == 0)
+    rest = np.flatnonzero(~batched).tolist()
+    if rest:
+        backend.fill_plan([params[i] for i in rest], arena, [int(offs[i]) for i in rest], should_stop)
+    for enum in np.unique(cols.dtype[batched]).tolist():
+        dt = dtypes.by_enum(enum)
+        assert dt is not None, "plain rows have a known dtype"
+        rows = np.flatnonzero(batched & (cols.dtype == enum))
+        view = arena[:arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
+        window = np.cumsum(params.nbytes[rows]) // FILL_WINDOW  # which window each tensor's end falls in
+        cuts = [0, *(np.flatnonzero(np.diff(window)) + 1).tolist(), rows.shape[0]]
+        for a, b in itertools.pairwise(cuts):
+            if should_stop is not None and should_stop():
+                raise Cancelled("client cancelled or deadline passed")
+            r = rows[a:b]
+            _fill_batch((view, offs[r] // dt.itemsize, cols.numel[r], cols.kernel[r], cols.key[r], cols.p0[r],
+                         cols.p1[r], cols.lo[r], cols.hi[r], cols.seed[r], dt.fmt))
 
 
 class CpuBackend:
@@ -261,7 +294,7 @@ class CpuBackend:
         return (out, l_begin, int(p.kind), np.uint64(p.key), p.p0, p.p1, p.lo, p.hi, np.uint64(p.seed), values,
                 p.dtype.fmt, runs.outer_start, runs.outer_ext, runs.outer_stride, runs.base, runs.run_len)
 
-    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
+    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
                   should_stop: Callable[[], bool] | None = None) -> None:
         """In windows of FILL_WINDOW bytes, so a cancelled request stops within one window's time.
 
@@ -269,6 +302,9 @@ class CpuBackend:
         many small tensors would otherwise pay for the check more than for the fill. Small whole tensors of
         the value kinds are gathered per dtype and filled by one kernel call per window (`fill_batch`): one
         launch each would cost more than their values."""
+        if isinstance(params, ParamTable):
+            _fill_table(self, params, arena, offsets, should_stop)
+            return
         since_check = FILL_WINDOW  # ask before the first fill
         batch = _Batch(arena)
         for p, off in zip(params, offsets, strict=True):

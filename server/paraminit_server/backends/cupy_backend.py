@@ -27,7 +27,7 @@ from paraminit import dtypes
 from paraminit.cuda import IPC_HANDLE_BYTES, device_uuid
 from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle
 from paraminit_server.plane.errors import BackendUnavailable, Cancelled, ResourceExhausted
-from paraminit_server.plans.plan import Kind, ResolvedParam, warm_up_params
+from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, warm_up_params
 
 KERNEL_DIR = Path(__file__).parent / "cuda"
 KERNEL_SOURCE = KERNEL_DIR / "paraminit_kernels.cu"
@@ -256,7 +256,7 @@ def fill_jobs(jobs: Sequence[Job], arena: Any) -> None:
                     (arena, meta, np.int32(packed.njobs), np.int64(packed.total_tiles), values))
 
 
-def fill_plan(params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int]) -> None:
+def fill_plan(params: Sequence[ResolvedParam], arena: Any, offsets: Offsets) -> None:
     """Fill whole parameters into one device arena, parameter i at byte offsets[i], in one launch.
 
     Bytes between parameters are left as they are; the caller zeroes padding it exports.
@@ -401,7 +401,7 @@ class CupyBackend:
                     np.int64(row[W_BASE]), np.int64(row[W_RUNLEN]), row.view(np.float64)[W_LO],
                     row.view(np.float64)[W_HI], row.view(np.uint64)[W_SEED]))
 
-    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
+    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
                   should_stop: Callable[[], bool] | None = None) -> None:
         """Whole parameters into one arena in one launch (see the module-level fill_plan)."""
         if should_stop is not None and should_stop():

@@ -18,7 +18,8 @@ from typing import Any
 from paraminit_server.backends import HOST, Backend
 from paraminit_server.plane import errors
 from paraminit_server.plane.layout import SLAB_QUANTUM, Layout
-from paraminit_server.plans.plan import ResolvedParam
+from paraminit_server.plans.columns import ParamTable
+from paraminit_server.plans.plan import Offsets, ResolvedParam
 
 
 def fill_window(backend: Backend, layout: Layout, buf: Any, start: int) -> None:
@@ -52,12 +53,15 @@ def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0
             backend.fill(patch.param, out[lo - l_begin:hi - l_begin], lo)
 
 
-def fill_params(backend: Backend, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
+def fill_params(backend: Backend, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
                 should_stop: Callable[[], bool] | None = None) -> None:
     """backend.fill_plan, patches included: whole parameters into one arena, parameter i at byte offsets[i]."""
     backend.fill_plan(params, arena, offsets, should_stop)
-    for p, off in zip(params, offsets, strict=True):
+    # a ParamTable's plain rows have no patches: only its other rows are looked at
+    patched = params.special.items() if isinstance(params, ParamTable) else enumerate(params)
+    for i, p in patched:
         if p.patches:
+            off = int(offsets[i])
             apply_patches(backend, p, arena[off:off + p.nbytes].view(p.dtype.storage), 0)
 
 
@@ -69,8 +73,7 @@ def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[
         backend.zero(buf, prev, pl.offset)
         prev = max(prev, pl.offset + pl.param.nbytes)
     backend.zero(buf, prev, layout.data_bytes)
-    fill_params(backend, [pl.param for pl in layout.placements], buf, [pl.offset for pl in layout.placements],
-                should_stop)
+    fill_params(backend, layout.params, buf, layout.offsets, should_stop)
     backend.synchronize()
 
 

@@ -185,8 +185,7 @@ class Exports:
                 raise errors.NotFound(f"no lease {lease_id!r}")
             lay, buf = rec.payload
             _check_same_parameters(lay, params)
-            new = layout.Layout(tuple(layout.Placement(p, pl.offset) for p, pl in zip(params, lay.placements,
-                                                                                      strict=True)), lay.data_bytes)
+            new = layout.Layout(params, lay.offsets, lay.data_bytes)
             engine.fill_all(self.backend, new, buf.array)
             rec.plan_digest = digest
         return digest

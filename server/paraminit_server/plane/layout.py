@@ -8,13 +8,18 @@ holes, so this is the alignment the format allows; exports pad to `align`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, SupportsIndex, overload
 
-from paraminit_server.plans.plan import ResolvedParam
+import numpy as np
+
+from paraminit import dtypes
+from paraminit_server.plans.columns import ParamTable
+from paraminit_server.plans.plan import Offsets, ResolvedParam
 
 STREAM_ALIGN = 64
 EXPORT_ALIGN = 64
@@ -27,17 +32,38 @@ class Placement:
     offset: int  # bytes from the start of the data section / arena
 
 
-@dataclass(frozen=True)
 class Layout:
-    placements: tuple[Placement, ...]  # in plan order
-    data_bytes: int
-    prefix: bytes = b""  # safetensors 8-byte length + JSON header, for streams
+    """Where every parameter of a delivered buffer lies: parameter i (plan order) at byte offsets[i].
+
+    For a large plan (a columns.ParamTable) the placements and the stream's safetensors prefix are built only
+    when asked for: an in-process fill needs neither, only the tensor table (`spans`, from the columns)."""
+
+    def __init__(self, params: Sequence[ResolvedParam], offsets: Offsets, data_bytes: int,
+                 prefix: bytes | Callable[[], bytes] = b"") -> None:
+        self.params = params
+        self.offsets = offsets
+        self.data_bytes = data_bytes
+        self._prefix = prefix
+
+    @functools.cached_property
+    def placements(self) -> tuple[Placement, ...]:
+        """In plan order."""
+        return tuple([Placement(p, int(o)) for p, o in zip(self.params, self.offsets, strict=True)])
+
+    @functools.cached_property
+    def prefix(self) -> bytes:
+        """safetensors 8-byte length + JSON header, for streams (b"" for exports)."""
+        return self._prefix if isinstance(self._prefix, bytes) else self._prefix()
 
     def in_offset_order(self) -> list[Placement]:
         return sorted(self.placements, key=lambda pl: pl.offset)
 
     def spans(self) -> list[TensorSpan]:
         """Where each tensor lies, in plan order, as plain tuples (no protobuf for in-process callers)."""
+        params = self.params
+        if isinstance(params, ParamTable):  # from the columns, without a ResolvedParam each
+            return SpanTable(params.names(), params.dtype_enums().tolist(), params.out_shapes(),
+                             np.asarray(self.offsets).tolist(), params.nbytes.tolist())
         return [TensorSpan(pl.param.name, pl.param.dtype.enum, pl.param.out_shape, pl.offset, pl.param.nbytes)
                 for pl in self.placements]
 
@@ -52,12 +78,46 @@ class TensorSpan(NamedTuple):
     nbytes: int
 
 
+class SpanTable(list[TensorSpan]):
+    """The tensor table of a large plan, as columns: `columns()` gives them to a reader that wants them whole
+    (the client's arrays_from_buffer); iterating gives TensorSpans, made only then."""
+
+    def __init__(self, names: list[str], dtypes: list[int], shapes: list[tuple[int, ...]], offsets: list[int],
+                 nbytes: list[int]) -> None:
+        super().__init__()
+        self._columns = (names, dtypes, shapes, offsets, nbytes)
+
+    def columns(self) -> tuple[list[str], list[int], list[tuple[int, ...]], list[int], list[int]]:
+        """Names, dtype enums, shapes, offsets and byte counts, in plan order."""
+        return self._columns
+
+    def __len__(self) -> int:
+        return len(self._columns[0])
+
+    def __iter__(self) -> Iterator[TensorSpan]:
+        return map(TensorSpan, *self._columns)
+
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> TensorSpan: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[TensorSpan]: ...
+
+    def __getitem__(self, i: SupportsIndex | slice) -> TensorSpan | list[TensorSpan]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        names, dtypes_, shapes, offsets, nbytes = self._columns
+        return TensorSpan(names[i], dtypes_[i], shapes[i], offsets[i], nbytes[i])
+
+
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
 def stream_layout(params: Sequence[ResolvedParam], plan_digest: str) -> Layout:
     """Contiguous safetensors layout: header padded so the data section starts 64-byte aligned."""
+    if isinstance(params, ParamTable):
+        return _table_stream_layout(params, plan_digest)
     indices = [p.index for p in params]
     if all(a < b for a, b in itertools.pairwise(indices)):  # plan order: a stable pass per item size, no sort
         order = [p for size in sorted({p.dtype.itemsize for p in params}, reverse=True)
@@ -69,38 +129,61 @@ def stream_layout(params: Sequence[ResolvedParam], plan_digest: str) -> Layout:
     for p in order:
         offsets[p.index] = pos
         pos += p.nbytes
-    text = _header(params, offsets, plan_digest)
+    in_plan_order = [offsets[p.index] for p in params]
+    names = [p.name for p in params]
+    entries = [(p.dtype.safetensors, p.out_shape, p.nbytes) for p in params]
+    return Layout(params, in_plan_order, pos, _padded(_header(names, entries, in_plan_order, plan_digest)))
+
+
+def _table_stream_layout(params: ParamTable, plan_digest: str) -> Layout:
+    """stream_layout from the columns: offsets by a stable sort on item size, the header only when asked for."""
+    nbytes = params.nbytes
+    order = np.argsort(-params.itemsize, kind="stable")
+    ends = np.cumsum(nbytes[order])
+    offsets = np.empty_like(ends)
+    offsets[order] = ends - nbytes[order]
+    total = int(ends[-1]) if ends.shape[0] else 0
+
+    def prefix() -> bytes:
+        st = {d.enum: d.safetensors for d in dtypes.SUPPORTED}
+        entries = list(zip(map(st.__getitem__, params.dtype_enums().tolist()), params.out_shapes(),
+                           nbytes.tolist(), strict=True))
+        return _padded(_header(params.names(), entries, offsets.tolist(), plan_digest))
+
+    return Layout(params, offsets, total, prefix)
+
+
+def _padded(text: bytes) -> bytes:
+    """The 8-byte length and the header, padded with spaces so the data section starts STREAM_ALIGN-aligned."""
     text += b" " * (_round_up(8 + len(text), STREAM_ALIGN) - 8 - len(text))
-    prefix = len(text).to_bytes(8, "little") + text
-    return Layout(tuple([Placement(p, offsets[p.index]) for p in params]), pos, prefix)
+    return len(text).to_bytes(8, "little") + text
 
 
-def _header(params: Sequence[ResolvedParam], offsets: dict[int, int], plan_digest: str) -> bytes:
+def _header(names: Sequence[str], entries: Sequence[tuple[str, tuple[int, ...], int]], offsets: Sequence[int],
+            plan_digest: str) -> bytes:
     """The safetensors JSON header, byte for byte what json.dumps(separators=(",", ":")) makes of the dict
-    {"__metadata__": ..., name: {"dtype", "shape", "data_offsets"}, ...}, written out entry by entry."""
+    {"__metadata__": ..., name: {"dtype", "shape", "data_offsets"}, ...}, written out entry by entry
+    (entries: safetensors dtype, shape and bytes of each parameter)."""
     meta: dict[str, object] = {"__metadata__": {"plan_digest": plan_digest, "format": "pt"}}
-    if any(p.name == "__metadata__" for p in params):  # a parameter of that name replaces the entry: as a dict does
+    if "__metadata__" in names:  # a parameter of that name replaces the entry: as a dict does
         header: dict[str, object] = dict(meta)
-        for p in params:
-            o = offsets[p.index]
-            header[p.name] = {"dtype": p.dtype.safetensors, "shape": list(p.out_shape),
-                              "data_offsets": [o, o + p.nbytes]}
+        for name, (dt, shape, nbytes), o in zip(names, entries, offsets, strict=True):
+            header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [o, o + nbytes]}
         return json.dumps(header, separators=(",", ":")).encode()
     quote = json.encoder.encode_basestring_ascii  # what json.dumps uses (ensure_ascii)
     parts = [json.dumps(meta, separators=(",", ":"))[:-1]]
-    for p in params:
-        o = offsets[p.index]
-        parts.append(f'{quote(p.name)}:{{"dtype":{quote(p.dtype.safetensors)},"shape":[{",".join(map(str, p.out_shape))}],'
-                     f'"data_offsets":[{o},{o + p.nbytes}]}}')
+    for name, (dt, shape, nbytes), o in zip(names, entries, offsets, strict=True):
+        parts.append(f'{quote(name)}:{{"dtype":{quote(dt)},"shape":[{",".join(map(str, shape))}],'
+                     f'"data_offsets":[{o},{o + nbytes}]}}')
     return (",".join(parts) + "}").encode()
 
 
 def export_layout(params: Sequence[ResolvedParam], align: int = EXPORT_ALIGN) -> Layout:
     """Plan-order arena with every tensor aligned to `align` bytes (64 on CPU, 256 on GPU)."""
-    placements = []
+    offsets = []
     pos = 0
     for p in params:
         pos = _round_up(pos, align)
-        placements.append(Placement(p, pos))
+        offsets.append(pos)
         pos += p.nbytes
-    return Layout(tuple(placements), _round_up(pos, align))
+    return Layout(params, offsets, _round_up(pos, align))

@@ -9,7 +9,7 @@ behaves the same; messages and checksums are the transports'.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export, Exports
 from paraminit_server.plane.leases import LeaseRecord, LeaseTable
 from paraminit_server.plane.ledger import Claim
-from paraminit_server.plans import plan, validation
+from paraminit_server.plans import columns, plan, validation
 from paraminit_server.plans.payloads import BoundSources, Payload, Sources, payload_hasher
 
 PREFETCH = 2  # slabs generated ahead of the one being sent
@@ -55,7 +55,7 @@ def max_request_bytes(host_budget: int, max_concurrent: int) -> int:
 class Checked:
     """A plan that validated, resolved for the kernels."""
 
-    params: list[plan.ResolvedParam]
+    params: Sequence[plan.ResolvedParam]  # a columns.ParamTable for large plans
     report: validation.Report
     digest: str
     sources: BoundSources | None = None  # holds the memory of checkpoint values until close()
@@ -125,7 +125,8 @@ class Materializer:
         """Every violation of the plan (limits included) and its digest; raises nothing for a bad plan."""
         sources = self._sources(caller, p)
         try:
-            return validation.validate(p, self.limits, sources), plan.digest(p, sources)
+            cols = columns.of(p)
+            return validation.validate(p, self.limits, sources, cols), plan.digest(p, sources, cols)
         finally:
             sources.release()
             admission.trim_heap()  # a large plan's parse and checks leave freed heap behind, as materializations do
@@ -134,13 +135,14 @@ class Materializer:
         """Validate the whole plan; raise with every violation, or return it resolved."""
         sources = self._sources(caller, p)
         try:
-            report = validation.validate(p, self.limits, sources)
+            cols = columns.of(p)
+            report = validation.validate(p, self.limits, sources, cols)
             if report.only_limits:
                 worst = "; ".join(v.message for v in report.violations)
                 raise errors.ResourceExhausted(f"plan exceeds server limits: {worst}", report.violations)
             if not report.ok:
                 raise errors.InvalidPlan(report.violations)
-            return Checked(plan.resolve(p, sources), report, plan.digest(p, sources), sources)
+            return Checked(plan.resolve(p, sources, cols), report, plan.digest(p, sources, cols), sources)
         except BaseException:
             sources.release()
             raise
@@ -206,7 +208,7 @@ class Materializer:
                 lay = layout.stream_layout(params, checked.digest)
                 with self._reserve(0, lay.data_bytes, caller, "materialization"):
                     buf = host_buffer(lay.data_bytes)
-                    engine.fill_params(self.backend, params, buf, [pl.offset for pl in lay.placements], caller.gone)
+                    engine.fill_params(self.backend, params, buf, lay.offsets, caller.gone)
                 return lay, checked.digest, buf
             lay = layout.export_layout(params)
             for rp in params:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,6 +26,9 @@ from paraminit.regions import Runs as Runs  # what backends walk; defined with t
 from paraminit.v1 import plan_pb2
 from paraminit_server.plane import errors
 from paraminit_server.plans import spec
+
+# Byte offsets of parameters in a buffer, in plan order: a list, or an array for a large plan's ParamTable
+Offsets = Sequence[int] | npt.NDArray[np.int64]
 
 
 class Kind(enum.IntEnum):
@@ -207,8 +211,39 @@ def _resolve_form(index: int, name: str, shape: tuple[int, ...], region: regions
     return ResolvedParam(index, name, shape, region, dt, initializer, kind, p0, p1, key)
 
 
-def resolve(plan: plan_pb2.Plan, sources: Any = None) -> list[ResolvedParam]:
-    """Resolve a validated plan."""
+KernelColumns = tuple[Any, npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.uint64],
+                      npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.uint64]]
+
+
+def kernel_columns(form: type, fields: dict[str, npt.NDArray[Any]]) -> KernelColumns:
+    """_resolve_form over many parameters of one value form (inits.Forms): kind, p0, p1, key, lo, hi, seed."""
+    n = next(iter(fields.values())).shape[0]
+    zero, zero_u = np.zeros(n), np.zeros(n, dtype=np.uint64)
+    if form is inits.Normal:
+        return Kind.NORMAL, fields["mean"], fields["std"], spec.keys(fields["seed"]), zero, zero, zero_u
+    if form is inits.Uniform:
+        lo, hi = fields["lo"], fields["hi"]
+        return Kind.AFFINE, lo, hi - lo, spec.keys(fields["seed"]), zero, zero, zero_u
+    if form is inits.Const:
+        return Kind.CONST, fields["value"], zero, zero_u, zero, zero, zero_u
+    assert form is inits.TruncNormal, "every distribution form is mapped above"
+    seed = fields["seed"]
+    return Kind.TRUNCNORM, fields["mean"], fields["std"], spec.keys(seed), fields["lo"], fields["hi"], seed
+
+
+def resolve(plan: plan_pb2.Plan, sources: Any = None, cols: Any = None) -> Sequence[ResolvedParam]:
+    """Resolve a validated plan; with its columns (plans.columns.of), as a ParamTable.
+
+    Args:
+        plan: a plan that validated against the same sources.
+        sources: the request's snapshot of payloads and checkpoints (payloads.BoundSources).
+        cols: the plan's columns, when it has them.
+
+    Returns:
+        One ResolvedParam per parameter, in plan order.
+    """
+    if cols is not None:
+        return cols.resolve(plan, sources)  # type: ignore[no-any-return]
     out: list[ResolvedParam] = []
     kinds, by_enum = inits.KINDS, dtypes.by_enum
     for i, p in enumerate(plan.params):
@@ -246,16 +281,19 @@ def canonical(plan: plan_pb2.Plan) -> bytes:
     return out.SerializeToString(deterministic=True)
 
 
-def digest(plan: plan_pb2.Plan, sources: Any = None) -> str:
+def digest(plan: plan_pb2.Plan, sources: Any = None, cols: Any = None) -> str:
     """Hex SHA-256 of the canonical form and, with `sources`, of the content every payload and checkpoint
     reference uses: the same digest always names the same bytes, also after a checkpoint is rewritten in
     place. A plan without references digests its canonical bytes alone (plan.proto says how to reproduce it)."""
-    h = hashlib.sha256(canonical(plan))
+    fast = None if cols is None else cols.canonical()
+    h = hashlib.sha256(canonical(plan) if fast is None else fast)
     if sources is None:
         return h.hexdigest()
     contents = []
     kinds = inits.KINDS
-    for i, p in enumerate(plan.params):
+    params = plan.params
+    for i in range(len(params)) if cols is None else cols.referencing().tolist():  # columns know who refers
+        p = params[i]
         if not p.patches:  # most parameters: one read says that no content is referenced
             which = p.init.WhichOneof("kind")
             if which is None or not kinds[which].flat:

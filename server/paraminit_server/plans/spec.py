@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import numpy.typing as npt
+
 from paraminit.inits import NORMAL_U1_FLOOR, kaiming_bound, trunc_bounds_ok, xavier_bound
 from paraminit.shapes import fan_in_out, numel, shape_str
 
-__all__ = ["NORMAL_U1_FLOOR", "candidate_seed", "fan_in_out", "kaiming_bound", "key", "mix", "numel", "shape_str", "trunc_bounds_ok",
-           "unit", "xavier_bound"]
+__all__ = ["NORMAL_U1_FLOOR", "candidate_seed", "fan_in_out", "kaiming_bound", "key", "keys", "mix", "numel", "shape_str",
+           "trunc_bounds_ok", "unit", "xavier_bound"]
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -34,6 +37,14 @@ def mix(x: int) -> int:
 def key(seed: int) -> int:
     """Per-seed stream key: mix(seed mod 2^64)."""
     return mix(seed & MASK64)
+
+
+def keys(seeds: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """`key` of every seed of an array (numpy's uint64 arithmetic wraps modulo 2^64, as MASK64 does above)."""
+    z = seeds.astype(np.uint64) + np.uint64(GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(MUL1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(MUL2)
+    return z ^ (z >> np.uint64(31))
 
 
 def unit(seed: int, i: int) -> float:

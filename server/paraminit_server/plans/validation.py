@@ -54,42 +54,80 @@ class Report:
         return bool(self.violations) and all(v.category == LIMIT for v in self.violations)
 
 
-def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = None) -> Report:
+def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = None, cols: Any = None) -> Report:
     """Check a whole plan; returns every violation found.
 
-    `sources` (payloads.BoundSources) checks flat_ref and safetensors initializers against what the
-    server holds; without it only their form is checked.
+    Args:
+        plan: the plan.
+        limits: byte limits (none by default).
+        sources: the request's snapshot (payloads.BoundSources): flat_ref and safetensors initializers are checked
+            against what the server holds; without it only their form is checked.
+        cols: the plan's columns (plans.columns.of), for large plans: their plain rows are checked as arrays.
+
+    Returns:
+        The report: every violation and each parameter's materialized bytes.
     """
     limits = limits or Limits()
     out: list[Violation] = []
-    sizes: list[int] = []
     first_seen: dict[str, int] = {}
-    max_param = limits.max_param_bytes
-    by_enum, kinds, numel, no_checks = dtypes.by_enum, inits.KINDS, spec.numel, inits.no_checks
-    for i, p in enumerate(plan.params):
-        # The common parameter (a short new name, a plain shape, a known dtype, a distribution with no region or
-        # patches) is checked here in a few lookups: a plan can hold 100,000s of them. Anything else, and any
-        # parameter with a violation, goes through the full checks, which report the same things as ever.
-        name = p.name
-        if name and len(name) <= _SHORT_NAME and name not in first_seen and not p.region and not p.patches:
-            shape = p.shape
-            which = p.init.WhichOneof("kind")
-            dt = by_enum(p.dtype)
-            if which is not None and dt is not None and len(shape) <= MAX_RANK:
-                kind = kinds[which]
-                n = numel(shape)
-                size = n * dt.itemsize
-                if not kind.flat and n <= MAX_ELEMENTS and size <= MAX_BYTES \
-                        and (max_param is None or size <= max_param) \
-                        and (kind.checks is no_checks or not kind.checks(getattr(p.init, which), shape)):
-                    first_seen[name] = i
-                    sizes.append(size)
-                    continue
-        sizes.append(_check_param(i, p, limits, sources, first_seen, out))
+    if cols is not None:
+        sizes = _validate_columns(plan, limits, sources, cols, first_seen, out)
+    else:
+        sizes = []
+        for i, p in enumerate(plan.params):
+            size = _check_common(i, p, limits, first_seen)
+            sizes.append(_check_param(i, p, limits, sources, first_seen, out) if size is None else size)
     total = sum(sizes)
     if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
         out.append(Violation(-1, "", "params", f"plan needs {total} bytes, over the per-plan limit of {limits.max_plan_bytes}", LIMIT))
     return Report(tuple(out), tuple(sizes))
+
+
+def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[str, int]) -> int | None:
+    """The common parameter (a short new name, a plain shape, a known dtype, a distribution with no region or
+    patches) checked in a few lookups: its bytes, or None when it needs the full checks (which report the same
+    things as ever). A plan can hold 100,000s of parameters."""
+    name = p.name
+    if not name or len(name) > _SHORT_NAME or name in first_seen or p.region or p.patches:
+        return None
+    shape = p.shape
+    which = p.init.WhichOneof("kind")
+    dt = dtypes.by_enum(p.dtype)
+    if which is None or dt is None or len(shape) > MAX_RANK:
+        return None
+    kind = inits.KINDS[which]
+    n = spec.numel(shape)
+    size = n * dt.itemsize
+    if kind.flat or n > MAX_ELEMENTS or size > MAX_BYTES or (limits.max_param_bytes is not None
+                                                             and size > limits.max_param_bytes):
+        return None
+    if kind.checks is not inits.no_checks and kind.checks(getattr(p.init, which), shape):
+        return None
+    first_seen[name] = i
+    return size
+
+
+def _validate_columns(plan: plan_pb2.Plan, limits: Limits, sources: Any, cols: Any, first_seen: dict[str, int],
+                      out: list[Violation]) -> list[int]:
+    """validate() over columns: plain rows with a good name and size pass as arrays, every other row (and any
+    repeated name) takes the full per-parameter checks, in plan order so names are first seen as before."""
+    nbytes = cols.nbytes
+    name_bytes = cols.name_bytes()
+    fast = cols.plain & (name_bytes > 0) & (name_bytes <= MAX_NAME_BYTES)
+    if limits.max_param_bytes is not None:
+        fast &= nbytes <= limits.max_param_bytes
+    names = cols.names
+    if bool(fast.all()) and len(set(names)) == len(names):  # nothing to check one by one
+        return nbytes.tolist()  # type: ignore[no-any-return]
+    sizes: list[int] = nbytes.tolist()
+    params = plan.params
+    for i, ok in enumerate(fast.tolist()):
+        name = names[i]
+        if ok and name not in first_seen:
+            first_seen[name] = i
+        else:
+            sizes[i] = _check_param(i, params[i], limits, sources, first_seen, out)
+    return sizes
 
 
 def _check_param(i: int, p: plan_pb2.Param, limits: Limits, sources: Any, first_seen: dict[str, int],

@@ -1,0 +1,196 @@
+"""Large plans as columns: checked, valued and resolved a column at a time instead of a parameter at a time.
+
+A plan of 100,000s of small parameters (a mixture of experts) costs microseconds per parameter when every
+step reads the message and builds objects per parameter. `of` scans the plan's wire bytes once (plans/wire.py)
+and, for the plain parameters (a whole tensor of a distribution or a constant: nearly all of them), computes
+their sizes, form checks (the initializer table's `forms`) and kernel values as arrays. Validation, the digest
+and resolution take these columns; everything else about a plan (regions, patches, data, any parameter that
+fails a check) goes through the per-parameter code as before, which keeps one statement of every rule and
+every message.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from paraminit import dtypes, inits
+from paraminit.v1 import plan_pb2
+from paraminit_server.plans import wire
+from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns, resolve_param
+
+SCAN_MIN = 1024  # parameters from which a plan is read as columns (below, per parameter costs less than a scan)
+_SMALL = float(1 << 59)  # element counts below this cannot overflow 2^63 bytes at 8 bytes per element
+_KIND_BY_NUMBER = {plan_pb2.Init.DESCRIPTOR.fields_by_name[k.field].number: k for k in inits.KINDS.values()}
+_FLAT_NUMBERS = [n for n, k in _KIND_BY_NUMBER.items() if k.flat]
+_ITEMSIZE = np.zeros(max(d.enum for d in dtypes.SUPPORTED) + 1, dtype=np.int64)
+for _d in dtypes.SUPPORTED:
+    _ITEMSIZE[_d.enum] = _d.itemsize
+
+
+@dataclass(frozen=True)
+class Columns:
+    """A scanned plan's columns; `plain` rows are valued here, the rest are read from the message."""
+
+    scan: wire.Scan
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    plain: npt.NDArray[np.bool_]
+    dtype: npt.NDArray[np.int64]  # enum, an omitted dtype as float32
+    numel: npt.NDArray[np.int64]
+    nbytes: npt.NDArray[np.int64]
+    kernel: npt.NDArray[np.int64]  # plan.Kind of plain rows
+    p0: npt.NDArray[np.float64]
+    p1: npt.NDArray[np.float64]
+    key: npt.NDArray[np.uint64]
+    lo: npt.NDArray[np.float64]
+    hi: npt.NDArray[np.float64]
+    seed: npt.NDArray[np.uint64]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def name_bytes(self) -> npt.NDArray[np.int64]:
+        return self.scan.name_at[:, 1] - self.scan.name_at[:, 0]
+
+    def referencing(self) -> npt.NDArray[np.int64]:
+        """Rows that may reference payloads or checkpoints (flat kinds, and irregular rows, which may patch)."""
+        return np.flatnonzero(~self.scan.regular | np.isin(self.scan.kind, _FLAT_NUMBERS))
+
+    def canonical(self) -> bytes | None:
+        """The plan digest's canonical bytes, when the scan can write them (wire.canonical)."""
+        return wire.canonical(self.scan)
+
+    def resolve(self, plan: plan_pb2.Plan, sources: Any = None) -> ParamTable:
+        """The validated plan resolved: plain rows stay columns, the others are resolved one by one."""
+        special = {int(i): resolve_param(int(i), plan.params[int(i)], sources)
+                   for i in np.flatnonzero(~self.plain).tolist()}
+        return ParamTable(self, special)
+
+
+def of(plan: plan_pb2.Plan) -> Columns | None:
+    """The columns of a plan of at least SCAN_MIN parameters; None for smaller plans."""
+    if len(plan.params) < SCAN_MIN:
+        return None
+    s = wire.scan(plan)
+    n = len(s)
+    rank = np.diff(s.dims_at)
+    dtype = np.where(s.dtype == 0, plan_pb2.DTYPE_FLOAT32, s.dtype)
+    known = (dtype >= 0) & (dtype < _ITEMSIZE.shape[0])
+    itemsize = np.where(known, _ITEMSIZE[np.where(known, dtype, 0)], 0)
+    numel, small = _numel(s, rank)
+    from paraminit_server.plans.validation import MAX_RANK  # the limits are validation's
+
+    plain = s.regular & (itemsize > 0) & (rank <= MAX_RANK) & small
+    kernel = np.full(n, -1, dtype=np.int64)
+    p0, p1, lo, hi = (np.zeros(n) for _ in range(4))
+    key, seed = np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64)
+    for number in np.unique(s.kind[plain]).tolist():
+        kind = _KIND_BY_NUMBER.get(number)
+        if kind is None or kind.forms is None:
+            continue
+        rows = np.flatnonzero(plain & (s.kind == number))
+        message = type(getattr(plan_pb2.Init(), kind.field))
+        forms = kind.forms(functools.partial(_field, s, message, rows), rows.shape[0])
+        good = forms.ok & s.wire_ok(message)[rows]
+        at = rows[good]
+        code, a, b, k, low, high, sd = kernel_columns(forms.form, {f: v[good] for f, v in forms.fields.items()})
+        kernel[at], p0[at], p1[at], key[at], lo[at], hi[at], seed[at] = code, a, b, k, low, high, sd
+    plain &= kernel >= 0
+    return Columns(s, s.names(), s.shapes(), plain, dtype, numel, numel * itemsize, kernel, p0, p1, key, lo, hi, seed)
+
+
+def _field(s: wire.Scan, message: Any, rows: npt.NDArray[np.int64], name: str) -> npt.NDArray[Any]:
+    return s.field(message, name)[rows]
+
+
+def _numel(s: wire.Scan, rank: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+    """Element counts, and whether each is below _SMALL (larger ones are left to the per-parameter checks)."""
+    n = rank.shape[0]
+    numel = np.ones(n, dtype=np.int64)
+    small = np.ones(n, dtype=bool)
+    for r in np.unique(rank).tolist():
+        if r == 0:
+            continue
+        rows = np.flatnonzero(rank == r)
+        mat = s.dims[s.dims_at[rows][:, None] + np.arange(r)]
+        ok = mat.astype(np.float64).prod(axis=1) < _SMALL
+        numel[rows] = np.where(ok, np.where(ok[:, None], mat, 0).astype(np.int64).prod(axis=1), 0)
+        small[rows] = ok
+    return numel, small
+
+
+class ParamTable(Sequence[ResolvedParam]):
+    """A resolved plan whose plain parameters are columns: indexing builds their ResolvedParam on demand, while
+    the hot paths (stream layout, tensor tables, the CPU backend's batched fill) read the columns."""
+
+    def __init__(self, cols: Columns, special: dict[int, ResolvedParam]) -> None:
+        self.cols = cols
+        self.special = special
+        self.nbytes = cols.nbytes.copy()
+        self.itemsize = _ITEMSIZE[np.where(cols.plain, cols.dtype, 0)]
+        for i, rp in special.items():
+            self.nbytes[i] = rp.nbytes
+            self.itemsize[i] = rp.dtype.itemsize
+
+    def __len__(self) -> int:
+        return len(self.cols)
+
+    @overload
+    def __getitem__(self, i: int) -> ResolvedParam: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ResolvedParam]: ...
+
+    def __getitem__(self, i: int | slice) -> ResolvedParam | Sequence[ResolvedParam]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        rp = self.special.get(i)
+        if rp is not None:
+            return rp
+        c = self.cols
+        dt = dtypes.by_enum(int(c.dtype[i]))
+        assert dt is not None, "plain rows have a known dtype"
+        kind = _KIND_BY_NUMBER[int(c.scan.kind[i])]
+        return ResolvedParam.whole(i, c.names[i], c.shapes[i], dt, kind.field, Kind(int(c.kernel[i])), float(c.p0[i]),
+                                   float(c.p1[i]), int(c.key[i]), float(c.lo[i]), float(c.hi[i]), int(c.seed[i]))
+
+    def __iter__(self) -> Iterator[ResolvedParam]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def plain(self) -> npt.NDArray[np.bool_]:
+        return self.cols.plain
+
+    def out_shapes(self) -> list[tuple[int, ...]]:
+        """Every parameter's delivered shape, in plan order."""
+        shapes = self.cols.shapes
+        if not self.special:
+            return shapes
+        out = list(shapes)
+        for i, rp in self.special.items():
+            out[i] = rp.out_shape
+        return out
+
+    def names(self) -> list[str]:
+        names = self.cols.names
+        if not self.special:
+            return names
+        out = list(names)
+        for i, rp in self.special.items():
+            out[i] = rp.name
+        return out
+
+    def dtype_enums(self) -> npt.NDArray[np.int64]:
+        out = self.cols.dtype.copy()
+        for i, rp in self.special.items():
+            out[i] = rp.dtype.enum
+        return out

@@ -1,0 +1,189 @@
+"""Large plans read as columns (plans/wire.py, plans/columns.py) give exactly what the per-parameter path gives:
+the same violations, sizes, digest, layout, header and bytes, whatever mix of parameters the plan holds."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import reference
+
+from paraminit import dtypes
+from paraminit.v1 import plan_pb2
+from paraminit_client.arrays import arrays_from_buffer
+from paraminit_server.backends.cpu import CpuBackend
+from paraminit_server.plane import engine, layout
+from paraminit_server.plans import columns, validation, wire
+from paraminit_server.plans import plan as planlib
+from paraminit_server.plans.columns import ParamTable
+from support import poisoned
+
+BACKEND = CpuBackend()
+N = columns.SCAN_MIN + 200
+INITS = ["normal", "uniform", "zeros", "ones", "xavier_uniform", "kaiming_uniform", "truncated_normal",
+         "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "flat"]
+
+
+def _param(rng: np.random.Generator, i: int, valid: bool) -> plan_pb2.Param:
+    """A random parameter: every kind, dtype (omitted too) and rank, some with regions or patches; when not
+    `valid`, some break one rule each."""
+    rank = int(rng.choice([0, 1, 2, 2, 2, 3]))
+    shape = [int(rng.integers(0 if i % 97 == 5 else 1, 9)) for _ in range(rank)]
+    p = plan_pb2.Param(name=f"layer{i // 7}.w{i % 7}", shape=shape)
+    dt = int(rng.integers(0, 5))
+    if dt:
+        p.dtype = dt  # type: ignore[assignment]
+    kind = INITS[int(rng.integers(0, len(INITS)))]
+    if kind.endswith("for_shape") and rank < 2:
+        kind = "normal"
+    seed = int(rng.integers(0, 2**64, dtype=np.uint64))
+    init = getattr(p.init, kind)
+    init.SetInParent()
+    if kind == "normal":
+        init.mean, init.std, init.seed = float(rng.normal()), float(rng.choice([0.02, 1.0, 0.0, 1e-310])), seed
+    elif kind == "uniform":
+        lo = float(rng.normal())
+        init.lo, init.hi, init.seed = lo, lo + float(rng.choice([0.0, 0.5, 3.0])), seed
+    elif kind == "truncated_normal":
+        init.mean, init.std, init.lo, init.hi, init.seed = 0.0, 0.5, -1.0, 2.0, seed
+    elif kind == "xavier_uniform":
+        init.fan_in, init.fan_out, init.seed = int(rng.integers(0, 3)) * int(rng.integers(1, 2**60)), 7, seed
+    elif kind == "kaiming_uniform":
+        init.fan_in, init.seed = int(rng.integers(0, 2)) * int(rng.integers(1, 2**63)), seed
+    elif kind == "flat":
+        init.values.extend(rng.normal(size=math.prod(shape)).tolist())
+    elif kind.endswith("for_shape"):
+        init.seed = seed
+    if rank and i % 13 == 0 and all(shape):
+        p.region.add(start=0, stop=shape[0])
+        for d in shape[1:]:
+            p.region.add(start=d // 2, stop=d)
+    if rank and i % 17 == 0 and all(shape):
+        q = p.patches.add(init=plan_pb2.Init(ones=plan_pb2.Ones()))
+        for d in shape:
+            q.box.add(start=0, stop=1 + d // 2)
+    if not valid and i % 11 == 3:
+        breakage = (i // 11) % 8
+        if breakage == 0:
+            p.name = ""
+        elif breakage == 1:
+            p.name = "layer0.w0"  # a repeated name
+        elif breakage == 2:
+            p.dtype = 9  # type: ignore[assignment]
+        elif breakage == 3:
+            p.init.normal.std = -1.0
+        elif breakage == 4:
+            p.init.uniform.lo, p.init.uniform.hi = 2.0, 1.0
+        elif breakage == 5:
+            p.init.truncated_normal.std, p.init.truncated_normal.lo = float("nan"), 0.0
+        elif breakage == 6:
+            p.ClearField("init")
+        else:
+            p.name = "n" * 2000
+    return p
+
+
+def _plan(seed: int, valid: bool) -> plan_pb2.Plan:
+    rng = np.random.default_rng(seed)
+    return plan_pb2.Plan(params=[_param(rng, i, valid) for i in range(N)])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_invalid_plans_report_the_same_violations(seed: int) -> None:
+    plan = _plan(seed, valid=False)
+    cols = columns.of(plan)
+    assert cols is not None and 0 < int(cols.plain.sum()) < len(plan.params)
+    limits = validation.Limits(max_param_bytes=600)
+    got, want = validation.validate(plan, limits, None, cols), validation.validate(plan, limits)
+    assert len(want.violations) > 20 and got == want
+    assert planlib.digest(plan, None, cols) == planlib.digest(plan)
+
+
+def _stream(params: Any, digest: str) -> tuple[layout.Layout, np.ndarray[Any, Any]]:
+    lay = layout.stream_layout(params, digest)
+    buf = poisoned(lay.data_bytes, np.dtype(np.uint8))
+    engine.fill_params(BACKEND, lay.params, buf, lay.offsets)
+    return lay, buf
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_valid_plans_give_the_same_bytes_layout_and_tables(seed: int) -> None:
+    plan = _plan(seed, valid=True)
+    cols = columns.of(plan)
+    assert cols is not None and validation.validate(plan, None, None, cols) == validation.validate(plan)
+    digest = planlib.digest(plan, None, cols)
+    assert digest == planlib.digest(plan)
+    table, listed = planlib.resolve(plan, None, cols), planlib.resolve(plan)
+    assert isinstance(table, ParamTable) and len(table.special) < len(plan.params) // 3
+    assert [(p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in table] == \
+        [(p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in listed]
+    (lay, got), (want_lay, want) = _stream(table, digest), _stream(listed, digest)
+    assert lay.prefix == want_lay.prefix and list(np.asarray(lay.offsets)) == list(want_lay.offsets)
+    assert lay.data_bytes == want_lay.data_bytes and np.array_equal(got, want)
+    assert list(lay.spans()) == want_lay.spans()
+    arrays, want_arrays = arrays_from_buffer(lay.spans(), got), arrays_from_buffer(want_lay.spans(), want)
+    assert list(arrays) == list(want_arrays)
+    for name, a in arrays.items():
+        b = want_arrays[name]
+        assert a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+    # and against the spec's reference, for the plain parameters of a few shapes
+    for rp in [table[i] for i in np.flatnonzero(table.plain)[:40].tolist()]:
+        ref = reference.materialize(rp).reshape(-1)
+        assert arrays[rp.name].reshape(-1).view(np.uint8).tobytes() == ref.view(np.uint8).tobytes(), rp.name
+
+
+def test_unknown_fields_and_an_empty_plan() -> None:
+    """A parameter or initializer carrying a field this server does not know is read from the message; the
+    canonical bytes drop it, as plan.canonical does."""
+    plan = plan_pb2.Plan(params=[plan_pb2.Param(name=f"p{i}", shape=[3, 4]) for i in range(N)])
+    for p in plan.params:
+        p.init.normal.std = 0.5
+    extra = plan_pb2.Param()
+    extra.ParseFromString(plan.params[5].SerializeToString() + b"\x78\x01")  # field 15, varint 1
+    plan.params[5].CopyFrom(extra)
+    normal = plan_pb2.Normal()
+    normal.ParseFromString(plan.params[9].init.normal.SerializeToString() + b"\x30\x07")  # field 6
+    plan.params[9].init.normal.CopyFrom(normal)
+    cols = columns.of(plan)
+    assert cols is not None
+    assert not cols.plain[5] and not cols.plain[9] and bool(cols.plain[10])
+    assert cols.canonical() is None and planlib.digest(plan, None, cols) == planlib.digest(plan)
+    table = planlib.resolve(plan, None, cols)
+    assert isinstance(table, ParamTable) and sorted(table.special) == [5, 9]
+    assert columns.of(plan_pb2.Plan()) is None
+
+
+def test_scan_reads_names_with_nul_and_non_ascii() -> None:
+    plan = plan_pb2.Plan(params=[plan_pb2.Param(name=f"é{i}\x00x" if i % 2 else f"名{i}", shape=[2]) for i in range(N)])
+    for p in plan.params:
+        p.init.zeros.SetInParent()
+    s = wire.scan(plan)
+    assert s.names() == [p.name for p in plan.params]
+    assert s.shapes() == [(2,)] * N
+
+
+def test_dtype_sizes_match_the_dtype_table() -> None:
+    plan = plan_pb2.Plan(params=[plan_pb2.Param(name=f"p{i}", shape=[5, 3], dtype=d.enum)  # type: ignore[arg-type]
+                                 for i in range(N) for d in [dtypes.SUPPORTED[i % len(dtypes.SUPPORTED)]]])
+    for p in plan.params:
+        p.init.ones.SetInParent()
+    cols = columns.of(plan)
+    assert cols is not None and cols.nbytes.tolist() == [15 * dtypes.by_enum(p.dtype).itemsize  # type: ignore[union-attr]
+                                                         for p in plan.params]
+
+
+def test_canonical_bytes_from_the_scan() -> None:
+    """A plan of plain parameters, some with their dtype omitted: the scan writes the canonical bytes itself."""
+    rng = np.random.default_rng(9)
+    plan = plan_pb2.Plan(params=[plan_pb2.Param(name=f"p{i}", shape=[int(rng.integers(1, 300))] * (i % 3),
+                                                dtype=int(rng.integers(0, 5)))  # type: ignore[arg-type]
+                                 for i in range(N)])
+    for i, p in enumerate(plan.params):
+        p.init.normal.std, p.init.normal.seed = 0.02, i * 1000003
+    cols = columns.of(plan)
+    assert cols is not None and bool(cols.plain.all())
+    fast = cols.canonical()
+    assert fast is not None and fast == planlib.canonical(plan) and fast != plan.SerializeToString()
+    assert planlib.digest(plan, None, cols) == planlib.digest(plan)
