@@ -187,3 +187,22 @@ def test_canonical_bytes_from_the_scan() -> None:
     fast = cols.canonical()
     assert fast is not None and fast == planlib.canonical(plan) and fast != plan.SerializeToString()
     assert planlib.digest(plan, None, cols) == planlib.digest(plan)
+
+
+@pytest.mark.parametrize("slab", [8 * 97, 8 * 997])
+def test_streamed_slabs_match_the_per_parameter_path(slab: int) -> None:
+    """Slabs cut tensors anywhere: the whole plain tensors of a slab come from the columns, the cut ones (and
+    regions, patches, data) from their ResolvedParam; the bytes are the per-parameter path's."""
+    plan = _plan(5, valid=True)
+    cols = columns.of(plan)
+    digest = planlib.digest(plan)
+    table, listed = planlib.resolve(plan, None, cols), planlib.resolve(plan)
+    assert isinstance(table, ParamTable)
+
+    def streamed(params: Any) -> bytes:
+        lay = layout.stream_layout(params, digest)
+        return b"".join(bytes(s) for _, s in engine.iter_slabs(BACKEND, lay, slab, lambda: False))
+
+    got, want = streamed(table), streamed(listed)
+    assert len(got) > 10 * slab and got == want
+    assert got == _stream(listed, digest)[1].tobytes()

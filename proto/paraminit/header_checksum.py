@@ -11,6 +11,7 @@ out): byte strings as an 8-byte little-endian length then the bytes, integers as
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,13 +29,22 @@ def _bytes(b: bytes) -> bytes:
 def covered(prefix: bytes, plan_digest: str, data_bytes: int, tensors: Iterable[Any]) -> bytes:
     """The covered bytes: prefix, plan digest, data size, then per tensor name, dtype, rank, dims, offset, nbytes."""
     parts = [_bytes(prefix), _bytes(plan_digest.encode()), _u64(data_bytes)]
+    layouts: dict[tuple[int, int], Any] = {}  # one struct per (name length, rank): a plan has few
     for t in tensors:
-        parts += [_bytes(t.name.encode()), _u64(t.dtype), _u64(len(t.shape)), *(_u64(d) for d in t.shape),
-                  _u64(t.offset), _u64(t.nbytes)]
+        name, shape = t.name.encode(), t.shape
+        key = (len(name), len(shape))
+        layout = layouts.get(key)
+        if layout is None:
+            layout = layouts[key] = struct.Struct(f"<Q{key[0]}sQQ{key[1]}QQQ").pack
+        parts.append(layout(key[0], name, t.dtype, key[1], *shape, t.offset, t.nbytes))
     return b"".join(parts)
+
+
+def checksum(prefix: bytes, plan_digest: str, data_bytes: int, tensors: Iterable[Any]) -> int:
+    """CRC-32C of the covered bytes (tensors: anything with name, dtype, shape, offset and nbytes)."""
+    return int(crc32c.crc32c(covered(prefix, plan_digest, data_bytes, tensors)))
 
 
 def header_crc32c(header: Any) -> int:
     """CRC-32C of a StreamHeader's covered bytes."""
-    return int(crc32c.crc32c(covered(header.safetensors_prefix, header.plan_digest, header.data_bytes,
-                                     header.tensors)))
+    return checksum(header.safetensors_prefix, header.plan_digest, header.data_bytes, header.tensors)

@@ -152,7 +152,7 @@ class InProcess:
             for item in it:
                 if isinstance(item, StreamStart):
                     yield pb.StreamHeader(plan_digest=item.digest, safetensors_prefix=item.layout.prefix,
-                                          data_bytes=item.layout.data_bytes, tensors=service.tensor_infos(item.layout))
+                                          data_bytes=item.layout.data_bytes, tensors=service.tensor_infos(item.layout.spans()))
                 elif isinstance(item, tuple):
                     yield item
 

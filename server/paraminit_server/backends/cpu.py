@@ -205,26 +205,25 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
                 should_stop: Callable[[], bool] | None) -> None:
     """fill_plan from a ParamTable's columns: its small plain tensors by one fill_batch call per dtype per
     FILL_WINDOW bytes, straight from the columns; the other rows as fill_plan fills any list."""
-    cols = params.cols
+    t = params
     offs = np.asarray(offsets, dtype=np.int64)
-    itemsize = np.maximum(params.itemsize, 1)
-    batched = params.plain & (cols.numel > 0) & (cols.numel <= cpu_kernels.PIECE) & (offs % itemsize == 0)
+    batched = t.plain & (t.numel > 0) & (t.numel <= cpu_kernels.PIECE) & (offs % np.maximum(t.itemsize, 1) == 0)
     rest = np.flatnonzero(~batched).tolist()
     if rest:
         backend.fill_plan([params[i] for i in rest], arena, [int(offs[i]) for i in rest], should_stop)
-    for enum in np.unique(cols.dtype[batched]).tolist():
+    for enum in np.unique(t.dtype[batched]).tolist():
         dt = dtypes.by_enum(enum)
         assert dt is not None, "plain rows have a known dtype"
-        rows = np.flatnonzero(batched & (cols.dtype == enum))
+        rows = np.flatnonzero(batched & (t.dtype == enum))
         view = arena[:arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
-        window = np.cumsum(params.nbytes[rows]) // FILL_WINDOW  # which window each tensor's end falls in
+        window = np.cumsum(t.nbytes[rows]) // FILL_WINDOW  # which window each tensor's end falls in
         cuts = [0, *(np.flatnonzero(np.diff(window)) + 1).tolist(), rows.shape[0]]
         for a, b in itertools.pairwise(cuts):
             if should_stop is not None and should_stop():
                 raise Cancelled("client cancelled or deadline passed")
             r = rows[a:b]
-            _fill_batch((view, offs[r] // dt.itemsize, cols.numel[r], cols.kernel[r], cols.key[r], cols.p0[r],
-                         cols.p1[r], cols.lo[r], cols.hi[r], cols.seed[r], dt.fmt))
+            _fill_batch((view, offs[r] // dt.itemsize, t.numel[r], t.kernel[r], t.key[r], t.p0[r], t.p1[r], t.lo[r],
+                         t.hi[r], t.seed[r], dt.fmt))
 
 
 class CpuBackend:

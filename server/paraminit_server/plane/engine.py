@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from paraminit_server.backends import HOST, Backend
 from paraminit_server.plane import errors
 from paraminit_server.plane.layout import SLAB_QUANTUM, Layout
@@ -25,14 +27,28 @@ from paraminit_server.plans.plan import Offsets, ResolvedParam
 def fill_window(backend: Backend, layout: Layout, buf: Any, start: int) -> None:
     """Fill buf (1-D uint8, backend memory) with layout bytes [start, start + len(buf))."""
     stop = start + int(buf.shape[0])
+    params = layout.params
+    if isinstance(params, ParamTable):  # whole plain tensors of the window from the columns, the rest below
+        offsets = np.asarray(layout.offsets, dtype=np.int64)
+        ends = offsets + params.nbytes
+        inside = params.plain & (offsets >= start) & (ends <= stop)
+        rows = np.flatnonzero(inside)
+        if rows.shape[0]:
+            backend.fill_plan(params.take(rows), buf, offsets[rows] - start)
+        for i in np.flatnonzero(~inside & (offsets < stop) & (ends > start)).tolist():
+            _fill_part(backend, params[i], int(offsets[i]), buf, start, stop)
+        return
     for pl in layout.placements:
-        p = pl.param
-        lo, hi = max(start, pl.offset), min(stop, pl.offset + p.nbytes)
-        if lo >= hi:
-            continue
+        _fill_part(backend, pl.param, pl.offset, buf, start, stop)
+
+
+def _fill_part(backend: Backend, p: ResolvedParam, offset: int, buf: Any, start: int, stop: int) -> None:
+    """The bytes of p (at `offset` of the layout) that fall in the window buf = layout bytes [start, stop)."""
+    lo, hi = max(start, offset), min(stop, offset + p.nbytes)
+    if lo < hi:
         isz = p.dtype.itemsize
         out = buf[lo - start:hi - start].view(p.dtype.storage)
-        fill_param(backend, p, out, (lo - pl.offset) // isz)
+        fill_param(backend, p, out, (lo - offset) // isz)
 
 
 def fill_param(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:

@@ -62,7 +62,7 @@ class Layout:
         """Where each tensor lies, in plan order, as plain tuples (no protobuf for in-process callers)."""
         params = self.params
         if isinstance(params, ParamTable):  # from the columns, without a ResolvedParam each
-            return SpanTable(params.names(), params.dtype_enums().tolist(), params.out_shapes(),
+            return SpanTable(params.names, params.dtype.tolist(), params.shapes,
                              np.asarray(self.offsets).tolist(), params.nbytes.tolist())
         return [TensorSpan(pl.param.name, pl.param.dtype.enum, pl.param.out_shape, pl.offset, pl.param.nbytes)
                 for pl in self.placements]
@@ -146,9 +146,9 @@ def _table_stream_layout(params: ParamTable, plan_digest: str) -> Layout:
 
     def prefix() -> bytes:
         st = {d.enum: d.safetensors for d in dtypes.SUPPORTED}
-        entries = list(zip(map(st.__getitem__, params.dtype_enums().tolist()), params.out_shapes(),
+        entries = list(zip(map(st.__getitem__, params.dtype.tolist()), params.shapes,
                            nbytes.tolist(), strict=True))
-        return _padded(_header(params.names(), entries, offsets.tolist(), plan_digest))
+        return _padded(_header(params.names, entries, offsets.tolist(), plan_digest))
 
     return Layout(params, offsets, total, prefix)
 

@@ -126,20 +126,42 @@ def _numel(s: wire.Scan, rank: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.in
 
 
 class ParamTable(Sequence[ResolvedParam]):
-    """A resolved plan whose plain parameters are columns: indexing builds their ResolvedParam on demand, while
-    the hot paths (stream layout, tensor tables, the CPU backend's batched fill) read the columns."""
+    """A resolved plan (or part of one) whose plain parameters are columns: indexing builds their ResolvedParam on
+    demand, while the hot paths (stream layout, tensor tables, the CPU backend's batched fill) read the columns.
+    Row i is the plan's parameter plan_index[i]; `special` holds the ResolvedParam of every row that is not plain."""
 
     def __init__(self, cols: Columns, special: dict[int, ResolvedParam]) -> None:
-        self.cols = cols
         self.special = special
-        self.nbytes = cols.nbytes.copy()
-        self.itemsize = _ITEMSIZE[np.where(cols.plain, cols.dtype, 0)]
-        for i, rp in special.items():
-            self.nbytes[i] = rp.nbytes
-            self.itemsize[i] = rp.dtype.itemsize
+        self.plan_index = np.arange(len(cols), dtype=np.int64)
+        self.plain = cols.plain
+        self.names = cols.names
+        self.shapes = cols.shapes  # delivered (region) shapes
+        self.dtype = cols.dtype
+        self.init = cols.scan.kind  # Init oneof field number
+        self.kernel, self.p0, self.p1, self.key = cols.kernel, cols.p0, cols.p1, cols.key
+        self.lo, self.hi, self.seed = cols.lo, cols.hi, cols.seed
+        self.numel, self.nbytes = cols.numel, cols.nbytes
+        if special:  # the table's columns describe every row: the special rows' from their ResolvedParam
+            self.names, self.shapes = list(self.names), list(self.shapes)
+            self.dtype, self.numel, self.nbytes = self.dtype.copy(), self.numel.copy(), self.nbytes.copy()
+            for i, rp in special.items():
+                self.names[i], self.shapes[i], self.dtype[i] = rp.name, rp.out_shape, rp.dtype.enum
+                self.numel[i], self.nbytes[i] = rp.numel, rp.nbytes
+        self.itemsize = _ITEMSIZE[self.dtype]
+
+    def take(self, rows: npt.NDArray[np.int64]) -> ParamTable:
+        """The table of these rows only (ascending), e.g. the parameters inside one slab of a stream."""
+        out = object.__new__(ParamTable)
+        listed = rows.tolist()
+        out.special = {j: self.special[i] for j, i in enumerate(listed) if i in self.special} if self.special else {}
+        out.names, out.shapes = [self.names[i] for i in listed], [self.shapes[i] for i in listed]
+        for column in ("plan_index", "plain", "dtype", "init", "kernel", "p0", "p1", "key", "lo", "hi", "seed", "numel",
+                       "nbytes", "itemsize"):
+            setattr(out, column, getattr(self, column)[rows])
+        return out
 
     def __len__(self) -> int:
-        return len(self.cols)
+        return len(self.names)
 
     @overload
     def __getitem__(self, i: int) -> ResolvedParam: ...
@@ -155,42 +177,13 @@ class ParamTable(Sequence[ResolvedParam]):
         rp = self.special.get(i)
         if rp is not None:
             return rp
-        c = self.cols
-        dt = dtypes.by_enum(int(c.dtype[i]))
+        dt = dtypes.by_enum(int(self.dtype[i]))
         assert dt is not None, "plain rows have a known dtype"
-        kind = _KIND_BY_NUMBER[int(c.scan.kind[i])]
-        return ResolvedParam.whole(i, c.names[i], c.shapes[i], dt, kind.field, Kind(int(c.kernel[i])), float(c.p0[i]),
-                                   float(c.p1[i]), int(c.key[i]), float(c.lo[i]), float(c.hi[i]), int(c.seed[i]))
+        kind = _KIND_BY_NUMBER[int(self.init[i])]
+        return ResolvedParam.whole(int(self.plan_index[i]), self.names[i], self.shapes[i], dt, kind.field,
+                                   Kind(int(self.kernel[i])), float(self.p0[i]), float(self.p1[i]), int(self.key[i]),
+                                   float(self.lo[i]), float(self.hi[i]), int(self.seed[i]))
 
     def __iter__(self) -> Iterator[ResolvedParam]:
         for i in range(len(self)):
             yield self[i]
-
-    @property
-    def plain(self) -> npt.NDArray[np.bool_]:
-        return self.cols.plain
-
-    def out_shapes(self) -> list[tuple[int, ...]]:
-        """Every parameter's delivered shape, in plan order."""
-        shapes = self.cols.shapes
-        if not self.special:
-            return shapes
-        out = list(shapes)
-        for i, rp in self.special.items():
-            out[i] = rp.out_shape
-        return out
-
-    def names(self) -> list[str]:
-        names = self.cols.names
-        if not self.special:
-            return names
-        out = list(names)
-        for i, rp in self.special.items():
-            out[i] = rp.name
-        return out
-
-    def dtype_enums(self) -> npt.NDArray[np.int64]:
-        out = self.cols.dtype.copy()
-        for i, rp in self.special.items():
-            out[i] = rp.dtype.enum
-        return out

@@ -15,14 +15,14 @@ from typing import Any
 import grpc
 
 from paraminit import dtypes, inits, peers, times, wire
-from paraminit.header_checksum import header_crc32c
+from paraminit.header_checksum import checksum
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit_server.backends import CUDA_IPC, SHM, ExportHandle
 from paraminit_server.plane import errors
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export
-from paraminit_server.plane.layout import Layout
+from paraminit_server.plane.layout import TensorSpan
 from paraminit_server.plane.leases import LeaseRecord
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
 from paraminit_server.rpc.auth import Endpoint, TokenAuth, identity
@@ -226,10 +226,11 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
 def _header(start: StreamStart) -> pb.StreamHeader:
     lay = start.layout
-    header = pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes,
-                             tensors=tensor_infos(lay))
-    header.header_crc32c = header_crc32c(header)  # clients check it before writing anything
-    return header
+    spans = lay.spans()
+    # clients check the checksum before writing anything; it is computed from the plain table, not the messages
+    crc = checksum(lay.prefix, start.digest, lay.data_bytes, spans)
+    return pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes,
+                           tensors=tensor_infos(spans), header_crc32c=crc)
 
 
 HEADER_PART_BYTES = 1 << 20  # tensor table and prefix bytes per message: each message stays under 2 MiB
@@ -263,10 +264,10 @@ def header_messages(header: pb.StreamHeader, part_bytes: int = HEADER_PART_BYTES
         for g, b in zip(groups[1:], slices[1:], strict=True)]
 
 
-def tensor_infos(lay: Layout) -> list[pb.TensorInfo]:
-    """Where each tensor lies, in plan order."""
-    return [pb.TensorInfo(name=pl.param.name, dtype=pl.param.dtype.enum, shape=pl.param.out_shape,  # type: ignore[arg-type]
-                          offset=pl.offset, nbytes=pl.param.nbytes) for pl in lay.placements]
+def tensor_infos(spans: Iterable[TensorSpan]) -> list[pb.TensorInfo]:
+    """Where each tensor lies, in plan order (a layout's spans)."""
+    return [pb.TensorInfo(name=s.name, dtype=s.dtype, shape=s.shape, offset=s.offset, nbytes=s.nbytes)  # type: ignore[arg-type]
+            for s in spans]
 
 
 def _lease(rec: LeaseRecord) -> pb.Lease:
@@ -277,7 +278,7 @@ def _lease(rec: LeaseRecord) -> pb.Lease:
 def _export_info(export: Export) -> pb.ExportInfo:
     info = pb.ExportInfo(plan_digest=export.lease.plan_digest)
     info.lease.CopyFrom(_lease(export.lease))
-    info.tensors.extend(tensor_infos(export.layout))
+    info.tensors.extend(tensor_infos(export.layout.spans()))
     _handle(info, export.handle)
     return info
 
