@@ -162,12 +162,16 @@ class InitServicer(pb_grpc.InitServiceServicer):
         delivery = request.delivery or pb.DELIVERY_STREAM
         caller = self.caller(context)
         header: pb.StreamHeader | None = None
+        parts: list[pb.HeaderPart] = []  # a large plan's tensor table continues in header parts
         outcome = "error"
         try:
             if delivery == pb.DELIVERY_STREAM:
                 for message in self.handlers.stream(request, caller):
-                    if header is None and isinstance(message, pb.MaterializeResponse):
-                        header = message.header
+                    if isinstance(message, pb.MaterializeResponse):
+                        if header is None:
+                            header = message.header
+                        elif message.HasField("header_part"):
+                            parts.append(message.header_part)
                     yield message
             else:
                 response = self.handlers.export(request, caller)
@@ -175,21 +179,26 @@ class InitServicer(pb_grpc.InitServiceServicer):
                 yield response
             outcome = "ok" if context.is_active() else "cancelled"
         finally:
-            self._record(request, delivery, header, outcome, time.perf_counter() - started)
+            self._record(request, delivery, header, parts, outcome, time.perf_counter() - started)
 
-    def _record(self, request: pb.MaterializeRequest, delivery: int, header: pb.StreamHeader | None, outcome: str,
-                seconds: float) -> None:
-        tensors = list(header.tensors) if header is not None else []
+    def _record(self, request: pb.MaterializeRequest, delivery: int, header: pb.StreamHeader | None,
+                parts: list[pb.HeaderPart], outcome: str, seconds: float) -> None:
+        tensors = [t for tensors in [header.tensors if header is not None else [], *(p.tensors for p in parts)]
+                   for t in tensors]
         digest = header.plan_digest if header is not None else ""
         nbytes = sum(t.nbytes for t in tensors)
         name = pb.Delivery.Name(delivery) if delivery in DELIVERY_NAMES else str(delivery)  # type: ignore[arg-type]
         if self.metrics is not None:
             self.metrics.latency.labels(name).observe(seconds)
             if outcome == "ok":
+                by_label: dict[tuple[int, str], int] = {}  # summed first: one counter update per label
                 for t, p in zip(tensors, request.plan.params, strict=False):
-                    dt, kind = dtypes.by_enum(t.dtype), inits.kind_of(p.init)
-                    self.metrics.bytes.labels(self.plane.backend.name, dt.name if dt else "?",
-                                              kind.field if kind else "").inc(t.nbytes)
+                    kind = inits.kind_of(p.init)
+                    label = (t.dtype, kind.field if kind else "")
+                    by_label[label] = by_label.get(label, 0) + t.nbytes
+                for (enum, field), n in by_label.items():
+                    dt = dtypes.by_enum(enum)
+                    self.metrics.bytes.labels(self.plane.backend.name, dt.name if dt else "?", field).inc(n)
         log.info("materialize digest=%s params=%d bytes=%d delivery=%s seconds=%.3f outcome=%s",
                  digest[:16], len(tensors), nbytes, name, seconds, outcome,
                  extra={"method": "Materialize", "plan_digest": digest, "bytes": nbytes,
