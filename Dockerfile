@@ -48,13 +48,6 @@ RUN python3 -m venv /opt/build \
 # through the NVIDIA container toolkit, as with any CUDA image; no NVIDIA registry is needed to build.
 FROM ${PYTHON_IMAGE}${PYTHON_DIGEST:+@}${PYTHON_DIGEST} AS gpu-base
 ENV DEBIAN_FRONTEND=noninteractive
-# libgomp1 backs Numba's OpenMP layer, should NUMBA_THREADING_LAYER be set to omp (the image uses workqueue).
-# Exact apt versions are not pinned: the archive drops superseded patch
-# versions, which would break rebuilds; the base image (digest) pins the release.
-# hadolint ignore=DL3008
-RUN apt-get update \
- && apt-get install -y --no-install-recommends libgomp1 \
- && rm -rf /var/lib/apt/lists/*
 
 FROM gpu-base AS wheels-gpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
@@ -82,14 +75,11 @@ RUN --mount=type=bind,from=wheels-gpu,source=/wheels,target=/wheels \
  && /opt/paraminit/bin/pip install --no-index --no-deps /wheels/paraminit-*.whl \
  && /opt/paraminit/bin/pip uninstall -q -y pip setuptools
 # JIT caches must stay writable under a read-only root filesystem: compose and
-# Kubernetes mount a tmpfs / emptyDir at /var/cache/paraminit. `threadsafe`
-# makes Numba fail at warm-up (the server then exits non-zero) rather than fall
-# back to a threading layer that aborts under concurrent requests.
+# Kubernetes mount a tmpfs / emptyDir at /var/cache/paraminit.
 ENV PATH=/opt/paraminit/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/var/cache/paraminit/numba \
-    NUMBA_THREADING_LAYER=workqueue \
     CUPY_CACHE_DIR=/var/cache/paraminit/cupy \
     PARAMINIT_HOST=0.0.0.0 \
     PARAMINIT_PORT=50051 \
@@ -113,13 +103,6 @@ ENTRYPOINT ["paraminit-server"]
 # ---------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}${PYTHON_DIGEST:+@}${PYTHON_DIGEST} AS cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
-# The slim image lacks libgomp1, and without it Numba falls back to its
-# workqueue layer, which aborts the process when gRPC worker threads run
-# parallel kernels concurrently. Versions unpinned for the reason given above.
-# hadolint ignore=DL3008
-RUN apt-get update \
- && apt-get install -y --no-install-recommends libgomp1 \
- && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 paraminit \
  && useradd --system --uid 10001 --gid paraminit --create-home --home-dir /home/paraminit paraminit \
  && install -d -o 10001 -g 10001 /var/cache/paraminit
@@ -133,7 +116,6 @@ ENV PATH=/opt/paraminit/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/var/cache/paraminit/numba \
-    NUMBA_THREADING_LAYER=workqueue \
     PARAMINIT_JIT_CACHE_SEED=/opt/paraminit/jit-cache \
     PARAMINIT_HOST=0.0.0.0 \
     PARAMINIT_PORT=50051 \

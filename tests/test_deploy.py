@@ -298,10 +298,9 @@ def test_dockerfile_final_stage(target: str, base_pattern: str) -> None:
     assert env["PARAMINIT_HOST"] == "0.0.0.0"
     assert env["PARAMINIT_METRICS_PORT"] == str(METRICS_PORT)
     assert env["NUMBA_CACHE_DIR"].startswith("/var/cache/paraminit/")
-    # The CPU backend serializes kernel launches, which is all Numba's workqueue layer needs; OpenMP's
-    # fork/join costs milliseconds per call on a busy node (backends/cpu.py DEFAULT_THREADING_LAYER).
-    assert env.get("NUMBA_THREADING_LAYER") == "workqueue"
-    assert "libgomp1" in runs
+    # The CPU backend runs no parallel numba kernel (its own threads fill spans, backends/cpu.py _Pool): a
+    # threading layer setting, or OpenMP to back one, would be dead weight.
+    assert "NUMBA_THREADING_LAYER" not in env and "libgomp1" not in runs
 
 
 def test_cpu_image_carries_compiled_kernels() -> None:
@@ -323,7 +322,7 @@ def test_cpu_image_carries_compiled_kernels() -> None:
     assert not [a for a in args if a.startswith("NUMBA_")], args
     # The build-time warm-up comes after the environment it must share with the runtime.
     order = [rest for _, rest in chain[0].instructions]
-    settings = [i for i, rest in enumerate(order) if "NUMBA_THREADING_LAYER=" in rest or "PARAMINIT_NUMBA_CPU_NAME=" in rest]
+    settings = [i for i, rest in enumerate(order) if "PARAMINIT_JIT_CACHE_SEED=" in rest or "PARAMINIT_NUMBA_CPU_NAME=" in rest]
     assert settings and order.index(warm[0]) > max(settings)
 
 

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numba
@@ -28,21 +29,13 @@ _NO_VALUES = np.zeros(0, dtype=np.float64)
 _NO_INDEX = np.zeros(0, dtype=np.int64)
 FILL_WINDOW = 64 << 20
 CONVERT_PIECE = 1 << 20  # payload elements converted to binary64 at a time (8 MiB)
-# Numba's parallel kernels are not safe to enter from two threads at once under its fallback
-# ("workqueue") threading layer, which aborts the process. Every fill already uses all cores,
-# so serializing kernel launches costs nothing and is safe under any layer.
-_KERNEL_LOCK = threading.Lock()
-# OpenMP's fork and join cost milliseconds per parallel call once the cores are oversubscribed (8-16 ms
-# measured on a busy 2-core host, against 0.1-0.3 ms for numba's own workqueue layer), and a stream
-# makes one call per slab. Launches are serialized above, which is all the workqueue layer asks for.
-# An explicit NUMBA_THREADING_LAYER still wins.
-DEFAULT_THREADING_LAYER = "workqueue"
+SPANS_PER_THREAD = 8  # a large output is cut into about this many spans per thread, each a whole number of PIECEs
 log = logging.getLogger("paraminit.server")
 COMPILE_LINE = "compiling CPU kernels, once per machine"
 
 
 class _Compiles:
-    """Which `cpu_kernels.fill` specializations this process has loaded, and the time spent compiling.
+    """Which kernel specializations (cpu_kernels.KERNELS) this process has loaded, and the time spent compiling.
 
     A specialization missing from numba's on-disk cache is compiled before its first fill, under a lock, with
     one line on stderr (the first time in the process) so that a cold start is not silent; its seconds are
@@ -51,30 +44,26 @@ class _Compiles:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.ready: set[tuple[str, bool, str, bool]] = set()
+        self.ready: set[tuple[Any, ...]] = set()
         self.seconds = 0.0
         self.announced = False
 
-    def ensure(self, args: tuple[Any, ...], compile: bool = True, kernel: str = "fill") -> bool:
-        """Load or compile the specialization for these arguments of `kernel` ("fill": out, ..., values, ...;
-        "fill_batch": out, ...).
+    def ensure(self, disp: Any, args: tuple[Any, ...], compile: bool = True) -> bool:
+        """Load or compile the specialization of kernel `disp` (one of a kind's cpu_kernels.Kernels) for `args`.
 
         Returns:
             Whether it is ready: False only when `compile` is False and it would have to be compiled.
         """
         out = args[0]
-        if kernel == "fill":
-            values = args[9]
-            key: tuple[Any, ...] = (out.dtype.str, bool(out.flags.c_contiguous), values.dtype.str,
-                                    bool(values.flags.c_contiguous))
-        else:
-            key = (kernel, out.dtype.str, bool(out.flags.c_contiguous))
+        key: tuple[Any, ...] = (disp.__name__, out.dtype.str, bool(out.flags.c_contiguous))
+        if not disp.__name__.startswith("fill_batch"):
+            values = args[10]
+            key += (values.dtype.str, bool(values.flags.c_contiguous))
         if key in self.ready:
             return True
         with self.lock:
             if key in self.ready:
                 return True
-            disp = getattr(cpu_kernels, kernel)
             sig = tuple(disp.typeof_pyval(a) for a in args)
             if sig not in disp.overloads and not _cached(disp, sig):
                 if not compile:
@@ -106,6 +95,55 @@ def _cached(disp: Any, sig: tuple[Any, ...]) -> bool:
 COMPILES = _Compiles()
 
 
+class _Pool:
+    """The threads of large fills: one fill at a time (each already uses every thread), its spans taken from a shared
+    counter by the calling thread and threads-1 helpers.
+
+    Not a static split: on a shared machine a thread slowed by other work would hold up the whole fill. Python
+    threads rather than a parallel numba kernel: the kernels release the GIL, and a parallel kernel compiled per
+    kind cost a second compile, about a third of the whole, plus a threading layer that could fail to load.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._owner = (0, 0)  # (pid, helpers) the executor was made for: a forked child makes its own
+
+    def _helpers(self, n: int) -> ThreadPoolExecutor:
+        if self._executor is None or self._owner[0] != os.getpid() or self._owner[1] < n:
+            if self._executor is not None and self._owner[0] == os.getpid():
+                self._executor.shutdown(wait=False)
+            self._executor = ThreadPoolExecutor(max_workers=n, thread_name_prefix="paraminit-fill")
+            self._owner = (os.getpid(), n)
+        return self._executor
+
+    def run(self, threads: int, spans: int, work: Callable[[int], None]) -> None:
+        """Call work(0), ..., work(spans - 1), each once, on up to `threads` threads; returns when all are done.
+
+        Raises:
+            Whatever a call of `work` raised (the first), after every thread has stopped.
+        """
+        with self.lock:
+            counter = itertools.count()  # next() is atomic under the GIL
+
+            def worker() -> None:
+                for t in counter:
+                    if t >= spans:
+                        return
+                    work(t)
+
+            n = min(threads, spans) - 1
+            helpers = [self._helpers(n).submit(worker) for _ in range(n)] if n > 0 else []
+            try:
+                worker()
+            finally:
+                for f in helpers:
+                    f.result()
+
+
+POOL = _Pool()
+
+
 def _flat_values(p: ResolvedParam) -> Any:
     return p.values if p.kind == Kind.FLAT and p.values is not None else _NO_VALUES
 
@@ -116,11 +154,11 @@ def compile_seconds() -> float:
 
 
 class _Batch:
-    """Small whole tensors of the value kinds waiting for one `fill_batch` call per dtype (see fill_plan)."""
+    """Small whole tensors of the value kinds waiting for one `fill_batch` call per dtype and kind (see fill_plan)."""
 
     def __init__(self, arena: Any) -> None:
         self.arena = arena
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[tuple[int, int], _Group] = {}
         self.piece: int = cpu_kernels.PIECE  # the largest tensor fill keeps on the calling thread
 
     def add(self, p: ResolvedParam, offset: int) -> bool:
@@ -129,10 +167,10 @@ class _Batch:
         if not 0 < n <= self.piece or p.kind == Kind.FLAT or runs.run_len != n or runs.base or runs.outer_ext.shape[0] \
                 or offset % dt.itemsize:
             return False
-        group = self.groups.get(dt.enum)
+        group = self.groups.get((dt.enum, p.kind))
         if group is None:
             view = self.arena[:self.arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
-            group = self.groups[dt.enum] = _Group(view, dt.fmt)
+            group = self.groups[(dt.enum, p.kind)] = _Group(view, dt.fmt, p.kind)
         group.add(p, offset // dt.itemsize)
         return True
 
@@ -144,24 +182,23 @@ class _Batch:
 
     @staticmethod
     def warm_up_groups(params: Sequence[ResolvedParam]) -> list[_Group]:
-        """One group per dtype of the warm-up parameters (fill_batch compiles once per storage dtype)."""
-        batches: dict[int, _Batch] = {}
+        """One group per dtype and kind of the warm-up parameters (fill_batch compiles once per storage dtype)."""
+        batches: dict[tuple[int, int], _Batch] = {}
         for p in params:
             if p.kind != Kind.FLAT:
-                batch = batches.setdefault(p.dtype.enum, _Batch(np.empty(p.nbytes, dtype=np.uint8)))
+                batch = batches.setdefault((p.dtype.enum, p.kind), _Batch(np.empty(p.nbytes, dtype=np.uint8)))
                 if not batch.groups:
                     batch.add(p, 0)
         return [g for b in batches.values() for g in b.groups.values()]
 
 
 class _Group:
-    """The queued tensors of one dtype: columns of fill_batch's arguments."""
+    """The queued tensors of one dtype and kind: columns of fill_batch's arguments."""
 
-    def __init__(self, out: Any, fmt: int) -> None:
-        self.out, self.fmt = out, fmt
+    def __init__(self, out: Any, fmt: int, kind: int) -> None:
+        self.out, self.fmt, self.kind = out, fmt, kind
         self.starts: list[int] = []
         self.counts: list[int] = []
-        self.kinds: list[int] = []
         self.keys: list[int] = []
         self.p0: list[float] = []
         self.p1: list[float] = []
@@ -172,7 +209,6 @@ class _Group:
     def add(self, p: ResolvedParam, start: int) -> None:
         self.starts.append(start)
         self.counts.append(p.numel)
-        self.kinds.append(p.kind)
         self.keys.append(p.key)
         self.p0.append(p.p0)
         self.p1.append(p.p1)
@@ -182,28 +218,29 @@ class _Group:
 
     def args(self) -> tuple[Any, ...]:
         i64, u64, f64 = np.int64, np.uint64, np.float64
-        return (self.out, np.array(self.starts, i64), np.array(self.counts, i64), np.array(self.kinds, i64),
-                np.array(self.keys, u64), np.array(self.p0, f64), np.array(self.p1, f64), np.array(self.lo, f64),
-                np.array(self.hi, f64), np.array(self.seeds, u64), self.fmt)
+        return (self.out, np.array(self.starts, i64), np.array(self.counts, i64), np.array(self.keys, u64),
+                np.array(self.p0, f64), np.array(self.p1, f64), np.array(self.lo, f64), np.array(self.hi, f64),
+                np.array(self.seeds, u64), self.fmt)
 
     def run(self) -> None:
         if not self.starts:
             return
-        _fill_batch(self.args())
+        _fill_batch(self.kind, self.args())
         self.starts.clear()  # queued tensors are filled once
-        for column in (self.counts, self.kinds, self.keys, self.p0, self.p1, self.lo, self.hi, self.seeds):
+        for column in (self.counts, self.keys, self.p0, self.p1, self.lo, self.hi, self.seeds):
             column.clear()
 
 
-def _fill_batch(args: tuple[Any, ...]) -> None:
-    """One fill_batch call (out, starts, counts, kinds, keys, p0s, p1s, los, his, seeds, fmt)."""
-    COMPILES.ensure(args, kernel="fill_batch")
-    cpu_kernels.fill_batch(*args)  # on the calling thread: not a parallel kernel, so no launch lock
+def _fill_batch(kind: int, args: tuple[Any, ...]) -> None:
+    """One fill_batch call of `kind` (out, starts, counts, keys, p0s, p1s, los, his, seeds, fmt)."""
+    kernel = cpu_kernels.KERNELS[kind].fill_batch
+    COMPILES.ensure(kernel, args)
+    kernel(*args)  # on the calling thread
 
 
 def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Offsets,
                 should_stop: Callable[[], bool] | None) -> None:
-    """fill_plan from a ParamTable's columns: its small plain tensors by one fill_batch call per dtype per
+    """fill_plan from a ParamTable's columns: its small plain tensors by one fill_batch call per dtype and kind per
     FILL_WINDOW bytes, straight from the columns; the other rows as fill_plan fills any list."""
     t = params
     offs = np.asarray(offsets, dtype=np.int64)
@@ -211,10 +248,10 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
     rest = np.flatnonzero(~batched).tolist()
     if rest:
         backend.fill_plan([params[i] for i in rest], arena, [int(offs[i]) for i in rest], should_stop)
-    for enum in np.unique(t.dtype[batched]).tolist():
+    for enum, kind in np.unique(np.stack([t.dtype[batched], t.kernel[batched]]), axis=1).T.tolist():
         dt = dtypes.by_enum(enum)
         assert dt is not None, "plain rows have a known dtype"
-        rows = np.flatnonzero(batched & (t.dtype == enum))
+        rows = np.flatnonzero(batched & (t.dtype == enum) & (t.kernel == kind))
         view = arena[:arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
         window = np.cumsum(t.nbytes[rows]) // FILL_WINDOW  # which window each tensor's end falls in
         cuts = [0, *(np.flatnonzero(np.diff(window)) + 1).tolist(), rows.shape[0]]
@@ -222,8 +259,8 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
             if should_stop is not None and should_stop():
                 raise Cancelled("client cancelled or deadline passed")
             r = rows[a:b]
-            _fill_batch((view, offs[r] // dt.itemsize, t.numel[r], t.kernel[r], t.key[r], t.p0[r], t.p1[r], t.lo[r],
-                         t.hi[r], t.seed[r], dt.fmt))
+            _fill_batch(kind, (view, offs[r] // dt.itemsize, t.numel[r], t.key[r], t.p0[r], t.p1[r], t.lo[r],
+                               t.hi[r], t.seed[r], dt.fmt))
 
 
 class CpuBackend:
@@ -232,27 +269,27 @@ class CpuBackend:
     delivery = SHM
 
     def __init__(self, threads: int | None = None) -> None:
-        if "NUMBA_THREADING_LAYER" not in os.environ:
-            numba.config.THREADING_LAYER = DEFAULT_THREADING_LAYER  # type: ignore[attr-defined]
-        self._threads = max(1, min(threads, numba.config.NUMBA_NUM_THREADS)) if threads else None  # type: ignore[attr-defined]
+        cores: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # the usable cores, or NUMBA_NUM_THREADS
+        self._threads = max(1, min(threads, cores)) if threads else cores
 
     def warm_up(self) -> None:
-        params = warm_up_params()
-        for rp in params:
-            self.fill(rp, np.empty(rp.numel, dtype=rp.dtype.storage))
-        for group in _Batch.warm_up_groups(params):
-            group.run()
+        """Compile (or load) every kernel of every kind and dtype."""
+        self._warm(compile=True)
 
     def preload(self) -> None:
-        """Load the kernels already in the disk cache and compile nothing: a process that fills only some
-        dtypes then compiles only those, on first use (a cold cache costs one specialization, not all)."""
+        """Load the kernels already in the disk cache and compile nothing: a process then compiles only the kinds
+        and dtypes it fills, on first use (a cold cache costs those specializations, not all of them)."""
+        self._warm(compile=False)
+
+    def _warm(self, compile: bool) -> None:
         params = warm_up_params()
         for rp in params:
             out = np.empty(rp.numel, dtype=rp.dtype.storage)
-            if COMPILES.ensure(self._args(rp, out, 0, rp.runs(), _flat_values(rp)), compile=False):
-                self.fill(rp, out)
+            kernel, args = self._entry(rp, out, 0, rp.runs(), _flat_values(rp))
+            if COMPILES.ensure(kernel, args, compile=compile):
+                kernel(*args)
         for group in _Batch.warm_up_groups(params):
-            if COMPILES.ensure(group.args(), compile=False, kernel="fill_batch"):
+            if COMPILES.ensure(cpu_kernels.KERNELS[group.kind].fill_batch, group.args(), compile=compile):
                 group.run()
 
     def scratch(self, nbytes: int) -> Any:
@@ -281,17 +318,27 @@ class CpuBackend:
         self._launch(p, out, l_begin, runs, values)
 
     def _launch(self, p: ResolvedParam, out: Any, l_begin: int, runs: Runs, values: Any) -> None:
-        args = self._args(p, out, l_begin, runs, values)
-        COMPILES.ensure(args)  # outside the launch lock: fills of compiled kernels go on meanwhile
-        with _KERNEL_LOCK:
-            if self._threads is not None:
-                numba.set_num_threads(self._threads)
-            cpu_kernels.fill(*args)
+        kernel, args = self._entry(p, out, l_begin, runs, values)
+        COMPILES.ensure(kernel, args)  # outside the pool's lock: fills of compiled kernels go on meanwhile
+        n, piece = out.shape[0], cpu_kernels.PIECE
+        if n <= piece or self._threads == 1:  # smaller outputs stay on this thread: waking others costs more
+            kernel(*args)
+            return
+        span = -(-n // (self._threads * SPANS_PER_THREAD * piece)) * piece
+        rest = args[4:]
+
+        def work(t: int) -> None:
+            kernel(out, l_begin + t * span, l_begin + min(n, (t + 1) * span), l_begin, *rest)
+
+        POOL.run(self._threads, -(-n // span), work)
 
     @staticmethod
-    def _args(p: ResolvedParam, out: Any, l_begin: int, runs: Runs, values: Any) -> tuple[Any, ...]:
-        return (out, l_begin, int(p.kind), np.uint64(p.key), p.p0, p.p1, p.lo, p.hi, np.uint64(p.seed), values,
-                p.dtype.fmt, runs.outer_start, runs.outer_ext, runs.outer_stride, runs.base, runs.run_len)
+    def _entry(p: ResolvedParam, out: Any, l_begin: int, runs: Runs, values: Any) -> tuple[Any, tuple[Any, ...]]:
+        """The kernel of p's kind and its arguments to fill all of `out` (local elements l_begin...)."""
+        return cpu_kernels.KERNELS[p.kind].fill, (
+            out, l_begin, l_begin + out.shape[0], l_begin, np.uint64(p.key), p.p0, p.p1, p.lo, p.hi,
+            np.uint64(p.seed), values, p.dtype.fmt, runs.outer_start, runs.outer_ext, runs.outer_stride, runs.base,
+            runs.run_len)
 
     def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
                   should_stop: Callable[[], bool] | None = None) -> None:

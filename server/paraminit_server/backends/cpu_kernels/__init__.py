@@ -8,10 +8,11 @@ Modules, by concern (each imports only those above it):
   into the CUDA header);
 - cr_math: the correctly rounded log and cos (docs/SAMPLER.md section 2.1);
 - distributions: the fill of one run per value kind (affine, normal, truncated normal, flat, constant);
-- driver: `fill`, which maps a region's local elements to runs and spreads pieces over the threads.
+- driver: per value kind, `fill`, which maps a region's local elements to runs and spreads pieces over the threads,
+  and `fill_batch` (KERNELS).
 
 Compiled lazily on first call and cached on disk (numba's cache, keyed on every module here). Importing this package
-costs nothing; `fill` and `PIECE` load the kernels' modules on first access.
+costs nothing; `KERNELS` and `PIECE` load the kernels' modules on first access.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from paraminit_server.backends.cpu_kernels.driver import PIECE, fill, fill_batch
+    from paraminit_server.backends.cpu_kernels.driver import KERNELS, PIECE
 
-__all__ = ["PIECE", "fill", "fill_batch"]
+__all__ = ["KERNELS", "PIECE"]
 
 
 def __getattr__(name: str) -> Any:
-    """The driver's `fill`, `fill_batch` and `PIECE`, imported on first access (numba, the tables) rather than with the package."""
+    """The driver's `KERNELS` and `PIECE`, imported on first access (numba, the tables) rather than with the package."""
     if name in __all__:
         from paraminit_server.backends.cpu_kernels import driver
 

@@ -1,27 +1,32 @@
-"""The fill driver: `fill` writes a parameter region's local elements, piece by piece, on one or all threads.
+"""The fill driver: per value kind, `fill` writes a span of a parameter region's local elements and `fill_batch`
+many small whole tensors in one call.
 
-`fill` writes `out[k]` for the local elements `l_begin + k` of a parameter's region. Work is split into
-fixed-size pieces of the local index, which the threads take from a shared counter; each piece walks its runs
-(Runs in plan.py) with contiguous inner loops and hands each run to its kind's fill (distributions), and every
-element depends only on (key, global index): bytes never depend on threads, scheduling or chunking.
+`fill` writes `out[k - l_begin]` for the local elements k in [l, lend) of a parameter's region: it walks the
+span's runs (Runs in plan.py) with contiguous inner loops and hands each run to its kind's fill (distributions).
+Every element depends only on (key, global index), so bytes never depend on threads, scheduling or chunking: the
+backend splits large outputs into spans that its threads take from a shared counter (backends/cpu.py).
+
+Each kind has kernels of its own (`KERNELS[kind]`), so a process compiles only the kinds its plans use: the
+normal's correctly rounded log and cos, the largest code here, are compiled only by a plan that draws normals,
+and a plan of normals and constants never compiles the truncated normal, the uniform family or the payload copy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-import numba as nb
 import numpy as np
 from numba import types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, TWO_NEG_32, U2
 from paraminit_server.backends.cpu_kernels.distributions import fill_affine, fill_const, fill_flat, fill_normal, fill_truncnorm
 from paraminit_server.backends.cpu_kernels.half_rounding import BF16, F16
-from paraminit_server.backends.cpu_kernels.jit import jit, parallel
+from paraminit_server.backends.cpu_kernels.jit import jit, kernel_of
 
-PIECE = 1 << 16  # elements per parallel task; tensors up to this size run on the calling thread
-_WORKERS = 256  # at least the number of threads
+PIECE = 1 << 16  # outputs up to this many elements are filled on the calling thread; larger ones in spans of PIECEs
+CONST, AFFINE, NORMAL, FLAT, TRUNCNORM = range(5)  # Kind codes of plan.py
 
 
 @jit
@@ -36,142 +41,127 @@ def run_global(r: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base
     return g
 
 
+# One run of each kind: dst = elements g, g+1, ... of the full tensor; s = key + GOLDEN. All take the same
+# arguments, so one driver (below) serves them all.
 @jit
-def fill_run(dst: Any, g: int, kind: int, s: Any, p0: float, p1: float, sc: float, p1b: float,
-             lo: float, hi: float, seed: Any, values: Any, h: Any) -> None:
-    """dst = elements g, g+1, ... of the full tensor (Kind codes as in plan.py); s = key + GOLDEN."""
-    if kind == 4:
-        fill_truncnorm(dst, s + U2 * np.uint64(g), np.uint64(g), p0, p1, lo, hi, seed, h)
-    elif kind == 1:
-        fill_affine(dst, s + np.uint64(g), p0, sc, p1b, h)
-    elif kind == 2:
-        fill_normal(dst, s + U2 * np.uint64(g), p0, p1, h)
-    elif kind == 3:
-        fill_flat(dst, values, g, h)
-    else:
-        fill_const(dst, p0, h)
-
-
-def run_any(out: Any, dst: Any, g: int, kind: int, s: Any, p0: float, p1: float, sc: float, p1b: float,
-            lo: float, hi: float, seed: Any, values: Any, fmt: int) -> None:
-    """fill_run with the half format's constants fixed at compile time (float arrays ignore them)."""
-    raise NotImplementedError("called only inside kernels")
-
-
-@overload(run_any)
-def _run_any_overload(out: Any, dst: Any, g: Any, kind: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any,
-                      lo: Any, hi: Any, seed: Any, values: Any, fmt: Any) -> Any:
-    if out.dtype == types.uint16:
-        def half(out: Any, dst: Any, g: Any, kind: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any,
-                 lo: Any, hi: Any, seed: Any, values: Any, fmt: Any) -> Any:
-            if fmt == 1:
-                fill_run(dst, g, kind, s, p0, p1, sc, p1b, lo, hi, seed, values, F16)
-            else:
-                fill_run(dst, g, kind, s, p0, p1, sc, p1b, lo, hi, seed, values, BF16)
-        return half
-
-    def native(out: Any, dst: Any, g: Any, kind: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any,
-               lo: Any, hi: Any, seed: Any, values: Any, fmt: Any) -> Any:
-        fill_run(dst, g, kind, s, p0, p1, sc, p1b, lo, hi, seed, values, BF16)
-    return native
+def run_const(dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float,
+              seed: Any, values: Any, h: Any) -> None:
+    """A constant run."""
+    fill_const(dst, p0, h)
 
 
 @jit
-def fill_piece(out: Any, l: int, lend: int, l_begin: int, kind: int, key: Any, p0: float, p1: float, sc: float,
-               p1b: float, lo: float, hi: float, seed: Any, values: Any, fmt: int, outer_start: Any, outer_ext: Any,
-               outer_stride: Any, base: int, run_len: int) -> None:
-    """Local elements [l, lend) of the region, run by run (compiled once, called by both entry points)."""
-    s = key + GOLDEN
-    while l < lend:
-        r = l // run_len
-        off = l - r * run_len
-        g = run_global(r, outer_start, outer_ext, outer_stride, base) + off
-        m = min(lend - l, run_len - off)
-        dst = out[l - l_begin:l - l_begin + m]
-        run_any(out, dst, g, kind, s, p0, p1, sc, p1b, lo, hi, seed, values, fmt)
-        l += m
+def run_affine(dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float,
+               seed: Any, values: Any, h: Any) -> None:
+    """A run of the uniform family."""
+    fill_affine(dst, s + np.uint64(g), p0, sc, p1b, h)
 
 
-def _fetch_add(typingctx: Any, counter: Any, v: Any) -> Any:
-    """Atomically add v to counter[0] (an int64 array) and return the old value."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", ary.data, args[1], "monotonic")
-
-    return types.int64(counter, types.int64), codegen
+@jit
+def run_normal(dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float,
+               seed: Any, values: Any, h: Any) -> None:
+    """A normal run."""
+    fill_normal(dst, s + U2 * np.uint64(g), p0, p1, h)
 
 
-fetch_add: Any = intrinsic(_fetch_add)
+@jit
+def run_flat(dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float,
+             seed: Any, values: Any, h: Any) -> None:
+    """A run of payload values."""
+    fill_flat(dst, values, g, h)
 
 
-@parallel
-def fill_parallel(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, sc: float, p1b: float,
-                  lo: float, hi: float, seed: Any, values: Any, fmt: int, outer_start: Any, outer_ext: Any,
-                  outer_stride: Any, base: int, run_len: int) -> None:
-    """Workers take the next piece from a shared counter until none are left.
+@jit
+def run_truncnorm(dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float,
+                  seed: Any, values: Any, h: Any) -> None:
+    """A truncated-normal run."""
+    fill_truncnorm(dst, s + U2 * np.uint64(g), np.uint64(g), p0, p1, lo, hi, seed, h)
 
-    Not a static split: on a shared machine a thread slowed by other work would hold up the whole call. The
-    prange hands the workers out statically; a thread's first worker runs until the pieces are gone, and
-    its others find none (asking numba for its thread count here would make the function uncachable).
+
+@dataclass(frozen=True)
+class Kernels:
+    """One value kind's entry points (numba dispatchers), documented in `_kernels`: `fill` of a span of a region,
+    `fill_batch` of many small tensors. Each compiles on its first call only."""
+
+    kind: int
+    fill: Any
+    fill_batch: Any
+
+
+def _kernels(kind: int, run: Any) -> Kernels:
+    """The driver of one kind around its run function.
+
+    A closure per kind rather than one kernel that switches on the kind at run time: numba compiles a kernel with
+    everything it may call, so one kernel for all kinds made every process compile every kind.
     """
-    n = out.shape[0]
-    pieces = (n + PIECE - 1) // PIECE
-    counter = np.zeros(1, dtype=np.int64)
-    for _ in nb.prange(min(_WORKERS, pieces)):
-        t = fetch_add(counter, 1)
-        while t < pieces:
-            l = l_begin + t * PIECE
-            fill_piece(out, l, min(l + PIECE, l_begin + n), l_begin, kind, key, p0, p1, sc, p1b, lo, hi, seed,
-                       values, fmt, outer_start, outer_ext, outer_stride, base, run_len)
-            t = fetch_add(counter, 1)
+
+    def run_any(out: Any, dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float,
+                hi: float, seed: Any, values: Any, fmt: int) -> None:
+        """`run` with the half format's constants fixed at compile time (float arrays ignore them)."""
+        raise NotImplementedError("called only inside kernels")
+
+    @overload(run_any)
+    def _run_any_overload(out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any,
+                          hi: Any, seed: Any, values: Any, fmt: Any) -> Any:
+        if out.dtype == types.uint16:
+            def half(out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any,
+                     seed: Any, values: Any, fmt: Any) -> Any:
+                if fmt == 1:
+                    run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, F16)
+                else:
+                    run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, BF16)
+            return half
+
+        def native(out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any,
+                   seed: Any, values: Any, fmt: Any) -> Any:
+            run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, BF16)
+        return native
+
+    @kernel_of(kind)
+    def fill(out: Any, l: int, lend: int, l_begin: int, key: Any, p0: float, p1: float, lo: float, hi: float,
+             seed: Any, values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
+             run_len: int) -> None:
+        """Local elements [l, lend) of a region into out[l - l_begin:lend - l_begin], run by run.
+
+        The backend calls it from several threads at once on disjoint spans of one output (it releases the GIL);
+        a parallel kernel of numba's instead would cost a second, larger compile per kind and a threading layer.
+
+        lo, hi and seed are the truncated normal's bounds and raw seed (ignored by the other kinds).
+        """
+        # p1 * 2^-32 is exact unless it falls into the subnormal range; then scale the draw instead.
+        p1s = p1 * TWO_NEG_32
+        sc, p1b = (1.0, p1s) if p1s * 2.0**32 == p1 else (TWO_NEG_32, p1)
+        s = key + GOLDEN
+        while l < lend:
+            r = l // run_len
+            off = l - r * run_len
+            g = run_global(r, outer_start, outer_ext, outer_stride, base) + off
+            m = min(lend - l, run_len - off)
+            dst = out[l - l_begin:l - l_begin + m]
+            run_any(out, dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, fmt)
+            l += m
+
+    @kernel_of(kind)
+    def fill_batch(out: Any, starts: Any, counts: Any, keys: Any, p0s: Any, p1s: Any, los: Any, his: Any,
+                   seeds: Any, fmt: int) -> None:
+        """Whole tensors of one dtype in one call: tensor j is out[starts[j]:starts[j] + counts[j]], valued as
+        `fill` values a whole tensor of this kind (not FLAT) with keys[j], p0s[j], ...
+
+        For plans of many small tensors: one call instead of one per tensor, on the calling thread (each tensor
+        is at most PIECE elements, what is kept on the calling thread anyway).
+        """
+        no_values = np.zeros(0, dtype=np.float64)
+        no_dims = np.zeros(0, dtype=np.int64)
+        for j in range(starts.shape[0]):
+            n = counts[j]
+            if n > 0:
+                a = starts[j]
+                fill(out[a:a + n], 0, n, 0, keys[j], p0s[j], p1s[j], los[j], his[j], seeds[j], no_values, fmt,
+                     no_dims, no_dims, no_dims, 0, n)
+
+    return Kernels(kind, fill, fill_batch)
 
 
-@jit
-def fill(out: Any, l_begin: int, kind: int, key: Any, p0: float, p1: float, lo: float, hi: float, seed: Any,
-         values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int, run_len: int) -> None:
-    """Fill out[k] with the value of local element l_begin + k of a region (Kind codes as in plan.py).
-
-    lo, hi and seed are the truncated normal's bounds and raw seed (ignored by the other kinds).
-
-    Small outputs stay on the calling thread: waking the pool costs more than they do.
-    """
-    n = out.shape[0]
-    if n == 0:
-        return
-    # p1 * 2^-32 is exact unless it falls into the subnormal range; then scale the draw instead.
-    p1s = p1 * TWO_NEG_32
-    sc, p1b = (1.0, p1s) if p1s * 2.0**32 == p1 else (TWO_NEG_32, p1)
-    if n <= PIECE:
-        fill_piece(out, l_begin, l_begin + n, l_begin, kind, key, p0, p1, sc, p1b, lo, hi, seed, values, fmt,
-                   outer_start, outer_ext, outer_stride, base, run_len)
-    else:
-        fill_parallel(out, l_begin, kind, key, p0, p1, sc, p1b, lo, hi, seed, values, fmt,
-                      outer_start, outer_ext, outer_stride, base, run_len)
-
-
-
-@jit
-def fill_batch(out: Any, starts: Any, counts: Any, kinds: Any, keys: Any, p0s: Any, p1s: Any, los: Any, his: Any,
-               seeds: Any, fmt: int) -> None:
-    """Whole tensors of one dtype in one call: tensor j is out[starts[j]:starts[j] + counts[j]], valued as `fill`
-    values a whole tensor of kind kinds[j] (not FLAT) with keys[j], p0s[j], ...
-
-    For plans of many small tensors: one call instead of one per tensor, on the calling thread (each tensor is
-    at most PIECE elements, what `fill` keeps on the calling thread too). Every element is computed exactly as
-    `fill` computes it.
-    """
-    no_values = np.zeros(0, dtype=np.float64)
-    no_dims = np.zeros(0, dtype=np.int64)
-    for j in range(starts.shape[0]):
-        n = counts[j]
-        if n <= 0:
-            continue
-        a = starts[j]
-        p1 = p1s[j]
-        p1s_ = p1 * TWO_NEG_32
-        sc, p1b = (1.0, p1s_) if p1s_ * 2.0**32 == p1 else (TWO_NEG_32, p1)
-        fill_piece(out[a:a + n], 0, n, 0, kinds[j], keys[j], p0s[j], p1, sc, p1b, los[j], his[j], seeds[j],
-                   no_values, fmt, no_dims, no_dims, no_dims, 0, n)
+KERNELS = tuple(_kernels(kind, run) for kind, run in
+                ((CONST, run_const), (AFFINE, run_affine), (NORMAL, run_normal), (FLAT, run_flat),
+                 (TRUNCNORM, run_truncnorm)))

@@ -36,10 +36,19 @@ def sources_digest() -> str:
 
 
 class KernelCache(FunctionCache):
-    """numba's on-disk cache of one kernel, keyed also on the sources of every kernel module (see the module doc)."""
+    """numba's on-disk cache of one kernel, keyed also on the sources of every kernel module (see the module doc).
+
+    A per-kind kernel (driver._kernels) is a closure whose cells hold other dispatchers; numba keys a closure on
+    its pickled cells, and a dispatcher pickles differently in every process, so such a kernel would never load
+    from the cache. It is keyed on its qualname instead, which names its kind (kernel_of), while the sources digest
+    covers the code of every cell.
+    """
 
     def _index_key(self, sig: Any, codegen: Any) -> Any:
-        return (*super()._index_key(sig, codegen), sources_digest())  # type: ignore[no-untyped-call]
+        if self._py_func.__closure__ is None:
+            return (*super()._index_key(sig, codegen), sources_digest())  # type: ignore[no-untyped-call]
+        code = hashlib.sha256(self._py_func.__code__.co_code).hexdigest()
+        return (sig, codegen.magic_tuple(), (code, self._py_func.__qualname__), sources_digest())
 
 
 def _kernel(**options: Any) -> Callable[[Callable[..., Any]], Any]:
@@ -50,6 +59,17 @@ def _kernel(**options: Any) -> Callable[[Callable[..., Any]], Any]:
         # what Dispatcher.enable_caching does for cache=True, with the package-wide key
         disp._cache = KernelCache(fn)  # type: ignore[no-untyped-call]
         return disp
+
+    return decorate
+
+
+def kernel_of(kind: int, **options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """`_kernel(**options)` for a kernel made per value kind inside a factory: named `<name>_k<kind>`, so each kind's
+    kernel has cache files and a cache key of its own."""
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        fn.__qualname__ = fn.__name__ = f"{fn.__name__}_k{kind}"
+        return _kernel(**options)(fn)
 
     return decorate
 
