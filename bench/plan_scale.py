@@ -33,7 +33,7 @@ for sub in ("proto", "server", "client", "bench"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-from _common import PIDS, serve  # noqa: E402
+from _common import PIDS, fill_gbps, serve  # noqa: E402
 
 from paraminit.v1 import plan_pb2  # noqa: E402
 from paraminit_client import Client  # noqa: E402
@@ -63,13 +63,6 @@ def rss(pid: int) -> tuple[int, int]:
     """(VmRSS, VmHWM) of a process, bytes."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return int(fields["VmRSS"].split()[0]) << 10, int(fields["VmHWM"].split()[0]) << 10
-
-
-def fill_gbps() -> float:
-    a = np.empty(256 << 20, dtype=np.uint8)
-    a.fill(0)
-    best = min(timed(lambda: a.fill(1), 3))
-    return a.nbytes / best / 1e9
 
 
 def main() -> None:
