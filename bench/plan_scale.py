@@ -26,8 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 for sub in ("proto", "server", "client", "bench"):
     if str(ROOT / sub) not in sys.path:
