@@ -98,8 +98,9 @@ def test_cold_cli_says_it_compiles_and_reports_compiling_apart(tmp_path: Path) -
     """A first materialize with an empty kernel cache prints the compile line once and reports the compile
     seconds apart from the time its throughput is computed over; the next process loads them and says nothing."""
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"params": [{"name": "w", "shape": [64, 64],
+    plan.write_text(json.dumps({"params": [{"name": "w", "shape": [1024, 1024],
                                             "init": {"normal": {"std": 0.02, "seed": 3}}}]}))
+    size = 4 << 20
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     summaries = []
     for _ in range(2):
@@ -109,8 +110,11 @@ def test_cold_cli_says_it_compiles_and_reports_compiling_apart(tmp_path: Path) -
         summaries.append((r.stdout, r.stderr))
     (cold, cold_err), (warm, warm_err) = summaries
     assert cold_err.count(COMPILE_LINE) == 1, cold_err
-    m = re.search(r"in [\d.]+ s plus ([\d.]+) s compiling CPU kernels \([\d.]+ \w+/s;", cold)
-    assert m and float(m.group(1)) > 0, cold
+    m = re.search(r"in ([\d.]+) s plus ([\d.]+) s compiling CPU kernels \(([\d.]+) (\w+)/s;", cold)
+    assert m and float(m.group(2)) > 0, cold
+    # the rate is over the time without compiling: far above the bytes over both times together
+    rate = float(m.group(3)) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}[m.group(4)]
+    assert rate * (float(m.group(1)) + float(m.group(2))) > 2 * size, cold
     assert COMPILE_LINE not in warm_err and "compiling" not in warm, (warm, warm_err)
     assert re.search(r"in [\d.]+ s \([\d.]+ \w+/s;", warm), warm
 
