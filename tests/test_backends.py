@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -54,3 +55,36 @@ def test_large_fills_use_the_backends_threads(env: dict[str, str]) -> None:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "none"
+
+
+def test_background_compiles_let_fills_go_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's warm-up (background) compiles nothing while a fill is asking for kernels, nor for QUIET_SECONDS
+    after: a request waits for at most the compile already under way, not for the warm-up's list."""
+    import threading
+
+    import numba
+    import numpy as np
+
+    from paraminit_server.backends import cpu
+
+    monkeypatch.setattr(cpu, "QUIET_SECONDS", 30.0)  # far longer than this test: only the order is checked
+    compiles = cpu._Compiles()
+
+    def request(x: Any) -> Any:
+        return x + 1
+
+    def warm(x: Any) -> Any:
+        return x + 2
+
+    fg, bg = numba.njit(request), numba.njit(warm)
+    arg = (np.zeros(3, np.float32),)
+    assert compiles.ensure(fg, arg)
+    assert fg.overloads and not bg.overloads
+    background = threading.Thread(target=compiles.ensure, args=(bg, arg), kwargs={"background": True})
+    background.start()
+    background.join(1.0)
+    assert background.is_alive() and not bg.overloads  # within the quiet time of the request's compile
+    with compiles.turn:
+        compiles.last = -cpu.QUIET_SECONDS  # the request is long gone
+    background.join(60)
+    assert not background.is_alive() and bg.overloads

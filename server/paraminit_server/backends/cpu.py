@@ -32,6 +32,7 @@ CONVERT_PIECE = 1 << 20  # payload elements converted to binary64 at a time (8 M
 SPANS_PER_THREAD = 8  # a large output is cut into about this many spans per thread, each a whole number of PIECEs
 log = logging.getLogger("paraminit.server")
 COMPILE_LINE = "compiling CPU kernels, once per machine"
+QUIET_SECONDS = 1.0  # a background compile waits until no fill has asked for a kernel for this long
 
 
 class _Compiles:
@@ -47,20 +48,39 @@ class _Compiles:
         self.ready: set[tuple[Any, ...]] = set()
         self.seconds = 0.0
         self.announced = False
+        self.turn = threading.Condition()
+        self.waiting = 0  # callers that are not background ones, waiting for the lock or holding it
+        self.last = -QUIET_SECONDS  # when the last of them finished (time.monotonic)
 
-    def ensure(self, disp: Any, args: tuple[Any, ...], compile: bool = True) -> bool:
+    def ensure(self, disp: Any, args: tuple[Any, ...], compile: bool = True, background: bool = False) -> bool:
         """Load or compile the specialization of kernel `disp` (one of a kind's cpu_kernels.Kernels) for `args`.
+
+        A `background` caller (a server's warm-up after SERVING) lets every other caller go first, and waits
+        until none has asked for QUIET_SECONDS: a request that needs kernels then waits for at most the one
+        compile already under way, not for the warm-up's whole list between its own.
 
         Returns:
             Whether it is ready: False only when `compile` is False and it would have to be compiled.
         """
-        out = args[0]
-        key: tuple[Any, ...] = (disp.__name__, out.dtype.str, bool(out.flags.c_contiguous))
-        if not disp.__name__.startswith("fill_batch"):
-            values = args[10]
-            key += (values.dtype.str, bool(values.flags.c_contiguous))
+        # a specialization is told apart by its arrays' dtypes and layouts (the scalars' types never vary)
+        key = (disp.__name__, *((a.dtype.str, a.flags.c_contiguous) for a in args if isinstance(a, np.ndarray)))
         if key in self.ready:
             return True
+        if background:
+            with self.turn:
+                while self.waiting or time.monotonic() - self.last < QUIET_SECONDS:
+                    self.turn.wait(QUIET_SECONDS / 4)
+            return self._ensure(key, disp, args, compile)
+        with self.turn:
+            self.waiting += 1
+        try:
+            return self._ensure(key, disp, args, compile)
+        finally:
+            with self.turn:
+                self.waiting -= 1
+                self.last = time.monotonic()
+
+    def _ensure(self, key: tuple[Any, ...], disp: Any, args: tuple[Any, ...], compile: bool) -> bool:
         with self.lock:
             if key in self.ready:
                 return True
@@ -273,7 +293,7 @@ class CpuBackend:
         self._threads = max(1, min(threads, cores)) if threads else cores
 
     def warm_up(self) -> None:
-        """Compile (or load) every kernel of every kind and dtype."""
+        """Compile (or load) every kernel of every kind and dtype, after any a fill is waiting for."""
         self._warm(compile=True)
 
     def preload(self) -> None:
@@ -286,10 +306,11 @@ class CpuBackend:
         for rp in params:
             out = np.empty(rp.numel, dtype=rp.dtype.storage)
             kernel, args = self._entry(rp, out, 0, rp.runs(), _flat_values(rp))
-            if COMPILES.ensure(kernel, args, compile=compile):
+            if COMPILES.ensure(kernel, args, compile=compile, background=True):
                 kernel(*args)
         for group in _Batch.warm_up_groups(params):
-            if COMPILES.ensure(cpu_kernels.KERNELS[group.kind].fill_batch, group.args(), compile=compile):
+            if COMPILES.ensure(cpu_kernels.KERNELS[group.kind].fill_batch, group.args(), compile=compile,
+                               background=True):
                 group.run()
 
     def scratch(self, nbytes: int) -> Any:
