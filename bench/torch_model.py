@@ -3,8 +3,10 @@
 Rows: constructing the model on the CPU (PyTorch's reset_parameters, including
 the lm_head's discarded init before tying), and building it on `meta` followed
 by materialize_module from an embedded Client() with STREAM delivery and with
-zero-copy SHM delivery (plan_from_module included). Also the size of the plan
-against the size of the weights it names. Target: paraminit >= 3x faster.
+zero-copy SHM delivery (plan_from_module included), and SHM from a server that pools
+released segments (PARAMINIT_SHM_POOL_BYTES), which shows what a fresh tmpfs segment
+costs. Also the size of the plan against the size of the weights it names. Targets:
+in process >= 4x PyTorch's own init, SHM (fresh segments) >= 2.5x.
 
     python bench/torch_model.py [--repeat 5] [--threads 2]
 """
@@ -114,6 +116,12 @@ def main() -> None:
         via(remote, "stream")()
         stream = timed(via(remote, "stream"), args.repeat)
         shm = timed(via(remote, "shm"), args.repeat, release)
+    # a server that keeps released segments (PARAMINIT_SHM_POOL_BYTES): the next export reuses pages already
+    # faulted in, instead of a fresh tmpfs segment (allocated and first touched: most of the SHM row's time)
+    pool_env = {"PARAMINIT_THREADS": str(args.threads), "PARAMINIT_SHM_POOL_BYTES": str(1 << 30)}
+    with serve(env=pool_env) as target, Client(target) as remote:
+        release(via(remote, "shm")())
+        shm_pooled = timed(via(remote, "shm"), args.repeat, release)
 
     plan_bytes = len(plan.SerializeToString())
     ref = min(pytorch)
@@ -125,6 +133,7 @@ def main() -> None:
     rows = [("PyTorch nn.Module on cpu (own init)", pytorch),
             ("paraminit: meta + plan + materialize, in process", in_process),
             ("paraminit: ... from local server, SHM", shm),
+            ("paraminit: ... SHM, segments pooled by the server", shm_pooled),
             ("paraminit: ... from local server, STREAM", stream),
             ("  of which: meta build + plan_from_module", plan_s)]
     for name, times in rows:
