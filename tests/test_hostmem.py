@@ -83,6 +83,30 @@ def test_host_buffers() -> None:
         assert n == 0 or (buf[0] == 0xA5 and buf[-1] == 0xA5)
 
 
+def _vm_flags(buf: np.ndarray[Any, Any]) -> list[str]:
+    """The kernel's VmFlags of the mapping that holds buf (Linux /proc/self/smaps)."""
+    addr, flags, inside = buf.ctypes.data, [], False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    return flags
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages")
+def test_huge_pages_only_where_asked() -> None:
+    """A fill's buffer asks for huge pages (hg); a stream's receive buffer does not, as a compaction stall on a
+    fault would hold up the stream."""
+    for huge in (True, False):
+        buf = host_buffer(4 * HUGE, huge=huge)
+        buf[:] = 7
+        assert ("hg" in _vm_flags(buf)) == huge and buf[-1] == 7
+
+
 def test_prefault_keeps_contents_while_a_writer_runs() -> None:
     """The helper faults pages in without writing them: what the writer put before, during and after stays."""
     assert prefault(host_buffer(HUGE - 1)) is None  # small buffers: nothing to do

@@ -448,8 +448,10 @@ class GrpcTransport:
     def _materialize_one(self, plan: plan_pb2.Plan, chunk_bytes: int = 0,
                          progress: Callable[[int], None] | None = None) -> Arrays:
         header, chunks = self.stream(plan, chunk_bytes, check_crc=False)
-        buf = host_buffer(header.data_bytes)  # huge pages: first-touch faults cost more than the copy itself
-        prefault(buf)  # and a helper thread takes the faults ahead of the copies
+        # plain pages, faulted in by a helper thread ahead of the copies: huge pages are faster only where the
+        # kernel has them free, and stall the stream where it must compact for them (host_buffer)
+        buf = host_buffer(header.data_bytes, huge=False)
+        prefault(buf)
 
         def put(c: Chunk) -> None:
             buf[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
