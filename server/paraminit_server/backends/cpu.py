@@ -293,7 +293,7 @@ class CpuBackend:
         self._threads = max(1, min(threads, cores)) if threads else cores
 
     def warm_up(self) -> None:
-        """Compile (or load) every kernel of every kind and dtype, after any a fill is waiting for."""
+        """Compile (or load) every kernel of every kind and dtype, letting fills' own compiles go first."""
         self._warm(compile=True)
 
     def preload(self) -> None:

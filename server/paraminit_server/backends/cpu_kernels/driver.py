@@ -24,9 +24,9 @@ from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, TWO_NEG_32
 from paraminit_server.backends.cpu_kernels.distributions import fill_affine, fill_const, fill_flat, fill_normal, fill_truncnorm
 from paraminit_server.backends.cpu_kernels.half_rounding import BF16, F16
 from paraminit_server.backends.cpu_kernels.jit import jit, kernel_of
+from paraminit_server.plans.plan import Kind
 
 PIECE = 1 << 16  # outputs up to this many elements are filled on the calling thread; larger ones in spans of PIECEs
-CONST, AFFINE, NORMAL, FLAT, TRUNCNORM = range(5)  # Kind codes of plan.py
 
 
 @jit
@@ -162,6 +162,6 @@ def _kernels(kind: int, run: Any) -> Kernels:
     return Kernels(kind, fill, fill_batch)
 
 
-KERNELS = tuple(_kernels(kind, run) for kind, run in
-                ((CONST, run_const), (AFFINE, run_affine), (NORMAL, run_normal), (FLAT, run_flat),
-                 (TRUNCNORM, run_truncnorm)))
+KERNELS: dict[int, Kernels] = {kind: _kernels(kind, run) for kind, run in (
+    (Kind.CONST, run_const), (Kind.AFFINE, run_affine), (Kind.NORMAL, run_normal), (Kind.FLAT, run_flat),
+    (Kind.TRUNCNORM, run_truncnorm))}

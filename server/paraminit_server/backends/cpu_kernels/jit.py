@@ -68,7 +68,7 @@ def kernel_of(kind: int, **options: Any) -> Callable[[Callable[..., Any]], Any]:
     kernel has cache files and a cache key of its own."""
 
     def decorate(fn: Callable[..., Any]) -> Any:
-        fn.__qualname__ = fn.__name__ = f"{fn.__name__}_k{kind}"
+        fn.__qualname__ = fn.__name__ = f"{fn.__name__}_k{int(kind)}"
         return _kernel(**options)(fn)
 
     return decorate
