@@ -88,3 +88,36 @@ def test_background_compiles_let_fills_go_first(monkeypatch: pytest.MonkeyPatch)
         compiles.last = -cpu.QUIET_SECONDS  # the request is long gone
     background.join(60)
     assert not background.is_alive() and bg.overloads
+
+
+FORK_PROBE = textwrap.dedent("""
+    import os, signal, threading, time, numpy as np
+    from paraminit_client import param, plan_of
+    from paraminit_server.plans import plan as planlib
+    from paraminit_server.backends import cpu
+    from paraminit_server.backends.cpu import CpuBackend
+    n = (1 << 20) + 7
+    p = planlib.resolve(plan_of([param("w", [n], {"uniform": {"lo": -1, "hi": 1, "seed": 5}})]))[0]
+    b = CpuBackend(threads=2)
+    want = np.full(n, np.nan, np.float32); b.fill(p, want)
+    held, release = threading.Event(), threading.Event()
+    def holder():  # another thread is inside a fill (its pool and compile locks held) when the fork happens
+        with cpu.POOL.lock, cpu.COMPILES.lock:
+            held.set(); release.wait()
+    t = threading.Thread(target=holder); t.start(); held.wait()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(60)  # a child that hangs ends here with SIGALRM, not never
+        got = np.full(n, np.nan, np.float32); b.fill(p, got)
+        os._exit(0 if got.tobytes() == want.tobytes() else 3)
+    release.set(); t.join()
+    print(os.waitpid(pid, 0)[1])
+""")
+
+
+def test_a_fork_during_a_fill_leaves_the_child_usable() -> None:
+    """A fork while another thread holds the fill pool's and the compile locks: the child starts with fresh ones
+    (os.register_at_fork) and fills, instead of waiting forever on locks whose holders it does not have."""
+    done = subprocess.run([sys.executable, "-c", FORK_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "0"  # not 3 (wrong bytes) nor SIGALRM's 14 (hung)

@@ -37,7 +37,7 @@ from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu_kernels import cr_math, cr_tables
 from paraminit_server.plans import spec
 from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
-from support import VECTORS, case_param
+from support import SUPPORTED_CASES, VECTORS, case_param
 
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or put it on PATH)")
@@ -336,13 +336,13 @@ def test_half_and_float_casts_match_reference(harness: Path) -> None:
 
 
 def test_vectors_through_the_packed_kernel_path(harness: Path, tmp_path: Path) -> None:
-    params = [resolve_param(i, case_param(c)) for i, c in enumerate(VECTORS["cases"])]
+    params = [resolve_param(i, case_param(c)) for i, c in enumerate(SUPPORTED_CASES)]
     offsets, pos = [], 0
     for p in params:
         offsets.append(pos)
         pos += -(-(p.nbytes + 8) // 8) * 8  # a gap after each tensor must stay untouched
     arena = run_plan(harness, tmp_path, [cb.Job(p, o) for p, o in zip(params, offsets, strict=True)], pos)
-    for case, p, off in zip(VECTORS["cases"], params, offsets, strict=True):
+    for case, p, off in zip(SUPPORTED_CASES, params, offsets, strict=True):
         got = arena[off:off + p.nbytes].view(f"u{p.dtype.itemsize}")
         assert [int(x) for x in got] == [int(b, 16) for b in case["bits"]], case["name"]
         assert (arena[off + p.nbytes:off + -(-(p.nbytes + 8) // 8) * 8] == 0xFF).all(), case["name"]

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -419,3 +420,33 @@ def test_leases_list_renew_release_from_the_shell(capsys: pytest.CaptureFixture[
         code, _, err = run_cli(capsys, "leases")
         assert code == cli.EXIT_USAGE and "--target" in err
         lease.stop_renewing()
+
+
+def test_the_lock_directory_must_be_this_users_and_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user who made the lock directory first could swap a live server's lock file and make the next
+    server sweep its segments: an existing directory is used only when it is a real directory, this user's, 0700."""
+    d = tmp_path / "locks"
+    shm.own_lock_dir(str(d))
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
+    shm.own_lock_dir(str(d))  # again: the same directory is fine
+    os.chmod(d, 0o777)
+    with pytest.raises(shm.UnsafeLockDir, match="mode 0777, not 0700"):
+        shm.own_lock_dir(str(d))
+    os.rmdir(d)
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    d.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(shm.UnsafeLockDir, match="not a directory"):
+        shm.own_lock_dir(str(d))
+    d.unlink()
+    d.mkdir(mode=0o700)
+    monkeypatch.setattr(os, "geteuid", lambda: 12345)  # as if another user owned it
+    with pytest.raises(shm.UnsafeLockDir, match="owned by uid"):
+        shm.own_lock_dir(str(d))
+    monkeypatch.undo()
+    # a server whose lock directory is unsafe starts anyway for streams, refusing SHM exports with the reason
+    monkeypatch.setattr(shm, "lock_dir", lambda: str(tmp_path / "elsewhere-link"))
+    (tmp_path / "elsewhere-link").symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setattr(shm, "_instance", None)
+    with pytest.raises(errors.ResourceExhausted, match="shared memory is unavailable"):
+        shm.instance_tag()
+    assert shm.sweep() == []

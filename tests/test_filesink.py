@@ -146,3 +146,74 @@ def fcntl_flags(fd: int) -> int:
     import fcntl
 
     return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def _expected_file(tmp_path: Path) -> tuple[Any, bytes]:
+    plan = plan_of([param("w", [3000], {"normal": {"std": 1.0, "seed": 4}})])
+    ref = tmp_path / "ref.safetensors"
+    Client().materialize_to_file(plan, ref)
+    return plan, ref.read_bytes()
+
+
+def test_a_link_is_written_through_and_stays_a_link(tmp_path: Path) -> None:
+    plan, want = _expected_file(tmp_path)
+    real = tmp_path / "real.safetensors"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(real.name)
+    Client().materialize_to_file(plan, link)
+    assert link.is_symlink() and os.readlink(link) == real.name and real.read_bytes() == want
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.safetensors", "real.safetensors", "ref.safetensors"]
+
+
+def test_a_fifo_is_written_in_place_never_replaced(tmp_path: Path) -> None:
+    import stat
+    import threading
+
+    plan, want = _expected_file(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    Client().materialize_to_file(plan, fifo)
+    reader.join(30)
+    assert got == [want] and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+def test_a_device_is_written_in_place_never_replaced(tmp_path: Path) -> None:
+    """As root (the container default) a rename would replace a device node with a regular file: /dev/null
+    became a copy of the safetensors. A private null device stands in for /dev/null here."""
+    import stat
+
+    plan, _ = _expected_file(tmp_path)
+    null = tmp_path / "null"
+    os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    Client().materialize_to_file(plan, null)
+    st = os.lstat(null)
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_killed_writer_leaves_no_partial_file(tmp_path: Path) -> None:
+    """The file is written unnamed (O_TMPFILE) until complete: SIGKILL mid-write leaves nothing in the directory
+    (a hidden `.NAME.part` of the file's full size stayed before)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "big.safetensors"
+    code = ("import sys\n"
+            "from paraminit_client import Client, param, plan_of\n"
+            "def seen(done, total):\n"
+            "    if done:\n"
+            "        print('writing', flush=True); sys.stdin.read()\n"  # blocks mid-file until killed
+            "plan = plan_of([param('w', [1 << 24], {'normal': {'std': 1.0}})])\n"
+            f"Client().materialize_to_file(plan, {str(out)!r}, progress=seen)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "writing\n"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert list(tmp_path.iterdir()) == []

@@ -206,3 +206,19 @@ def test_streamed_slabs_match_the_per_parameter_path(slab: int) -> None:
     got, want = streamed(table), streamed(listed)
     assert len(got) > 10 * slab and got == want
     assert got == _stream(listed, digest)[1].tobytes()
+
+
+@pytest.mark.parametrize("extra", [b"\x20\x05", b"\x19" + bytes(8), b"\x08\x07"], ids=["number", "seed", "mean"])
+def test_unknown_initializer_fields_leave_the_digest_alone(extra: bytes) -> None:
+    """plan.proto: unknown fields are dropped from the canonical form. A field the kind does not declare (field 4
+    of Normal), or a declared one with another wire type (seed as fixed64, mean as a varint), is kept by protobuf
+    as unknown: the scan must not copy it into the digest's bytes."""
+    plan = plan_pb2.Plan(params=[plan_pb2.Param(name=f"p{i}", shape=[4], init=plan_pb2.Init(
+        normal=plan_pb2.Normal(std=1.0, seed=i))) for i in range(columns.SCAN_MIN + 8)])
+    plain_digest = planlib.digest(plan)
+    odd = plan.params[5].init.normal
+    odd.MergeFromString(extra)
+    assert extra in odd.SerializeToString()  # kept as an unknown field, and sent on
+    cols = columns.of(plan)
+    assert cols is not None
+    assert planlib.digest(plan, None, cols) == planlib.digest(plan) == plain_digest

@@ -175,3 +175,25 @@ def test_server_killed_mid_stream_then_retry_gives_same_bytes() -> None:
     finally:
         proc2.terminate()
         proc2.wait(30)
+
+
+def test_a_slow_reader_gets_the_end_of_its_stream() -> None:
+    """The producer finishes long before a reader that takes 0.6 s a slab: the end of the stream waits behind the
+    queued slabs however long they take, instead of being dropped after a timed put (which ended such streams
+    with "slab producer stopped without a result", an INTERNAL)."""
+    import time
+
+    from paraminit_server.plane import engine, layout
+
+    plan = plan_of([param("w", [6 << 18], {"uniform": {"lo": -1, "hi": 1, "seed": 2}})])  # 6 MiB float32
+    params = planlib.resolve(plan)
+    lay = layout.stream_layout(params, planlib.digest(plan))
+    got = []
+    for lend in (False, True):
+        seen = 0
+        for start, slab in engine.iter_slabs(CpuBackend(), lay, 1 << 20, lambda: False, prefetch=2, lend=lend):
+            assert start == seen
+            seen += len(slab)
+            time.sleep(0.6)
+        got.append(seen)
+    assert got == [lay.data_bytes, lay.data_bytes]

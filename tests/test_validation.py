@@ -101,13 +101,63 @@ def test_equal_bounds_and_zero_std_are_valid() -> None:
 
 def test_size_overflow_and_limits() -> None:
     huge = plan_of([param("h", [1 << 40, 1 << 40], {"zeros": {}})])
-    assert any("size overflows" in m for m in messages(huge))
+    assert any("has 2^63 elements or more" in m for m in messages(huge))
+    wide = plan_of([param("w", [1 << 60, 4], {"zeros": {}})])  # 2^62 elements fit; their 2^64 bytes do not
+    assert any("size overflows: 4611686018427387904 elements of float32 exceed 2^63 bytes" in m for m in messages(wide))
     plan = plan_of([param("a", [100], {"zeros": {}}), param("b", [100], {"zeros": {}}, "float64")])
     report = validate(plan, Limits(max_param_bytes=500, max_plan_bytes=1000))
     assert report.only_limits
     assert [str(v) for v in report.violations] == [
         "params[1].shape ('b'): parameter needs 800 bytes, over the per-parameter limit of 500",
         "params: plan needs 1200 bytes, over the per-plan limit of 1000"]
+
+
+def test_untrusted_shapes_are_sized_without_big_integers() -> None:
+    """Rank first, then a product that stops at 2^63: no message formats a huge number (Python refuses to print
+    integers past 4,300 digits), and an empty tensor's fans are 0 whatever its other dimensions."""
+    import time
+
+    from paraminit.shapes import fan_in_out
+
+    deep = plan_of([param("deep", [1 << 62] * 231, {"zeros": {}})])
+    assert messages(deep) == ["params[0].shape ('deep'): rank 231 exceeds the maximum of 32",
+                              "params[0].shape ('deep'): the full tensor [4611686018427387904, 4611686018427387904, "
+                              "4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, "
+                              "4611686018427387904, 4611686018427387904, ... (231 dimensions)] has 2^63 elements or "
+                              "more; flat indices must fit in 64 bits"]
+    flat = plan_of([param("f", [1 << 62] * 40, {"flat": {"values": [1.0, 2.0]}})])
+    assert any("(expected 2^63 or more, got 2)" in m for m in messages(flat))
+    started = time.process_time()
+    wide = plan_of([param("w", [(1 << 62) + k for k in range(60_000)], {"normal": {"std": -1.0}})])
+    found = messages(wide)
+    assert time.process_time() - started < 5.0  # was about 30 s of big-integer products; a bound, not a timing
+    assert any("normal standard deviation must be nonnegative" in m for m in found)  # the rest is still checked
+    empty = [0] + [1 << 62] * 18  # 0 elements, but a shape no array library holds, and a fan of 2^1054
+    assert fan_in_out(empty) == (0, 0) and fan_in_out([1 << 62, 0, 5]) == (0, 0)
+    assert messages(plan_of([param("e", empty, {"xavierUniformForShape": {"seed": 1}})])) == [
+        "params[0].shape ('e'): the dimensions of [0, 4611686018427387904, 4611686018427387904, 4611686018427387904, "
+        "4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, "
+        "4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, "
+        "4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904] "
+        "other than 0 multiply to 2^60 or more; an empty tensor's shape must still fit in 2^63 bytes as if it were "
+        "not empty"]
+    ok = plan_of([param("e", [1 << 20, 0, 1 << 20], {"xavierUniformForShape": {"seed": 1}})])
+    assert messages(ok) == []
+    with Client() as client:  # materialized: 0 bytes, a zero fan (docs/SAMPLER.md section 3)
+        arrays = client.materialize(ok)
+    assert arrays["e"].shape == (1 << 20, 0, 1 << 20)
+
+
+def test_reserved_names_are_refused() -> None:
+    """`__metadata__` is the safetensors header's own key: a tensor of that name would overwrite it."""
+    small = plan_of([param("__metadata__", [2], {"zeros": {}})])
+    assert messages(small) == ["params[0].name ('__metadata__'): parameter name '__metadata__' is reserved (a "
+                               "safetensors header keeps it for the file's metadata)"]
+    from paraminit_server.plans import columns
+
+    many = plan_of([param(f"p{i}", [2], {"zeros": {}}) for i in range(1100)] + [param("__metadata__", [2], {"zeros": {}})])
+    got = validate(many, cols=columns.of(many))
+    assert [v.field for v in got.violations] == ["params[1100].name"]
 
 
 def test_initializer_list_length_messages() -> None:

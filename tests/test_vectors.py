@@ -13,9 +13,9 @@ import reference
 from paraminit_client import cli, plans
 from paraminit_server.plans import spec
 from paraminit_server.plans.plan import resolve_param
-from support import VECTORS, case_param, poisoned
+from support import PENDING_CASES, SUPPORTED_CASES, VECTORS, case_param, poisoned, vector_cases
 
-CASES = VECTORS["cases"]
+CASES = SUPPORTED_CASES
 
 
 def expected_bits(case: dict[str, Any]) -> list[int]:
@@ -39,7 +39,7 @@ def test_unit_streams(seed: str) -> None:
     assert got.tolist() == want
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+@pytest.mark.parametrize("case", vector_cases())
 def test_reference_matches_vectors(case: dict[str, Any]) -> None:
     p = resolve_param(0, case_param(case))
     values = reference.values_f64(p)
@@ -47,7 +47,7 @@ def test_reference_matches_vectors(case: dict[str, Any]) -> None:
     assert as_bits(reference.materialize(p)) == expected_bits(case)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+@pytest.mark.parametrize("case", vector_cases())
 def test_cpu_backend_matches_vectors(case: dict[str, Any], cpu_backend: Any) -> None:
     p = resolve_param(0, case_param(case))
     out = poisoned(p.numel, p.dtype.storage)
@@ -71,6 +71,19 @@ def test_cli_materialize_matches_vectors(tmp_path: Path, capsys: pytest.CaptureF
         width = 2 if case["dtype"] in ("float16", "bfloat16") else 8 if case["dtype"] == "float64" else 4
         got = np.frombuffer(data[start + a:start + b], dtype=f"<u{width}")
         assert [int(x) for x in got] == expected_bits(case), case["name"]
+
+
+@pytest.mark.xfail(reason="8-bit float dtypes are not implemented yet", strict=True)
+@pytest.mark.parametrize("case", PENDING_CASES, ids=[c["name"] for c in PENDING_CASES])
+def test_cli_materialize_pending_dtypes(case: dict[str, Any], tmp_path: Path) -> None:
+    """The 8-bit float cases through `paraminit materialize`, expected to fail until those dtypes land."""
+    src, out = tmp_path / "plan.json", tmp_path / "out.safetensors"
+    src.write_text(json.dumps({"params": [{"name": case["name"], "shape": case["shape"], "dtype": case["dtype"],
+                                           "init": case["init"]}]}))
+    assert cli.main(["materialize", str(src), "-o", str(out), "-q"]) == 0
+    data = out.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    assert [int(x) for x in data[start:]] == expected_bits(case)
 
 
 SHARED_SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec"

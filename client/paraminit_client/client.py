@@ -9,8 +9,10 @@ same either way.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 import tempfile
 import time
 import weakref
@@ -423,53 +425,137 @@ class Client:
             ParaminitError: as for `stream`.
         """
         dest = Path(path)
+        try:
+            existing = os.stat(dest)  # follows links: a link is written through, never replaced
+        except FileNotFoundError:
+            existing = None
+        except OSError as exc:
+            raise FileAccessError(exc) from None
+        if existing is not None and stat.S_ISDIR(existing.st_mode):
+            raise FileAccessError(IsADirectoryError(errno.EISDIR, "Is a directory", str(dest)))
         header, chunks = self.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
         bar = _progress_bar(header.data_bytes, dest.name) if progress is True else None
         update: Callable[[int], None] | None = bar.update if bar is not None else None
         if callable(progress):
             update = _cumulative(progress, header.data_bytes)
         try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent or ".")
-        except OSError as exc:
+            if existing is not None and not stat.S_ISREG(existing.st_mode):
+                _write_in_place(dest, header.safetensors_prefix, chunks, update)  # a device, a FIFO: never renamed over
+            else:
+                _write_atomically(dest.resolve() if dest.is_symlink() else dest, header, chunks, update, durable)
+        finally:
             close = getattr(chunks, "close", None)
             if close is not None:
                 close()
-            raise FileAccessError(exc) from None
-        base = len(header.safetensors_prefix)
-        filesink.track_partial(tmp)
-        try:
-            try:
-                if base + header.data_bytes:
-                    try:
-                        os.posix_fallocate(fd, 0, base + header.data_bytes)
-                    except OSError as exc:  # a full disk: say which file, and how much it needed
-                        raise OSError(exc.errno, f"{exc.strerror} (the file needs {base + header.data_bytes} "
-                                                 "bytes)", str(dest)) from None
-                sink = filesink.open_sink(fd, tmp, header.safetensors_prefix, header.data_bytes, durable)
-                try:
-                    land(chunks, sink.put, update)
-                    sink.finish()
-                finally:
-                    sink.close()
-                if durable:
-                    os.fsync(fd)
-                os.fchmod(fd, 0o644 & ~_umask())
-            finally:
-                os.close(fd)
-            os.replace(tmp, dest)
-            if durable:
-                _fsync_dir(dest.parent)
-        except BaseException as exc:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            if isinstance(exc, OSError) and not isinstance(exc, ParaminitError):
-                raise FileAccessError(exc) from exc
-            raise
-        finally:
-            filesink.forget_partial(tmp)
             if bar is not None:
                 bar.close()
         return header
+
+
+def _write_in_place(dest: Path, prefix: bytes, chunks: Iterator[Chunk], update: Callable[[int], None] | None) -> None:
+    """Write the stream in order into an existing file that is not a regular file (a device such as /dev/null,
+    a FIFO, a terminal): opened for writing as it is, no temporary file, nothing renamed over it."""
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_NOCTTY)
+    except OSError as exc:
+        raise FileAccessError(exc) from None
+    try:
+        _write_all(fd, prefix)
+        land(chunks, lambda c: _write_all(fd, c.data), update)
+    except OSError as exc:
+        if isinstance(exc, ParaminitError):
+            raise
+        raise FileAccessError(exc) from exc
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:  # a short write is legal (a pipe): write the rest
+        view = view[os.write(fd, view):]
+
+
+def _write_atomically(dest: Path, header: pb.StreamHeader, chunks: Iterator[Chunk],
+                      update: Callable[[int], None] | None, durable: bool) -> None:
+    """A regular file: written under no name (O_TMPFILE, so a killed process leaves nothing behind) or a hidden
+    temporary one where the file system has no O_TMPFILE, then given its name only when complete."""
+    fd, tmp = _open_unnamed(dest)
+    base = len(header.safetensors_prefix)
+    if tmp is not None:
+        filesink.track_partial(tmp)
+    named: str | None = tmp
+    try:
+        try:
+            if base + header.data_bytes:
+                try:
+                    os.posix_fallocate(fd, 0, base + header.data_bytes)
+                except OSError as exc:  # a full disk: say which file, and how much it needed
+                    raise OSError(exc.errno, f"{exc.strerror} (the file needs {base + header.data_bytes} "
+                                             "bytes)", str(dest)) from None
+            # an unnamed file is reopened (for O_DIRECT) through its descriptor's /proc link
+            sink = filesink.open_sink(fd, tmp or f"/proc/self/fd/{fd}", header.safetensors_prefix,
+                                      header.data_bytes, durable)
+            try:
+                land(chunks, sink.put, update)
+                sink.finish()
+            finally:
+                sink.close()
+            if durable:
+                os.fsync(fd)
+            os.fchmod(fd, 0o644 & ~_umask())
+            if named is None:
+                named = _link_unnamed(fd, dest)
+                filesink.track_partial(named)
+        finally:
+            os.close(fd)
+        os.replace(named, dest)
+        if durable:
+            _fsync_dir(dest.parent)
+    except BaseException as exc:
+        if named is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(named)
+        if isinstance(exc, OSError) and not isinstance(exc, ParaminitError):
+            raise FileAccessError(exc) from exc
+        raise
+    finally:
+        if named is not None:
+            filesink.forget_partial(named)
+
+
+def _open_unnamed(dest: Path) -> tuple[int, str | None]:
+    """(fd, None) for an O_TMPFILE file in dest's directory, else (fd, path) of a hidden temporary file there."""
+    directory = str(dest.parent or ".")
+    flag = getattr(os, "O_TMPFILE", 0)
+    try:
+        if flag and os.path.isdir("/proc/self/fd"):
+            try:
+                return os.open(directory, flag | os.O_WRONLY, 0o600), None
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=directory)
+        return fd, tmp
+    except OSError as exc:
+        raise FileAccessError(exc) from None
+
+
+def _link_unnamed(fd: int, dest: Path) -> str:
+    """Give a complete O_TMPFILE file a hidden name beside dest (renamed over dest next)."""
+    # linkat(AT_SYMLINK_FOLLOW) through the descriptor's /proc link: os.link takes linkat only with a dir_fd
+    dfd = os.open(dest.parent or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(100):
+            name = f".{dest.name}.{os.urandom(6).hex()}.part"
+            try:
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dfd, follow_symlinks=True)
+                return str(dest.parent / name)
+            except FileExistsError:
+                continue
+    finally:
+        os.close(dfd)
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(dest.parent))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
-from paraminit.shapes import fan_in_out, numel, shape_str
+from paraminit.shapes import MAX_ELEMENTS, fan_in_out, numel_at_most, shape_str
 from paraminit.v1 import plan_pb2
 
 __all__ = [
@@ -228,13 +228,16 @@ def _check_truncated_normal(t: plan_pb2.TruncatedNormal, _s: Sequence[int]) -> l
 
 
 def length_message(expected: int, got: int) -> str:
-    """TorchLean's words for a flat initializer of the wrong length (docs/SAMPLER.md section 6)."""
+    """TorchLean's words for a flat initializer of the wrong length (docs/SAMPLER.md section 6); an expected count
+    past MAX_ELEMENTS (a shape validation refuses anyway) is written as a bound, never as a huge number."""
+    if expected > MAX_ELEMENTS:
+        return f"torch.runtimeInit: flat initializer length mismatch (expected 2^63 or more, got {got})"
     return f"torch.runtimeInit: flat initializer length mismatch (expected {expected}, got {got})"
 
 
 def _check_flat(f: plan_pb2.Flat, shape: Sequence[int]) -> list[Problem]:
     out = []
-    expected, got = numel(shape), len(f.values)
+    expected, got = numel_at_most(shape, MAX_ELEMENTS), len(f.values)  # an untrusted shape: no big product
     if got != expected:
         out.append(("init.flat.values", length_message(expected, got)))
     nonfinite = np.flatnonzero(~np.isfinite(np.asarray(f.values, dtype=np.float64)))

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from paraminit import regions
 from paraminit.v1 import plan_pb2
 
+MAX_ELEMENTS = (1 << 63) - 1  # flat indices are signed 64-bit in every kernel
+
 
 def numel(shape: Sequence[int]) -> int:
     """Element count; a scalar (empty shape) has one element."""
@@ -16,9 +18,24 @@ def numel(shape: Sequence[int]) -> int:
     return n
 
 
+def numel_at_most(shape: Sequence[int], cap: int) -> int:
+    """numel(shape), or cap + 1 as soon as the product passes cap: the size of an untrusted shape in O(rank) small
+    multiplications (a zero dimension anywhere makes it 0), never a big integer."""
+    dims = [int(d) for d in shape]
+    if 0 in dims:
+        return 0
+    n = 1
+    for d in dims:
+        n *= d
+        if n > cap:
+            return cap + 1
+    return n
+
+
 def fan_in_out(shape: Sequence[int]) -> tuple[int, int]:
-    """Fans of a Linear/Conv weight [out, in, k1, ..., kd] (docs/SAMPLER.md section 3); (0, 0) below rank 2."""
-    if len(shape) < 2:
+    """Fans of a Linear/Conv weight [out, in, k1, ..., kd] (docs/SAMPLER.md section 3); (0, 0) below rank 2, and
+    (0, 0) when any dimension is zero (so an empty tensor's fan is never a huge product of its other dimensions)."""
+    if len(shape) < 2 or any(int(d) == 0 for d in shape):
         return 0, 0
     receptive = numel(shape[2:])
     return int(shape[1]) * receptive, int(shape[0]) * receptive

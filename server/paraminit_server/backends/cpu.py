@@ -164,6 +164,20 @@ class _Pool:
 POOL = _Pool()
 
 
+def _reset_after_fork() -> None:
+    """In a forked child only the forking thread exists: a lock another thread held at the fork would stay held
+    forever, and the parent's helper threads are not there. The child starts with fresh locks and no pool."""
+    POOL.lock = threading.Lock()
+    POOL._executor = None
+    POOL._owner = (0, 0)
+    COMPILES.lock = threading.Lock()
+    COMPILES.turn = threading.Condition()
+    COMPILES.waiting = 0
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 def _flat_values(p: ResolvedParam) -> Any:
     return p.values if p.kind == Kind.FLAT and p.values is not None else _NO_VALUES
 

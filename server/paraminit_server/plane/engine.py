@@ -9,7 +9,6 @@ what a transport makes of them (messages, checksums) is the transport's.
 from __future__ import annotations
 
 import collections
-import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -111,6 +110,7 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
     for i in range(ring_size):
         free.put(i)
     cancel = threading.Event()
+    final: list[BaseException | None] = []  # the producer's outcome, set once before it exits
     alloc = backend.scratch
 
     def stopped() -> bool:
@@ -162,13 +162,21 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
                     break
             while pending and not stopped():
                 emit(*pending.popleft())
-            if not cancel.is_set():
-                with contextlib.suppress(queue.Full):  # a consumer that stopped reading is told by its own wait
-                    q.put(errors.Cancelled("client cancelled or deadline passed") if should_stop() else None,
-                          timeout=0.5)
+            finish(errors.Cancelled("client cancelled or deadline passed") if should_stop() else None)
         except BaseException as exc:  # surfaced to the consumer, which owns error reporting
-            if not cancel.is_set():
-                q.put(exc)
+            finish(exc)
+
+    def finish(outcome: BaseException | None) -> None:
+        # The end (or the error) is never dropped: it waits behind the slabs however slowly they are read, and
+        # is also kept aside, so a consumer that finds the producer gone still sees it. Only the consumer's
+        # own close (cancel) ends the wait.
+        final.append(outcome)
+        while not cancel.is_set():
+            try:
+                q.put(outcome, timeout=0.1)
+                return
+            except queue.Full:
+                pass
 
     worker = threading.Thread(target=produce, name="paraminit-fill", daemon=True)
     worker.start()
@@ -178,10 +186,14 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
                 item = q.get(timeout=0.5)
             except queue.Empty:
                 if not worker.is_alive() and q.empty():  # never wait on a producer that is gone
-                    if should_stop():
+                    if final:
+                        item = final[0]
+                    elif should_stop():
                         raise errors.Cancelled("client cancelled or deadline passed") from None
-                    raise RuntimeError("slab producer stopped without a result") from None
-                continue
+                    else:
+                        raise RuntimeError("slab producer stopped without a result") from None
+                else:
+                    continue
             if item is None:
                 return
             if isinstance(item, BaseException):

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
 import os
 import secrets
+import stat
 import threading
 
 import numpy as np
@@ -47,17 +49,51 @@ def instance_tag() -> str:
     with _instance_lock:
         if _instance is None or _instance[2] != os.getpid():
             d = lock_dir()
-            os.makedirs(d, mode=0o700, exist_ok=True)
             tag = secrets.token_hex(6)
             tmp = os.path.join(d, f"{tag}.lock.new")
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held until the process ends, however it ends
-            os.write(fd, f"{os.getpid()}\n".encode())
-            os.rename(tmp, os.path.join(d, f"{tag}.lock"))  # sweepers only ever see locked locks
+            try:
+                own_lock_dir(d)
+                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)  # held until the process ends, however it ends
+                    os.write(fd, f"{os.getpid()}\n".encode())
+                    os.rename(tmp, os.path.join(d, f"{tag}.lock"))  # sweepers only ever see locked locks
+                except BaseException:
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
+            except OSError as exc:  # a full or inode-less /dev/shm: no segments here, nothing else is affected
+                raise errors.ResourceExhausted(f"shared memory is unavailable: cannot take an instance lock in "
+                                               f"{d}: {exc.strerror or exc}") from None
             _instance = (tag, fd, os.getpid())
             atexit.register(release_instance)
             sweep()
         return _instance[0]
+
+
+class UnsafeLockDir(OSError):
+    """The lock directory exists but is not this user's private directory."""
+
+
+def own_lock_dir(path: str) -> None:
+    """Create the user's lock directory 0700, or check that the existing one is a real directory (not a link)
+    owned by this user and closed to everyone else: another user who made it first could swap a live server's
+    lock files, and a starting server would then sweep that server's segments.
+
+    Raises:
+        UnsafeLockDir: it exists with another owner, another type or group/other access.
+        OSError: it cannot be created.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeLockDir(errno.EEXIST, "exists and is not a directory (refusing to use it)", path)
+    if st.st_uid != os.geteuid():
+        raise UnsafeLockDir(errno.EPERM, f"is owned by uid {st.st_uid}, not this user (refusing to use it)", path)
+    if st.st_mode & 0o077:
+        raise UnsafeLockDir(errno.EPERM, f"has mode {stat.S_IMODE(st.st_mode):04o}, not 0700 (refusing to use it)", path)
 
 
 def release_instance() -> None:
@@ -81,6 +117,7 @@ def sweep() -> list[str]:
     own = _instance[0] if _instance is not None else None
     removed: list[str] = []
     try:
+        own_lock_dir(d)  # never sweep on the word of a directory someone else controls
         locks = [f for f in os.listdir(d) if f.endswith(".lock")]
     except OSError:
         return removed

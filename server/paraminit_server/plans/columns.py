@@ -119,7 +119,8 @@ def _numel(s: wire.Scan, rank: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.in
             continue
         rows = np.flatnonzero(rank == r)
         mat = s.dims[s.dims_at[rows][:, None] + np.arange(r)]
-        ok = mat.astype(np.float64).prod(axis=1) < _SMALL
+        # zero dimensions count as 1 here: an empty tensor's other dimensions must still be small to stay plain
+        ok = np.where(mat == 0, 1, mat).astype(np.float64).prod(axis=1) < _SMALL
         numel[rows] = np.where(ok, np.where(ok[:, None], mat, 0).astype(np.int64).prod(axis=1), 0)
         small[rows] = ok
     return numel, small

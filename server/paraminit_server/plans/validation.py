@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from paraminit import dtypes, inits
+from paraminit.shapes import MAX_ELEMENTS, numel_at_most
 from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, Violation, camel_path
 from paraminit_server.plane import errors
@@ -20,7 +21,9 @@ __all__ = ["INVALID", "LIMIT", "Limits", "Report", "Violation", "validate"]
 
 MAX_RANK = 32
 MAX_BYTES = (1 << 63) - 1
-MAX_ELEMENTS = (1 << 63) - 1  # flat indices are signed 64-bit in every kernel
+# names a safetensors header keeps for itself: a tensor so named would overwrite the file's metadata entry
+RESERVED_NAMES = frozenset({"__metadata__"})
+_EMPTY_SPAN = (1 << 60) - 1  # the other dimensions of an empty tensor: as an 8-byte tensor they fit 2^63 bytes
 MAX_NAME_BYTES = 1024  # a name is echoed in headers and errors: a 100 MB name would double into a 200 MB header
 ECHO = 64  # characters of a user string repeated in a message
 _SHORT_NAME = MAX_NAME_BYTES // 4  # characters that are within MAX_NAME_BYTES whatever their UTF-8 length
@@ -88,7 +91,7 @@ def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[st
     patches) checked in a few lookups: its bytes, or None when it needs the full checks (which report the same
     things as ever). A plan can hold 100,000s of parameters."""
     name = p.name
-    if not name or len(name) > _SHORT_NAME or name in first_seen or p.region or p.patches:
+    if not name or len(name) > _SHORT_NAME or name in first_seen or p.region or p.patches or name in RESERVED_NAMES:
         return None
     shape = p.shape
     which = p.init.WhichOneof("kind")
@@ -98,7 +101,7 @@ def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[st
     kind = inits.KINDS[which]
     n = spec.numel(shape)
     size = n * dt.itemsize
-    if kind.flat or n > MAX_ELEMENTS or size > MAX_BYTES or (limits.max_param_bytes is not None
+    if kind.flat or n == 0 or n > MAX_ELEMENTS or size > MAX_BYTES or (limits.max_param_bytes is not None
                                                              and size > limits.max_param_bytes):
         return None
     if kind.checks is not inits.no_checks and kind.checks(getattr(p.init, which), shape):
@@ -117,6 +120,8 @@ def _validate_columns(plan: plan_pb2.Plan, limits: Limits, sources: Any, cols: A
     if limits.max_param_bytes is not None:
         fast &= nbytes <= limits.max_param_bytes
     names = cols.names
+    for reserved in RESERVED_NAMES.intersection(names):
+        fast[[i for i, n in enumerate(names) if n == reserved]] = False
     if bool(fast.all()) and len(set(names)) == len(names):  # nothing to check one by one
         return nbytes.tolist()  # type: ignore[no-any-return]
     sizes: list[int] = nbytes.tolist()
@@ -142,23 +147,33 @@ def _check_param(i: int, p: plan_pb2.Param, limits: Limits, sources: Any, first_
         bad("name", "parameter name must not be empty")
     elif len(p.name.encode()) > MAX_NAME_BYTES:
         bad("name", f"parameter name is {len(p.name.encode())} bytes long; the limit is {MAX_NAME_BYTES}")
+    elif p.name in RESERVED_NAMES:
+        bad("name", f"parameter name {p.name!r} is reserved (a safetensors header keeps it for the file's metadata)")
     elif p.name in first_seen:
         bad("name", f"duplicate parameter name {_echo(p.name)} (first at params[{first_seen[p.name]}])")
     else:
         first_seen[p.name] = i
     shape = [int(d) for d in p.shape]
-    if len(shape) > MAX_RANK:
+    # sizes of an untrusted shape are bounded before anything multiplies them: the rank first, then a product
+    # that stops at 2^63 (a zero dimension anywhere makes it 0), so no big integer is built or printed
+    sane = len(shape) <= MAX_RANK
+    if not sane:
         bad("shape", f"rank {len(shape)} exceeds the maximum of {MAX_RANK}")
-    numel = spec.numel(shape)
+    numel = numel_at_most(shape, MAX_ELEMENTS)
     if numel > MAX_ELEMENTS:
-        bad("shape", f"the full tensor {spec.shape_str(shape)} has 2^63 elements or more; flat indices must fit "
+        sane = False
+        bad("shape", f"the full tensor {_shape_echo(shape)} has 2^63 elements or more; flat indices must fit "
                      "in 64 bits")
+    elif numel == 0 and numel_at_most([d for d in shape if d], _EMPTY_SPAN) > _EMPTY_SPAN:
+        sane = False  # empty, but no array library can hold the shape (nor its fans)
+        bad("shape", f"the dimensions of {_shape_echo(shape)} other than 0 multiply to 2^60 or more; an empty "
+                     "tensor's shape must still fit in 2^63 bytes as if it were not empty")
     dt = dtypes.by_enum(p.dtype)
     if dt is None:
         bad("dtype", f"unknown dtype enum value {p.dtype}")
-    region_numel = _check_region(shape, p, bad) if p.region else numel
-    _check_init(shape, p, bad, sources)
-    if p.patches:
+    region_numel = (_check_region(shape, p, bad) if p.region else numel) if sane else None
+    _check_init(shape, p, bad, sources if sane else None)
+    if p.patches and sane:
         _check_patches(shape, p, bad)
     size = 0
     if dt is not None and region_numel is not None:
@@ -222,6 +237,13 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
 def _shown_name(name: str) -> str:
     """The name violations carry: whole up to the length limit, cut beyond it (it is echoed to the caller)."""
     return name if len(name.encode()) <= MAX_NAME_BYTES else name[:ECHO] + f"... ({len(name)} characters)"
+
+
+def _shape_echo(shape: list[int]) -> str:
+    """A shape for a message: whole up to MAX_RANK dimensions, else its first ones and its rank."""
+    if len(shape) <= MAX_RANK:
+        return spec.shape_str(shape)
+    return spec.shape_str(shape[:8])[:-1] + f", ... ({len(shape)} dimensions)]"
 
 
 def _echo(text: str) -> str:

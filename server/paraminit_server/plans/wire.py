@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from google.protobuf import message_factory
 
 from paraminit.v1 import plan_pb2
 
@@ -132,13 +133,27 @@ def scan(plan: plan_pb2.Plan) -> Scan:
 
 def canonical(s: Scan) -> bytes | None:
     """The plan's canonical bytes (plan.proto), or None when some parameter is irregular (the message says)."""
-    if not s.plan_ok or not bool(s.regular.all()):
-        return None
+    if not s.plan_ok or not bool(s.regular.all()) or not bool(declared_fields(s).all()):
+        return None  # an unknown field is dropped by the canonical form: the message path drops it
     missing = int(np.count_nonzero(s.flags & NO_DTYPE))
     # each parameter's length prefix grows by at most one byte when two bytes are inserted
     out = np.empty(len(s.data) + 3 * missing, dtype=np.uint8)
     size = _kernels().canonical(np.frombuffer(s.data, dtype=np.uint8), s.flags, s.param_at, out)
     return out[:size].tobytes()
+
+
+def declared_fields(s: Scan) -> npt.NDArray[np.bool_]:
+    """Rows whose initializer message holds only fields its kind declares, each with its declared wire type: a
+    field protobuf would keep as unknown (another number, another wire type) makes the row's bytes not canonical."""
+    ok = np.ones(len(s), dtype=bool)
+    for number in np.unique(s.kind).tolist():
+        rows = np.flatnonzero(s.kind == number)
+        field = plan_pb2.Init.DESCRIPTOR.fields_by_number.get(number)
+        if field is None or field.message_type is None:
+            ok[rows] = False
+            continue
+        ok[rows] = s.wire_ok(message_factory.GetMessageClass(field.message_type))[rows]
+    return ok
 
 
 class _Compiled:

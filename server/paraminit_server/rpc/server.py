@@ -30,7 +30,7 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit_server import backends
 from paraminit_server.backends.jit_cache import prepare_jit_cache
 from paraminit_server.config import ServerConfig
-from paraminit_server.plane import shm
+from paraminit_server.plane import errors, shm
 from paraminit_server.plane.materializer import Materializer, max_request_bytes
 from paraminit_server.rpc.auth import AuthInterceptor, Endpoint, TokenAuth, server_credentials
 from paraminit_server.rpc.metrics import Metrics
@@ -89,7 +89,10 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     backend = backend or backends.create(config.backend, config.device, config.threads or None)
     tokens = TokenAuth.load(config.auth_tokens_file, config.auth_tokens)
     if backend.delivery == backends.SHM:
-        shm.instance_tag()  # take this instance's lock; segments of instances that died go now
+        try:
+            shm.instance_tag()  # take this instance's lock; segments of instances that died go now
+        except errors.ResourceExhausted as exc:  # streams still work; SHM exports are refused with this reason
+            log.warning("%s; SHM exports will be refused until it is", exc)
     plane = Materializer(config, backend)
     metrics = Metrics() if config.metrics_port else None
     servicer = InitServicer(plane, tokens, metrics)
