@@ -34,6 +34,26 @@ def fill_gbps(nbytes: int = 256 << 20) -> float:
     return a.nbytes / best_of(lambda: a.fill(1), 3) / 1e9
 
 
+def cpu_model() -> str:
+    """The host's CPU model (/proc/cpuinfo) and whether it has AVX-512: machines of one kind differ in both."""
+    model, flags = "unknown CPU", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value
+    except OSError:
+        pass
+    return f"{model}, {'AVX-512' if ' avx512f' in flags else 'AVX2' if ' avx2' in flags else 'no AVX2'}, {os.cpu_count()} cores"
+
+
+def host_line() -> str:
+    """One line that tells hosts apart, printed above every bench table: CPU model and ndarray.fill GB/s."""
+    return f"host: {cpu_model()}; ndarray.fill {fill_gbps():.2f} GB/s"
+
+
 def table(rows: list[tuple[str, float]], nbytes: int, ref_names: list[str]) -> None:
     """Print GB/s and the ratio of each row to each named reference row."""
     by_name = dict(rows)

@@ -82,6 +82,63 @@ def test_a_stock_client_streams_a_60000_parameter_plan(stock: Any) -> None:
     assert data[t.offset:t.offset + t.nbytes] == want[t.name].tobytes()
 
 
+def _packed_column_rules(packed: list[Any]) -> dict[str, bytes]:
+    """The packed columns joined as init_service.proto says: each column concatenated over the messages."""
+    names = ("name_lengths", "names", "dtypes", "ranks", "dims", "offsets", "nbytes")
+    assert all(f"bytes {c} =" in PROTO for c in names)
+    return {c: b"".join(getattr(p, c) for p in packed) for c in names}
+
+
+def test_a_stock_client_reads_a_100000_parameter_packed_table(stock: Any) -> None:
+    """MaterializeRequest.packed_table: the table stated once, as columns, reassembled here from the .proto text
+    alone (no project helper): little-endian integers, names by their lengths, shapes by their ranks, and the
+    checksum over the prefix, digest, data size and each column. Stock limits (4 MiB) throughout."""
+    n = 100_000
+    shapes = [[16, 16], [3], [2, 2, 2], []]
+    plan = plan_of(param(f"experts.{i}.w{'é' if i % 1000 == 7 else ''}", shapes[i % 4],
+                         {"normal": {"std": 0.02, "seed": i}}, "bfloat16" if i % 3 else "float32") for i in range(n))
+    messages = list(stock.Materialize(pb.MaterializeRequest(plan=plan, packed_table=True), timeout=600))
+    header = messages[0].header
+    count = header.header_parts
+    parts = [m.header_part for m in messages[1:1 + count]]
+    assert count >= 1 and all(m.WhichOneof("msg") == "header_part" for m in messages[1:1 + count])
+    assert all(m.ByteSize() <= 2 << 20 for m in messages[:1 + count])
+    assert not header.tensors and not any(p.tensors for p in parts)  # stated once
+    groups = [header.packed_tensors, *(p.packed_tensors for p in parts)]
+    cols = _packed_column_rules(groups)
+    assert sum(g.count for g in groups) == n
+    prefix = header.safetensors_prefix + b"".join(p.safetensors_prefix for p in parts)
+
+    def framed(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    covered = framed(prefix) + framed(header.plan_digest.encode()) + struct.pack("<Q", header.data_bytes)
+    covered += b"".join(framed(cols[c]) for c in ("name_lengths", "names", "dtypes", "ranks", "dims", "offsets",
+                                                      "nbytes"))
+    assert crc32c.crc32c(covered) == header.header_crc32c
+    lengths = struct.unpack(f"<{n}I", cols["name_lengths"])
+    ranks, enums = list(cols["ranks"]), list(cols["dtypes"])
+    offsets = struct.unpack(f"<{n}Q", cols["offsets"])
+    sizes = struct.unpack(f"<{n}Q", cols["nbytes"])
+    dims = struct.unpack(f"<{len(cols['dims']) // 8}Q", cols["dims"])
+    table, at, dim_at = {}, 0, 0
+    for i in range(n):
+        name = cols["names"][at:at + lengths[i]].decode()
+        at += lengths[i]
+        table[name] = (enums[i], tuple(dims[dim_at:dim_at + ranks[i]]), offsets[i], sizes[i])
+        dim_at += ranks[i]
+    data = b"".join(m.chunk.data for m in messages[1 + count:])
+    assert len(data) == header.data_bytes
+    with Client() as c:
+        want = c.materialize(plan)
+    assert list(table) == list(want)
+    for i in (0, 1, 2, 3, 7, 1007, n - 1):
+        name = plan.params[i].name
+        enum, shape, offset, size = table[name]
+        assert enum == plan.params[i].dtype or (enum == 1 and plan.params[i].dtype == 0)
+        assert shape == want[name].shape and data[offset:offset + size] == want[name].tobytes(), name
+
+
 def test_the_proto_states_the_header_size_rule() -> None:
     assert "header_parts" in PROTO and "2 MiB" in PROTO and "4 MiB" in PROTO and "message HeaderPart" in PROTO
 

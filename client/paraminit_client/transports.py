@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from paraminit import dtypes, overlap, times, wire
+from paraminit import dtypes, overlap, packed_table, times, wire
 from paraminit.header_checksum import header_crc32c
 from paraminit.hostmem import host_buffer, prefault
 from paraminit.v1 import init_service_pb2 as pb
@@ -118,10 +118,18 @@ def land(chunks: Iterator[Chunk], put: Callable[[Chunk], None], progress: Callab
             progress(n)
 
 
-def copy_into(header: pb.StreamHeader, chunks: Iterator[Chunk], outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
-    """Copy a stream into the caller's arrays, one chunk at a time (CRC32C checked by `land`)."""
-    spans = sorted(((t.offset, t.offset + t.nbytes, outputs[t.name].reshape(-1).view(np.uint8))
-                    for t in header.tensors if t.name in outputs), key=lambda s: s[0])
+def copy_into(table: Any, chunks: Iterator[Chunk], outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
+    """Copy a stream into the caller's arrays, one chunk at a time (CRC32C checked by `land`).
+
+    `table`: the stream's tensor table, TensorInfo messages or one with `columns()` (a packed table)."""
+    columns = getattr(table, "columns", None)
+    if columns is not None:
+        names, _dtypes, _shapes, offsets, sizes = columns()
+        rows: Iterable[tuple[str, int, int]] = zip(names, offsets, sizes, strict=True)
+    else:
+        rows = ((t.name, t.offset, t.nbytes) for t in table)
+    spans = sorted(((offset, offset + size, outputs[name].reshape(-1).view(np.uint8))
+                    for name, offset, size in rows if name in outputs), key=lambda s: s[0])
 
     def put(c: Chunk) -> None:
         lo, hi = c.offset, c.offset + len(c.data)
@@ -416,15 +424,27 @@ class GrpcTransport:
 
     def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader,
                                                                                       Iterator[Chunk]]:
+        header, _table, chunks = self._open_stream(plan, chunk_bytes, check_crc, packed=False)
+        return header, chunks
+
+    def _open_stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool,
+                     packed: bool = True) -> tuple[pb.StreamHeader, Any, Iterator[Chunk]]:
+        """The header, its tensor table (TensorInfo messages, or a packed_table.Table when `packed` was asked
+        for and the server packs) and the checked chunks. The header's checksum is verified here, before anyone
+        writes a byte."""
         self._gate.check()
         call = self._materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
-                                                       chunk_bytes=chunk_bytes), timeout=self.timeout)
+                                                       chunk_bytes=chunk_bytes, packed_table=packed),
+                                 timeout=self.timeout)
         with rpc_errors():
             first = first_response(call)
         if not isinstance(first, pb.MaterializeResponse) or first.WhichOneof("msg") != "header":
             call.cancel()
             raise ParaminitError(grpc.StatusCode.INTERNAL, "server did not start the stream with a header")
         header = first.header
+        is_packed = header.HasField("packed_tensors")
+        groups = [header.packed_tensors]
+        prefix = [header.safetensors_prefix]
         for k in range(header.header_parts):  # a large table and prefix come in parts (init_service.proto)
             with rpc_errors():
                 part = next(call, None)
@@ -432,13 +452,31 @@ class GrpcTransport:
                 call.cancel()
                 raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream header part {k + 1} of "
                                      f"{header.header_parts} is missing")
-            header.tensors.extend(part.header_part.tensors)
-            header.safetensors_prefix += part.header_part.safetensors_prefix
-        if header_crc32c(header) != header.header_crc32c:  # before anyone writes a byte of it
+            if is_packed:
+                groups.append(part.header_part.packed_tensors)
+            else:
+                header.tensors.extend(part.header_part.tensors)
+            prefix.append(part.header_part.safetensors_prefix)
+        header.safetensors_prefix = b"".join(prefix)
+        table: Any = header.tensors
+        if is_packed:
+            joined = packed_table.join(groups)
+            header.ClearField("packed_tensors")
+            ok = packed_table.checksum(header.safetensors_prefix, header.plan_digest, header.data_bytes,
+                                       joined) == header.header_crc32c
+        else:
+            ok = header_crc32c(header) == header.header_crc32c
+        if not ok:
             call.cancel()
             raise ParaminitError(grpc.StatusCode.DATA_LOSS, "stream header checksum mismatch: the prefix, tensor "
                                  "table or digest was corrupted in transit")
-        return header, _verified_chunks(call, header.data_bytes, check_crc)
+        if is_packed:
+            try:
+                table = packed_table.Table(joined)
+            except ValueError as exc:
+                call.cancel()
+                raise ParaminitError(grpc.StatusCode.DATA_LOSS, str(exc)) from None
+        return header, table, _verified_chunks(call, header.data_bytes, check_crc)
 
     def materialize(self, plan: plan_pb2.Plan, chunk_bytes: int, progress: Callable[[int], None] | None) -> Arrays:
         if self.workers or self.target.startswith("dns:"):
@@ -447,7 +485,7 @@ class GrpcTransport:
 
     def _materialize_one(self, plan: plan_pb2.Plan, chunk_bytes: int = 0,
                          progress: Callable[[int], None] | None = None) -> Arrays:
-        header, chunks = self.stream(plan, chunk_bytes, check_crc=False)
+        header, table, chunks = self._open_stream(plan, chunk_bytes, check_crc=False)
         # plain pages, faulted in by a helper thread ahead of the copies: huge pages are faster only where the
         # kernel has them free, and stall the stream where it must compact for them (host_buffer)
         buf = host_buffer(header.data_bytes, huge=False)
@@ -457,7 +495,7 @@ class GrpcTransport:
             buf[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
 
         land(chunks, put, progress)
-        return arrays_from_buffer(header.tensors, buf)
+        return arrays_from_buffer(table, buf)
 
     def _materialize_split(self, plan: plan_pb2.Plan) -> Arrays:
         report = self.validate(plan)
@@ -472,8 +510,8 @@ class GrpcTransport:
         return out
 
     def materialize_into(self, plan: plan_pb2.Plan, outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
-        header, chunks = self.stream(plan, 0, check_crc=False)
-        copy_into(header, chunks, outputs)
+        _header, table, chunks = self._open_stream(plan, 0, check_crc=False)
+        copy_into(table, chunks, outputs)
 
     def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float) -> pb.ExportInfo:
         kinds = {"shm": pb.DELIVERY_SHM, "cuda_ipc": pb.DELIVERY_CUDA_IPC}

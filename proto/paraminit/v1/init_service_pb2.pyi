@@ -76,6 +76,7 @@ class MaterializeRequest(_message.Message):
     DELIVERY_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     LEASE_TTL_FIELD_NUMBER: _builtins.int
+    PACKED_TABLE_FIELD_NUMBER: _builtins.int
     delivery: Global___Delivery.ValueType
     chunk_bytes: _builtins.int
     """Largest data chunk the client wants, in bytes. 0 = the server default
@@ -83,6 +84,14 @@ class MaterializeRequest(_message.Message):
     multiple of 8 bytes, at least 8, and capped at Limits.max_chunk_bytes
     (itself under 4 MiB with framing). So 1, 3 and 7 give 8-byte chunks and 12
     gives 8. Every chunk but the last of a stream has exactly that size.
+    """
+    packed_table: _builtins.bool
+    """STREAM only: state the tensor table once, as columns (PackedTensors in
+    StreamHeader.packed_tensors and HeaderPart.packed_tensors), instead of one
+    TensorInfo message per tensor; `tensors` are then empty. A plan of many
+    small parameters (a mixture of experts) reads its table in a few array
+    operations instead of one message per tensor. Servers that predate this
+    field ignore it and send TensorInfo messages: a client checks which it got.
     """
     @_builtins.property
     def plan(self) -> _plan_pb2.Plan: ...
@@ -99,14 +108,70 @@ class MaterializeRequest(_message.Message):
         delivery: Global___Delivery.ValueType = ...,
         chunk_bytes: _builtins.int = ...,
         lease_ttl: _duration_pb2.Duration | None = ...,
+        packed_table: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "delivery", b"delivery", "lease_ttl", b"lease_ttl", "plan", b"plan"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "delivery", b"delivery", "lease_ttl", b"lease_ttl", "packed_table", b"packed_table", "plan", b"plan"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MaterializeRequest: _TypeAlias = MaterializeRequest  # noqa: Y015
+
+@_typing.final
+class PackedTensors(_message.Message):
+    """A tensor table as columns: the fields of TensorInfo for `count` tensors, in
+    plan order, each column one byte string. Integers are little-endian and
+    unsigned. Tensor i's name is the UTF-8 bytes names[a_i, a_i + name_lengths[i])
+    where a_i is the sum of the lengths before it; its shape is the next ranks[i]
+    values of `dims` (the dims of all tensors, concatenated in order).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    NAME_LENGTHS_FIELD_NUMBER: _builtins.int
+    NAMES_FIELD_NUMBER: _builtins.int
+    DTYPES_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    DIMS_FIELD_NUMBER: _builtins.int
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    NBYTES_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    """tensors in this message"""
+    name_lengths: _builtins.bytes
+    """count x uint32: byte length of each name"""
+    names: _builtins.bytes
+    """every name's UTF-8 bytes, concatenated"""
+    dtypes: _builtins.bytes
+    """count x uint8: DType enum value of each tensor"""
+    ranks: _builtins.bytes
+    """count x uint8: rank of each materialized shape"""
+    dims: _builtins.bytes
+    """(sum of ranks) x uint64: every shape, concatenated"""
+    offsets: _builtins.bytes
+    """count x uint64: as TensorInfo.offset"""
+    nbytes: _builtins.bytes
+    """count x uint64: as TensorInfo.nbytes"""
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+        name_lengths: _builtins.bytes = ...,
+        names: _builtins.bytes = ...,
+        dtypes: _builtins.bytes = ...,
+        ranks: _builtins.bytes = ...,
+        dims: _builtins.bytes = ...,
+        offsets: _builtins.bytes = ...,
+        nbytes: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "dims", b"dims", "dtypes", b"dtypes", "name_lengths", b"name_lengths", "names", b"names", "nbytes", b"nbytes", "offsets", b"offsets", "ranks", b"ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PackedTensors: _TypeAlias = PackedTensors  # noqa: Y015
 
 @_typing.final
 class TensorInfo(_message.Message):
@@ -171,6 +236,7 @@ class StreamHeader(_message.Message):
     DATA_BYTES_FIELD_NUMBER: _builtins.int
     HEADER_CRC32C_FIELD_NUMBER: _builtins.int
     HEADER_PARTS_FIELD_NUMBER: _builtins.int
+    PACKED_TENSORS_FIELD_NUMBER: _builtins.int
     plan_digest: _builtins.str
     """Hex SHA-256 of the plan's canonical form (see Plan in plan.proto): the same
     plan gives the same digest from any client.
@@ -190,6 +256,10 @@ class StreamHeader(_message.Message):
     digest and, after each name, dtype, rank, every shape dim, offset and
     nbytes, each as an 8-byte little-endian integer (paraminit/header_checksum.py).
     It covers the whole table and prefix, after the HeaderParts are joined.
+    With a packed table (MaterializeRequest.packed_table) the tensors part is
+    instead each column of the joined PackedTensors in field order
+    (name_lengths, names, dtypes, ranks, dims, offsets, nbytes), each byte
+    string as its 8-byte little-endian length then its bytes.
     """
     header_parts: _builtins.int
     """HeaderPart messages that follow this one before the first DataChunk; 0
@@ -198,6 +268,14 @@ class StreamHeader(_message.Message):
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]:
         """the first tensors of the table"""
+
+    @_builtins.property
+    def packed_tensors(self) -> Global___PackedTensors:
+        """The first tensors of a packed table (MaterializeRequest.packed_table),
+        present (count 0 for an empty plan) exactly when the table is packed. The
+        whole table is these tensors then those of each HeaderPart, in order: each
+        column the concatenation of that column over the messages.
+        """
 
     def __init__(
         self,
@@ -208,10 +286,11 @@ class StreamHeader(_message.Message):
         data_bytes: _builtins.int = ...,
         header_crc32c: _builtins.int = ...,
         header_parts: _builtins.int = ...,
+        packed_tensors: Global___PackedTensors | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["packed_tensors", b"packed_tensors"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_bytes", b"data_bytes", "header_crc32c", b"header_crc32c", "header_parts", b"header_parts", "plan_digest", b"plan_digest", "safetensors_prefix", b"safetensors_prefix", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_bytes", b"data_bytes", "header_crc32c", b"header_crc32c", "header_parts", b"header_parts", "packed_tensors", b"packed_tensors", "plan_digest", b"plan_digest", "safetensors_prefix", b"safetensors_prefix", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -227,18 +306,24 @@ class HeaderPart(_message.Message):
 
     TENSORS_FIELD_NUMBER: _builtins.int
     SAFETENSORS_PREFIX_FIELD_NUMBER: _builtins.int
+    PACKED_TENSORS_FIELD_NUMBER: _builtins.int
     safetensors_prefix: _builtins.bytes
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorInfo]: ...
+    @_builtins.property
+    def packed_tensors(self) -> Global___PackedTensors:
+        """the next tensors of a packed table"""
+
     def __init__(
         self,
         *,
         tensors: _abc.Iterable[Global___TensorInfo] | None = ...,
         safetensors_prefix: _builtins.bytes = ...,
+        packed_tensors: Global___PackedTensors | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["packed_tensors", b"packed_tensors"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["safetensors_prefix", b"safetensors_prefix", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["packed_tensors", b"packed_tensors", "safetensors_prefix", b"safetensors_prefix", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf import message_factory
 
+from paraminit import packed_table
 from paraminit.v1 import plan_pb2
 
 # Per-parameter flags
@@ -67,24 +68,7 @@ class Scan:
 
     def shapes(self) -> list[tuple[int, ...]]:
         """Every regular parameter's shape (() for irregular ones), one tuple per distinct shape."""
-        n = len(self)
-        out: list[tuple[int, ...]] = [()] * n
-        rank = np.diff(self.dims_at)
-        for r in np.unique(rank).tolist():
-            if r == 0:
-                continue
-            rows = np.flatnonzero(rank == r)
-            mat = np.ascontiguousarray(self.dims[self.dims_at[rows][:, None] + np.arange(r)])
-            # rows as opaque 8r-byte items: numpy's unique on a 1-D array, much faster than over axis 0
-            uniq, inverse = np.unique(mat.view(np.dtype((np.void, 8 * r))).reshape(-1), return_inverse=True)
-            shapes = [tuple(row) for row in uniq.view(np.uint64).reshape(-1, r).tolist()]
-            picked = [shapes[j] for j in inverse.reshape(-1).tolist()]
-            if rows.shape[0] == n:
-                out = picked
-            else:
-                for i, s in zip(rows.tolist(), picked, strict=True):
-                    out[i] = s
-        return out
+        return packed_table.shapes_of(self.dims[:int(self.dims_at[-1])], np.diff(self.dims_at))
 
     def field(self, message: Any, name: str) -> npt.NDArray[Any]:
         """A numeric field of every row's initializer message, as protobuf reads it (0 when absent): float64 for

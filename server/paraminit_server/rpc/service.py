@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 
-from paraminit import dtypes, inits, peers, times, wire
+from paraminit import dtypes, packed_table, peers, times, wire
 from paraminit.header_checksum import checksum
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
@@ -22,7 +23,7 @@ from paraminit_server.backends import CUDA_IPC, SHM, ExportHandle
 from paraminit_server.plane import errors
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export
-from paraminit_server.plane.layout import TensorSpan
+from paraminit_server.plane.layout import SpanTable, TensorSpan
 from paraminit_server.plane.leases import LeaseRecord
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
 from paraminit_server.rpc.auth import Endpoint, TokenAuth, identity
@@ -49,7 +50,7 @@ class Handlers:
         chunk = self.plane.chunk_size(request.chunk_bytes)
         for item in self.plane.stream(request.plan, caller, request.chunk_bytes, lend=True):
             if isinstance(item, StreamStart):
-                yield from header_messages(_header(item))
+                yield from header_messages(*_header(item, request.packed_table))
                 continue
             start, slab = item
             for off in range(0, int(slab.shape[0]), chunk):
@@ -183,24 +184,24 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     def _record(self, request: pb.MaterializeRequest, delivery: int, header: pb.StreamHeader | None,
                 parts: list[pb.HeaderPart], outcome: str, seconds: float) -> None:
-        tensors = [t for tensors in [header.tensors if header is not None else [], *(p.tensors for p in parts)]
-                   for t in tensors]
+        enums, sizes = _table_columns(header, parts)
         digest = header.plan_digest if header is not None else ""
-        nbytes = sum(t.nbytes for t in tensors)
+        nbytes = int(sizes.sum())
         name = pb.Delivery.Name(delivery) if delivery in DELIVERY_NAMES else str(delivery)  # type: ignore[arg-type]
         if self.metrics is not None:
             self.metrics.latency.labels(name).observe(seconds)
-            if outcome == "ok":
-                by_label: dict[tuple[int, str], int] = {}  # summed first: one counter update per label
-                for t, p in zip(tensors, request.plan.params, strict=False):
-                    kind = inits.kind_of(p.init)
-                    label = (t.dtype, kind.field if kind else "")
-                    by_label[label] = by_label.get(label, 0) + t.nbytes
-                for (enum, field), n in by_label.items():
-                    dt = dtypes.by_enum(enum)
-                    self.metrics.bytes.labels(self.plane.backend.name, dt.name if dt else "?", field).inc(n)
+            if outcome == "ok" and enums.size:
+                # bytes summed per (dtype, initializer) with array operations: one counter update per label
+                fields = [p.init.WhichOneof("kind") or "" for p in request.plan.params][:enums.size]
+                names, inverse = np.unique(np.asarray(fields, dtype=object).astype(str), return_inverse=True)
+                labels = enums[:len(fields)].astype(np.int64) * len(names) + inverse.reshape(-1)
+                totals = np.bincount(labels, weights=sizes[:len(fields)].astype(np.float64))
+                for label in np.flatnonzero(totals).tolist():
+                    dt = dtypes.by_enum(label // len(names))
+                    self.metrics.bytes.labels(self.plane.backend.name, dt.name if dt else "?",
+                                              str(names[label % len(names)])).inc(int(totals[label]))
         log.info("materialize digest=%s params=%d bytes=%d delivery=%s seconds=%.3f outcome=%s",
-                 digest[:16], len(tensors), nbytes, name, seconds, outcome,
+                 digest[:16], enums.size, nbytes, name, seconds, outcome,
                  extra={"method": "Materialize", "plan_digest": digest, "bytes": nbytes,
                         "seconds": round(seconds, 6), "outcome": outcome})
 
@@ -233,44 +234,74 @@ class InitServicer(pb_grpc.InitServiceServicer):
         return self.handlers.apply(request, self.caller(context))
 
 
-def _header(start: StreamStart) -> pb.StreamHeader:
+def _header(start: StreamStart, packed: bool = False) -> tuple[pb.StreamHeader, list[packed_table.Packed] | None]:
+    """The stream's header and, for a packed table, its columns cut into groups (one per header message)."""
     lay = start.layout
     spans = lay.spans()
+    if packed:
+        columns = spans.columns() if isinstance(spans, SpanTable) else tuple(map(list, zip(*spans, strict=True)))
+        table = packed_table.pack(*(columns or ([], [], [], [], [])))
+        crc = packed_table.checksum(lay.prefix, start.digest, lay.data_bytes, table)
+        header = pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes,
+                                 header_crc32c=crc)
+        return header, packed_table.split(table, HEADER_PART_BYTES // 2)  # with a prefix slice: under 2 MiB
     # clients check the checksum before writing anything; it is computed from the plain table, not the messages
     crc = checksum(lay.prefix, start.digest, lay.data_bytes, spans)
     return pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes,
-                           tensors=tensor_infos(spans), header_crc32c=crc)
+                           tensors=tensor_infos(spans), header_crc32c=crc), None
 
 
 HEADER_PART_BYTES = 1 << 20  # tensor table and prefix bytes per message: each message stays under 2 MiB
 
 
-def header_messages(header: pb.StreamHeader, part_bytes: int = HEADER_PART_BYTES) -> list[pb.MaterializeResponse]:
+def header_messages(header: pb.StreamHeader, packed: list[packed_table.Packed] | None = None,
+                    part_bytes: int = HEADER_PART_BYTES) -> list[pb.MaterializeResponse]:
     """`header` as the stream's first messages: a StreamHeader, then `header_parts` HeaderParts, so that no
     message comes near a client's default 4 MiB receive limit however many tensors the plan has. Message k
-    holds the k-th group of tensors (at most `part_bytes` of them serialized) and the k-th `part_bytes` slice of
-    the prefix; the checksum is that of the whole header (init_service.proto, StreamHeader)."""
-    groups: list[list[pb.TensorInfo]] = [[]]
-    size = 0
-    for t in header.tensors:
-        n = t.ByteSize() + 5  # tag and length
-        if size + n > part_bytes and groups[-1]:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += n
+    holds the k-th group of tensors (at most `part_bytes` of them serialized; `packed`: the groups of a packed
+    table) and the k-th `part_bytes` slice of the prefix; the checksum is that of the whole header
+    (init_service.proto, StreamHeader)."""
+    groups: list[Any] = [[]]
+    if packed is not None:
+        groups = list(packed)
+    else:
+        size = 0
+        for t in header.tensors:
+            n = t.ByteSize() + 5  # tag and length
+            if size + n > part_bytes and groups[-1]:
+                groups.append([])
+                size = 0
+            groups[-1].append(t)
+            size += n
     prefix = header.safetensors_prefix
     slices = [prefix[i:i + part_bytes] for i in range(0, len(prefix), part_bytes)] or [b""]
     count = max(len(groups), len(slices))
-    groups += [[]] * (count - len(groups))
+    empty: Any = packed_table.Packed(0, b"", b"", b"", b"", b"", b"", b"") if packed is not None else []
+    groups += [empty] * (count - len(groups))
     slices += [b""] * (count - len(slices))
-    if count == 1:
+
+    def table(g: Any) -> dict[str, Any]:
+        return {"packed_tensors": pb.PackedTensors(**g.fields())} if packed is not None else {"tensors": g}
+
+    if count == 1 and packed is None:
         return [pb.MaterializeResponse(header=header)]
-    first = pb.StreamHeader(plan_digest=header.plan_digest, tensors=groups[0], safetensors_prefix=slices[0],
-                            data_bytes=header.data_bytes, header_crc32c=header.header_crc32c, header_parts=count - 1)
+    first = pb.StreamHeader(plan_digest=header.plan_digest, safetensors_prefix=slices[0], data_bytes=header.data_bytes,
+                            header_crc32c=header.header_crc32c, header_parts=count - 1, **table(groups[0]))
     return [pb.MaterializeResponse(header=first)] + [
-        pb.MaterializeResponse(header_part=pb.HeaderPart(tensors=g, safetensors_prefix=b))
+        pb.MaterializeResponse(header_part=pb.HeaderPart(safetensors_prefix=b, **table(g)))
         for g, b in zip(groups[1:], slices[1:], strict=True)]
+
+
+def _table_columns(header: pb.StreamHeader | None, parts: list[pb.HeaderPart]) -> tuple[Any, Any]:
+    """(dtype enums, byte counts) of every tensor of a sent header, packed or not, as arrays."""
+    if header is None:
+        return np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.uint64)
+    if header.HasField("packed_tensors"):
+        table = packed_table.join([header.packed_tensors, *(p.packed_tensors for p in parts)])
+        return np.frombuffer(table.dtypes, dtype=np.uint8), np.frombuffer(table.nbytes, dtype="<u8")
+    infos = [*header.tensors, *(t for p in parts for t in p.tensors)]
+    return (np.fromiter((t.dtype for t in infos), dtype=np.int64, count=len(infos)),
+            np.fromiter((t.nbytes for t in infos), dtype=np.uint64, count=len(infos)))
 
 
 def tensor_infos(spans: Iterable[TensorSpan]) -> list[pb.TensorInfo]:

@@ -1,0 +1,95 @@
+"""The packed tensor table (init_service.proto, PackedTensors): columns that round-trip whatever the names, ranks
+and split, a checksum that catches a flipped byte, and the client's arrays equal to the message form's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from paraminit import packed_table
+from paraminit.v1 import init_service_pb2 as pb
+from paraminit_client import Client, ParaminitError, param, plan_of
+from paraminit_server.rpc import service
+from support import server_fixture
+
+server = server_fixture()
+
+
+def _rows(n: int) -> tuple[list[str], list[int], list[tuple[int, ...]], list[int], list[int]]:
+    rng = np.random.default_rng(5)
+    names = [f"layer.{i}" + ("ü✓" if i % 7 == 0 else "") + "x" * int(rng.integers(0, 40)) for i in range(n)]
+    shapes = [tuple(int(d) for d in rng.integers(0, 9, int(rng.integers(0, 6)))) for _ in range(n)]
+    enums = [int(e) for e in rng.integers(1, 5, n)]
+    offsets = [int(o) for o in rng.integers(0, 1 << 40, n)]
+    sizes = [int(o) for o in rng.integers(0, 1 << 40, n)]
+    return names, enums, shapes, offsets, sizes
+
+
+@pytest.mark.parametrize("n", [0, 1, 5000])
+@pytest.mark.parametrize("budget", [64, 4096, 1 << 20])
+def test_columns_round_trip_at_any_split(n: int, budget: int) -> None:
+    rows = _rows(n)
+    packed = packed_table.pack(*rows)
+    groups = packed_table.split(packed, budget)
+    assert sum(g.count for g in groups) == n and all(g.count for g in groups if n)
+    if n > 1 and budget == 64:
+        assert len(groups) > 1
+    for g in groups:  # each group is within the budget, unless one tensor alone is larger
+        size = sum(len(getattr(g, c)) for c in packed_table.COLUMNS)
+        assert size <= budget or g.count == 1
+    joined = packed_table.join([pb.PackedTensors(**g.fields()) for g in groups])
+    assert joined == packed
+    assert packed_table.Table(joined).columns() == rows
+
+
+def test_columns_that_disagree_are_refused() -> None:
+    packed = packed_table.pack(*_rows(10))
+    short = packed_table.Packed(**{**packed.fields(), "offsets": packed.offsets[:-8]})
+    with pytest.raises(ValueError, match="do not agree"):
+        packed_table.Table(short)
+
+
+def test_the_checksum_covers_every_column() -> None:
+    packed = packed_table.pack(*_rows(50))
+    base = packed_table.checksum(b"prefix", "digest", 123, packed)
+    for c in packed_table.COLUMNS:
+        col = bytearray(getattr(packed, c))
+        col[len(col) // 2] ^= 1
+        flipped = packed_table.Packed(**{**packed.fields(), c: bytes(col)})
+        assert packed_table.checksum(b"prefix", "digest", 123, flipped) != base, c
+    assert packed_table.checksum(b"prefix", "digest", 124, packed) != base
+
+
+def test_a_client_gets_the_same_arrays_packed_or_not(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = plan_of([param(f"e{i}.w", [4, 4] if i % 2 else [3], {"normal": {"std": 1.0, "seed": i}},
+                          "float16" if i % 3 == 0 else "float32") for i in range(3000)]
+                   + [param("big", [64, 64], {"uniform": {"lo": -1, "hi": 1}}, "float64")])
+    packed = client.materialize(plan)
+    assert list(packed) == [p.name for p in plan.params]
+    with Client() as local:
+        want = local.materialize(plan)
+    assert all(packed[k].dtype == want[k].dtype and packed[k].tobytes() == want[k].tobytes() for k in want)
+    outs = {k: np.full_like(v, 7) for k, v in want.items()}
+    client.materialize_into(plan, outs)
+    assert all(outs[k].tobytes() == want[k].tobytes() for k in want)
+    header, _chunks = client.stream(plan)  # the public stream keeps the TensorInfo table
+    assert len(header.tensors) == len(plan.params) and not header.HasField("packed_tensors")
+
+
+def test_a_corrupted_packed_header_is_data_loss(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = service._header
+
+    def corrupt(start: Any, packed: bool = False) -> Any:
+        header, groups = real(start, packed)
+        if groups:
+            g = groups[0]
+            groups[0] = packed_table.Packed(**{**g.fields(), "dtypes": bytes([3]) + g.dtypes[1:]})
+        return header, groups
+
+    monkeypatch.setattr(service, "_header", corrupt)
+    with pytest.raises(ParaminitError) as err:
+        client.materialize(plan_of([param("w", [8], {"ones": {}})]))
+    assert err.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.message
