@@ -977,3 +977,31 @@ def test_interrupted_materialize_leaves_no_partial_file(tmp_path: Path, sig: sig
     assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig)
     assert f"interrupted by {sig.name}" in err and "was not written" in err, err
     assert list(out.parent.iterdir()) == []
+
+
+def test_a_fifo_without_a_writer_never_hangs_a_reader(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`validate`, `inspect` and `plan from-safetensors` on a FIFO nobody writes: an answer at once (a plan
+    reads as empty; a safetensors file must be a regular file), not a wait forever for a writer."""
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    done: list[tuple[int, str, str]] = []
+    for argv in (["validate", str(fifo)], ["inspect", str(fifo)], ["plan", "from-safetensors", str(fifo)]):
+        t = threading.Thread(target=lambda a=argv: done.append(run_cli(capsys, *a)), daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), f"{argv} hangs on a FIFO with no writer"
+    assert [code for code, _, _ in done] == [2, 1, 1], done  # invalid plan (empty), error, error
+    assert "not a regular file" in done[1][2] and "not a regular file" in done[2][2], done
+
+
+def test_inspect_of_a_file_truncated_while_read_is_an_error_not_sigbus(tmp_path: Path) -> None:
+    from paraminit_client import inspect
+
+    path = tmp_path / "w.safetensors"
+    save_file({"w": np.ones(3 * inspect.CHUNK_ELEMENTS, dtype=np.float32)}, str(path))
+    _meta, entries = inspect.read_header(path)
+    chunks = inspect._values(path, entries[0])
+    next(chunks)  # the first chunk is read, then the file shrinks under the reader
+    os.truncate(path, 4096)
+    with pytest.raises(inspect.SafetensorsError, match="ends inside the tensor's data"):
+        list(chunks)

@@ -58,9 +58,15 @@ def _values(path: str | os.PathLike[str], e: Entry) -> Iterator[np.ndarray[Any, 
     count = e.nbytes // dt.itemsize
     if count == 0:
         return
-    data = np.memmap(path, dtype=dt.numpy, mode="r", offset=e.start, shape=(count,))
-    for i in range(0, count, CHUNK_ELEMENTS):
-        yield np.asarray(data[i:i + CHUNK_ELEMENTS], dtype=np.float64)
+    # read with pread, not mapped: a file truncated while it is read is an error here, not SIGBUS in a mapping
+    with open(path, "rb") as f:
+        for i in range(0, count, CHUNK_ELEMENTS):
+            n = min(CHUNK_ELEMENTS, count - i) * dt.itemsize
+            buf = bytearray(n)
+            if os.preadv(f.fileno(), [buf], e.start + i * dt.itemsize) != n:
+                raise SafetensorsError("the file ends inside the tensor's data (it changed while it was read)",
+                                       e.name).in_file(os.fspath(path))
+            yield np.frombuffer(buf, dtype=dt.numpy).astype(np.float64)
 
 
 @dataclass(frozen=True)

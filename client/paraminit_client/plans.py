@@ -7,9 +7,12 @@ structure works too); parsing goes through protobuf's json_format only.
 from __future__ import annotations
 
 import difflib
+import errno
 import json
 import os
 import re
+import stat
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +45,7 @@ def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
     """
     p = Path(path)
     try:
-        text = p.read_text()
+        text = read_input(p).decode()
     except OSError as exc:
         raise FileAccessError(exc) from None
     except UnicodeDecodeError as exc:
@@ -66,6 +69,29 @@ def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
     except PlanFileError as exc:
         lines = _key_lines(text)
         raise PlanFileError(str(p), [q.at_line(lines.get(q.anchor)) for q in exc.problems]) from None
+
+
+def read_input(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of an input file; `-` is standard input. A FIFO or other special file is opened without waiting
+    for a writer: with none, it reads as empty instead of hanging (a pipe with a writer, such as a shell's
+    process substitution, reads as usual).
+
+    Raises:
+        OSError: it cannot be opened or read (IsADirectoryError for a directory).
+    """
+    if str(path) == "-":
+        return sys.stdin.buffer.read()
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        os.set_blocking(fd, True)
+        parts = []
+        while part := os.read(fd, 1 << 20):
+            parts.append(part)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

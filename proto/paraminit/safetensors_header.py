@@ -17,9 +17,11 @@ server may read files its callers cannot.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -272,8 +274,15 @@ def read_file(path: str | os.PathLike[str]) -> SafetensorsHeader:
 
 
 def _read_file(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    # opened without waiting for a writer (a FIFO), and only a regular file is read: a file format has a size
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise HeaderError("not a regular file (a safetensors file is read by offset)")
+        size = st.st_size
 
         def read_at(offset: int, n: int) -> bytes:
             parts, got = [], 0
