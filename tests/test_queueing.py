@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -34,7 +35,7 @@ def _queue_in_order(q: SlotQueue, arrivals: list[tuple[str, str]], granted: list
         def take(ident: str = ident, name: str = name) -> None:
             q.acquire(ident, LONG)
             granted.append(name)
-            q.release()
+            q.release(ident)
 
         t = threading.Thread(target=take, daemon=True)
         t.start()
@@ -53,7 +54,7 @@ def test_slots_go_round_robin_across_identities_and_in_arrival_order_within_one(
     expected = ["a1", "b1", "c1", "a2", "b2", "a3"]
     assert q.waiting() == [n[0] for n in expected]
     assert granted == []  # nobody overtook the holder
-    q.release()
+    q.release("holder")
     for t in threads:
         t.join(LONG)
     assert granted == expected
@@ -71,12 +72,12 @@ def test_a_freed_slot_goes_to_the_waiter_not_to_a_newcomer() -> None:
         q.acquire("a", LONG)
         granted.append("waiter")
         done.wait(LONG)
-        q.release()
+        q.release("a")
 
     t = threading.Thread(target=waiter, daemon=True)
     t.start()
     assert wait_until(lambda: q.queued == 1)
-    q.release()  # handed to the waiter inside release(), whether or not its thread has woken yet
+    q.release("h")  # handed to the waiter inside release(), whether or not its thread has woken yet
     with pytest.raises(errors.ResourceExhausted) as exc:
         q.acquire("newcomer", 0)
     assert exc.value.reason == "busy" and exc.value.retry_after is not None and exc.value.retry_after > 0
@@ -94,7 +95,7 @@ def test_queue_is_bounded_and_refusals_say_when_to_retry() -> None:
     with pytest.raises(errors.ResourceExhausted) as full:
         q.acquire("b", LONG)
     assert full.value.reason == "queue_full" and full.value.retry_after is not None and full.value.retry_after > 0
-    q.release()
+    q.release("h")
     threads[0].join(LONG)
     assert granted == ["queued"]
 
@@ -108,8 +109,53 @@ def test_a_wait_that_runs_out_or_a_caller_that_leaves_gives_up_its_place() -> No
     with pytest.raises(errors.Cancelled):
         q.acquire("a", LONG, stop=lambda: True)
     assert q.queued == 0 and q.waiting() == []
-    q.release()
+    q.release("h")
     assert q.acquire("a", 0) == 0.0
+
+
+def test_one_identity_never_holds_every_slot_nor_every_place_in_line() -> None:
+    """Per-identity shares: with 4 slots one identity runs at most 3 at once (its other calls wait, or are refused
+    without a deadline), so another identity is served at once; and it takes at most half the places in line."""
+    q = SlotQueue(4, max_queued=4)
+    assert (q.per_identity, q.queued_per_identity) == (3, 2)
+    for _ in range(3):
+        assert q.acquire("greedy", 0) == 0.0
+    with pytest.raises(errors.ResourceExhausted) as capped:
+        q.acquire("greedy", 0)
+    assert capped.value.reason == "identity_share"
+    granted: list[str] = []
+    threads = _queue_in_order(q, [("greedy", "g4"), ("greedy", "g5")], granted)
+    with pytest.raises(errors.ResourceExhausted) as line:
+        q.acquire("greedy", LONG)
+    assert line.value.reason == "identity_share" and "places in line" in str(line.value)
+    assert q.acquire("other", 0) == 0.0  # the slot the greedy identity may not take is there for others
+    assert granted == []
+    q.release("other")  # a free slot, but the greedy one is at its share: nobody of it is served
+    assert q.waiting() == ["greedy", "greedy"] and granted == []
+    q.release("greedy")  # now below its share: its oldest waiter gets the slot, and hands it on to the next
+    for t in threads:
+        t.join(LONG)
+    assert granted == ["g4", "g5"]
+    q.release("greedy")
+    q.release("greedy")
+    assert [q.acquire(name, 0) for name in ("a", "b", "c", "d")] == [0.0] * 4
+
+
+def test_one_identitys_leases_leave_bytes_for_the_others() -> None:
+    from paraminit_server.plane.leases import LeaseTable
+
+    table = LeaseTable(1000, 64, 60.0, 60.0, max_bytes_per_owner=500)
+    try:
+        first = table.reserve("greedy", 400)
+        with pytest.raises(errors.ResourceExhausted, match="share of 500 leasable bytes") as share:
+            table.reserve("greedy", 200)
+        assert share.value.reason == "identity_share"
+        other = table.reserve("other", 500)  # what the greedy identity could not take
+        first.release()
+        assert table.reserve("greedy", 500).nbytes == 500
+        other.release()
+    finally:
+        table.close()
 
 
 # -- through the server -------------------------------------------------------------------------------------------
@@ -359,3 +405,51 @@ def test_caller_wait_is_zero_without_deadline() -> None:
         assert r.servicer.caller(Ctx(9.2e18)).wait == 0.0  # type: ignore[arg-type]
         assert r.servicer.caller(Ctx(None)).wait == 0.0  # type: ignore[arg-type]
         assert r.servicer.caller(Ctx(4.0)).wait == 2.0  # type: ignore[arg-type]
+
+
+def test_a_stalled_reader_or_uploader_gives_its_slot_back_within_the_stall_limit() -> None:
+    """A stream whose client stops reading, and an upload whose client stops sending, are cancelled after
+    --max-stall seconds: the one slot goes back and the next caller is served (before, it was held until the
+    deadline, or forever without one)."""
+    import grpc as grpc_mod
+
+    from paraminit import wire
+    from paraminit.v1 import init_service_pb2 as pb
+    from paraminit.v1 import init_service_pb2_grpc as pb_grpc
+
+    with running_server(max_concurrent=1, max_queued=4, max_stall=1.0, slab_bytes=1 << 20) as r:
+        channel = grpc_mod.insecure_channel(target_of(r))
+        stub = pb_grpc.InitServiceStub(channel)
+        try:
+            big = _plan(1, 64 * MiB // 4)
+            call = stub.Materialize(pb.MaterializeRequest(plan=big), timeout=120)
+            assert next(call).WhichOneof("msg") == "header"  # then the client reads nothing more
+            started = time.monotonic()
+            with Client(target_of(r), timeout=60) as other:  # waits in line for the one slot
+                got = other.materialize(_plan(2, 1024))
+            assert got["w"].size == 1024 and time.monotonic() - started < 30
+            with pytest.raises(grpc_mod.RpcError) as stalled:
+                for _ in call:
+                    pass
+            assert stalled.value.code() == grpc_mod.StatusCode.CANCELLED
+
+            go_on = threading.Event()
+
+            def chunks() -> Any:
+                yield wire.encode_payload_chunk(memoryview(bytes(4096)), 1, 4096)  # float32
+                go_on.wait(60)  # the client stops sending
+
+            upload = channel.stream_unary("/paraminit.v1.InitService/UploadPayload", request_serializer=bytes,
+                                          response_deserializer=pb.PayloadRef.FromString)
+            future = upload.future(chunks(), timeout=120)
+            time.sleep(0.5)
+            started = time.monotonic()
+            with Client(target_of(r), timeout=60) as other:
+                assert other.materialize(_plan(3, 1024))["w"].size == 1024
+            assert time.monotonic() - started < 30
+            with pytest.raises(grpc_mod.RpcError) as idle:
+                future.result(60)
+            assert idle.value.code() == grpc_mod.StatusCode.CANCELLED
+            go_on.set()
+        finally:
+            channel.close()

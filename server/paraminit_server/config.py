@@ -34,6 +34,9 @@ class ServerConfig:
     max_lease_ttl: float = 3600.0
     max_leased_bytes: int = 64 * GiB
     max_leases_per_client: int = 64
+    max_leased_bytes_per_client: int = 0  # 0 = half of the smaller of --max-leased-bytes and the memory budget
+    max_concurrent_per_client: int = 0  # 0 = --max-concurrent less a quarter (at least 1)
+    max_queued_per_client: int = 0  # 0 = half of --max-queued (at least 1)
     shm_pool_bytes: int = 0  # keep released SHM segments (renamed) for the same identity's next export; 0 = off
     metrics_port: int = 0  # Prometheus HTTP port; 0 = off, -1 = any free port
     drain_seconds: float = 25.0
@@ -45,6 +48,7 @@ class ServerConfig:
     max_queued: int = 32  # calls that may wait for a concurrency slot; beyond it RESOURCE_EXHAUSTED
     max_queue_wait: float = 60.0  # longest wait in line for a slot (and at most half the call's deadline)
     queue_wait_no_deadline: float = 0.0  # wait in line for calls without a deadline; 0 = refuse when busy
+    max_stall: float = 20.0  # a stream whose client stops reading, or an upload whose client stops sending, ends
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""  # set: clients must present a certificate signed by it (mutual TLS)
@@ -80,7 +84,7 @@ CHOICES: dict[str, tuple[str, ...]] = {"backend": ("auto", "cpu", "numpy", "cupy
                                        "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
 SIZE_FIELDS = frozenset({"max_plan_bytes", "max_param_bytes", "chunk_bytes", "max_chunk_bytes", "slab_bytes",
                          "max_leased_bytes", "shm_pool_bytes", "memory_budget", "device_memory_budget",
-                         "max_payload_bytes"})
+                         "max_payload_bytes", "max_leased_bytes_per_client"})
 
 # What each knob means, for --help (README's configuration text says the same).
 HELP: dict[str, str] = {
@@ -101,6 +105,11 @@ HELP: dict[str, str] = {
     "max_lease_ttl": "longest lease time to live (seconds) a client may ask for",
     "max_leased_bytes": "bytes all live leases may hold together",
     "max_leases_per_client": "live leases one identity may hold",
+    "max_leased_bytes_per_client": "bytes one identity's live leases may hold; 0 = half of the smaller of "
+                                   "--max-leased-bytes and --memory-budget, so one identity cannot take them all",
+    "max_concurrent_per_client": "materializations one identity may run at once; 0 = --max-concurrent less a "
+                                 "quarter (at least 1), so one identity never holds every slot",
+    "max_queued_per_client": "calls one identity may have waiting in line; 0 = half of --max-queued (at least 1)",
     "shm_pool_bytes": "keep released SHM segments for the same identity's next export, up to this size; 0 = off",
     "metrics_port": "Prometheus HTTP port; 0 = off, -1 = any free port",
     "drain_seconds": "on SIGTERM, how long running streams may take to finish before the server exits",
@@ -116,6 +125,8 @@ HELP: dict[str, str] = {
                       "deadline",
     "queue_wait_no_deadline": "wait (seconds) in line for calls without a deadline; 0 = refuse them at once when "
                               "every slot is taken",
+    "max_stall": "seconds a stream's client may stop reading, or an upload's client stop sending, before the call "
+                 "is cancelled and its slot and memory go back; 0 = never",
     "tls_cert": "server certificate (PEM) for TLS; needs --tls-key",
     "tls_key": "server private key (PEM) for TLS; needs --tls-cert",
     "tls_ca": "CA certificate (PEM): clients must present a certificate it signed (mutual TLS)",

@@ -122,11 +122,22 @@ class SlotQueue:
     newcomer cannot overtake the queue. Refusals raise ResourceExhausted with a retry hint sized from how
     long slots have recently been held."""
 
-    def __init__(self, slots: int, max_queued: int = 0) -> None:
+    def __init__(self, slots: int, max_queued: int = 0, slots_per_identity: int = 0,
+                 queued_per_identity: int = 0) -> None:
+        """Args:
+            slots: concurrency slots.
+            max_queued: calls that may wait in line.
+            slots_per_identity: slots one identity may hold at once; 0: all but a quarter (at least one), so a
+                caller with many threads, or with stalled calls, never holds every slot.
+            queued_per_identity: places in line one identity may take; 0: half of them (at least one).
+        """
         self.slots = slots
         self.max_queued = max_queued
+        self.per_identity = slots_per_identity or max(1, slots - max(1, slots // 4))
+        self.queued_per_identity = queued_per_identity or max(1, max_queued // 2)
         self._lock = threading.Lock()
         self._free = slots
+        self._held: collections.Counter[str] = collections.Counter()  # slots each identity holds
         self._lines: collections.OrderedDict[str, collections.deque[_Waiter]] = collections.OrderedDict()
         self.queued = 0
         self._held_for = 0.1  # moving average of how long a slot is held (seconds), for the retry hint
@@ -149,16 +160,26 @@ class SlotQueue:
             Cancelled: `stop()` turned true (the caller went away) while the call waited."""
         started = time.monotonic()
         with self._lock:
-            if self._free > 0:
+            capped = self._held[identity] >= self.per_identity
+            if self._free > 0 and not capped:  # a free slot while others wait: they are at their share
                 self._free -= 1
+                self._held[identity] += 1
                 return 0.0
             if wait <= 0:
+                if capped:
+                    raise self._refuse("identity_share", f"this client holds {self._held[identity]} of the "
+                                       f"{self.slots} concurrency slots, its share; retry later (give the call a "
+                                       "deadline to wait in line)", self.queued)
                 raise self._refuse("busy", f"server is at its limit of {self.slots} concurrent materializations; "
                                            "retry later (give the call a deadline to wait in line)", self.queued)
             if self.queued >= self.max_queued:
                 raise self._refuse("queue_full", f"server is at its limit of {self.slots} concurrent "
                                                  f"materializations and {self.max_queued} queued calls; retry later",
                                    self.queued)
+            mine = len(self._lines.get(identity, ()))
+            if mine >= self.queued_per_identity:
+                raise self._refuse("identity_share", f"this client has {mine} calls waiting for a concurrency "
+                                   f"slot, its share of the {self.max_queued} places in line; retry later", self.queued)
             me = _Waiter(identity, self._lock)
             self._lines.setdefault(identity, collections.deque()).append(me)
             self.queued += 1
@@ -174,6 +195,7 @@ class SlotQueue:
                     me.wake.wait(min(left, WAIT_SLICE))
             except BaseException:
                 if me.granted:  # the slot arrived as we gave up: pass it on
+                    self._give_back(identity)
                     self._grant_next()
                 else:
                     self._leave(me)
@@ -188,24 +210,33 @@ class SlotQueue:
             del self._lines[me.identity]
 
     def _grant_next(self) -> None:
-        """Hand a slot to the next identity's oldest waiter, or free it (lock held)."""
-        if not self._lines:
+        """Hand a slot to the oldest waiter of the next identity below its share, or free it (lock held)."""
+        for identity, line in self._lines.items():
+            if self._held[identity] < self.per_identity:
+                break
+        else:
             self._free += 1
             return
-        identity, line = next(iter(self._lines.items()))
         me = line.popleft()
         self.queued -= 1
         if line:
             self._lines.move_to_end(identity)  # its other calls wait for the other identities' turns
         else:
             del self._lines[identity]
+        self._held[identity] += 1
         me.granted = True
         me.wake.notify()
 
-    def release(self, held_for: float = 0.0) -> None:
-        """Give a slot back (to the next waiter, if any); `held_for` seconds feed the retry hint."""
+    def _give_back(self, identity: str) -> None:
+        self._held[identity] -= 1
+        if self._held[identity] <= 0:
+            del self._held[identity]
+
+    def release(self, identity: str, held_for: float = 0.0) -> None:
+        """Give `identity`'s slot back (to the next waiter, if any); `held_for` seconds feed the retry hint."""
         with self._lock:
             self._held_for += 0.2 * (held_for - self._held_for)
+            self._give_back(identity)
             self._grant_next()
 
     def waiting(self) -> list[str]:
@@ -224,9 +255,10 @@ class Admission:
     """Concurrency limit with a fair bounded queue, plus a draining flag."""
 
     def __init__(self, max_concurrent: int, host_limit: int, device_limit: int | None = None,
-                 on_idle: Callable[[], None] = lambda: None, max_queued: int = 0) -> None:
+                 on_idle: Callable[[], None] = lambda: None, max_queued: int = 0, slots_per_identity: int = 0,
+                 queued_per_identity: int = 0) -> None:
         self._on_idle = on_idle  # drops caches before the heap is trimmed
-        self.slots = SlotQueue(max_concurrent, max_queued)
+        self.slots = SlotQueue(max_concurrent, max_queued, slots_per_identity, queued_per_identity)
         self.on_queue_wait: Callable[[float], None] = lambda seconds: None  # metrics: seconds waited for a slot
         self.max_concurrent = max_concurrent
         self.host = MemoryBudget(host_limit, "host")
@@ -271,7 +303,7 @@ class Admission:
                 self.in_flight_bytes -= nbytes
                 idle = self.in_flight == 0
                 self.idle.notify_all()
-            self.slots.release(time.monotonic() - granted)
+            self.slots.release(caller.identity, time.monotonic() - granted)
             if idle:
                 self._trim_later()
 

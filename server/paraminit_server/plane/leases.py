@@ -43,9 +43,11 @@ class LeaseRecord:
 
 class LeaseTable:
     def __init__(self, max_bytes: int, max_per_owner: int, default_ttl: float, max_ttl: float,
-                 reap_interval: float = 0.5) -> None:
+                 reap_interval: float = 0.5, max_bytes_per_owner: int | None = None) -> None:
         self.max_bytes = max_bytes
         self.max_per_owner = max_per_owner
+        # one owner's share of the leasable bytes, so one identity's leases cannot take them all
+        self.max_bytes_per_owner = max_bytes if max_bytes_per_owner is None else max_bytes_per_owner
         self.default_ttl = default_ttl
         self.max_ttl = max_ttl
         self._leases: dict[str, LeaseRecord] = {}
@@ -75,6 +77,11 @@ class LeaseTable:
             if held >= self.max_per_owner:
                 return errors.ResourceExhausted(f"client holds {held} leases, the limit is {self.max_per_owner}; "
                                                 "release some first")
+            own = ledger.held_bytes(holder)
+            if own + n > self.max_bytes_per_owner:
+                return errors.ResourceExhausted(f"export needs {n} bytes; this client's leases hold {own} of its "
+                                                f"share of {self.max_bytes_per_owner} leasable bytes; release some "
+                                                "first", reason="identity_share")
             used = ledger.total
             if used + n > self.max_bytes:
                 return errors.ResourceExhausted(f"export needs {n} bytes but only {self.max_bytes - used} of the "

@@ -102,6 +102,7 @@ class Ledger:
         self.pending = 0  # bytes of claims not yet committed
         self.committed = 0  # bytes of committed claims not yet released
         self._claims: collections.Counter[str] = collections.Counter()  # live claims per holder
+        self._bytes: collections.Counter[str] = collections.Counter()  # bytes of live claims per holder
 
     @property
     def total(self) -> int:
@@ -113,6 +114,11 @@ class Ledger:
         """Live claims (pending or committed) of `holder`."""
         with self.lock:
             return self._claims[holder]
+
+    def held_bytes(self, holder: str) -> int:
+        """Bytes of the live claims (pending or committed) of `holder`."""
+        with self.lock:
+            return self._bytes[holder]
 
     def claim(self, nbytes: int, holder: str = "", refusal: Refusal = lambda ledger, n, h: None,
               wait: float = 0.0) -> Claim:
@@ -141,6 +147,7 @@ class Ledger:
                 self.changed.wait(left)
             self.pending += nbytes
             self._claims[holder] += 1
+            self._bytes[holder] += nbytes
             return Claim(self, nbytes, holder)
 
     def _committed(self, claim: Claim) -> None:
@@ -153,6 +160,8 @@ class Ledger:
         else:
             self.committed -= claim.nbytes
         self._claims[claim.holder] -= 1
+        self._bytes[claim.holder] -= claim.nbytes
         if not self._claims[claim.holder]:
             del self._claims[claim.holder]
+            del self._bytes[claim.holder]
         self.changed.notify_all()

@@ -105,9 +105,13 @@ class Materializer:
         device_budget = None
         if backend.memory != HOST:
             device_budget = config.device_memory_budget or backend.device().memory_free // 2
-        self.admission = Admission(config.max_concurrent, host_budget, device_budget, max_queued=config.max_queued)
+        self.admission = Admission(config.max_concurrent, host_budget, device_budget, max_queued=config.max_queued,
+                                   slots_per_identity=config.max_concurrent_per_client,
+                                   queued_per_identity=config.max_queued_per_client)
+        leasable = min(config.max_leased_bytes, device_budget if device_budget is not None else host_budget)
         self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
-                                 config.max_lease_ttl)
+                                 config.max_lease_ttl,
+                                 max_bytes_per_owner=config.max_leased_bytes_per_client or max(1, leasable // 2))
         self.exports = Exports(backend, self.leases, self.admission.backend, config.shm_pool_bytes)
 
     # -- plans ---------------------------------------------------------------------------
@@ -255,7 +259,9 @@ class Materializer:
         dtype and count size it, and its bytes are taken from the payload limit before anything is kept
         (uploads in flight count against it; the bytes go back on every failure). Shutdown lets uploads in
         flight finish within the drain time."""
-        with self.sources.uploading():
+        # an upload is work like a materialization: it takes a concurrency slot (so stalled uploads cannot hold
+        # every worker thread) and, within it, the payload's bytes
+        with self.admission.admit(0, caller), self.sources.uploading():
             receiving = _Upload(self.sources)
             try:
                 for _ in overlap.behind(receiving.located(pieces), receiving.land):

@@ -77,6 +77,7 @@ class Running:
         self.plane.admission.wait_idle(grace)
         self.plane.sources.wait_uploads(deadline - time.monotonic())  # uploads drain too
         self.server.stop(grace=1.0).wait()
+        self.servicer.stalls.close()
         self.plane.close()
         if self.metrics is not None:
             self.metrics.close()

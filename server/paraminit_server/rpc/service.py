@@ -28,6 +28,7 @@ from paraminit_server.plane.leases import LeaseRecord
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
 from paraminit_server.rpc.auth import Endpoint, TokenAuth, identity
 from paraminit_server.rpc.metrics import Metrics
+from paraminit_server.rpc.stalls import StallWatch
 from paraminit_server.rpc.status import MalformedRequest, boundary
 
 log = logging.getLogger("paraminit.server")
@@ -114,11 +115,13 @@ class Handlers:
 
 
 class InitServicer(pb_grpc.InitServiceServicer):
-    def __init__(self, plane: Materializer, tokens: TokenAuth | None = None, metrics: Metrics | None = None) -> None:
+    def __init__(self, plane: Materializer, tokens: TokenAuth | None = None, metrics: Metrics | None = None,
+                 stalls: StallWatch | None = None) -> None:
         self.plane = plane
         self.handlers = Handlers(plane)
         self.tokens = tokens
         self.metrics = metrics
+        self.stalls = stalls or StallWatch(plane.config.max_stall)
         self.endpoint = Endpoint()  # where callers' connections end; set once the server has bound
 
     def methods(self) -> dict[str, Callable[..., Any]]:
@@ -138,7 +141,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     def refused(self, method: str, reason: str) -> None:
         """A call turned away for load (RESOURCE_EXHAUSTED or UNAVAILABLE), by why: busy, queue_full,
-        queue_timeout, memory, draining, limit."""
+        queue_timeout, identity_share, memory, draining, limit."""
         if self.metrics is not None:
             self.metrics.refusals.labels(method, reason).inc()
 
@@ -167,18 +170,23 @@ class InitServicer(pb_grpc.InitServiceServicer):
         outcome = "error"
         try:
             if delivery == pb.DELIVERY_STREAM:
-                for message in self.handlers.stream(request, caller):
-                    if isinstance(message, pb.MaterializeResponse):
-                        if header is None:
-                            header = message.header
-                        elif message.HasField("header_part"):
-                            parts.append(message.header_part)
-                    yield message
+                with self.stalls.watch("stream", context.cancel) as watched:
+                    for message in self.handlers.stream(request, caller):
+                        if isinstance(message, pb.MaterializeResponse):
+                            if header is None:
+                                header = message.header
+                            elif message.HasField("header_part"):
+                                parts.append(message.header_part)
+                        watched.waiting()  # until gRPC has sent it and asks for the next: the client's pace
+                        yield message
+                        watched.progress()
+                    outcome = "stalled" if watched.stalled else outcome
             else:
                 response = self.handlers.export(request, caller)
                 header = pb.StreamHeader(plan_digest=response.export.plan_digest, tensors=response.export.tensors)
                 yield response
-            outcome = "ok" if context.is_active() else "cancelled"
+            if outcome != "stalled":
+                outcome = "ok" if context.is_active() else "cancelled"
         finally:
             self._record(request, delivery, header, parts, outcome, time.perf_counter() - started)
 
@@ -215,7 +223,14 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     @boundary
     def UploadPayload(self, request: Iterator[pb.PayloadChunk], context: grpc.ServicerContext) -> pb.PayloadRef:
-        return self.handlers.upload(request, self.caller(context))
+        with self.stalls.watch("payload upload", context.cancel) as watched:
+            try:
+                return self.handlers.upload(self.stalls.iterate(iter(request), watched), self.caller(context))
+            except Exception:
+                if watched.stalled:  # what the cancelled request stream raised: say why instead
+                    raise errors.Cancelled(f"the upload made no progress for {self.stalls.limit:.0f} s "
+                                           "(--max-stall)") from None
+                raise
 
     @boundary
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
