@@ -211,12 +211,11 @@ class SlotQueue:
 
     def _grant_next(self) -> None:
         """Hand a slot to the oldest waiter of the next identity below its share, or free it (lock held)."""
-        for identity, line in self._lines.items():
-            if self._held[identity] < self.per_identity:
-                break
-        else:
+        identity = next((i for i in self._lines if self._held[i] < self.per_identity), None)
+        if identity is None:
             self._free += 1
             return
+        line = self._lines[identity]
         me = line.popleft()
         self.queued -= 1
         if line:
