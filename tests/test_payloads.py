@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -201,3 +202,22 @@ def test_concurrent_uploads_cannot_overshoot_the_payload_limit() -> None:
         with pytest.raises(errors.ResourceExhausted):
             plane.upload(failing(), Caller("uploader"))  # no room while two are stored
         assert plane.sources.used_bytes() == 2 * count * 8
+
+
+def test_payloads_are_charged_to_the_memory_budget_while_they_live() -> None:
+    """A stored payload is host memory: it holds its bytes in --memory-budget (not only in --max-payload-bytes)
+    until it expires, so uploads cannot grow the server's memory past its budget."""
+    count = (6 * MiB) // 8
+    f64 = dtypes.by_name("float64").enum
+    raw = np.arange(count, dtype=np.float64).tobytes()
+    with running_server(max_payload_bytes=64 * MiB, memory_budget=10 * MiB, payload_ttl=1.0) as r:
+        plane = r.plane
+        before = plane.admission.host.reserved
+        plane.upload(iter([PayloadPiece(f64, count, raw)]), Caller("a"))
+        assert plane.admission.host.reserved - before == count * 8
+        with pytest.raises(errors.ResourceExhausted, match="host memory"):
+            plane.upload(iter([PayloadPiece(f64, count, raw)]), Caller("b"))
+        assert plane.admission.host.reserved - before == count * 8  # the refused one holds nothing
+        time.sleep(1.2)  # the first payload expires: its budget goes back with it
+        plane.upload(iter([PayloadPiece(f64, count, raw)]), Caller("b"))
+        assert plane.admission.host.reserved - before == count * 8

@@ -28,13 +28,14 @@ PENDING, COMMITTED, RELEASED = "pending", "committed", "released"
 class Claim:
     """`nbytes` held in a ledger for `holder`, until release(); commit() marks them as kept by what they became."""
 
-    __slots__ = ("_ledger", "holder", "nbytes", "state")
+    __slots__ = ("_ledger", "also", "holder", "nbytes", "state")
 
     def __init__(self, ledger: Ledger, nbytes: int, holder: str) -> None:
         self._ledger = ledger
         self.nbytes = nbytes
         self.holder = holder
         self.state = PENDING
+        self.also: Claim | None = None  # a claim in another ledger (a memory budget) that goes back with this one
 
     def commit(self, then: Callable[[], None] | None = None) -> bool:
         """Keep the bytes beyond the request that claimed them (they stay counted until release()).
@@ -67,7 +68,9 @@ class Claim:
                 return False
             was, self.state = self.state, RELEASED
             self._ledger._released(self, was)
-            return True
+        if self.also is not None:  # outside this ledger's lock: no claim holds two ledgers' locks at once
+            self.also.release()
+        return True
 
     @property
     def released(self) -> bool:

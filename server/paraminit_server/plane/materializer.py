@@ -100,7 +100,8 @@ class Materializer:
         self.config = config
         self.backend = backend
         self.limits = validation.Limits(config.max_param_bytes, config.max_plan_bytes)
-        self.sources = Sources(config.max_payload_bytes, config.payload_ttl, config.safetensors_dirs.split(":"))
+        self.sources = Sources(config.max_payload_bytes, config.payload_ttl, config.safetensors_dirs.split(":"),
+                               lambda n: self.admission.host.reserve(n, 0.0, "payload"))
         host_budget = config.memory_budget or host_memory()[1] // 2
         device_budget = None
         if backend.memory != HOST:

@@ -95,9 +95,18 @@ PayloadTicket = Claim  # payload bytes taken from the limit: an upload in flight
 class Sources:
     """Where flat_ref and safetensors initializers get their values."""
 
-    def __init__(self, max_bytes: int, ttl: float, safetensors_dirs: Iterable[str] = ()) -> None:
+    def __init__(self, max_bytes: int, ttl: float, safetensors_dirs: Iterable[str] = (),
+                 charge: Callable[[int], Claim] | None = None) -> None:
+        """Args:
+            max_bytes: stored and in-flight payload bytes.
+            ttl: seconds a payload lives.
+            safetensors_dirs: directories whose files plans may name.
+            charge: takes a payload's bytes from the server's memory budget too, for as long as it lives (a
+                payload is host memory like any other); raises when they do not fit.
+        """
         self.max_bytes = max_bytes
         self.ttl = ttl
+        self._charge = charge
         # each allowed directory as resolved at start, and as written (an operator's path may pass through links
         # above the directory; nothing beneath it may)
         self.dirs = [Path(d).resolve() for d in safetensors_dirs if d]
@@ -131,7 +140,14 @@ class Sources:
             return errors.ResourceExhausted(f"payload needs {n} bytes; {max(0, self.max_bytes - used)} of "
                                             f"{self.max_bytes} payload bytes are free (uploads in flight count)")
 
-        return self.ledger.claim(nbytes, "", refusal)
+        ticket = self.ledger.claim(nbytes, "", refusal)
+        if self._charge is not None:
+            try:
+                ticket.also = self._charge(nbytes)
+            except BaseException:
+                ticket.release()
+                raise
+        return ticket
 
     @contextlib.contextmanager
     def uploading(self) -> Iterator[None]:
