@@ -56,6 +56,11 @@ def patched_plan() -> plan_pb2.Plan:
         param("outside", [8, 3], {"normal": {"std": 1, "seed": 4}}, [([(0, 2), (0, 3)], {"ones": {}})],
               dtype="float64", region=[(4, 8), (0, 3)]),
         param("plain", [5], {"normal": {"std": 1, "seed": 5}}, []),
+        # many short runs (columns of a row shard): their span is generated at once and the columns taken from it
+        param("cols", [64, 33], {"uniform": {"lo": -1, "hi": 1, "seed": 8}},
+              [([(0, 64), (5, 6)], {"ones": {}}), ([(10, 50), (10, 13)], {"normal": {"std": 2, "seed": 11}}),
+               ([(0, 64), (32, 33)], {"truncatedNormal": {"std": 1, "lo": -1, "hi": 1, "seed": 12}})],
+              region=[(3, 61), (0, 33)]),
         # a truncated normal patch over a truncated normal base (the base of an embedding's rows 2..4)
         param("trunc", [6, 9], {"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04, "seed": 6}},
               [([(2, 5), (1, 8)], {"truncatedNormal": {"mean": 1, "std": 0.5, "lo": 0.5, "hi": 1.6, "seed": 7}})],
@@ -127,6 +132,30 @@ def test_whole_arena_is_exact(cpu_backend: Any) -> None:
         rp = pl.param
         got = buf[pl.offset:pl.offset + rp.nbytes].view(rp.dtype.storage).reshape(rp.out_shape)
         assert got.tobytes() == expected(p).tobytes(), p.name
+
+
+def test_long_patch_work_looks_at_cancellation(cpu_backend: Any) -> None:
+    """Patches of many runs stop inside the work once the caller is gone (they kept their slot past the
+    deadline before): span pieces and runs one by one both look at should_stop."""
+    from paraminit_server.plane import errors
+
+    plan = plan_pb2.Plan(params=[param("w", [4096, 512], {"zeros": {}},
+                                       [([(0, 4096), (c, c + 1)], {"ones": {}}) for c in range(0, 512, 2)]
+                                       + [([(0, 4096), (0, 300)], {"ones": {}})])])
+    rp = planlib.resolve(plan)[0]
+    out = np.zeros(rp.numel, dtype=np.float32)
+    calls = []
+
+    def stop() -> bool:
+        calls.append(1)
+        return len(calls) > 3
+
+    with pytest.raises(errors.Cancelled):
+        engine.apply_patches(cpu_backend, rp, out, 0, stop)
+    assert len(calls) == 4
+    engine.apply_patches(cpu_backend, rp, out, 0, lambda: False)  # and done whole, every column is set
+    grid = out.reshape(4096, 512)
+    assert (grid[:, 0:512:2] == 1).all() and (grid[:, :300] == 1).all() and (grid[:, 301:512:2] == 0).all()
 
 
 def test_patches_change_what_they_cover_only(cpu_backend: Any) -> None:

@@ -23,7 +23,8 @@ from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Offsets, ResolvedParam
 
 
-def fill_window(backend: Backend, layout: Layout, buf: Any, start: int) -> None:
+def fill_window(backend: Backend, layout: Layout, buf: Any, start: int,
+                should_stop: Callable[[], bool] | None = None) -> None:
     """Fill buf (1-D uint8, backend memory) with layout bytes [start, start + len(buf))."""
     stop = start + int(buf.shape[0])
     params = layout.params
@@ -35,37 +36,93 @@ def fill_window(backend: Backend, layout: Layout, buf: Any, start: int) -> None:
         if rows.shape[0]:
             backend.fill_plan(params.take(rows), buf, offsets[rows] - start)
         for i in np.flatnonzero(~inside & (offsets < stop) & (ends > start)).tolist():
-            _fill_part(backend, params[i], int(offsets[i]), buf, start, stop)
+            _fill_part(backend, params[i], int(offsets[i]), buf, start, stop, should_stop)
         return
     for pl in layout.placements:
-        _fill_part(backend, pl.param, pl.offset, buf, start, stop)
+        _fill_part(backend, pl.param, pl.offset, buf, start, stop, should_stop)
 
 
-def _fill_part(backend: Backend, p: ResolvedParam, offset: int, buf: Any, start: int, stop: int) -> None:
+def _fill_part(backend: Backend, p: ResolvedParam, offset: int, buf: Any, start: int, stop: int,
+               should_stop: Callable[[], bool] | None = None) -> None:
     """The bytes of p (at `offset` of the layout) that fall in the window buf = layout bytes [start, stop)."""
     lo, hi = max(start, offset), min(stop, offset + p.nbytes)
     if lo < hi:
         isz = p.dtype.itemsize
         out = buf[lo - start:hi - start].view(p.dtype.storage)
-        fill_param(backend, p, out, (lo - offset) // isz)
+        fill_param(backend, p, out, (lo - offset) // isz, should_stop)
 
 
-def fill_param(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
+def fill_param(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0,
+               should_stop: Callable[[], bool] | None = None) -> None:
     """Local elements [l_begin, l_begin + len(out)) of p, patches included: every fill of part of a parameter goes here."""
     backend.fill(p, out, l_begin)
-    apply_patches(backend, p, out, l_begin)
+    apply_patches(backend, p, out, l_begin, should_stop)
 
 
-def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
+PATCH_PIECE = 1 << 20  # elements of a patch's span generated at a time when its runs are short and many
+SPAN_PER_RUN = 4096  # a span up to this many elements per run costs less to generate whole than run by run
+CHECK_RUNS = 256  # runs filled one by one between two looks at should_stop
+
+
+def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0,
+                  should_stop: Callable[[], bool] | None = None) -> None:
     """Overwrite the patched elements of a filled window, each from its own initializer at its global index.
 
-    Backend-neutral (only backend.fill on sub-windows), so every backend applies patches the same way
-    and a patch is exact at any window, chunk, region or export.
+    Backend-neutral (only backend.fill on sub-windows), so every backend applies patches the same way and a
+    patch is exact at any window, chunk, region or export. Many short runs (a column patch) are not filled one
+    call each: on a host backend their span is generated a piece at a time and the covered elements taken from
+    it in one array operation. `should_stop` is looked at between pieces and every CHECK_RUNS runs.
+
+    Raises:
+        Cancelled: should_stop() turned true.
     """
     end = l_begin + int(out.shape[0])
     for patch in p.patches:
-        for lo, hi in patch.runs_in(l_begin, end):
-            backend.fill(patch.param, out[lo - l_begin:hi - l_begin], lo)
+        _stop_if(should_stop)
+        if not patch.run_len or l_begin >= end:
+            continue
+        starts = patch.starts
+        first = max(0, int(np.searchsorted(starts, l_begin - patch.run_len, side="right")))
+        last = int(np.searchsorted(starts, end, side="left"))
+        count = last - first
+        if count <= 0:
+            continue
+        lo, hi = max(int(starts[first]), l_begin), min(int(starts[last - 1]) + patch.run_len, end)
+        if backend.memory == HOST and count >= 16 and hi - lo <= count * SPAN_PER_RUN:
+            _patch_span(backend, patch, out, l_begin, starts[first:last], lo, hi, should_stop)
+            continue
+        for k, a in enumerate(starts[first:last].tolist()):
+            if k % CHECK_RUNS == CHECK_RUNS - 1:
+                _stop_if(should_stop)
+            a_lo, a_hi = max(a, l_begin), min(a + patch.run_len, end)
+            if a_lo < a_hi:
+                backend.fill(patch.param, out[a_lo - l_begin:a_hi - l_begin], a_lo)
+
+
+def _patch_span(backend: Backend, patch: Any, out: Any, l_begin: int, starts: Any, lo: int, hi: int,
+                should_stop: Callable[[], bool] | None) -> None:
+    """The covered elements of local [lo, hi), from the patch's values over that span made PATCH_PIECE at a time."""
+    run = patch.run_len
+    offsets = np.arange(run, dtype=np.int64)
+    scratch = np.empty(min(PATCH_PIECE, hi - lo), dtype=out.dtype)
+    for a in range(lo, hi, PATCH_PIECE):
+        _stop_if(should_stop)
+        b = min(a + PATCH_PIECE, hi)
+        i = max(0, int(np.searchsorted(starts, a - run, side="right")))
+        j = int(np.searchsorted(starts, b, side="left"))
+        idx = (starts[i:j, None] + offsets).reshape(-1)
+        idx = idx[(idx >= a) & (idx < b)]
+        if not idx.shape[0]:
+            continue
+        first, stop = int(idx[0]), int(idx[-1]) + 1  # generate only from the first to the last covered element
+        values = scratch[:stop - first]
+        backend.fill(patch.param, values, first)
+        out[idx - l_begin] = values[idx - first]
+
+
+def _stop_if(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise errors.Cancelled("client cancelled or deadline passed")
 
 
 def fill_params(backend: Backend, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
@@ -77,7 +134,7 @@ def fill_params(backend: Backend, params: Sequence[ResolvedParam], arena: Any, o
     for i, p in patched:
         if p.patches:
             off = int(offsets[i])
-            apply_patches(backend, p, arena[off:off + p.nbytes].view(p.dtype.storage), 0)
+            apply_patches(backend, p, arena[off:off + p.nbytes].view(p.dtype.storage), 0, should_stop)
 
 
 def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[], bool] | None = None) -> None:
@@ -155,7 +212,7 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
                         break
                     slot = got
                 buf = ring[slot][:size] if ring else alloc(size)
-                fill_window(backend, layout, buf, start)
+                fill_window(backend, layout, buf, start, stopped)
                 out = staging[slot][:size] if ring and staging[slot] is not None else None
                 pending.append((start, backend.start_to_host(buf, out), slot))
                 if len(pending) == depth and not emit(*pending.popleft()):
