@@ -201,3 +201,31 @@ def test_a_failed_export_leaves_no_slot_and_no_memory_held(monkeypatch: pytest.M
         assert plane.leases.leased_bytes() == 0 and plane.admission.host.reserved == 0
     finally:
         plane.close()
+
+
+def test_a_lease_in_use_does_not_hold_up_the_expiry_of_the_others() -> None:
+    """The reaper frees expired leases; one whose lock an Apply holds (a long fill) is freed when the Apply ends,
+    on its own thread, and every other expired lease goes at once."""
+    import time
+
+    from paraminit_server.plane.leases import LeaseTable
+
+    table = LeaseTable(1 << 30, 64, 60.0, 60.0, reap_interval=3600)
+    freed: list[str] = []
+    try:
+        busy = table.add(table.reserve("a", 10), "shm", 0.0, "d", lambda explicit: freed.append("busy"))
+        idle = table.add(table.reserve("b", 10), "shm", 0.0, "d", lambda explicit: freed.append("idle"))
+        assert busy.lease_id != idle.lease_id
+        busy.lock.acquire()  # an Apply is filling it
+        try:
+            time.sleep(0.01)
+            assert table.reap() == 2
+            assert freed == ["idle"]
+        finally:
+            busy.lock.release()
+        deadline = time.monotonic() + 10
+        while freed != ["idle", "busy"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert freed == ["idle", "busy"] and table.leased_bytes() == 0
+    finally:
+        table.close()

@@ -148,7 +148,11 @@ class LeaseTable:
                 del self._leases[r.lease_id]
                 self._remember(r.lease_id, r.owner)
         for r in expired:
-            self._free(r, "expired")
+            if r.lock.acquire(blocking=False):  # not in use: freed here and now
+                r.lock.release()
+                self._free(r, "expired")
+            else:  # an Apply is filling it: freed once that ends, without holding up the other expiries
+                threading.Thread(target=self._free, args=(r, "expired"), name="paraminit-expire", daemon=True).start()
         return len(expired)
 
     def close(self) -> None:
