@@ -296,3 +296,24 @@ def test_cpu_server_serves_while_uncached_kernels_compile() -> None:
     finally:
         gate.set()
         running.stop(grace=0)
+
+
+def test_a_unix_socket_server_serves_metrics_on_loopback(tmp_path: Path) -> None:
+    """`--host unix:PATH --metrics-port -1`: the metrics endpoint needs a TCP address and takes loopback (it
+    failed with "Name or service not known" and left the socket file behind)."""
+    import urllib.request
+
+    sock = tmp_path / "pi.sock"
+    proc = subprocess.Popen([str(BIN / "paraminit"), "serve", "--host", f"unix:{sock}", "--metrics-port", "-1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        m = re.search(r"metrics=127\.0\.0\.1:(\d+)", line)
+        assert m, (line, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/metrics", timeout=30) as r:
+            assert b"paraminit_build_info" in r.read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0 and not sock.exists()

@@ -121,7 +121,14 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
                                  address[5:] if address.startswith("unix:") else "")
     running = Running(server, port, plane, servicer, health_servicer, config, metrics)
     if metrics is not None:
-        running.metrics_port = _serve_metrics(config, plane, metrics)
+        try:
+            running.metrics_port = _serve_metrics(config, plane, metrics)
+        except BaseException:  # nothing of a server that did not start stays behind (its Unix socket file)
+            server.stop(None)
+            if address.startswith("unix:"):
+                with contextlib.suppress(OSError):
+                    os.unlink(address[5:])
+            raise
     running.set_serving(False)
     health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     server.start()
@@ -328,7 +335,13 @@ def _serve_metrics(config: ServerConfig, plane: Materializer, metrics: Metrics) 
                  memory_free=lambda: backend.device().memory_free, memory_total=lambda: backend.device().memory_total,
                  backend=backend, queued=lambda: adm.slots.queued)
     adm.on_queue_wait = metrics.queue_wait.observe
-    return metrics.serve(config.host, config.metrics_port if config.metrics_port > 0 else 0)
+    return metrics.serve(metrics_host(config.host), config.metrics_port if config.metrics_port > 0 else 0)
+
+
+def metrics_host(host: str) -> str:
+    """Where the metrics endpoint listens: the gRPC host, or loopback when gRPC listens on a Unix socket (HTTP
+    metrics need a TCP address)."""
+    return "127.0.0.1" if host.startswith("unix:") else host
 
 
 def configure_logging(config: ServerConfig) -> None:
@@ -363,7 +376,7 @@ def serve(config: ServerConfig) -> int:
     if jit.warning:
         log.warning("%s", jit.warning)
     running = start(config)
-    metrics = f" metrics={config.host}:{running.metrics_port}" if running.metrics_port else ""
+    metrics = f" metrics={metrics_host(config.host)}:{running.metrics_port}" if running.metrics_port else ""
     print(f"paraminit listening on {listen_address(config.host, running.port)} backend={running.plane.backend.name}{metrics}",
           flush=True)
     stop = threading.Event()
