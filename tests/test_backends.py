@@ -121,3 +121,25 @@ def test_a_fork_during_a_fill_leaves_the_child_usable() -> None:
     done = subprocess.run([sys.executable, "-c", FORK_PROBE], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "0"  # not 3 (wrong bytes) nor SIGALRM's 14 (hung)
+
+
+EXIT_PROBE = textwrap.dedent("""
+    import atexit, numpy as np
+    from paraminit_client import param, plan_of
+    from paraminit_server.plans import plan as planlib
+    from paraminit_server.backends.cpu import CpuBackend
+    n = (1 << 21) + 3
+    p = planlib.resolve(plan_of([param("w", [n], {"normal": {"std": 1.0, "seed": 9}})]))[0]
+    b = CpuBackend(threads=2)
+    want = np.full(n, np.nan, np.float32); CpuBackend(threads=1).fill(p, want)
+    def at_exit():  # runs after concurrent.futures stopped taking work: a fill still completes, on this thread
+        got = np.full(n, np.nan, np.float32); b.fill(p, got)
+        print("same" if got.tobytes() == want.tobytes() else "different", flush=True)
+    atexit.register(at_exit)
+""")
+
+
+def test_a_fill_during_interpreter_exit_completes_on_the_calling_thread() -> None:
+    done = subprocess.run([sys.executable, "-c", EXIT_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "cannot schedule new futures" not in done.stderr, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "same"

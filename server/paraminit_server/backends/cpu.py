@@ -153,7 +153,12 @@ class _Pool:
                     work(t)
 
             n = min(threads, spans) - 1
-            helpers = [self._helpers(n).submit(worker) for _ in range(n)] if n > 0 else []
+            helpers = []
+            try:
+                for _ in range(max(0, n)):
+                    helpers.append(self._helpers(n).submit(worker))
+            except RuntimeError:  # the interpreter is exiting (no new threads): the calling thread does the rest
+                pass
             try:
                 worker()
             finally:
