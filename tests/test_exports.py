@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -450,3 +451,51 @@ def test_the_lock_directory_must_be_this_users_and_private(tmp_path: Path, monke
     with pytest.raises(errors.ResourceExhausted, match="shared memory is unavailable"):
         shm.instance_tag()
     assert shm.sweep() == []
+
+
+class _LeavingContext:
+    """A servicer context of a local caller who leaves once the export's answer is being sent."""
+
+    def __init__(self) -> None:
+        self.active = True
+
+    def time_remaining(self) -> float:
+        return 60.0
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def auth_context(self) -> dict[str, Any]:
+        return {}
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def cancel(self) -> None:
+        self.active = False
+
+
+def test_an_export_whose_caller_leaves_before_the_answer_is_released_at_once() -> None:
+    """The lease id only ever reaches the caller in the answer: if the caller is gone by then, nobody can
+    release or renew it, so it goes now instead of at its TTL."""
+    with running_server() as r:
+        request = pb.MaterializeRequest(plan=plan_of([param("w", [1024], {"ones": {}})]), delivery=pb.DELIVERY_SHM)
+        context = _LeavingContext()
+        answers = r.servicer.Materialize(request, context)  # type: ignore[arg-type]
+        first = next(answers)
+        assert first.WhichOneof("msg") == "export" and len(r.plane.leases.list()) == 1
+        context.active = False
+        with contextlib.suppress(StopIteration):
+            next(answers)
+        assert r.plane.leases.list() == []
+        context = _LeavingContext()
+        answers = r.servicer.Materialize(request, context)  # type: ignore[arg-type]
+        next(answers)
+        answers.close()  # gRPC closes the generator when the send fails
+        assert r.plane.leases.list() == []
+        context = _LeavingContext()
+        kept = list(r.servicer.Materialize(request, context))  # type: ignore[arg-type]
+        assert [m.export.lease.lease_id for m in kept] == [lease.lease_id for lease in r.plane.leases.list()]

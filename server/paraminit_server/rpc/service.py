@@ -7,6 +7,7 @@ lends, and its errors map to status codes in status.boundary.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -184,7 +185,14 @@ class InitServicer(pb_grpc.InitServiceServicer):
             else:
                 response = self.handlers.export(request, caller)
                 header = pb.StreamHeader(plan_digest=response.export.plan_digest, tensors=response.export.tensors)
-                yield response
+                delivered = False
+                try:
+                    yield response
+                    delivered = context.is_active()
+                finally:
+                    if not delivered:  # the caller left before the answer reached it: nobody knows the lease id
+                        with contextlib.suppress(errors.ParaminitServerError):
+                            self.plane.release(response.export.lease.lease_id, caller)
             if outcome != "stalled":
                 outcome = "ok" if context.is_active() else "cancelled"
         finally:
