@@ -499,3 +499,23 @@ def test_an_export_whose_caller_leaves_before_the_answer_is_released_at_once() -
         context = _LeavingContext()
         kept = list(r.servicer.Materialize(request, context))  # type: ignore[arg-type]
         assert [m.export.lease.lease_id for m in kept] == [lease.lease_id for lease in r.plane.leases.list()]
+
+
+def test_an_export_too_large_for_one_answer_is_refused_before_it_is_made() -> None:
+    """An ExportInfo cannot be split: past a stock client's 4 MiB the export was made and leased, and its caller
+    got RESOURCE_EXHAUSTED and no lease id. Now the bound is checked first and nothing is leased."""
+    from paraminit_server.rpc import service
+
+    names = [f"model.layers.{i}.mixture.experts.{i}.down_proj.weight" for i in range(70_000)]
+    plan = plan_of([param(n, [2, 2], {"zeros": {}}) for n in names])
+    assert service.export_info_bound(plan) > service.MAX_ANSWER_BYTES
+    with running_server() as r, Client(target_of(r)) as c:
+        with pytest.raises(ParaminitError) as err:
+            c.export(plan, "shm")
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "use STREAM" in err.value.message
+        assert r.plane.leases.list() == [] and r.plane.leases.leased_bytes() == 0
+        small = plan_of([param(n, [2, 2], {"zeros": {}}) for n in names[:1000]])
+        info = pb.ExportInfo(plan_digest="0" * 64)
+        info.tensors.extend(pb.TensorInfo(name=n, dtype=1, shape=[2, 2], offset=1 << 40, nbytes=16)
+                            for n in names[:1000])
+        assert info.ByteSize() < service.export_info_bound(small)  # the bound is one

@@ -448,6 +448,13 @@ Global___CudaIpcExport: _TypeAlias = CudaIpcExport  # noqa: Y015
 
 @_typing.final
 class ExportInfo(_message.Message):
+    """The one answer to an SHM or CUDA_IPC Materialize. It cannot be split, so an
+    export whose table could pass the 4 MiB a stock client receives (bounded
+    before the export as 512 bytes plus, per parameter, its name's UTF-8 bytes,
+    11 per dimension and 48) is refused with RESOURCE_EXHAUSTED before anything
+    is exported or leased; such a plan streams, or is exported in several calls.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     PLAN_DIGEST_FIELD_NUMBER: _builtins.int

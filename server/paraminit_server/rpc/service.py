@@ -62,6 +62,12 @@ class Handlers:
         delivery = DELIVERY_NAMES.get(request.delivery)
         if delivery is None or delivery == "stream":
             raise errors.InvalidRequest(f"unknown delivery enum value {request.delivery}")
+        bound = export_info_bound(request.plan)
+        if bound > MAX_ANSWER_BYTES:  # refused before anything is exported or leased
+            raise errors.ResourceExhausted(
+                f"the export's answer (one ExportInfo with {len(request.plan.params)} tensors) could take up to "
+                f"{bound} bytes, over the {MAX_ANSWER_BYTES} a client receives by default; use STREAM (its table "
+                "comes in parts) or export the plan in several calls")
         export = self.plane.export(request.plan, delivery, caller, times.seconds(request.lease_ttl))
         return pb.MaterializeResponse(export=_export_info(export))
 
@@ -325,6 +331,16 @@ def _table_columns(header: pb.StreamHeader | None, parts: list[pb.HeaderPart]) -
     infos = [*header.tensors, *(t for p in parts for t in p.tensors)]
     return (np.fromiter((t.dtype for t in infos), dtype=np.int64, count=len(infos)),
             np.fromiter((t.nbytes for t in infos), dtype=np.uint64, count=len(infos)))
+
+
+MAX_ANSWER_BYTES = (4 << 20) - (16 << 10)  # one message a stock client receives (4 MiB), framing left aside
+
+
+def export_info_bound(plan: Any) -> int:
+    """An upper bound of the serialized ExportInfo of a plan's export: per tensor its name, 11 bytes per dim
+    (a varint and its share of the packed length), and the other fields with their tags; plus the lease and
+    buffer messages."""
+    return 512 + sum(len(p.name.encode()) + 11 * len(p.shape) + 48 for p in plan.params)
 
 
 def tensor_infos(spans: Iterable[TensorSpan]) -> list[pb.TensorInfo]:
