@@ -226,3 +226,22 @@ def test_many_long_violations_arrive_as_invalid_argument() -> None:
         with pytest.raises(ParaminitError) as info:  # a 1 MB lease id is echoed cut short
             c.release("L" * (1 << 20))
         assert info.value.code == grpc.StatusCode.NOT_FOUND and len(info.value.message) <= 400
+
+
+def test_a_box_reports_at_most_two_violations_whatever_its_rank() -> None:
+    """A patch box with many bad ranges is at most two violations (the first two, and a count of the others):
+    thousands of patches of a rank-32 shape made over 100,000 violations of one parameter before."""
+    shape = [2] * 32
+    p = plan_pb2.Param(name="w", shape=shape)
+    p.init.zeros.SetInParent()
+    for _ in range(4096):
+        q = p.patches.add()
+        q.init.ones.SetInParent()
+        for _d in range(32):
+            q.box.add(start=0, stop=5)
+    found = validate(plan_pb2.Plan(params=[p])).violations
+    assert len(found) == 2 * 4096
+    assert [str(v) for v in found[:2]] == [
+        "params[0].patches[0].box[0] ('w'): range [0, 5) is out of bounds for dimension 0 of size 2",
+        "params[0].patches[0].box[1] ('w'): range [0, 5) is out of bounds for dimension 1 of size 2 (30 more ranges "
+        "of this box are bad too)"]
