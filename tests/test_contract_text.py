@@ -139,6 +139,27 @@ def test_a_stock_client_reads_a_100000_parameter_packed_table(stock: Any) -> Non
         assert shape == want[name].shape and data[offset:offset + size] == want[name].tobytes(), name
 
 
+def test_a_stream_without_the_safetensors_prefix(stock: Any) -> None:
+    """omit_safetensors_prefix: no prefix in any header message, the checksum over an empty prefix, the same data."""
+    plan = plan_of(param(f"p{i}", [3, 5], {"uniform": {"lo": -1, "hi": 1, "seed": i}}) for i in range(3000))
+    full = list(stock.Materialize(pb.MaterializeRequest(plan=plan, packed_table=True), timeout=600))
+    bare = list(stock.Materialize(pb.MaterializeRequest(plan=plan, packed_table=True, omit_safetensors_prefix=True),
+                                  timeout=600))
+    header = bare[0].header
+    count = header.header_parts
+    assert not header.safetensors_prefix and not any(m.header_part.safetensors_prefix for m in bare[1:1 + count])
+    cols = _packed_column_rules([header.packed_tensors, *(m.header_part.packed_tensors for m in bare[1:1 + count])])
+    covered = struct.pack("<Q", 0) + struct.pack("<Q", 64) + header.plan_digest.encode()
+    covered += struct.pack("<Q", header.data_bytes) + b"".join(struct.pack("<Q", len(c)) + c for c in cols.values())
+    assert crc32c.crc32c(covered) == header.header_crc32c
+    assert full[0].header.safetensors_prefix and full[0].header.plan_digest == header.plan_digest
+
+    def data(messages: list[Any]) -> bytes:
+        return b"".join(m.chunk.data for m in messages if m.WhichOneof("msg") == "chunk")
+
+    assert data(bare) == data(full) and len(data(bare)) == header.data_bytes
+
+
 def test_the_proto_states_the_header_size_rule() -> None:
     assert "header_parts" in PROTO and "2 MiB" in PROTO and "4 MiB" in PROTO and "message HeaderPart" in PROTO
 

@@ -75,15 +75,16 @@ def test_a_client_gets_the_same_arrays_packed_or_not(client: Client, monkeypatch
     outs = {k: np.full_like(v, 7) for k, v in want.items()}
     client.materialize_into(plan, outs)
     assert all(outs[k].tobytes() == want[k].tobytes() for k in want)
-    header, _chunks = client.stream(plan)  # the public stream keeps the TensorInfo table
+    header, _chunks = client.stream(plan)  # the public stream keeps the TensorInfo table and the file's prefix
     assert len(header.tensors) == len(plan.params) and not header.HasField("packed_tensors")
+    assert header.safetensors_prefix.startswith(len(header.safetensors_prefix[8:]).to_bytes(8, "little"))
 
 
 def test_a_corrupted_packed_header_is_data_loss(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     real = service._header
 
-    def corrupt(start: Any, packed: bool = False) -> Any:
-        header, groups = real(start, packed)
+    def corrupt(start: Any, packed: bool = False, omit_prefix: bool = False) -> Any:
+        header, groups = real(start, packed, omit_prefix)
         if groups:
             g = groups[0]
             groups[0] = packed_table.Packed(**{**g.fields(), "dtypes": bytes([3]) + g.dtypes[1:]})

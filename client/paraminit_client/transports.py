@@ -431,10 +431,12 @@ class GrpcTransport:
                      packed: bool = True) -> tuple[pb.StreamHeader, Any, Iterator[Chunk]]:
         """The header, its tensor table (TensorInfo messages, or a packed_table.Table when `packed` was asked
         for and the server packs) and the checked chunks. The header's checksum is verified here, before anyone
-        writes a byte."""
+        writes a byte. A `packed` stream is for arrays: it comes without the safetensors prefix."""
         self._gate.check()
+        # arrays need the table, not a file's JSON header: a packed stream leaves the prefix out
         call = self._materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
-                                                       chunk_bytes=chunk_bytes, packed_table=packed),
+                                                       chunk_bytes=chunk_bytes, packed_table=packed,
+                                                       omit_safetensors_prefix=packed),
                                  timeout=self.timeout)
         with rpc_errors():
             first = first_response(call)

@@ -52,7 +52,7 @@ class Handlers:
         chunk = self.plane.chunk_size(request.chunk_bytes)
         for item in self.plane.stream(request.plan, caller, request.chunk_bytes, lend=True):
             if isinstance(item, StreamStart):
-                yield from header_messages(*_header(item, request.packed_table))
+                yield from header_messages(*_header(item, request.packed_table, request.omit_safetensors_prefix))
                 continue
             start, slab = item
             for off in range(0, int(slab.shape[0]), chunk):
@@ -263,20 +263,23 @@ class InitServicer(pb_grpc.InitServiceServicer):
         return self.handlers.apply(request, self.caller(context))
 
 
-def _header(start: StreamStart, packed: bool = False) -> tuple[pb.StreamHeader, list[packed_table.Packed] | None]:
-    """The stream's header and, for a packed table, its columns cut into groups (one per header message)."""
+def _header(start: StreamStart, packed: bool = False,
+            omit_prefix: bool = False) -> tuple[pb.StreamHeader, list[packed_table.Packed] | None]:
+    """The stream's header and, for a packed table, its columns cut into groups (one per header message);
+    `omit_prefix`: no safetensors prefix (it is then never built)."""
     lay = start.layout
     spans = lay.spans()
+    prefix = b"" if omit_prefix else lay.prefix
     if packed:
         columns = spans.columns() if isinstance(spans, SpanTable) else tuple(map(list, zip(*spans, strict=True)))
         table = packed_table.pack(*(columns or ([], [], [], [], [])))
-        crc = packed_table.checksum(lay.prefix, start.digest, lay.data_bytes, table)
-        header = pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes,
+        crc = packed_table.checksum(prefix, start.digest, lay.data_bytes, table)
+        header = pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=prefix, data_bytes=lay.data_bytes,
                                  header_crc32c=crc)
         return header, packed_table.split(table, HEADER_PART_BYTES // 2)  # with a prefix slice: under 2 MiB
     # clients check the checksum before writing anything; it is computed from the plain table, not the messages
-    crc = checksum(lay.prefix, start.digest, lay.data_bytes, spans)
-    return pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=lay.prefix, data_bytes=lay.data_bytes,
+    crc = checksum(prefix, start.digest, lay.data_bytes, spans)
+    return pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=prefix, data_bytes=lay.data_bytes,
                            tensors=tensor_infos(spans), header_crc32c=crc), None
 
 
