@@ -38,7 +38,7 @@ for sub in ("proto", "server", "client", "bench", "tests"):
         sys.path.insert(0, str(ROOT / sub))
 
 import reference  # noqa: E402  (tests/reference.py)
-from _common import bench_param, best_of  # noqa: E402
+from _common import bench_param, best_of, cpu_model  # noqa: E402
 
 from paraminit import dtypes  # noqa: E402
 from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
@@ -108,7 +108,8 @@ def main() -> None:
     arena = np.empty(nbytes, dtype=np.uint8)
     arena.fill(0)  # touch every page once, outside the timings
     values = np.random.default_rng(0).standard_normal(nbytes // 2)  # flat payload for the smallest dtype
-    print(f"{args.threads} threads, outputs of {args.mib} MiB, best of {args.repeat}")
+    print(f"host: {cpu_model()}; {args.threads} threads, outputs of {args.mib} MiB, best of {args.repeat} (the "
+          "ndarray.fill rows below tell hosts apart)")
     rows: list[tuple[str, float, float | None, float | None]] = []  # name, GB/s, x fill, x torch
 
     def row(name: str, seconds: float, fill_s: float | None = None, torch_s: float | None = None) -> None:

@@ -10,7 +10,8 @@ the disk itself (write + fsync of the same bytes), a bare gRPC client stream
 of the same bytes and Client.upload_payload.
 Rows run interleaved, one round per --repeat; best and median of each, ratios of bests
 and the median of per-round ratios. Targets: the stream rows >= 0.8x the plain bare
-stream, the file rows >= 0.7x, upload >= 0.5x the bare client stream.
+stream, and past one stream's limit 1.5x it and 0.5x the TCP socket; the durable file
+>= 0.8x the slower of the disk and the bare stream; upload >= 0.5x the bare client stream.
 `Client.materialize, new buffer` pays for fresh memory on every call; on a VM that
 hands freed memory back to its host that first touch can cost more than the stream
 (measured here: 256 MiB of fresh pages in 12 ms just after a free, 150-590 ms a
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import serve
+from _common import host_line, serve
 
 from paraminit.hostmem import MMAP_THRESHOLD, TRIM_THRESHOLD
 
@@ -256,16 +257,22 @@ def main() -> None:
         print(f"{name:<36} {nbytes / min(t) / 1e9:>10.2f} {nbytes / statistics.median(t) / 1e9:>12.2f} "
               f"{best['bare gRPC stream'] / min(t):>14.2f} {per_round[0]:>12.2f} "
               f"{best['bare gRPC client stream'] / min(t):>14.2f} {per_round[1]:>12.2f}")
-    fill = np.empty(nbytes, dtype=np.uint8)
-    fill.fill(0)
-    print(f"ndarray.fill {nbytes / min(runs(lambda: fill.fill(1), 3)) / 1e9:.2f} GB/s on this host (tells hosts apart)")
+    print(host_line())
     print("\ntargets (median of per-round ratios)")
+    # a durable file cannot beat the slower of the disk and the wire: its target is against that, per round
+    slower = [max(d, w) for d, w in zip(times["disk: write + fsync"], times["bare gRPC stream"], strict=True)]
+    tcp = min(dict(rows)["TCP socket"])
     for name, ref, want in (("Client.stream, verified chunks", "bare gRPC stream", 0.8),
                             ("Client.materialize, new buffer", "bare gRPC stream", 0.8),
-                            ("materialize_to_file, durable", "bare gRPC stream", 0.7),
+                            ("Client.materialize, new buffer", "bare gRPC stream (x1.5: past one stream)", 1.5),
+                            ("materialize_to_file, durable", "slower of disk and bare stream", 0.8),
                             ("Client.upload_payload", "bare gRPC client stream", 0.5)):
-        got = statistics.median(a / b for a, b in zip(times[ref], times[name], strict=True))
-        print(f"  {name + ' vs ' + ref:<64} {got:6.2f}x  (target >= {want:.2f}x)  {'ok' if got >= want else 'MISSED'}")
+        base = slower if ref.startswith("slower") else times[ref.split(" (")[0]]
+        got = statistics.median(a / b for a, b in zip(base, times[name], strict=True))
+        print(f"  {name + ' vs ' + ref:<72} {got:6.2f}x  (target >= {want:.2f}x)  {'ok' if got >= want else 'MISSED'}")
+    got = tcp / min(times["Client.materialize, new buffer"])
+    print(f"  {'Client.materialize, new buffer vs TCP socket (best)':<72} {got:6.2f}x  (target >= 0.50x)  "
+          f"{'ok' if got >= 0.5 else 'MISSED'}")
 
 
 if __name__ == "__main__":
