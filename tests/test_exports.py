@@ -519,3 +519,35 @@ def test_an_export_too_large_for_one_answer_is_refused_before_it_is_made() -> No
         info.tensors.extend(pb.TensorInfo(name=n, dtype=1, shape=[2, 2], offset=1 << 40, nbytes=16)
                             for n in names[:1000])
         assert info.ByteSize() < service.export_info_bound(small)  # the bound is one
+
+
+def test_leases_of_a_closed_client_are_released_at_exit() -> None:
+    """The documented `with Client(target) as client:` pattern closes the client while its SHM tensors live on;
+    the channel stays open for their Release, sent at exit (it failed silently on the closed channel before,
+    and the lease and its segment were held until the TTL). A closed client refuses new calls all the same."""
+    with running_server() as r:
+        code = textwrap.dedent(f"""
+            from paraminit_client import Client, ClientClosed, param, plan_of
+            plan = plan_of([param("w", [4096], {{"ones": {{}}}})])
+            with Client({target_of(r)!r}) as client:
+                lease = client.export(plan, "shm", ttl_seconds=600)
+            assert float(lease.arrays["w"].sum()) == 4096.0
+            try:
+                client.validate(plan)
+            except ClientClosed:
+                print("refused", flush=True)
+            print(lease.lease_id, flush=True)
+            import sys; sys.stdin.readline()  # the parent looks at the server's leases, then lets this exit
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            assert proc.stdout.readline().strip() == "refused"
+            lease_id = proc.stdout.readline().strip()
+            assert [x.lease_id for x in r.plane.leases.list()] == [lease_id]
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            assert proc.wait(60) == 0
+        finally:
+            proc.kill()
+        assert wait_until(lambda: r.plane.leases.list() == [], 10)

@@ -243,6 +243,9 @@ class Lease:
         self._renewer: threading.Thread | None = None
         if getattr(transport, "releases_at_exit", False):  # an in-process data plane frees its leases as it closes
             _track(self)
+            adopt = getattr(transport, "adopt", None)
+            if adopt is not None:
+                adopt(self)
         if auto_renew:
             ttl = max(1.0, self.expires_at - time.time())
             self._renewer = threading.Thread(target=self._renew_loop, args=(ttl / 3,), daemon=True,
@@ -359,6 +362,11 @@ class Lease:
             self._transport.release(self.lease_id)
         except ParaminitError as exc:  # the client was closed meanwhile: the lease expires
             log.warning("releasing lease %s after its last view went: %s", self.lease_id, exc)
+
+    @property
+    def released(self) -> bool:
+        """Whether release() was called (the server may still be told, for a CUDA_IPC view that lives on)."""
+        return self._released
 
     def __enter__(self) -> Lease:
         return self

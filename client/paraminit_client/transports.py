@@ -391,6 +391,9 @@ class GrpcTransport:
         self.workers = list(workers)
         self._channel = channel
         self._gate = _Gate(f"client of {target}")
+        # leases made through this channel and not yet released: a closed client keeps the channel open for
+        # their Release (at the latest at exit), or they would be held until their TTL
+        self._leases: weakref.WeakSet[Any] = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _close_channel, self._gate, channel)
         self.stub = pb_grpc.InitServiceStub(channel)
         # Uploads with the chunk codec: each message is encoded once, without a protobuf copy of the data.
@@ -538,8 +541,20 @@ class GrpcTransport:
     def leases(self) -> list[pb.LeaseStatus]:
         return list(self.call(self.stub.ListLeases, pb.ListLeasesRequest()).leases)
 
+    def adopt(self, lease: Any) -> None:
+        """Keep the channel open for `lease`'s Release even after close() (until it is released)."""
+        self._leases.add(lease)
+
     def release(self, lease_id: str, timeout: float | None = None) -> bool:
-        return bool(self.call(self.stub.Release, pb.ReleaseRequest(lease_id=lease_id), timeout).released)
+        if not self._gate.closed or self._gate.forked():  # a closed client's leases still release
+            return bool(self.call(self.stub.Release, pb.ReleaseRequest(lease_id=lease_id), timeout).released)
+        with rpc_errors():
+            released = bool(self.stub.Release(pb.ReleaseRequest(lease_id=lease_id),
+                                              timeout=self.timeout if timeout is None else timeout).released)
+        self._leases = weakref.WeakSet(x for x in self._leases if getattr(x, "lease_id", None) != lease_id)
+        if not self._leases:  # the last lease of a closed client: now the channel goes
+            self._channel.close()
+        return released
 
     def renew(self, lease_id: str, ttl_seconds: float) -> float:
         resp = self.call(self.stub.Renew, pb.RenewRequest(lease_id=lease_id, ttl=times.duration(ttl_seconds)))
@@ -549,9 +564,15 @@ class GrpcTransport:
         return str(self.call(self.stub.Apply, pb.ApplyRequest(lease_id=lease_id, plan=plan)).plan_digest)
 
     def close(self) -> None:
-        """Close the channel (and the workers'), once, in the process that opened it."""
+        """Close the channel (and the workers'), once, in the process that opened it; while leases made through
+        it are live, new calls are refused but the channel stays open for their Release."""
         for w in self.workers:
             w.close()
+        live = [x for x in self._leases if not getattr(x, "released", True)]
+        if live and not self._gate.forked():
+            self._gate.close(CLOSE_WAIT)
+            self._finalizer.detach()
+            return
         self._finalizer()
 
 

@@ -3,15 +3,16 @@
 float16 and bfloat16 are stored by backends as their uint16 bit patterns so that
 every backend writes the exact bits the spec rounds to (docs/SAMPLER.md section 4),
 without relying on any library's float64 -> half conversion. Clients view those
-bits as ml_dtypes' bfloat16 / numpy's float16 (`numpy`).
+bits as ml_dtypes' bfloat16 / numpy's float16 (`numpy`). ml_dtypes is imported when a bfloat16 array is
+first made (it takes about a second to import, which every command would otherwise pay).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from paraminit.v1 import plan_pb2
@@ -30,19 +31,33 @@ class DTypeInfo:
     safetensors: str  # safetensors header name, e.g. "BF16"
     itemsize: int
     storage: np.dtype[Any]  # what backends write into (half formats: uint16 bit patterns)
-    numpy: np.dtype[Any]  # what users read (ml_dtypes.bfloat16 for bfloat16)
+    numpy_name: str  # what users read: a numpy dtype name, or "ml_dtypes.bfloat16"
     fmt: int  # kernel store format: FMT_NATIVE, FMT_FLOAT16 or FMT_BFLOAT16
     aliases: tuple[str, ...] = ()
 
+    @property
+    def numpy(self) -> np.dtype[Any]:
+        """The numpy dtype users read (ml_dtypes.bfloat16 for bfloat16, imported on first use)."""
+        return _numpy_dtype(self.numpy_name)
 
-FLOAT32 = DTypeInfo(plan_pb2.DTYPE_FLOAT32, "float32", "F32", 4, np.dtype(np.float32), np.dtype(np.float32),
+
+@functools.cache
+def _numpy_dtype(name: str) -> np.dtype[Any]:
+    if name.startswith("ml_dtypes."):
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name.removeprefix("ml_dtypes.")))
+    return np.dtype(name)
+
+
+FLOAT32 = DTypeInfo(plan_pb2.DTYPE_FLOAT32, "float32", "F32", 4, np.dtype(np.float32), "float32",
                     FMT_NATIVE, ("f32", "fp32", "float"))
-FLOAT64 = DTypeInfo(plan_pb2.DTYPE_FLOAT64, "float64", "F64", 8, np.dtype(np.float64), np.dtype(np.float64),
+FLOAT64 = DTypeInfo(plan_pb2.DTYPE_FLOAT64, "float64", "F64", 8, np.dtype(np.float64), "float64",
                     FMT_NATIVE, ("f64", "fp64", "double"))
-FLOAT16 = DTypeInfo(plan_pb2.DTYPE_FLOAT16, "float16", "F16", 2, np.dtype(np.uint16), np.dtype(np.float16),
+FLOAT16 = DTypeInfo(plan_pb2.DTYPE_FLOAT16, "float16", "F16", 2, np.dtype(np.uint16), "float16",
                     FMT_FLOAT16, ("f16", "fp16", "half"))
-BFLOAT16 = DTypeInfo(plan_pb2.DTYPE_BFLOAT16, "bfloat16", "BF16", 2, np.dtype(np.uint16),
-                     np.dtype(ml_dtypes.bfloat16), FMT_BFLOAT16, ("bf16",))
+BFLOAT16 = DTypeInfo(plan_pb2.DTYPE_BFLOAT16, "bfloat16", "BF16", 2, np.dtype(np.uint16), "ml_dtypes.bfloat16",
+                     FMT_BFLOAT16, ("bf16",))
 
 SUPPORTED: tuple[DTypeInfo, ...] = (FLOAT32, FLOAT64, FLOAT16, BFLOAT16)
 NAMES: tuple[str, ...] = tuple(d.name for d in SUPPORTED)
@@ -78,4 +93,6 @@ def by_safetensors(code: Any) -> DTypeInfo | None:
 def by_numpy(dtype: Any) -> DTypeInfo | None:
     """The dtype of a numpy array's dtype (bfloat16 from ml_dtypes), or None for non-float types."""
     dt = np.dtype(dtype)
-    return next((d for d in SUPPORTED if d.numpy == dt), None)
+    if dt.name == "bfloat16":  # an array of it exists, so ml_dtypes is imported already
+        return BFLOAT16 if dt == BFLOAT16.numpy else None
+    return next((d for d in SUPPORTED[:3] if d.numpy == dt), None)
