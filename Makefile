@@ -32,8 +32,9 @@ demo: $(STAMP)
 	@echo "or activate the environment first:"
 	@echo "  . $(VENV)/bin/activate && paraminit inspect demo.safetensors"
 
+# Two workers (pytest-xdist): the suite's servers and subprocesses keep both cores of a small machine busy.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check proto server client tests bench

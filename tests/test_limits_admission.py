@@ -88,7 +88,8 @@ def test_allocation_failure_mid_plan_frees_everything(where: str, fail_at: int) 
 
 
 def test_memory_budget_refuses_without_allocating() -> None:
-    with running_server(memory_budget=8 << 20) as r, Client(target_of(r)) as c:
+    # one identity may lease the whole budget here, so the budget is what refuses (its share: below)
+    with running_server(memory_budget=8 << 20, max_leased_bytes_per_client=1 << 30) as r, Client(target_of(r)) as c:
         held = c.export(plan_of([param("a", [1 << 20], {"zeros": {}})]))  # 4 MiB of 8
         big = plan_of([param("b", [(6 << 20) // 4], {"zeros": {}})])
         with pytest.raises(ParaminitError) as info:
@@ -98,3 +99,8 @@ def test_memory_budget_refuses_without_allocating() -> None:
         assert re.search(rf"needs 6291456 bytes .* {free} of 8388608 are available", info.value.message)
         held.release()
         c.export(plan_of([param("b", [(6 << 20) // 4], {"zeros": {}})])).release()
+    with running_server(memory_budget=8 << 20) as r, Client(target_of(r)) as c:  # the default share: 3/4
+        c.export(plan_of([param("b", [(6 << 20) // 4], {"zeros": {}})])).release()
+        with pytest.raises(ParaminitError, match="its share of 6291456 leasable bytes") as share:
+            c.export(plan_of([param("c", [(7 << 20) // 4], {"zeros": {}})]))
+        assert share.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -34,7 +34,7 @@ class ServerConfig:
     max_lease_ttl: float = 3600.0
     max_leased_bytes: int = 64 * GiB
     max_leases_per_client: int = 64
-    max_leased_bytes_per_client: int = 0  # 0 = half of the smaller of --max-leased-bytes and the memory budget
+    max_leased_bytes_per_client: int = 0  # 0 = 3/4 of the smaller of --max-leased-bytes and the memory budget
     max_concurrent_per_client: int = 0  # 0 = --max-concurrent less a quarter (at least 1)
     max_queued_per_client: int = 0  # 0 = half of --max-queued (at least 1)
     shm_pool_bytes: int = 0  # keep released SHM segments (renamed) for the same identity's next export; 0 = off
@@ -105,8 +105,9 @@ HELP: dict[str, str] = {
     "max_lease_ttl": "longest lease time to live (seconds) a client may ask for",
     "max_leased_bytes": "bytes all live leases may hold together",
     "max_leases_per_client": "live leases one identity may hold",
-    "max_leased_bytes_per_client": "bytes one identity's live leases may hold; 0 = half of the smaller of "
-                                   "--max-leased-bytes and --memory-budget, so one identity cannot take them all",
+    "max_leased_bytes_per_client": "bytes one identity's live leases may hold; 0 = three quarters of the smaller of "
+                                   "--max-leased-bytes and --memory-budget, so one identity's leases always leave "
+                                   "room for the others' streams",
     "max_concurrent_per_client": "materializations one identity may run at once; 0 = --max-concurrent less a "
                                  "quarter (at least 1), so one identity never holds every slot",
     "max_queued_per_client": "calls one identity may have waiting in line; 0 = half of --max-queued (at least 1)",

@@ -112,7 +112,8 @@ class Materializer:
         leasable = min(config.max_leased_bytes, device_budget if device_budget is not None else host_budget)
         self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
                                  config.max_lease_ttl,
-                                 max_bytes_per_owner=config.max_leased_bytes_per_client or max(1, leasable // 2))
+                                 max_bytes_per_owner=config.max_leased_bytes_per_client
+                                 or max(1, leasable - leasable // 4))
         self.exports = Exports(backend, self.leases, self.admission.backend, config.shm_pool_bytes)
 
     # -- plans ---------------------------------------------------------------------------
