@@ -46,7 +46,8 @@ def _numpy_dtype(name: str) -> np.dtype[Any]:
     if name.startswith("ml_dtypes."):
         import ml_dtypes
 
-        return np.dtype(getattr(ml_dtypes, name.removeprefix("ml_dtypes.")))
+        found: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name.removeprefix("ml_dtypes.")))
+        return found
     return np.dtype(name)
 
 
