@@ -57,7 +57,7 @@ def main() -> None:
             codes[kind][code] += 1
 
     with tempfile.NamedTemporaryFile("w", suffix=".tokens") as tokens:
-        tokens.write("good:good-token\nbad:bad-token\n")
+        tokens.write("good:good-token-0123456789\nbad:bad-token-0123456789\n")
         tokens.flush()
         env = {"PARAMINIT_MAX_CONCURRENT": "2", "PARAMINIT_MEMORY_BUDGET": str(BUDGET),
                "PARAMINIT_MAX_STALL": str(STALL), "PARAMINIT_AUTH_TOKENS_FILE": tokens.name,
@@ -67,7 +67,7 @@ def main() -> None:
             idle_rss = rss_kib(pid)[0] << 10
             big = plan_of([param("w", [(64 << 20) // 4], {"uniform": {"lo": -1, "hi": 1, "seed": 1}})])
             small = plan_of([param("w", [(4 << 20) // 4], {"normal": {"std": 1.0, "seed": 2}})])
-            bad_md = (("authorization", "Bearer bad-token"),)
+            bad_md = (("authorization", "Bearer bad-token-0123456789"),)
             channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
             stub = pb_grpc.InitServiceStub(channel)
             upload = channel.stream_unary("/paraminit.v1.InitService/UploadPayload", request_serializer=bytes,
@@ -97,12 +97,12 @@ def main() -> None:
                             continue
                         for n, _ in enumerate(call):
                             if kind == "stream, stalled" and n == 0:
-                                time.sleep(60)  # reads nothing more: the server must cancel it
+                                time.sleep(3 * STALL)  # reads nothing for a while: the server must cancel it
                             elif kind == "stream, slow reader":
                                 time.sleep(0.3)
-                            if stop.is_set():
-                                call.cancel()
-                                break
+                                if stop.is_set():
+                                    call.cancel()
+                                    break
                         count(kind, "OK")
                     except grpc.RpcError as exc:
                         count(kind, exc.code().name)
@@ -116,7 +116,7 @@ def main() -> None:
                     t = time.monotonic()
                     try:
                         n = sum(1 for _ in good.Materialize(pb.MaterializeRequest(plan=small),
-                                                            metadata=(("authorization", "Bearer good-token"),),
+                                                            metadata=(("authorization", "Bearer good-token-0123456789"),),
                                                             timeout=60))
                         count("good: stream", "OK" if n else "EMPTY")
                         with lock:
