@@ -56,3 +56,27 @@ def test_dry_run_stops_at_once_with_one_line(case: str, tmp_path: Path) -> None:
     # nothing else ran: no wheels, no probe, no compile
     assert sorted(p.name for p in out.iterdir()) == ["env.txt"]
     assert (out / "env.txt").read_text().splitlines() == lines
+
+
+def test_out_of_time_steps_are_skipped_and_the_logs_come_back_in_one_archive(tmp_path: Path) -> None:
+    """With a device seen but no time left for any step, no step runs without a limit (`timeout 0` would mean
+    none), each says it was skipped, and $OUT holds at most 6 files (the device machine hands back 8 at most),
+    the step logs in one archive."""
+    import tarfile
+
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "cupy.py").write_text("__version__ = '0.0-stand-in'\nimport types\n"
+                                  "cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))\n")
+    out = tmp_path / "out"
+    paths = os.pathsep.join([str(fake), str(ROOT / "proto"), str(ROOT / "server"), str(ROOT / "client")])
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": paths, "GPU_CHECK_BUDGET": "1"}
+    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert res.returncode == 1, res.stdout + res.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 6 and "logs.tar.gz" in files and not [f for f in files if f.endswith(".log")], files
+    summary = (out / "summary.txt").read_text()
+    for step in ("the CUDA IPC probe", "the kernel compiles", "the gpu tests", "normal parity", "bench/gpu.py"):
+        assert f"SKIPPED: {step}: out of the 1s budget" in summary, summary
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert "ipc_probe.log" in tar.getnames()
