@@ -194,9 +194,9 @@ class InitServicer(pb_grpc.InitServiceServicer):
                 delivered = False
                 try:
                     yield response
-                    delivered = context.is_active()
+                    delivered = True  # gRPC asks for more only once the answer is sent
                 finally:
-                    if not delivered:  # the caller left before the answer reached it: nobody knows the lease id
+                    if not delivered:  # the caller left before the answer was sent: nobody knows the lease id
                         with contextlib.suppress(errors.ParaminitServerError):
                             self.plane.release(response.export.lease.lease_id, caller)
             if outcome != "stalled":
