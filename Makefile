@@ -2,18 +2,27 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/paraminit/v1/*.proto)
 
 .PHONY: venv demo test lint proto kernel-tables bench gpu-wheels image-check clean
 
-$(STAMP): pyproject.toml
+# The demo needs the package alone (numpy, numba, grpc, ...): a small venv in well under a minute.
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $(BASE)
+
+# Tests and lint add the test and lint stack, PyTorch, torchtitan and, as root with apt, Debian's promtool.
+$(STAMP): $(BASE)
 	$(PY) -m pip install -q -e '.[dev]'
 	# PyTorch tests (tests/test_torch.py) run against the CPU build; they skip cleanly without torch.
 	$(PY) -m pip install -q 'torch==2.13.0' || echo "torch 2.13.0 not installable here: PyTorch tests will skip"
 	# promtool (Debian's prometheus package) for tests/test_prometheus_rules.py, where this runs as root with apt.
+	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		echo "installing Debian's prometheus system-wide (promtool, for the alert rule tests)"; } || true
 	command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
 		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; }; }; } || \
@@ -24,7 +33,7 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(VENV)/bin/paraminit materialize examples/gpt2_small.json -o demo.safetensors
 	@echo
 	@echo "paraminit is installed in $(VENV)/bin, which is not on your PATH. Run it as"
