@@ -1016,3 +1016,15 @@ def test_inspect_of_a_file_truncated_while_read_is_an_error_not_sigbus(tmp_path:
     os.truncate(path, 4096)
     with pytest.raises(inspect.SafetensorsError, match="ends inside the tensor's data"):
         list(chunks)
+
+
+def test_materialize_to_standard_output(tmp_path: Path) -> None:
+    """`-o -` writes the safetensors bytes to stdout (not a file named `-`); the summary goes to stderr."""
+    plan = ROOT / "examples/mlp.json"
+    ref = tmp_path / "ref.safetensors"
+    assert subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(ref), "-q"]).returncode == 0
+    r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", "-"], capture_output=True,
+                       cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ref.read_bytes() and b"wrote stdout: 6 parameters" in r.stderr
+    assert not (tmp_path / "-").exists()

@@ -16,9 +16,10 @@ from paraminit_client.plans import (
     plan_from_dict,
     plan_from_safetensors,
     plan_of,
+    plan_to_json,
     zip_plan,
 )
 
 __all__ = ["Client", "ClientClosed", "FileAccessError", "InvalidArgument", "ParaminitError", "PlanFileError",
            "ValidationReport", "Violation", "__version__", "load_plan", "param", "plan_from_dict",
-           "plan_from_safetensors", "plan_of", "zip_plan"]
+           "plan_from_safetensors", "plan_of", "plan_to_json", "zip_plan"]

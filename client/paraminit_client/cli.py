@@ -24,7 +24,7 @@ import grpc
 
 from paraminit import dtypes, exitcodes, sizes
 from paraminit_client import __version__, filesink, inspect
-from paraminit_client.client import Client
+from paraminit_client.client import Client, write_stream
 from paraminit_client.errors import InvalidArgument, ParaminitError
 from paraminit_client.plans import PlanFileError, load_plan, plan_from_safetensors, plan_to_json
 
@@ -177,7 +177,9 @@ def check_output(output: str, inputs: Sequence[str | None]) -> Path:
 
 def cmd_materialize(args: argparse.Namespace) -> int:
     started = time.time()  # one clock (tqdm's) for the bar and the summary
-    check_output(args.output, [args.plan])
+    to_stdout = args.output == "-"  # the data to standard output, everything said to standard error
+    if not to_stdout:
+        check_output(args.output, [args.plan])
     plan = load_plan(args.plan)
     compiled = _compile_seconds()
     show_bar = args.progress and not args.quiet and sys.stderr.isatty()
@@ -189,14 +191,26 @@ def cmd_materialize(args: argparse.Namespace) -> int:
         if not data_at:
             data_at.append(time.time())
             if show_bar:
-                bar = _progress_bar(total, Path(args.output).name)
+                bar = _progress_bar(total, "stdout" if to_stdout else Path(args.output).name)
                 bar.start_t = started  # elapsed and rate from the command's start, as the summary
         if bar is not None:
             bar.update(done - bar.n)
 
     try:
         with _client(args) as c:
-            header = c.materialize_to_file(plan, args.output, progress=progress, chunk_bytes=args.chunk_bytes)
+            if to_stdout:
+                header, chunks = c.stream(plan, chunk_bytes=args.chunk_bytes, check_crc=False)
+                progress(0, header.data_bytes)
+                done = [0]
+
+                def advance(n: int) -> None:
+                    done[0] += n
+                    progress(done[0], header.data_bytes)
+
+                sys.stdout.flush()
+                write_stream(sys.stdout.fileno(), header.safetensors_prefix, chunks, advance)
+            else:
+                header = c.materialize_to_file(plan, args.output, progress=progress, chunk_bytes=args.chunk_bytes)
     finally:
         if bar is not None:
             bar.close()
@@ -207,9 +221,10 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     if not args.quiet:
         setup = min(max((data_at[0] - started if data_at else seconds) - compiled, 0.0), seconds)
         extra = f" plus {compiled:.1f} s compiling CPU kernels" if compiled > 0 else ""
-        print(f"wrote {args.output}: {_plural(len(header.tensors), 'parameter')}, {sizes.format_size(total)} in "
-              f"{seconds:.2f} s{extra} ({sizes.format_size(total / max(seconds, 1e-9))}/s; {setup:.2f} s of it "
-              f"before the first byte: plan checks), plan digest {header.plan_digest}", flush=True)
+        print(f"wrote {'stdout' if to_stdout else args.output}: {_plural(len(header.tensors), 'parameter')}, "
+              f"{sizes.format_size(total)} in {seconds:.2f} s{extra} ({sizes.format_size(total / max(seconds, 1e-9))}"
+              f"/s; {setup:.2f} s of it before the first byte: plan checks), plan digest {header.plan_digest}",
+              file=sys.stderr if to_stdout else sys.stdout, flush=True)
     return EXIT_OK
 
 
@@ -436,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
             "when complete). On a terminal a progress bar shows on stderr; on success one line on stdout says what "
             "was written: parameters, bytes, time, throughput and the plan digest.")
     m.add_argument("plan", help="plan file: JSON or YAML form of paraminit.v1.Plan")
-    m.add_argument("-o", "--output", required=True, metavar="FILE", help="safetensors file to write")
+    m.add_argument("-o", "--output", required=True, metavar="FILE",
+                   help="safetensors file to write; - writes it to standard output (the summary then goes to stderr)")
     m.add_argument("--chunk-bytes", type=sizes.size_arg, default=0, metavar="SIZE",
                    help="largest stream chunk to ask the server for, e.g. 2MiB (default: 0, the server's choice)")
     m.add_argument("--no-progress", dest="progress", action="store_false",

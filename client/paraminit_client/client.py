@@ -460,14 +460,25 @@ def _write_in_place(dest: Path, prefix: bytes, chunks: Iterator[Chunk], update: 
     except OSError as exc:
         raise FileAccessError(exc) from None
     try:
+        write_stream(fd, prefix, chunks, update)
+    finally:
+        os.close(fd)
+
+
+def write_stream(fd: int, prefix: bytes, chunks: Iterator[Chunk], update: Callable[[int], None] | None = None) -> None:
+    """The safetensors prefix then every chunk, in order, to an open descriptor (a pipe, standard output).
+
+    Raises:
+        FileAccessError: a write failed (a closed pipe, a full disk).
+        ParaminitError: as for `Client.stream`.
+    """
+    try:
         _write_all(fd, prefix)
         land(chunks, lambda c: _write_all(fd, c.data), update)
     except OSError as exc:
         if isinstance(exc, ParaminitError):
             raise
         raise FileAccessError(exc) from exc
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
