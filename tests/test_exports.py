@@ -552,3 +552,40 @@ def test_leases_of_a_closed_client_are_released_at_exit() -> None:
         finally:
             proc.kill()
         assert wait_until(lambda: r.plane.leases.list() == [], 10)
+
+
+HOLDS_MAPPING = textwrap.dedent("""
+    import mmap, os, sys
+    fd = os.open("/dev/shm/" + sys.argv[1], os.O_RDWR)
+    m = mmap.mmap(fd, int(sys.argv[2]))
+    os.close(fd)
+    print(m[0:4].hex(), flush=True)
+    sys.stdin.readline()  # holds the mapping until told
+""")
+
+
+def test_an_expired_segment_still_mapped_stays_charged_until_unmapped() -> None:
+    """A lease that expires while another process maps its segment: the pages stay with that process, so the
+    bytes stay charged to the memory budget (and the segment named) until it unmaps, then both go."""
+    plan = plan_of([param("w", [1 << 20], {"ones": {}})])  # 4 MiB
+    with running_server() as r, Client(target_of(r)) as c:
+        base = r.plane.admission.host.reserved
+        lease = c.export(plan, ttl_seconds=0.3)
+        name, size = lease.info.shm.segment_name, lease.info.shm.size
+        holder = subprocess.Popen([sys.executable, "-c", HOLDS_MAPPING, name, str(size)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "0000803f"  # 1.0f
+            lease.stop_renewing()
+            assert wait_until(lambda: not r.plane.leases.list(), 10)  # expired
+            time.sleep(2.5)  # past a quarantine look
+            assert r.plane.exports.quarantined_bytes() == size
+            assert r.plane.admission.host.reserved - base >= size and os.path.exists(f"/dev/shm/{name}")
+            assert holder.stdin is not None
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            assert holder.wait(30) == 0
+        finally:
+            holder.kill()
+        assert wait_until(lambda: r.plane.exports.quarantined_bytes() == 0, 15)
+        assert r.plane.admission.host.reserved == base and not os.path.exists(f"/dev/shm/{name}")

@@ -12,6 +12,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from paraminit_server.backends import HOST, Backend, ExportBuffer, ExportHandle
 from paraminit_server.plane import engine, errors, layout
@@ -22,6 +23,7 @@ from paraminit_server.plane.ledger import Claim
 from paraminit_server.plans.plan import ResolvedParam
 
 GPU_ALIGN = 256
+QUARANTINE_CHECK = 2.0  # seconds between looks at whether an expired segment is still mapped elsewhere
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,11 @@ class Exports:
         self.budget = budget
         self.pool = BufferPool(pool_bytes, budget)
         self.align = layout.EXPORT_ALIGN if backend.memory == HOST else GPU_ALIGN
+        # expired segments another process still maps, with the budget they keep holding
+        self._quarantined: list[tuple[Any, Claim]] = []
+        self._quarantine_lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def export(self, params: Sequence[ResolvedParam], digest: str, delivery: str, caller: Caller,
                ttl_seconds: float = 0.0) -> Export:
@@ -126,15 +133,54 @@ class Exports:
 
         def release(explicit: bool) -> None:
             # Only an explicit Release proves the holder is done with the memory; an expired or
-            # abandoned buffer may still be mapped, so it is never lent to anyone again.
+            # abandoned buffer may still be mapped, so it is never lent to anyone again, and its bytes stay
+            # charged to the budget for as long as another process maps it (its pages stay with it).
             if explicit:
                 self.pool.give(owner, buf)
+                reservation.release()
+            elif getattr(buf, "mapped_elsewhere", None) is not None:
+                self._quarantine(buf, reservation)
             else:
                 buf.close()
-            reservation.release()
+                reservation.release()
 
         rec = self.leases.add(slot, delivery, ttl, digest, release, (lay, buf))
         return Export(rec, lay, handle)
+
+    def _quarantine(self, buf: Any, reservation: Claim) -> None:
+        """Keep an expired segment's bytes charged until no other process maps it (looked at every
+        QUARANTINE_CHECK seconds), then unlink it and give the bytes back."""
+        buf.unmap()
+        with self._quarantine_lock:
+            self._quarantined.append((buf, reservation))
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name="paraminit-quarantine", daemon=True)
+                self._watcher.start()
+
+    def _watch(self) -> None:
+        while True:
+            self._settle()
+            with self._quarantine_lock:
+                if not self._quarantined:
+                    self._watcher = None
+                    return
+            if self._closed.wait(QUARANTINE_CHECK):
+                return
+
+    def _settle(self, force: bool = False) -> None:
+        """Free the quarantined segments nobody maps any more (all of them with `force`, at shutdown)."""
+        with self._quarantine_lock:
+            items = list(self._quarantined)
+        free = [(b, r) for b, r in items if force or not b.mapped_elsewhere()]
+        with self._quarantine_lock:
+            self._quarantined = [x for x in self._quarantined if x not in free]
+        for b, r in free:
+            b.close()
+            r.release()
+
+    def quarantined_bytes(self) -> int:
+        with self._quarantine_lock:
+            return sum(r.nbytes for _, r in self._quarantined)
 
     def check_caller(self, delivery: str, caller: Caller) -> None:
         """Refuse, before any work, an export this caller could not use.
@@ -193,6 +239,8 @@ class Exports:
     def close(self) -> None:
         self.leases.close()
         self.pool.close()
+        self._closed.set()
+        self._settle(force=True)  # a server that stops takes its segments with it, mapped or not
 
 
 def _check_same_parameters(lay: layout.Layout, params: Sequence[ResolvedParam]) -> None:

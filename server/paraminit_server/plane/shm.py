@@ -193,9 +193,36 @@ class ShmSegment:
         self.name, self.path = name, path
         return True
 
-    def close(self) -> None:
+    def unmap(self) -> None:
+        """Drop this process's mapping, keep the name (a holder whose lease expired may still map it)."""
         self.array = np.empty(0, np.uint8)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
         with contextlib.suppress(BufferError):  # a view is still alive somewhere; the mapping goes when it does
             self._map.close()
+
+    def mapped_elsewhere(self) -> bool:
+        """Whether another process (of this user, who alone can open the segment) still maps it."""
+        return mapped_by_others(self.path)
+
+    def close(self) -> None:
+        self.unmap()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def mapped_by_others(path: str) -> bool:
+    """Whether any process but this one maps `path` (read from /proc/PID/maps; processes whose maps cannot be
+    read, another user's, cannot have opened a 0600 segment of ours)."""
+    me = str(os.getpid())
+    needle = f" {path}\n".encode()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit() and p != me]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                if needle in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
