@@ -164,12 +164,8 @@ def _header(names: Sequence[str], entries: Sequence[tuple[str, tuple[int, ...], 
     """The safetensors JSON header, byte for byte what json.dumps(separators=(",", ":")) makes of the dict
     {"__metadata__": ..., name: {"dtype", "shape", "data_offsets"}, ...}, written out entry by entry
     (entries: safetensors dtype, shape and bytes of each parameter)."""
+    # no parameter is named __metadata__ (validation refuses the name), so the entries never collide with it
     meta: dict[str, object] = {"__metadata__": {"plan_digest": plan_digest, "format": "pt"}}
-    if "__metadata__" in names:  # a parameter of that name replaces the entry: as a dict does
-        header: dict[str, object] = dict(meta)
-        for name, (dt, shape, nbytes), o in zip(names, entries, offsets, strict=True):
-            header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [o, o + nbytes]}
-        return json.dumps(header, separators=(",", ":")).encode()
     quote = json.encoder.encode_basestring_ascii  # what json.dumps uses (ensure_ascii)
     parts = [json.dumps(meta, separators=(",", ":"))[:-1]]
     for name, (dt, shape, nbytes), o in zip(names, entries, offsets, strict=True):
