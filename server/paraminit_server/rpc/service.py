@@ -191,14 +191,12 @@ class InitServicer(pb_grpc.InitServiceServicer):
             else:
                 response = self.handlers.export(request, caller)
                 header = pb.StreamHeader(plan_digest=response.export.plan_digest, tensors=response.export.tensors)
-                delivered = False
-                try:
-                    yield response
-                    delivered = True  # gRPC asks for more only once the answer is sent
-                finally:
-                    if not delivered:  # the caller left before the answer was sent: nobody knows the lease id
-                        with contextlib.suppress(errors.ParaminitServerError):
-                            self.plane.release(response.export.lease.lease_id, caller)
+                if not context.is_active():  # the caller left while the export was made: nobody will know its id
+                    with contextlib.suppress(errors.ParaminitServerError):
+                        self.plane.release(response.export.lease.lease_id, caller)
+                    raise errors.Cancelled("client cancelled or deadline passed during the export")
+                # (once sent, a caller that hangs up at once may still hold the answer: the lease stays)
+                yield response
             if outcome != "stalled":
                 outcome = "ok" if context.is_active() else "cancelled"
         finally:
