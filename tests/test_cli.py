@@ -341,6 +341,12 @@ def test_plan_from_module(tmp_path: Path, capsys: pytest.CaptureFixture[str], mo
     assert code == cli.EXIT_ERROR and "not a torch.nn.Module" in err
     code, _, err = run_cli(capsys, "plan", "from-module", "mymodels.nets")
     assert code == cli.EXIT_USAGE and "package.module:factory" in err
+    from paraminit_client import torch as adapter
+
+    assert cli.POLICIES == adapter.POLICIES  # the CLI takes every policy Python takes
+    for policy in adapter.POLICIES:
+        code, _, err = run_cli(capsys, "plan", "from-module", "mymodels.nets:small", "--policy", policy)
+        assert "invalid choice" not in err, (policy, err)
 
 
 # -- validate, versions, help, sizes --------------------------------------------------------------------------------
@@ -1028,3 +1034,20 @@ def test_materialize_to_standard_output(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout == ref.read_bytes() and b"wrote stdout: 6 parameters" in r.stderr
     assert not (tmp_path / "-").exists()
+
+
+def test_an_in_process_limit_names_the_variable_that_raises_it(tmp_path: Path) -> None:
+    """In process there is no server: a plan over the per-parameter limit says so with sizes in units and the
+    variable that raises the limit, and the variable works."""
+    plan = tmp_path / "big.json"
+    plan.write_text(json.dumps({"params": [{"name": "w", "shape": [1024, 1024], "init": {"zeros": {}}}]}))
+    env = {**os.environ, "PARAMINIT_MAX_PARAM_BYTES": "1MiB"}
+    r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and "server" not in r.stderr, r.stderr
+    assert "over a limit of this process" in r.stderr and "4.0 MiB" in r.stderr and "1.0 MiB" in r.stderr
+    assert "PARAMINIT_MAX_PARAM_BYTES" in r.stderr
+    env["PARAMINIT_MAX_PARAM_BYTES"] = "8MiB"
+    r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr

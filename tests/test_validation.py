@@ -108,8 +108,10 @@ def test_size_overflow_and_limits() -> None:
     report = validate(plan, Limits(max_param_bytes=500, max_plan_bytes=1000))
     assert report.only_limits
     assert [str(v) for v in report.violations] == [
-        "params[1].shape ('b'): parameter needs 800 bytes, over the per-parameter limit of 500",
-        "params: plan needs 1200 bytes, over the per-plan limit of 1000"]
+        "params[1].shape ('b'): parameter needs 800 bytes (800 B), over the per-parameter limit of 500 (500 B; "
+        "--max-param-bytes, PARAMINIT_MAX_PARAM_BYTES)",
+        "params: plan needs 1200 bytes (1.2 KiB), over the per-plan limit of 1000 (1000 B; --max-plan-bytes, "
+        "PARAMINIT_MAX_PLAN_BYTES)"]
 
 
 def test_untrusted_shapes_are_sized_without_big_integers() -> None:

@@ -50,6 +50,11 @@ _CODE_WORDS = {
 }
 
 
+# paraminit_client.torch.POLICIES, written here so that the CLI starts without importing torch (a test holds
+# the two equal)
+POLICIES = ("torch", "torchlean", "hf", "torchtitan")
+
+
 class UsageError(Exception):
     """An argument argparse accepted but the command cannot use (exit code EXIT_USAGE)."""
 
@@ -509,10 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "the current directory is importable")
     fm.add_argument("--seed", type=int, default=0, help="plan seed; each parameter's seed derives from it and "
                     "the parameter name (default: 0)")
-    fm.add_argument("--policy", choices=("torch", "torchlean", "hf"), default="torch",
+    fm.add_argument("--policy", choices=POLICIES, default="torch",
                     help="torch: PyTorch's own default distributions; torchlean: kaiming/xavier uniform, as "
                     "TorchLean (the Lean runtime whose sampler paraminit reproduces) initializes; hf: Hugging Face "
-                    "transformers' own _init_weights (pip install 'paraminit[hf]') (default: torch)")
+                    "transformers' own _init_weights (pip install 'paraminit[hf]'); torchtitan: torchtitan's own "
+                    "init_weights, read from the module (pip install 'paraminit[torchtitan]') (default: torch)")
     fm.add_argument("--overrides", metavar="package.module:callable", help="asked first for every tensor: "
                     "callable(name, tensor) or callable(name, tensor, module, module_name) returning an "
                     "initializer as JSON ({'normal': {'std': 0.02}}) or an Init, or None to leave it to the policy")
@@ -557,6 +563,8 @@ def _rpc_line(err: ParaminitError, target: str | None) -> str:
         reason = re.search(r"Failed to connect to remote host: ([^;]+)", first) or re.search(r"([^:]+)$", first)
         why = f": {reason.group(1).strip()}" if reason else ""
         return f"cannot connect to {target or 'the server'}{why} (gRPC status {err.code.name})"
+    if not target and err.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # in process: this process's own limits
+        return f"over a limit of this process: {first} (the variable named raises it, e.g. PARAMINIT_MAX_PARAM_BYTES=64GiB)"
     return f"{_CODE_WORDS.get(err.code.name, err.code.name.lower())}: {first} (gRPC status {err.code.name})"
 
 

@@ -145,7 +145,7 @@ class Materializer:
             report = validation.validate(p, self.limits, sources, cols)
             if report.only_limits:
                 worst = "; ".join(v.message for v in report.violations)
-                raise errors.ResourceExhausted(f"plan exceeds server limits: {worst}", report.violations)
+                raise errors.ResourceExhausted(f"plan exceeds the limits: {worst}", report.violations)
             if not report.ok:
                 raise errors.InvalidPlan(report.violations)
             return Checked(plan.resolve(p, sources, cols), report, plan.digest(p, sources, cols), sources)

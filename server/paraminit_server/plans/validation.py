@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from paraminit import dtypes, inits
 from paraminit.shapes import MAX_ELEMENTS, numel_at_most
+from paraminit.sizes import format_size
 from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, Violation, camel_path
 from paraminit_server.plane import errors
@@ -82,7 +83,9 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = N
             sizes.append(_check_param(i, p, limits, sources, first_seen, out) if size is None else size)
     total = sum(sizes)
     if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
-        out.append(Violation(-1, "", "params", f"plan needs {total} bytes, over the per-plan limit of {limits.max_plan_bytes}", LIMIT))
+        out.append(Violation(-1, "", "params", f"plan needs {total} bytes ({format_size(total)}), over the "
+                             f"per-plan limit of {limits.max_plan_bytes} ({format_size(limits.max_plan_bytes)}; "
+                             "--max-plan-bytes, PARAMINIT_MAX_PLAN_BYTES)", LIMIT))
     return Report(tuple(out), tuple(sizes))
 
 
@@ -182,7 +185,9 @@ def _check_param(i: int, p: plan_pb2.Param, limits: Limits, sources: Any, first_
             bad("shape", f"size overflows: {region_numel} elements of {dt.name} exceed 2^63 bytes")
             size = 0
         elif limits.max_param_bytes is not None and size > limits.max_param_bytes:
-            bad("shape", f"parameter needs {size} bytes, over the per-parameter limit of {limits.max_param_bytes}", LIMIT)
+            bad("shape", f"parameter needs {size} bytes ({format_size(size)}), over the per-parameter limit "
+                         f"of {limits.max_param_bytes} ({format_size(limits.max_param_bytes)}; "
+                         "--max-param-bytes, PARAMINIT_MAX_PARAM_BYTES)", LIMIT)
     out.extend(found)
     return size
 
