@@ -7,6 +7,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+# safetensors.numpy reads bfloat16 by numpy's name for it, which exists once ml_dtypes is imported; paraminit
+# itself imports ml_dtypes only when it first makes a bfloat16 array
+import ml_dtypes  # noqa: F401
 import pytest
 
 from paraminit_client import Client

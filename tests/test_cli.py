@@ -833,21 +833,24 @@ def _odd_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_inspect_default_fits_100_columns_and_counts_non_finite_values(tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_fits_the_terminal_and_counts_non_finite_values(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     from paraminit_client import inspect
 
     path = _odd_file(tmp_path)
-    code, out, _ = run_cli(capsys, "inspect", str(path))
-    assert code == 0
+    name = "transformer.encoder.layers.11.self_attention.query_key_value.weight"
+    code, out, _ = run_cli(capsys, "inspect", str(path))  # not a terminal: names whole
+    assert code == 0 and name in out
     lines = out.splitlines()
-    table = lines[:3]
-    assert all(len(line) <= inspect.COMPACT_COLUMNS for line in table), [len(x) for x in table]
     assert "non-finite" in lines[0].split() and "min" not in lines[0].split()
-    bad = next(line for line in table if line.startswith("bad "))
+    bad = next(line for line in lines[:3] if line.startswith("bad "))
     assert bad.split()[-1] == "3"  # NaN, +inf, -inf: counted, not hidden behind mean 1 std 0
-    long_row = next(line for line in table if line.startswith("transformer."))
-    assert "~" in long_row.split()[0] and long_row.split()[0].endswith("value.weight")
+    for columns in (80, 100, 140):  # a terminal of that width: names cut in the middle to fit it
+        table = inspect.format_table(inspect.inspect_file(path), columns=columns).splitlines()[:3]
+        assert all(len(line) <= columns for line in table), (columns, [len(x) for x in table])
+        long_row = next(line for line in table if line.startswith("transformer"))
+        first = long_row.split()[0]
+        assert first == name if len(name) + 60 < columns else ("~" in first and first.endswith("e.weight"))
     code, wide, _ = run_cli(capsys, "inspect", str(path), "--wide")
     head = wide.splitlines()[0].split()
     assert {"min", "max", "non-finite"} <= set(head)

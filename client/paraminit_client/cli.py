@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -292,7 +293,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(inspect.to_json(report), indent=1))
     else:
-        print(inspect.format_table(report, wide=args.wide))
+        # names are cut (in the middle) only to fit a terminal, at its own width
+        width = shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else None
+        print(inspect.format_table(report, wide=args.wide, columns=width))
     if args.plot:
         written = inspect.plot(report, args.plot, log=args.plot_log)
         print(f"wrote {len(written)} histograms to {args.plot}", file=sys.stderr)

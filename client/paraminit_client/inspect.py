@@ -301,8 +301,6 @@ def _shape(shape: Sequence[int]) -> str:
     return "x".join(str(d) for d in shape) if shape else "scalar"
 
 
-COMPACT_COLUMNS = 100  # the default table fits a terminal this wide; --wide shows every column
-
 
 def _fit(text: str, width: int) -> str:
     """`text` cut in the middle to `width` characters (names differ most at both ends)."""
@@ -312,14 +310,16 @@ def _fit(text: str, width: int) -> str:
     return text[:keep - keep // 2] + "~" + text[len(text) - keep // 2:]
 
 
-def format_table(report: Report, wide: bool = False) -> str:
+def format_table(report: Report, wide: bool = False, columns: int | None = None) -> str:
     """The human table: one line per tensor, a verdict per tensor with a plan, and a total line.
 
     Args:
         report: what inspect_file found.
-        wide: every column (min, max, the plan's expected statistics); the default is a compact table that fits
-            COMPACT_COLUMNS: name, dtype, shape, bytes, mean, std, non-finite count (when any), and with a plan
-            the expected initializer and the check. Long names are cut in the middle to fit.
+        wide: every column (min, max, the plan's expected statistics); the default is a compact table: name, dtype,
+            shape, bytes, mean, std, non-finite count (when any), and with a plan the expected initializer and
+            the check.
+        columns: the width to fit (a terminal's): long names are cut in the middle to fit it, never to less
+            than 12 characters; None (output that is not a terminal) and `wide` never cut a name.
 
     Returns:
         The table, the FLAG lines and a summary line.
@@ -347,9 +347,9 @@ def format_table(report: Report, wide: bool = False) -> str:
                 "exp min": _num(x.lo) if x else "-", "exp max": _num(x.hi) if x else "-", "check": r.status}
         lines.append([cell[c] for c, _ in cols])
     widths = [max(len(row[i]) for row in lines) for i in range(len(cols))]
-    if not wide:
+    if not wide and columns is not None:
         others = sum(widths[1:]) + 2 * (len(cols) - 1)
-        widths[0] = max(min(widths[0], COMPACT_COLUMNS - others), 12)
+        widths[0] = max(min(widths[0], columns - others), 12)
         for row in lines:
             row[0] = _fit(row[0], widths[0])
     out = ["  ".join(c.rjust(w) if right else c.ljust(w) for c, w, (_, right) in zip(row, widths, cols, strict=True))
