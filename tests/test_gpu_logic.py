@@ -780,3 +780,27 @@ def test_a_failed_attribute_query_is_backend_unavailable(monkeypatch: pytest.Mon
     with pytest.raises(errors.BackendUnavailable, match="attributes failed"):
         cb.kernels(5)
     assert cb._KERNELS == {}  # nothing half-made is cached
+
+
+def test_a_lease_released_under_live_views_is_released_at_exit(world: World, no_driver: None,
+                                                                client_cupy: FakeCupy) -> None:
+    """Release deferred to the last view's end never came when the views outlived the interpreter (the
+    mapping's finalizer does not run at exit): the exit hook now sends it, once, and a view that goes later
+    sends nothing more."""
+
+    class Tracked(RecordingClient):
+        releases_at_exit = True
+
+    info = exported_info(world, 0, 4096, [("w", [16, 4], 256)])
+    lease = client_exports.Lease(Tracked(world), info)
+    lease._release_in_background = lease._send_release  # type: ignore[method-assign]  # synchronous here
+    kept = lease.arrays["w"]  # a trainer's parameter, alive at exit
+    assert lease.release() is False
+    assert "rpc:Release" not in [e[1] for e in world.log if e[0] == "client"]
+    assert lease in set(client_exports._live)  # still known to the exit hook
+    client_exports._release_at_exit()
+    assert [e[1] for e in world.log if e[0] == "client"].count("rpc:Release") == 1
+    del kept  # the view goes after all: the mapping closes, and no second Release is sent
+    events = [e[1] for e in world.log if e[0] == "client"]
+    assert events.count("rpc:Release") == 1 and "ipcCloseMemHandle" in events
+    assert lease not in set(client_exports._live)

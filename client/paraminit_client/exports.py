@@ -187,7 +187,10 @@ def _release_at_exit() -> None:
         if lease.pid != os.getpid():
             continue
         with contextlib.suppress(Exception):  # a closed channel, a server gone: the TTL reclaims it
-            lease.release(timeout=EXIT_RELEASE_TIMEOUT)
+            if lease.released:  # released while views were alive: the mapping's finalizer never runs at exit
+                lease._send_release(EXIT_RELEASE_TIMEOUT)  # and the driver unmaps everything as the process ends
+            else:
+                lease.release(timeout=EXIT_RELEASE_TIMEOUT)
 
 
 def _track(lease: Lease) -> None:
@@ -221,6 +224,7 @@ class Lease:
         self.expires_at = times.epoch(info.lease.expires_at)  # seconds since the Unix epoch
         self.plan_digest = info.plan_digest
         self._released = False
+        self._release_sent = False
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
         self._cuda: CudaMapping | None = None
@@ -345,21 +349,31 @@ class Lease:
             if self._cuda is not None:
                 deferred = not self._cuda.close(then=self._release_in_background if mine else None)
         finally:
-            _live.discard(self)
             released = False
+            if not deferred:  # a deferred Release stays known to the exit hook until it is sent
+                _live.discard(self)
             if mine and not deferred:
                 self._stop.set()
-                released = self._transport.release(self.lease_id, timeout)
+                released = self._send_once() and self._transport.release(self.lease_id, timeout)
         return released
 
     def _release_in_background(self) -> None:
         """Called once the last view of a released CUDA_IPC lease is gone and the memory unmapped."""
         threading.Thread(target=self._send_release, daemon=True, name="paraminit-release").start()
 
-    def _send_release(self) -> None:
+    def _send_once(self) -> bool:
+        """True the first time: Release is sent once, from release(), the last view's end or the exit hook."""
+        with self._lock:
+            first, self._release_sent = not self._release_sent, True
+        return first
+
+    def _send_release(self, timeout: float | None = None) -> None:
         self._stop.set()
+        _live.discard(self)
+        if not self._send_once():
+            return
         try:
-            self._transport.release(self.lease_id)
+            self._transport.release(self.lease_id, timeout)
         except ParaminitError as exc:  # the client was closed meanwhile: the lease expires
             log.warning("releasing lease %s after its last view went: %s", self.lease_id, exc)
 
