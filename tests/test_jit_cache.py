@@ -110,6 +110,7 @@ def test_cold_cli_says_it_compiles_and_reports_compiling_apart(tmp_path: Path) -
         summaries.append((r.stdout, r.stderr))
     (cold, cold_err), (warm, warm_err) = summaries
     assert cold_err.count(COMPILE_LINE) == 1, cold_err
+    assert "for each kind of value and dtype" in cold_err and "now: normal values" in cold_err, cold_err
     m = re.search(r"in ([\d.]+) s plus ([\d.]+) s compiling CPU kernels \(([\d.]+) (\w+)/s;", cold)
     assert m and float(m.group(2)) > 0, cold
     # the rate is over the time without compiling: far above the bytes over both times together

@@ -90,10 +90,13 @@ class _Compiles:
                     return False
                 if not self.announced:
                     self.announced = True
+                    # says what it compiles: a later run that meets a new kind or dtype compiles that one too
+                    line = (f"{COMPILE_LINE} for each kind of value and dtype, then loaded from the cache; now: "
+                            f"{_kernel_words(disp.__name__, args)}")
                     if logging.getLogger("paraminit").handlers:  # a server: its log format (JSON lines, ...)
-                        log.warning("%s", COMPILE_LINE)
+                        log.info("%s", line)
                     else:
-                        print(COMPILE_LINE, file=sys.stderr, flush=True)
+                        print(line, file=sys.stderr, flush=True)
                 started = time.perf_counter()
                 disp.compile(sig)
                 self.seconds += time.perf_counter() - started
@@ -101,6 +104,17 @@ class _Compiles:
                 disp.compile(sig)  # loads it from the cache (nothing when already loaded)
             self.ready.add(key)
             return True
+
+
+def _kernel_words(name: str, args: tuple[Any, ...]) -> str:
+    """A kernel specialization in words: `normal values into uint16 storage` from `fill_k2` and its arrays."""
+    from paraminit_server.plans.plan import Kind
+
+    _, _, code = name.rpartition("_k")
+    kind = Kind(int(code)).name.lower() if code.isdigit() and int(code) in Kind._value2member_map_ else name
+    stores = sorted({a.dtype.name for a in args if isinstance(a, np.ndarray) and a.dtype.kind in "fu" and a.ndim == 1
+                     and a.dtype.itemsize in (2, 4, 8) and a.dtype.name != "uint64"})
+    return f"{kind} values" + (f" ({', '.join(stores)} arrays)" if stores else "")
 
 
 def _cached(disp: Any, sig: tuple[Any, ...]) -> bool:
