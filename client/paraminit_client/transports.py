@@ -551,8 +551,9 @@ class GrpcTransport:
         with rpc_errors():
             released = bool(self.stub.Release(pb.ReleaseRequest(lease_id=lease_id),
                                               timeout=self.timeout if timeout is None else timeout).released)
-        self._leases = weakref.WeakSet(x for x in self._leases if getattr(x, "lease_id", None) != lease_id)
-        if not self._leases:  # the last lease of a closed client: now the channel goes
+        self._leases = weakref.WeakSet(x for x in self._leases if getattr(x, "lease_id", None) != lease_id
+                                       and not getattr(x, "released", True))
+        if not self._leases:  # the last live lease of a closed client: now the channel goes
             self._channel.close()
         return released
 

@@ -178,16 +178,18 @@ class InitServicer(pb_grpc.InitServiceServicer):
         try:
             if delivery == pb.DELIVERY_STREAM:
                 with self.stalls.watch("stream", context.cancel) as watched:
-                    for message in self.handlers.stream(request, caller):
-                        if isinstance(message, pb.MaterializeResponse):
-                            if header is None:
-                                header = message.header
-                            elif message.HasField("header_part"):
-                                parts.append(message.header_part)
-                        watched.waiting()  # until gRPC has sent it and asks for the next: the client's pace
-                        yield message
-                        watched.progress()
-                    outcome = "stalled" if watched.stalled else outcome
+                    try:
+                        for message in self.handlers.stream(request, caller):
+                            if isinstance(message, pb.MaterializeResponse):
+                                if header is None:
+                                    header = message.header
+                                elif message.HasField("header_part"):
+                                    parts.append(message.header_part)
+                            watched.waiting()  # until gRPC has sent it and asks for the next: the client's pace
+                            yield message
+                            watched.progress()
+                    finally:  # a cancelled stream ends at its yield: the log still says why
+                        outcome = "stalled" if watched.stalled else outcome
             else:
                 response = self.handlers.export(request, caller)
                 header = pb.StreamHeader(plan_digest=response.export.plan_digest, tensors=response.export.tensors)
