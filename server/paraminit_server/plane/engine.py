@@ -20,7 +20,7 @@ from paraminit_server.backends import HOST, Backend
 from paraminit_server.plane import errors
 from paraminit_server.plane.layout import SLAB_QUANTUM, Layout
 from paraminit_server.plans.columns import ParamTable
-from paraminit_server.plans.plan import Offsets, ResolvedParam
+from paraminit_server.plans.plan import Offsets, Patch, ResolvedParam
 
 
 def fill_window(backend: Backend, layout: Layout, buf: Any, start: int,
@@ -79,19 +79,15 @@ def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0
     end = l_begin + int(out.shape[0])
     for patch in p.patches:
         _stop_if(should_stop)
-        if not patch.run_len or l_begin >= end:
+        starts = patch.starts_in(l_begin, end)
+        count = int(starts.shape[0])
+        if not count:
             continue
-        starts = patch.starts
-        first = max(0, int(np.searchsorted(starts, l_begin - patch.run_len, side="right")))
-        last = int(np.searchsorted(starts, end, side="left"))
-        count = last - first
-        if count <= 0:
-            continue
-        lo, hi = max(int(starts[first]), l_begin), min(int(starts[last - 1]) + patch.run_len, end)
+        lo, hi = max(int(starts[0]), l_begin), min(int(starts[-1]) + patch.run_len, end)
         if backend.memory == HOST and count >= 16 and hi - lo <= count * SPAN_PER_RUN:
-            _patch_span(backend, patch, out, l_begin, starts[first:last], lo, hi, should_stop)
+            _patch_span(backend, patch, out, l_begin, lo, hi, should_stop)
             continue
-        for k, a in enumerate(starts[first:last].tolist()):
+        for k, a in enumerate(starts.tolist()):
             if k % CHECK_RUNS == CHECK_RUNS - 1:
                 _stop_if(should_stop)
             a_lo, a_hi = max(a, l_begin), min(a + patch.run_len, end)
@@ -99,18 +95,15 @@ def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0
                 backend.fill(patch.param, out[a_lo - l_begin:a_hi - l_begin], a_lo)
 
 
-def _patch_span(backend: Backend, patch: Any, out: Any, l_begin: int, starts: Any, lo: int, hi: int,
+def _patch_span(backend: Backend, patch: Patch, out: Any, l_begin: int, lo: int, hi: int,
                 should_stop: Callable[[], bool] | None) -> None:
     """The covered elements of local [lo, hi), from the patch's values over that span made PATCH_PIECE at a time."""
-    run = patch.run_len
-    offsets = np.arange(run, dtype=np.int64)
+    offsets = np.arange(patch.run_len, dtype=np.int64)
     scratch = np.empty(min(PATCH_PIECE, hi - lo), dtype=out.dtype)
     for a in range(lo, hi, PATCH_PIECE):
         _stop_if(should_stop)
         b = min(a + PATCH_PIECE, hi)
-        i = max(0, int(np.searchsorted(starts, a - run, side="right")))
-        j = int(np.searchsorted(starts, b, side="left"))
-        idx = (starts[i:j, None] + offsets).reshape(-1)
+        idx = (patch.starts_in(a, b)[:, None] + offsets).reshape(-1)
         idx = idx[(idx >= a) & (idx < b)]
         if not idx.shape[0]:
             continue

@@ -131,18 +131,12 @@ class Patch:
     starts: npt.NDArray[np.int64] = field(repr=False)
     run_len: int
 
-    def runs_in(self, begin: int, end: int) -> list[tuple[int, int]]:
-        """The covered local element ranges clipped to [begin, end), in order."""
+    def starts_in(self, begin: int, end: int) -> npt.NDArray[np.int64]:
+        """The starts (ascending) of the local runs that overlap elements [begin, end)."""
         if not self.run_len or begin >= end:
-            return []
+            return self.starts[:0]
         first = max(0, int(np.searchsorted(self.starts, begin - self.run_len, side="right")))
-        last = int(np.searchsorted(self.starts, end, side="left"))
-        out = []
-        for a in self.starts[first:last].tolist():
-            lo, hi = max(a, begin), min(a + self.run_len, end)
-            if lo < hi:
-                out.append((lo, hi))
-        return out
+        return self.starts[first:int(np.searchsorted(self.starts, end, side="left"))]
 
 
 def resolve_param(index: int, p: plan_pb2.Param, sources: Any = None) -> ResolvedParam:
