@@ -19,7 +19,11 @@ from paraminit import dtypes
 from paraminit_server.plans import spec
 from paraminit_server.plans.plan import Kind, ResolvedParam
 
-_HALF_FORMATS = {dtypes.FMT_FLOAT16: (10, -14, 15), dtypes.FMT_BFLOAT16: (7, -126, 127)}
+# fmt: (fraction bits, smallest normal exponent, largest exponent, sign bit, overflow pattern, NaN pattern)
+_NARROW_FORMATS = {dtypes.FMT_FLOAT16: (10, -14, 15, 0x8000, 0x7C00, 0x7E00),
+                   dtypes.FMT_BFLOAT16: (7, -126, 127, 0x8000, 0x7F80, 0x7FC0),
+                   dtypes.FMT_F8E5M2: (2, -14, 15, 0x80, 0x7C, 0x7E),
+                   dtypes.FMT_F8E4M3: (3, -6, 8, 0x80, 0x7F, 0x7F)}  # e4m3fn: no infinity, 0x7F is NaN
 
 
 def units(key: int, g: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:
@@ -102,34 +106,36 @@ def truncated_normal(p: ResolvedParam, i: int) -> float:
 
 
 def round_half_bits(v: float, fmt: int) -> int:
-    """Bits of v rounded once, to nearest even, in float16 (fmt 1) or bfloat16 (fmt 2)."""
-    mant, emin, emax = _HALF_FORMATS[fmt]
+    """Bits of v rounded once, to nearest even, in a narrow format (float16, bfloat16, the 8-bit floats), by
+    exact scaling and Python's round(); the spec's arithmetic written plainly, apart from the kernels'."""
+    mant, emin, emax, sign_bit, overflow, nan = _NARROW_FORMATS[fmt]
     bias = -emin + 1
-    sign = 0x8000 if math.copysign(1.0, v) < 0 else 0
+    sign = sign_bit if math.copysign(1.0, v) < 0 else 0
     if math.isnan(v):
-        return sign | ((2 * bias + 1) << mant) | (1 << (mant - 1))
+        return sign | nan
     a = abs(v)
     if a == 0.0:
         return sign
     e = max(math.frexp(a)[1] - 1, emin) if math.isfinite(a) else emax + 1
     if e > emax:
-        return sign | ((2 * bias + 1) << mant)
+        return sign | overflow
     n = round(math.ldexp(a, mant - e))  # exact scaling; round() ties to even
     if n == 1 << (mant + 1):
         n >>= 1
         e += 1
     if e > emax:
-        return sign | ((2 * bias + 1) << mant)
+        return sign | overflow
     if n < 1 << mant:
         return sign | n
-    return sign | ((e + bias) << mant) | (n - (1 << mant))
+    bits = ((e + bias) << mant) | (n - (1 << mant))
+    return sign | min(bits, overflow)
 
 
 def cast(values: npt.NDArray[np.float64], dt: dtypes.DTypeInfo) -> npt.NDArray[np.generic]:
-    """binary64 values cast to a dtype's storage (float16/bfloat16 as uint16 bits)."""
+    """binary64 values cast to a dtype's storage (float16/bfloat16 as uint16 bits, 8-bit floats as uint8 bits)."""
     if dt.fmt == dtypes.FMT_NATIVE:
         return values.astype(dt.storage)
-    return np.asarray([round_half_bits(v, dt.fmt) for v in values.tolist()], dtype=np.uint16)
+    return np.asarray([round_half_bits(v, dt.fmt) for v in values.tolist()], dtype=dt.storage)
 
 
 def materialize(p: ResolvedParam) -> npt.NDArray[np.generic]:

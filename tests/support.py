@@ -25,17 +25,12 @@ from paraminit_server.config import ServerConfig
 from paraminit_server.rpc.server import Running, start
 
 VECTORS = json.loads((Path(__file__).parent / "vectors.json").read_text())
-# 8-bit float cases (spec version 4) are expected to fail until those dtypes land; every other case must pass.
-PENDING_DTYPES = ("float8_",)
-SUPPORTED_CASES = [c for c in VECTORS["cases"] if not c["dtype"].startswith(PENDING_DTYPES)]
-PENDING_CASES = [c for c in VECTORS["cases"] if c["dtype"].startswith(PENDING_DTYPES)]
+CASES: list[dict[str, Any]] = VECTORS["cases"]
 
 
 def vector_cases() -> list[Any]:
-    """Every case of vectors.json as pytest params: the pending dtypes marked as strict expected failures, so a
-    case that starts passing is noticed and unmarked."""
-    pending = pytest.mark.xfail(reason="8-bit float dtypes are not implemented yet", strict=True)
-    return [pytest.param(c, id=c["name"], marks=[pending] if c in PENDING_CASES else []) for c in VECTORS["cases"]]
+    """Every case of vectors.json as pytest params, named by the case."""
+    return [pytest.param(c, id=c["name"]) for c in CASES]
 
 
 def case_param(case: dict[str, Any]) -> plan_pb2.Param:

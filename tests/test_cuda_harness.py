@@ -37,7 +37,7 @@ from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu_kernels import cr_math, cr_tables
 from paraminit_server.plans import spec
 from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
-from support import SUPPORTED_CASES, VECTORS, case_param
+from support import CASES, VECTORS, case_param
 
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or put it on PATH)")
@@ -67,8 +67,8 @@ static int consts() {
     std::printf("W %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d %d\n", PI_W_OUT, PI_W_N, PI_W_LBEGIN, PI_W_KIND,
                 PI_W_OTYPE, PI_W_KEY, PI_W_P0, PI_W_P1, PI_W_VSHIFT, PI_W_BASE, PI_W_RUNLEN, PI_W_NOUTER, PI_W_DIMS,
                 PI_W_LO, PI_W_HI, PI_W_SEED);
-    std::printf("KIND %d %d %d %d %d\nOTYPE %d %d %d %d\n", PI_CONST, PI_AFFINE, PI_NORMAL, PI_FLAT, PI_TRUNCNORM,
-                PI_F32, PI_F64, PI_F16, PI_BF16);
+    std::printf("KIND %d %d %d %d %d\nOTYPE %d %d %d %d %d %d\n", PI_CONST, PI_AFFINE, PI_NORMAL, PI_FLAT,
+                PI_TRUNCNORM, PI_F32, PI_F64, PI_F16, PI_BF16, PI_F8E4M3, PI_F8E5M2);
     std::printf("CANDIDATES %d\n", PI_TRUNC_CANDIDATES);
     return 0;
 }
@@ -87,6 +87,8 @@ static int scalar() {
         else if (!std::strcmp(op, "crcos")) r = pi_bits(pi_cr_cos((pi_u32)a));
         else if (!std::strcmp(op, "f16")) r = pi_f16_bits(pi_double(a));
         else if (!std::strcmp(op, "bf16")) r = pi_bf16_bits(pi_double(a));
+        else if (!std::strcmp(op, "f8e4m3")) r = pi_f8e4m3_bits(pi_double(a));
+        else if (!std::strcmp(op, "f8e5m2")) r = pi_f8e5m2_bits(pi_double(a));
         else if (!std::strcmp(op, "f32")) r = pi_f32_bits(pi_double(a));
         else { std::fprintf(stderr, "unknown op %s\n", op); return 2; }
         std::printf("%llx\n", r);
@@ -226,7 +228,9 @@ def test_constants_agree(harness: Path) -> None:
                           cb.W_VSHIFT, cb.W_BASE, cb.W_RUNLEN, cb.W_NOUTER, cb.W_DIMS, cb.W_LO, cb.W_HI, cb.W_SEED]
     assert table["KIND"] == [int(Kind.CONST), int(Kind.AFFINE), int(Kind.NORMAL), int(Kind.FLAT), int(Kind.TRUNCNORM)]
     assert table["CANDIDATES"] == [spec.TRUNC_CANDIDATES]
-    assert table["OTYPE"] == [cb.OTYPE_F32, cb.OTYPE_F64, cb.OTYPE_F16, cb.OTYPE_BF16]
+    assert table["OTYPE"] == [cb.OTYPE_F32, cb.OTYPE_F64, cb.OTYPE_F16, cb.OTYPE_BF16, cb.OTYPE_F8E4M3,
+                              cb.OTYPE_F8E5M2]
+    assert sorted({cb.otype(d) for d in dtypes.SUPPORTED}) == table["OTYPE"]  # one output type per dtype
     assert [cb.otype(d) for d in (dtypes.FLOAT32, dtypes.FLOAT64, dtypes.FLOAT16, dtypes.BFLOAT16)] == [0, 1, 2, 3]
 
 
@@ -302,12 +306,14 @@ def test_normal_matches_reference_including_the_floor(harness: Path) -> None:
 
 
 def special_doubles(rng: np.random.Generator) -> list[float]:
-    """Ties, near-ties, overflow edges and subnormals of float32, float16 and bfloat16, plus random bits."""
+    """Ties, near-ties, overflow edges and subnormals of float32, float16, bfloat16 and the 8-bit floats, plus
+    random bits."""
     xs = [0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, 5e-324, -5e-324, 2.2250738585072014e-308]
     xs += [65504.0, 65519.99, 65520.0, 65520.00000000001, 65536.0, -65520.0, 1.0004882812509095]
     xs += [1.0039062509313226, -1.00390625, 1.00390625, 3.6e38, 3.3895313892515355e38, 3.3961775292304846e38,
            3.4028234663852886e38, 3.4028235677973366e38, 3.40282357e38, 1e39]
-    for mant, emin, emax in ((10, -14, 15), (7, -126, 127), (23, -126, 127)):
+    xs += [448.0, 464.0, 464.00000000000006, 480.0, 57344.0, 61440.0, 61439.99999999999, 1.0625 + 2.0**-40]
+    for mant, emin, emax in ((10, -14, 15), (7, -126, 127), (23, -126, 127), (3, -6, 8), (2, -14, 15)):
         for e in [emin - mant - 2, emin - mant - 1, emin - mant, emin - 1, emin, 0, 1, emax]:
             for m in [*rng.integers(0, 1 << (mant + 1), 6).tolist(), 0, 1, (1 << (mant + 1)) - 1]:
                 tie = (m + 0.5) * 2.0 ** (e - mant)  # exactly between two representable values
@@ -322,27 +328,32 @@ def special_doubles(rng: np.random.Generator) -> list[float]:
 
 def test_half_and_float_casts_match_reference(harness: Path) -> None:
     xs = special_doubles(np.random.default_rng(3))
-    ops = [(op, dbits(x), 0, 0, 0) for x in xs for op in ("f16", "bf16", "f32")]
+    ops = [(op, dbits(x), 0, 0, 0) for x in xs for op in ("f16", "bf16", "f32", "f8e4m3", "f8e5m2")]
     want: list[int] = []
     for x in xs:
         want.append(reference.round_half_bits(x, dtypes.FMT_FLOAT16))
         want.append(reference.round_half_bits(x, dtypes.FMT_BFLOAT16))
         with np.errstate(over="ignore"):
             want.append(int(np.asarray([x], dtype=np.float64).astype(np.float32).view(np.uint32)[0]))
+        want.append(reference.round_half_bits(x, dtypes.FMT_F8E4M3))
+        want.append(reference.round_half_bits(x, dtypes.FMT_F8E5M2))
     assert run_scalar(harness, ops) == want
     nan = bits_d(0x7FF8000000000001)
-    assert run_scalar(harness, [("f16", dbits(nan), 0, 0, 0), ("bf16", dbits(-nan), 0, 0, 0)]) == [
-        reference.round_half_bits(nan, dtypes.FMT_FLOAT16), reference.round_half_bits(-nan, dtypes.FMT_BFLOAT16)]
+    assert run_scalar(harness, [("f16", dbits(nan), 0, 0, 0), ("bf16", dbits(-nan), 0, 0, 0),
+                                ("f8e4m3", dbits(nan), 0, 0, 0), ("f8e5m2", dbits(-nan), 0, 0, 0)]) == [
+        reference.round_half_bits(nan, dtypes.FMT_FLOAT16), reference.round_half_bits(-nan, dtypes.FMT_BFLOAT16),
+        reference.round_half_bits(nan, dtypes.FMT_F8E4M3), reference.round_half_bits(-nan, dtypes.FMT_F8E5M2)]
+    assert run_scalar(harness, [("f8e4m3", dbits(1.0625 + 2.0**-40), 0, 0, 0)]) == [0x39]  # one rounding, not two
 
 
 def test_vectors_through_the_packed_kernel_path(harness: Path, tmp_path: Path) -> None:
-    params = [resolve_param(i, case_param(c)) for i, c in enumerate(SUPPORTED_CASES)]
+    params = [resolve_param(i, case_param(c)) for i, c in enumerate(CASES)]
     offsets, pos = [], 0
     for p in params:
         offsets.append(pos)
         pos += -(-(p.nbytes + 8) // 8) * 8  # a gap after each tensor must stay untouched
     arena = run_plan(harness, tmp_path, [cb.Job(p, o) for p, o in zip(params, offsets, strict=True)], pos)
-    for case, p, off in zip(SUPPORTED_CASES, params, offsets, strict=True):
+    for case, p, off in zip(CASES, params, offsets, strict=True):
         got = arena[off:off + p.nbytes].view(f"u{p.dtype.itemsize}")
         assert [int(x) for x in got] == [int(b, 16) for b in case["bits"]], case["name"]
         assert (arena[off + p.nbytes:off + -(-(p.nbytes + 8) // 8) * 8] == 0xFF).all(), case["name"]
@@ -498,10 +509,12 @@ def test_device_branches_built_for_the_host_agree(harness: Path, device_branches
             ops += [("unit", key, g, 0, 0), ("affine", key, g, dbits(-0.5), dbits(1.5)),
                     ("normal", key, g, dbits(0.25), dbits(2.0))]
     ops += [(op, int(d), 0, 0, 0) for d in rng.integers(0, 2**32, 400) for op in ("crlog", "crcos")]
-    ops += [(op, dbits(x), 0, 0, 0) for x in special_doubles(rng) for op in ("f16", "bf16", "f32")]
+    ops += [(op, dbits(x), 0, 0, 0) for x in special_doubles(rng) for op in ("f16", "bf16", "f32", "f8e4m3", "f8e5m2")]
     ops += [("mix", int(x), 0, 0, 0) for x in rng.integers(0, 2**63, 50, dtype=np.int64)]
     want = run_scalar(harness, ops)
-    assert len(set(want)) > len(ops) // 4  # not a constant answer
+    wide = [w for o, w in zip(ops, want, strict=True) if not o[0].startswith("f8")]
+    assert len(set(wide)) > len(wide) // 4  # not a constant answer
+    assert len(set(want) - set(wide)) > 100  # nor for the 8-bit formats (256 patterns at most)
     assert run_scalar(device_branches, ops) == want
     params = [random_param(rng, i) for i in range(30)]
     jobs, size = random_jobs(rng, params)

@@ -18,7 +18,7 @@ from paraminit import cuda, dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_server.plane import errors
 from paraminit_server.plans.plan import ResolvedParam, resolve_param
-from support import SUPPORTED_CASES, case_param
+from support import CASES, case_param
 
 pytestmark = pytest.mark.gpu
 
@@ -127,7 +127,7 @@ def test_export_buffer_is_a_whole_rounded_allocation_exportable_by_ipc(gpu: Cupy
 
 
 def test_vectors(gpu: CupyBackend) -> None:
-    for case in SUPPORTED_CASES:
+    for case in CASES:
         p = resolve_param(0, case_param(case))
         got = gpu_fill_window(gpu, p, 0, p.numel)
         want = np.asarray([int(b, 16) for b in case["bits"]], dtype=f"u{p.dtype.itemsize}").view(p.dtype.storage)
@@ -193,7 +193,7 @@ def test_fill_plan_matches_cpu(gpu: CupyBackend, cpu_backend: Any) -> None:
 
 
 def test_fill_plan_module_helper_and_empty_plan(gpu: CupyBackend, cpu_backend: Any) -> None:
-    p = resolve_param(0, case_param(SUPPORTED_CASES[0]))
+    p = resolve_param(0, case_param(CASES[0]))
     arena = gpu_poisoned(64)
     fill_plan([], arena, [])
     assert (gpu.to_host(arena) == 0xFF).all()

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import reference
 
+from paraminit import dtypes
 from paraminit_client import cli, plans
 from paraminit_server.plans import spec
 from paraminit_server.plans.plan import resolve_param
-from support import PENDING_CASES, SUPPORTED_CASES, VECTORS, case_param, poisoned, vector_cases
-
-CASES = SUPPORTED_CASES
+from support import CASES, VECTORS, case_param, poisoned, vector_cases
 
 
 def expected_bits(case: dict[str, Any]) -> list[int]:
@@ -68,22 +67,8 @@ def test_cli_materialize_matches_vectors(tmp_path: Path, capsys: pytest.CaptureF
     start = 8 + int.from_bytes(data[:8], "little")
     for case in CASES:
         a, b = header[case["name"]]["data_offsets"]
-        width = 2 if case["dtype"] in ("float16", "bfloat16") else 8 if case["dtype"] == "float64" else 4
-        got = np.frombuffer(data[start + a:start + b], dtype=f"<u{width}")
+        got = np.frombuffer(data[start + a:start + b], dtype=f"<u{dtypes.by_name(case['dtype']).itemsize}")
         assert [int(x) for x in got] == expected_bits(case), case["name"]
-
-
-@pytest.mark.xfail(reason="8-bit float dtypes are not implemented yet", strict=True)
-@pytest.mark.parametrize("case", PENDING_CASES, ids=[c["name"] for c in PENDING_CASES])
-def test_cli_materialize_pending_dtypes(case: dict[str, Any], tmp_path: Path) -> None:
-    """The 8-bit float cases through `paraminit materialize`, expected to fail until those dtypes land."""
-    src, out = tmp_path / "plan.json", tmp_path / "out.safetensors"
-    src.write_text(json.dumps({"params": [{"name": case["name"], "shape": case["shape"], "dtype": case["dtype"],
-                                           "init": case["init"]}]}))
-    assert cli.main(["materialize", str(src), "-o", str(out), "-q"]) == 0
-    data = out.read_bytes()
-    start = 8 + int.from_bytes(data[:8], "little")
-    assert [int(x) for x in data[start:]] == expected_bits(case)
 
 
 SHARED_SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec"

@@ -21,9 +21,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from paraminit import cuda, times
+from paraminit import cuda, dtypes, times
 from paraminit.v1 import init_service_pb2 as pb
-from paraminit.v1 import plan_pb2
 from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
 from paraminit_client.errors import InvalidArgument, ParaminitError
 
@@ -166,11 +165,19 @@ class CudaMapping:
         return then is None or not after.add(then)
 
 
-_BFLOAT16 = plan_pb2.DTYPE_BFLOAT16
+_STORAGE = {d.name: d.storage for d in dtypes.SUPPORTED}  # numpy dtype name -> its bit patterns' dtype
+
+
+def _bit_patterns(dtype_enum: int) -> bool:
+    """Whether a dtype reaches numpy only through ml_dtypes (bfloat16, the 8-bit floats): cupy and torch.from_numpy
+    know none of them, so they see its bit patterns and torch() views those back."""
+    dt = dtypes.by_enum(dtype_enum)
+    return dt is not None and dt.numpy_name.startswith("ml_dtypes.")
 
 
 def _cupy_dtype(dtype_enum: int) -> Any:
-    return np.dtype(np.uint16) if dtype_enum == _BFLOAT16 else numpy_dtype(dtype_enum)
+    dt = dtypes.by_enum(dtype_enum)
+    return dt.storage if dt is not None and _bit_patterns(dtype_enum) else numpy_dtype(dtype_enum)
 
 
 _live: weakref.WeakSet[Lease] = weakref.WeakSet()  # leases of remote clients not yet released
@@ -236,7 +243,7 @@ class Lease:
             self._cuda = CudaMapping(info.cuda_ipc)
             try:
                 self.buffer = self._cuda.array
-                # cupy has no bfloat16: those tensors are exposed as their uint16 bit patterns (torch() views them back)
+                # cupy has no bfloat16 or 8-bit floats: those tensors are their bit patterns (torch() views them back)
                 self.arrays = {t.name: self.buffer[t.offset:t.offset + t.nbytes].view(_cupy_dtype(t.dtype))
                                .reshape(tuple(t.shape)) for t in info.tensors}
             except BaseException:
@@ -260,11 +267,12 @@ class Lease:
         """The arrays as torch tensors sharing the same memory."""
         import torch
 
-        bf16 = {t.name for t in self.info.tensors if t.dtype == _BFLOAT16}
+        views = {t.name: getattr(torch, dtypes.by_enum(t.dtype).name)  # type: ignore[union-attr]
+                 for t in self.info.tensors if _bit_patterns(t.dtype)}
         if self._map is not None:
-            return {k: torch.from_numpy(v.view(np.uint16)).view(torch.bfloat16) if k in bf16
+            return {k: torch.from_numpy(v.view(_STORAGE[v.dtype.name])).view(views[k]) if k in views
                     else torch.from_numpy(v) for k, v in self.arrays.items()}
-        return {k: torch.from_dlpack(v).view(torch.bfloat16) if k in bf16  # type: ignore[attr-defined,unused-ignore]
+        return {k: torch.from_dlpack(v).view(views[k]) if k in views  # type: ignore[attr-defined,unused-ignore]
                 else torch.from_dlpack(v) for k, v in self.arrays.items()}  # type: ignore[attr-defined,unused-ignore]
 
     def __reduce__(self) -> Any:

@@ -25,8 +25,6 @@ from paraminit.v1 import plan_pb2
 FLAG_SIGMAS = 5.0  # a deviation of 5 standard errors flags a tensor (about 1 in 1.7 million by chance, per test)
 Z_MAX = inits.Z_MAX  # the sampler raises u1 to 1e-6, so |z| <= 5.2565
 CHUNK_ELEMENTS = 1 << 22
-# Round-off of one rounding into the dtype, relative (half an ulp): float64, float32, float16, bfloat16.
-_UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
 SafetensorsError = safetensors_header.HeaderError  # a file that is not a readable safetensors file
@@ -189,9 +187,13 @@ def judge(stats: Stats, exp: Expected, dtype: str) -> list[str]:
         return [f"{stats.nonfinite} values are not finite"]
     if stats.count == 0:
         return []
-    u = _UNIT_ROUNDOFF.get(dtype, 2.0**-8)
+    try:
+        dt = dtypes.by_name(dtype)
+    except ValueError:  # not a plan dtype: the coarsest 16-bit rounding
+        dt = dtypes.BFLOAT16
+    u = dt.unit_roundoff
     scale = max(abs(exp.lo), abs(exp.hi), abs(exp.mean))
-    tiny = 2.0**-24 if dtype == "float16" else 0.0  # float16 subnormal spacing
+    tiny = dt.subnormal_spacing  # a rounding near zero is off by at most half of it
     problems = []
     mean_tol = FLAG_SIGMAS * exp.std / math.sqrt(stats.count) + u * scale + tiny
     if abs(stats.mean - exp.mean) > mean_tol:

@@ -80,7 +80,7 @@ def materialize(plan: plan_pb2.Plan, client: Client | None = None, *, shardings:
             a parameter without one is placed whole on the first local device.
         layouts: name -> axis permutation; that parameter arrives as ``full.transpose(perm)``.
     Returns:
-        name -> jax.Array of the plan's dtype (bfloat16 and float16 as JAX's own dtypes).
+        name -> jax.Array of the plan's dtype (bfloat16, float16 and the 8-bit floats as JAX's own dtypes).
     Raises:
         ValueError: a region in the plan, a sharding or layout for a name the plan lacks, a layout that is
             not a permutation, a shard that is not a box, or float64 without ``jax_enable_x64``.

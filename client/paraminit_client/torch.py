@@ -65,7 +65,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from paraminit import inits
+from paraminit import dtypes, inits
 from paraminit.peers import is_local_target
 from paraminit.shapes import out_shape
 from paraminit.v1 import init_service_pb2 as pb
@@ -301,7 +301,7 @@ def _plan_from_module(module: nn.Module, seed: int, policy: str, overrides: Over
                 init = _override_init(name, custom, param_seed(seed, name))
         dtype = _PLAN_DTYPES.get(t.dtype)
         if dtype is None:
-            problems.append((name, kinds[name], f"dtype {t.dtype} is not one of float32, float64, float16, bfloat16"))
+            problems.append((name, kinds[name], f"dtype {t.dtype} is not one of {', '.join(dtypes.NAMES)}"))
         elif isinstance(init, str):
             problems.append((name, kinds[name], init))
         else:

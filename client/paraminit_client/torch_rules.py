@@ -174,13 +174,22 @@ def _rule_of(mod: nn.Module) -> Rule | str:
     return f"no initialization rule for {type(mod).__name__}"
 
 
+# dtypes numpy knows only through ml_dtypes (bfloat16, the 8-bit floats), which torch.from_numpy does not know
+_BIT_PATTERNS: dict[str, dtypes.DTypeInfo] = {d.name: d for d in dtypes.SUPPORTED if d.numpy_name.startswith("ml_dtypes.")}
+_TORCH_BITS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8,
+                                               torch.float8_e5m2: torch.uint8}
+
+
 def _numpy_to_torch(a: np.ndarray[Any, Any]) -> torch.Tensor:
-    """Zero-copy; bfloat16 (ml_dtypes) goes through a uint16 view since torch.from_numpy does not know it."""
-    if str(a.dtype) == "bfloat16":
-        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    """Zero-copy; ml_dtypes' types (bfloat16, the 8-bit floats) go through a view of their bit patterns."""
+    d = _BIT_PATTERNS.get(a.dtype.name)
+    if d is not None:
+        return torch.from_numpy(a.view(d.storage)).view(_TORCH_DTYPES[d.enum])
     return torch.from_numpy(a)
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray[Any, Any]:
-    """A numpy view of a CPU tensor's memory (bfloat16 as its 16-bit patterns), for in-place fills."""
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    """A numpy view of a CPU tensor's memory (bfloat16 and 8-bit floats as their bit patterns), for in-place
+    fills."""
+    bits = _TORCH_BITS.get(t.dtype)
+    return (t if bits is None else t.view(bits)).numpy()

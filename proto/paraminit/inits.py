@@ -17,7 +17,7 @@ The Xavier and Kaiming bounds (docs/SAMPLER.md section 3) are stated here once, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,9 @@ __all__ = [
     "kind_of",
     "label",
     "moments",
+    "range_problem",
     "trunc_bounds_ok",
+    "value_bound",
     "value_form",
     "with_seed",
     "xavier_bound",
@@ -159,6 +161,65 @@ class Forms:
 FieldColumns = Callable[[str], npt.NDArray[Any]]
 
 Problem = tuple[str, str]  # (field path under the Param or Patch, message)
+
+
+# -- the 8-bit range rule (docs/SAMPLER.md section 4.1) --------------------------------------------------------------
+
+Z_BOUND = 5.2566  # bounds |z| (Z_MAX = 5.25652...): the range rule's bound of a normal's values
+
+
+def value_bound(form: type, fields: Mapping[str, Any]) -> Any:
+    """The bound B that a form's |values| stay within, each operation one binary64 rounding (section 4.1): of one
+    form (fields as floats, e.g. `vars(form)`) or of many rows at once (fields as arrays, `Forms.fields`), so the
+    rule is written once for both. None for data forms, whose bound is their largest |value|.
+
+    Args:
+        form: the value form's class (Const, Uniform, Normal, TruncNormal, or a data form).
+        fields: its fields by name.
+
+    Returns:
+        B as a float or an array of them, or None.
+    """
+    if form is Const:
+        return np.abs(fields["value"])
+    if form is Uniform or form is TruncNormal:
+        return np.maximum(np.abs(fields["lo"]), np.abs(fields["hi"]))
+    if form is Normal:
+        return np.abs(fields["mean"]) + fields["std"] * Z_BOUND
+    return None
+
+
+_BOUND_WORDS = {Const: "its value", Uniform: "max(|lo|, |hi|)", Normal: "|mean| + std * 5.2566",
+                TruncNormal: "max(|lo|, |hi|)"}
+
+
+def range_problem(dt: dtypes.DTypeInfo, form: ValueForm, field: str, largest: float | None = None) -> Problem | None:
+    """The range rule's violation for a parameter of an 8-bit dtype, or None when its values fit (or the dtype
+    is wider). `largest` is a data form's largest |value| (None: not known here, nothing to say).
+
+    Args:
+        dt: the parameter's dtype.
+        form: its value form (of the parameter or of a patch).
+        field: the Init oneof field that defines it (what the violation names, and its words for xavier/kaiming).
+        largest: for data forms, their largest |value|.
+
+    Returns:
+        (field path, message), or None.
+    """
+    if dt.max_finite is None:
+        return None
+    if isinstance(form, Inline):
+        vals = np.abs(np.asarray(form.values, dtype=np.float64))
+        largest = float(vals.max()) if vals.size else 0.0
+    bound = value_bound(type(form), vars(form))
+    words = "the largest |value|" if bound is None else _BOUND_WORDS[type(form)]
+    if field.startswith(("xavier", "kaiming")):
+        words = "its bound L"
+    b = largest if bound is None else float(bound)
+    if b is None or b <= dt.max_finite:
+        return None
+    return (f"init.{field}", f"values could reach {b!r} ({words}), beyond {dt.max_finite:g}, the largest finite "
+                             f"{dt.name} value: an 8-bit parameter's values must stay within it")
 
 
 # -- the table ------------------------------------------------------------------------------------------------------

@@ -222,9 +222,9 @@ Global___TensorInfo: _TypeAlias = TensorInfo  # noqa: Y015
 @_typing.final
 class StreamHeader(_message.Message):
     """The first message of a STREAM. Tensors lie in the data section ordered by
-    descending item size (float64, then float32, then float16 and bfloat16), in
-    plan order within one item size, without gaps; so every tensor starts on a
-    multiple of its item size. `tensors` lists them in plan order with their
+    descending item size (float64, then float32, then float16 and bfloat16,
+    then the 8-bit floats), in plan order within one item size, without gaps; so
+    every tensor starts on a multiple of its item size. `tensors` lists them in plan order with their
     offsets. The data section starts 64-byte aligned in the file.
 
     Size: no response message of a stream exceeds 2 MiB serialized, so a client

@@ -7,10 +7,11 @@ Plan files are the proto3 JSON form of `Plan`, e.g.
   {"params": [{"name": "fc.weight", "shape": [256, 784], "dtype": "DTYPE_BFLOAT16",
                "init": {"kaimingUniformForShape": {"seed": 1}}}]}
 The paraminit plan loader also accepts the dtype names float32, float64,
-float16, bfloat16 and the aliases f32, fp32, float, f64, fp64, double, f16,
-fp16, half, bf16 (any case).
+float16, bfloat16, float8_e4m3fn, float8_e5m2 and the aliases f32, fp32,
+float, f64, fp64, double, f16, fp16, half, bf16, f8e4m3, fp8_e4m3,
+float8_e4m3, e4m3, f8e5m2, fp8_e5m2, e5m2 (any case).
 
-Determinism contract (the sampler specification, version 2, is
+Determinism contract (the sampler specification, version 4, is
 docs/SAMPLER.md in the paraminit repository; these comments state it in
 full): every value is defined in binary64 (IEEE double) from the parameter's
 initializer and the element's row-major flat index i in the FULL tensor, and
@@ -56,6 +57,23 @@ class _DTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DType.ValueType
     DTYPE_FLOAT64: _DType.ValueType  # 2
     DTYPE_FLOAT16: _DType.ValueType  # 3
     DTYPE_BFLOAT16: _DType.ValueType  # 4
+    DTYPE_FLOAT8_E4M3FN: _DType.ValueType  # 5
+    """OCP 8-bit floats, one byte each (safetensors F8_E4M3 and F8_E5M2; PyTorch
+    torch.float8_e4m3fn and torch.float8_e5m2). e4m3fn: 1 sign, 4 exponent
+    (bias 7), 3 mantissa bits, subnormals down to 2^-9, largest finite 448, no
+    infinities, S.1111.111 is NaN. e5m2: 1 sign, 5 exponent (bias 15), 2
+    mantissa bits, subnormals down to 2^-16, largest finite 57344, IEEE
+    infinities and NaNs. Values are rounded once, to nearest even, from
+    binary64 (docs/SAMPLER.md section 4.1), subnormals kept. A parameter of
+    either dtype is refused when its values could round beyond the largest
+    finite value, so no output is ever inf or NaN: its bound B (each operation
+    one binary64 rounding) must be at most the largest finite value, where B
+    is 0 for zeros, 1 for ones, max(|lo|, |hi|) for uniform and
+    truncated_normal, the bound L for xavier_uniform and kaiming_uniform (and
+    their for-shape forms), |mean| + std * 5.2566 for normal, and the largest
+    |value| for flat values (inline, uploaded or from a checkpoint).
+    """
+    DTYPE_FLOAT8_E5M2: _DType.ValueType  # 6
 
 class DType(_DType, metaclass=_DTypeEnumTypeWrapper):
     """Parameter and payload dtypes, little-endian IEEE formats (bfloat16: the top
@@ -69,6 +87,23 @@ DTYPE_FLOAT32: DType.ValueType  # 1
 DTYPE_FLOAT64: DType.ValueType  # 2
 DTYPE_FLOAT16: DType.ValueType  # 3
 DTYPE_BFLOAT16: DType.ValueType  # 4
+DTYPE_FLOAT8_E4M3FN: DType.ValueType  # 5
+"""OCP 8-bit floats, one byte each (safetensors F8_E4M3 and F8_E5M2; PyTorch
+torch.float8_e4m3fn and torch.float8_e5m2). e4m3fn: 1 sign, 4 exponent
+(bias 7), 3 mantissa bits, subnormals down to 2^-9, largest finite 448, no
+infinities, S.1111.111 is NaN. e5m2: 1 sign, 5 exponent (bias 15), 2
+mantissa bits, subnormals down to 2^-16, largest finite 57344, IEEE
+infinities and NaNs. Values are rounded once, to nearest even, from
+binary64 (docs/SAMPLER.md section 4.1), subnormals kept. A parameter of
+either dtype is refused when its values could round beyond the largest
+finite value, so no output is ever inf or NaN: its bound B (each operation
+one binary64 rounding) must be at most the largest finite value, where B
+is 0 for zeros, 1 for ones, max(|lo|, |hi|) for uniform and
+truncated_normal, the bound L for xavier_uniform and kaiming_uniform (and
+their for-shape forms), |mean| + std * 5.2566 for normal, and the largest
+|value| for flat values (inline, uploaded or from a checkpoint).
+"""
+DTYPE_FLOAT8_E5M2: DType.ValueType  # 6
 Global___DType: _TypeAlias = DType  # noqa: Y015
 
 @_typing.final

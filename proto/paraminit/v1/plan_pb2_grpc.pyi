@@ -7,10 +7,11 @@ Plan files are the proto3 JSON form of `Plan`, e.g.
   {"params": [{"name": "fc.weight", "shape": [256, 784], "dtype": "DTYPE_BFLOAT16",
                "init": {"kaimingUniformForShape": {"seed": 1}}}]}
 The paraminit plan loader also accepts the dtype names float32, float64,
-float16, bfloat16 and the aliases f32, fp32, float, f64, fp64, double, f16,
-fp16, half, bf16 (any case).
+float16, bfloat16, float8_e4m3fn, float8_e5m2 and the aliases f32, fp32,
+float, f64, fp64, double, f16, fp16, half, bf16, f8e4m3, fp8_e4m3,
+float8_e4m3, e4m3, f8e5m2, fp8_e5m2, e5m2 (any case).
 
-Determinism contract (the sampler specification, version 2, is
+Determinism contract (the sampler specification, version 4, is
 docs/SAMPLER.md in the paraminit repository; these comments state it in
 full): every value is defined in binary64 (IEEE double) from the parameter's
 initializer and the element's row-major flat index i in the FULL tensor, and

@@ -113,7 +113,7 @@ def _kernel_words(name: str, args: tuple[Any, ...]) -> str:
     _, _, code = name.rpartition("_k")
     kind = Kind(int(code)).name.lower() if code.isdigit() and int(code) in Kind._value2member_map_ else name
     stores = sorted({a.dtype.name for a in args if isinstance(a, np.ndarray) and a.dtype.kind in "fu" and a.ndim == 1
-                     and a.dtype.itemsize in (2, 4, 8) and a.dtype.name != "uint64"})
+                     and a.dtype.itemsize in (1, 2, 4, 8) and a.dtype.name != "uint64"})
     return f"{kind} values" + (f" ({', '.join(stores)} arrays)" if stores else "")
 
 

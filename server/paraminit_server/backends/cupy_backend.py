@@ -47,7 +47,7 @@ WAVES = 4  # grid = whole waves of resident blocks, each striding over many tile
 DESC_WORDS = 16
 (W_OUT, W_N, W_LBEGIN, W_KIND, W_OTYPE, W_KEY, W_P0, W_P1, W_VSHIFT, W_BASE, W_RUNLEN, W_NOUTER, W_DIMS, W_LO, W_HI,
  W_SEED) = range(16)
-OTYPE_F32, OTYPE_F64, OTYPE_F16, OTYPE_BF16 = range(4)
+OTYPE_F32, OTYPE_F64, OTYPE_F16, OTYPE_BF16, OTYPE_F8E4M3, OTYPE_F8E5M2 = range(6)
 
 _INCLUDE = '#include "paraminit_kernels.cuh"'
 # CUDA's programming guide: share only allocations sized in 2 MiB multiples, since a smaller
@@ -57,12 +57,12 @@ CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 
 
 def otype(dt: dtypes.DTypeInfo) -> int:
-    """Kernel output type of a dtype (float, double, or 16-bit patterns of float16 / bfloat16)."""
-    if dt.fmt == dtypes.FMT_FLOAT16:
-        return OTYPE_F16
-    if dt.fmt == dtypes.FMT_BFLOAT16:
-        return OTYPE_BF16
-    return OTYPE_F64 if dt.itemsize == 8 else OTYPE_F32
+    """Kernel output type of a dtype (float, double, or the bit patterns of float16 / bfloat16 / 8-bit floats)."""
+    return _OTYPES.get(dt.fmt, OTYPE_F64 if dt.itemsize == 8 else OTYPE_F32)
+
+
+_OTYPES = {dtypes.FMT_FLOAT16: OTYPE_F16, dtypes.FMT_BFLOAT16: OTYPE_BF16, dtypes.FMT_F8E4M3: OTYPE_F8E4M3,
+           dtypes.FMT_F8E5M2: OTYPE_F8E5M2}
 
 
 def kernel_source() -> str:

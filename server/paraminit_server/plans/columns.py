@@ -29,8 +29,10 @@ _SMALL = float(1 << 59)  # element counts below this cannot overflow 2^63 bytes 
 _KIND_BY_NUMBER = {plan_pb2.Init.DESCRIPTOR.fields_by_name[k.field].number: k for k in inits.KINDS.values()}
 _FLAT_NUMBERS = [n for n, k in _KIND_BY_NUMBER.items() if k.flat]
 _ITEMSIZE = np.zeros(max(d.enum for d in dtypes.SUPPORTED) + 1, dtype=np.int64)
+_MAX_FINITE = np.full(_ITEMSIZE.shape[0], np.inf)  # the 8-bit range rule's limit per dtype (none for the rest)
 for _d in dtypes.SUPPORTED:
     _ITEMSIZE[_d.enum] = _d.itemsize
+    _MAX_FINITE[_d.enum] = np.inf if _d.max_finite is None else _d.max_finite
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,10 @@ def of(plan: plan_pb2.Plan) -> Columns | None:
         message = type(getattr(plan_pb2.Init(), kind.field))
         forms = kind.forms(functools.partial(_field, s, message, rows), rows.shape[0])
         good = forms.ok & s.wire_ok(message)[rows]
+        bound = inits.value_bound(forms.form, forms.fields)  # 8-bit rows out of range: checked one by one
+        if bound is not None:
+            with np.errstate(invalid="ignore"):
+                good &= bound <= _MAX_FINITE[dtype[rows]]
         at = rows[good]
         code, a, b, k, low, high, sd = kernel_columns(forms.form, {f: v[good] for f, v in forms.fields.items()})
         kernel[at], p0[at], p1[at], key[at], lo[at], hi[at], seed[at] = code, a, b, k, low, high, sd

@@ -44,6 +44,8 @@ CONTENT_HASHES = 4096  # remembered (file version, tensor, region) -> SHA-256, s
 
 def to_binary64(raw: npt.NDArray[np.uint8], dt: dtypes.DTypeInfo) -> npt.NDArray[np.float64]:
     """Exact conversion of little-endian values to binary64 (every supported dtype embeds in binary64)."""
+    if dt.max_finite is not None:  # an 8-bit float: a lookup of its 256 patterns
+        return dtypes.binary64_table(dt)[raw]
     if dt.fmt == dtypes.FMT_BFLOAT16:
         bits = raw.view("<u2").astype(np.uint32) << np.uint32(16)
         return bits.view(np.float32).astype(np.float64)
@@ -63,15 +65,21 @@ def payload_hasher(dt: dtypes.DTypeInfo, data: Any = b"") -> Any:
     return h
 
 
-def _nonfinite(values: npt.NDArray[Any], piece: int = 1 << 22) -> tuple[int, int]:
-    """(count of NaN/inf values, index of the first or -1), in pieces so the mask stays small."""
-    count, first = 0, -1
-    for lo in range(0, values.size, piece):
-        bad = np.flatnonzero(~np.isfinite(values[lo:lo + piece]))
+def _scan(raw: npt.NDArray[np.uint8], dt: dtypes.DTypeInfo, piece: int = 1 << 20) -> tuple[int, int, float]:
+    """(count of NaN/inf values, index of the first or -1, largest finite |value|), in pieces of binary64 so the
+    copies stay small."""
+    count, first, largest = 0, -1, 0.0
+    size = dt.itemsize
+    for lo in range(0, raw.size // size, piece):
+        values = to_binary64(raw[lo * size:(lo + piece) * size], dt)
+        finite = np.isfinite(values)
+        bad = np.flatnonzero(~finite)
         if bad.size:
             count += int(bad.size)
             first = lo + int(bad[0]) if first < 0 else first
-    return count, first
+        if values.size:
+            largest = max(largest, float(np.abs(np.where(finite, values, 0.0)).max()))
+    return count, first, largest
 
 
 @dataclass
@@ -83,6 +91,7 @@ class Payload:
     first_nonfinite: int
     sha256: str = ""  # of the dtype and the bytes as uploaded: what plan digests cover
     claim: Claim | None = None  # its bytes in the store's ledger, released when it expires
+    max_abs: float = 0.0  # the largest finite |value|: the 8-bit range rule's bound of a flat_ref
 
 
 class Held(Protocol):
@@ -182,9 +191,9 @@ class Sources:
             if ticket.nbytes < nbytes:
                 raise errors.InvalidRequest(f"payload of {count} values is larger than reserved")
             values = data.view(dt.numpy.newbyteorder("<"))
-            nonfinite, first = _nonfinite(values)
+            nonfinite, first, largest = _scan(data, dt)
             digest = sha256 or payload_sha256(dt, data)
-            payload = Payload(owner, values, time.time() + self.ttl, nonfinite, first, digest, ticket)
+            payload = Payload(owner, values, time.time() + self.ttl, nonfinite, first, digest, ticket, largest)
             pid = secrets.token_hex(16)
 
             def keep() -> None:
@@ -266,6 +275,7 @@ class BoundSources:
         self._held: list[Held] = []
         self._hashes: dict[tuple[str, str, tuple[tuple[int, int], ...]], str] = {}
         self._payloads: dict[str, Payload | None] = {}
+        self._largest: dict[tuple[Any, ...], float] = {}
 
     def payload(self, payload_id: str) -> Payload | None:
         """The request's payload under this id: looked up on first use, the same answer for the rest of the
@@ -324,6 +334,33 @@ class BoundSources:
             self._hashes[(path, tensor, region)] = h.hexdigest()
             values = to_binary64(raw, info.dtype)
             return values, compact
+
+    def largest_magnitude(self, path: str, tensor: str) -> float:
+        """The largest |value| of a whole checkpoint tensor (NaN if it holds one), read in bounded pieces: the
+        8-bit range rule's bound of a parameter that reads a wider tensor. Read once per file version."""
+        with self._open(path) as (fd, header, shown):
+            info = files.tensor_entry(header, tensor, shown)
+            key = ("largest", header.key, info.start, info.nbytes)
+            known = self._largest.get(key)
+            if known is not None:
+                return known
+            box = _region_of(info, None, tensor, shown)
+            starts, run_len = box.run_starts()
+            largest = 0.0
+            carry = np.zeros(0, dtype=np.uint8)  # a value split across two pieces
+
+            def sink(piece: npt.NDArray[np.uint8]) -> None:
+                nonlocal largest, carry
+                data = np.concatenate([carry, piece]) if carry.size else piece
+                whole = data.size - data.size % info.dtype.itemsize
+                values = to_binary64(data[:whole], info.dtype)
+                if values.size:
+                    largest = max(largest, float(np.abs(values).max()))  # NaN stays NaN: refused
+                carry = np.array(data[whole:])
+
+            files.read_runs(fd, info.start, info.dtype.itemsize, starts, run_len, shown, sink)
+            self._largest[key] = largest
+            return largest
 
     def content_hash(self, path: str, tensor: str, region: tuple[tuple[int, int], ...] | None = None) -> str:
         """SHA-256 of the bytes a plan uses from a checkpoint tensor (its region's, in order): plan digests

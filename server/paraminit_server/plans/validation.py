@@ -99,7 +99,7 @@ def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[st
     shape = p.shape
     which = p.init.WhichOneof("kind")
     dt = dtypes.by_enum(p.dtype)
-    if which is None or dt is None or len(shape) > MAX_RANK:
+    if which is None or dt is None or len(shape) > MAX_RANK or dt.max_finite is not None:
         return None
     kind = inits.KINDS[which]
     n = spec.numel(shape)
@@ -175,9 +175,9 @@ def _check_param(i: int, p: plan_pb2.Param, limits: Limits, sources: Any, first_
     if dt is None:
         bad("dtype", f"unknown dtype enum value {p.dtype}")
     region_numel = (_check_region(shape, p, bad) if p.region else numel) if sane else None
-    _check_init(shape, p, bad, sources if sane else None)
+    _check_init(shape, p, dt, bad, sources if sane else None)
     if p.patches and sane:
-        _check_patches(shape, p, bad)
+        _check_patches(shape, p, dt, bad)
     size = 0
     if dt is not None and region_numel is not None:
         size = region_numel * dt.itemsize
@@ -219,8 +219,9 @@ MAX_PATCHES = 4096
 BOX_RANGES_SHOWN = 2  # bad ranges of one patch box reported one by one; the last says how many more
 
 
-def _check_patches(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
-    """Each patch: a box inside the full shape and a valid, patchable initializer (values at global indices)."""
+def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad) -> None:
+    """Each patch: a box inside the full shape and a valid, patchable initializer (values at global indices) whose
+    values fit the parameter's dtype."""
     if len(p.patches) > MAX_PATCHES:
         bad("patches", f"{len(p.patches)} patches exceed the maximum of {MAX_PATCHES} per parameter")
         return
@@ -244,8 +245,11 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> None:
                 else:
                     sub(f"box[{d}]", f"range [{r.start}, {r.stop}) is out of bounds for dimension {d} of size "
                                      f"{dim}{more}")
-        for field, message in inits.check(q.init if q.HasField("init") else None, shape, patch=True):
+        problems = inits.check(q.init if q.HasField("init") else None, shape, patch=True)
+        for field, message in problems:
             sub(field, message)
+        if not problems and dt is not None:
+            _check_range(dt, q.init, shape, sub)
 
 
 def _shown_name(name: str) -> str:
@@ -265,49 +269,85 @@ def _echo(text: str) -> str:
     return repr(text) if len(text) <= ECHO else repr(text[:ECHO]) + f"... ({len(text)} characters)"
 
 
-def _check_init(shape: list[int], p: plan_pb2.Param, bad: _Bad, sources: Any = None) -> None:
-    """The initializer's form (the table's checks), then what it reads against the request's snapshot."""
+def _check_init(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad,
+                sources: Any = None) -> None:
+    """The initializer's form (the table's checks), then what it reads against the request's snapshot, then
+    whether its values fit an 8-bit dtype."""
     init = p.init if p.HasField("init") else None
     problems = inits.check(init, shape)
     for field, message in problems:
         bad(field, message)
-    if problems or sources is None or init is None:
+    if problems or init is None:
         return
     kind = inits.kind_of(init)
-    if kind is None or not kind.flat:
+    if kind is None:
         return
-    form = kind.form(getattr(init, kind.field), shape)
-    if isinstance(form, inits.PayloadRef):
-        _check_payload(shape, form, bad, sources)
-    elif isinstance(form, inits.Checkpoint):
-        _check_checkpoint(shape, form, bad, sources)
+    form = kind.form(getattr(init, kind.field), shape) if kind.flat else None
+    largest = None  # of referenced data, once read
+    if isinstance(form, inits.PayloadRef) and sources is not None:
+        largest = _check_payload(shape, form, bad, sources)
+    elif isinstance(form, inits.Checkpoint) and sources is not None:
+        largest = _check_checkpoint(shape, form, bad, sources, dt)
+    if dt is not None and (form is None or isinstance(form, inits.Inline) or largest is not None):
+        _check_range(dt, init, shape, bad, largest)
 
 
-def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: Any) -> None:
+def _check_range(dt: dtypes.DTypeInfo, init: plan_pb2.Init, shape: list[int], bad: _Bad,
+                 largest: float | None = None) -> None:
+    """The 8-bit range rule (docs/SAMPLER.md 4.1) for a valid initializer; `largest` for referenced data."""
+    kind = inits.kind_of(init)
+    if dt.max_finite is None or kind is None:
+        return
+    found = inits.range_problem(dt, kind.form(getattr(init, kind.field), shape), kind.field, largest)
+    if found is not None:
+        bad(*found)
+
+
+def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: Any) -> float | None:
+    """The payload's checks; returns its largest |value| when it is whole and finite (for the range rule)."""
     payload = sources.payload(ref.payload_id)
     if payload is None:
         bad("init.flat_ref.payload_id", f"no payload {_echo(ref.payload_id)} (upload it with UploadPayload; "
                                         "payloads expire)")
-        return
+        return None
+    ok = True
     if payload.values.size != spec.numel(shape):
         bad("init.flat_ref", inits.length_message(spec.numel(shape), payload.values.size))
+        ok = False
     if payload.nonfinite:
         bad("init.flat_ref", f"flat values must be finite ({payload.nonfinite} not finite, first at index "
                              f"{payload.first_nonfinite})")
+        ok = False
+    return payload.max_abs if ok else None
 
 
-def _check_checkpoint(shape: list[int], ref: inits.Checkpoint, bad: _Bad, sources: Any) -> None:
+def _check_checkpoint(shape: list[int], ref: inits.Checkpoint, bad: _Bad, sources: Any,
+                      dt: dtypes.DTypeInfo | None) -> float | None:
+    """The checkpoint tensor's checks; for a parameter of an 8-bit dtype whose file holds a wider one, returns
+    the tensor's largest |value| (for the range rule; read from the file)."""
     try:
         info = sources.tensor_info(ref.path, ref.tensor)
     except errors.InvalidRequest as exc:
         bad("init.safetensors", str(exc))
-        return
+        return None
+    ok = True
     expected = dtypes.by_enum(ref.dtype) if ref.dtype else None
     if expected is not None and expected.safetensors != info.dtype.safetensors:
         bad("init.safetensors.dtype", f"tensor {_echo(ref.tensor)} is {info.dtype.name} in the file, not {expected.name}")
+        ok = False
     if tuple(shape) != info.shape:
         bad("init.safetensors", f"tensor {_echo(ref.tensor)} has shape {spec.shape_str(info.shape)} in the file; the "
                                 f"parameter's shape is {spec.shape_str(shape)}")
+        ok = False
+    if not ok or dt is None or dt.max_finite is None:
+        return None
+    if info.dtype.max_finite is not None and info.dtype.max_finite <= dt.max_finite:
+        return None  # every finite value of the file's format fits
+    try:
+        return float(sources.largest_magnitude(ref.path, ref.tensor))
+    except errors.InvalidRequest as exc:
+        bad("init.safetensors", str(exc))
+        return None
 
 
 class _Bad(Protocol):  # the signature of the `bad` closure

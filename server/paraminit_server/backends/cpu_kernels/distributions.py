@@ -32,7 +32,16 @@ from paraminit_server.backends.cpu_kernels.cr_math import (
     log_plain,
     sqrt,
 )
-from paraminit_server.backends.cpu_kernels.half_rounding import BF16, F16, F32_MIN_NORMAL, sticky32, store, store_fast
+from paraminit_server.backends.cpu_kernels.half_rounding import (
+    BF16,
+    F8E4M3,
+    F8E5M2,
+    F16,
+    F32_MIN_NORMAL,
+    sticky32,
+    store,
+    store_fast,
+)
 from paraminit_server.backends.cpu_kernels.jit import bits_f64, f64_bits, inline, jit, wide_vectors
 
 _ABLOCK = 2048  # elements per fast pass of fill_affine; a block with a rare element is stored again exactly
@@ -99,10 +108,29 @@ def fill_affine_bf16(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None
 
 
 @jit
+def fill_affine_f8e4m3(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None:
+    """affine_body for float8_e4m3fn outputs."""
+    wide_vectors()
+    affine_body(dst, x0, p0, sc, p1, F8E4M3)
+
+
+@jit
+def fill_affine_f8e5m2(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> None:
+    """affine_body for float8_e5m2 outputs."""
+    wide_vectors()
+    affine_body(dst, x0, p0, sc, p1, F8E5M2)
+
+
+@jit
 def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> None:
-    """dst[k] = p0 + unit(g + k) * p1 (affine_body), the format's kernel chosen once per call."""
-    if h[0] == 42:
+    """dst[k] = p0 + unit(g + k) * p1 (affine_body), the format's kernel chosen once per call (by its rounding
+    position h[0], which differs between the formats)."""
+    if h[0] == F16[0]:
         fill_affine_f16(dst, x0, p0, sc, p1)
+    elif h[0] == F8E4M3[0]:
+        fill_affine_f8e4m3(dst, x0, p0, sc, p1)
+    elif h[0] == F8E5M2[0]:
+        fill_affine_f8e5m2(dst, x0, p0, sc, p1)
     else:
         fill_affine_bf16(dst, x0, p0, sc, p1)
 

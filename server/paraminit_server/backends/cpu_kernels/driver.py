@@ -20,9 +20,10 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from paraminit.dtypes import FMT_F8E4M3, FMT_FLOAT16
 from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, TWO_NEG_32, U2
 from paraminit_server.backends.cpu_kernels.distributions import fill_affine, fill_const, fill_flat, fill_normal, fill_truncnorm
-from paraminit_server.backends.cpu_kernels.half_rounding import BF16, F16
+from paraminit_server.backends.cpu_kernels.half_rounding import BF16, F8E4M3, F8E5M2, F16
 from paraminit_server.backends.cpu_kernels.jit import jit, kernel_of
 from paraminit_server.plans.plan import Kind
 
@@ -97,16 +98,25 @@ def _kernels(kind: int, run: Any) -> Kernels:
 
     def run_any(out: Any, dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float,
                 hi: float, seed: Any, values: Any, fmt: int) -> None:
-        """`run` with the half format's constants fixed at compile time (float arrays ignore them)."""
+        """`run` with the narrow format's constants fixed at compile time (float arrays ignore them); fmt is the
+        dtype's `fmt` (paraminit.dtypes)."""
         raise NotImplementedError("called only inside kernels")
 
     @overload(run_any)
     def _run_any_overload(out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any,
                           hi: Any, seed: Any, values: Any, fmt: Any) -> Any:
+        if out.dtype == types.uint8:
+            def byte(out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any,
+                     seed: Any, values: Any, fmt: Any) -> Any:
+                if fmt == FMT_F8E4M3:
+                    run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, F8E4M3)
+                else:
+                    run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, F8E5M2)
+            return byte
         if out.dtype == types.uint16:
             def half(out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any,
                      seed: Any, values: Any, fmt: Any) -> Any:
-                if fmt == 1:
+                if fmt == FMT_FLOAT16:
                     run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, F16)
                 else:
                     run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, BF16)

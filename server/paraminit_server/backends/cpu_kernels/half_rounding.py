@@ -1,8 +1,10 @@
-"""Rounding binary64 values once into float16 and bfloat16 bits, and the per-element store of every fill.
+"""Rounding binary64 values once into float16, bfloat16 and 8-bit float bits, and the per-element store of every
+fill.
 
 float16/bfloat16 bits come through binary32 rounded to odd (`sticky32`), so the hardware conversions give the
 one rounding (docs/SAMPLER.md section 3); `store_fast` is the vectorizable common path, and the rare elements it
-flags (NaN, bfloat16 subnormals) are stored again with `store`.
+flags (NaN, bfloat16 subnormals) are stored again with `store`. 8-bit floats (section 4.1) are rounded in integer
+arithmetic on the binary64 bits (`narrow_bits`), branch-free, subnormals included.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def _half_consts(mant: int, emin: int, emax: int) -> tuple[int, int, int, int, f
 
 F16 = _half_consts(10, -14, 15)
 BF16 = _half_consts(7, -126, 127)
+F8E5M2 = _half_consts(2, -14, 15)
+# float8_e4m3fn has no infinity: the pattern past 448 (S.1111.111) is its NaN, and so is the clamp's result. A valid
+# plan never reaches it (its values stay within 448, validation's range rule), so no saturation rule matters.
+_E4M3 = _half_consts(3, -6, 8)
+F8E4M3 = (_E4M3[0], _E4M3[1], 0x7F, 0x7F, _E4M3[4], 480.0, _E4M3[6], _E4M3[7])
 
 
 def _f32_bits(typingctx: Any, x: Any) -> Any:
@@ -119,6 +126,32 @@ def half_bits_int(v: float, h: Any) -> Any:
     return np.uint16(r | ((f64_bits(v) >> 48) & _SIGN16))
 
 
+_SIGN8 = np.int64(0x80)
+_I56 = np.int64(56)
+
+
+@jit
+def narrow_bits(v: float, h: Any) -> Any:
+    """Round binary64 once, to nearest even, into 8-bit float bits (h: F8E4M3 or F8E5M2); branch-free.
+
+    half_bits_int's arithmetic with the sign in bit 7: the normal range rounds at bit `shift` of the binary64
+    bits with the exponent rebiased in the same addition, carries running into the exponent; below the smallest
+    normal, |v| + magic has the format's subnormal spacing as its ulp, so the hardware's one rounding is the
+    spec's, and a value below half the smallest subnormal becomes a zero of its sign.
+    """
+    shift, adj, _, nan_bits, min_normal, ovf, magic, magic_bits = h
+    av = abs(v)
+    a = np.uint64(f64_bits(min(av, ovf)))
+    rn = np.int64((a + np.uint64(adj) + ((a >> np.uint64(shift)) & U1)) >> np.uint64(shift))
+    rs = f64_bits(av + magic) - np.int64(magic_bits)
+    r = rn
+    if av < min_normal:
+        r = rs
+    if av != av:
+        r = np.int64(nan_bits)
+    return np.uint8(r | ((f64_bits(v) >> _I56) & _SIGN8))
+
+
 @jit
 def sticky32(v: float) -> Any:
     """v rounded to odd at 24 significant bits, as binary32 (exact in binary32's normal range)."""
@@ -159,12 +192,17 @@ def half_bits(v: float, h: Any) -> Any:
 
 
 def store(out: Any, k: Any, v: float, h: Any) -> None:
-    """Write one binary64 value: one RNE cast into float arrays, half bits (half_bits) into uint16 arrays."""
+    """Write one binary64 value: one RNE cast into float arrays, half bits (half_bits) into uint16 arrays, 8-bit
+    float bits (narrow_bits) into uint8 arrays."""
     raise NotImplementedError("called only inside kernels")
 
 
 @overload(store)
 def _store_overload(out: Any, k: Any, v: Any, h: Any) -> Any:
+    if out.dtype == types.uint8:
+        def store_byte(out: Any, k: Any, v: Any, h: Any) -> Any:
+            out[k] = narrow_bits(v, h)
+        return store_byte
     if out.dtype == types.uint16:
         def store_half(out: Any, k: Any, v: Any, h: Any) -> Any:
             out[k] = half_bits(v, h)
@@ -182,6 +220,11 @@ def store_fast(out: Any, k: Any, v: float, h: Any) -> Any:
 
 @overload(store_fast, inline="always")
 def _store_fast_overload(out: Any, k: Any, v: Any, h: Any) -> Any:
+    if out.dtype == types.uint8:
+        def store_byte(out: Any, k: Any, v: Any, h: Any) -> Any:
+            out[k] = narrow_bits(v, h)  # branch-free and exact everywhere: nothing to redo
+            return np.int64(0)
+        return store_byte
     if out.dtype == types.uint16:
         def store_half(out: Any, k: Any, v: Any, h: Any) -> Any:
             # half_bits without its NaN and bfloat16-subnormal paths; zero is exact on the common path

@@ -54,6 +54,9 @@ typedef unsigned int pi_u32;
 #define PI_F64 1
 #define PI_F16 2
 #define PI_BF16 3
+#define PI_F8E4M3 4
+#define PI_F8E5M2 5
+#define PI_OTYPES 6  // output types; a (kind, output type) pair is kind * PI_OTYPES + output type
 
 // One job of a packed plan: PI_DESC_WORDS int64 words (doubles and the key
 // stored as their bit patterns). Layout mirrored by cupy_backend.pack().
@@ -873,6 +876,10 @@ PI_HD pi_u32 pi_narrow_bits(double v, int mant, int emin, pi_u32 inf_bits, int s
 PI_HD pi_u32 pi_f32_bits(double v) { return pi_narrow_bits(v, 23, -126, 0x7F800000u, 31); }
 PI_HD unsigned short pi_f16_bits(double v) { return (unsigned short)pi_narrow_bits(v, 10, -14, 0x7C00u, 15); }
 PI_HD unsigned short pi_bf16_bits(double v) { return (unsigned short)pi_narrow_bits(v, 7, -126, 0x7F80u, 15); }
+// float8_e4m3fn has no infinity: 0x7F (S.1111.111) is its NaN and where the clamp puts anything beyond 464; a
+// valid plan's values stay within 448 (the range rule of docs/SAMPLER.md 4.1), so that never happens.
+PI_HD unsigned char pi_f8e4m3_bits(double v) { return (unsigned char)pi_narrow_bits(v, 3, -6, 0x7Fu, 7); }
+PI_HD unsigned char pi_f8e5m2_bits(double v) { return (unsigned char)pi_narrow_bits(v, 2, -14, 0x7Cu, 7); }
 
 // ---------------------------------------------------------------------------
 // Regions (section 5) as plan.Runs: local element l lies in run l / run_len;
@@ -955,8 +962,12 @@ PI_HD void pi_store(unsigned char* out, pi_i64 k, double v) {
         reinterpret_cast<double*>(out)[k] = v;
     } else if (OTYPE == PI_F16) {
         reinterpret_cast<unsigned short*>(out)[k] = pi_f16_bits(v);
-    } else {
+    } else if (OTYPE == PI_BF16) {
         reinterpret_cast<unsigned short*>(out)[k] = pi_bf16_bits(v);
+    } else if (OTYPE == PI_F8E4M3) {
+        out[k] = pi_f8e4m3_bits(v);
+    } else {
+        out[k] = pi_f8e5m2_bits(v);
     }
 }
 
@@ -965,7 +976,9 @@ PI_HD void pi_store_rt(int otype, unsigned char* out, pi_i64 k, double v) {
         case PI_F32: pi_store<PI_F32>(out, k, v); break;
         case PI_F64: pi_store<PI_F64>(out, k, v); break;
         case PI_F16: pi_store<PI_F16>(out, k, v); break;
-        default: pi_store<PI_BF16>(out, k, v); break;
+        case PI_BF16: pi_store<PI_BF16>(out, k, v); break;
+        case PI_F8E4M3: pi_store<PI_F8E4M3>(out, k, v); break;
+        default: pi_store<PI_F8E5M2>(out, k, v); break;
     }
 }
 
@@ -1027,13 +1040,17 @@ PI_HD void pi_run_tile(const PiJob& j, const pi_i64* dims, const double* values,
         return;
     }
 #define PI_CASE(K, O) \
-    case (K) * 4 + (O): pi_tile<K, O>(j, dims, values, arena, tile, tid); break;
-    switch (j.kind * 4 + j.otype) {
-        PI_CASE(PI_CONST, PI_F32) PI_CASE(PI_CONST, PI_F64) PI_CASE(PI_CONST, PI_F16) PI_CASE(PI_CONST, PI_BF16)
-        PI_CASE(PI_AFFINE, PI_F32) PI_CASE(PI_AFFINE, PI_F64) PI_CASE(PI_AFFINE, PI_F16) PI_CASE(PI_AFFINE, PI_BF16)
-        PI_CASE(PI_FLAT, PI_F32) PI_CASE(PI_FLAT, PI_F64) PI_CASE(PI_FLAT, PI_F16) PI_CASE(PI_FLAT, PI_BF16)
+    case (K) * PI_OTYPES + (O): pi_tile<K, O>(j, dims, values, arena, tile, tid); break;
+#define PI_CASES(K) \
+    PI_CASE(K, PI_F32) PI_CASE(K, PI_F64) PI_CASE(K, PI_F16) PI_CASE(K, PI_BF16) PI_CASE(K, PI_F8E4M3) \
+    PI_CASE(K, PI_F8E5M2)
+    switch (j.kind * PI_OTYPES + j.otype) {
+        PI_CASES(PI_CONST)
+        PI_CASES(PI_AFFINE)
+        PI_CASES(PI_FLAT)
         default: break;
     }
+#undef PI_CASES
 #undef PI_CASE
 }
 
