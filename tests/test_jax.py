@@ -24,6 +24,7 @@ PLAN = plan_of([
     param("k", [6, 4, 8], {"kaimingUniformForShape": {"seed": 3}}, "float16"),
     param("b", [16], {"uniform": {"lo": -1, "hi": 1, "seed": 4}}, "float64"),
     param("g", [4], {"ones": {}}),
+    param("f8", [8, 16], {"normal": {"std": 0.5, "seed": 5}}, "float8_e4m3fn"),
 ])
 
 
@@ -65,7 +66,8 @@ def whole() -> dict[str, np.ndarray[Any, Any]]:
 
 def test_mixed_partition_specs_give_the_single_process_bytes(mesh: Mesh, whole: dict[str, Any]) -> None:
     shardings = {"emb": NamedSharding(mesh, P()), "w": NamedSharding(mesh, P("x", "y")),
-                 "k": NamedSharding(mesh, P(None, "y", "x")), "b": NamedSharding(mesh, P("y"))}
+                 "k": NamedSharding(mesh, P(None, "y", "x")), "b": NamedSharding(mesh, P("y")),
+                 "f8": NamedSharding(mesh, P("y", "x"))}
     layouts = {"w": (1, 0), "k": (2, 0, 1)}
     client = Recording()
     with x64():
@@ -79,6 +81,7 @@ def test_mixed_partition_specs_give_the_single_process_bytes(mesh: Mesh, whole: 
         for shard in arr.addressable_shards:  # every device holds exactly its own slice
             assert np.asarray(shard.data).tobytes() == np.ascontiguousarray(full[shard.index]).tobytes(), name
     assert got["emb"].dtype == jax.numpy.bfloat16 and got["k"].dtype == jax.numpy.float16
+    assert got["f8"].dtype == jax.numpy.float8_e4m3fn
     assert got["g"].sharding.device_set == {jax.local_devices()[0]}  # no sharding: one device
     # one request; each sharded tensor asked for by quarter or half boxes, a replicated one once and whole
     (asked,) = client.plans
@@ -89,6 +92,7 @@ def test_mixed_partition_specs_give_the_single_process_bytes(mesh: Mesh, whole: 
     assert sorted(regions["w"]) == [[(a, a + 6), (c, c + 8)] for a in (0, 6) for c in (0, 8)]  # plan layout
     assert sorted(regions["k"]) == [[(a, a + 3), (c, c + 2), (0, 8)] for a in (0, 3) for c in (0, 2)]
     assert sorted(regions["b"]) == [[(0, 8)], [(8, 16)]]
+    assert sorted(regions["f8"]) == [[(a, a + 4), (c, c + 8)] for a in (0, 4) for c in (0, 8)]
 
 
 def test_one_sharding_for_all_and_errors(mesh: Mesh, whole: dict[str, Any]) -> None:

@@ -67,6 +67,7 @@ def test_cli_materialize_matches_vectors(tmp_path: Path, capsys: pytest.CaptureF
     start = 8 + int.from_bytes(data[:8], "little")
     for case in CASES:
         a, b = header[case["name"]]["data_offsets"]
+        assert header[case["name"]]["dtype"] == dtypes.by_name(case["dtype"]).safetensors, case["name"]
         got = np.frombuffer(data[start + a:start + b], dtype=f"<u{dtypes.by_name(case['dtype']).itemsize}")
         assert [int(x) for x in got] == expected_bits(case), case["name"]
 
