@@ -238,3 +238,27 @@ def test_a_checkpoint_file_torch_reads_and_inspect_passes(tmp_path: Path) -> Non
     save_file(shifted, str(tmp_path / "bad.safetensors"))
     flagged = inspect.inspect_file(tmp_path / "bad.safetensors", plan)
     assert flagged.rows[0].problems and not flagged.rows[1].problems
+
+
+def test_a_float8_module_built_on_meta_is_materialized() -> None:
+    """The torch adapter plans a float8 module (PyTorch's own rules) and fills it in place or from a stream."""
+    torch = pytest.importorskip("torch")
+    from paraminit_client.torch import materialize_module, plan_from_module
+
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    m = m.to(torch.float8_e4m3fn)
+    plan = plan_from_module(m, seed=3)
+    assert {p.dtype for p in plan.params} == {plan_pb2.DTYPE_FLOAT8_E4M3FN}
+    with Client() as c:
+        want = c.materialize(plan)
+        for delivery in ("in_process", "stream"):
+            materialize_module(m, c, delivery=delivery, plan=plan)
+            state = m.state_dict()
+            for name, arr in want.items():
+                assert state[name].dtype == torch.float8_e4m3fn, (delivery, name)
+                assert state[name].view(torch.uint8).numpy().tobytes() == arr.tobytes(), (delivery, name)
+    bound = 1 / 8  # kaiming_uniform_(a=sqrt(5)) on fan_in 64: 1/sqrt(64)
+    w = want["0.weight"].astype(np.float64)
+    assert np.abs(w).max() <= bound and w.std() > bound / 3
+    assert (want["1.weight"].astype(np.float64) == 1).all()

@@ -230,6 +230,12 @@ def test_liveness_stays_serving_while_readiness_drains() -> None:
             running.set_serving(False)  # what SIGTERM does first
             assert status(SERVICE_NAME) == "NOT_SERVING"
             assert status(LIVENESS_SERVICE) == "SERVING"
+            running.set_serving(True)
+            assert status(SERVICE_NAME) == "SERVING"
+            running.plane.admission.draining.set()  # a drain has begun (as stop() begins it) ...
+            running.set_serving(False)
+            running.set_serving(True)  # ... so a warm-up finishing now changes nothing
+            assert status(SERVICE_NAME) == "NOT_SERVING"
     finally:
         running.stop(grace=0)
 
@@ -241,7 +247,7 @@ def test_info_health_reflection(server: Running, client: Client) -> None:
     info = client.info()
     assert info.backend == "cpu" and info.device.kind == "cpu"
     assert set(info.dtypes) == {plan_pb2.DTYPE_FLOAT32, plan_pb2.DTYPE_FLOAT64, plan_pb2.DTYPE_FLOAT16,
-                                plan_pb2.DTYPE_BFLOAT16}
+                                plan_pb2.DTYPE_BFLOAT16, plan_pb2.DTYPE_FLOAT8_E4M3FN, plan_pb2.DTYPE_FLOAT8_E5M2}
     assert client.health() == "SERVING"
     assert client.health("paraminit.v1.InitService") == "SERVING"
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc

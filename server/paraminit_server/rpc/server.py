@@ -61,21 +61,32 @@ class Running:
     ready: threading.Event = field(default_factory=threading.Event)
     warm_error: str = ""  # set when warm-up raised; serve() then exits non-zero
 
+    _health_lock: threading.Lock = field(default_factory=threading.Lock)
+
     def set_serving(self, serving: bool) -> None:
+        """Readiness (the overall and the InitService status); SERVING is never set once draining began, whichever
+        thread asks (warm-up finishing while a drain starts), since both steps hold one lock."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
-        if self.metrics is not None:
-            self.metrics.serving.set(1 if serving else 0)
+        with self._health_lock:
+            if serving and self.plane.admission.draining.is_set():
+                return
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, status)
+            if self.metrics is not None:
+                self.metrics.serving.set(1 if serving else 0)
 
     def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING and refuse new work at once, let streams finish within the grace, free leases."""
         grace = self.config.drain_seconds if grace is None else grace
+        with self._health_lock:
+            self.plane.admission.draining.set()
         self.set_serving(False)
-        self.plane.admission.draining.set()
         deadline = time.monotonic() + grace
         self.plane.admission.wait_idle(grace)
         self.plane.sources.wait_uploads(deadline - time.monotonic())  # uploads drain too
+        # drained: every status NOT_SERVING (liveness too: the process is leaving) and frozen, as grpc_health's
+        # graceful shutdown intends, so nothing that finishes late can report SERVING again
+        self.health.enter_graceful_shutdown()
         self.server.stop(grace=1.0).wait()
         self.servicer.stalls.close()
         self.plane.close()
@@ -141,8 +152,7 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
                 # request that needs it first waits for it (a cold cache then costs the first requests, not
                 # the time to SERVING).
                 preload()
-                if not plane.admission.draining.is_set():
-                    running.set_serving(True)
+                running.set_serving(True)  # unless draining began (set_serving checks under its lock)
             backend.warm_up()
         except Exception as exc:
             if not warm_up_async:
@@ -151,8 +161,7 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
             running.warm_error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
             running.ready.set()
             return
-        if not plane.admission.draining.is_set():
-            running.set_serving(True)
+        running.set_serving(True)
         running.ready.set()
 
     if warm_up_async:
