@@ -11,7 +11,7 @@ here: Llama 3's ``partial(trunc_normal_, std=0.02)`` (absolute bounds
 embeddings and ``ones_`` for norms come out of the config as written.
 
 Translated: ``nn.init.trunc_normal_``, ``normal_``, ``uniform_``,
-``constant_``, ``zeros_``, ``ones_`` (bare or as ``functools.partial``),
+``constant_``, ``zeros_``, ``ones_``, ``orthogonal_`` (bare or as ``functools.partial``),
 the fused-QKV wrapper of ``config_utils._fused_qkv_param_init`` (it draws
 its base initializer element by element, so the fused tensor has that
 initializer's distribution), and ``skip_param_init`` on a tied tensor whose
@@ -35,7 +35,7 @@ from typing import Any
 from torch import nn
 
 from paraminit.v1 import plan_pb2
-from paraminit_client.torch_rules import _ones, _rule_of, _trunc_normal, _uniform, _zeros
+from paraminit_client.torch_rules import _ones, _orthogonal, _rule_of, _trunc_normal, _uniform, _zeros
 
 __all__ = ["fill_buffers", "init_for", "refused_modules"]
 
@@ -104,6 +104,7 @@ def translate(fn: Callable[..., Any], seed: int) -> plan_pb2.Init | str | _Skip:
         nn.init.zeros_: lambda a: _zeros(),
         nn.init.ones_: lambda a: _ones(),
         nn.init.constant_: lambda a: _uniform(float(a["val"]), float(a["val"]), seed),  # lo == hi: the constant
+        nn.init.orthogonal_: lambda a: _orthogonal(float(a["gain"]), seed),
     }
     make = table.get(func)
     if make is None:

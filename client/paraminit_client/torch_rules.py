@@ -49,6 +49,12 @@ def _trunc_normal(mean: float, std: float, a: float, b: float, seed: int) -> pla
     return plan_pb2.Init(truncated_normal=plan_pb2.TruncatedNormal(mean=mean, std=std, lo=a, hi=b, seed=seed))
 
 
+def _orthogonal(gain: float, seed: int) -> plan_pb2.Init:
+    """nn.init.orthogonal_(t, gain): the plan's deterministic orthogonal (docs/SAMPLER.md 2.3), the same matrix up
+    to rounding for the same Gaussian draws."""
+    return plan_pb2.Init(orthogonal=plan_pb2.Orthogonal(gain=gain, seed=seed))
+
+
 def _xavier(seed: int) -> plan_pb2.Init:
     return plan_pb2.Init(xavier_uniform_for_shape=plan_pb2.XavierUniformForShape(seed=seed))
 

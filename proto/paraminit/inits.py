@@ -8,7 +8,8 @@ defines over a parameter's full shape. Validation, plan resolution, the plan dig
 touches the table and the kernels only.
 
 A value form says what element i is: a constant, an affine map of the unit draw
-(uniform and every Xavier / Kaiming kind), a normal, a truncated normal, or data.
+(uniform and every Xavier / Kaiming kind), a normal, a truncated normal, or data (values in the plan, uploaded or
+in a checkpoint, or an orthogonal matrix computed whole).
 The Xavier and Kaiming bounds (docs/SAMPLER.md section 3) are stated here once, and
 `moments` gives the mean, standard deviation and bounds a form promises (what
 `inspect` checks a file against).
@@ -40,6 +41,7 @@ __all__ = [
     "Inline",
     "Moments",
     "Normal",
+    "Orthogonal",
     "PayloadRef",
     "TruncNormal",
     "Uniform",
@@ -142,7 +144,18 @@ class Checkpoint:
     dtype: int
 
 
-Data = Inline | PayloadRef | Checkpoint
+@dataclass(frozen=True)
+class Orthogonal:
+    """gain times a (semi-)orthogonal rows x cols matrix (docs/SAMPLER.md 2.3); its values are computed, as data,
+    from the whole matrix."""
+
+    gain: float
+    seed: int
+    rows: int
+    cols: int
+
+
+Data = Inline | PayloadRef | Checkpoint | Orthogonal
 ValueForm = Const | Uniform | Normal | TruncNormal | Data
 
 
@@ -186,11 +199,13 @@ def value_bound(form: type, fields: Mapping[str, Any]) -> Any:
         return np.maximum(np.abs(fields["lo"]), np.abs(fields["hi"]))
     if form is Normal:
         return np.abs(fields["mean"]) + fields["std"] * Z_BOUND
+    if form is Orthogonal:
+        return np.abs(fields["gain"])
     return None
 
 
 _BOUND_WORDS = {Const: "its value", Uniform: "max(|lo|, |hi|)", Normal: "|mean| + std * 5.2566",
-                TruncNormal: "max(|lo|, |hi|)"}
+                TruncNormal: "max(|lo|, |hi|)", Orthogonal: "|gain|"}
 
 
 def range_problem(dt: dtypes.DTypeInfo, form: ValueForm, field: str, largest: float | None = None) -> Problem | None:
@@ -308,6 +323,34 @@ def _check_flat(f: plan_pb2.Flat, shape: Sequence[int]) -> list[Problem]:
     return out
 
 
+ORTHOGONAL_MAX_WORK = 4096**3  # rows * cols * min(rows, cols): the factorization's time grows with it
+
+
+def _matrix(shape: Sequence[int]) -> tuple[int, int]:
+    """(rows, cols) of the matrix an orthogonal parameter is viewed as (rank >= 2): shape[0] and the rest's product."""
+    return int(shape[0]), numel_at_most(shape[1:], MAX_ELEMENTS)
+
+
+def _orthogonal(o: plan_pb2.Orthogonal, shape: Sequence[int]) -> Orthogonal:
+    rows, cols = _matrix(shape) if len(shape) >= 2 else (0, 0)
+    return Orthogonal(o.gain, o.seed, rows, cols)
+
+
+def _check_orthogonal(o: plan_pb2.Orthogonal, shape: Sequence[int]) -> list[Problem]:
+    if len(shape) < 2:
+        return [("init.orthogonal", f"orthogonal initialization expects at least 2 dimensions, got "
+                                    f"{shape_str(shape)}")]
+    out = []
+    if not math.isfinite(o.gain) or o.gain == 0.0:  # proto3 omits a zero: an unset gain reads 0, never PyTorch's 1
+        out.append(("init.orthogonal.gain", "orthogonal gain must be finite and not 0 (an omitted gain is 0: write "
+                                            "\"gain\": 1 for PyTorch's default)"))
+    rows, cols = _matrix(shape)
+    if min(rows, cols) and rows * cols > ORTHOGONAL_MAX_WORK // min(rows, cols):
+        out.append(("init.orthogonal", f"an orthogonal {rows} x {cols} matrix is too large to factorize: rows * cols * "
+                                       f"min(rows, cols) must be at most 4096^3 ({ORTHOGONAL_MAX_WORK})"))
+    return out
+
+
 def _check_flat_ref(r: plan_pb2.FlatRef, _s: Sequence[int]) -> list[Problem]:
     return [] if r.payload_id else [("init.flat_ref.payload_id", "payload id must not be empty")]
 
@@ -419,6 +462,9 @@ def _table() -> dict[str, InitKind]:
         InitKind("truncated_normal", "truncatedNormal", True, False,
                  lambda m, s: TruncNormal(m.mean, m.std, m.lo, m.hi, m.seed), _check_truncated_normal,
                  forms=_truncated_normal_forms),
+        # computed from the whole matrix, so its values are data like a payload's (and not allowed in a patch)
+        InitKind("orthogonal", "orthogonal", True, True, _orthogonal, _check_orthogonal,
+                 lambda m, s: f"orthogonal(gain={_g(m.gain)})"),
     ]
     return {k.field: k for k in kinds}
 
@@ -537,6 +583,9 @@ def moments(form: ValueForm, values: Any = None) -> Moments | None:
         return Moments(m, s, m - Z_MAX * s, m + Z_MAX * s, _KURTOSIS_NORMAL, "normal" if s > 0 else "point")
     if isinstance(form, TruncNormal):
         return _truncated(form.mean, form.std, form.lo, form.hi)
+    if isinstance(form, Orthogonal):  # min(rows, cols) orthonormal vectors: the mean square is 1 / max(rows, cols)
+        g, big = abs(form.gain), max(form.rows, form.cols, 1)
+        return Moments(0.0, g / math.sqrt(big), -g, g, _KURTOSIS_NORMAL if big > 1 else 1.0, "")
     if isinstance(form, Inline):
         v = np.asarray(form.values if values is None else values, dtype=np.float64)
         if v.size == 0:

@@ -277,6 +277,7 @@ class Init(_message.Message):
     FLAT_REF_FIELD_NUMBER: _builtins.int
     SAFETENSORS_FIELD_NUMBER: _builtins.int
     TRUNCATED_NORMAL_FIELD_NUMBER: _builtins.int
+    ORTHOGONAL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def zeros(self) -> Global___Zeros: ...
     @_builtins.property
@@ -305,6 +306,8 @@ class Init(_message.Message):
 
     @_builtins.property
     def truncated_normal(self) -> Global___TruncatedNormal: ...
+    @_builtins.property
+    def orthogonal(self) -> Global___Orthogonal: ...
     def __init__(
         self,
         *,
@@ -320,12 +323,13 @@ class Init(_message.Message):
         flat_ref: Global___FlatRef | None = ...,
         safetensors: Global___SafetensorsRef | None = ...,
         truncated_normal: Global___TruncatedNormal | None = ...,
+        orthogonal: Global___Orthogonal | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "safetensors", b"safetensors", "truncated_normal", b"truncated_normal", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "orthogonal", b"orthogonal", "safetensors", b"safetensors", "truncated_normal", b"truncated_normal", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "safetensors", b"safetensors", "truncated_normal", b"truncated_normal", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "orthogonal", b"orthogonal", "safetensors", b"safetensors", "truncated_normal", b"truncated_normal", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat", "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "flat_ref", "safetensors", "truncated_normal"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat", "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "flat_ref", "safetensors", "truncated_normal", "orthogonal"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -468,6 +472,54 @@ class TruncatedNormal(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TruncatedNormal: _TypeAlias = TruncatedNormal  # noqa: Y015
+
+@_typing.final
+class Orthogonal(_message.Message):
+    """A (semi-)orthogonal matrix times gain, as PyTorch's orthogonal_(gain) defines
+    it, made deterministic (docs/SAMPLER.md 2.3). The shape [rows, d1, ...] is
+    viewed as a rows x cols matrix, cols = d1 * ... (rank >= 2). G is the
+    rows x cols matrix of Normal(0, 1, seed) values, G[r][c] the value of flat
+    index r * cols + c. A = G^T when rows < cols, else G; A is m x n with m >= n.
+    A = QR by Householder reflections in binary64, every operation rounded on its
+    own, sums taken in increasing index order: for k = 0 .. n-1, with x the
+    entries k .. m-1 of column k of the current A, s = sum of x_i * x_i,
+    alpha = -sqrt(s) when x_0 >= 0 else sqrt(s), v = x with v_0 = x_0 - alpha,
+    b = 2 / (sum of v_i * v_i) (b = 0 when that sum is 0), sign_k = -1 when
+    alpha < 0 else 1, and for each column j = k+1 .. n-1 of A, with
+    d = sum of v_i * A[k + i][j]: A[k + i][j] -= (b * d) * v_i. Then Q starts as
+    the first n columns of the m x m identity, and for k = n-1 down to 0, for
+    each column j = k .. n-1 of Q, with d = sum of v_i * Q[k + i][j] (v and b of
+    step k): Q[k + i][j] -= (b * d) * v_i. Column k of Q is then multiplied by
+    sign_k, so that Q is the factor whose R has a positive diagonal (what
+    PyTorch's Q * sign(diag R) gives whatever its reflection convention). The
+    value is gain * M[r][c] with M = Q^T when rows < cols, else Q; its rows (or
+    columns, when rows > cols) are orthonormal, and every |value| is at most
+    |gain| up to rounding (the 8-bit range rule's bound is |gain|).
+    gain finite and not 0 (an omitted gain reads 0, never PyTorch's default 1,
+    so it is refused); rows * cols * min(rows, cols) at most 4096^3 (the work of
+    the factorization grows with it). Not allowed in a patch. A region is the matching part of the whole
+    matrix: each element is the same whichever part, thread or rank computes it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GAIN_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    gain: _builtins.float
+    seed: _builtins.int
+    def __init__(
+        self,
+        *,
+        gain: _builtins.float = ...,
+        seed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gain", b"gain", "seed", b"seed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Orthogonal: _TypeAlias = Orthogonal  # noqa: Y015
 
 @_typing.final
 class XavierUniform(_message.Message):

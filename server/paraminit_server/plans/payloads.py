@@ -288,6 +288,12 @@ class BoundSources:
         """Keep a reservation of the request's until release()."""
         self._held.append(held)
 
+    def charge(self, nbytes: int) -> None:
+        """Reserve memory the request computes values into (an orthogonal matrix) against the budget, until
+        release(); raises ResourceExhausted when it does not fit."""
+        if self._reserve is not None:
+            self._held.append(self._reserve(nbytes))
+
     @contextlib.contextmanager
     def _open(self, path: str) -> Iterator[tuple[int, Header, str]]:
         """The open file and its header, parsed once per file version in this request."""

@@ -172,6 +172,12 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
 
     if isinstance(form, inits.Inline):
         return make(Kind.FLAT, values=np.asarray(form.values, dtype=np.float64))
+    if isinstance(form, inits.Orthogonal):  # the whole matrix, computed on the host for every backend
+        from paraminit_server.backends.cpu_kernels import orthogonal
+
+        if sources is not None:
+            sources.charge(8 * form.rows * form.cols)  # its binary64 values, held for the request
+        return make(Kind.FLAT, values=orthogonal.values(form.rows, form.cols, form.gain, form.seed))
     if isinstance(form, inits.PayloadRef):
         payload = None if sources is None else sources.payload(form.payload_id)
         if payload is None:  # only when resolved without the validation that reads the same snapshot

@@ -288,7 +288,7 @@ def _check_init(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None
         largest = _check_payload(shape, form, bad, sources)
     elif isinstance(form, inits.Checkpoint) and sources is not None:
         largest = _check_checkpoint(shape, form, bad, sources, dt)
-    if dt is not None and (form is None or isinstance(form, inits.Inline) or largest is not None):
+    if dt is not None and (form is None or isinstance(form, inits.Inline | inits.Orthogonal) or largest is not None):
         _check_range(dt, init, shape, bad, largest)
 
 

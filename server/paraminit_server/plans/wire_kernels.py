@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from paraminit.v1 import plan_pb2
 from paraminit_server.backends.cpu_kernels.jit import jit
 
 _IRREGULAR = np.int8(1)
 _NO_DTYPE = np.int8(2)
-_KINDS = 12  # Init's oneof fields are 1..12
+_KINDS = max(f.number for f in plan_pb2.Init.DESCRIPTOR.fields)  # Init's oneof fields are 1.._KINDS
 _FIELDS = 5
 
 
