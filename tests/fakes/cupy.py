@@ -105,6 +105,12 @@ class DeviceArray(np.ndarray):  # type: ignore[type-arg]
         self.device_id = getattr(obj, "device_id", -1)
         self.memptr = getattr(obj, "memptr", None)
 
+    @property  # type: ignore[override]
+    def device(self) -> Any:
+        """cupy.ndarray.device: the array's cupy.cuda.Device (a context manager)."""
+        assert self.proc is not None
+        return self.proc.cuda.Device(self.device_id)
+
     def _wrote(self) -> None:
         if self.proc is not None:
             self.proc.record("write", array_device=self.device_id)
@@ -256,6 +262,14 @@ class FakeCupy:
         if out is None:
             return host.copy()
         out[...] = host
+        return out
+
+    def asarray(self, host: Any) -> DeviceArray:
+        """An upload: a device copy of a host array (logged with its size)."""
+        src = np.ascontiguousarray(host)
+        self.record("upload", nbytes=src.nbytes)
+        out = self.empty(src.size, src.dtype)
+        out.view(np.uint8)[...] = src.reshape(-1).view(np.uint8)  # type: ignore[index]
         return out
 
     def empty(self, n: Any, dtype: Any = np.uint8) -> DeviceArray:

@@ -14,6 +14,7 @@ float64 array of flat payloads, so a whole plan is one upload and one launch.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, Expor
 from paraminit_server.plane.errors import BackendUnavailable, Cancelled, ResourceExhausted
 from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, warm_up_params
 
+log = logging.getLogger("paraminit.cupy")
 KERNEL_DIR = Path(__file__).parent / "cuda"
 KERNEL_SOURCE = KERNEL_DIR / "paraminit_kernels.cu"
 KERNEL_HEADER = KERNEL_DIR / "paraminit_kernels.cuh"
@@ -205,28 +207,49 @@ def kernels(device_id: int) -> Kernels:
                     _ = fill.kernel, fill_plan.kernel  # compile and load now, not at the first launch
                 except Exception as exc:
                     raise BackendUnavailable(f"cupy backend: compiling the CUDA kernels failed ({_one_line(exc)})") from exc
-                try:
-                    attrs = cp.cuda.Device(device_id).attributes
-                except Exception as exc:  # a raw CUDARuntimeError here would escape the backend's error contract
-                    raise BackendUnavailable(f"cupy backend: querying device {device_id}'s attributes failed "
-                                             f"({_one_line(exc)})") from exc
-            k = Kernels(fill, fill_plan, _wave_grid(fill, attrs), _wave_grid(fill_plan, attrs))
+                # sized in the device's context: num_regs is read from the kernel loaded on this device
+                attrs = _occupancy_attributes(cp, device_id)
+                k = Kernels(fill, fill_plan, _wave_grid(fill, attrs), _wave_grid(fill_plan, attrs))
             _KERNELS[device_id] = k
     return k
 
 
+# The device attributes a grid is sized with: cudaDeviceAttr codes (stable in the CUDA runtime API) and the value
+# taken when one cannot be read (a partial wave costs a little speed, never a failure).
+OCCUPANCY_ATTRIBUTES: dict[str, tuple[int, int]] = {
+    "MultiProcessorCount": (16, 1),  # cudaDevAttrMultiProcessorCount
+    "MaxThreadsPerMultiProcessor": (39, 2048),  # cudaDevAttrMaxThreadsPerMultiProcessor
+    "MaxRegistersPerMultiprocessor": (82, 65536),  # cudaDevAttrMaxRegistersPerMultiprocessor
+    "MaxBlocksPerMultiprocessor": (106, 32),  # cudaDevAttrMaxBlocksPerMultiprocessor
+}
+
+
+def _occupancy_attributes(cp: Any, device_id: int) -> dict[str, int]:
+    """The four attributes _wave_grid needs, each read on its own (cudaDeviceGetAttribute): reading every
+    attribute (`Device.attributes`) fails as a whole on the first one a driver or CuPy build does not know."""
+    out: dict[str, int] = {}
+    for name, (code, default) in OCCUPANCY_ATTRIBUTES.items():
+        try:
+            out[name] = int(cp.cuda.runtime.deviceGetAttribute(code, device_id))
+        except Exception as exc:
+            log.warning("device %d: attribute %s unreadable (%s); sizing grids with %d", device_id, name,
+                        _one_line(exc), default)
+            out[name] = default
+    return out
+
+
 def _wave_grid(kernel: Any, attrs: dict[str, int]) -> int:
     """WAVES times the blocks of PI_BLOCK threads the device holds at once (by register use)."""
-    sm = int(attrs.get("MultiProcessorCount", 1))
+    sm = attrs["MultiProcessorCount"]
     resident = 4  # what 64 registers a thread allows
     try:
         regs = max(1, int(kernel.num_regs))
-        per_warp = -(-regs // 8) * 8 * 32
-        by_regs = int(attrs.get("MaxRegistersPerMultiprocessor", 65536)) // (per_warp * (BLOCK // 32))
-        by_threads = int(attrs.get("MaxThreadsPerMultiProcessor", 2048)) // BLOCK
-        resident = max(1, min(by_regs, by_threads, int(attrs.get("MaxBlocksPerMultiprocessor", 32))))
-    except Exception:  # attribute names vary across CuPy versions; the fallback only costs a partial wave
-        pass
+    except Exception:  # an attribute of the loaded kernel CuPy could not read: assume 64 registers a thread
+        regs = 64
+    per_warp = -(-regs // 8) * 8 * 32
+    by_regs = attrs["MaxRegistersPerMultiprocessor"] // (per_warp * (BLOCK // 32))
+    by_threads = attrs["MaxThreadsPerMultiProcessor"] // BLOCK
+    resident = max(1, min(by_regs, by_threads, attrs["MaxBlocksPerMultiprocessor"]))
     return sm * resident * WAVES
 
 
@@ -240,20 +263,34 @@ def _null() -> np.uint64:
 
 def fill_jobs(jobs: Sequence[Job], arena: Any) -> None:
     """Fill every job into arena (a contiguous CuPy array, its bytes addressed by Job.offset) in one launch."""
+    prepare_jobs(jobs, arena)()
+
+
+def prepare_jobs(jobs: Sequence[Job], arena: Any) -> Callable[[], None]:
+    """Everything fill_jobs does before its launch (packing, uploading the descriptors and values), and the launch
+    to call: what a benchmark times apart from the host work."""
     cp = _import_cupy()
     if not isinstance(arena, cp.ndarray) or not arena.flags.c_contiguous:
         raise ValueError("arena must be a C-contiguous cupy.ndarray")
     packed = pack(jobs)
     if packed.njobs == 0:
-        return
+        return _nothing
     if packed.end_bytes > arena.nbytes:
         raise ValueError(f"jobs write up to byte {packed.end_bytes} but the arena has {arena.nbytes}")
     with arena.device:
         k = kernels(arena.device.id)
         meta = cp.asarray(packed.meta)
         values = cp.asarray(packed.values) if packed.values.size else _null()
-        k.fill_plan((_grid(packed.total_tiles, k.fill_plan_grid),), (BLOCK,),
-                    (arena, meta, np.int32(packed.njobs), np.int64(packed.total_tiles), values))
+
+    def launch() -> None:
+        with arena.device:
+            k.fill_plan((_grid(packed.total_tiles, k.fill_plan_grid),), (BLOCK,),
+                        (arena, meta, np.int32(packed.njobs), np.int64(packed.total_tiles), values))
+    return launch
+
+
+def _nothing() -> None:
+    return None
 
 
 def fill_plan(params: Sequence[ResolvedParam], arena: Any, offsets: Offsets) -> None:
@@ -379,6 +416,11 @@ class CupyBackend:
 
     def fill(self, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
         """One launch of pi_fill; only regions (dims) and flat payloads need an upload first."""
+        self.prepare_fill(p, out, l_begin)()
+
+    def prepare_fill(self, p: ResolvedParam, out: Any, l_begin: int = 0) -> Callable[[], None]:
+        """Everything fill does before its launch (packing, uploads), and the launch to call: a benchmark times
+        the kernel alone, without the host work in front of it."""
         cp = self._cp
         if not isinstance(out, cp.ndarray) or out.ndim != 1 or not out.flags.c_contiguous:
             raise ValueError("out must be a 1-D C-contiguous cupy.ndarray")
@@ -386,7 +428,7 @@ class CupyBackend:
             raise ValueError(f"{p.name}: out has dtype {out.dtype}, expected {p.dtype.storage}")
         n = int(out.shape[0])
         if n == 0:
-            return
+            return _nothing
         packed = pack([Job(p, 0, l_begin, n)])
         row = packed.meta[:DESC_WORDS]
         n_outer = int(row[W_NOUTER])
@@ -394,12 +436,16 @@ class CupyBackend:
             k = kernels(self._ordinal)
             dims = cp.asarray(packed.meta[packed.dims_at:]) if n_outer else _null()
             values = cp.asarray(packed.values) if packed.values.size else _null()
-            k.fill((_grid(packed.total_tiles, k.fill_grid),), (BLOCK,),
-                   (out, np.int64(n), np.int64(l_begin), np.int32(row[W_KIND]), np.int32(row[W_OTYPE]),
-                    row.view(np.uint64)[W_KEY], row.view(np.float64)[W_P0], row.view(np.float64)[W_P1],
-                    values, np.int64(row[W_VSHIFT]), dims, np.int32(n_outer),
-                    np.int64(row[W_BASE]), np.int64(row[W_RUNLEN]), row.view(np.float64)[W_LO],
-                    row.view(np.float64)[W_HI], row.view(np.uint64)[W_SEED]))
+        args = (out, np.int64(n), np.int64(l_begin), np.int32(row[W_KIND]), np.int32(row[W_OTYPE]),
+                row.view(np.uint64)[W_KEY], row.view(np.float64)[W_P0], row.view(np.float64)[W_P1],
+                values, np.int64(row[W_VSHIFT]), dims, np.int32(n_outer),
+                np.int64(row[W_BASE]), np.int64(row[W_RUNLEN]), row.view(np.float64)[W_LO],
+                row.view(np.float64)[W_HI], row.view(np.uint64)[W_SEED])
+
+        def launch() -> None:
+            with self._device:
+                k.fill((_grid(packed.total_tiles, k.fill_grid),), (BLOCK,), args)
+        return launch
 
     def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
                   should_stop: Callable[[], bool] | None = None) -> None:
