@@ -68,17 +68,23 @@ bench: $(STAMP)
 	$(PY) bench/torch_model.py
 
 # Wheels for the GPU check machine (Python 3.12, x86_64), for packages its image lacks; bench/gpu_check.sh installs
-# them offline from .whl/.
+# them offline from .whl/. Versions are the GPU lock's (deploy/requirements-gpu.lock), so no dev venv is built to
+# read them; mpmath (the tests' reference arithmetic) is pinned here. pytest is not shipped: the image's own runs,
+# with its plugins' autoload off, so a wheel never shadows it.
 GPU_WHEELS := protobuf grpcio grpcio-status grpcio-health-checking grpcio-reflection googleapis-common-protos crc32c \
-	typing-extensions ml-dtypes pyyaml tqdm prometheus-client mpmath pytest pluggy iniconfig packaging pygments
-gpu-wheels: $(STAMP)
+	typing-extensions ml-dtypes pyyaml tqdm prometheus-client
+GPU_TEST_WHEELS := mpmath==1.3.0
+gpu-wheels: $(BASE)
 	mkdir -p .whl
 	for pkg in $(GPU_WHEELS); do \
-		v=$$($(PY) -c "import importlib.metadata as m; print(m.version('$$pkg'))"); \
-		$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-			--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-			-d .whl "$$pkg==$$v" || exit 1; \
-	done
+		pin=$$(grep -i -m1 "^$$pkg==" deploy/requirements-gpu.lock | cut -d' ' -f1); \
+		[ -n "$$pin" ] || { echo "$$pkg is not in deploy/requirements-gpu.lock"; exit 1; }; \
+		echo "$$pin"; \
+	done > .whl/pins.txt || exit 1
+	echo $(GPU_TEST_WHEELS) | tr ' ' '\n' >> .whl/pins.txt
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl -r .whl/pins.txt
 
 # Builds the CPU image without a registry and runs it hardened (root, Docker, mmdebstrap); not part of `make test`.
 image-check:

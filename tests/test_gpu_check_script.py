@@ -70,7 +70,8 @@ def test_out_of_time_steps_are_skipped_and_the_logs_come_back_in_one_archive(tmp
                                   "cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))\n")
     out = tmp_path / "out"
     paths = os.pathsep.join([str(fake), str(ROOT / "proto"), str(ROOT / "server"), str(ROOT / "client")])
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": paths, "GPU_CHECK_BUDGET": "1"}
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": paths, "GPU_CHECK_BUDGET": "1",
+           "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels")}  # never the device's wheels a `make gpu-wheels` left
     res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert res.returncode == 1, res.stdout + res.stderr
     files = sorted(p.name for p in out.iterdir())
@@ -80,3 +81,20 @@ def test_out_of_time_steps_are_skipped_and_the_logs_come_back_in_one_archive(tmp
         assert f"SKIPPED: {step}: out of the 1s budget" in summary, summary
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert "ipc_probe.log" in tar.getnames()
+
+
+def test_the_wheel_set_is_the_gpu_lock_and_never_shadows_pytest() -> None:
+    """`make gpu-wheels` pins what the GPU image lacks from deploy/requirements-gpu.lock (no dev venv to read
+    versions from) and ships no pytest: the image's own runs, its installed plugins not autoloaded."""
+    make = (ROOT / "Makefile").read_text()
+    block = make[make.index("GPU_WHEELS :="):make.index("GPU_TEST_WHEELS")]
+    wheels = block.replace("GPU_WHEELS :=", "").replace("\\", " ").split()
+    assert "protobuf" in wheels and "grpcio" in wheels
+    assert not {"pytest", "pluggy", "iniconfig", "packaging", "pygments"} & set(wheels)
+    lock = (ROOT / "deploy" / "requirements-gpu.lock").read_text().lower()
+    assert all(f"\n{w}==" in lock for w in wheels), [w for w in wheels if f"\n{w}==" not in lock]
+    target = make[make.index("gpu-wheels:"):]
+    assert target.splitlines()[0].split(":")[1].split() == ["$(BASE)"]  # not the test and lint venv
+    step = SCRIPT.read_text()
+    run = step[step.index("-m pytest -m gpu") - 200:step.index("-m pytest -m gpu")]
+    assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1" in run
