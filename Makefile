@@ -6,7 +6,7 @@ BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/paraminit/v1/*.proto)
 
-.PHONY: venv demo test lint proto kernel-tables bench gpu-wheels image-check clean
+.PHONY: venv demo test lint contract proto kernel-tables bench gpu-wheels image-check clean
 
 # The demo needs the package alone (numpy, numba, grpc, ...): a small venv in well under a minute.
 $(BASE): pyproject.toml
@@ -48,6 +48,15 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check proto server client tests bench
 	$(VENV)/bin/mypy server/paraminit_server client/paraminit_client
+
+# buf (npm @bufbuild/buf, pinned) on the contract: `buf lint` with proto/buf.yaml's exceptions, and `buf breaking`
+# (wire and JSON) against CONTRACT_BASE, a git ref (default: the previous commit). Needs node's npx and the npm
+# registry, so it is a target of its own rather than part of `make lint`.
+BUF := npx --yes @bufbuild/buf@1.75.0
+CONTRACT_BASE ?= HEAD~1
+contract:
+	$(BUF) lint proto
+	$(BUF) breaking proto --against '.git#ref=$(CONTRACT_BASE),subdir=proto'
 
 # Regenerates the committed contract code; tests/test_proto_fresh.py fails when it is stale. contract.binpb holds the
 # descriptors with their comments, which server reflection serves (the generated code carries none).
