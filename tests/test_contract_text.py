@@ -220,6 +220,20 @@ def test_chunk_bytes_rounds_as_the_proto_says(stock: Any, asked: int, got: int) 
     assert "rounded down to a multiple of 8 bytes, at least 8" in PROTO
 
 
+def test_the_largest_chunk_a_server_allows_arrives_at_a_stock_client(stock: Any) -> None:
+    """The size rule as the proto states it: header messages within 2 MiB, a DataChunk within the chunk size the
+    server's Limits allow, the message under the 4 MiB a stock client receives."""
+    limit = stock.GetInfo(pb.GetInfoRequest(), timeout=30).limits.max_chunk_bytes
+    assert 2 << 20 < limit < 4 << 20
+    plan = plan_of([param("w", [3, 1 << 20], {"uniform": {"lo": -1, "hi": 1, "seed": 4}})])  # 12 MiB
+    messages = list(stock.Materialize(pb.MaterializeRequest(plan=plan, chunk_bytes=limit), timeout=120))
+    chunks = [m for m in messages if m.WhichOneof("msg") == "chunk"]
+    assert max(len(m.chunk.data) for m in chunks) == limit // 8 * 8
+    assert all(m.ByteSize() < 4 << 20 for m in chunks)
+    assert all(m.ByteSize() <= 2 << 20 for m in messages if m.WhichOneof("msg") != "chunk")
+    assert "DataChunk carries at most the chunk size (Limits.max_chunk_bytes" in PROTO
+
+
 # -- plan_digest from the text --------------------------------------------------------------------------------------
 
 # plan.proto's fields by JSON name: (field number, kind, repeated). Written by hand from the .proto text.

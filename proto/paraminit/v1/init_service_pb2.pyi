@@ -223,12 +223,15 @@ Global___TensorInfo: _TypeAlias = TensorInfo  # noqa: Y015
 class StreamHeader(_message.Message):
     """The first message of a STREAM. Tensors lie in the data section ordered by
     descending item size (float64, then float32, then float16 and bfloat16,
-    then the 8-bit floats), in plan order within one item size, without gaps; so
-    every tensor starts on a multiple of its item size. `tensors` lists them in plan order with their
-    offsets. The data section starts 64-byte aligned in the file.
+    then the 8-bit floats), in plan order within one item size, without gaps;
+    so every tensor starts on a multiple of its item size. `tensors` lists them
+    in plan order with their offsets. The data section starts 64-byte aligned in
+    the file.
 
-    Size: no response message of a stream exceeds 2 MiB serialized, so a client
-    with any stock default receive limit (4 MiB) takes any plan. A large tensor
+    Size: no StreamHeader or HeaderPart exceeds 2 MiB serialized, and a
+    DataChunk carries at most the chunk size (Limits.max_chunk_bytes at most,
+    which keeps the message and its framing under 4 MiB), so a client with any
+    stock default receive limit (4 MiB) takes any plan. A large tensor
     table and prefix are therefore split: the StreamHeader carries the first
     tensors and the first bytes of the prefix, and `header_parts` HeaderPart
     messages follow it, before the first DataChunk, each with the next tensors
