@@ -6,7 +6,7 @@ BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/paraminit/v1/*.proto)
 
-.PHONY: venv demo test lint contract proto kernel-tables bench gpu-wheels image-check clean
+.PHONY: venv demo test test-fast lint contract proto kernel-tables bench gpu-wheels image-check clean
 
 # The demo needs the package alone (numpy, numba, grpc, ...): a small venv in well under a minute.
 $(BASE): pyproject.toml
@@ -44,6 +44,11 @@ demo: $(BASE)
 # Two workers (pytest-xdist): the suite's servers and subprocesses keep both cores of a small machine busy.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2
+
+# The inner loop: everything but the tests marked slow (the README's blocks, multi-process ranks, kernel builds,
+# cold compiles). `make test` and .ci/run still run every test.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check proto server client tests bench

@@ -57,6 +57,7 @@ def test_large_fills_use_the_backends_threads(env: dict[str, str]) -> None:
     assert done.stdout.strip().splitlines()[-1] == "none"
 
 
+@pytest.mark.slow
 def test_background_compiles_let_fills_go_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """A server's warm-up (background) compiles nothing while a fill is asking for kernels, nor for QUIET_SECONDS
     after: a request waits for at most the compile already under way, not for the warm-up's list."""

@@ -369,6 +369,7 @@ def test_validate_json(target: str, tmp_path: Path, capsys: pytest.CaptureFixtur
     assert any(v["message"] == "initialization: normal standard deviation must be nonnegative" for v in data["violations"])
 
 
+@pytest.mark.slow
 def test_version_everywhere() -> None:
     version = importlib.metadata.version("paraminit")
     assert paraminit_client.__version__ == version

@@ -49,6 +49,7 @@ def stock(server: Running) -> Iterator[Any]:
 # -- a large plan through a stock client ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_stock_client_streams_a_60000_parameter_plan(stock: Any) -> None:
     n = 60_000
     plan = plan_of(param(f"model.layers.{i}.block.attention.output.dense.weight", [1],
@@ -89,6 +90,7 @@ def _packed_column_rules(packed: list[Any]) -> dict[str, bytes]:
     return {c: b"".join(getattr(p, c) for p in packed) for c in names}
 
 
+@pytest.mark.slow
 def test_a_stock_client_reads_a_100000_parameter_packed_table(stock: Any) -> None:
     """MaterializeRequest.packed_table: the table stated once, as columns, reassembled here from the .proto text
     alone (no project helper): little-endian integers, names by their lengths, shapes by their ranks, and the

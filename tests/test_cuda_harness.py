@@ -40,7 +40,7 @@ from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
 from support import CASES, VECTORS, case_param
 
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or put it on PATH)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or put it on PATH)")]
 
 GUARD = 64  # poisoned bytes after the arena: a stray write past the end shows up there
 

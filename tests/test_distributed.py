@@ -147,6 +147,7 @@ def _meta(build: Any) -> nn.Module:
     return module
 
 
+@pytest.mark.slow
 def test_2x2_mesh_gathers_the_single_process_bytes(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 

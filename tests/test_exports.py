@@ -366,6 +366,7 @@ def test_killed_client_lease_expires_and_segment_goes() -> None:
         proc.wait(30)
 
 
+@pytest.mark.slow
 def test_segments_of_a_killed_server_go_at_the_next_start() -> None:
     """SIGKILL leaves five leased segments behind; the next server removes them, never a live server's."""
     live, live_target = serve_subprocess()

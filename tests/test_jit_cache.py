@@ -78,6 +78,7 @@ def read_only_install(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str
             "TMPDIR": str(base), "PARAMINIT_LOG_FORMAT": "text"}
 
 
+@pytest.mark.slow
 def test_unwritable_numba_cache_only_slows_start(read_only_install: dict[str, str]) -> None:
     proc, target = serve_subprocess(read_only_install, stderr=subprocess.PIPE)
     try:
@@ -94,6 +95,7 @@ def test_unwritable_numba_cache_only_slows_start(read_only_install: dict[str, st
     assert err.count(COMPILE_LINE) == 1, err  # a cold cache is not silent, and says so once
 
 
+@pytest.mark.slow
 def test_cold_cli_says_it_compiles_and_reports_compiling_apart(tmp_path: Path) -> None:
     """A first materialize with an empty kernel cache prints the compile line once and reports the compile
     seconds apart from the time its throughput is computed over; the next process loads them and says nothing."""

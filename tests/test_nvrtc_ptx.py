@@ -46,7 +46,7 @@ def _nvrtc_path() -> Path | None:
 
 
 NVRTC = _nvrtc_path()
-pytestmark = pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)")]
 
 
 def cupy_options(arch: str) -> tuple[str, ...]:

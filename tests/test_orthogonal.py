@@ -27,6 +27,7 @@ def gram_error(q: np.ndarray[Any, Any]) -> float:
     return float(np.abs(g - np.eye(g.shape[0])).max())
 
 
+@pytest.mark.slow
 def test_orthonormal_to_rounding_in_float64_and_float32() -> None:
     plan = plan_of([orth(f"q{i}", s) for i, s in enumerate(SHAPES)]
                    + [orth(f"f{i}", s, dtype="float32") for i, s in enumerate(SHAPES)]
@@ -41,6 +42,7 @@ def test_orthonormal_to_rounding_in_float64_and_float32() -> None:
     assert np.unique(got["big"]).size > 1000  # not a constant, nor a permutation matrix
 
 
+@pytest.mark.slow
 def test_pytorchs_matrix_for_the_same_draws() -> None:
     """orthogonal_ is QR of the Gaussian matrix with Q * sign(diag R): from the plan's own normal(0, 1) draws,
     torch.linalg.qr gives the same matrix to rounding; the gain scales it."""

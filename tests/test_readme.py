@@ -30,6 +30,7 @@ def _scratch(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
 def test_python_block_runs(index: int, tmp_path: Path) -> None:
     code = blocks("python")[index]
@@ -41,6 +42,7 @@ def test_python_block_runs(index: int, tmp_path: Path) -> None:
     assert done.returncode == 0, f"python block {index} failed:\n{code}\n{done.stderr[-3000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(blocks("sh"))))
 def test_shell_block_runs(index: int, tmp_path: Path) -> None:
     code = blocks("sh")[index]

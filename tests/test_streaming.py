@@ -177,6 +177,7 @@ def test_server_killed_mid_stream_then_retry_gives_same_bytes() -> None:
         proc2.wait(30)
 
 
+@pytest.mark.slow
 def test_a_slow_reader_gets_the_end_of_its_stream() -> None:
     """The producer finishes long before a reader that takes 0.6 s a slab: the end of the stream waits behind the
     queued slabs however long they take, instead of being dropped after a timed put (which ended such streams

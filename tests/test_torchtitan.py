@@ -140,6 +140,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
