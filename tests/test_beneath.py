@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from paraminit_server.plane import errors
+from paraminit_server import errors
 from paraminit_server.plans import files
 from paraminit_server.plans.payloads import BoundSources, Sources
 

@@ -18,7 +18,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.plane import errors
+from paraminit_server import errors
 from paraminit_server.plans import files
 from paraminit_server.plans.files import FileChanged
 from paraminit_server.plans.payloads import BoundSources

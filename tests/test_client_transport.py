@@ -30,7 +30,7 @@ from paraminit_client import (
 )
 from paraminit_client.errors import FileAccessError, violation_from_text
 from paraminit_client.transports import GrpcTransport, LocalTransport
-from paraminit_server.plane import shm
+from paraminit_server.backends import shm
 from support import poisoned
 
 THREADS, CALLS = 12, 30

@@ -16,9 +16,9 @@ import reference
 from paraminit import wire
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import param, plan_of
-from paraminit_server import backends
+from paraminit_server import backends, errors
 from paraminit_server.config import ServerConfig
-from paraminit_server.plane import errors, materializer
+from paraminit_server.plane import materializer
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.materializer import Materializer, StreamStart
 from paraminit_server.plans import plan as planlib
@@ -141,9 +141,9 @@ def test_closing_a_stream_early_gives_everything_back(plane: Materializer) -> No
     assert plane.admission.host.reserved == 0 and plane.admission.in_flight == 0
 
 
-DATA_PLANE = ["plane.materializer", "plane.engine", "plane.admission", "plane.ledger", "plane.leases",
-              "plane.layout", "plane.errors", "plane.exports", "plane.shm", "plane.caller", "plans.payloads",
-              "plans.plan", "plans.validation", "plans.files", "backends", "backends.cpu"]
+DATA_PLANE = ["plane.materializer", "plane.engine", "plane.admission", "ledger", "plane.leases",
+              "plane.layout", "errors", "plane.exports", "backends.shm", "plane.caller", "plans.payloads",
+              "plans.plan", "plans.validation", "plans.files", "plans.orthogonal", "backends", "backends.cpu"]
 
 
 def test_the_data_plane_imports_no_transport() -> None:

@@ -24,11 +24,12 @@ from paraminit import times
 from paraminit.peers import is_local_peer
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import Client, ParaminitError, cli, param, plan_of
-from paraminit_server.plane import errors, shm
+from paraminit_server import errors
+from paraminit_server.backends import shm
+from paraminit_server.backends.shm import ShmSegment
 from paraminit_server.plane.admission import MemoryBudget
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import BufferPool
-from paraminit_server.plane.shm import ShmSegment
 from paraminit_server.rpc.server import Running
 from support import run_cli, running_server, serve_subprocess, server_fixture, target_of, wait_until
 

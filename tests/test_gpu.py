@@ -16,7 +16,7 @@ from test_cuda_harness import huge_window, random_param
 
 from paraminit import cuda, dtypes
 from paraminit.v1 import plan_pb2
-from paraminit_server.plane import errors
+from paraminit_server import errors
 from paraminit_server.plans.plan import ResolvedParam, resolve_param
 from support import CASES, case_param
 

@@ -39,11 +39,12 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_client import exports as client_exports
+from paraminit_server import errors
 from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportHandle
 from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.config import ServerConfig
-from paraminit_server.plane import errors, materializer
+from paraminit_server.plane import materializer
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.materializer import Materializer, StreamStart
 from paraminit_server.plans.plan import Kind, ResolvedParam

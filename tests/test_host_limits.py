@@ -81,7 +81,7 @@ def test_config_defaults_come_from_the_container(tmp_path: Path, monkeypatch: py
 
 def test_default_budget_counts_reclaimable_cache_as_available(tmp_path: Path) -> None:
     """Half of MemAvailable, not of MemFree: page cache left by an install is memory the server can have."""
-    from paraminit_server.plane.admission import host_memory
+    from paraminit_server.host_limits import host_memory
 
     info = tmp_path / "meminfo"
     info.write_text("MemTotal:       24000000 kB\nMemFree:          250000 kB\nMemAvailable:   20000000 kB\n")

@@ -1,4 +1,4 @@
-"""One reservation mechanism (paraminit_server.plane.ledger): claims are released or committed once, whatever races."""
+"""One reservation mechanism (paraminit_server.ledger): claims are released or committed once, whatever races."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 
-from paraminit_server.plane import errors
+from paraminit_server import errors
+from paraminit_server.ledger import Claim, Ledger, Refusal
 from paraminit_server.plane.admission import MemoryBudget
 from paraminit_server.plane.leases import LeaseTable
-from paraminit_server.plane.ledger import Claim, Ledger, Refusal
 from paraminit_server.plans.payloads import Sources
 
 

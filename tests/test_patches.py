@@ -137,7 +137,7 @@ def test_whole_arena_is_exact(cpu_backend: Any) -> None:
 def test_long_patch_work_looks_at_cancellation(cpu_backend: Any) -> None:
     """Patches of many runs stop inside the work once the caller is gone (they kept their slot past the
     deadline before): span pieces and runs one by one both look at should_stop."""
-    from paraminit_server.plane import errors
+    from paraminit_server import errors
 
     plan = plan_pb2.Plan(params=[param("w", [4096, 512], {"zeros": {}},
                                        [([(0, 4096), (c, c + 1)], {"ones": {}}) for c in range(0, 512, 2)]

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 from paraminit import dtypes
 from paraminit_client import Client, ParaminitError, param, plan_from_safetensors, plan_of
-from paraminit_server.plane import errors
+from paraminit_server import errors
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.materializer import PayloadPiece
 from paraminit_server.rpc.server import Running

@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 from paraminit import regions, shapes
 from paraminit.regions import Region, Runs
 from paraminit.v1 import plan_pb2
-from paraminit_server.plane import errors
+from paraminit_server import errors
 from paraminit_server.plans import plan as planlib
 from paraminit_server.plans.payloads import BoundSources, Sources
 

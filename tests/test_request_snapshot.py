@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 from paraminit import dtypes
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.plane import errors
+from paraminit_server import errors
 from paraminit_server.plans import payloads
 from paraminit_server.plans import plan as planlib
 from paraminit_server.plans.payloads import BoundSources, Sources

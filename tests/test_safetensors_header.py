@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 from paraminit import safetensors_header as sth
 from paraminit_client import cli, inspect, plans
-from paraminit_server.plane import errors
+from paraminit_server import errors
 from paraminit_server.plans.payloads import BoundSources, Sources
 from support import run_cli
 

@@ -24,10 +24,9 @@ from paraminit import times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit.violations import ValidationReport, Violation
-from paraminit_server import backends
+from paraminit_server import backends, errors
 from paraminit_server.__main__ import main as serve_main
 from paraminit_server.config import ServerConfig
-from paraminit_server.plane import errors
 from paraminit_server.plane.admission import MEMORY_RETRY_AFTER
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart

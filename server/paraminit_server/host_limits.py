@@ -113,3 +113,21 @@ def default_memory_budget(root: Path | None = None, proc_cgroup: Path | None = N
     root, proc_cgroup = root or CGROUP_ROOT, proc_cgroup or PROC_CGROUP
     limit = memory_limit(root, proc_cgroup)
     return limit // 2 if limit is not None else 0
+
+
+def host_memory(meminfo: str = "/proc/meminfo") -> tuple[int, int]:
+    """(total, available) bytes of host memory.
+
+    Available is the kernel's MemAvailable (free pages plus the page cache it can reclaim), not MemFree: after a
+    large install or file copy most memory is cache, and a budget of "half the free pages" would shrink to a few
+    hundred megabytes on an idle host. MemFree only where /proc/meminfo has no MemAvailable (not Linux)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = page * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return total, int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return total, page * os.sysconf("SC_AVPHYS_PAGES")

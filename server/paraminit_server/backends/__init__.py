@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from paraminit_server.plane.errors import BackendUnavailable
+from paraminit_server.errors import BackendUnavailable
 from paraminit_server.plans.plan import Offsets, ResolvedParam
 
 HOST = "host"

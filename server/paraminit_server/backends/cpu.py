@@ -19,9 +19,9 @@ import numpy as np
 from paraminit import dtypes
 from paraminit.hostmem import host_buffer
 from paraminit_server.backends import HOST, SHM, DeviceDescription, ExportBuffer, cpu_kernels
-from paraminit_server.plane.admission import host_memory
-from paraminit_server.plane.errors import Cancelled
-from paraminit_server.plane.shm import ShmSegment
+from paraminit_server.backends.shm import ShmSegment
+from paraminit_server.errors import Cancelled
+from paraminit_server.host_limits import host_memory
 from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, Runs, warm_up_params
 

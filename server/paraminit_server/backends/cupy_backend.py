@@ -27,7 +27,7 @@ import numpy.typing as npt
 from paraminit import dtypes
 from paraminit.cuda import IPC_HANDLE_BYTES, device_uuid
 from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle
-from paraminit_server.plane.errors import BackendUnavailable, Cancelled, ResourceExhausted
+from paraminit_server.errors import BackendUnavailable, Cancelled, ResourceExhausted
 from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, warm_up_params
 
 log = logging.getLogger("paraminit.cupy")

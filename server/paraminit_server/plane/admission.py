@@ -20,15 +20,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import os
 import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 
-from paraminit_server.plane import errors
+from paraminit_server import errors
+from paraminit_server.ledger import Claim, Ledger
 from paraminit_server.plane.caller import IN_PROCESS, Caller
-from paraminit_server.plane.ledger import Claim, Ledger
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -46,24 +45,6 @@ def _malloc_trim() -> Callable[[], None]:
 
 trim_heap = _malloc_trim()  # give freed slab memory back to the OS once the server is idle
 TRIM_AFTER_IDLE = 1.0  # seconds without a materialization before freed heap goes back to the OS
-
-
-def host_memory(meminfo: str = "/proc/meminfo") -> tuple[int, int]:
-    """(total, available) bytes of host memory.
-
-    Available is the kernel's MemAvailable (free pages plus the page cache it can reclaim), not MemFree: after a
-    large install or file copy most memory is cache, and a budget of "half the free pages" would shrink to a few
-    hundred megabytes on an idle host. MemFree only where /proc/meminfo has no MemAvailable (not Linux)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = page * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open(meminfo, encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return total, int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return total, page * os.sysconf("SC_AVPHYS_PAGES")
 
 
 Reservation = Claim  # bytes held against a MemoryBudget until release()

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from paraminit_server import errors
 from paraminit_server.backends import HOST, Backend
-from paraminit_server.plane import errors
 from paraminit_server.plane.layout import SLAB_QUANTUM, Layout
 from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Offsets, Patch, ResolvedParam

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from paraminit_server.plane import errors
-from paraminit_server.plane.ledger import Claim, Ledger
+from paraminit_server import errors
+from paraminit_server.ledger import Claim, Ledger
 
 log = logging.getLogger("paraminit.server")
 RELEASED_MEMORY = 65536  # remembered released ids, so a second Release is not NOT_FOUND

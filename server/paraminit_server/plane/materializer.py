@@ -19,15 +19,17 @@ import numpy.typing as npt
 from paraminit import dtypes, overlap
 from paraminit.hostmem import host_buffer
 from paraminit.v1 import plan_pb2
-from paraminit_server import __version__
+from paraminit_server import __version__, errors
 from paraminit_server.backends import HOST, Backend, DeviceDescription
+from paraminit_server.backends.cpu_kernels import standard_normal
 from paraminit_server.config import ServerConfig
-from paraminit_server.plane import admission, engine, errors, layout
-from paraminit_server.plane.admission import Admission, host_memory
+from paraminit_server.host_limits import host_memory
+from paraminit_server.ledger import Claim
+from paraminit_server.plane import admission, engine, layout
+from paraminit_server.plane.admission import Admission
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export, Exports
 from paraminit_server.plane.leases import LeaseRecord, LeaseTable
-from paraminit_server.plane.ledger import Claim
 from paraminit_server.plans import columns, plan, validation
 from paraminit_server.plans.payloads import BoundSources, Payload, Sources, payload_hasher
 
@@ -122,7 +124,8 @@ class Materializer:
         """The request's view of payloads and checkpoints, holding the plan's own memory (plan_memory) until
         it is released; checkpoint values are host memory too, reserved before they are read."""
         sources = BoundSources(self.sources, caller.identity,
-                               lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"))
+                               lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"),
+                               standard_normal)
         sources.hold(self.admission.host.reserve(
             plan_memory(p), caller.wait, f"checking a plan of {len(p.params)} parameters ({p.ByteSize()} bytes)"))
         return sources

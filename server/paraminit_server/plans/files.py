@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes, safetensors_header
-from paraminit_server.plane import errors
+from paraminit_server import errors
 
 READ_BLOCK = 8 << 20  # the most one pread asks for
 GATHER_WINDOW = 1 << 20  # short runs of a region are gathered from windows of this many bytes

@@ -32,8 +32,8 @@ import numpy.typing as npt
 
 from paraminit import dtypes
 from paraminit.regions import Region
-from paraminit_server.plane import errors
-from paraminit_server.plane.ledger import Claim, Ledger
+from paraminit_server import errors
+from paraminit_server.ledger import Claim, Ledger
 from paraminit_server.plans import files
 from paraminit_server.plans.files import FileChanged, Header, StoredTensor
 
@@ -267,10 +267,19 @@ class BoundSources:
     changes after that is refused, never half read); checkpoint values reserved against the memory budget
     until release()."""
 
-    def __init__(self, sources: Sources, owner: str, reserve: Callable[[int], Held] | None = None) -> None:
+    def __init__(self, sources: Sources, owner: str, reserve: Callable[[int], Held] | None = None,
+                 gaussian: Callable[[int, int], npt.NDArray[np.float64]] | None = None) -> None:
+        """Args:
+            sources: the server's payloads and allowed files.
+            owner: the caller's identity (whose payloads it sees).
+            reserve: takes bytes from the memory budget (checkpoint values, computed values) until release().
+            gaussian: (n, seed) -> the first n normal(0, 1, seed) values, binary64: what an orthogonal
+                parameter factorizes (the data plane passes the CPU kernels' normal).
+        """
         self.sources = sources
         self.owner = owner
         self._reserve = reserve
+        self.gaussian = gaussian
         self._headers: dict[str, Header] = {}
         self._held: list[Held] = []
         self._hashes: dict[tuple[str, str, tuple[tuple[int, int], ...]], str] = {}

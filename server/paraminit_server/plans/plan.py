@@ -24,7 +24,7 @@ import numpy.typing as npt
 from paraminit import dtypes, inits, regions
 from paraminit.regions import Runs as Runs  # what backends walk; defined with the regions
 from paraminit.v1 import plan_pb2
-from paraminit_server.plane import errors
+from paraminit_server import errors
 from paraminit_server.plans import spec
 
 # Byte offsets of parameters in a buffer, in plan order: a list, or an array for a large plan's ParamTable
@@ -173,11 +173,15 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
     if isinstance(form, inits.Inline):
         return make(Kind.FLAT, values=np.asarray(form.values, dtype=np.float64))
     if isinstance(form, inits.Orthogonal):  # the whole matrix, computed on the host for every backend
-        from paraminit_server.backends.cpu_kernels import orthogonal
+        if sources is None or sources.gaussian is None:
+            raise errors.InvalidRequest("an orthogonal parameter is resolved with the request's sources (its "
+                                        "Gaussian matrix comes from them)")
+        from paraminit_server.plans import orthogonal  # numba, compiled on first use (after the cache is set up)
 
-        if sources is not None:
-            sources.charge(8 * form.rows * form.cols)  # its binary64 values, held for the request
-        return make(Kind.FLAT, values=orthogonal.values(form.rows, form.cols, form.gain, form.seed))
+        n = form.rows * form.cols
+        sources.charge(16 * n)  # the Gaussian matrix and the values, binary64, held for the request
+        g = sources.gaussian(n, form.seed)
+        return make(Kind.FLAT, values=orthogonal.values(form.rows, form.cols, form.gain, g))
     if isinstance(form, inits.PayloadRef):
         payload = None if sources is None else sources.payload(form.payload_id)
         if payload is None:  # only when resolved without the validation that reads the same snapshot

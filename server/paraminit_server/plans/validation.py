@@ -15,7 +15,7 @@ from paraminit.shapes import MAX_ELEMENTS, numel_at_most
 from paraminit.sizes import format_size
 from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, Violation, camel_path
-from paraminit_server.plane import errors
+from paraminit_server import errors
 from paraminit_server.plans import spec
 
 __all__ = ["INVALID", "LIMIT", "Limits", "Report", "Violation", "validate"]

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numba
 import numpy as np
 
 from paraminit.v1 import plan_pb2
-from paraminit_server.backends.cpu_kernels.jit import jit
+
+# numba's own on-disk cache keyed on this file: every compiled function these passes call lives here
+jit = numba.njit(cache=True, nogil=True)
 
 _IRREGULAR = np.int8(1)
 _NO_DTYPE = np.int8(2)

@@ -27,10 +27,10 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from paraminit import wire
 from paraminit.hostmem import tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
-from paraminit_server import backends
+from paraminit_server import backends, errors
+from paraminit_server.backends import shm
 from paraminit_server.backends.jit_cache import prepare_jit_cache
 from paraminit_server.config import ServerConfig
-from paraminit_server.plane import errors, shm
 from paraminit_server.plane.materializer import Materializer, max_request_bytes
 from paraminit_server.rpc.auth import AuthInterceptor, Endpoint, TokenAuth, server_credentials
 from paraminit_server.rpc.metrics import Metrics

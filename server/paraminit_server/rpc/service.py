@@ -20,8 +20,8 @@ from paraminit import dtypes, packed_table, peers, times, wire
 from paraminit.header_checksum import checksum
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
+from paraminit_server import errors
 from paraminit_server.backends import CUDA_IPC, SHM, ExportHandle
-from paraminit_server.plane import errors
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export
 from paraminit_server.plane.layout import SpanTable, TensorSpan

@@ -21,7 +21,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from paraminit.violations import Violation, describe
-from paraminit_server.plane import errors
+from paraminit_server import errors
 from paraminit_server.plane.admission import DRAIN_RETRY_AFTER, MEMORY_RETRY_AFTER
 
 log = logging.getLogger("paraminit.server")

@@ -22,12 +22,37 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from paraminit_server.backends.cpu_kernels.driver import KERNELS, PIECE
 
-__all__ = ["KERNELS", "PIECE"]
+__all__ = ["KERNELS", "PIECE", "standard_normal"]
+
+
+def standard_normal(n: int, seed: int) -> Any:
+    """The first n values of normal(0, 1, seed) in binary64 (docs/SAMPLER.md section 2), on the calling thread: the
+    Gaussian matrix of an orthogonal parameter, the same on every backend.
+
+    Args:
+        n: how many values (flat indices 0 .. n-1).
+        seed: the normal's seed.
+
+    Returns:
+        A float64 array of n values.
+    """
+    import numpy as np
+
+    from paraminit_server.backends.cpu_kernels.driver import KERNELS
+    from paraminit_server.plans import spec
+    from paraminit_server.plans.plan import Kind
+
+    out = np.empty(n, dtype=np.float64)
+    if n:
+        none = np.zeros(0, dtype=np.int64)
+        KERNELS[Kind.NORMAL].fill(out, 0, n, 0, np.uint64(spec.key(seed)), 0.0, 1.0, 0.0, 0.0, np.uint64(0),
+                                  np.zeros(0, dtype=np.float64), 0, none, none, none, 0, n)
+    return out
 
 
 def __getattr__(name: str) -> Any:
     """The driver's `KERNELS` and `PIECE`, imported on first access (numba, the tables) rather than with the package."""
-    if name in __all__:
+    if name in ("KERNELS", "PIECE"):
         from paraminit_server.backends.cpu_kernels import driver
 
         return getattr(driver, name)

@@ -1,8 +1,9 @@
-"""The data plane's one error vocabulary, with no transport in sight.
+"""The server's one error vocabulary, with no transport in sight: a floor that plans, backends and the data plane
+all raise from.
 
 Each error names its canonical status code (google.rpc.Code's names, which gRPC,
 HTTP gateways and the in-process client all understand); the gRPC edge
-(`status.py`) and the in-process transport translate that name, nothing else.
+(`rpc/status.py`) and the in-process transport translate that name, nothing else.
 """
 
 from __future__ import annotations

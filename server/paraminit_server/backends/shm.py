@@ -27,8 +27,8 @@ import threading
 
 import numpy as np
 
+from paraminit_server import errors
 from paraminit_server.backends import SHM, ExportHandle
-from paraminit_server.plane import errors
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "paraminit-"

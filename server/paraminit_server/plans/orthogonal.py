@@ -1,11 +1,12 @@
-"""The deterministic orthogonal initializer (docs/SAMPLER.md 2.3): a Gaussian matrix of the counter-based normal,
-a Householder QR in binary64 with one fixed operation order, the sign correction, the gain.
+"""The deterministic orthogonal initializer (docs/SAMPLER.md 2.3): a Householder QR in binary64 with one fixed
+operation order of the counter-based Gaussian matrix, the sign correction, the gain.
 
 Every sum runs in increasing index order on one thread and nothing is fused (numba compiles without fast-math, so
 LLVM neither contracts a multiply and an add nor reorders a reduction): the bytes depend on (shape, gain, seed)
-alone, never on threads, chunking, regions, ranks or backend. Every backend takes these values as data (the CUDA
-path uploads them like a payload), so the matrix is always computed here, on the host. A region is cut from the
-whole matrix.
+alone, never on threads, chunking, regions, ranks or backend. The Gaussian matrix comes from the request's sources
+(`BoundSources.gaussian`: the CPU kernels' normal, whatever the backend), and every backend takes the result as
+data (the CUDA path uploads it like a payload), so the matrix is always computed on the host. A region is cut from
+the whole matrix.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numba
 import numpy as np
 import numpy.typing as npt
 
-from paraminit_server.backends.cpu_kernels.jit import jit
+# numba's own on-disk cache keyed on this file: every function the factorization calls lives here
+jit = numba.njit(cache=True, nogil=True)
 
 
 @jit
@@ -70,31 +73,23 @@ def _q_rows(at: Any) -> Any:
     return q
 
 
-def values(rows: int, cols: int, gain: float, seed: int) -> npt.NDArray[np.float64]:
+def values(rows: int, cols: int, gain: float, gaussian: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """The whole parameter's binary64 values, row-major over its rows x cols matrix view (inits.Orthogonal).
 
     Args:
         rows: the parameter's first dimension.
         cols: the product of the others.
         gain: the scale (finite).
-        seed: the Gaussian matrix's seed.
+        gaussian: the rows * cols normal(0, 1, seed) values G, row-major.
 
     Returns:
         A float64 array of rows * cols values.
     """
-    from paraminit_server.backends.cpu_kernels.driver import KERNELS
-    from paraminit_server.plans import spec
-    from paraminit_server.plans.plan import Kind
-
     n = rows * cols
-    g = np.empty(n, dtype=np.float64)
     if n == 0:
-        return g
-    none = np.zeros(0, dtype=np.int64)
-    KERNELS[Kind.NORMAL].fill(g, 0, n, 0, np.uint64(spec.key(seed)), 0.0, 1.0, 0.0, 0.0, np.uint64(0),
-                              np.zeros(0, dtype=np.float64), 0, none, none, none, 0, n)
-    grid = g.reshape(rows, cols)
+        return np.empty(0, dtype=np.float64)
+    grid = gaussian.reshape(rows, cols)
     # rows < cols: A = G^T, so at = G and the result is Q^T = q; else A = G, at = G^T and the result is Q = q^T
-    q = _q_rows(np.ascontiguousarray(grid)) if rows < cols else _q_rows(np.ascontiguousarray(grid.T)).T
+    q = _q_rows(np.array(grid)) if rows < cols else _q_rows(np.ascontiguousarray(grid.T)).T
     flat: npt.NDArray[np.float64] = np.ascontiguousarray(q).reshape(-1) * gain
     return flat

@@ -1,0 +1,90 @@
+"""The server package's layers only look down, and its modules import one another without a circle.
+
+Layers, lowest first: the floors (errors, the ledger, host limits, config: what every layer may use), `plans/`
+(reading, checking and resolving plans), `backends/` (kernels and buffers), `plane/` (the transport-free data
+plane), and the doors (`rpc/`, the embedded door, the command). Every import statement counts, those inside
+functions too: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SERVER = Path(__file__).resolve().parent.parent / "server" / "paraminit_server"
+FLOORS = {"__init__", "errors", "ledger", "host_limits", "config"}
+LAYERS = {"floor": 0, "plans": 1, "backends": 2, "plane": 3, "rpc": 4, "embedded": 4, "__main__": 4}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SERVER.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return 0
+    head = parts[1]
+    return 0 if head in FLOORS else LAYERS[head]
+
+
+def imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """The paraminit_server modules a file imports (`from pkg import name` counts name when it is a module)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.If) and top_level_only:
+            continue  # `if TYPE_CHECKING:` blocks
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("paraminit_server"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("paraminit_server"):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                known = (SERVER.parent / sub.replace(".", "/")).with_suffix(".py").exists() or \
+                    (SERVER.parent / sub.replace(".", "/") / "__init__.py").exists()
+                out.add(sub if known else node.module)
+    return out
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in SERVER.rglob("*.py")}
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    upward = []
+    for name, path in modules().items():
+        for target in imports(path):
+            if layer_of(target) > layer_of(name):
+                upward.append(f"{name} -> {target}")
+    assert not upward, upward
+    assert layer_of("paraminit_server.plans.plan") < layer_of("paraminit_server.backends.cpu")  # the rule can bite
+
+
+def test_module_level_imports_have_no_circle() -> None:
+    mods = modules()
+    graph = {name: {t for t in imports(path, top_level_only=True) if t in mods and t != name}
+             for name, path in mods.items()}
+    # a package's __init__ runs before its submodules: importing a submodule imports its package first
+    for name in list(graph):
+        parent = name.rsplit(".", 1)[0]
+        if parent in graph and parent != name and name != "paraminit_server":
+            graph[name].add(parent)
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*stack[stack.index(nxt):], nxt] if nxt in stack else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, cycles
+    assert graph["paraminit_server.backends.cpu"], "the graph was read"
