@@ -282,3 +282,22 @@ def test_an_explicit_allow_list_in_process_is_enforced_and_named(tmp_path: Path)
     assert "not under an allowed directory" in caught.value.message and "elsewhere" in caught.value.message
     with pytest.raises(ValueError, match="in process only"):
         Client("127.0.0.1:1", safetensors_dirs=["/"])
+
+
+def test_reading_a_local_checkpoint_fails_with_paraminit_errors(tmp_path: Path) -> None:
+    """plan_from_safetensors, safetensors_header and inspect raise ParaminitErrors for files: a format error
+    (still a ValueError, INVALID_ARGUMENT) and an unreadable file (still an OSError, NOT_FOUND)."""
+    from paraminit_client import CheckpointFormatError, FileAccessError, ParaminitError, inspect, plans
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    missing = tmp_path / "missing.safetensors"
+    for read in (plans.plan_from_safetensors, plans.safetensors_header, inspect.inspect_file, inspect.read_header):
+        with pytest.raises(CheckpointFormatError) as info:
+            read(bad)
+        err = info.value
+        assert isinstance(err, ParaminitError) and isinstance(err, ValueError), read
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT and str(bad) in err.message, read
+        with pytest.raises(FileAccessError) as gone:
+            read(missing)
+        assert isinstance(gone.value, OSError) and gone.value.code == grpc.StatusCode.NOT_FOUND, read

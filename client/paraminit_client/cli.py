@@ -26,7 +26,7 @@ import grpc
 from paraminit import dtypes, exitcodes, sizes
 from paraminit_client import __version__, filesink, inspect
 from paraminit_client.client import Client, write_stream
-from paraminit_client.errors import InvalidArgument, ParaminitError
+from paraminit_client.errors import CheckpointFormatError, InvalidArgument, ParaminitError
 from paraminit_client.plans import PlanFileError, load_plan, plan_from_safetensors, plan_to_json
 
 EXIT_OK, EXIT_ERROR, EXIT_INVALID, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = (
@@ -634,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except OSError as err:  # FileAccessError too: a file, not a status, is the news
         message, lines, code = _os_line(err), [], EXIT_ERROR
-    except InvalidArgument as err:  # an argument the client refused before any call
+    except (InvalidArgument, CheckpointFormatError) as err:  # refused before any call: an argument, a local file
         message, lines, code = err.message, [], EXIT_ERROR
     except ParaminitError as err:
         if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.violations:

@@ -9,14 +9,16 @@ Subclasses keep the built-in type a caller may already catch (`PlanFileError` an
 from __future__ import annotations
 
 import ast
+import contextlib
 import errno
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from paraminit.safetensors_header import HeaderError
 from paraminit.violations import INVALID, LIMIT, Violation
 
 __all__ = ["ClientClosed", "FileAccessError", "InvalidArgument", "ParaminitError", "Violation", "violation_from_text"]
@@ -95,6 +97,32 @@ class ClientClosed(ParaminitError):
 
     def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+class CheckpointFormatError(ParaminitError, ValueError):
+    """A file that is not a readable safetensors file (paraminit.safetensors_header.HeaderError) as a ParaminitError:
+    INVALID_ARGUMENT, and still a ValueError. `reason`, `tensor`, `position` and `path` are the header error's."""
+
+    def __init__(self, err: HeaderError) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        self.reason, self.tensor, self.position, self.path = err.reason, err.tensor, err.position, err.path
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@contextlib.contextmanager
+def file_errors() -> Iterator[None]:
+    """Raise what reading a local file fails with as ParaminitErrors: an OSError as FileAccessError (still an
+    OSError), a safetensors format error as CheckpointFormatError (still a ValueError)."""
+    try:
+        yield
+    except HeaderError as exc:
+        raise CheckpointFormatError(exc) from None
+    except ParaminitError:
+        raise
+    except OSError as exc:
+        raise FileAccessError(exc) from None
 
 
 class FileAccessError(ParaminitError, OSError):

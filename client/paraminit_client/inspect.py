@@ -21,6 +21,7 @@ import numpy as np
 from paraminit import dtypes, inits, safetensors_header, shapes
 from paraminit.sizes import format_size
 from paraminit.v1 import plan_pb2
+from paraminit_client.errors import file_errors
 
 FLAG_SIGMAS = 5.0  # a deviation of 5 standard errors flags a tensor (about 1 in 1.7 million by chance, per test)
 Z_MAX = inits.Z_MAX  # the sampler raises u1 to 1e-6, so |z| <= 5.2565
@@ -42,10 +43,12 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, str], list[Entr
         (metadata, tensors ordered by where their bytes lie).
 
     Raises:
-        OSError: the file cannot be read.
-        SafetensorsError: the file breaks the format; the text names the file and the first violation.
+        FileAccessError: (an OSError) the file cannot be read.
+        CheckpointFormatError: (a ValueError) the file breaks the format; the text names the file and the first
+            violation.
     """
-    header = safetensors_header.read_file(path)
+    with file_errors():
+        header = safetensors_header.read_file(path)
     return dict(header.metadata), header.in_file_order()
 
 
@@ -208,7 +211,24 @@ def judge(stats: Stats, exp: Expected, dtype: str) -> list[str]:
 
 
 def inspect_file(path: str | os.PathLike[str], plan: plan_pb2.Plan | None = None) -> Report:
-    """Statistics of every tensor of a safetensors file, judged against `plan` when given."""
+    """Statistics of every tensor of a safetensors file, judged against `plan` when given.
+
+    Args:
+        path: the file.
+        plan: the plan it should hold (None: statistics only).
+
+    Returns:
+        The report: a row per tensor, and the plan's parameters the file lacks.
+
+    Raises:
+        FileAccessError: (an OSError) the file cannot be read.
+        CheckpointFormatError: (a ValueError) the file breaks the format, also when it changes while it is read.
+    """
+    with file_errors():
+        return _inspect_file(path, plan)
+
+
+def _inspect_file(path: str | os.PathLike[str], plan: plan_pb2.Plan | None) -> Report:
     meta, entries = read_header(path)
     params = {p.name: p for p in plan.params} if plan is not None else {}
     rows = []

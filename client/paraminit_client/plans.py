@@ -26,7 +26,7 @@ from paraminit import dtypes
 from paraminit import safetensors_header as st_header
 from paraminit.v1 import plan_pb2
 from paraminit.violations import Violation
-from paraminit_client.errors import FileAccessError, InvalidArgument, ParaminitError
+from paraminit_client.errors import FileAccessError, InvalidArgument, ParaminitError, file_errors
 
 
 def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
@@ -421,10 +421,11 @@ def safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:
         Tensor name -> {"dtype", "shape", "data_offsets"}, in the header's order, without `__metadata__`.
 
     Raises:
-        OSError: the file cannot be read.
-        paraminit.safetensors_header.HeaderError: (a ValueError) the file breaks the format.
+        FileAccessError: (an OSError) the file cannot be read.
+        CheckpointFormatError: (a ValueError) the file breaks the format.
     """
-    header = st_header.read_file(path)
+    with file_errors():
+        header = st_header.read_file(path)
     return {e.name: {"dtype": e.code, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
             for e in header.tensors.values()}
 
@@ -441,12 +442,13 @@ def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.
     an error.
 
     Raises:
-        OSError: the file cannot be read.
-        paraminit.safetensors_header.HeaderError: (a ValueError) the file breaks the format (the one strict reader
-            the server and `paraminit inspect` use, so no plan is made from a file they refuse).
-        ValueError: the checkpoint does not fit the fallback plan.
+        FileAccessError: (an OSError) the file cannot be read.
+        CheckpointFormatError: (a ValueError) the file breaks the format (the one strict reader the server and
+            `paraminit inspect` use, so no plan is made from a file they refuse).
+        InvalidArgument: (a ValueError) the checkpoint does not fit the fallback plan.
     """
-    header = st_header.read_file(path)
+    with file_errors():
+        header = st_header.read_file(path)
     source = str(Path(path).resolve())
     out = plan_pb2.Plan()
     problems = []
