@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import crc32c
 import grpc
@@ -34,6 +34,9 @@ from paraminit.violations import ValidationReport as ValidationReport  # the cli
 from paraminit_client import scaleout
 from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
 from paraminit_client.errors import ClientClosed, InvalidArgument, ParaminitError
+
+if TYPE_CHECKING:  # the embedded door, for the type checker only: the client may be installed alone
+    from paraminit_server.embedded import InProcess
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 
@@ -200,7 +203,7 @@ class LocalTransport:
     target = "in-process"
     releases_at_exit = False  # closing the data plane (or this process ending) frees every lease
 
-    def __init__(self, embedded: Any) -> None:
+    def __init__(self, embedded: InProcess) -> None:
         self._plane = embedded
         self._gate = _Gate("in-process client")
         # never closed: freed when the last holder (its Client, a Lease) is collected, or at exit; in its own process
@@ -229,7 +232,7 @@ class LocalTransport:
 
     def info(self) -> pb.GetInfoResponse:
         with self._call():
-            return self._plane.info()  # type: ignore[no-any-return]
+            return self._plane.info()
 
     def health(self, service: str) -> str:
         with self._call():
@@ -241,11 +244,16 @@ class LocalTransport:
         with self._call():
             items = self._plane.stream(plan, chunk_bytes)
             header = next(items)
+        if not isinstance(header, pb.StreamHeader):  # the embedded door always starts with the header
+            items.close()
+            raise ParaminitError(grpc.StatusCode.INTERNAL, "the data plane did not start the stream with a header")
 
         def slabs() -> Iterator[Chunk]:  # not a running call for close(): a consumer may never finish it
             with contextlib.closing(items), self._errors():
-                for offset, slab in items:
-                    yield Slab(offset, memoryview(slab).cast("B"))
+                for item in items:
+                    if isinstance(item, tuple):
+                        offset, slab = item
+                        yield Slab(offset, memoryview(slab).cast("B"))
 
         return header, slabs()
 
@@ -262,7 +270,7 @@ class LocalTransport:
 
     def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float) -> pb.ExportInfo:
         with self._call():
-            return self._plane.export(plan, delivery, ttl_seconds)  # type: ignore[no-any-return]
+            return self._plane.export(plan, delivery, ttl_seconds)
 
     def upload(self, raw: memoryview, dtype: int, count: int, chunk_bytes: int) -> str:
         def pieces() -> Iterator[tuple[int, int, memoryview]]:
@@ -295,7 +303,7 @@ class LocalTransport:
         self._finalizer()
 
 
-def _close_local(gate: _Gate, embedded: Any) -> None:
+def _close_local(gate: _Gate, embedded: InProcess) -> None:
     if gate.close(CLOSE_WAIT):
         embedded.close()
 

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +144,7 @@ class InProcess:
         lay, digest, buf = self.plane.fill_host(plan, self.caller, outputs)
         return (lay.spans() if outputs is None else []), digest, buf
 
-    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int = 0) -> Iterator[pb.StreamHeader | tuple[int, Any]]:
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int = 0) -> Generator[pb.StreamHeader | tuple[int, Any], None, None]:
         """A header, then (offset, host slab) pairs: for writing files without an extra copy."""
         it = self.plane.stream(plan, self.caller, chunk_bytes)
         with contextlib.closing(it):  # frees the slabs and the admission slot when the consumer stops early

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,9 @@ from paraminit import dtypes, inits
 from paraminit.v1 import plan_pb2
 from paraminit_server.plans import wire
 from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns, resolve_param
+
+if TYPE_CHECKING:
+    from paraminit_server.plans.payloads import BoundSources
 
 SCAN_MIN = 1024  # parameters from which a plan is read as columns (below, per parameter costs less than a scan)
 _SMALL = float(1 << 59)  # element counts below this cannot overflow 2^63 bytes at 8 bytes per element
@@ -68,7 +71,7 @@ class Columns:
         """The plan digest's canonical bytes, when the scan can write them (wire.canonical)."""
         return wire.canonical(self.scan)
 
-    def resolve(self, plan: plan_pb2.Plan, sources: Any = None) -> ParamTable:
+    def resolve(self, plan: plan_pb2.Plan, sources: BoundSources | None = None) -> ParamTable:
         """The validated plan resolved: plain rows stay columns, the others are resolved one by one."""
         special = {int(i): resolve_param(int(i), plan.params[int(i)], sources)
                    for i in np.flatnonzero(~self.plain).tolist()}

@@ -16,7 +16,7 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +26,10 @@ from paraminit.regions import Runs as Runs  # what backends walk; defined with t
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors
 from paraminit_server.plans import spec
+
+if TYPE_CHECKING:
+    from paraminit_server.plans.columns import Columns
+    from paraminit_server.plans.payloads import BoundSources
 
 # Byte offsets of parameters in a buffer, in plan order: a list, or an array for a large plan's ParamTable
 Offsets = Sequence[int] | npt.NDArray[np.int64]
@@ -139,7 +143,7 @@ class Patch:
         return self.starts[first:int(np.searchsorted(self.starts, end, side="left"))]
 
 
-def resolve_param(index: int, p: plan_pb2.Param, sources: Any = None) -> ResolvedParam:
+def resolve_param(index: int, p: plan_pb2.Param, sources: BoundSources | None = None) -> ResolvedParam:
     """Resolve one parameter; the caller guarantees the plan validated (with the same sources)."""
     rp = _resolve_base(index, p, sources)
     if not p.patches:
@@ -154,7 +158,7 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
     return replace(rp, patches=tuple(patches))
 
 
-def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> ResolvedParam:
+def _resolve_base(index: int, p: plan_pb2.Param, sources: BoundSources | None = None) -> ResolvedParam:
     shape = tuple(int(d) for d in p.shape)
     region = regions.box_of(p)
     dt = dtypes.by_enum(p.dtype)
@@ -189,6 +193,8 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: Any = None) -> Resolve
         return make(Kind.FLAT, values=payload.values)
     # a checkpoint region reads and converts only its own values (the budget pays for those only)
     assert isinstance(form, inits.Checkpoint), "every other form is resolved above"
+    if sources is None:  # only when resolved without the validation that reads the same snapshot
+        raise errors.InvalidRequest("a checkpoint reference is resolved with the request's sources")
     values, compact = sources.tensor_values(form.path, form.tensor, region)
     return replace(make(Kind.FLAT, values=values), compact=compact)
 
@@ -235,7 +241,7 @@ def kernel_columns(form: type, fields: dict[str, npt.NDArray[Any]]) -> KernelCol
     return Kind.TRUNCNORM, fields["mean"], fields["std"], spec.keys(seed), fields["lo"], fields["hi"], seed
 
 
-def resolve(plan: plan_pb2.Plan, sources: Any = None, cols: Any = None) -> Sequence[ResolvedParam]:
+def resolve(plan: plan_pb2.Plan, sources: BoundSources | None = None, cols: Columns | None = None) -> Sequence[ResolvedParam]:
     """Resolve a validated plan; with its columns (plans.columns.of), as a ParamTable.
 
     Args:
@@ -247,7 +253,7 @@ def resolve(plan: plan_pb2.Plan, sources: Any = None, cols: Any = None) -> Seque
         One ResolvedParam per parameter, in plan order.
     """
     if cols is not None:
-        return cols.resolve(plan, sources)  # type: ignore[no-any-return]
+        return cols.resolve(plan, sources)
     out: list[ResolvedParam] = []
     kinds, by_enum = inits.KINDS, dtypes.by_enum
     for i, p in enumerate(plan.params):
@@ -285,7 +291,7 @@ def canonical(plan: plan_pb2.Plan) -> bytes:
     return out.SerializeToString(deterministic=True)
 
 
-def digest(plan: plan_pb2.Plan, sources: Any = None, cols: Any = None) -> str:
+def digest(plan: plan_pb2.Plan, sources: BoundSources | None = None, cols: Columns | None = None) -> str:
     """Hex SHA-256 of the canonical form and, with `sources`, of the content every payload and checkpoint
     reference uses: the same digest always names the same bytes, also after a checkpoint is rewritten in
     place. A plan without references digests its canonical bytes alone (plan.proto says how to reproduce it)."""

@@ -8,7 +8,7 @@ its name and the field, so a user fixes a plan in one round trip.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from paraminit import dtypes, inits
 from paraminit.shapes import MAX_ELEMENTS, numel_at_most
@@ -17,6 +17,10 @@ from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, Violation, camel_path
 from paraminit_server import errors
 from paraminit_server.plans import spec
+
+if TYPE_CHECKING:
+    from paraminit_server.plans.columns import Columns
+    from paraminit_server.plans.payloads import BoundSources
 
 __all__ = ["INVALID", "LIMIT", "Limits", "Report", "Violation", "validate"]
 
@@ -58,7 +62,7 @@ class Report:
         return bool(self.violations) and all(v.category == LIMIT for v in self.violations)
 
 
-def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: Any = None, cols: Any = None) -> Report:
+def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: BoundSources | None = None, cols: Columns | None = None) -> Report:
     """Check a whole plan; returns every violation found.
 
     Args:
@@ -113,7 +117,7 @@ def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[st
     return size
 
 
-def _validate_columns(plan: plan_pb2.Plan, limits: Limits, sources: Any, cols: Any, first_seen: dict[str, int],
+def _validate_columns(plan: plan_pb2.Plan, limits: Limits, sources: BoundSources | None, cols: Columns, first_seen: dict[str, int],
                       out: list[Violation]) -> list[int]:
     """validate() over columns: plain rows with a good name and size pass as arrays, every other row (and any
     repeated name) takes the full per-parameter checks, in plan order so names are first seen as before."""
@@ -138,7 +142,7 @@ def _validate_columns(plan: plan_pb2.Plan, limits: Limits, sources: Any, cols: A
     return sizes
 
 
-def _check_param(i: int, p: plan_pb2.Param, limits: Limits, sources: Any, first_seen: dict[str, int],
+def _check_param(i: int, p: plan_pb2.Param, limits: Limits, sources: BoundSources | None, first_seen: dict[str, int],
                  out: list[Violation]) -> int:
     """Every check of one parameter; appends its violations to `out` and returns its materialized bytes."""
     found: list[Violation] = []
@@ -270,7 +274,7 @@ def _echo(text: str) -> str:
 
 
 def _check_init(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad,
-                sources: Any = None) -> None:
+                sources: BoundSources | None = None) -> None:
     """The initializer's form (the table's checks), then what it reads against the request's snapshot, then
     whether its values fit an 8-bit dtype."""
     init = p.init if p.HasField("init") else None
@@ -303,7 +307,7 @@ def _check_range(dt: dtypes.DTypeInfo, init: plan_pb2.Init, shape: list[int], ba
         bad(*found)
 
 
-def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: Any) -> float | None:
+def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: BoundSources) -> float | None:
     """The payload's checks; returns its largest |value| when it is whole and finite (for the range rule)."""
     payload = sources.payload(ref.payload_id)
     if payload is None:
@@ -321,7 +325,7 @@ def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: 
     return payload.max_abs if ok else None
 
 
-def _check_checkpoint(shape: list[int], ref: inits.Checkpoint, bad: _Bad, sources: Any,
+def _check_checkpoint(shape: list[int], ref: inits.Checkpoint, bad: _Bad, sources: BoundSources,
                       dt: dtypes.DTypeInfo | None) -> float | None:
     """The checkpoint tensor's checks; for a parameter of an 8-bit dtype whose file holds a wider one, returns
     the tensor's largest |value| (for the range rule; read from the file)."""
