@@ -37,7 +37,7 @@ from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu_kernels import cr_math, cr_tables
 from paraminit_server.plans import spec
 from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
-from support import CASES, VECTORS, case_param
+from support import CASES, VECTORS, case_param, poisoned
 
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or put it on PATH)")]
@@ -203,8 +203,9 @@ def bits_d(b: int) -> float:
     return float(struct.unpack("<d", struct.pack("<Q", b))[0])
 
 
-def run_plan(exe: Path, tmp: Path, jobs: list[cb.Job], arena_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    packed = cb.pack(jobs)
+def run_plan(exe: Path, tmp: Path, jobs: list[cb.Job] | cb.Packed,
+             arena_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    packed = jobs if isinstance(jobs, cb.Packed) else cb.pack(jobs)
     (tmp / "meta.bin").write_bytes(packed.meta.tobytes())
     (tmp / "values.bin").write_bytes(packed.values.tobytes())
     subprocess.run([str(exe), "plan", str(tmp / "meta.bin"), str(tmp / "values.bin"), str(arena_bytes + GUARD),
@@ -522,3 +523,42 @@ def test_device_branches_built_for_the_host_agree(harness: Path, device_branches
     (tmp_path / "dev").mkdir()
     host = run_plan(harness, tmp_path / "host", jobs, size)
     assert run_plan(device_branches, tmp_path / "dev", jobs, size).tobytes() == host.tobytes()
+
+
+def test_a_large_plan_packed_as_columns_gives_the_same_bytes(harness: Path, tmp_path: Path, cpu_backend: Any) -> None:
+    """A plan of SCAN_MIN+ parameters (a ParamTable) is packed for the device without a ResolvedParam per plain row
+    (pack_table): through the kernels' tile loop it writes what the per-parameter packing writes, and what the
+    CPU backend writes, for every dtype and kind, with regions, patches and data rows among the columns."""
+    from paraminit_client import param, plan_of
+    from paraminit_server.plans import columns
+    from paraminit_server.plans.plan import resolve
+
+    inits = [{"normal": {"std": 0.5, "seed": 1}}, {"uniform": {"lo": -2, "hi": 3, "seed": 2}}, {"ones": {}},
+             {"truncatedNormal": {"std": 1, "lo": -1, "hi": 1.5, "seed": 3}}, {"kaimingUniformForShape": {"seed": 4}}]
+    params = [param(f"p{i}", [3 + i % 5, 2 + i % 3], inits[i % len(inits)], dtypes.SUPPORTED[i % 6].name)
+              for i in range(columns.SCAN_MIN + 76)]
+    params[5] = param("p5", [40, 30], inits[0], "bfloat16", region=[(3, 17), (4, 29)])
+    params[9] = param("p9", [4], {"flat": {"values": [0.5, -1.25, 3.0, 7.0]}}, "float8_e5m2")
+    q = params[11].patches.add(init=param("x", [1], {"zeros": {}}).init)
+    q.box.add(start=0, stop=1)
+    q.box.add(start=0, stop=2)
+    params[20] = param("empty", [0, 3], inits[1])
+    plan = plan_of(params)
+    cols = columns.of(plan)
+    assert cols is not None
+    table = resolve(plan, None, cols)
+    assert isinstance(table, columns.ParamTable) and len(table) // 2 < int(table.plain.sum()) < len(table)
+    offsets, pos = [], 0
+    for i in range(len(table)):
+        offsets.append(pos)
+        pos += -(-(int(table.nbytes[i]) + 8) // 64) * 64  # a poisoned gap after each tensor
+    by_columns = run_plan(harness, tmp_path, cb.pack_table(table, offsets), pos)
+    (tmp_path / "rows").mkdir()
+    by_rows = run_plan(harness, tmp_path / "rows", [cb.Job(table[i], offsets[i]) for i in range(len(table))], pos)
+    assert by_columns.tobytes() == by_rows.tobytes()
+    for i in (0, 1, 2, 3, 4, 5, 9, 11, 20, 777, len(table) - 1):
+        p = table[i]
+        want = poisoned(p.numel, p.dtype.storage)
+        cpu_backend.fill(p, want)
+        assert by_columns[offsets[i]:offsets[i] + p.nbytes].tobytes() == want.tobytes(), p.name
+        assert (by_columns[offsets[i] + p.nbytes:offsets[i] + p.nbytes + 8] == 0xFF).all(), p.name

@@ -28,6 +28,7 @@ from paraminit import dtypes
 from paraminit.cuda import IPC_HANDLE_BYTES, device_uuid
 from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle
 from paraminit_server.errors import BackendUnavailable, Cancelled, ResourceExhausted
+from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, warm_up_params
 
 log = logging.getLogger("paraminit.cupy")
@@ -156,6 +157,52 @@ def pack(jobs: Sequence[Job]) -> Packed:
     return Packed(meta.astype(np.int64, copy=False), flat, len(rows), tile_start[-1], end)
 
 
+def pack_table(table: ParamTable, offsets: Offsets) -> Packed:
+    """pack() of a whole large plan (parameter i at byte offsets[i]) without a Python object per plain parameter:
+    the plain rows' descriptors are written as columns, the others (regions, patches, data) go through pack().
+
+    The plain rows come first and hold no dims and no values, so the other rows' dims and value offsets are those
+    pack() gives them; which job comes first never changes a byte (every job writes only its own window).
+
+    Raises:
+        ValueError: offsets and parameters disagree in number, or an offset is not a multiple of its item size.
+    """
+    offs = np.asarray(offsets, dtype=np.int64)
+    if offs.shape[0] != len(table):
+        raise ValueError(f"{len(table)} parameters but {offs.shape[0]} offsets")
+    live = table.numel > 0
+    plain = np.flatnonzero(table.plain & live)
+    if ((offs[plain] < 0) | (offs[plain] % np.maximum(table.itemsize[plain], 1) != 0)).any():
+        raise ValueError("a byte offset is not a multiple of its parameter's item size")
+    rest = pack([Job(table[int(i)], int(offs[i])) for i in np.flatnonzero(~table.plain & live).tolist()])
+    n = table.numel[plain]
+    desc = np.zeros((plain.shape[0], DESC_WORDS), dtype=np.int64)
+    desc[:, W_OUT] = offs[plain]
+    desc[:, W_N] = n
+    desc[:, W_KIND] = table.kernel[plain]
+    desc[:, W_OTYPE] = _OTYPE_BY_ENUM[table.dtype[plain]]
+    desc.view(np.uint64)[:, W_KEY] = table.key[plain]
+    desc.view(np.float64)[:, W_P0] = table.p0[plain]
+    desc.view(np.float64)[:, W_P1] = table.p1[plain]
+    desc.view(np.float64)[:, W_LO] = table.lo[plain]
+    desc.view(np.float64)[:, W_HI] = table.hi[plain]
+    desc.view(np.uint64)[:, W_SEED] = table.seed[plain]
+    desc[:, W_RUNLEN] = n  # one run from element 0 (base 0, no outer dims)
+    tiles = -(-n // TILE)
+    head = int(tiles.sum())
+    rest_desc = rest.meta[:rest.njobs * DESC_WORDS]
+    rest_tiles = rest.meta[rest.njobs * DESC_WORDS:rest.dims_at]
+    tile_start = np.concatenate([[0], np.cumsum(tiles), head + rest_tiles[1:]]).astype(np.int64)
+    meta = np.concatenate([desc.reshape(-1), rest_desc, tile_start, rest.meta[rest.dims_at:]])
+    end = max(int((offs[plain] + n * table.itemsize[plain]).max()) if plain.size else 0, rest.end_bytes)
+    return Packed(meta, rest.values, plain.shape[0] + rest.njobs, head + rest.total_tiles, end)
+
+
+_OTYPE_BY_ENUM = np.zeros(max(d.enum for d in dtypes.SUPPORTED) + 1, dtype=np.int64)
+for _d in dtypes.SUPPORTED:
+    _OTYPE_BY_ENUM[_d.enum] = otype(_d)
+
+
 # ---------------------------------------------------------------------------
 # CuPy side.
 
@@ -266,13 +313,13 @@ def fill_jobs(jobs: Sequence[Job], arena: Any) -> None:
     prepare_jobs(jobs, arena)()
 
 
-def prepare_jobs(jobs: Sequence[Job], arena: Any) -> Callable[[], None]:
+def prepare_jobs(jobs: Sequence[Job] | Packed, arena: Any) -> Callable[[], None]:
     """Everything fill_jobs does before its launch (packing, uploading the descriptors and values), and the launch
-    to call: what a benchmark times apart from the host work."""
+    to call: what a benchmark times apart from the host work. `jobs` may come packed already (pack_table)."""
     cp = _import_cupy()
     if not isinstance(arena, cp.ndarray) or not arena.flags.c_contiguous:
         raise ValueError("arena must be a C-contiguous cupy.ndarray")
-    packed = pack(jobs)
+    packed = jobs if isinstance(jobs, Packed) else pack(jobs)
     if packed.njobs == 0:
         return _nothing
     if packed.end_bytes > arena.nbytes:
@@ -300,6 +347,9 @@ def fill_plan(params: Sequence[ResolvedParam], arena: Any, offsets: Offsets) -> 
     """
     if len(params) != len(offsets):
         raise ValueError(f"{len(params)} parameters but {len(offsets)} offsets")
+    if isinstance(params, ParamTable):  # a large plan: its plain rows packed as columns
+        prepare_jobs(pack_table(params, offsets), arena)()
+        return
     fill_jobs([Job(p, int(off)) for p, off in zip(params, offsets, strict=True)], arena)
 
 
