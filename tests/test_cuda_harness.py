@@ -562,3 +562,23 @@ def test_a_large_plan_packed_as_columns_gives_the_same_bytes(harness: Path, tmp_
         cpu_backend.fill(p, want)
         assert by_columns[offsets[i]:offsets[i] + p.nbytes].tobytes() == want.tobytes(), p.name
         assert (by_columns[offsets[i] + p.nbytes:offsets[i] + p.nbytes + 8] == 0xFF).all(), p.name
+
+
+def test_a_column_shard_of_data_uploads_only_its_own_values(harness: Path, tmp_path: Path, cpu_backend: Any) -> None:
+    """A tensor-parallel column shard of a payload lies apart in the tensor: only its own elements travel (in
+    local order), not every element between its first and last, and the kernel reads them right."""
+    from paraminit_client import param
+
+    values = np.arange(64 * 48, dtype=np.float64) * 0.25 - 300.0
+    p = resolve_param(0, param("w", [64, 48], {"flat": {"values": values.tolist()}}, "float32",
+                               region=[(0, 64), (12, 24)]))
+    packed = cb.pack([cb.Job(p, 0)])
+    assert packed.values.size == p.numel == 64 * 12  # not the 63 * 48 + 12 between the shard's ends
+    window = cb.pack([cb.Job(p, 0, 100, 300)])
+    assert window.values.size == 300
+    want = poisoned(p.numel, p.dtype.storage)
+    cpu_backend.fill(p, want)
+    assert run_plan(harness, tmp_path, packed, p.nbytes).tobytes() == want.tobytes()
+    (tmp_path / "w").mkdir()
+    got = run_plan(harness, tmp_path / "w", window, 300 * 4)  # the window's elements from the arena's start
+    assert got.tobytes() == want[100:400].tobytes()

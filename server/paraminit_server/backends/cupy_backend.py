@@ -29,7 +29,7 @@ from paraminit.cuda import IPC_HANDLE_BYTES, device_uuid
 from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle
 from paraminit_server.errors import BackendUnavailable, Cancelled, ResourceExhausted
 from paraminit_server.plans.columns import ParamTable
-from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, warm_up_params
+from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, Runs, warm_up_params
 
 log = logging.getLogger("paraminit.cupy")
 KERNEL_DIR = Path(__file__).parent / "cuda"
@@ -123,6 +123,12 @@ def pack(jobs: Sequence[Job]) -> Packed:
         if n == 0:
             continue
         runs = p.runs()
+        sparse = None  # a data window whose elements lie apart in the tensor (a column shard): only they travel
+        if p.kind == Kind.FLAT and len(runs.outer_ext):
+            g_lo, g_hi = runs.global_index(job.l_begin), runs.global_index(job.l_begin + n - 1)
+            if g_hi + 1 - g_lo > n:
+                sparse = runs.global_indices(job.l_begin, n)
+                runs = Runs.single(job.l_begin + n)  # the gathered values, read by local index
         row = np.zeros(DESC_WORDS, dtype=np.int64)
         row[W_OUT] = job.offset
         row[W_N] = n
@@ -142,13 +148,19 @@ def pack(jobs: Sequence[Job]) -> Packed:
         for d in range(len(runs.outer_ext)):
             dims += [int(runs.outer_start[d]), int(runs.outer_ext[d]), int(runs.outer_stride[d])]
         if p.kind == Kind.FLAT:
-            # Only the window's slice of the payload travels; the kernel reads values[g - vshift].
+            # Only the window's values travel; the kernel reads values[g - vshift], g its global index (the local
+            # one for a gathered window).
             assert p.values is not None
-            g_lo = runs.global_index(job.l_begin)
-            g_hi = runs.global_index(job.l_begin + n - 1)
-            values.append(np.ascontiguousarray(p.values[g_lo:g_hi + 1], dtype=np.float64))
-            row[W_VSHIFT] = g_lo - vpos
-            vpos += g_hi + 1 - g_lo
+            if sparse is not None:
+                values.append(np.asarray(p.values[sparse], dtype=np.float64))
+                row[W_VSHIFT] = job.l_begin - vpos
+                vpos += n
+            else:
+                g_lo = runs.global_index(job.l_begin)
+                g_hi = runs.global_index(job.l_begin + n - 1)
+                values.append(np.ascontiguousarray(p.values[g_lo:g_hi + 1], dtype=np.float64))
+                row[W_VSHIFT] = g_lo - vpos
+                vpos += g_hi + 1 - g_lo
         rows.append(row)
         tile_start.append(tile_start[-1] + -(-n // TILE))
         end = max(end, job.offset + n * p.dtype.itemsize)
