@@ -65,20 +65,20 @@ def payload_hasher(dt: dtypes.DTypeInfo, data: Any = b"") -> Any:
     return h
 
 
-def _scan(raw: npt.NDArray[np.uint8], dt: dtypes.DTypeInfo, piece: int = 1 << 20) -> tuple[int, int, float]:
-    """(count of NaN/inf values, index of the first or -1, largest finite |value|), in pieces of binary64 so the
-    copies stay small."""
+def _scan(values: npt.NDArray[Any], piece: int = 1 << 22) -> tuple[int, int, float]:
+    """(count of NaN/inf values, index of the first or -1, largest finite |value|), in pieces of the uploaded dtype
+    (numpy's or ml_dtypes' own ufuncs: no binary64 copy), so the masks stay small."""
     count, first, largest = 0, -1, 0.0
-    size = dt.itemsize
-    for lo in range(0, raw.size // size, piece):
-        values = to_binary64(raw[lo * size:(lo + piece) * size], dt)
-        finite = np.isfinite(values)
+    for lo in range(0, values.size, piece):
+        part = values[lo:lo + piece]
+        finite = np.isfinite(part)
         bad = np.flatnonzero(~finite)
         if bad.size:
             count += int(bad.size)
             first = lo + int(bad[0]) if first < 0 else first
-        if values.size:
-            largest = max(largest, float(np.abs(np.where(finite, values, 0.0)).max()))
+            part = part[finite]
+        if part.size:
+            largest = max(largest, float(np.max(np.abs(part))))
     return count, first, largest
 
 
@@ -191,7 +191,7 @@ class Sources:
             if ticket.nbytes < nbytes:
                 raise errors.InvalidRequest(f"payload of {count} values is larger than reserved")
             values = data.view(dt.numpy.newbyteorder("<"))
-            nonfinite, first, largest = _scan(data, dt)
+            nonfinite, first, largest = _scan(values)
             digest = sha256 or payload_sha256(dt, data)
             payload = Payload(owner, values, time.time() + self.ttl, nonfinite, first, digest, ticket, largest)
             pid = secrets.token_hex(16)
