@@ -126,3 +126,30 @@ def test_a_process_that_forgets_close_leaves_no_segment() -> None:
     assert done.returncode == 0, done.stderr
     name = done.stdout.strip()
     assert name.startswith("paraminit-") and not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_both_doors_classify_a_failure_alike(caplog: pytest.LogCaptureFixture) -> None:
+    """One classifier (errors.classify) for the gRPC edge and the in-process door: a MemoryError is a retryable
+    RESOURCE_EXHAUSTED, anything else INTERNAL under an id the log holds with the traceback; only a caller in this
+    process sees the exception's text."""
+    import grpc
+
+    from paraminit_server import errors
+    from paraminit_server.embedded import InProcess
+    from paraminit_server.rpc.status import status_for
+
+    oom = status_for(MemoryError(), "Materialize")
+    assert oom.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "out of memory" in oom.details
+    assert ("grpc-retry-pushback-ms", str(round(errors.MEMORY_RETRY_AFTER * 1000))) in oom.trailing_metadata
+    here = InProcess.failure(MemoryError())
+    assert here.code == "RESOURCE_EXHAUSTED" and here.message.split(";")[0] == oom.details.split(";")[0]
+    with caplog.at_level("ERROR", logger="paraminit.server"):
+        edge = status_for(KeyError("secret-ish detail"), "Materialize")
+        local = InProcess.failure(KeyError("secret-ish detail"))
+    assert edge.code == grpc.StatusCode.INTERNAL and "secret-ish" not in edge.details
+    assert local.code == "INTERNAL" and "KeyError" in local.message and "secret-ish detail" in local.message
+    ids = [r.error_id for r in caplog.records if hasattr(r, "error_id")]
+    assert len(ids) == 2 and ids[0] in edge.details and ids[1] in local.message
+    assert all(r.exc_info for r in caplog.records if hasattr(r, "error_id"))
+    refused = errors.ResourceExhausted("busy", retry_after=0.5, reason="busy")
+    assert errors.classify(refused, "x") is refused

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Generator, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ from paraminit.violations import ValidationReport, Violation
 from paraminit_server import backends, errors
 from paraminit_server.__main__ import main as serve_main
 from paraminit_server.config import ServerConfig
-from paraminit_server.plane.admission import MEMORY_RETRY_AFTER
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
 from paraminit_server.rpc import service
@@ -114,16 +112,13 @@ class InProcess:
 
     @staticmethod
     def failure(exc: Exception) -> Failure:
-        """The client's view of an exception a call raised: ours by the code they name, MemoryError as
-        RESOURCE_EXHAUSTED, anything else INTERNAL with an error id that is also in the log."""
-        if isinstance(exc, MemoryError):
-            return Failure("RESOURCE_EXHAUSTED", f"out of memory while materializing ({exc or 'allocation failed'}); "
-                           f"retry in {MEMORY_RETRY_AFTER:g} s or free memory")
-        if isinstance(exc, errors.ParaminitServerError):
-            return Failure(exc.code, str(exc), tuple(getattr(exc, "violations", ())))
-        error_id = uuid.uuid4().hex[:12]
-        log.error("internal error %s in process", error_id, exc_info=exc, extra={"error_id": error_id})
-        return Failure("INTERNAL", f"internal error (id {error_id}): {type(exc).__name__}: {exc}")
+        """The client's view of an exception a call raised (errors.classify, as the gRPC edge does): ours by the
+        code they name, MemoryError as RESOURCE_EXHAUSTED, anything else INTERNAL with an error id that is also
+        in the log, and, the caller being this process, the exception's text."""
+        err = errors.classify(exc, "process")
+        if isinstance(err, errors.Internal):
+            return Failure("INTERNAL", f"{err}: {err.detail}")
+        return Failure(err.code, str(err), tuple(getattr(err, "violations", ())))
 
     # -- calls -----------------------------------------------------------------------------
 

@@ -8,10 +8,14 @@ HTTP gateways and the in-process client all understand); the gRPC edge
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Sequence
 from typing import ClassVar
 
 from paraminit.violations import Violation
+
+log = logging.getLogger("paraminit.server")
 
 
 class ParaminitServerError(Exception):
@@ -94,3 +98,39 @@ class Cancelled(ParaminitServerError):
 
     code: ClassVar[str] = "CANCELLED"
 
+
+class Internal(ParaminitServerError):
+    """An exception no layer raised on purpose (a bug): its id is in the log, with the traceback."""
+
+    code: ClassVar[str] = "INTERNAL"
+
+    def __init__(self, error_id: str, detail: str) -> None:
+        self.error_id = error_id
+        self.detail = detail  # the exception's type and text: for a caller in this process only
+        super().__init__(f"internal error (id {error_id})")
+
+
+MEMORY_RETRY_AFTER = 1.0  # seconds a client refused for memory waits before its retry: streams end, leases go
+
+
+def classify(exc: BaseException, where: str) -> ParaminitServerError:
+    """Any exception a call raised, in this vocabulary, for both doors (the gRPC edge and the in-process one):
+    ours as they are, MemoryError as ResourceExhausted (reason "memory"), anything else Internal, logged once
+    with its traceback under the error id the caller sees.
+
+    Args:
+        exc: what the call raised.
+        where: the method or door, for the log line.
+
+    Returns:
+        The error to report.
+    """
+    if isinstance(exc, ParaminitServerError):
+        return exc
+    if isinstance(exc, MemoryError):  # allocation failed: everything of the request is already unwound
+        return ResourceExhausted(f"out of memory while materializing ({exc or 'allocation failed'}); retry in "
+                                 f"{MEMORY_RETRY_AFTER:g} s or free memory", retry_after=MEMORY_RETRY_AFTER,
+                                 reason="memory")
+    error_id = uuid.uuid4().hex[:12]
+    log.error("internal error %s in %s", error_id, where, exc_info=exc, extra={"error_id": error_id})
+    return Internal(error_id, f"{type(exc).__name__}: {exc}")

@@ -76,12 +76,11 @@ class MemoryBudget:
                 return None
             return errors.ResourceExhausted(
                 f"{what} needs {n} bytes of {self.name} memory, {self.limit - ledger.total} of "
-                f"{self.limit} are available now; retry later", retry_after=MEMORY_RETRY_AFTER, reason="memory")
+                f"{self.limit} are available now; retry later", retry_after=errors.MEMORY_RETRY_AFTER, reason="memory")
 
         return self.ledger.claim(nbytes, what, refusal, wait)
 
 
-MEMORY_RETRY_AFTER = 1.0  # seconds a client refused for memory waits before its retry: streams end, leases go
 DRAIN_RETRY_AFTER = 0.5  # a draining worker's refusal: a retry on a balanced channel reaches another worker
 WAIT_SLICE = 0.25  # a queued call looks at least this often whether its caller left or the server is draining
 

@@ -12,7 +12,6 @@ import collections
 import functools
 import inspect
 import logging
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -22,7 +21,7 @@ from grpc_status import rpc_status
 
 from paraminit.violations import Violation, describe
 from paraminit_server import errors
-from paraminit_server.plane.admission import DRAIN_RETRY_AFTER, MEMORY_RETRY_AFTER
+from paraminit_server.plane.admission import DRAIN_RETRY_AFTER
 
 log = logging.getLogger("paraminit.server")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -176,17 +175,13 @@ def _precheck(owner: Servicer, request: Any = None) -> None:
 
 
 def status_for(exc: BaseException, method: str) -> grpc.Status:
-    """The status a client gets for an exception: ours by the code they name, anything else INTERNAL with an
-    error id that is in the server log (never the traceback)."""
-    if isinstance(exc, MemoryError):  # allocation failed: everything of the request is already unwound
-        exc = errors.ResourceExhausted(f"out of memory while materializing ({exc or 'allocation failed'}); retry later",
-                                       retry_after=MEMORY_RETRY_AFTER, reason="memory")
-    if isinstance(exc, errors.ParaminitServerError):
-        return to_status(exc)
-    error_id = uuid.uuid4().hex[:12]
-    log.error("internal error %s in %s", error_id, method, exc_info=exc, extra={"error_id": error_id})
-    return rpc_status.to_status(status_pb2.Status(code=code_pb2.INTERNAL,
-                                                  message=f"internal error (id {error_id}); see the server log"))
+    """The status a client gets for an exception (errors.classify): ours by the code they name, anything else
+    INTERNAL with an error id that is in the server log (never the traceback, nor the exception's text)."""
+    err = errors.classify(exc, method)
+    if isinstance(err, errors.Internal):
+        return rpc_status.to_status(status_pb2.Status(
+            code=code_pb2.INTERNAL, message=f"internal error (id {err.error_id}); see the server log"))
+    return to_status(err)
 
 
 def _abort(owner: Servicer, context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
