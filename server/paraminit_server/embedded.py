@@ -139,7 +139,8 @@ class InProcess:
         lay, digest, buf = self.plane.fill_host(plan, self.caller, outputs)
         return (lay.spans() if outputs is None else []), digest, buf
 
-    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int = 0) -> Generator[pb.StreamHeader | tuple[int, Any], None, None]:
+    def stream(self, plan: plan_pb2.Plan,
+               chunk_bytes: int = 0) -> Generator[pb.StreamHeader | tuple[int, Any], None, None]:
         """A header, then (offset, host slab) pairs: for writing files without an extra copy."""
         it = self.plane.stream(plan, self.caller, chunk_bytes)
         with contextlib.closing(it):  # frees the slabs and the admission slot when the consumer stops early

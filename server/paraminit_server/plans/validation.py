@@ -62,7 +62,8 @@ class Report:
         return bool(self.violations) and all(v.category == LIMIT for v in self.violations)
 
 
-def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: BoundSources | None = None, cols: Columns | None = None) -> Report:
+def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: BoundSources | None = None,
+             cols: Columns | None = None) -> Report:
     """Check a whole plan; returns every violation found.
 
     Args:
@@ -117,8 +118,8 @@ def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[st
     return size
 
 
-def _validate_columns(plan: plan_pb2.Plan, limits: Limits, sources: BoundSources | None, cols: Columns, first_seen: dict[str, int],
-                      out: list[Violation]) -> list[int]:
+def _validate_columns(plan: plan_pb2.Plan, limits: Limits, sources: BoundSources | None, cols: Columns,
+                      first_seen: dict[str, int], out: list[Violation]) -> list[int]:
     """validate() over columns: plain rows with a good name and size pass as arrays, every other row (and any
     repeated name) takes the full per-parameter checks, in plan order so names are first seen as before."""
     nbytes = cols.nbytes
