@@ -236,6 +236,27 @@ def test_the_largest_chunk_a_server_allows_arrives_at_a_stock_client(stock: Any)
     assert "DataChunk carries at most the chunk size (Limits.max_chunk_bytes" in PROTO
 
 
+def test_validate_and_materialize_answer_both_kinds_of_violation_as_the_proto_says(stock: Any) -> None:
+    """An invalid parameter and one too large for this server: Validate lists both (limit marked), a digest and
+    the sizes; Materialize answers INVALID_ARGUMENT, and RESOURCE_EXHAUSTED once only the limits remain."""
+    bad = param("bad", [4], {"uniform": {"lo": 1, "hi": 0}})
+    huge = param("huge", [1 << 33], {"zeros": {}})  # 32 GiB of float32: over the default 16 GiB limits
+    both = plan_of([bad, huge])
+    r = stock.Validate(pb.ValidateRequest(plan=both), timeout=30)
+    assert not r.valid and not r.fits_limits and len(r.plan_digest) == 64
+    assert [(v.index, v.limit) for v in r.violations] == [(0, False), (1, True), (-1, True)]  # plan-wide last
+    assert list(r.param_bytes) == [16, 4 << 33] and r.total_bytes == 16 + (4 << 33)
+    with pytest.raises(grpc.RpcError) as invalid:
+        list(stock.Materialize(pb.MaterializeRequest(plan=both), timeout=30))
+    assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    only = stock.Validate(pb.ValidateRequest(plan=plan_of([huge])), timeout=30)
+    assert only.valid and not only.fits_limits
+    with pytest.raises(grpc.RpcError) as limited:
+        list(stock.Materialize(pb.MaterializeRequest(plan=plan_of([huge])), timeout=30))
+    assert limited.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "the invalid plan wins" in PROTO and "plan-wide ones last" in PROTO
+
+
 # -- plan_digest from the text --------------------------------------------------------------------------------------
 
 # plan.proto's fields by JSON name: (field number, kind, repeated). Written by hand from the .proto text.

@@ -591,6 +591,14 @@ Global___Violation: _TypeAlias = Violation  # noqa: Y015
 
 @_typing.final
 class ValidateResponse(_message.Message):
+    """What Materialize would say of a plan, without materializing it. A plan can
+    break rules (an invalid plan) and exceed this server's limits (a valid plan
+    too large here) at once; every violation of both kinds is listed, each
+    marked by `limit`. Materialize answers such a plan INVALID_ARGUMENT with
+    every violation (the invalid plan wins), and a plan whose violations are all
+    limits RESOURCE_EXHAUSTED.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     VALID_FIELD_NUMBER: _builtins.int
@@ -600,13 +608,26 @@ class ValidateResponse(_message.Message):
     FITS_LIMITS_FIELD_NUMBER: _builtins.int
     PLAN_DIGEST_FIELD_NUMBER: _builtins.int
     valid: _builtins.bool
+    """no violation other than a limit"""
     total_bytes: _builtins.int
+    """the sum of param_bytes"""
     fits_limits: _builtins.bool
+    """no limit violation"""
     plan_digest: _builtins.str
+    """The plan's digest (see Plan in plan.proto), also for an invalid plan: a
+    reference whose content cannot be read contributes "-" (plan.proto).
+    """
     @_builtins.property
-    def violations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Violation]: ...
+    def violations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Violation]:
+        """every violation, in plan order, plan-wide ones last"""
+
     @_builtins.property
-    def param_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def param_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Bytes each parameter materializes (its region's elements times its item
+        size), in plan order; 0 for a parameter whose size cannot be known (a bad
+        shape, dtype or region).
+        """
+
     def __init__(
         self,
         *,
