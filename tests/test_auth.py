@@ -113,6 +113,23 @@ def test_tokens_required_except_health(token_server: Running) -> None:
         assert alice.validate(PLAN).ok
 
 
+def test_the_bearer_scheme_is_case_insensitive(token_server: Running) -> None:
+    """RFC 7235: "bearer", "BEARER" and "Bearer" name one scheme; another scheme, or no token, is refused."""
+    from paraminit.v1 import init_service_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{token_server.port}") as channel:
+        stub = pb_grpc.InitServiceStub(channel)
+        for value, ok in ((f"Bearer {ALICE}", True), (f"bearer {ALICE}", True), (f"BEARER  {ALICE}", True),
+                          (f"Basic {ALICE}", False), ("Bearer ", False), (ALICE, False)):
+            try:
+                stub.GetInfo(pb.GetInfoRequest(), metadata=[("authorization", value)], timeout=10)
+                got = True
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, value
+                got = False
+            assert got == ok, value
+
+
 def test_leases_belong_to_their_identity(token_server: Running) -> None:
     target = f"127.0.0.1:{token_server.port}"
     with Client(target, token=ALICE) as alice, Client(target, token=BOB) as bob:

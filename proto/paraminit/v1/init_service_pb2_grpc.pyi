@@ -15,12 +15,16 @@ many violations as keep the status trailers within 8 KiB (the default
 metadata limit of stock clients), in plan order; when some are left out, a
 google.rpc.ErrorInfo (reason "VIOLATIONS_TRUNCATED", domain "paraminit.v1")
 follows with metadata "total_violations", "included_violations" and
-"omitted_violations" (decimal strings). Validate returns every violation.
+"omitted_violations" (decimal strings) and "every_violation" (a sentence
+pointing at Validate, for people reading it). Validate returns every
+violation.
 The status message repeats the first ones as text, up to 400 bytes.
 Resource limits are RESOURCE_EXHAUSTED
 (with a BadRequest when a plan-size limit is the reason); zero-copy delivery
 to a peer on another host is FAILED_PRECONDITION; an unknown or foreign lease
-is NOT_FOUND; a missing or wrong bearer token is UNAUTHENTICATED; a draining
+is NOT_FOUND; a missing or wrong bearer token (metadata "authorization:
+Bearer <token>", the scheme in any case, on a server started with tokens) is
+UNAUTHENTICATED, for every RPC but health, which answers without one; a draining
 server answers UNAVAILABLE; anything unexpected is INTERNAL with an error id
 that is in the server log.
 

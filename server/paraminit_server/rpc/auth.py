@@ -69,8 +69,10 @@ class TokenAuth:
 
     def identify(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
         for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                token = value[len("Bearer "):].strip()
+            # RFC 7235: the scheme is case-insensitive ("bearer T" is "Bearer T"); one space or more before the token
+            scheme, _, rest = value.partition(" ") if key == "authorization" and isinstance(value, str) else ("", "", "")
+            if scheme.lower() == "bearer" and rest.strip():
+                token = rest.strip()
                 hit = self._by_digest.get(hashlib.sha256(token.encode()).digest())
                 if hit is not None and hmac.compare_digest(hit[0].encode(), token.encode()):
                     return hit[1]
