@@ -105,13 +105,14 @@ F32_MIN_NORMAL = 2.0**-126
 
 
 @jit
-def half_bits_int(v: float, h: Any) -> Any:
-    """half_bits in integer arithmetic on the binary64 bits (hosts without F16C).
+def narrow_magnitude_bits(v: float, h: Any) -> Any:
+    """The bits of |v| rounded once, to nearest even, into a narrow format (h: its _half_consts), without the sign.
 
     Normal range: round at bit `shift` of the binary64 bits with the exponent rebiased in the same addition;
-    carries run into the exponent, and |v| is first clamped to the smallest value that rounds to infinity.
-    Subnormal range: |v| + magic has the target's subnormal spacing as its ulp, so the hardware's one
-    rounding is the spec's. NaN keeps its sign and becomes the quiet NaN.
+    carries run into the exponent, and |v| is first clamped to the smallest value that rounds to infinity (or, for
+    float8_e4m3fn, to its NaN). Subnormal range: |v| + magic has the target's subnormal spacing as its ulp, so the
+    hardware's one rounding is the spec's, and a value below half the smallest subnormal becomes zero. NaN becomes
+    the quiet NaN. Branch-free.
     """
     shift, adj, _, nan_bits, min_normal, ovf, magic, magic_bits = h
     av = abs(v)
@@ -123,7 +124,14 @@ def half_bits_int(v: float, h: Any) -> Any:
         r = rs
     if av != av:
         r = np.int64(nan_bits)
-    return np.uint16(r | ((f64_bits(v) >> 48) & _SIGN16))
+    return r
+
+
+@jit
+def half_bits_int(v: float, h: Any) -> Any:
+    """half_bits in integer arithmetic on the binary64 bits (hosts without F16C): narrow_magnitude_bits with the
+    sign in bit 15."""
+    return np.uint16(narrow_magnitude_bits(v, h) | ((f64_bits(v) >> 48) & _SIGN16))
 
 
 _SIGN8 = np.int64(0x80)
@@ -132,24 +140,9 @@ _I56 = np.int64(56)
 
 @jit
 def narrow_bits(v: float, h: Any) -> Any:
-    """Round binary64 once, to nearest even, into 8-bit float bits (h: F8E4M3 or F8E5M2); branch-free.
-
-    half_bits_int's arithmetic with the sign in bit 7: the normal range rounds at bit `shift` of the binary64
-    bits with the exponent rebiased in the same addition, carries running into the exponent; below the smallest
-    normal, |v| + magic has the format's subnormal spacing as its ulp, so the hardware's one rounding is the
-    spec's, and a value below half the smallest subnormal becomes a zero of its sign.
-    """
-    shift, adj, _, nan_bits, min_normal, ovf, magic, magic_bits = h
-    av = abs(v)
-    a = np.uint64(f64_bits(min(av, ovf)))
-    rn = np.int64((a + np.uint64(adj) + ((a >> np.uint64(shift)) & U1)) >> np.uint64(shift))
-    rs = f64_bits(av + magic) - np.int64(magic_bits)
-    r = rn
-    if av < min_normal:
-        r = rs
-    if av != av:
-        r = np.int64(nan_bits)
-    return np.uint8(r | ((f64_bits(v) >> _I56) & _SIGN8))
+    """Round binary64 once, to nearest even, into 8-bit float bits (h: F8E4M3 or F8E5M2): narrow_magnitude_bits
+    with the sign in bit 7 (a zero keeps its sign)."""
+    return np.uint8(narrow_magnitude_bits(v, h) | ((f64_bits(v) >> _I56) & _SIGN8))
 
 
 @jit
