@@ -23,6 +23,18 @@ jit = numba.njit(cache=True, nogil=True)
 
 
 @jit
+def _reflect(v: Any, b: float, x: Any) -> None:
+    """x -= (b * (v . x)) * v: one Householder reflection of one column (both as contiguous rows), the dot product
+    summed in increasing index order (docs/SAMPLER.md 2.3)."""
+    d = 0.0
+    for i in range(v.shape[0]):
+        d += v[i] * x[i]
+    f = b * d
+    for i in range(v.shape[0]):
+        x[i] -= f * v[i]
+
+
+@jit
 def _q_rows(at: Any) -> Any:
     """Q of A = QR for the m x n matrix A (m >= n) given as at = A^T (n x m, A's columns as rows), returned the same
     way (n x m: Q's columns as rows), column k multiplied by the sign of R's k-th diagonal entry.
@@ -49,24 +61,14 @@ def _q_rows(at: Any) -> Any:
         beta[k] = b
         sign[k] = -1.0 if alpha < 0.0 else 1.0
         for j in range(k + 1, n):
-            d = 0.0
-            for i in range(k, m):
-                d += vs[k, i] * at[j, i]
-            f = b * d
-            for i in range(k, m):
-                at[j, i] -= f * vs[k, i]
+            _reflect(vs[k, k:], b, at[j, k:])
     q = np.zeros((n, m))
     for j in range(n):
         q[j, j] = 1.0
     for k in range(n - 1, -1, -1):
         b = beta[k]
         for j in range(k, n):
-            d = 0.0
-            for i in range(k, m):
-                d += vs[k, i] * q[j, i]
-            f = b * d
-            for i in range(k, m):
-                q[j, i] -= f * vs[k, i]
+            _reflect(vs[k, k:], b, q[j, k:])
     for j in range(n):
         for i in range(m):
             q[j, i] *= sign[j]
