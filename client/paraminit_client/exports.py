@@ -172,7 +172,7 @@ def _bit_patterns(dtype_enum: int) -> bool:
     """Whether a dtype reaches numpy only through ml_dtypes (bfloat16, the 8-bit floats): cupy and torch.from_numpy
     know none of them, so they see its bit patterns and torch() views those back."""
     dt = dtypes.by_enum(dtype_enum)
-    return dt is not None and dt.numpy_name.startswith("ml_dtypes.")
+    return dt is not None and dt.via_ml_dtypes
 
 
 def _cupy_dtype(dtype_enum: int) -> Any:

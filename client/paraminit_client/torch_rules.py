@@ -181,9 +181,10 @@ def _rule_of(mod: nn.Module) -> Rule | str:
 
 
 # dtypes numpy knows only through ml_dtypes (bfloat16, the 8-bit floats), which torch.from_numpy does not know
-_BIT_PATTERNS: dict[str, dtypes.DTypeInfo] = {d.name: d for d in dtypes.SUPPORTED if d.numpy_name.startswith("ml_dtypes.")}
-_TORCH_BITS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8,
-                                               torch.float8_e5m2: torch.uint8}
+_BIT_PATTERNS: dict[str, dtypes.DTypeInfo] = {d.name: d for d in dtypes.SUPPORTED if d.via_ml_dtypes}
+# each such torch dtype -> the integer dtype of its width, which .numpy() knows
+_TORCH_BITS: dict[torch.dtype, torch.dtype] = {
+    _TORCH_DTYPES[d.enum]: {1: torch.uint8, 2: torch.int16}[d.itemsize] for d in _BIT_PATTERNS.values()}
 
 
 def _numpy_to_torch(a: np.ndarray[Any, Any]) -> torch.Tensor:

@@ -54,17 +54,26 @@ class DTypeInfo:
         return 2.0 ** (self.min_exp - self.mant_bits)
 
     @property
+    def via_ml_dtypes(self) -> bool:
+        """Whether numpy knows this dtype only through ml_dtypes (bfloat16, the 8-bit floats): libraries that do
+        not (cupy, torch.from_numpy) see its bit patterns (`storage`) instead."""
+        return self.numpy_name.startswith(_ML_DTYPES)
+
+    @property
     def numpy(self) -> np.dtype[Any]:
         """The numpy dtype users read (ml_dtypes.bfloat16 for bfloat16, imported on first use)."""
         return _numpy_dtype(self.numpy_name)
 
 
+_ML_DTYPES = "ml_dtypes."
+
+
 @functools.cache
 def _numpy_dtype(name: str) -> np.dtype[Any]:
-    if name.startswith("ml_dtypes."):
+    if name.startswith(_ML_DTYPES):
         import ml_dtypes
 
-        found: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name.removeprefix("ml_dtypes.")))
+        found: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name.removeprefix(_ML_DTYPES)))
         return found
     return np.dtype(name)
 
