@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import math
 import os
 import secrets
 import threading
@@ -362,16 +363,15 @@ class BoundSources:
             box = _region_of(info, None, tensor, shown)
             starts, run_len = box.run_starts()
             largest = 0.0
-            carry = np.zeros(0, dtype=np.uint8)  # a value split across two pieces
+            as_read = info.dtype.numpy.newbyteorder("<")
 
-            def sink(piece: npt.NDArray[np.uint8]) -> None:
-                nonlocal largest, carry
-                data = np.concatenate([carry, piece]) if carry.size else piece
-                whole = data.size - data.size % info.dtype.itemsize
-                values = to_binary64(data[:whole], info.dtype)
-                if values.size:
-                    largest = max(largest, float(np.abs(values).max()))  # NaN stays NaN: refused
-                carry = np.array(data[whole:])
+            def sink(piece: npt.NDArray[np.uint8]) -> None:  # whole elements: read_runs cuts at READ_BLOCK
+                nonlocal largest
+                values = piece.view(as_read)
+                nonfinite, _, big = _scan(values)  # as uploads are scanned, in the file's dtype
+                if nonfinite:  # the rare file holding inf or NaN: that is its largest |value| (refused)
+                    big = float(np.max(np.abs(values.astype(np.float64))))
+                largest = big if math.isnan(big) or math.isnan(largest) else max(largest, big)
 
             files.read_runs(fd, info.start, info.dtype.itemsize, starts, run_len, shown, sink)
             self._largest[key] = largest
