@@ -337,10 +337,9 @@ def _orthogonal(o: plan_pb2.Orthogonal, shape: Sequence[int]) -> Orthogonal:
 
 
 def _check_orthogonal(o: plan_pb2.Orthogonal, shape: Sequence[int]) -> list[Problem]:
-    if len(shape) < 2:
-        return [("init.orthogonal", f"orthogonal initialization expects at least 2 dimensions, got "
-                                    f"{shape_str(shape)}")]
-    out = []
+    out = _rank2_problems("orthogonal", "orthogonal", shape)
+    if out:
+        return out
     if not math.isfinite(o.gain) or o.gain == 0.0:  # proto3 omits a zero: an unset gain reads 0, never PyTorch's 1
         out.append(("init.orthogonal.gain", "orthogonal gain must be finite and not 0 (an omitted gain is 0: write "
                                             "\"gain\": 1 for PyTorch's default)"))
@@ -363,13 +362,15 @@ def _check_safetensors(r: plan_pb2.SafetensorsRef, _s: Sequence[int]) -> list[Pr
     return []
 
 
+def _rank2_problems(what: str, field: str, shape: Sequence[int]) -> list[Problem]:
+    """The violation of an initializer that needs a matrix (`what`: the message's start) on a rank-0/1 shape."""
+    if len(shape) >= 2:
+        return []
+    return [(f"init.{field}", f"{what} initialization expects at least 2 dimensions, got {shape_str(shape)}")]
+
+
 def _rank2(who: str, field: str) -> Callable[[Any, Sequence[int]], list[Problem]]:
-    def checks(_m: Any, shape: Sequence[int]) -> list[Problem]:
-        if len(shape) >= 2:
-            return []
-        return [(f"init.{field}", f"torch.runtimeInit: {who} initialization expects at least 2 dimensions, got "
-                                  f"{shape_str(shape)}")]
-    return checks
+    return lambda _m, shape: _rank2_problems(f"torch.runtimeInit: {who}", field, shape)
 
 
 def _symmetric(bound: float, seed: int) -> Uniform:
