@@ -165,9 +165,6 @@ class CudaMapping:
         return then is None or not after.add(then)
 
 
-_STORAGE = {d.name: d.storage for d in dtypes.SUPPORTED}  # numpy dtype name -> its bit patterns' dtype
-
-
 def _bit_patterns(dtype_enum: int) -> bool:
     """Whether a dtype reaches numpy only through ml_dtypes (bfloat16, the 8-bit floats): cupy and torch.from_numpy
     know none of them, so they see its bit patterns and torch() views those back."""
@@ -267,11 +264,12 @@ class Lease:
         """The arrays as torch tensors sharing the same memory."""
         import torch
 
+        if self._map is not None:  # numpy arrays: the torch adapter's zero-copy conversion (ml_dtypes types too)
+            from paraminit_client.torch_rules import _numpy_to_torch
+
+            return {k: _numpy_to_torch(v) for k, v in self.arrays.items()}
         views = {t.name: getattr(torch, dtypes.by_enum(t.dtype).name)  # type: ignore[union-attr]
                  for t in self.info.tensors if _bit_patterns(t.dtype)}
-        if self._map is not None:
-            return {k: torch.from_numpy(v.view(_STORAGE[v.dtype.name])).view(views[k]) if k in views
-                    else torch.from_numpy(v) for k, v in self.arrays.items()}
         return {k: torch.from_dlpack(v).view(views[k]) if k in views  # type: ignore[attr-defined,unused-ignore]
                 else torch.from_dlpack(v) for k, v in self.arrays.items()}  # type: ignore[attr-defined,unused-ignore]
 
