@@ -124,7 +124,8 @@ def pack(jobs: Sequence[Job]) -> Packed:
             continue
         runs = p.runs()
         sparse = None  # a data window whose elements lie apart in the tensor (a column shard): only they travel
-        if p.kind == Kind.FLAT and len(runs.outer_ext):
+        g_lo = g_hi = 0
+        if p.kind == Kind.FLAT:
             g_lo, g_hi = runs.global_index(job.l_begin), runs.global_index(job.l_begin + n - 1)
             if g_hi + 1 - g_lo > n:
                 sparse = runs.global_indices(job.l_begin, n)
@@ -156,8 +157,6 @@ def pack(jobs: Sequence[Job]) -> Packed:
                 row[W_VSHIFT] = job.l_begin - vpos
                 vpos += n
             else:
-                g_lo = runs.global_index(job.l_begin)
-                g_hi = runs.global_index(job.l_begin + n - 1)
                 values.append(np.ascontiguousarray(p.values[g_lo:g_hi + 1], dtype=np.float64))
                 row[W_VSHIFT] = g_lo - vpos
                 vpos += g_hi + 1 - g_lo
