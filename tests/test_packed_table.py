@@ -94,3 +94,48 @@ def test_a_corrupted_packed_header_is_data_loss(client: Client, monkeypatch: pyt
     with pytest.raises(ParaminitError) as err:
         client.materialize(plan_of([param("w", [8], {"ones": {}})]))
     assert err.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.message
+
+
+def test_runs_are_the_row_by_row_runs() -> None:
+    """Runs by shape ids (a packed Table) and by comparing shapes (plain columns) agree, on random tables and on
+    one built to have long runs broken by every kind of change (gap, size, dtype, shape)."""
+
+    def by_rows(enums: list[int], shapes: list[Any], offsets: list[int], sizes: list[int]) -> list[Any]:
+        out, i = [], 0
+        while i < len(enums):
+            j = i + 1
+            while j < len(enums) and (enums[j], shapes[j], sizes[j]) == (enums[i], shapes[i], sizes[i]) \
+                    and offsets[j] == offsets[j - 1] + sizes[j - 1]:
+                j += 1
+            out.append(packed_table.Run(i, j, enums[i], shapes[i], offsets[i], sizes[i]))
+            i = j
+        return out
+
+    rows = _rows(3000)
+    assert packed_table.Table(packed_table.pack(*rows)).runs() == packed_table.runs(*rows[1:]) == by_rows(*rows[1:])
+    n = 400
+    shapes = [(4, 4) if i < 150 or i >= 170 else (16,) for i in range(n)]
+    enums = [1 if i != 300 else 2 for i in range(n)]
+    sizes = [64] * n
+    offsets = [64 * i + (8 if i >= 250 else 0) for i in range(n)]
+    table = packed_table.Table(packed_table.pack([f"t{i}" for i in range(n)], enums, shapes, offsets, sizes))
+    runs = table.runs()
+    assert runs == packed_table.runs(enums, shapes, offsets, sizes) == by_rows(enums, shapes, offsets, sizes)
+    assert [(r.first, r.stop) for r in runs] == [(0, 150), (150, 170), (170, 250), (250, 300), (300, 301),
+                                                 (301, 400)]
+
+
+def test_scalars_are_zero_dimensional_views(client: Client) -> None:
+    """Runs of scalar parameters come back as 0-d arrays viewing the delivered buffer, like every other tensor,
+    in process and through a server (packed table): not numpy scalars, which are copies of another type."""
+    plan = plan_of([param(f"s{i}", [], {"normal": {"std": 1.0, "seed": i}}) for i in range(1500)]
+                   + [param("v", [3], {"ones": {}})])
+    with Client() as local:
+        for got in (local.materialize(plan), client.materialize(plan)):
+            scalars = [got[f"s{i}"] for i in range(1500)]
+            assert all(type(a) is np.ndarray and a.shape == () for a in scalars)
+            assert len({float(a) for a in scalars}) > 1000  # real values, not one repeated
+            base = scalars[0].base
+            assert base is not None and all(a.base is base for a in scalars[1:])  # views of one run
+            scalars[1][()] = 42.0
+            assert float(got["s1"]) == 42.0

@@ -198,3 +198,28 @@ def test_a_slow_reader_gets_the_end_of_its_stream() -> None:
             time.sleep(0.6)
         got.append(seen)
     assert got == [lay.data_bytes, lay.data_bytes]
+
+
+def test_slabs_fill_before_the_first_read() -> None:
+    """The producer starts when the slab iterator is made: a stream's first slab fills while its header is
+    built and sent. Closing it unread stops the producer."""
+    from paraminit_server.plane import engine, layout
+
+    plan = plan_of([param("w", [1 << 18], {"uniform": {"lo": -1, "hi": 1, "seed": 2}})])
+    lay = layout.stream_layout(planlib.resolve(plan), planlib.digest(plan))
+    started = threading.Event()
+
+    class Recording(CpuBackend):
+        def fill(self, *args: Any, **kwargs: Any) -> None:
+            started.set()
+            super().fill(*args, **kwargs)
+
+    slabs = engine.iter_slabs(Recording(), lay, 1 << 18, lambda: False, prefetch=2, lend=True)
+    try:
+        assert started.wait(30), "nothing was filled before the first read"
+    finally:
+        slabs.close()
+    assert not any(t.name == "paraminit-fill" and t.is_alive() for t in threading.enumerate())
+    with engine.iter_slabs(CpuBackend(), lay, 1 << 18, lambda: False) as again:
+        assert b"".join(bytes(s) for _, s in again) == b"".join(
+            bytes(s) for _, s in engine.iter_slabs(CpuBackend(), lay, 1 << 20, lambda: False))

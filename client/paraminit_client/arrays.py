@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from paraminit import dtypes
+from paraminit import dtypes, packed_table
 from paraminit_client.errors import ParaminitError
 
 
@@ -25,31 +25,35 @@ def arrays_from_buffer(tensors: Iterable[Any], buf: Any) -> dict[str, np.ndarray
 
     Consecutive tensors of one dtype and shape lying back to back (most of a plan of many small parameters) are
     viewed as one array and split along its first axis: one view each, without a slice, a cast and a reshape
-    each. A table with `columns()` (the in-process data plane's) is read as its columns.
+    each. A table with `runs()` (a packed stream table) gives its runs; one with `columns()` (the in-process data
+    plane's) is read as its columns.
     """
     host = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
-    columns = getattr(tensors, "columns", None)
-    if columns is not None:
-        names, enums, shapes, offsets, sizes = columns()
+    runs = getattr(tensors, "runs", None)
+    if runs is not None:
+        names, found = tensors.names, runs()  # type: ignore[attr-defined]
     else:
-        listed = list(tensors)
-        names, enums = [t.name for t in listed], [t.dtype for t in listed]
-        shapes = [tuple(t.shape) for t in listed]
-        offsets, sizes = [t.offset for t in listed], [t.nbytes for t in listed]
+        columns = getattr(tensors, "columns", None)
+        if columns is not None:
+            names, enums, shapes, offsets, sizes = columns()
+        else:
+            listed = list(tensors)
+            names, enums = [t.name for t in listed], [t.dtype for t in listed]
+            shapes = [tuple(t.shape) for t in listed]
+            offsets, sizes = [t.offset for t in listed], [t.nbytes for t in listed]
+        found = packed_table.runs(enums, shapes, offsets, sizes)
     out: dict[str, np.ndarray[Any, Any]] = {}
     kinds: dict[int, np.dtype[Any]] = {}  # one lookup per dtype, not per tensor
-    n, i = len(names), 0
-    while i < n:
-        enum, shape, start, size = enums[i], shapes[i], offsets[i], sizes[i]
-        j, end = i + 1, start + size
-        while j < n and offsets[j] == end and sizes[j] == size and enums[j] == enum and shapes[j] == shape:
-            j, end = j + 1, end + size
+    for i, j, enum, shape, start, size in found:
         dt = kinds.get(enum)
         if dt is None:
             dt = kinds[enum] = numpy_dtype(enum)
+        whole = host[start:start + (j - i) * size].view(dt)
         if j == i + 1:
-            out[names[i]] = host[start:end].view(dt).reshape(shape)
-        else:
-            out.update(zip(names[i:j], host[start:end].view(dt).reshape((j - i, *shape)), strict=True))
-        i = j
+            out[names[i]] = whole.reshape(shape)
+        elif shape:
+            out.update(zip(names[i:j], whole.reshape((j - i, *shape)), strict=True))
+        else:  # scalars: 0-d views (iterating a 1-D array would give numpy scalars, copies)
+            out.update((name, whole[k:k + 1].reshape(())) for k, name in enumerate(names[i:j]))
     return out
+

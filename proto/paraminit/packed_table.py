@@ -9,9 +9,10 @@ split into messages and the checksum's covered bytes are written once.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import numpy as np
@@ -42,14 +43,18 @@ class Packed:
 
 def pack(names: Sequence[str], dtypes: Any, shapes: Sequence[Sequence[int]], offsets: Any, nbytes: Any) -> Packed:
     """Columns of a table given in plan order (dtypes, offsets and nbytes: sequences or integer arrays)."""
-    encoded = [n.encode() for n in names]
+    blob = "".join(names).encode()
+    lengths = np.fromiter(map(len, names), dtype=_U32, count=len(names))
+    if int(lengths.sum(dtype=np.int64)) != len(blob):  # not all ASCII: byte lengths name by name
+        encoded = [n.encode() for n in names]
+        lengths = np.fromiter(map(len, encoded), dtype=_U32, count=len(encoded))
     ranks = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))
     if ranks.size and int(ranks.max()) > 255:
         raise ValueError("a rank over 255 cannot be packed")
     dims = np.fromiter(itertools.chain.from_iterable(shapes), dtype=_U64, count=int(ranks.sum()))
-    return Packed(len(encoded), np.fromiter(map(len, encoded), dtype=_U32, count=len(encoded)).tobytes(),
-                  b"".join(encoded), np.asarray(dtypes, dtype=_U8).tobytes(), ranks.astype(_U8).tobytes(),
-                  dims.tobytes(), np.asarray(offsets, dtype=_U64).tobytes(), np.asarray(nbytes, dtype=_U64).tobytes())
+    return Packed(len(names), lengths.tobytes(), blob, np.asarray(dtypes, dtype=_U8).tobytes(),
+                  ranks.astype(_U8).tobytes(), dims.tobytes(), np.asarray(offsets, dtype=_U64).tobytes(),
+                  np.asarray(nbytes, dtype=_U64).tobytes())
 
 
 def split(packed: Packed, budget: int) -> list[Packed]:
@@ -97,8 +102,21 @@ def checksum(prefix: bytes, plan_digest: str, data_bytes: int, packed: Packed) -
     return int(crc)
 
 
+class Run(NamedTuple):
+    """Tensors [first, stop) of a table that share a dtype enum, a shape and a byte size and lie back to back
+    from byte `offset`: viewed as one array and split along its first axis (arrays_from_buffer)."""
+
+    first: int
+    stop: int
+    dtype: int
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int  # of each tensor
+
+
 class Table:
-    """A packed table read back: `columns()` for readers that want it whole (arrays_from_buffer), or rows."""
+    """A packed table read back: names, `runs()` for readers that view tensors (arrays_from_buffer), or
+    `columns()` as lists."""
 
     def __init__(self, packed: Packed) -> None:
         """Raises:
@@ -113,17 +131,45 @@ class Table:
                 or int(ranks.sum(dtype=np.int64)) * 8 != len(packed.dims):
             raise ValueError("the packed tensor table's columns do not agree in length")
         self.names = _names(packed.names, lengths)
-        self.dtypes: list[int] = np.frombuffer(packed.dtypes, dtype=_U8).tolist()
-        self.shapes = shapes_of(np.frombuffer(packed.dims, dtype=_U64), ranks)
-        self.offsets: list[int] = np.frombuffer(packed.offsets, dtype=_U64).tolist()
-        self.nbytes: list[int] = np.frombuffer(packed.nbytes, dtype=_U64).tolist()
+        self._dtypes = np.frombuffer(packed.dtypes, dtype=_U8)
+        self._shape_ids, self._shapes = shape_ids(np.frombuffer(packed.dims, dtype=_U64), ranks)
+        self._offsets = np.frombuffer(packed.offsets, dtype=_U64)
+        self._nbytes = np.frombuffer(packed.nbytes, dtype=_U64)
 
     def __len__(self) -> int:
         return len(self.names)
 
     def columns(self) -> tuple[list[str], list[int], list[tuple[int, ...]], list[int], list[int]]:
         """Names, dtype enums, shapes, offsets and byte counts, in plan order."""
-        return self.names, self.dtypes, self.shapes, self.offsets, self.nbytes
+        shapes = self._shapes
+        return (self.names, self._dtypes.tolist(), [shapes[i] for i in self._shape_ids.tolist()],
+                self._offsets.tolist(), self._nbytes.tolist())
+
+    def runs(self) -> list[Run]:
+        """The table as maximal runs (Run), in order: a plan of many small parameters has few."""
+        return runs(self._dtypes, self._shapes, self._offsets, self._nbytes, self._shape_ids)
+
+
+def runs(dtypes: Any, shapes: Sequence[tuple[int, ...]], offsets: Any, nbytes: Any,
+         shape_ids: npt.NDArray[np.int64] | None = None) -> list[Run]:
+    """The maximal runs (Run) of a table given as columns (sequences or arrays), in order. With `shape_ids`, row
+    i's shape is shapes[shape_ids[i]] and shapes are compared by id; else `shapes` has one per row."""
+    n = len(shape_ids) if shape_ids is not None else len(shapes)
+    if not n:
+        return []
+    off, size = np.asarray(offsets, dtype=_U64), np.asarray(nbytes, dtype=_U64)
+    dt = np.asarray(dtypes, dtype=np.int64)
+    cut = np.ones(n, dtype=bool)
+    cut[1:] = (off[1:] != off[:-1] + size[:-1]) | (size[1:] != size[:-1]) | (dt[1:] != dt[:-1])
+    if shape_ids is not None:
+        cut[1:] |= shape_ids[1:] != shape_ids[:-1]
+    else:
+        cut[1:] |= np.fromiter(map(operator.ne, shapes[1:], shapes[:-1]), dtype=bool, count=n - 1)
+    firsts = np.flatnonzero(cut)
+    picked = shape_ids[firsts].tolist() if shape_ids is not None else firsts.tolist()
+    return [Run(i, j, d, shapes[k], o, b) for i, j, d, k, o, b in
+            zip(firsts.tolist(), [*firsts[1:].tolist(), n], dt[firsts].tolist(), picked, off[firsts].tolist(),
+                size[firsts].tolist(), strict=True)]
 
 
 def _names(blob: bytes, lengths: npt.NDArray[Any]) -> list[str]:
@@ -136,11 +182,12 @@ def _names(blob: bytes, lengths: npt.NDArray[Any]) -> list[str]:
     return [blob[a:b].decode() for a, b in zip(starts, ends, strict=True)]
 
 
-def shapes_of(dims: npt.NDArray[Any], ranks: npt.NDArray[Any]) -> list[tuple[int, ...]]:
-    """Every shape of a table whose dims are concatenated, as tuples: one tuple object per distinct shape (a plan
-    repeats a few shapes many times), built from one numpy unique per rank."""
+def shape_ids(dims: npt.NDArray[Any], ranks: npt.NDArray[Any]) -> tuple[npt.NDArray[np.int64], list[tuple[int, ...]]]:
+    """Every row's shape (dims concatenated, `ranks` per row) as an index into a list of the distinct shapes, built
+    from one numpy unique per rank (a plan repeats a few shapes many times); id 0 is the scalar shape ()."""
     n = ranks.size
-    out: list[tuple[int, ...]] = [()] * n
+    ids = np.zeros(n, dtype=np.int64)
+    shapes: list[tuple[int, ...]] = [()]
     at = np.concatenate([[0], np.cumsum(ranks, dtype=np.int64)[:-1]]) if n else np.zeros(0, dtype=np.int64)
     for r in np.unique(ranks).tolist():
         if r == 0:
@@ -149,10 +196,12 @@ def shapes_of(dims: npt.NDArray[Any], ranks: npt.NDArray[Any]) -> list[tuple[int
         mat = np.ascontiguousarray(dims[at[rows][:, None] + np.arange(r)])
         # rows as opaque 8r-byte items: numpy's unique on a 1-D array, much faster than over axis 0
         uniq, inverse = np.unique(mat.view(np.dtype((np.void, 8 * r))).reshape(-1), return_inverse=True)
-        shapes = [tuple(row) for row in uniq.view(_U64).reshape(-1, r).tolist()]
-        picked = [shapes[j] for j in inverse.reshape(-1).tolist()]
-        if rows.size == n:
-            return picked
-        for i, s in zip(rows.tolist(), picked, strict=True):
-            out[i] = s
-    return out
+        ids[rows] = inverse.reshape(-1) + len(shapes)
+        shapes += [tuple(row) for row in uniq.view(_U64).reshape(-1, r).tolist()]
+    return ids, shapes
+
+
+def shapes_of(dims: npt.NDArray[Any], ranks: npt.NDArray[Any]) -> list[tuple[int, ...]]:
+    """Every shape of a table whose dims are concatenated, as tuples: one tuple object per distinct shape."""
+    ids, shapes = shape_ids(dims, ranks)
+    return [shapes[i] for i in ids.tolist()]

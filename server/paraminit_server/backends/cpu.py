@@ -301,19 +301,34 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
     rest = np.flatnonzero(~batched).tolist()
     if rest:
         backend.fill_plan([params[i] for i in rest], arena, [int(offs[i]) for i in rest], should_stop)
+    # one fill_batch call per task: tensors of one dtype and kind whose bytes end in one piece of about
+    # `piece` bytes (FILL_WINDOW at most, so a cancelled request stops within one window's time)
+    total = int(t.nbytes[batched].sum())
+    threads = backend.threads if total > cpu_kernels.PIECE else 1
+    piece = max(1 << 20, min(FILL_WINDOW, -(-total // (threads * SPANS_PER_THREAD))))
+    tasks: list[tuple[int, tuple[Any, ...]]] = []
     for enum, kind in np.unique(np.stack([t.dtype[batched], t.kernel[batched]]), axis=1).T.tolist():
         dt = dtypes.by_enum(enum)
         assert dt is not None, "plain rows have a known dtype"
         rows = np.flatnonzero(batched & (t.dtype == enum) & (t.kernel == kind))
         view = arena[:arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
-        window = np.cumsum(t.nbytes[rows]) // FILL_WINDOW  # which window each tensor's end falls in
+        window = np.cumsum(t.nbytes[rows]) // piece  # which piece each tensor's end falls in
         cuts = [0, *(np.flatnonzero(np.diff(window)) + 1).tolist(), rows.shape[0]]
         for a, b in itertools.pairwise(cuts):
-            if should_stop is not None and should_stop():
-                raise Cancelled("client cancelled or deadline passed")
             r = rows[a:b]
-            _fill_batch(kind, (view, offs[r] // dt.itemsize, t.numel[r], t.key[r], t.p0[r], t.p1[r], t.lo[r],
-                               t.hi[r], t.seed[r], dt.fmt))
+            tasks.append((kind, (view, offs[r] // dt.itemsize, t.numel[r], t.key[r], t.p0[r], t.p1[r], t.lo[r],
+                                 t.hi[r], t.seed[r], dt.fmt)))
+
+    def work(i: int) -> None:
+        if should_stop is not None and should_stop():
+            raise Cancelled("client cancelled or deadline passed")
+        _fill_batch(*tasks[i])
+
+    if threads == 1 or len(tasks) == 1:
+        for i in range(len(tasks)):
+            work(i)
+    else:  # the kernels release the GIL: tasks run on the pool's threads too
+        POOL.run(threads, len(tasks), work)
 
 
 class CpuBackend:
@@ -324,6 +339,11 @@ class CpuBackend:
     def __init__(self, threads: int | None = None) -> None:
         cores: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # the usable cores, or NUMBA_NUM_THREADS
         self._threads = max(1, min(threads, cores)) if threads else cores
+
+    @property
+    def threads(self) -> int:
+        """Threads a large fill uses (the calling one included)."""
+        return self._threads
 
     def warm_up(self) -> None:
         """Compile (or load) every kernel of every kind and dtype, letting fills' own compiles go first."""

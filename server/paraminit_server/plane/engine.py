@@ -11,7 +11,8 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -142,9 +143,153 @@ def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[
     backend.synchronize()
 
 
+class Slabs(Iterator[tuple[int, Any]]):
+    """(offset, host uint8 array) slabs of the data section, generated ahead on a thread (iter_slabs).
+
+    The producer starts when this is made, not at the first `next`: a stream's first slabs are filled while its
+    header is built and sent. `close()` (or the end of a `with`) stops it and frees its slabs, whether or not
+    anything was read; a Slabs dropped unclosed stops its producer when collected."""
+
+    def __init__(self, backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool],
+                 prefetch: int, lend: bool) -> None:
+        slab = max(SLAB_QUANTUM, slab_bytes // SLAB_QUANTUM * SLAB_QUANTUM)
+        total = layout.data_bytes
+        q: queue.Queue[tuple[int, Any, int] | BaseException | None] = queue.Queue(maxsize=prefetch)
+        ring_size = prefetch + 2 if lend and total else 0  # one lent, `prefetch` queued, one being filled
+        free: queue.Queue[int] = queue.Queue()  # ring slots the consumer has handed back
+        for i in range(ring_size):
+            free.put(i)
+        cancel = threading.Event()
+        final: list[BaseException | None] = []  # the producer's outcome, set once before it exits
+        alloc = backend.scratch
+
+        def stopped() -> bool:
+            return cancel.is_set() or should_stop()
+
+        def produce() -> None:
+            # On a device two slabs are in the pipeline: slab k+1 is filled and copied to host (asynchronously,
+            # into its own page-locked staging slot) while slab k's copy is awaited and queued.
+            depth = 2 if ring_size and backend.memory != HOST else 1
+            try:
+                first = min(slab, total)
+                ring = [alloc(first) for _ in range(ring_size)]
+                staging = [backend.host_staging(first) for _ in ring]
+                pending: collections.deque[tuple[int, Callable[[], Any], int]] = collections.deque()
+
+                def emit(start: int, ready: Callable[[], Any], slot: int) -> bool:
+                    item = (start, ready(), slot)
+                    while not stopped():
+                        try:
+                            q.put(item, timeout=0.1)
+                            return True
+                        except queue.Full:
+                            pass
+                    return False
+
+                def take_slot() -> int | None:
+                    while not stopped():
+                        try:
+                            return free.get(timeout=0.1)
+                        except queue.Empty:
+                            pass
+                    return None
+
+                for start in range(0, total, slab):
+                    if stopped():
+                        break
+                    size = min(slab, total - start)
+                    slot = -1
+                    if ring:
+                        got = take_slot()
+                        if got is None:
+                            break
+                        slot = got
+                    buf = ring[slot][:size] if ring else alloc(size)
+                    fill_window(backend, layout, buf, start, stopped)
+                    out = staging[slot][:size] if ring and staging[slot] is not None else None
+                    pending.append((start, backend.start_to_host(buf, out), slot))
+                    if len(pending) == depth and not emit(*pending.popleft()):
+                        break
+                while pending and not stopped():
+                    emit(*pending.popleft())
+                finish(errors.Cancelled("client cancelled or deadline passed") if should_stop() else None)
+            except BaseException as exc:  # surfaced to the consumer, which owns error reporting
+                finish(exc)
+
+        def finish(outcome: BaseException | None) -> None:
+            # The end (or the error) is never dropped: it waits behind the slabs however slowly they are read,
+            # and is also kept aside, so a consumer that finds the producer gone still sees it. Only the
+            # consumer's own close (cancel) ends the wait.
+            final.append(outcome)
+            while not cancel.is_set():
+                try:
+                    q.put(outcome, timeout=0.1)
+                    return
+                except queue.Full:
+                    pass
+
+        def consume() -> Generator[tuple[int, Any], None, None]:
+            while True:
+                try:
+                    item = q.get(timeout=0.5)
+                except queue.Empty:
+                    if not worker.is_alive() and q.empty():  # never wait on a producer that is gone
+                        if final:
+                            item = final[0]
+                        elif should_stop():
+                            raise errors.Cancelled("client cancelled or deadline passed") from None
+                        else:
+                            raise RuntimeError("slab producer stopped without a result") from None
+                    else:
+                        continue
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                start, host, slot = item
+                yield start, host
+                if slot >= 0:
+                    free.put(slot)  # the consumer asked for more: it is done with this slab
+
+        worker = threading.Thread(target=produce, name="paraminit-fill", daemon=True)
+        self._items = consume()
+        # the producer holds no reference to self: collecting an unclosed Slabs cancels it
+        self._stop = weakref.finalize(self, _stop_producer, cancel, q, worker)
+        worker.start()
+
+    def __next__(self) -> tuple[int, Any]:
+        try:
+            return next(self._items)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the producer and drop the queued slabs, so their memory goes now, not at thread exit."""
+        self._items.close()
+        self._stop()
+
+    def __enter__(self) -> Slabs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _stop_producer(cancel: threading.Event, q: queue.Queue[Any], worker: threading.Thread) -> None:
+    cancel.set()
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            break
+    if worker is not threading.current_thread():
+        worker.join(timeout=5)
+
+
 def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool],
-               prefetch: int = 2, lend: bool = False) -> Iterator[tuple[int, Any]]:
-    """Yield (offset, host uint8 array) slabs of the data section, generated ahead on a thread.
+               prefetch: int = 2, lend: bool = False) -> Slabs:
+    """(offset, host uint8 array) slabs of the data section, generated ahead on a thread started now.
 
     With `lend`, slabs come from a ring of `prefetch + 2` buffers and each one is lent: it is the consumer's
     until the consumer asks for the next item (or closes the iterator), and is refilled after that. Fresh
@@ -152,111 +297,4 @@ def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: C
     slab out (an encoder) should borrow. Without `lend` every slab is new memory the consumer may keep.
     Stops early (and frees its slabs) when should_stop() turns true or the consumer closes the iterator.
     """
-    slab = max(SLAB_QUANTUM, slab_bytes // SLAB_QUANTUM * SLAB_QUANTUM)
-    total = layout.data_bytes
-    q: queue.Queue[tuple[int, Any, int] | BaseException | None] = queue.Queue(maxsize=prefetch)
-    ring_size = prefetch + 2 if lend and total else 0  # one lent, `prefetch` queued, one being filled
-    free: queue.Queue[int] = queue.Queue()  # ring slots the consumer has handed back
-    for i in range(ring_size):
-        free.put(i)
-    cancel = threading.Event()
-    final: list[BaseException | None] = []  # the producer's outcome, set once before it exits
-    alloc = backend.scratch
-
-    def stopped() -> bool:
-        return cancel.is_set() or should_stop()
-
-    def produce() -> None:
-        # On a device two slabs are in the pipeline: slab k+1 is filled and copied to host (asynchronously,
-        # into its own page-locked staging slot) while slab k's copy is awaited and queued.
-        depth = 2 if ring_size and backend.memory != HOST else 1
-        try:
-            first = min(slab, total)
-            ring = [alloc(first) for _ in range(ring_size)]
-            staging = [backend.host_staging(first) for _ in ring]
-            pending: collections.deque[tuple[int, Callable[[], Any], int]] = collections.deque()
-
-            def emit(start: int, ready: Callable[[], Any], slot: int) -> bool:
-                item = (start, ready(), slot)
-                while not stopped():
-                    try:
-                        q.put(item, timeout=0.1)
-                        return True
-                    except queue.Full:
-                        pass
-                return False
-
-            def take_slot() -> int | None:
-                while not stopped():
-                    try:
-                        return free.get(timeout=0.1)
-                    except queue.Empty:
-                        pass
-                return None
-
-            for start in range(0, total, slab):
-                if stopped():
-                    break
-                size = min(slab, total - start)
-                slot = -1
-                if ring:
-                    got = take_slot()
-                    if got is None:
-                        break
-                    slot = got
-                buf = ring[slot][:size] if ring else alloc(size)
-                fill_window(backend, layout, buf, start, stopped)
-                out = staging[slot][:size] if ring and staging[slot] is not None else None
-                pending.append((start, backend.start_to_host(buf, out), slot))
-                if len(pending) == depth and not emit(*pending.popleft()):
-                    break
-            while pending and not stopped():
-                emit(*pending.popleft())
-            finish(errors.Cancelled("client cancelled or deadline passed") if should_stop() else None)
-        except BaseException as exc:  # surfaced to the consumer, which owns error reporting
-            finish(exc)
-
-    def finish(outcome: BaseException | None) -> None:
-        # The end (or the error) is never dropped: it waits behind the slabs however slowly they are read, and
-        # is also kept aside, so a consumer that finds the producer gone still sees it. Only the consumer's
-        # own close (cancel) ends the wait.
-        final.append(outcome)
-        while not cancel.is_set():
-            try:
-                q.put(outcome, timeout=0.1)
-                return
-            except queue.Full:
-                pass
-
-    worker = threading.Thread(target=produce, name="paraminit-fill", daemon=True)
-    worker.start()
-    try:
-        while True:
-            try:
-                item = q.get(timeout=0.5)
-            except queue.Empty:
-                if not worker.is_alive() and q.empty():  # never wait on a producer that is gone
-                    if final:
-                        item = final[0]
-                    elif should_stop():
-                        raise errors.Cancelled("client cancelled or deadline passed") from None
-                    else:
-                        raise RuntimeError("slab producer stopped without a result") from None
-                else:
-                    continue
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            start, host, slot = item
-            yield start, host
-            if slot >= 0:
-                free.put(slot)  # the consumer asked for more: it is done with this slab
-    finally:
-        cancel.set()
-        while True:  # drop queued slabs so their memory goes now, not at thread exit
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                break
-        worker.join(timeout=5)
+    return Slabs(backend, layout, slab_bytes, should_stop, prefetch, lend)

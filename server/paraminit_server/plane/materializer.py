@@ -42,9 +42,11 @@ PLAN_PARAM_BYTES = 3072
 PLAN_WIRE_FACTOR = 8
 
 
-def plan_memory(p: plan_pb2.Plan) -> int:
-    """The host memory a plan's parse, validation and resolution are charged (an estimate, on the high side)."""
-    return PLAN_PARAM_BYTES * len(p.params) + PLAN_WIRE_FACTOR * p.ByteSize()
+def plan_memory(p: plan_pb2.Plan, wire_bytes: int | None = None) -> int:
+    """The host memory a plan's parse, validation and resolution are charged (an estimate, on the high side);
+    `wire_bytes`: the plan's serialized size when the caller has it (ByteSize walks the whole message)."""
+    size = p.ByteSize() if wire_bytes is None else wire_bytes
+    return PLAN_PARAM_BYTES * len(p.params) + PLAN_WIRE_FACTOR * size
 
 
 def max_request_bytes(host_budget: int, max_concurrent: int) -> int:
@@ -126,8 +128,9 @@ class Materializer:
         sources = BoundSources(self.sources, caller.identity,
                                lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"),
                                standard_normal)
+        size = p.ByteSize()
         sources.hold(self.admission.host.reserve(
-            plan_memory(p), caller.wait, f"checking a plan of {len(p.params)} parameters ({p.ByteSize()} bytes)"))
+            plan_memory(p, size), caller.wait, f"checking a plan of {len(p.params)} parameters ({size} bytes)"))
         return sources
 
     def validate(self, p: plan_pb2.Plan, caller: Caller) -> tuple[validation.Report, str]:
@@ -186,13 +189,15 @@ class Materializer:
         held = min(lay.data_bytes, slab * (PREFETCH + 2))  # slabs in flight (lent or not)
         # the consumer's copies of the slabs in flight (a transport's messages) and, on a device, their host copies
         host = held + (0 if self.backend.memory == HOST else held)
-        with self.admission.admit(checked.report.total_bytes, caller):
+        with self.admission.admit(checked.report.total_bytes, caller), \
+                self._reserve(held, host, caller, "stream"), \
+                engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH, lend) as slabs:
+            # the first slabs fill while the consumer builds and sends the header
             yield StreamStart(lay, checked.digest)
-            with self._reserve(held, host, caller, "stream"):
-                for item in engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH, lend):
-                    yield item
-                    if caller.gone():
-                        raise errors.Cancelled("client cancelled or deadline passed")
+            for item in slabs:
+                yield item
+                if caller.gone():
+                    raise errors.Cancelled("client cancelled or deadline passed")
 
     @contextlib.contextmanager
     def _reserve(self, backend_bytes: int, host_bytes: int, caller: Caller, what: str) -> Iterator[None]:
