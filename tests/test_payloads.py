@@ -221,3 +221,44 @@ def test_payloads_are_charged_to_the_memory_budget_while_they_live() -> None:
         time.sleep(1.2)  # the first payload expires: its budget goes back with it
         plane.upload(iter([PayloadPiece(f64, count, raw)]), Caller("b"))
         assert plane.admission.host.reserved - before == count * 8
+
+
+@pytest.mark.parametrize("dtype", [d.name for d in dtypes.SUPPORTED])
+def test_the_follower_hashes_and_scans_what_lands(dtype: str) -> None:
+    """An upload's digest and scan, computed behind the writer a piece at a time while pieces of odd sizes land,
+    equal the whole payload's: sha256, the non-finite count, the first one's index and the largest |value|,
+    with non-finite values on both sides of piece boundaries."""
+    from paraminit_server.plans.payloads import Follower, _scan, payload_sha256
+
+    dt = dtypes.by_name(dtype)
+    n = 3 * Follower.PIECE // dt.itemsize + 5
+    values = (np.random.default_rng(3).standard_normal(n) * 4).astype(dt.numpy)
+    bad = np.nan if dt.name == "float8_e4m3fn" else np.inf  # (e4m3fn has no infinity)
+    for at in (Follower.PIECE // dt.itemsize + 1, 2 * Follower.PIECE // dt.itemsize - 1, n - 1):
+        values[at] = bad
+    raw = values.view(np.uint8)
+    buf = np.full(raw.size, 0xFF, dtype=np.uint8)  # poisoned: each byte is read only after it landed
+    follower = Follower(buf, dt)
+    at = 0
+    for size in [1, 7, Follower.PIECE - 3, 100_000, 3] * 40:
+        size = min(size, raw.size - at)
+        buf[at:at + size] = raw[at:at + size]
+        at += size
+        follower.landed(at)
+        if at == raw.size:
+            break
+    sha, scanned = follower.finish()
+    assert at == raw.size
+    assert sha == payload_sha256(dt, raw)
+    assert scanned == _scan(values) and scanned[0] == 3 and scanned[1] == Follower.PIECE // dt.itemsize + 1
+    assert scanned[2] == float(np.max(np.abs(values[np.isfinite(values)].astype(np.float64))))
+
+
+def test_an_abandoned_follower_stops() -> None:
+    from paraminit_server.plans.payloads import Follower
+
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    follower = Follower(buf, dtypes.by_name("float32"))
+    follower.landed(1 << 19)
+    follower.stop()
+    wait_until(lambda: not any(t.name == "paraminit-upload-digest" and t.is_alive() for t in threading.enumerate()))

@@ -31,7 +31,7 @@ from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export, Exports
 from paraminit_server.plane.leases import LeaseRecord, LeaseTable
 from paraminit_server.plans import columns, plan, validation
-from paraminit_server.plans.payloads import BoundSources, Payload, Sources, payload_hasher
+from paraminit_server.plans.payloads import BoundSources, Follower, Payload, Sources
 
 PREFETCH = 2  # slabs generated ahead of the one being sent
 # What checking a plan costs in host memory, charged to the budget before the work: per parameter (its
@@ -293,14 +293,14 @@ class Materializer:
 
 
 class _Upload:
-    """One payload arriving: sized and reserved by its first piece, then each piece copied and hashed
-    (`land`, which releases the GIL, behind the receiving thread)."""
+    """One payload arriving: sized and reserved by its first piece, then each piece copied (`land`), hashed and
+    scanned behind it (Follower)."""
 
     def __init__(self, sources: Sources) -> None:
         self.sources = sources
         self.ticket: Claim | None = None
         self.buf: npt.NDArray[np.uint8] | None = None
-        self.hasher: Any = None
+        self.follower: Follower | None = None
         self.dtype = self.count = self.received = 0
 
     def located(self, pieces: Iterable[PayloadPiece]) -> Iterator[tuple[int, bytes | memoryview]]:
@@ -327,20 +327,24 @@ class _Upload:
                                            f"payload limit is {self.sources.max_bytes}")
         self.ticket = self.sources.reserve(nbytes)
         self.buf = host_buffer(nbytes)
-        self.hasher = payload_hasher(dt)
+        self.follower = Follower(self.buf, dt)
 
     def land(self, item: tuple[int, bytes | memoryview]) -> None:
         at, data = item
-        assert self.buf is not None
+        assert self.buf is not None and self.follower is not None
         self.buf[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self.hasher.update(data)
+        self.follower.landed(at + len(data))
 
     def store(self, identity: str) -> tuple[str, Payload]:
-        if self.buf is None:
+        if self.buf is None or self.follower is None:
             raise errors.InvalidRequest("empty payload upload")
+        sha256, scanned = self.follower.finish()
+        whole = self.received == len(self.buf)  # else store() refuses it, naming the sizes
         return self.sources.store(identity, self.dtype, self.count, self.buf[:self.received], self.ticket,
-                                  self.hasher.hexdigest() if self.received == len(self.buf) else "")
+                                  sha256 if whole else "", scanned if whole else None)
 
     def cancel(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
         if self.ticket is not None:
             self.ticket.release()

@@ -66,12 +66,17 @@ def payload_hasher(dt: dtypes.DTypeInfo, data: Any = b"") -> Any:
     return h
 
 
-def _scan(values: npt.NDArray[Any], piece: int = 1 << 22) -> tuple[int, int, float]:
+def _scan(values: npt.NDArray[Any], piece: int = 1 << 16) -> tuple[int, int, float]:
     """(count of NaN/inf values, index of the first or -1, largest finite |value|), in pieces of the uploaded dtype
-    (numpy's or ml_dtypes' own ufuncs: no binary64 copy), so the masks stay small."""
+    (numpy's or ml_dtypes' own ufuncs: no binary64 copy). A piece is read twice, while it is in cache (its max
+    and min, which a NaN or an infinity turns non-finite); only a piece that holds one is looked at again."""
     count, first, largest = 0, -1, 0.0
     for lo in range(0, values.size, piece):
         part = values[lo:lo + piece]
+        top = max(float(part.max()), -float(part.min()))
+        if math.isfinite(top):  # every value of the piece is finite
+            largest = max(largest, top)
+            continue
         finite = np.isfinite(part)
         bad = np.flatnonzero(~finite)
         if bad.size:
@@ -81,6 +86,75 @@ def _scan(values: npt.NDArray[Any], piece: int = 1 << 22) -> tuple[int, int, flo
         if part.size:
             largest = max(largest, float(np.max(np.abs(part))))
     return count, first, largest
+
+
+class Follower:
+    """An upload's sha256 and scan (_scan) computed on a helper thread while its bytes land, a piece behind the
+    receiving thread: hashing and scanning release the GIL, so they overlap receiving and copying instead of
+    following them (each piece is hashed and scanned while it is still in cache)."""
+
+    PIECE = 256 << 10  # bytes hashed and scanned at a time
+
+    def __init__(self, buf: npt.NDArray[np.uint8], dt: dtypes.DTypeInfo) -> None:
+        self._buf, self._dt = buf, dt
+        self._hasher = payload_hasher(dt)
+        self._cond = threading.Condition()
+        self._landed = self._done = 0
+        self._closing = self._stopped = False
+        self._error: BaseException | None = None
+        self._scan = (0, -1, 0.0)
+        self._thread = threading.Thread(target=self._run, name="paraminit-upload-digest", daemon=True)
+        self._thread.start()
+
+    def landed(self, upto: int) -> None:
+        """Bytes [0, upto) of the buffer hold their final values."""
+        with self._cond:
+            self._landed = upto
+            if upto - self._done >= self.PIECE:
+                self._cond.notify()
+
+    def finish(self) -> tuple[str, tuple[int, int, float]]:
+        """Wait for the rest: the sha256 of everything landed, and the scan of its whole elements."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return str(self._hasher.hexdigest()), self._scan
+
+    def stop(self) -> None:
+        """Abandon the upload: the helper ends at its next piece."""
+        with self._cond:
+            self._stopped = self._closing = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        item = self._dt.itemsize
+        try:
+            while True:
+                with self._cond:
+                    while not self._closing and self._landed - self._done < self.PIECE:
+                        self._cond.wait()
+                    if self._stopped:
+                        return
+                    start, end = self._done, self._landed
+                    if start == end:
+                        return
+                for a in range(start, end, self.PIECE):
+                    b = min(end, a + self.PIECE)
+                    self._hasher.update(self._buf[a:b])
+                    # whole elements only: a piece ends on one (PIECE is a multiple of every itemsize), the last
+                    # may not, and a payload whose size is not a whole number of elements is refused anyway
+                    count, first, largest = _scan(self._buf[a:b - (b - a) % item].view(self._dt.numpy.newbyteorder("<")))
+                    total, at, top = self._scan
+                    if first >= 0 and at < 0:
+                        at = a // item + first
+                    self._scan = (total + count, at, max(top, largest))
+                with self._cond:
+                    self._done = end
+        except BaseException as exc:  # handed to finish()
+            self._error = exc
 
 
 @dataclass
@@ -177,9 +251,11 @@ class Sources:
             return self._idle.wait_for(lambda: self._uploads == 0, max(0.0, timeout))
 
     def store(self, owner: str, dtype_enum: int, count: int, data: npt.NDArray[np.uint8],
-              ticket: Claim | None = None, sha256: str = "") -> tuple[str, Payload]:
+              ticket: Claim | None = None, sha256: str = "",
+              scanned: tuple[int, int, float] | None = None) -> tuple[str, Payload]:
         """Keep an upload in its own dtype; with a ticket its bytes were reserved already, without one they are
-        taken now. `sha256` of the dtype name, a NUL and the bytes, if the caller hashed them on the way in."""
+        taken now. `sha256` of the dtype name, a NUL and the bytes, and `scanned` (_scan of the values), if the
+        caller computed them on the way in (Follower)."""
         dt = dtypes.by_enum(dtype_enum)
         if dt is None:
             raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype_enum}")
@@ -192,7 +268,7 @@ class Sources:
             if ticket.nbytes < nbytes:
                 raise errors.InvalidRequest(f"payload of {count} values is larger than reserved")
             values = data.view(dt.numpy.newbyteorder("<"))
-            nonfinite, first, largest = _scan(values)
+            nonfinite, first, largest = scanned if scanned is not None else _scan(values)
             digest = sha256 or payload_sha256(dt, data)
             payload = Payload(owner, values, time.time() + self.ttl, nonfinite, first, digest, ticket, largest)
             pid = secrets.token_hex(16)
