@@ -453,3 +453,29 @@ def test_a_stalled_reader_or_uploader_gives_its_slot_back_within_the_stall_limit
             go_on.set()
         finally:
             channel.close()
+
+
+def test_validate_takes_a_slot_in_turn() -> None:
+    """Checking a plan is work (a second of a core for a large one): Validate waits in line for a slot within
+    its deadline like Materialize, and without a deadline is refused at once with a pushback when all are
+    busy, so one identity's Validate calls cannot crowd out the others."""
+    plan = _plan(3, 4096)
+    with running_server(max_concurrent=1, max_queued=4, metrics_port=-1) as r:
+        adm = r.plane.admission
+        reports: list[bool] = []
+        with adm.admit(0):  # the test holds the only slot
+            def queued_validate() -> None:
+                with Client(target_of(r), timeout=LONG) as c:
+                    reports.append(c.validate(plan).ok)
+
+            t = threading.Thread(target=queued_validate)
+            t.start()
+            assert wait_until(lambda: adm.slots.queued == 1)
+            with grpc.insecure_channel(target_of(r), options=[("grpc.enable_retries", 0)]) as ch:
+                with pytest.raises(grpc.RpcError) as busy:
+                    pb_grpc.InitServiceStub(ch).Validate(pb.ValidateRequest(plan=plan))
+            assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert int(dict(busy.value.trailing_metadata() or ())[PUSHBACK]) > 0
+            assert reports == []  # still in line behind the held slot
+        t.join(LONG)
+        assert reports == [True]

@@ -134,7 +134,17 @@ class Materializer:
         return sources
 
     def validate(self, p: plan_pb2.Plan, caller: Caller) -> tuple[validation.Report, str]:
-        """Every violation of the plan (limits included) and its digest; raises nothing for a bad plan."""
+        """Every violation of the plan (limits included) and its digest; raises nothing for a bad plan.
+
+        Checking is work like a materialization (a large plan's checks take a core for a second): it takes a
+        concurrency slot, so one identity's Validate calls cannot crowd out the others' (fair shares).
+
+        Raises:
+            ResourceExhausted, Unavailable: as admission (no slot within the caller's wait; draining)."""
+        with self.admission.admit(0, caller):
+            return self._validate(p, caller)
+
+    def _validate(self, p: plan_pb2.Plan, caller: Caller) -> tuple[validation.Report, str]:
         sources = self._sources(caller, p)
         try:
             cols = columns.of(p)
