@@ -471,9 +471,9 @@ def test_validate_takes_a_slot_in_turn() -> None:
             t = threading.Thread(target=queued_validate)
             t.start()
             assert wait_until(lambda: adm.slots.queued == 1)
-            with grpc.insecure_channel(target_of(r), options=[("grpc.enable_retries", 0)]) as ch:
-                with pytest.raises(grpc.RpcError) as busy:
-                    pb_grpc.InitServiceStub(ch).Validate(pb.ValidateRequest(plan=plan))
+            with grpc.insecure_channel(target_of(r), options=[("grpc.enable_retries", 0)]) as ch, \
+                    pytest.raises(grpc.RpcError) as busy:
+                pb_grpc.InitServiceStub(ch).Validate(pb.ValidateRequest(plan=plan))
             assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert int(dict(busy.value.trailing_metadata() or ())[PUSHBACK]) > 0
             assert reports == []  # still in line behind the held slot
