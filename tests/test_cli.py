@@ -1055,3 +1055,17 @@ def test_an_in_process_limit_names_the_variable_that_raises_it(tmp_path: Path) -
     r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_reader_that_stops_early_is_no_error(tmp_path: Path) -> None:
+    """`paraminit materialize plan -o - | head -c 10`: the reader closing the pipe early ends the command quietly
+    with exit 0, as `inspect | head` does, not with "Broken pipe" on stderr and exit 1."""
+    plan = write_plan(tmp_path / "p.json", plan_of([param("w", [1 << 20], {"normal": {"std": 1.0, "seed": 1}})]))
+    proc = subprocess.Popen([str(BIN / "paraminit"), "materialize", str(plan), "-o", "-"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert len(proc.stdout.read(10)) == 10  # the 4 MiB file is far larger than a pipe holds
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 0, err
+    assert "Broken pipe" not in err and "Traceback" not in err

@@ -633,6 +633,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except OSError as err:  # FileAccessError too: a file, not a status, is the news
+        if err.errno == errno.EPIPE:  # a broken pipe wrapped on the way (`materialize -o - | head`): as above
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
         message, lines, code = _os_line(err), [], EXIT_ERROR
     except (InvalidArgument, CheckpointFormatError) as err:  # refused before any call: an argument, a local file
         message, lines, code = err.message, [], EXIT_ERROR
