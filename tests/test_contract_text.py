@@ -399,3 +399,223 @@ def test_reflection_serves_the_contract_with_its_comments(server: Running, servi
         for f in message.field:
             f.ClearField("json_name")
     assert served == bare
+
+
+# -- long names in violations ---------------------------------------------------------------------------------------
+
+
+def _echoed(name: str) -> str:
+    """A parameter name as init_service.proto says violations show it: whole up to 48 UTF-8 bytes, else its longest
+    prefix of whole UTF-8 characters within 24 bytes and "... (N bytes)", N the name's UTF-8 length."""
+    raw = name.encode()
+    if len(raw) <= 48:
+        return name
+    keep = 24
+    while True:
+        try:
+            head = raw[:keep].decode()
+            break
+        except UnicodeDecodeError:  # the cut fell inside a character: keep fewer bytes
+            keep -= 1
+    return f"{head}... ({len(raw)} bytes)"
+
+
+@pytest.mark.parametrize("name", ["x" * 48, "n" * 100, "a" + "€" * 40, "é" * 300],
+                         ids=["48-ascii", "100-ascii", "121-three-byte", "600-two-byte"])
+def test_a_long_name_is_echoed_as_the_proto_says(stock: Any, name: str) -> None:
+    plan = plan_of([param(name, [4], {"normal": {"std": -1.0}})])
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stock.Materialize(pb.MaterializeRequest(plan=plan), timeout=60))
+    err = caught.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    br, _ = _details(_status(err))
+    shown = _echoed(name)
+    assert len(shown.encode()) <= 48 and (shown == name) == (len(name.encode()) <= 48)
+    want = f"params[0].init.normal ({shown!r}): "  # the name quoted as Python's repr() quotes it
+    assert br.field_violations[0].description.startswith(want)
+    assert want in err.details()  # the status message shows it the same way
+    assert "A name over 48 UTF-8 bytes" in PROTO and "longest prefix of whole UTF-8 characters within 24 bytes" in PROTO
+    assert '"... (N bytes)", N being the name\'s UTF-8 length' in PROTO
+
+
+def test_a_name_over_the_length_limit_is_echoed_with_its_length(stock: Any) -> None:
+    name = "n" * 1025
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stock.Materialize(pb.MaterializeRequest(plan=plan_of([param(name, [4], {"zeros": {}})])), timeout=60))
+    br, _ = _details(_status(caught.value))
+    assert br.field_violations[0].description.startswith(f"params[0].name ({_echoed(name)!r}): ")
+
+
+# -- known answers --------------------------------------------------------------------------------------------------
+
+EMPTY_DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+ONE_DIGEST = "12bfab35112c8b6bb0dd72c6982b58fc321bc8c73769d5c44aa9a29402dabecc"
+ONE_CANONICAL = "0a 0c 0a 01 77 12 01 02 18 01 22 02 0a 00"
+# (plan, digest, data_bytes, tensors as (name, dtype, shape, offset, nbytes), header_crc32c, packed header_crc32c)
+HEADER_VECTORS: list[tuple[dict[str, Any], str, int, list[tuple[str, int, list[int], int, int]], int, int]] = [
+    ({"params": []}, EMPTY_DIGEST, 0, [], 0x0176CB2C, 0xCFE2AF8D),
+    ({"params": [{"name": "w", "shape": [2], "init": {"zeros": {}}}]}, ONE_DIGEST, 8, [("w", 1, [2], 0, 8)],
+     0x6E9337FD, 0x335047ED),
+]
+
+
+def _u64(n: int) -> bytes:
+    return struct.pack("<Q", n)
+
+
+def _framed(b: bytes) -> bytes:
+    return _u64(len(b)) + b
+
+
+def _crc_of_table(digest: str, data_bytes: int, tensors: list[tuple[str, int, list[int], int, int]]) -> int:
+    """header_crc32c with an empty prefix and TensorInfo messages, from init_service.proto's text alone."""
+    covered = _framed(b"") + _framed(digest.encode()) + _u64(data_bytes)
+    for name, dtype, shape, offset, nbytes in tensors:
+        covered += _framed(name.encode()) + _u64(dtype) + _u64(len(shape)) + b"".join(map(_u64, shape))
+        covered += _u64(offset) + _u64(nbytes)
+    return int(crc32c.crc32c(covered))
+
+
+def _crc_of_packed(digest: str, data_bytes: int, tensors: list[tuple[str, int, list[int], int, int]]) -> int:
+    """header_crc32c with an empty prefix and a packed table, its columns built here as PackedTensors says."""
+    columns = [b"".join(struct.pack("<I", len(t[0].encode())) for t in tensors), b"".join(t[0].encode() for t in tensors),
+               bytes(t[1] for t in tensors), bytes(len(t[2]) for t in tensors),
+               b"".join(_u64(d) for t in tensors for d in t[2]), b"".join(_u64(t[3]) for t in tensors),
+               b"".join(_u64(t[4]) for t in tensors)]
+    covered = _framed(b"") + _framed(digest.encode()) + _u64(data_bytes) + b"".join(map(_framed, columns))
+    return int(crc32c.crc32c(covered))
+
+
+@pytest.mark.parametrize("vector", HEADER_VECTORS, ids=["empty-plan", "one-tensor"])
+def test_the_header_checksum_known_answers(stock: Any, vector: Any) -> None:
+    data, digest, data_bytes, tensors, crc, packed_crc = vector
+    assert f"0x{crc:08X}" in PROTO and f"0x{packed_crc:08X}" in PROTO and f'"{digest}"' in PROTO
+    assert hashlib.sha256(encode("Plan", data)).hexdigest() == digest  # the digest from plan.proto's text
+    assert _crc_of_table(digest, data_bytes, tensors) == crc and _crc_of_packed(digest, data_bytes, tensors) == packed_crc
+    plan = plan_from_dict(data)
+    for packed, want in ((False, crc), (True, packed_crc)):
+        messages = list(stock.Materialize(pb.MaterializeRequest(plan=plan, omit_safetensors_prefix=True,
+                                                                packed_table=packed), timeout=60))
+        header = messages[0].header
+        assert (header.plan_digest, header.data_bytes, header.header_crc32c) == (digest, data_bytes, want)
+        assert not header.safetensors_prefix and header.header_parts == 0
+        if not packed:
+            assert [(t.name, t.dtype, list(t.shape), t.offset, t.nbytes) for t in header.tensors] == tensors
+    assert stock.Validate(pb.ValidateRequest(plan=plan), timeout=30).plan_digest == digest
+
+
+def test_the_plan_digest_known_answers(stock: Any) -> None:
+    one = {"params": [{"name": "w", "shape": [2], "init": {"zeros": {}}}]}
+    canonical = bytes.fromhex(ONE_CANONICAL.replace(" ", ""))
+    assert ONE_CANONICAL in PLAN_PROTO and ONE_DIGEST in PLAN_PROTO and EMPTY_DIGEST in PLAN_PROTO
+    assert encode("Plan", one) == canonical and hashlib.sha256(canonical).hexdigest() == ONE_DIGEST
+    assert hashlib.sha256(b"").hexdigest() == EMPTY_DIGEST
+    for data, digest in ((one, ONE_DIGEST), ({"params": []}, EMPTY_DIGEST)):
+        assert stock.Validate(pb.ValidateRequest(plan=plan_from_dict(data)), timeout=30).plan_digest == digest
+
+
+def test_a_payload_digest_line_uses_the_dtype_names_the_proto_lists() -> None:
+    from paraminit import dtypes
+    from paraminit_server.plans.payloads import payload_sha256
+
+    names = [d.name for d in dtypes.SUPPORTED]
+    assert sorted(names) == sorted(["float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
+    assert "float32, float64, float16, bfloat16, float8_e4m3fn or float8_e5m2" in PLAN_PROTO
+    data = struct.pack("<2f", 1.0, -2.0)
+    assert payload_sha256(dtypes.FLOAT32, data) == hashlib.sha256(b"float32\0" + data).hexdigest()
+
+
+# -- load and retries -----------------------------------------------------------------------------------------------
+
+
+def test_the_proto_retry_policy_is_the_clients() -> None:
+    from paraminit_client.client import SERVICE_CONFIG
+
+    start = PROTO.index('{"methodConfig"')
+    stated, _ = json.JSONDecoder().raw_decode(PROTO[start:])
+    assert stated == SERVICE_CONFIG
+    assert "grpc-retry-pushback-ms" in PROTO and "-1 where no retry can help" in PROTO
+    assert "half its remaining deadline" in PROTO and "--max-queued (32)" in PROTO and "--max-queue-wait (60 s" in PROTO
+
+
+def test_a_plan_over_the_limits_is_refused_with_pushback_minus_one(stock: Any) -> None:
+    huge = plan_of([param("huge", [1 << 33], {"zeros": {}})])  # 32 GiB of float32: over the default limits
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stock.Materialize(pb.MaterializeRequest(plan=huge), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(caught.value.trailing_metadata() or ())["grpc-retry-pushback-ms"] == "-1"
+
+
+# -- small facts ----------------------------------------------------------------------------------------------------
+
+
+def test_deliveries_and_device_info_on_a_cpu_server(stock: Any) -> None:
+    plan = plan_of([param("w", [4], {"zeros": {}})])
+    for delivery, code in ((pb.DELIVERY_CUDA_IPC, grpc.StatusCode.FAILED_PRECONDITION),
+                           (9, grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stock.Materialize(pb.MaterializeRequest(plan=plan, delivery=delivery), timeout=30))
+        assert caught.value.code() == code
+        assert not _status(caught.value).details  # no BadRequest
+    info = stock.GetInfo(pb.GetInfoRequest(), timeout=30)
+    assert (info.device.kind, info.device.ordinal, info.device.uuid) == ("cpu", -1, "")
+    assert list(info.deliveries) == [pb.DELIVERY_STREAM, pb.DELIVERY_SHM]
+    assert "-1 on a CPU server" in PROTO and "is FAILED_PRECONDITION, before the plan is validated" in PROTO
+
+
+def test_an_shm_export_aligns_every_tensor_to_64_bytes(stock: Any) -> None:
+    plan = plan_of([param("a", [1], {"ones": {}}), param("b", [3], {"ones": {}}, "float16"),
+                    param("c", [17], {"ones": {}})])
+    (message,) = list(stock.Materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_SHM), timeout=60))
+    export = message.export
+    try:
+        assert [(t.name, t.offset, t.nbytes) for t in export.tensors] == [("a", 0, 4), ("b", 64, 6), ("c", 128, 68)]
+        assert export.shm.size == 256
+    finally:
+        stock.Release(pb.ReleaseRequest(lease_id=export.lease.lease_id), timeout=30)
+    assert "a multiple of 64 bytes for SHM and 256 for CUDA_IPC" in PROTO
+
+
+def test_an_upload_reads_dtype_and_count_from_its_first_chunk_only(stock: Any) -> None:
+    data = struct.pack("<4f", 0.0, 1.0, 2.0, 3.0)
+    ref = stock.UploadPayload(iter([pb.PayloadChunk(dtype=1, count=4, data=data[:8]),
+                                    pb.PayloadChunk(dtype=2, count=99, data=data[8:])]), timeout=30)
+    assert ref.count == 4
+    with pytest.raises(grpc.RpcError) as caught:
+        stock.UploadPayload(iter([pb.PayloadChunk(dtype=1, count=4, data=data[:8])]), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "later chunks' dtype and count are ignored" in PROTO
+
+
+def test_flat_values_must_be_finite(stock: Any) -> None:
+    for bad in ("NaN", "Infinity", "-Infinity"):
+        plan = plan_from_dict({"params": [{"name": "f", "shape": [2], "init": {"flat": {"values": [1.0, bad]}}}]})
+        r = stock.Validate(pb.ValidateRequest(plan=plan), timeout=30)
+        assert not r.valid and [v.field for v in r.violations] == ["params[0].init.flat.values"]
+    assert "each finite (a NaN or an infinity is a violation at params[i].init.flat.values)" in PLAN_PROTO
+
+
+def test_a_safetensors_path_is_read_as_the_proto_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Absolute, or relative to the server's working directory; '..' folded as text; strictly beneath an allowed
+    directory; and nothing at all without one."""
+    allowed = tmp_path / "ck"
+    allowed.mkdir()
+    header = json.dumps({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    header += b" " * (-len(header) % 8)
+    (allowed / "a.safetensors").write_bytes(_u64(len(header)) + header + struct.pack("<2f", 1.0, 2.0))
+    monkeypatch.chdir(tmp_path)
+
+    def valid(path: str, **config: Any) -> bool:
+        plan = plan_from_dict({"params": [{"name": "s", "shape": [2],
+                                           "init": {"safetensors": {"path": path, "tensor": "t"}}}]})
+        with running_server(**config) as r, grpc.insecure_channel(target_of(r)) as channel:
+            resp = pb_grpc.InitServiceStub(channel).Validate(pb.ValidateRequest(plan=plan), timeout=30)
+        assert resp.valid or [v.field for v in resp.violations] == ["params[0].init.safetensors"]
+        return bool(resp.valid)
+
+    dirs = {"safetensors_dirs": str(allowed)}
+    assert valid(str(allowed / "a.safetensors"), **dirs) and valid("ck/a.safetensors", **dirs)
+    assert valid("./ck/../ck/a.safetensors", **dirs)
+    assert not valid("a.safetensors", **dirs) and not valid("ck", **dirs)
+    assert not valid(str(allowed / "a.safetensors"))  # no --safetensors-dirs: no file
+    assert "relative to the server process's working directory" in PLAN_PROTO

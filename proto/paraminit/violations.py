@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 INVALID = "invalid"
 LIMIT = "limit"
+NAME_ECHO = 48  # UTF-8 bytes of a parameter name a violation repeats; a longer one is clipped (clip)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,15 @@ def describe(index: int, name: str, field: str, message: str) -> str:
     """`params[3].init.normal ('fc.weight'): initialization: ...`; plan-wide problems name no parameter."""
     who = "" if index < 0 else f" ({name!r})"
     return f"{field}{who}: {message}"
+
+
+def clip(text: str, limit: int) -> str:
+    """At most `limit` UTF-8 bytes of text: whole when it fits, else its longest prefix of whole characters within
+    limit - 24 bytes and "... (N bytes)", N its full UTF-8 length (init_service.proto states this rule)."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return text
+    return raw[:max(0, limit - 24)].decode("utf-8", "ignore") + f"... ({len(raw)} bytes)"
 
 
 def camel_path(path: str) -> str:

@@ -10,7 +10,13 @@ google.rpc.BadRequest with a FieldViolation per problem: `field` is the path,
 with plan-file (JSON, lowerCamelCase) names, down to the initializer or field
 at fault ("params[3].init.normal", "params[3].init.kaimingUniformForShape",
 "params[1].name", "params[2].region[0]"; plan-wide: "params") and
-`description` is "<field> ('<param name>'): <message>". The details hold as
+`description` is "<field> ('<param name>'): <message>", the name quoted as
+Python's repr() quotes it ("<field>: <message>" when plan-wide). A name over
+48 UTF-8 bytes appears there, and in the status message, as its longest
+prefix of whole UTF-8 characters within 24 bytes followed by "... (N bytes)",
+N being the name's UTF-8 length (a name over the 1024-byte limit is also a
+violation of its own, at params[i].name, whose message gives its length). A <message> over 200 bytes, and a field over 64 (in `field`
+too), are cut likewise, keeping at most 176 and 40 bytes. The details hold as
 many violations as keep the status trailers within 8 KiB (the default
 metadata limit of stock clients), in plan order; when some are left out, a
 google.rpc.ErrorInfo (reason "VIOLATIONS_TRUNCATED", domain "paraminit.v1")
@@ -27,6 +33,33 @@ Bearer <token>", the scheme in any case, on a server started with tokens) is
 UNAUTHENTICATED, for every RPC but health, which answers without one; a draining
 server answers UNAVAILABLE; anything unexpected is INTERNAL with an error id
 that is in the server log.
+
+Load and retries: Materialize, Validate, Apply and UploadPayload each take
+one of --max-concurrent slots (the other RPCs take none). A call that finds
+none free waits in line for at most half its remaining deadline, capped by
+--max-queue-wait (60 s by default), with at most --max-queued (32) calls in
+line; freed slots go round-robin across identities and in arrival order
+within one. A call without a deadline is refused at once when every slot is
+taken, unless the server's --queue-wait-no-deadline lets it wait. A stream
+or export waits for memory likewise, at most half its remaining deadline
+capped by --admission-wait (5 s), and not at all without a deadline. Every
+RESOURCE_EXHAUSTED the server sends, and the UNAVAILABLE of a draining
+server, carries the trailer "grpc-retry-pushback-ms" (gRFC A6), a decimal
+integer: the milliseconds after which a retry may succeed (for a full
+server an estimate, jittered; 1000 when memory is short; 500 when
+draining), or -1 where no retry can help (a plan over this server's limits,
+a lease or payload limit). Worth retrying are RESOURCE_EXHAUSTED with a
+pushback >= 0, and UNAVAILABLE; other codes are not refusals for load. The
+policy the paraminit client uses, which any gRPC client can set as its
+channel's service config (with retries enabled):
+  {"methodConfig": [{"name": [{"service": "paraminit.v1.InitService"}],
+                     "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s",
+                                     "maxBackoff": "5s", "backoffMultiplier": 2,
+                                     "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"]}}]}
+gRPC retries only a call that has received no response message, after its
+jittered exponential backoff or the pushback (-1 stops it), within the
+call's deadline, and not one whose request messages outgrew the client
+library's retry buffer.
 
 Health (grpc.health.v1, service "" and "paraminit.v1.InitService") and
 server reflection (grpc.reflection.v1 and v1alpha) are served beside it.
@@ -63,7 +96,13 @@ class _DeliveryEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Delivery.Val
     DELIVERY_SHM: _Delivery.ValueType  # 2
     DELIVERY_CUDA_IPC: _Delivery.ValueType  # 3
 
-class Delivery(_Delivery, metaclass=_DeliveryEnumTypeWrapper): ...
+class Delivery(_Delivery, metaclass=_DeliveryEnumTypeWrapper):
+    """A CPU server offers STREAM and SHM, a CUDA server STREAM and CUDA_IPC
+    (GetInfoResponse.deliveries). Asking for the other zero-copy delivery, or
+    for either from a peer on another host, is FAILED_PRECONDITION, before the
+    plan is validated; a value not listed here is INVALID_ARGUMENT with no
+    status details.
+    """
 
 DELIVERY_UNSPECIFIED: Delivery.ValueType  # 0
 """STREAM"""
@@ -241,7 +280,8 @@ class StreamHeader(_message.Message):
     messages follow it, before the first DataChunk, each with the next tensors
     and the next prefix bytes (either may be empty). The whole table is the
     concatenation of `tensors` over the header and its parts, in order; the whole
-    prefix likewise. Every other field is in the StreamHeader only.
+    prefix likewise. Every other field is in the StreamHeader only. When a
+    stream is complete: see DataChunk.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -276,6 +316,15 @@ class StreamHeader(_message.Message):
     instead each column of the joined PackedTensors in field order
     (name_lengths, names, dtypes, ranks, dims, offsets, nbytes), each byte
     string as its 8-byte little-endian length then its bytes.
+    Known answers, with omit_safetensors_prefix (an empty prefix): the plan
+    {"params": []} gives plan_digest
+    "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+    data_bytes 0, no tensors and header_crc32c 0x0176CB2C (packed table, seven
+    empty columns: 0xCFE2AF8D); the plan
+    {"params": [{"name": "w", "shape": [2], "init": {"zeros": {}}}]} gives
+    plan_digest "12bfab35112c8b6bb0dd72c6982b58fc321bc8c73769d5c44aa9a29402dabecc",
+    data_bytes 8, one tensor (name "w", dtype 1, shape [2], offset 0, nbytes 8)
+    and header_crc32c 0x6E9337FD (packed table: 0x335047ED).
     """
     header_parts: _builtins.int
     """HeaderPart messages that follow this one before the first DataChunk; 0
@@ -349,6 +398,11 @@ Global___HeaderPart: _TypeAlias = HeaderPart  # noqa: Y015
 class DataChunk(_message.Message):
     """The next bytes of the data section. Chunks arrive in order and without gaps
     (offset = the previous chunk's offset + its length), and end at data_bytes.
+    A STREAM is complete only when its chunks end exactly at data_bytes (the
+    last chunk's offset + length = data_bytes; no chunk when data_bytes is 0)
+    and the call then ends with status OK. Anything else (a missing chunk, a
+    short end, an error status after some messages) means the client discards
+    everything it received; gRPC does not retry a call that had a response.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -469,6 +523,10 @@ class ExportInfo(_message.Message):
     before the export as 512 bytes plus, per parameter, its name's UTF-8 bytes,
     11 per dimension and 48) is refused with RESOURCE_EXHAUSTED before anything
     is exported or leased; such a plan streams, or is exported in several calls.
+    `tensors` are in plan order, each at an offset (from the buffer start) that
+    is a multiple of 64 bytes for SHM and 256 for CUDA_IPC, and the buffer's
+    size is the end of the last tensor rounded up to that multiple; bytes
+    between tensors belong to none.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -713,9 +771,13 @@ class DeviceInfo(_message.Message):
     """"cpu" or "cuda" """
     name: _builtins.str
     uuid: _builtins.str
+    """"" on a CPU server"""
     ordinal: _builtins.int
+    """CUDA device ordinal; -1 on a CPU server"""
     memory_total: _builtins.int
+    """bytes; on a CPU server the host's memory"""
     memory_free: _builtins.int
+    """bytes; on a CPU server the host's available memory"""
     def __init__(
         self,
         *,
@@ -968,10 +1030,12 @@ Global___ApplyResponse: _TypeAlias = ApplyResponse  # noqa: Y015
 
 @_typing.final
 class PayloadChunk(_message.Message):
-    """The first chunk carries dtype and count; every chunk carries the next bytes
-    (little-endian values of dtype, row-major). dtype DTYPE_UNSPECIFIED means
-    float32, as everywhere. The payload is held as binary64; a plan that names
-    one with non-finite values is invalid.
+    """The first chunk carries dtype and count (read from it only: later chunks'
+    dtype and count are ignored); every chunk carries the next bytes
+    (little-endian values of dtype, row-major), count values in all, else
+    INVALID_ARGUMENT. dtype DTYPE_UNSPECIFIED means float32, as everywhere. Its
+    values convert exactly to binary64; a plan that names a payload with
+    non-finite values is invalid.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -10,7 +10,13 @@ google.rpc.BadRequest with a FieldViolation per problem: `field` is the path,
 with plan-file (JSON, lowerCamelCase) names, down to the initializer or field
 at fault ("params[3].init.normal", "params[3].init.kaimingUniformForShape",
 "params[1].name", "params[2].region[0]"; plan-wide: "params") and
-`description` is "<field> ('<param name>'): <message>". The details hold as
+`description` is "<field> ('<param name>'): <message>", the name quoted as
+Python's repr() quotes it ("<field>: <message>" when plan-wide). A name over
+48 UTF-8 bytes appears there, and in the status message, as its longest
+prefix of whole UTF-8 characters within 24 bytes followed by "... (N bytes)",
+N being the name's UTF-8 length (a name over the 1024-byte limit is also a
+violation of its own, at params[i].name, whose message gives its length). A <message> over 200 bytes, and a field over 64 (in `field`
+too), are cut likewise, keeping at most 176 and 40 bytes. The details hold as
 many violations as keep the status trailers within 8 KiB (the default
 metadata limit of stock clients), in plan order; when some are left out, a
 google.rpc.ErrorInfo (reason "VIOLATIONS_TRUNCATED", domain "paraminit.v1")
@@ -27,6 +33,33 @@ Bearer <token>", the scheme in any case, on a server started with tokens) is
 UNAUTHENTICATED, for every RPC but health, which answers without one; a draining
 server answers UNAVAILABLE; anything unexpected is INTERNAL with an error id
 that is in the server log.
+
+Load and retries: Materialize, Validate, Apply and UploadPayload each take
+one of --max-concurrent slots (the other RPCs take none). A call that finds
+none free waits in line for at most half its remaining deadline, capped by
+--max-queue-wait (60 s by default), with at most --max-queued (32) calls in
+line; freed slots go round-robin across identities and in arrival order
+within one. A call without a deadline is refused at once when every slot is
+taken, unless the server's --queue-wait-no-deadline lets it wait. A stream
+or export waits for memory likewise, at most half its remaining deadline
+capped by --admission-wait (5 s), and not at all without a deadline. Every
+RESOURCE_EXHAUSTED the server sends, and the UNAVAILABLE of a draining
+server, carries the trailer "grpc-retry-pushback-ms" (gRFC A6), a decimal
+integer: the milliseconds after which a retry may succeed (for a full
+server an estimate, jittered; 1000 when memory is short; 500 when
+draining), or -1 where no retry can help (a plan over this server's limits,
+a lease or payload limit). Worth retrying are RESOURCE_EXHAUSTED with a
+pushback >= 0, and UNAVAILABLE; other codes are not refusals for load. The
+policy the paraminit client uses, which any gRPC client can set as its
+channel's service config (with retries enabled):
+  {"methodConfig": [{"name": [{"service": "paraminit.v1.InitService"}],
+                     "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.2s",
+                                     "maxBackoff": "5s", "backoffMultiplier": 2,
+                                     "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"]}}]}
+gRPC retries only a call that has received no response message, after its
+jittered exponential backoff or the pushback (-1 stops it), within the
+call's deadline, and not one whose request messages outgrew the client
+library's retry buffer.
 
 Health (grpc.health.v1, service "" and "paraminit.v1.InitService") and
 server reflection (grpc.reflection.v1 and v1alpha) are served beside it.

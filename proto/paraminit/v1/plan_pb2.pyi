@@ -125,12 +125,18 @@ class Plan(_message.Message):
         (safetensors), the hash continues over their content: for each Param i
         in order and, within it, its init then each patch's init, one line per
         reference, each line preceded by "\\n": "<i>:payload:<hex SHA-256 of
-        the payload's dtype name (e.g. float32), a NUL byte and its bytes as
-        uploaded>" or "<i>:safetensors:<hex SHA-256 of the bytes of the Param's
-        region (the whole tensor without one), row-major, as the file stores
-        them>" ("-" when it cannot be read).
+        the payload's dtype name (float32, float64, float16, bfloat16,
+        float8_e4m3fn or float8_e5m2; float32 for DTYPE_UNSPECIFIED), a NUL
+        byte and its bytes as uploaded>" or "<i>:safetensors:<hex SHA-256 of the
+        bytes of the Param's region (the whole tensor without one), row-major, as
+        the file stores them>" ("-" when it cannot be read).
     So `{"params": [{"name": "w", "shape": [2], "init": {"zeros": {}}}]}` and
     the same plan with "dtype": "DTYPE_FLOAT32" have one digest, from any client.
+    Known answers: that plan's canonical bytes are (hex)
+    0a 0c 0a 01 77 12 01 02 18 01 22 02 0a 00 and its plan_digest is
+    12bfab35112c8b6bb0dd72c6982b58fc321bc8c73769d5c44aa9a29402dabecc; the empty
+    plan {"params": []} has no canonical bytes and the digest
+    e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -632,7 +638,8 @@ Global___KaimingUniformForShape: _TypeAlias = KaimingUniformForShape  # noqa: Y0
 @_typing.final
 class Flat(_message.Message):
     """Values in row-major order of the full shape, as binary64; exactly as many as
-    the full shape has elements.
+    the full shape has elements, each finite (a NaN or an infinity is a
+    violation at params[i].init.flat.values).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -680,10 +687,17 @@ Global___FlatRef: _TypeAlias = FlatRef  # noqa: Y015
 @_typing.final
 class SafetensorsRef(_message.Message):
     """A tensor of a safetensors file the server can read (under its
-    --safetensors-dirs). Values are the stored tensor converted exactly to binary64,
-    in row-major order; its shape must be the parameter's full shape. dtype, when
-    set, is what the caller expects the stored tensor to be (a mismatch is a
-    violation); DTYPE_UNSPECIFIED here means "any".
+    --safetensors-dirs). Values are the stored tensor converted exactly to
+    binary64, in row-major order; its shape must be the parameter's full shape.
+    dtype, when set, is what the caller expects the stored tensor to be (a
+    mismatch is a violation); DTYPE_UNSPECIFIED here means "any".
+    `path` is a path on the server's host: absolute, or relative to the server
+    process's working directory. With "." and ".." folded lexically, it must
+    name a regular file strictly beneath one of the --safetensors-dirs (each as
+    given or with its links resolved), reached through no symbolic link below
+    that directory; a server without --safetensors-dirs reads no file. A path
+    that fails this is a violation at params[i].init.safetensors. The digest
+    covers `path` as written.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -14,7 +14,7 @@ from paraminit import dtypes, inits
 from paraminit.shapes import MAX_ELEMENTS, numel_at_most
 from paraminit.sizes import format_size
 from paraminit.v1 import plan_pb2
-from paraminit.violations import INVALID, LIMIT, Violation, camel_path
+from paraminit.violations import INVALID, LIMIT, NAME_ECHO, Violation, camel_path, clip
 from paraminit_server import errors
 from paraminit_server.plans import spec
 
@@ -258,8 +258,9 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | N
 
 
 def _shown_name(name: str) -> str:
-    """The name violations carry: whole up to the length limit, cut beyond it (it is echoed to the caller)."""
-    return name if len(name.encode()) <= MAX_NAME_BYTES else name[:ECHO] + f"... ({len(name)} characters)"
+    """The name violations carry: whole up to the length limit, clipped beyond it as every echo of a name is, so
+    the length it states is the name's own (it is echoed to the caller)."""
+    return name if len(name.encode()) <= MAX_NAME_BYTES else clip(name, NAME_ECHO)
 
 
 def _shape_echo(shape: list[int]) -> str:

@@ -19,7 +19,7 @@ import grpc
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from paraminit.violations import Violation, describe
+from paraminit.violations import NAME_ECHO, Violation, clip, describe
 from paraminit_server import errors
 from paraminit_server.plane.admission import DRAIN_RETRY_AFTER
 
@@ -35,17 +35,9 @@ MAX_MESSAGE_BYTES = 400
 TRAILER_BUDGET = 8192 - 1024  # room for the transport's own entries and any a proxy adds
 TRUNCATED_REASON = "VIOLATIONS_TRUNCATED"
 ERROR_DOMAIN = "paraminit.v1"
-MAX_NAME_ECHO = 48
+MAX_NAME_ECHO = NAME_ECHO
 MAX_FIELD_ECHO = 64
 MAX_DESCRIPTION_ECHO = 200
-
-
-def clip(text: str, limit: int) -> str:
-    """At most `limit` UTF-8 bytes of text, marked when cut."""
-    raw = text.encode("utf-8", "replace")
-    if len(raw) <= limit:
-        return text
-    return raw[:max(0, limit - 24)].decode("utf-8", "ignore") + f"... ({len(raw)} bytes)"
 
 
 def short(v: Violation) -> str:
