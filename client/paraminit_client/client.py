@@ -585,18 +585,18 @@ def tls_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.Channel
                                         certificate_chain=Path(cert).read_bytes() if cert else None)
 
 
-class _CallDetails(grpc.ClientCallDetails):  # type: ignore[misc]
-    def __init__(self, base: Any, metadata: list[tuple[str, str]]) -> None:
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, base: Any, metadata: list[tuple[str, str | bytes]]) -> None:
         self.method = base.method
         self.timeout = base.timeout
-        self.metadata = metadata
+        self.metadata = tuple(metadata)
         self.credentials = base.credentials
         self.wait_for_ready = base.wait_for_ready
         self.compression = base.compression
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
-                   grpc.StreamUnaryClientInterceptor):  # type: ignore[misc]
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor):
     """Adds `authorization: Bearer <token>` to every call (works on plaintext loopback channels too)."""
 
     def __init__(self, token: str) -> None:

@@ -18,7 +18,7 @@ import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -150,10 +150,12 @@ def identity(context: grpc.ServicerContext, tokens: TokenAuth | None,
     peer_ident, uid = peer_identity(context.peer(), endpoint)
     if ident is not None:
         return f"token:{ident}", uid
-    return certificate_identity(context.auth_context() or {}) or peer_ident, uid
+    # (typeshed's grpc stubs say Mapping[str, bytes]; gRPC gives each property as a list of values)
+    auth = cast("dict[str, list[bytes]]", context.auth_context() or {})
+    return certificate_identity(auth) or peer_ident, uid
 
 
-class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class AuthInterceptor(grpc.ServerInterceptor):
     """Rejects every call but health without a valid bearer token, on its metadata alone.
 
     The decision is made when the call's headers arrive. A denied call gets a request-streaming
@@ -167,7 +169,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         def deny(requests: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
-        self._deny = grpc.stream_stream_rpc_method_handler(deny)
+        self._deny: grpc.RpcMethodHandler[Any, Any] = grpc.stream_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
                           details: grpc.HandlerCallDetails) -> Any:

@@ -25,7 +25,7 @@ class Watched:
 
     __slots__ = ("cancel", "since", "stalled", "what")
 
-    def __init__(self, what: str, cancel: Callable[[], None]) -> None:
+    def __init__(self, what: str, cancel: Callable[[], object]) -> None:
         self.what = what
         self.cancel = cancel
         self.since: float | None = None
@@ -49,7 +49,7 @@ class StallWatch:
         self._stop = threading.Event()
 
     @contextlib.contextmanager
-    def watch(self, what: str, cancel: Callable[[], None]) -> Iterator[Watched]:
+    def watch(self, what: str, cancel: Callable[[], object]) -> Iterator[Watched]:
         """Watch a call for the block; `cancel` ends it (gRPC's context.cancel: the peer sees CANCELLED and the
         handler's generator or iterator is closed, so its slot and memory go back)."""
         w = Watched(what, cancel)

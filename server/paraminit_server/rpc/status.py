@@ -118,7 +118,7 @@ def _message(err: errors.ParaminitServerError) -> str:
 PUSHBACK = "grpc-retry-pushback-ms"  # gRPC's retry pushback trailer (gRFC A6): a delay, or negative for "don't"
 
 
-class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status):  # type: ignore[misc]
+class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status):
     pass
 
 
@@ -137,7 +137,7 @@ def to_status(err: errors.ParaminitServerError) -> grpc.Status:
     violations = err.violations if isinstance(err, (errors.InvalidPlan, errors.ResourceExhausted)) else ()
     if violations:
         st = with_violations(st, violations)
-    status = rpc_status.to_status(st)
+    status: grpc.Status = rpc_status.to_status(st)
     pushback = pushback_ms(err)
     if pushback is None:
         return status
@@ -171,8 +171,9 @@ def status_for(exc: BaseException, method: str) -> grpc.Status:
     INTERNAL with an error id that is in the server log (never the traceback, nor the exception's text)."""
     err = errors.classify(exc, method)
     if isinstance(err, errors.Internal):
-        return rpc_status.to_status(status_pb2.Status(
+        internal: grpc.Status = rpc_status.to_status(status_pb2.Status(
             code=code_pb2.INTERNAL, message=f"internal error (id {err.error_id}); see the server log"))
+        return internal
     return to_status(err)
 
 
