@@ -52,6 +52,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check proto server client tests bench
+	$(VENV)/bin/ruff format --check proto server client tests bench
 	$(VENV)/bin/mypy server/paraminit_server client/paraminit_client
 
 # buf (npm @bufbuild/buf, pinned) on the contract: `buf lint` with proto/buf.yaml's exceptions, and `buf breaking`

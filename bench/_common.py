@@ -72,8 +72,7 @@ def serve(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """A `paraminit serve` subprocess on a free loopback port; yields its target once SERVING."""
     full_env = {**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "cpu", **(env or {})}
     # `python -m paraminit_server`, not the console script: it runs from a source tree on PYTHONPATH too
-    proc = subprocess.Popen([sys.executable, "-m", "paraminit_server", *args], stdout=subprocess.PIPE, text=True,
-                            env=full_env)
+    proc = subprocess.Popen([sys.executable, "-m", "paraminit_server", *args], stdout=subprocess.PIPE, text=True, env=full_env)
     try:
         assert proc.stdout is not None
         m = re.search(r":(\d+) ", proc.stdout.readline())

@@ -79,14 +79,15 @@ def main() -> None:
     lat = sorted(latencies)
     served = sum(v for k, v in outcomes.items() if k.endswith(":OK"))
     total = args.callers * args.calls
-    print(f"burst: {args.callers} callers x {args.calls} calls of {args.mib} MiB, --max-concurrent "
-          f"{args.max_concurrent}, {args.timeout:.0f} s deadlines: {served}/{total} served with correct bytes "
-          f"in {elapsed:.1f} s")
+    print(
+        f"burst: {args.callers} callers x {args.calls} calls of {args.mib} MiB, --max-concurrent "
+        f"{args.max_concurrent}, {args.timeout:.0f} s deadlines: {served}/{total} served with correct bytes "
+        f"in {elapsed:.1f} s"
+    )
     for k, v in sorted(outcomes.items()):
         print(f"  {k:<28} {v}")
     if lat:
-        print(f"  latency p50 {lat[len(lat) // 2]:.2f} s  p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.2f} s  "
-              f"max {lat[-1]:.2f} s")
+        print(f"  latency p50 {lat[len(lat) // 2]:.2f} s  p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.2f} s  max {lat[-1]:.2f} s")
     sys.exit(0 if served == total else 1)
 
 

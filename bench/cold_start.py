@@ -44,15 +44,27 @@ PLAN = ROOT / "examples" / "gpt2_small.json"
 
 def _env(cache: str) -> dict[str, str]:
     path = os.pathsep.join(str(ROOT / sub) for sub in ("proto", "server", "client"))
-    return {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": path, "PARAMINIT_PORT": "0",
-            "PARAMINIT_BACKEND": "cpu", "PARAMINIT_LOG_FORMAT": "text"}
+    return {
+        **os.environ,
+        "NUMBA_CACHE_DIR": cache,
+        "PYTHONPATH": path,
+        "PARAMINIT_PORT": "0",
+        "PARAMINIT_BACKEND": "cpu",
+        "PARAMINIT_LOG_FORMAT": "text",
+    }
 
 
 def cli(cache: str, out: Path) -> tuple[float, float, bool]:
     """(wall seconds, compile seconds reported, compile line printed) of one CLI materialize."""
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "paraminit_client.cli", "materialize", str(PLAN), "-o", str(out)],
-                          env=_env(cache), capture_output=True, text=True, timeout=600, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "paraminit_client.cli", "materialize", str(PLAN), "-o", str(out)],
+        env=_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     wall = time.perf_counter() - started
     m = re.search(r"plus ([\d.]+) s compiling", done.stdout)
     return wall, float(m.group(1)) if m else 0.0, COMPILE_LINE in done.stderr
@@ -61,8 +73,9 @@ def cli(cache: str, out: Path) -> tuple[float, float, bool]:
 def server(cache: str, plan: Any) -> tuple[float, float, float]:
     """Seconds from spawning a server to its first SERVING answer, then of its first and second materialize."""
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "paraminit_server"], env=_env(cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paraminit_server"], env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         assert proc.stdout is not None
         m = re.search(r":(\d+) ", proc.stdout.readline())
@@ -87,8 +100,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     print(f"ndarray.fill {fill_gbps():.2f} GB/s (identifies the host); {os.cpu_count()} cores")
-    rows: dict[str, list[float]] = {k: [] for k in ("CLI cold", "CLI warm", "compile reported", "server cold",
-                                                     "server first call", "server warm call")}
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("CLI cold", "CLI warm", "compile reported", "server cold", "server first call", "server warm call")
+    }
     announced = []
     plan = load_plan(PLAN)
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,8 +116,7 @@ def main() -> None:
             rows["CLI warm"].append(cli(cache, out)[0])
             shutil.rmtree(cache)
             cache = tempfile.mkdtemp(dir=tmp)
-            for name, seconds in zip(("server cold", "server first call", "server warm call"), server(cache, plan),
-                                     strict=True):
+            for name, seconds in zip(("server cold", "server first call", "server warm call"), server(cache, plan), strict=True):
                 rows[name].append(seconds)
             shutil.rmtree(cache)
     print(f"{'what':<22} {'best s':>8} {'median s':>9}")
@@ -113,8 +126,7 @@ def main() -> None:
     serving = statistics.median(rows["server cold"])
     print("\ntargets")
     print(f"  CLI cold / CLI warm (median of rounds)   {ratio:5.2f}x  (target <= 4.00x)  {'ok' if ratio <= 4 else 'MISSED'}")
-    print(f"  server cold to SERVING (median)          {serving:5.2f} s  (target <= 10 s)   "
-          f"{'ok' if serving <= 10 else 'MISSED'}")
+    print(f"  server cold to SERVING (median)          {serving:5.2f} s  (target <= 10 s)   {'ok' if serving <= 10 else 'MISSED'}")
     print(f"  cold CLI printed the compile line        {sum(announced)}/{len(announced)}")
 
 

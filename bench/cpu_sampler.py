@@ -44,10 +44,19 @@ from paraminit import dtypes  # noqa: E402
 from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
 
 COLS = 4096
-INITS = ("zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",
-         "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "truncated_normal")
-TORCH_OP = {Kind.CONST: "fill_", Kind.AFFINE: "uniform_", Kind.NORMAL: "normal_", Kind.FLAT: "copy_",
-            Kind.TRUNCNORM: "trunc_normal_"}
+INITS = (
+    "zeros",
+    "ones",
+    "uniform",
+    "normal",
+    "xavier_uniform",
+    "kaiming_uniform",
+    "flat",
+    "xavier_uniform_for_shape",
+    "kaiming_uniform_for_shape",
+    "truncated_normal",
+)
+TORCH_OP = {Kind.CONST: "fill_", Kind.AFFINE: "uniform_", Kind.NORMAL: "normal_", Kind.FLAT: "copy_", Kind.TRUNCNORM: "trunc_normal_"}
 
 
 def make_param(init: str, dt: dtypes.DTypeInfo, rows: int, values: np.ndarray[Any, Any]) -> ResolvedParam:
@@ -61,7 +70,7 @@ def make_param(init: str, dt: dtypes.DTypeInfo, rows: int, values: np.ndarray[An
         i.flat.values.extend(values[:COLS].tolist())
         small = resolve_param(0, p)
         full = ((0, rows), (0, COLS))
-        return dataclasses.replace(small, shape=(rows, COLS), region=full, values=values[:rows * COLS])
+        return dataclasses.replace(small, shape=(rows, COLS), region=full, values=values[: rows * COLS])
     return resolve_param(0, p)
 
 
@@ -71,7 +80,7 @@ def check(p: ResolvedParam, out: np.ndarray[Any, Any]) -> None:
     for r in sorted({0, rows - 1}):
         sub = dataclasses.replace(p, region=((r, r + 1), (0, COLS)))
         want = reference.materialize(sub).reshape(-1)
-        got = out[r * COLS:(r + 1) * COLS]
+        got = out[r * COLS : (r + 1) * COLS]
         if not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
             raise SystemExit(f"MISMATCH: {p.name} row {r} differs from the reference")
 
@@ -109,13 +118,14 @@ def main() -> None:
     arena.fill(0)  # touch every page once, outside the timings
     # the flat payload, long enough for the smallest dtype
     values = np.random.default_rng(0).standard_normal(nbytes // min(d.itemsize for d in dtypes.SUPPORTED))
-    print(f"host: {cpu_model()}; {args.threads} threads, outputs of {args.mib} MiB, best of {args.repeat} (the "
-          "ndarray.fill rows below tell hosts apart)")
+    print(
+        f"host: {cpu_model()}; {args.threads} threads, outputs of {args.mib} MiB, best of {args.repeat} (the "
+        "ndarray.fill rows below tell hosts apart)"
+    )
     rows: list[tuple[str, float, float | None, float | None]] = []  # name, GB/s, x fill, x torch
 
     def row(name: str, seconds: float, fill_s: float | None = None, torch_s: float | None = None) -> None:
-        rows.append((name, nbytes / seconds / 1e9, fill_s / seconds if fill_s else None,
-                     torch_s / seconds if torch_s else None))
+        rows.append((name, nbytes / seconds / 1e9, fill_s / seconds if fill_s else None, torch_s / seconds if torch_s else None))
         print(f"  {name:<44} {nbytes / seconds / 1e9:8.2f} GB/s", flush=True)
 
     fill_s: dict[str, float] = {}
@@ -127,10 +137,12 @@ def main() -> None:
 
     gen = np.random.Generator(np.random.PCG64(0))
     f32 = arena.view(np.float32)
-    row("numpy PCG64 random float32", best_of(lambda: gen.random(dtype=np.float32, out=f32), args.repeat),
-        fill_s["float32"])
-    row("numpy PCG64 standard_normal float32",
-        best_of(lambda: gen.standard_normal(dtype=np.float32, out=f32), args.repeat), fill_s["float32"])
+    row("numpy PCG64 random float32", best_of(lambda: gen.random(dtype=np.float32, out=f32), args.repeat), fill_s["float32"])
+    row(
+        "numpy PCG64 standard_normal float32",
+        best_of(lambda: gen.standard_normal(dtype=np.float32, out=f32), args.repeat),
+        fill_s["float32"],
+    )
 
     torch_s: dict[tuple[str, str], float] = {}
     if torch is not None:
@@ -138,11 +150,14 @@ def main() -> None:
             tdt = getattr(torch, dt.name)
             t = torch.empty(nbytes // dt.itemsize, dtype=tdt)
             t.fill_(0)
-            src = torch.from_numpy(values[:t.numel()])
+            src = torch.from_numpy(values[: t.numel()])
             ops: dict[str, Callable[[], object]] = {
-                "fill_": functools.partial(t.fill_, 1.0), "uniform_": functools.partial(t.uniform_, -0.05, 0.05),
-                "normal_": functools.partial(t.normal_, 0.0, 0.02), "copy_": functools.partial(t.copy_, src),
-                "trunc_normal_": functools.partial(torch.nn.init.trunc_normal_, t, 0.0, 0.02, -0.04, 0.04)}
+                "fill_": functools.partial(t.fill_, 1.0),
+                "uniform_": functools.partial(t.uniform_, -0.05, 0.05),
+                "normal_": functools.partial(t.normal_, 0.0, 0.02),
+                "copy_": functools.partial(t.copy_, src),
+                "trunc_normal_": functools.partial(torch.nn.init.trunc_normal_, t, 0.0, 0.02, -0.04, 0.04),
+            }
             for op, fn in ops.items():
                 try:
                     fn()
@@ -156,7 +171,7 @@ def main() -> None:
     for init in args.inits.split(","):
         for dt in dtypes.SUPPORTED:
             p = make_param(init, dt, nbytes // dt.itemsize // COLS, values)
-            out = arena.view(dt.storage)[:p.numel]
+            out = arena.view(dt.storage)[: p.numel]
             backend.fill(p, out)
             check(p, out)
             ours = functools.partial(backend.fill, p, out)
@@ -164,8 +179,7 @@ def main() -> None:
             if torch is not None and op in ("normal_", "uniform_") and (op, dt.name) in torch_s:
                 # Round by round against the same torch call, so a busy neighbour slows both alike.
                 t = torch.empty(p.numel, dtype=getattr(torch, dt.name))
-                theirs = functools.partial(t.normal_, 0.0, 0.02) if op == "normal_" else \
-                    functools.partial(t.uniform_, -0.05, 0.05)
+                theirs = functools.partial(t.normal_, 0.0, 0.02) if op == "normal_" else functools.partial(t.uniform_, -0.05, 0.05)
                 theirs()
                 seconds, their_s = float("inf"), float("inf")
                 for _ in range(args.repeat):

@@ -47,7 +47,7 @@ def main() -> None:
         """Export and map; the release is timed apart (it frees pages, after the trainer is done)."""
         lease = c.export(p)
         w = lease.arrays["w"]
-        assert float(w[:: 1024].view(np.uint32).max()) > 0  # read one value per 4 KiB page
+        assert float(w[::1024].view(np.uint32).max()) > 0  # read one value per 4 KiB page
         held.append(lease)
 
     def timed_handoff(c: Any) -> tuple[float, float]:

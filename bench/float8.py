@@ -34,8 +34,10 @@ WINDOW = 64 << 20  # backends/cpu.py FILL_WINDOW: the span a fill works on
 INITS = {
     "normal": ({"normal": {"std": 0.02, "seed": 1}}, lambda t, torch: t.normal_(0.0, 0.02)),
     "uniform": ({"uniform": {"lo": -0.1, "hi": 0.1, "seed": 2}}, lambda t, torch: t.uniform_(-0.1, 0.1)),
-    "truncated_normal": ({"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04, "seed": 3}},
-                         lambda t, torch: torch.nn.init.trunc_normal_(t, 0.0, 0.02, -0.04, 0.04)),
+    "truncated_normal": (
+        {"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04, "seed": 3}},
+        lambda t, torch: torch.nn.init.trunc_normal_(t, 0.0, 0.02, -0.04, 0.04),
+    ),
 }
 
 
@@ -91,8 +93,12 @@ def child(who: str, init: str, dtype: str, n: int, repeat: int, threads: int) ->
 
 
 def run_child(who: str, init: str, dtype: str, n: int, repeat: int, threads: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", who, init, dtype, str(n), str(repeat), str(threads)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", who, init, dtype, str(n), str(repeat), str(threads)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -113,8 +119,10 @@ def main() -> None:
         sys.exit("torch is not installed: this bench compares with PyTorch (make venv installs it)")
     n = args.mib << 20
     print(host_line())
-    print(f"{args.mib} MiB 8-bit outputs ({n} elements), {args.threads} threads, best of {args.repeat}; peak = growth of "
-          "the child's peak RSS (VmHWM) during the first call")
+    print(
+        f"{args.mib} MiB 8-bit outputs ({n} elements), {args.threads} threads, best of {args.repeat}; peak = growth of "
+        "the child's peak RSS (VmHWM) during the first call"
+    )
     print(f"{'case':<36} {'paraminit s':>11} {'torch s':>9} {'x torch':>8} {'peak MiB':>9} {'torch peak':>10}")
     targets: list[tuple[str, float, float, bool]] = []
     for dtype in ("float8_e4m3fn", "float8_e5m2"):
@@ -123,14 +131,18 @@ def main() -> None:
             theirs = run_child("torch", init, dtype, n, args.repeat, args.threads)
             ratio = theirs["seconds"] / ours["seconds"]
             case = f"{init} {dtype}"
-            print(f"{case:<36} {ours['seconds']:11.3f} {theirs['seconds']:9.3f} {ratio:7.2f}x "
-                  f"{ours['peak_growth'] / 2**20:9.0f} {theirs['peak_growth'] / 2**20:10.0f}")
+            print(
+                f"{case:<36} {ours['seconds']:11.3f} {theirs['seconds']:9.3f} {ratio:7.2f}x "
+                f"{ours['peak_growth'] / 2**20:9.0f} {theirs['peak_growth'] / 2**20:10.0f}"
+            )
             targets.append((case, ratio, ours["peak_growth"], ours["peak_growth"] <= n + WINDOW))
     print("\ntargets")
     for case, ratio, peak, ok in targets:
         print(f"  {case:<36} {ratio:6.2f}x torch  (target >= 2.00x)  {'ok' if ratio >= 2 else 'MISSED'}")
-        print(f"  {case:<36} peak {peak / 2**20:6.0f} MiB  (target <= output + 64 MiB = "
-              f"{(n + WINDOW) / 2**20:.0f} MiB)  {'ok' if ok else 'MISSED'}")
+        print(
+            f"  {case:<36} peak {peak / 2**20:6.0f} MiB  (target <= output + 64 MiB = "
+            f"{(n + WINDOW) / 2**20:.0f} MiB)  {'ok' if ok else 'MISSED'}"
+        )
 
 
 if __name__ == "__main__":

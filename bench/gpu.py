@@ -91,8 +91,17 @@ def reference_window(p: ResolvedParam, l_begin: int, n: int) -> np.ndarray[Any, 
     """reference.py's values for local elements [l_begin, l_begin + n) of a region, in storage dtype."""
     local = np.unravel_index(np.arange(l_begin, l_begin + n, dtype=np.int64), p.out_shape)
     g = np.ravel_multi_index(tuple(ix + a for ix, (a, _) in zip(local, p.region, strict=True)), p.shape)
-    window = SimpleNamespace(kind=p.kind, p0=p.p0, p1=p.p1, key=p.key, values=p.values, lo=p.lo, hi=p.hi, seed=p.seed,
-                             global_indices=lambda: np.asarray(g, dtype=np.int64))
+    window = SimpleNamespace(
+        kind=p.kind,
+        p0=p.p0,
+        p1=p.p1,
+        key=p.key,
+        values=p.values,
+        lo=p.lo,
+        hi=p.hi,
+        seed=p.seed,
+        global_indices=lambda: np.asarray(g, dtype=np.int64),
+    )
     return reference.cast(reference.values_f64(cast(ResolvedParam, window)), p.dtype)
 
 
@@ -107,7 +116,7 @@ def check_sample(gpu: Any, p: ResolvedParam, out: Any) -> str:
     sample = NORMAL_SAMPLE if p.kind == Kind.NORMAL else SAMPLE
     for l_begin in sorted({0, max(0, n - sample)}):
         m = min(sample, n - l_begin)
-        got = np.asarray(gpu.to_host(out[l_begin:l_begin + m])).view(ub)
+        got = np.asarray(gpu.to_host(out[l_begin : l_begin + m])).view(ub)
         want = reference_window(p, l_begin, m).view(ub)
         bad = np.flatnonzero(got != want)
         if bad.size:
@@ -119,8 +128,14 @@ def gpt_like_plan(total_bytes: int) -> list[ResolvedParam]:
     """Many differently shaped float32/bfloat16 parameters (a transformer's mix), about total_bytes in all."""
     d = 2048
     layer: list[tuple[str, list[int], str]] = [
-        ("ln1", [d], "ones"), ("qkv", [3 * d, d], "xavier"), ("proj", [d, d], "kaiming"),
-        ("ln2", [d], "ones"), ("fc1", [4 * d, d], "normal"), ("fc2", [d, 4 * d], "uniform"), ("b", [4 * d], "zeros")]
+        ("ln1", [d], "ones"),
+        ("qkv", [3 * d, d], "xavier"),
+        ("proj", [d, d], "kaiming"),
+        ("ln2", [d], "ones"),
+        ("fc1", [4 * d, d], "normal"),
+        ("fc2", [d, 4 * d], "uniform"),
+        ("b", [4 * d], "zeros"),
+    ]
     per_layer = sum(int(np.prod(s)) for _, s, _ in layer) * 4
     out: list[ResolvedParam] = []
     for li in range(max(1, total_bytes // per_layer)):
@@ -160,8 +175,9 @@ def main() -> None:
     gpu.warm_up()
     dev = gpu.device()
     nbytes = int(args.gib * (1 << 30)) // (COLS * 8) * (COLS * 8)
-    print(f"device: {dev.name} ({dev.uuid}), {dev.memory_total / 2**30:.0f} GiB; outputs of {nbytes / 2**30:.2f} GiB, "
-          f"median of {args.repeat}")
+    print(
+        f"device: {dev.name} ({dev.uuid}), {dev.memory_total / 2**30:.0f} GiB; outputs of {nbytes / 2**30:.2f} GiB, median of {args.repeat}"
+    )
     rows: list[dict[str, Any]] = []
 
     def row(name: str, seconds: float, moved: int, check: str = "") -> None:
@@ -182,8 +198,7 @@ def main() -> None:
     if torch is not None:
         for tdt, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
             t = torch.empty(nbytes // torch.tensor([], dtype=tdt).element_size(), dtype=tdt, device="cuda")
-            row(f"torch uniform_ {name}", time_torch(torch, functools.partial(t.uniform_, -0.05, 0.05), args.repeat),
-                nbytes)
+            row(f"torch uniform_ {name}", time_torch(torch, functools.partial(t.uniform_, -0.05, 0.05), args.repeat), nbytes)
             row(f"torch normal_ {name}", time_torch(torch, functools.partial(t.normal_, 0.0, 0.02), args.repeat), nbytes)
             del t
         torch.cuda.empty_cache()
@@ -199,7 +214,7 @@ def main() -> None:
     for init in ("uniform", "normal"):
         rows_ = nbytes // 4 // (COLS // 2)
         p = make_param(init, dtypes.FLOAT32, rows_, ((0, rows_), (COLS // 4, 3 * COLS // 4)))
-        out = arena.view(np.float32)[:p.numel]
+        out = arena.view(np.float32)[: p.numel]
         seconds = time_events(cp, gpu.prepare_fill(p, out), args.repeat)
         row(f"paraminit {init} float32 column shard", seconds, p.nbytes, check_sample(gpu, p, out))
     plan = gpt_like_plan(nbytes)
@@ -210,7 +225,7 @@ def main() -> None:
     del arena
     plan_arena = gpu.scratch(pos)
     moved = sum(p.nbytes for p in plan)
-    views = [plan_arena[o:o + p.nbytes].view(p.dtype.storage) for p, o in zip(plan, offsets, strict=True)]
+    views = [plan_arena[o : o + p.nbytes].view(p.dtype.storage) for p, o in zip(plan, offsets, strict=True)]
 
     launches = [gpu.prepare_fill(p, v) for p, v in zip(plan, views, strict=True)]
 
@@ -219,8 +234,7 @@ def main() -> None:
             launch()
 
     jobs = [cb.Job(p, int(off)) for p, off in zip(plan, offsets, strict=True)]
-    row(f"paraminit fill_plan, {len(plan)} params, 1 launch",
-        time_events(cp, cb.prepare_jobs(jobs, plan_arena), args.repeat), moved)
+    row(f"paraminit fill_plan, {len(plan)} params, 1 launch", time_events(cp, cb.prepare_jobs(jobs, plan_arena), args.repeat), moved)
     row(f"paraminit fill per param, {len(plan)} launches", time_events(cp, per_param, args.repeat), moved)
 
     by = {r["name"]: r for r in rows}
@@ -238,11 +252,12 @@ def main() -> None:
             parts.append(f"{r['gbps'] / ref['gbps']:5.2f}x torch {'normal_' if init == 'normal' else 'uniform_'}")
             ok &= r["gbps"] >= (0.5 if init == "normal" else 1.0) * ref["gbps"]
         print(f"  {init:<8} " + ", ".join(parts))
-    print("targets (uniform/xavier/kaiming >= 1.0x torch uniform_ and >= 0.5x copy; normal >= 0.5x torch normal_): "
-          + ("MET" if ok else "NOT MET"))
+    print(
+        "targets (uniform/xavier/kaiming >= 1.0x torch uniform_ and >= 0.5x copy; normal >= 0.5x torch normal_): "
+        + ("MET" if ok else "NOT MET")
+    )
     if args.json:
-        args.json.write_text(json.dumps({"device": dev.name, "bytes": nbytes, "rows": rows, "targets_met": ok},
-                                        indent=1))
+        args.json.write_text(json.dumps({"device": dev.name, "bytes": nbytes, "rows": rows, "targets_met": ok}, indent=1))
 
 
 if __name__ == "__main__":

@@ -59,9 +59,13 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".tokens") as tokens:
         tokens.write("good:good-token-0123456789\nbad:bad-token-0123456789\n")
         tokens.flush()
-        env = {"PARAMINIT_MAX_CONCURRENT": "2", "PARAMINIT_MEMORY_BUDGET": str(BUDGET),
-               "PARAMINIT_MAX_STALL": str(STALL), "PARAMINIT_AUTH_TOKENS_FILE": tokens.name,
-               "PARAMINIT_SLAB_BYTES": str(4 << 20)}
+        env = {
+            "PARAMINIT_MAX_CONCURRENT": "2",
+            "PARAMINIT_MEMORY_BUDGET": str(BUDGET),
+            "PARAMINIT_MAX_STALL": str(STALL),
+            "PARAMINIT_AUTH_TOKENS_FILE": tokens.name,
+            "PARAMINIT_SLAB_BYTES": str(4 << 20),
+        }
         with serve(env=env) as target:
             pid = PIDS[target]
             idle_rss = rss_kib(pid)[0] << 10
@@ -70,8 +74,9 @@ def main() -> None:
             bad_md = (("authorization", "Bearer bad-token-0123456789"),)
             channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
             stub = pb_grpc.InitServiceStub(channel)
-            upload = channel.stream_unary("/paraminit.v1.InitService/UploadPayload", request_serializer=bytes,
-                                          response_deserializer=pb.PayloadRef.FromString)
+            upload = channel.stream_unary(
+                "/paraminit.v1.InitService/UploadPayload", request_serializer=bytes, response_deserializer=pb.PayloadRef.FromString
+            )
 
             def bad_loop(kind: str) -> None:
                 while not stop.is_set():
@@ -115,9 +120,12 @@ def main() -> None:
                 while not stop.is_set():
                     t = time.monotonic()
                     try:
-                        n = sum(1 for _ in good.Materialize(pb.MaterializeRequest(plan=small),
-                                                            metadata=(("authorization", "Bearer good-token-0123456789"),),
-                                                            timeout=60))
+                        n = sum(
+                            1
+                            for _ in good.Materialize(
+                                pb.MaterializeRequest(plan=small), metadata=(("authorization", "Bearer good-token-0123456789"),), timeout=60
+                            )
+                        )
                         count("good: stream", "OK" if n else "EMPTY")
                         with lock:
                             waits.append(time.monotonic() - t)
@@ -140,8 +148,10 @@ def main() -> None:
                 t.join(70)
             hwm = rss_kib(pid)[1] << 10
             channel.close()
-    print(f"{args.seconds:.0f} s, server: 2 slots, budget {BUDGET >> 20} MiB, --max-stall {STALL:.0f} s; "
-          "identity bad: 2 stalled readers, a slow reader, a caller cancelling at once, a stalled upload")
+    print(
+        f"{args.seconds:.0f} s, server: 2 slots, budget {BUDGET >> 20} MiB, --max-stall {STALL:.0f} s; "
+        "identity bad: 2 stalled readers, a slow reader, a caller cancelling at once, a stalled upload"
+    )
     print(f"{'caller':<28} {'calls':>6}  status codes")
     for kind, counter in sorted(codes.items()):
         print(f"{kind:<28} {sum(counter.values()):>6}  {dict(counter)}")
@@ -150,14 +160,18 @@ def main() -> None:
     served = good["OK"] == sum(good.values()) and good["OK"] > 0
     longest = max(waits) if waits else float("inf")
     within = peak <= BUDGET + idle_rss
-    print(f"good calls: {good['OK']} of {sum(good.values())} served; longest {longest:.2f} s "
-          f"(a slot held by a stalled reader comes back within --max-stall + its check: {STALL * 1.25:.2f} s)")
-    print(f"server RSS: idle {idle_rss >> 20} MiB, peak sampled {peak >> 20} MiB, VmHWM {hwm >> 20} MiB; budget "
-          f"{BUDGET >> 20} MiB")
+    print(
+        f"good calls: {good['OK']} of {sum(good.values())} served; longest {longest:.2f} s "
+        f"(a slot held by a stalled reader comes back within --max-stall + its check: {STALL * 1.25:.2f} s)"
+    )
+    print(f"server RSS: idle {idle_rss >> 20} MiB, peak sampled {peak >> 20} MiB, VmHWM {hwm >> 20} MiB; budget {BUDGET >> 20} MiB")
     print("targets")
-    for name, ok in (("every good call served", served), ("no INTERNAL or UNKNOWN anywhere", internal == 0),
-                     ("good calls wait at most the stall limit and one call", longest <= STALL * 1.25 + 5.0),
-                     ("peak RSS within budget + idle RSS", within)):
+    for name, ok in (
+        ("every good call served", served),
+        ("no INTERNAL or UNKNOWN anywhere", internal == 0),
+        ("good calls wait at most the stall limit and one call", longest <= STALL * 1.25 + 5.0),
+        ("peak RSS within budget + idle RSS", within),
+    ):
         print(f"  {name:<56} {'ok' if ok else 'MISSED'}")
 
 

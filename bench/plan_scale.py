@@ -98,8 +98,7 @@ def main() -> None:
         row["validate, in process"] = timed(functools.partial(local.validate, plan), repeat)
         row["materialize, in process"] = timed(functools.partial(local.materialize, plan), repeat)
         if torch is not None:
-            row["PyTorch empty + normal_"] = timed(
-                lambda n=n: [torch.empty(SHAPE).normal_(0.0, 0.02) for _ in range(n)], repeat)
+            row["PyTorch empty + normal_"] = timed(lambda n=n: [torch.empty(SHAPE).normal_(0.0, 0.02) for _ in range(n)], repeat)
         results[n] = row
         if not args.no_server:
             try:
@@ -108,8 +107,10 @@ def main() -> None:
                     before = rss(pid)[0]
                     row["materialize, server (STREAM)"] = timed(functools.partial(remote.materialize, plan), repeat)
                     after, peak = rss(pid)
-                    notes.append(f"N={n}: server RSS {before / 1e6:.0f} MB before, {after / 1e6:.0f} MB after, "
-                                 f"peak {peak / 1e6:.0f} MB ({(peak - before) / n:.0f} bytes/param over start)")
+                    notes.append(
+                        f"N={n}: server RSS {before / 1e6:.0f} MB before, {after / 1e6:.0f} MB after, "
+                        f"peak {peak / 1e6:.0f} MB ({(peak - before) / n:.0f} bytes/param over start)"
+                    )
             except Exception as exc:  # a limit (plan size, message size) is a result too
                 notes.append(f"N={n}: server failed: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
         print(head)
@@ -117,8 +118,7 @@ def main() -> None:
         ref = min(row["PyTorch empty + normal_"]) if "PyTorch empty + normal_" in row else None
         for name, times in row.items():
             x = f"{ref / min(times):.2f}" if ref and name.startswith("materialize") else "-"
-            print(f"{n:>8} {name:<34} {min(times):>8.3f} {statistics.median(times):>9.3f} "
-                  f"{min(times) / n * 1e6:>9.1f} {x:>10}", flush=True)
+            print(f"{n:>8} {name:<34} {min(times):>8.3f} {statistics.median(times):>9.3f} {min(times) / n * 1e6:>9.1f} {x:>10}", flush=True)
         if ref:
             checks.append((f"N={n} in process vs PyTorch", ref / min(row["materialize, in process"]), 1.0, True))
             server = row.get("materialize, server (STREAM)")

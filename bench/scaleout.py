@@ -26,10 +26,14 @@ def main() -> None:
     from paraminit_client import Client, param, plan_of
 
     quarter = nbytes // 4
-    plan = plan_of([param("emb", [quarter // 2048, 1024], {"normal": {"std": 0.02, "seed": 1}}, "bfloat16"),
-                    param("w1", [quarter // 4096, 1024], {"kaimingUniformForShape": {"seed": 2}}),
-                    param("w2", [quarter // 4096, 1024], {"uniform": {"lo": -1, "hi": 1, "seed": 3}}),
-                    param("w3", [quarter // 4096, 1024], {"xavierUniformForShape": {"seed": 4}})])
+    plan = plan_of(
+        [
+            param("emb", [quarter // 2048, 1024], {"normal": {"std": 0.02, "seed": 1}}, "bfloat16"),
+            param("w1", [quarter // 4096, 1024], {"kaimingUniformForShape": {"seed": 2}}),
+            param("w2", [quarter // 4096, 1024], {"uniform": {"lo": -1, "hi": 1, "seed": 3}}),
+            param("w3", [quarter // 4096, 1024], {"xavierUniformForShape": {"seed": 4}}),
+        ]
+    )
     rows = []
     with contextlib.ExitStack() as stack:
         targets = [stack.enter_context(serve()) for _ in range(3)]

@@ -74,8 +74,15 @@ def main() -> None:
     args = ap.parse_args()
     from paraminit_client import Client, ParaminitError, param, plan_of
 
-    plans = [plan_of([param("w", [512, 1024], {"uniform": {"lo": -1, "hi": 1, "seed": s}}),
-                      param("e", [1024, 256], {"normal": {"std": 0.02, "seed": s + 1}}, "bfloat16")]) for s in range(4)]
+    plans = [
+        plan_of(
+            [
+                param("w", [512, 1024], {"uniform": {"lo": -1, "hi": 1, "seed": s}}),
+                param("e", [1024, 256], {"normal": {"std": 0.02, "seed": s + 1}}, "bfloat16"),
+            ]
+        )
+        for s in range(4)
+    ]
     invalid = plan_of([param("w", [4], {"uniform": {"lo": 1, "hi": 0}}), param("w", [2], {"flat": {"values": [1]}})])
     lock = threading.Lock()
     codes: collections.Counter[str] = collections.Counter()
@@ -124,6 +131,7 @@ def main() -> None:
         env["PARAMINIT_AUTH_TOKENS"] = ",".join(f"client-{i}:soak-client-token-{i:04d}" for i in range(args.clients))
     with serve(env=env) as target:
         pid = PIDS[target]
+
         def run(seconds: float) -> float:
             nonlocal stop_at
             started = time.monotonic()
@@ -158,13 +166,17 @@ def main() -> None:
         print(f"  {k:<28} {v}")
     delta = {k: m1[k] - m0.get(k, 0.0) for k in m1}
     refusals = {k: v for k, v in delta.items() if k.startswith("paraminit_refusals_total") and v}
-    print(f"  refusals      {int(sum(refusals.values()))}" + "".join(f"\n    {k[len('paraminit_refusals_total'):]} "
-                                                                     f"{int(v)}" for k, v in sorted(refusals.items())))
+    print(
+        f"  refusals      {int(sum(refusals.values()))}"
+        + "".join(f"\n    {k[len('paraminit_refusals_total') :]} {int(v)}" for k, v in sorted(refusals.items()))
+    )
     waits = delta.get("paraminit_queue_wait_seconds_count", 0.0)
     if waits:
         immediate = delta.get('paraminit_queue_wait_seconds_bucket{le="0.0"}', 0.0)
-        print(f"  queue wait    {int(waits)} admitted, {int(waits - immediate)} waited, mean "
-              f"{delta.get('paraminit_queue_wait_seconds_sum', 0.0) / waits * 1000:.1f} ms")
+        print(
+            f"  queue wait    {int(waits)} admitted, {int(waits - immediate)} waited, mean "
+            f"{delta.get('paraminit_queue_wait_seconds_sum', 0.0) / waits * 1000:.1f} ms"
+        )
         for le in ("0.1", "1.0", "5.0", "30.0"):
             bucket = 'paraminit_queue_wait_seconds_bucket{le="' + le + '"}'
             print(f"    <= {le:>4} s  {int(delta.get(bucket, 0.0))}")
@@ -174,8 +186,10 @@ def main() -> None:
         print("  per client    requests  p50 ms  p99 ms")
         for i, v in sorted(per_client.items()):
             print(f"    {i:>3}       {len(v):>8}  {pct(v, 0.5) * 1000:>6.1f}  {pct(v, 0.99) * 1000:>6.1f}")
-        print(f"  spread        p50 {min(p50s):.1f}-{max(p50s):.1f} ms, p99 {min(p99s):.1f}-{max(p99s):.1f} ms, "
-              f"requests {min(len(v) for v in per_client.values())}-{max(len(v) for v in per_client.values())}")
+        print(
+            f"  spread        p50 {min(p50s):.1f}-{max(p50s):.1f} ms, p99 {min(p99s):.1f}-{max(p99s):.1f} ms, "
+            f"requests {min(len(v) for v in per_client.values())}-{max(len(v) for v in per_client.values())}"
+        )
     print(f"  server RSS    before {rss0 / 2**20:.1f} MiB  after {rss1 / 2**20:.1f} MiB")
     print(f"  /dev/shm      before {shm0} B  after {shm1} B")
 

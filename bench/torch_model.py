@@ -101,6 +101,7 @@ def main() -> None:
             model = on_meta()
             lease = materialize_module(model, client, delivery=delivery, plan=plan_from_module(model, seed=0))
             return model, lease
+
         return run
 
     def release(result: object) -> None:
@@ -127,32 +128,38 @@ def main() -> None:
 
     plan_bytes = len(plan.SerializeToString())
     ref = min(pytorch)
-    print(f"GPT-2 small ({sum(p.numel() for p in on_meta().parameters()):,} parameters), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, best and median of {args.repeat}")
+    print(
+        f"GPT-2 small ({sum(p.numel() for p in on_meta().parameters()):,} parameters), torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, best and median of {args.repeat}"
+    )
     head = f"{'what':<52} {'best s':>8} {'median s':>9} {'x PyTorch':>10}"
     print(head)
     print("-" * len(head))
-    rows = [("PyTorch nn.Module on cpu (own init)", pytorch),
-            ("paraminit: meta + plan + materialize, in process", in_process),
-            ("paraminit: ... from local server, SHM", shm),
-            ("paraminit: ... SHM, a fresh server's first call", first_shm),
-            ("paraminit: ... SHM, segments pooled by the server", shm_pooled),
-            ("paraminit: ... from local server, STREAM", stream),
-            ("  of which: meta build + plan_from_module", plan_s)]
+    rows = [
+        ("PyTorch nn.Module on cpu (own init)", pytorch),
+        ("paraminit: meta + plan + materialize, in process", in_process),
+        ("paraminit: ... from local server, SHM", shm),
+        ("paraminit: ... SHM, a fresh server's first call", first_shm),
+        ("paraminit: ... SHM, segments pooled by the server", shm_pooled),
+        ("paraminit: ... from local server, STREAM", stream),
+        ("  of which: meta build + plan_from_module", plan_s),
+    ]
     for name, times in rows:
         print(f"{name:<52} {min(times):>8.3f} {statistics.median(times):>9.3f} {ref / min(times):>10.2f}")
     print(f"{'in-process Client() start (once per process)':<52} {startup:>8.3f}")
     print(host_line())
     print("targets (best against best)")
-    for name, times, want in (("in process", in_process, 4.0), ("SHM", shm, 2.5),
-                              ("SHM, fresh server's first call", first_shm, 2.5)):
+    for name, times, want in (("in process", in_process, 4.0), ("SHM", shm, 2.5), ("SHM, fresh server's first call", first_shm, 2.5)):
         got = ref / min(times)
         print(f"  {name + ' vs PyTorch own init':<40} {got:6.2f}x  (target >= {want:.1f}x)  {'ok' if got >= want else 'MISSED'}")
-    print(f"plan {plan_bytes:,} bytes ({len(plan.params)} params) vs weights {weight_bytes:,} bytes: "
-          f"{weight_bytes / plan_bytes:,.0f}x smaller")
+    print(
+        f"plan {plan_bytes:,} bytes ({len(plan.params)} params) vs weights {weight_bytes:,} bytes: "
+        f"{weight_bytes / plan_bytes:,.0f}x smaller"
+    )
 
 
 # -- Hugging Face transformers: policy="hf" against from_config --------------------------
+
 
 def _hf_groups(model: nn.Module) -> dict[str, torch.Tensor]:
     """Floating tensors grouped by name without layer numbers (h.0.attn.c_proj.weight -> h.attn.c_proj.weight)."""
@@ -207,19 +214,22 @@ def hf_rows(repeat: int) -> None:
         torch.manual_seed(0)
         a, b = _hf_groups(theirs(cfg)), _hf_groups(ours(cfg, client))
         loss_small = (_hf_loss(theirs(cfg), cfg.vocab_size), _hf_loss(ours(cfg, client), cfg.vocab_size))
-        tiny = GPT2Config(vocab_size=1000, n_positions=128, n_embd=256, n_layer=4, n_head=4, bos_token_id=0,
-                          eos_token_id=0)
+        tiny = GPT2Config(vocab_size=1000, n_positions=128, n_embd=256, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0)
         torch.manual_seed(0)
         loss_tiny = (_hf_loss(theirs(tiny), 1000), _hf_loss(ours(tiny, client), 1000))
 
-    print(f"\ntransformers {transformers.__version__} GPT2LMHeadModel, GPT-2 small config, "
-          f"{torch.get_num_threads()} threads, best and median of {repeat}")
+    print(
+        f"\ntransformers {transformers.__version__} GPT2LMHeadModel, GPT-2 small config, "
+        f"{torch.get_num_threads()} threads, best and median of {repeat}"
+    )
     head = f"{'what':<52} {'best s':>8} {'median s':>9} {'x HF':>10}"
     print(head)
     print("-" * len(head))
-    for name, times in (("AutoModelForCausalLM.from_config (HF init)", base),
-                        ("paraminit: meta + materialize_module(policy=hf)", fast),
-                        ("  ... from a local server, STREAM", streamed)):
+    for name, times in (
+        ("AutoModelForCausalLM.from_config (HF init)", base),
+        ("paraminit: meta + materialize_module(policy=hf)", fast),
+        ("  ... from a local server, STREAM", streamed),
+    ):
         print(f"{name:<52} {min(times):>8.3f} {statistics.median(times):>9.3f} {min(base) / min(times):>10.2f}")
     got = min(base) / min(streamed)
     print(f"target: STREAM from a local server vs HF init {got:.2f}x (target >= 3.0x)  {'ok' if got >= 3.0 else 'MISSED'}")
@@ -228,10 +238,11 @@ def hf_rows(repeat: int) -> None:
         x, y = a[key].float(), b[key].float()
         ratio = f"{float(y.std() / x.std()):.4f}" if x.std() > 0 else "const" if torch.equal(x, y) else "DIFF"
         print(f"{key:<40} {float(x.std()):>10.5f} {float(y.std()):>10.5f} {ratio:>7}")
-    print(f"\ninitial loss, random tokens (4x64): GPT-2 small: HF {loss_small[0]:.3f}, paraminit hf {loss_small[1]:.3f} "
-          f"(ln V = {math.log(cfg.vocab_size):.3f})")
-    print(f"tiny GPT-2 (vocab 1000): HF {loss_tiny[0]:.3f}, paraminit hf {loss_tiny[1]:.3f} "
-          f"(ln V = {math.log(1000):.3f})")
+    print(
+        f"\ninitial loss, random tokens (4x64): GPT-2 small: HF {loss_small[0]:.3f}, paraminit hf {loss_small[1]:.3f} "
+        f"(ln V = {math.log(cfg.vocab_size):.3f})"
+    )
+    print(f"tiny GPT-2 (vocab 1000): HF {loss_tiny[0]:.3f}, paraminit hf {loss_tiny[1]:.3f} (ln V = {math.log(1000):.3f})")
 
 
 if __name__ == "__main__":

@@ -137,13 +137,37 @@ def _free_port() -> int:
 
 
 def run_ranks(way: str, args: argparse.Namespace, ckpt: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(args.ranks), "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(args.ranks),
+        "OMP_NUM_THREADS": "1",
+        "NUMBA_NUM_THREADS": "1",
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", way, "--flavor", args.flavor, "--dtype",
-                                   args.dtype, "--ranks", str(args.ranks), "--ckpt", ckpt, "--out",
-                                   f"{tmp}/r{r}.json"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-                 for r in range(args.ranks)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    way,
+                    "--flavor",
+                    args.flavor,
+                    "--dtype",
+                    args.dtype,
+                    "--ranks",
+                    str(args.ranks),
+                    "--ckpt",
+                    ckpt,
+                    "--out",
+                    f"{tmp}/r{r}.json",
+                ],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            )
+            for r in range(args.ranks)
+        ]
         codes = [p.wait(args.timeout) for p in procs]
         if any(codes):
             raise SystemExit(f"{way}: ranks exited with {codes}")
@@ -170,13 +194,16 @@ def main() -> None:
         theirs = run_ranks("titan", args, ckpt)
         save_s = save_seed_checkpoint(args.flavor, args.dtype, ckpt)
         load = run_ranks("load", args, ckpt)
-    slowest = {w: max(r["seconds"] for r in rs) for w, rs in (("paraminit", ours), ("titan", theirs),
-                                                               ("load", load))}
-    rows = [("paraminit materialize_module (torchtitan policy)", slowest["paraminit"]),
-            ("torchtitan to_empty + init_weights", slowest["titan"]),
-            ("seed checkpoint: save (1 process) + load (per rank)", save_s + slowest["load"])]
-    print(f"\nLlama 3 {args.flavor}, {ours[0]['params'] / 1e6:.1f}M parameters, {args.dtype}, FSDP2 over "
-          f"{args.ranks} gloo ranks on {os.cpu_count()} CPUs; seconds of the slowest rank")
+    slowest = {w: max(r["seconds"] for r in rs) for w, rs in (("paraminit", ours), ("titan", theirs), ("load", load))}
+    rows = [
+        ("paraminit materialize_module (torchtitan policy)", slowest["paraminit"]),
+        ("torchtitan to_empty + init_weights", slowest["titan"]),
+        ("seed checkpoint: save (1 process) + load (per rank)", save_s + slowest["load"]),
+    ]
+    print(
+        f"\nLlama 3 {args.flavor}, {ours[0]['params'] / 1e6:.1f}M parameters, {args.dtype}, FSDP2 over "
+        f"{args.ranks} gloo ranks on {os.cpu_count()} CPUs; seconds of the slowest rank"
+    )
     print(f"{'way':<54} {'seconds':>8} {'x paraminit':>12}")
     for name, s in rows:
         print(f"{name:<54} {s:8.2f} {s / slowest['paraminit']:12.2f}")

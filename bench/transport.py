@@ -83,9 +83,13 @@ class BareClient:
     """A plain gRPC client program in its own process (its own malloc settings), timed there."""
 
     def __init__(self, port: int, nbytes: int, chunk: int, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", BARE_CLIENT, str(port), str(nbytes), str(chunk)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, **env})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", BARE_CLIENT, str(port), str(nbytes), str(chunk)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+        )
 
     def seconds(self, what: str) -> float:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -101,8 +105,7 @@ class BareClient:
 def bare_grpc(nbytes: int, chunk: int, env: dict[str, str]) -> Iterator[BareClient]:
     """A bare gRPC server streaming (and sinking) nbytes in chunk-sized messages, and a bare client, each in
     its own process."""
-    server = subprocess.Popen([sys.executable, "-c", BARE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    server = subprocess.Popen([sys.executable, "-c", BARE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         client = BareClient(int(server.stdout.readline()), nbytes, chunk, env)
@@ -217,14 +220,19 @@ def main() -> None:
             ("Client.stream, verified chunks", lambda: verified(c, plan, chunk), lambda: None),
             ("Client.materialize_into, own arrays", lambda: c.materialize_into(plan, {"w": into}), lambda: None),
             ("Client.materialize, new buffer", lambda: c.materialize(plan, chunk_bytes=chunk), lambda: None),
-            ("materialize_to_file, durable", lambda: c.materialize_to_file(plan, out, chunk_bytes=chunk),
-             lambda: removed(out)),
-            ("materialize_to_file, page cache",
-             lambda: c.materialize_to_file(plan, out, chunk_bytes=chunk, durable=False), lambda: removed(out)),
+            ("materialize_to_file, durable", lambda: c.materialize_to_file(plan, out, chunk_bytes=chunk), lambda: removed(out)),
+            (
+                "materialize_to_file, page cache",
+                lambda: c.materialize_to_file(plan, out, chunk_bytes=chunk, durable=False),
+                lambda: removed(out),
+            ),
             ("disk: write + fsync", lambda: disk_write(nbytes, raw), lambda: removed(out, raw)),
             ("bare gRPC client stream", lambda: plain.seconds("U"), lambda: None),
-            ("Client.upload_payload", lambda: c.upload_payload(values, chunk_bytes=chunk),
-             lambda: (time.sleep(0.6), c.validate(plan_of([])))),
+            (
+                "Client.upload_payload",
+                lambda: c.upload_payload(values, chunk_bytes=chunk),
+                lambda: (time.sleep(0.6), c.validate(plan_of([]))),
+            ),
         ]
         times: dict[str, list[float]] = {name: [] for name, _, _ in timed}
         for _ in range(args.repeat):
@@ -232,8 +240,12 @@ def main() -> None:
                 before()
                 t = time.perf_counter()
                 got = fn()
-                times[name].append(got if isinstance(got, float) else  # bare rows time themselves
-                                   time.perf_counter() - t)
+                times[name].append(
+                    got
+                    if isinstance(got, float)
+                    # bare rows time themselves
+                    else time.perf_counter() - t
+                )
     if args.rounds:
         for name, t in times.items():
             print(f"{name:<36} GB/s by round: " + " ".join(f"{nbytes / x / 1e9:.2f}" for x in t))
@@ -242,37 +254,45 @@ def main() -> None:
     with Client() as local:
         local.materialize(plan_of([param("w", [1024], {"zeros": {}})]))
         rows.append(("Client.materialize (in process)", runs(lambda: local.materialize(plan), args.repeat)))
-    print(f"transport: {args.mib} MiB float32 uniform plan, {chunk} B messages, {args.backend} server, best and median "
-          f"of {args.repeat}")
+    print(f"transport: {args.mib} MiB float32 uniform plan, {chunk} B messages, {args.backend} server, best and median of {args.repeat}")
     print("ratios: best against best, and the median of the ratios within each round (same moment, same noise)")
     best = {name: min(t) for name, t in rows}
-    head = (f"{'what':<36} {'best GB/s':>10} {'median GB/s':>12} {'x bare stream':>14} {'(per round)':>12} "
-            f"{'x bare upload':>14} {'(per round)':>12}")
+    head = (
+        f"{'what':<36} {'best GB/s':>10} {'median GB/s':>12} {'x bare stream':>14} {'(per round)':>12} "
+        f"{'x bare upload':>14} {'(per round)':>12}"
+    )
     print(head)
     print("-" * len(head))
     for name, t in rows:
         paired = len(t) == len(times["bare gRPC stream"])
-        per_round = [statistics.median(a / b for a, b in zip(times[ref], t, strict=True)) if paired else float("nan")
-                     for ref in ("bare gRPC stream", "bare gRPC client stream")]
-        print(f"{name:<36} {nbytes / min(t) / 1e9:>10.2f} {nbytes / statistics.median(t) / 1e9:>12.2f} "
-              f"{best['bare gRPC stream'] / min(t):>14.2f} {per_round[0]:>12.2f} "
-              f"{best['bare gRPC client stream'] / min(t):>14.2f} {per_round[1]:>12.2f}")
+        per_round = [
+            statistics.median(a / b for a, b in zip(times[ref], t, strict=True)) if paired else float("nan")
+            for ref in ("bare gRPC stream", "bare gRPC client stream")
+        ]
+        print(
+            f"{name:<36} {nbytes / min(t) / 1e9:>10.2f} {nbytes / statistics.median(t) / 1e9:>12.2f} "
+            f"{best['bare gRPC stream'] / min(t):>14.2f} {per_round[0]:>12.2f} "
+            f"{best['bare gRPC client stream'] / min(t):>14.2f} {per_round[1]:>12.2f}"
+        )
     print(host_line())
     print("\ntargets (median of per-round ratios)")
     # a durable file cannot beat the slower of the disk and the wire: its target is against that, per round
     slower = [max(d, w) for d, w in zip(times["disk: write + fsync"], times["bare gRPC stream"], strict=True)]
     tcp = min(dict(rows)["TCP socket"])
-    for name, ref, want in (("Client.stream, verified chunks", "bare gRPC stream", 0.8),
-                            ("Client.materialize, new buffer", "bare gRPC stream", 0.8),
-                            ("Client.materialize, new buffer", "bare gRPC stream (x1.5: past one stream)", 1.5),
-                            ("materialize_to_file, durable", "slower of disk and bare stream", 0.8),
-                            ("Client.upload_payload", "bare gRPC client stream", 0.5)):
+    for name, ref, want in (
+        ("Client.stream, verified chunks", "bare gRPC stream", 0.8),
+        ("Client.materialize, new buffer", "bare gRPC stream", 0.8),
+        ("Client.materialize, new buffer", "bare gRPC stream (x1.5: past one stream)", 1.5),
+        ("materialize_to_file, durable", "slower of disk and bare stream", 0.8),
+        ("Client.upload_payload", "bare gRPC client stream", 0.5),
+    ):
         base = slower if ref.startswith("slower") else times[ref.split(" (")[0]]
         got = statistics.median(a / b for a, b in zip(base, times[name], strict=True))
         print(f"  {name + ' vs ' + ref:<72} {got:6.2f}x  (target >= {want:.2f}x)  {'ok' if got >= want else 'MISSED'}")
     got = tcp / min(times["Client.materialize, new buffer"])
-    print(f"  {'Client.materialize, new buffer vs TCP socket (best)':<72} {got:6.2f}x  (target >= 0.50x)  "
-          f"{'ok' if got >= 0.5 else 'MISSED'}")
+    print(
+        f"  {'Client.materialize, new buffer vs TCP socket (best)':<72} {got:6.2f}x  (target >= 0.50x)  {'ok' if got >= 0.5 else 'MISSED'}"
+    )
 
 
 if __name__ == "__main__":

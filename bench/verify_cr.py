@@ -150,10 +150,18 @@ def check_chunk(job: tuple[str, int, int]) -> dict[str, Any]:
     want, n_mp, worst = oracle(fn, inputs(fn, k))
     bad = np.nonzero(cr.view(np.int64) != want.view(np.int64))[0]
     dist = np.abs(plain.view(np.int64) - want.view(np.int64))
-    return {"fn": fn, "k0": k0, "n": n, "mismatches": int(bad.size),
-            "mismatch_k": [int(k0 + i) for i in bad[:20].tolist()], "flagged": int(flagged.sum()),
-            "mpmath": n_mp, "oracle_worst_rel": worst, "plain_max_ulps": int(dist.max()),
-            "seconds": time.perf_counter() - t0}
+    return {
+        "fn": fn,
+        "k0": k0,
+        "n": n,
+        "mismatches": int(bad.size),
+        "mismatch_k": [int(k0 + i) for i in bad[:20].tolist()],
+        "flagged": int(flagged.sum()),
+        "mpmath": n_mp,
+        "oracle_worst_rel": worst,
+        "plain_max_ulps": int(dist.max()),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def fix_tables(chunk: int) -> None:
@@ -170,13 +178,12 @@ def fix_tables(chunk: int) -> None:
                 if want != hi:
                     d = int(np.float64(want).view(np.int64)) - int(np.float64(hi).view(np.int64))
                     fixes[k] = d
-            print(f"\r{fn}: {k0 + chunk:>10} / {TOTAL} flagged {n_flag} fixes {len(fixes)}", end="",
-                  file=sys.stderr, flush=True)
+            print(f"\r{fn}: {k0 + chunk:>10} / {TOTAL} flagged {n_flag} fixes {len(fixes)}", end="", file=sys.stderr, flush=True)
         print(f"\n{fn}: {n_flag} flagged, {len(fixes)} fixes, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         print(f"{fn.upper()}_FIX: dict[int, int] = {{")
         items = [f"{k}: {d}" for k, d in sorted(fixes.items())]
         for i in range(0, len(items), 6):
-            print("    " + ", ".join(items[i:i + 6]) + ",")
+            print("    " + ", ".join(items[i : i + 6]) + ",")
         print("}")
 
 
@@ -198,7 +205,7 @@ def main() -> None:
     jobs = []
     for fn in args.functions.split(","):
         todo = [k0 for k0 in range(0, TOTAL, chunk) if f"{fn}:{k0}:{chunk}" not in summary["chunks"]]
-        jobs += [(fn, k0, chunk) for k0 in (todo[:args.limit] if args.limit else todo)]
+        jobs += [(fn, k0, chunk) for k0 in (todo[: args.limit] if args.limit else todo)]
     total = len(jobs)
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(args.workers) as pool:
@@ -206,19 +213,25 @@ def main() -> None:
             summary["chunks"][f"{r['fn']}:{r['k0']}:{r['n']}"] = r
             args.summary.write_text(json.dumps(summary, indent=0))
             el = time.perf_counter() - t0
-            print(f"\r[{'#' * (30 * done // total):<30}] {done}/{total} chunks, {el:.0f} s, "
-                  f"eta {el / done * (total - done):.0f} s, last {r['fn']} mismatches {r['mismatches']}",
-                  end="", file=sys.stderr, flush=True)
+            print(
+                f"\r[{'#' * (30 * done // total):<30}] {done}/{total} chunks, {el:.0f} s, "
+                f"eta {el / done * (total - done):.0f} s, last {r['fn']} mismatches {r['mismatches']}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
     print(file=sys.stderr)
     for fn in FUNCS:
         rs = [r for r in summary["chunks"].values() if r["fn"] == fn]
         if not rs:
             continue
         tot = {key: sum(r[key] for r in rs) for key in ("n", "mismatches", "flagged", "mpmath", "seconds")}
-        print(f"{fn}: {tot['n']} inputs ({tot['n'] / TOTAL:.1%} of 2^32), mismatches {tot['mismatches']}, "
-              f"flagged by the rounding test {tot['flagged']}, decided by mpmath {tot['mpmath']}, "
-              f"largest longdouble error 2^{math.log2(max(r['oracle_worst_rel'] for r in rs) or 2.0**-999):.1f}, "
-              f"plain max ulps {max(r['plain_max_ulps'] for r in rs)}, worker time {tot['seconds']:.0f} s")
+        print(
+            f"{fn}: {tot['n']} inputs ({tot['n'] / TOTAL:.1%} of 2^32), mismatches {tot['mismatches']}, "
+            f"flagged by the rounding test {tot['flagged']}, decided by mpmath {tot['mpmath']}, "
+            f"largest longdouble error 2^{math.log2(max(r['oracle_worst_rel'] for r in rs) or 2.0**-999):.1f}, "
+            f"plain max ulps {max(r['plain_max_ulps'] for r in rs)}, worker time {tot['seconds']:.0f} s"
+        )
 
 
 if __name__ == "__main__":

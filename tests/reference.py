@@ -20,10 +20,12 @@ from paraminit_server.plans import spec
 from paraminit_server.plans.plan import Kind, ResolvedParam
 
 # fmt: (fraction bits, smallest normal exponent, largest exponent, sign bit, overflow pattern, NaN pattern)
-_NARROW_FORMATS = {dtypes.FMT_FLOAT16: (10, -14, 15, 0x8000, 0x7C00, 0x7E00),
-                   dtypes.FMT_BFLOAT16: (7, -126, 127, 0x8000, 0x7F80, 0x7FC0),
-                   dtypes.FMT_F8E5M2: (2, -14, 15, 0x80, 0x7C, 0x7E),
-                   dtypes.FMT_F8E4M3: (3, -6, 8, 0x80, 0x7F, 0x7F)}  # e4m3fn: no infinity, 0x7F is NaN
+_NARROW_FORMATS = {
+    dtypes.FMT_FLOAT16: (10, -14, 15, 0x8000, 0x7C00, 0x7E00),
+    dtypes.FMT_BFLOAT16: (7, -126, 127, 0x8000, 0x7F80, 0x7FC0),
+    dtypes.FMT_F8E5M2: (2, -14, 15, 0x80, 0x7C, 0x7E),
+    dtypes.FMT_F8E4M3: (3, -6, 8, 0x80, 0x7F, 0x7F),
+}  # e4m3fn: no infinity, 0x7F is NaN
 
 
 def units(key: int, g: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:

@@ -87,9 +87,13 @@ def target_of(running: Running) -> str:
 
 def serve_subprocess(env: dict[str, str] | None = None, stderr: Any = None) -> tuple[Any, str]:
     """A real `paraminit-server` process on a free loopback port, waited on until SERVING."""
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "paraminit-server")], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL if stderr is None else stderr, text=True,
-                            env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "cpu", **(env or {})})
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "paraminit-server")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL if stderr is None else stderr,
+        text=True,
+        env={**os.environ, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "cpu", **(env or {})},
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     m = re.search(r"listening on [\d.]+:(\d+)", line)

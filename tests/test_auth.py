@@ -34,23 +34,32 @@ PLAN = plan_of([param("w", [64, 64], {"uniform": {"lo": -1, "hi": 1, "seed": 1}}
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789ab"
 
 
-def _cert(name: str, issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None, path: Path,
-          ca: bool = False) -> tuple[x509.Name, ec.EllipticCurvePrivateKey]:
+def _cert(
+    name: str, issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None, path: Path, ca: bool = False
+) -> tuple[x509.Name, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     issuer_name, issuer_key = issuer or (subject, key)
     now = datetime.datetime.now(datetime.UTC)
-    b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name).public_key(key.public_key())
-         .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-         .not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if not ca:
-        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        b = b.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+        )
     cert = b.sign(issuer_key, hashes.SHA256())
     (path / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (path / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                         serialization.NoEncryption()))
+    (path / f"{name}.key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return subject, key
 
 
@@ -84,8 +93,10 @@ def test_mutual_tls_and_certificate_identities(pki: Path) -> None:
         target = f"localhost:{r.port}"
         with Client(target, tls_ca=str(pki / "ca.crt"), timeout=3) as anon, pytest.raises(ParaminitError):
             anon.validate(PLAN)
-        with Client(target, tls_ca=str(pki / "ca.crt"), tls_cert=str(pki / "alice.crt"), tls_key=str(pki / "alice.key")) as a, \
-             Client(target, tls_ca=str(pki / "ca.crt"), tls_cert=str(pki / "bob.crt"), tls_key=str(pki / "bob.key")) as b:
+        with (
+            Client(target, tls_ca=str(pki / "ca.crt"), tls_cert=str(pki / "alice.crt"), tls_key=str(pki / "alice.key")) as a,
+            Client(target, tls_ca=str(pki / "ca.crt"), tls_cert=str(pki / "bob.crt"), tls_key=str(pki / "bob.key")) as b,
+        ):
             lease = a.export(PLAN)
             assert [s.owner for s in a.leases()] == ["cert:CN=alice"]
             assert b.leases() == []
@@ -119,8 +130,14 @@ def test_the_bearer_scheme_is_case_insensitive(token_server: Running) -> None:
 
     with grpc.insecure_channel(f"127.0.0.1:{token_server.port}") as channel:
         stub = pb_grpc.InitServiceStub(channel)
-        for value, ok in ((f"Bearer {ALICE}", True), (f"bearer {ALICE}", True), (f"BEARER  {ALICE}", True),
-                          (f"Basic {ALICE}", False), ("Bearer ", False), (ALICE, False)):
+        for value, ok in (
+            (f"Bearer {ALICE}", True),
+            (f"bearer {ALICE}", True),
+            (f"BEARER  {ALICE}", True),
+            (f"Basic {ALICE}", False),
+            ("Bearer ", False),
+            (ALICE, False),
+        ):
             try:
                 stub.GetInfo(pb.GetInfoRequest(), metadata=[("authorization", value)], timeout=10)
                 got = True
@@ -136,9 +153,11 @@ def test_leases_belong_to_their_identity(token_server: Running) -> None:
         lease = alice.export(PLAN)
         assert [s.owner for s in alice.leases()] == ["token:alice"]
         assert bob.leases() == []
-        for rpc, req in ((bob.stub.Release, pb.ReleaseRequest(lease_id=lease.lease_id)),
-                         (bob.stub.Renew, pb.RenewRequest(lease_id=lease.lease_id)),
-                         (bob.stub.Apply, pb.ApplyRequest(lease_id=lease.lease_id, plan=PLAN))):
+        for rpc, req in (
+            (bob.stub.Release, pb.ReleaseRequest(lease_id=lease.lease_id)),
+            (bob.stub.Renew, pb.RenewRequest(lease_id=lease.lease_id)),
+            (bob.stub.Apply, pb.ApplyRequest(lease_id=lease.lease_id, plan=PLAN)),
+        ):
             with pytest.raises(ParaminitError) as info:
                 bob.transport.call(rpc, req)
             assert info.value.code == grpc.StatusCode.NOT_FOUND
@@ -157,8 +176,7 @@ def test_short_tokens_are_refused() -> None:
 def _stalled(target: str, n: int) -> tuple[grpc.Channel, list[Any], threading.Event]:
     """n Validate calls on ONE new connection that send headers but never their request message."""
     ch = grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
-    call = ch.stream_unary("/paraminit.v1.InitService/Validate", request_serializer=bytes,
-                           response_deserializer=bytes)
+    call = ch.stream_unary("/paraminit.v1.InitService/Validate", request_serializer=bytes, response_deserializer=bytes)
     release = threading.Event()
 
     def never() -> Iterator[bytes]:
@@ -193,7 +211,8 @@ def test_local_users_are_isolated_without_tokens(tmp_path: Path) -> None:
         lease = mine.export(PLAN)
         pid = mine.upload_payload(np.ones(4, np.float32))
         script = tmp_path / "other.py"
-        script.write_text(textwrap.dedent(f"""
+        script.write_text(
+            textwrap.dedent(f"""
             import json, grpc
             from paraminit.v1 import init_service_pb2 as pb
             from paraminit_client import Client, ParaminitError, param, plan_of
@@ -219,10 +238,17 @@ def test_local_users_are_isolated_without_tokens(tmp_path: Path) -> None:
                 except ParaminitError as err:
                     out["export"] = [err.code.name, err.message]
             print(json.dumps(out))
-        """))
+        """)
+        )
         env = {k: v for k, v in os.environ.items() if k != "PARAMINIT_TOKEN"}
-        child = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
-                                "-c", script.read_text()], capture_output=True, text=True, timeout=120, env=env, cwd="/")
+        child = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", script.read_text()],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd="/",
+        )
         assert child.returncode == 0, child.stderr[-2000:]
         out = json.loads(child.stdout.strip().splitlines()[-1])
         assert out["leases"] == []
@@ -243,21 +269,28 @@ def test_certificates_without_subject_do_not_share_an_identity(tmp_path: Path, p
     for who in ("eve", "mallory"):  # empty subject, different SANs
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
-        cert = (x509.CertificateBuilder().subject_name(x509.Name([])).issuer_name(ca_name)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName([x509.DNSName(f"{who}.example")]), critical=False)
-                .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(f"{who}.example")]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )  # type: ignore[arg-type]
         (tmp_path / f"{who}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (tmp_path / f"{who}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                                serialization.PrivateFormat.PKCS8,
-                                                                serialization.NoEncryption()))
-    with running_server(tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key"),
-                        tls_ca=str(pki / "ca.crt")) as r:
+        (tmp_path / f"{who}.key").write_bytes(
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
+    with running_server(tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key"), tls_ca=str(pki / "ca.crt")) as r:
         target = f"localhost:{r.port}"
         kw = {"tls_ca": str(pki / "ca.crt"), "timeout": 10}
-        with Client(target, tls_cert=str(tmp_path / "eve.crt"), tls_key=str(tmp_path / "eve.key"), **kw) as eve, \
-                Client(target, tls_cert=str(tmp_path / "mallory.crt"), tls_key=str(tmp_path / "mallory.key"), **kw) as mal:
+        with (
+            Client(target, tls_cert=str(tmp_path / "eve.crt"), tls_key=str(tmp_path / "eve.key"), **kw) as eve,
+            Client(target, tls_cert=str(tmp_path / "mallory.crt"), tls_key=str(tmp_path / "mallory.key"), **kw) as mal,
+        ):
             lease = eve.export(PLAN)
             (owner,) = [s.owner for s in eve.leases()]
             assert owner != "cert:" and "eve.example" in owner
@@ -285,8 +318,7 @@ def test_unauthenticated_bodies_are_not_buffered() -> None:
     try:
         before = rss()
         with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 128 << 20)]) as ch:
-            call = ch.unary_unary("/paraminit.v1.InitService/Validate", request_serializer=bytes,
-                                  response_deserializer=bytes)
+            call = ch.unary_unary("/paraminit.v1.InitService/Validate", request_serializer=bytes, response_deserializer=bytes)
             body = b"\0" * (64 << 20)
             for f in [call.future(body, timeout=60) for _ in range(6)]:
                 assert f.exception() is not None and f.code() == grpc.StatusCode.UNAUTHENTICATED

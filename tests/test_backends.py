@@ -51,8 +51,9 @@ def test_large_fills_use_the_backends_threads(env: dict[str, str]) -> None:
     """Bytes equal a one-thread fill whatever the threads, callers or process; and no numba threading layer is
     started, so a layer that cannot load (TBB is not installed here) cannot fail a fill."""
     base = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
-    done = subprocess.run([sys.executable, "-c", PROBE], env={**base, "NUMBA_NUM_THREADS": "2", **env},
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**base, "NUMBA_NUM_THREADS": "2", **env}, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "none"
 

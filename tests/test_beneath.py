@@ -57,8 +57,9 @@ def test_swapped_directories_never_lead_outside(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(files, "_openat2_missing", way == "walk")
     sources = Sources(1 << 20, 60.0, [str(tree)])
     # the swapper is a process of its own, so that it swaps while this one holds the GIL between its checks
-    swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, str(tree / "sub"), str(tree / "link")],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    swapper = subprocess.Popen(
+        [sys.executable, "-c", SWAPPER, str(tree / "sub"), str(tree / "link")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert swapper.stdout is not None and swapper.stdout.readline().strip() == "swapping"
     read, refused = 0, 0
     try:

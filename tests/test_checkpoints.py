@@ -90,9 +90,13 @@ def test_hostile_paths_are_invalid_argument(ckpt_server: Any) -> None:
     (d / "loop_b").symlink_to(d / "loop_a")
     os.mkfifo(d / "pipe.safetensors")
     (d / "dir.safetensors").mkdir()
-    cases = {str(d / "loop_a"): "symbolic link", str(d / "bad\0name"): "NUL character",
-             str(d / "pipe.safetensors"): "not a regular file", str(d / "dir.safetensors"): "not a regular file",
-             str(d / ("x" * 5000)): ""}
+    cases = {
+        str(d / "loop_a"): "symbolic link",
+        str(d / "bad\0name"): "NUL character",
+        str(d / "pipe.safetensors"): "not a regular file",
+        str(d / "dir.safetensors"): "not a regular file",
+        str(d / ("x" * 5000)): "",
+    }
     with Client(target_of(r), timeout=30) as c:
         for path, expected in cases.items():
             plan = plan_of([param("w", [4], {"safetensors": {"path": path, "tensor": "w"}})])
@@ -184,7 +188,7 @@ def test_checkpoint_region_reads_only_its_region(ckpt_server: Any) -> None:
     with Client(target_of(r), timeout=60) as c:
         for region in regions:
             got = c.materialize(_ckpt_plan(path, "w", [2048, 4096], region))["w"]
-            want = arr[region[0][0]:region[0][1], region[1][0]:region[1][1]]
+            want = arr[region[0][0] : region[0][1], region[1][0] : region[1][1]]
             assert got.tobytes() == want.tobytes(), region
         # the whole tensor as binary64 (64 MiB + its 32 MiB of bytes) does not fit the budget: refused, not read
         with pytest.raises(ParaminitError) as info:

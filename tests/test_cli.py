@@ -64,22 +64,23 @@ def target(server: Running) -> str:
     return target_of(server)
 
 
-
 def write_plan(path: Path, plan: plan_pb2.Plan) -> Path:
     path.write_text(plan_to_json(plan))
     return path
 
 
-MIXED = plan_of([
-    param("w.normal", [300, 200], {"normal": {"mean": 0.5, "std": 0.02, "seed": 1}}),
-    param("w.uniform", [1000], {"uniform": {"lo": -2.0, "hi": 3.0, "seed": 2}}),
-    param("w.kaiming", [64, 48, 3], {"kaimingUniformForShape": {"seed": 3}}, "bfloat16"),
-    param("w.xavier", [40, 50], {"xavierUniform": {"fanIn": 10, "fanOut": 30, "seed": 4}}, "float16"),
-    param("w.kaiming_fans", [4000], {"kaimingUniform": {"fanIn": 6, "seed": 5}}, "float64"),
-    param("b.zeros", [7], {"zeros": {}}),
-    param("b.ones", [3, 3], {"ones": {}}, "bf16"),
-    param("w.flat", [2, 3], {"flat": {"values": [1, 2, 3, 4, 5, 6]}}),
-])
+MIXED = plan_of(
+    [
+        param("w.normal", [300, 200], {"normal": {"mean": 0.5, "std": 0.02, "seed": 1}}),
+        param("w.uniform", [1000], {"uniform": {"lo": -2.0, "hi": 3.0, "seed": 2}}),
+        param("w.kaiming", [64, 48, 3], {"kaimingUniformForShape": {"seed": 3}}, "bfloat16"),
+        param("w.xavier", [40, 50], {"xavierUniform": {"fanIn": 10, "fanOut": 30, "seed": 4}}, "float16"),
+        param("w.kaiming_fans", [4000], {"kaimingUniform": {"fanIn": 6, "seed": 5}}, "float64"),
+        param("b.zeros", [7], {"zeros": {}}),
+        param("b.ones", [3, 3], {"ones": {}}, "bf16"),
+        param("w.flat", [2, 3], {"flat": {"values": [1, 2, 3, 4, 5, 6]}}),
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +119,14 @@ def test_inspect_small_chunks_give_the_same_statistics(mixed_file: Path, monkeyp
         assert b.mean == pytest.approx(a.mean, rel=1e-9, abs=1e-12) and b.std == pytest.approx(a.std, rel=1e-9, abs=1e-12)
 
 
-def test_inspect_with_its_plan_passes_every_tensor(mixed_file: Path, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_with_its_plan_passes_every_tensor(mixed_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan = write_plan(tmp_path / "plan.json", MIXED)
     code, out, err = run_cli(capsys, "inspect", str(mixed_file), "--plan", str(plan), "--wide")
     assert code == cli.EXIT_OK, out + err
     lines = out.splitlines()
     assert lines[0].split()[:8] == ["name", "dtype", "shape", "bytes", "mean", "std", "min", "max"]
     assert "expected" in lines[0] and lines[0].split()[-1] == "check"
-    body = {ln.split()[0]: ln for ln in lines[1:1 + len(MIXED.params)]}
+    body = {ln.split()[0]: ln for ln in lines[1 : 1 + len(MIXED.params)]}
     assert set(body) == {p.name for p in MIXED.params}
     for line in body.values():
         assert line.rstrip().endswith(" ok"), line
@@ -162,8 +162,7 @@ def test_truncated_normal_expectation_fits_the_kernels_and_flags_a_plain_normal(
     assert inspect.judge(inspect.tensor_stats(iter([got])), exp, "float64") == []
     plain = np.empty(200000, np.float64)
     plain.fill(np.nan)
-    cpu_backend.fill(planlib.resolve_param(0, param("n", [200000], {"normal": {"mean": 0.1, "std": 0.02, "seed": 5}},
-                                                    "float64")), plain)
+    cpu_backend.fill(planlib.resolve_param(0, param("n", [200000], {"normal": {"mean": 0.1, "std": 0.02, "seed": 5}}, "float64")), plain)
     problems = inspect.judge(inspect.tensor_stats(iter([plain])), exp, "float64")
     assert any("values in" in p for p in problems) and any(p.startswith("std") for p in problems), problems
 
@@ -260,8 +259,7 @@ def test_inspect_gpt2_demo_plan(server: Running, tmp_path: Path, capsys: pytest.
     out = tmp_path / "gpt2.safetensors"
     code, _, err = run_cli(capsys, "materialize", str(plan), "-o", str(out), "--target", target_of(server), "-q")
     assert code == 0, err
-    code, table, _ = run_cli(capsys, "inspect", str(out), "--plan", str(plan), "--plot", str(tmp_path / "png"),
-                             "--wide")
+    code, table, _ = run_cli(capsys, "inspect", str(out), "--plan", str(plan), "--plot", str(tmp_path / "png"), "--wide")
     assert code == 0, table
     line = next(ln for ln in table.splitlines() if ln.startswith("h.0.attn.c_attn.weight "))
     assert "normal(0, 0.02)" in line and line.rstrip().endswith("ok")
@@ -272,16 +270,21 @@ def test_inspect_gpt2_demo_plan(server: Running, tmp_path: Path, capsys: pytest.
 # -- plan builders --------------------------------------------------------------------------------------------------
 
 
-def test_plan_from_safetensors_takes_every_tensor(server: Running, ckpt_dir: Path, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_from_safetensors_takes_every_tensor(
+    server: Running, ckpt_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rng = np.random.default_rng(1)
-    ckpt = {"enc.weight": rng.standard_normal((6, 5)).astype(np.float32),
-            "enc.bias": rng.standard_normal(6).astype(np.float64),
-            "extra": rng.standard_normal((2, 2)).astype(np.float16)}
+    ckpt = {
+        "enc.weight": rng.standard_normal((6, 5)).astype(np.float32),
+        "enc.bias": rng.standard_normal(6).astype(np.float64),
+        "extra": rng.standard_normal((2, 2)).astype(np.float16),
+    }
     path = ckpt_dir / "model.safetensors"
     save_file(ckpt, str(path))
-    fallback = write_plan(tmp_path / "fallback.json", plan_of([
-        param("enc.weight", [6, 5], {"zeros": {}}), param("head", [3, 6], {"kaimingUniformForShape": {"seed": 2}})]))
+    fallback = write_plan(
+        tmp_path / "fallback.json",
+        plan_of([param("enc.weight", [6, 5], {"zeros": {}}), param("head", [3, 6], {"kaimingUniformForShape": {"seed": 2}})]),
+    )
     code, out, err = run_cli(capsys, "plan", "from-safetensors", str(path), "--fallback", str(fallback))
     assert code == 0, err
     plan = plan_from_dict(json.loads(out))
@@ -360,8 +363,11 @@ def test_validate_json(target: str, tmp_path: Path, capsys: pytest.CaptureFixtur
     assert [p["name"] for p in data["params"]] == [p.name for p in plan.params]
     assert data["total_bytes"] == sum(p["bytes"] for p in data["params"]) > 0 and len(data["plan_digest"]) == 64
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"params": [{"name": "a", "shape": [5], "init": {"normal": {"std": -1}}},
-                                          {"name": "a", "shape": [2], "init": {"zeros": {}}}]}))
+    bad.write_text(
+        json.dumps(
+            {"params": [{"name": "a", "shape": [5], "init": {"normal": {"std": -1}}}, {"name": "a", "shape": [2], "init": {"zeros": {}}}]}
+        )
+    )
     code, out, _ = run_cli(capsys, "validate", str(bad), "--json", "--target", target)
     data = json.loads(out)
     assert code == cli.EXIT_INVALID and not data["valid"]
@@ -373,9 +379,13 @@ def test_validate_json(target: str, tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_version_everywhere() -> None:
     version = importlib.metadata.version("paraminit")
     assert paraminit_client.__version__ == version
-    for argv in (["paraminit", "--version"], ["paraminit", "inspect", "--version"],
-                 ["paraminit", "plan", "from-module", "--version"], ["paraminit-server", "--version"],
-                 ["paraminit", "serve", "--version"]):
+    for argv in (
+        ["paraminit", "--version"],
+        ["paraminit", "inspect", "--version"],
+        ["paraminit", "plan", "from-module", "--version"],
+        ["paraminit-server", "--version"],
+        ["paraminit", "serve", "--version"],
+    ):
         done = subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and version in done.stdout, (argv, done.stdout, done.stderr)
 
@@ -412,9 +422,20 @@ def test_server_help_says_what_each_flag_means() -> None:
     assert "default 16GiB" in text and "default 4032KiB" in text
 
 
-@pytest.mark.parametrize(("text", "value"), [("4096", 4096), ("2GiB", 2 << 30), ("512M", 512 << 20), ("1.5G", 3 << 29),
-                                             ("64k", 65536), ("10KB", 10_000), ("1Mi", 1 << 20), (" 3 mib ", 3 << 20),
-                                             ("0", 0)])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("4096", 4096),
+        ("2GiB", 2 << 30),
+        ("512M", 512 << 20),
+        ("1.5G", 3 << 29),
+        ("64k", 65536),
+        ("10KB", 10_000),
+        ("1Mi", 1 << 20),
+        (" 3 mib ", 3 << 20),
+        ("0", 0),
+    ],
+)
 def test_human_sizes(text: str, value: int) -> None:
     assert sizes.parse_size(text) == value
     assert sizes.parse_size(sizes.exact_size(value)) == value
@@ -438,12 +459,16 @@ def test_every_size_flag_and_variable_takes_human_sizes() -> None:
         assert getattr(env, name) == 2 << 30, name
     with pytest.raises(ValueError, match=r"PARAMINIT_SLAB_BYTES='lots' is not a valid size"):
         server_config.ServerConfig.from_env({"PARAMINIT_SLAB_BYTES": "lots"})
-    assert [f for f in dataclasses.fields(server_config.ServerConfig)
-            if f.name.endswith(("_bytes", "_budget")) and f.name not in server_config.SIZE_FIELDS] == []
+    assert [
+        f
+        for f in dataclasses.fields(server_config.ServerConfig)
+        if f.name.endswith(("_bytes", "_budget")) and f.name not in server_config.SIZE_FIELDS
+    ] == []
 
 
-def test_summary_throughput_leaves_compiling_out(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_summary_throughput_leaves_compiling_out(
+    target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Compiling kernels during a materialize is reported apart, and the rate is over the rest of the time."""
     ticks = [100.0]  # the start; every later reading (first byte, end) is 0.501 s on, 0.5 s of it compiling
 
@@ -455,24 +480,30 @@ def test_summary_throughput_leaves_compiling_out(target: str, tmp_path: Path, ca
     compiled = iter([2.0, 2.5])
     monkeypatch.setattr(cli, "time", type("Clock", (), {"time": staticmethod(clock)}))
     monkeypatch.setattr(cli, "_compile_seconds", lambda: next(compiled))
-    code, stdout, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o",
-                                str(tmp_path / "m.safetensors"), "--target", target)
+    code, stdout, err = run_cli(
+        capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(tmp_path / "m.safetensors"), "--target", target
+    )
     assert code == 0, err
     # 940544 bytes over 0.001 s; over the whole 0.501 s it would read 1.8 MiB/s.
-    assert re.fullmatch(r"wrote .*: 6 parameters, 918\.5 KiB in 0\.00 s plus 0\.5 s compiling CPU kernels "
-                        r"\(897\.0 MiB/s; 0\.00 s of it before the first byte: plan checks\), plan digest [0-9a-f]{64}\n",
-                        stdout), stdout
+    assert re.fullmatch(
+        r"wrote .*: 6 parameters, 918\.5 KiB in 0\.00 s plus 0\.5 s compiling CPU kernels "
+        r"\(897\.0 MiB/s; 0\.00 s of it before the first byte: plan checks\), plan digest [0-9a-f]{64}\n",
+        stdout,
+    ), stdout
 
 
 def test_chunk_bytes_takes_a_size(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "m.safetensors"
-    code, stdout, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out),
-                                "--chunk-bytes", "64KiB", "--target", target)
+    code, stdout, err = run_cli(
+        capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out), "--chunk-bytes", "64KiB", "--target", target
+    )
     assert code == 0, err
-    assert re.fullmatch(r"wrote .*: 6 parameters, 918\.5 KiB in [\d.]+ s \([\d.]+ [KMGT]?i?B/s; [^)]*\), "
-                        r"plan digest [0-9a-f]{64}\n", stdout)
-    code, _, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out),
-                           "--chunk-bytes", "lots")
+    assert re.fullmatch(
+        r"wrote .*: 6 parameters, 918\.5 KiB in [\d.]+ s \([\d.]+ [KMGT]?i?B/s; [^)]*\), "
+        r"plan digest [0-9a-f]{64}\n",
+        stdout,
+    )
+    code, _, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out), "--chunk-bytes", "lots")
     assert code == cli.EXIT_USAGE and "is not a size" in err
 
 
@@ -486,21 +517,16 @@ def _plan_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str,
     return code, err
 
 
-def test_misspelled_names_get_suggestions_and_the_valid_list(target: str, tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    code, err = _plan_error(tmp_path, capsys, target,
-                            {"params": [{"name": "w", "shape": [4], "init": {"normall": {"std": 1}}}]})
+def test_misspelled_names_get_suggestions_and_the_valid_list(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _plan_error(tmp_path, capsys, target, {"params": [{"name": "w", "shape": [4], "init": {"normall": {"std": 1}}}]})
     assert code == cli.EXIT_INVALID
     assert "params[0].init: unknown initializer 'normall' (did you mean 'normal'?)" in err
     assert "xavierUniformForShape" in err and "Available Fields" not in err and "Failed to parse" not in err
-    code, err = _plan_error(tmp_path, capsys, target,
-                            {"params": [{"name": "w", "shape": [4], "init": {"kaiming_uniform_for_shap": {}}}]})
+    code, err = _plan_error(tmp_path, capsys, target, {"params": [{"name": "w", "shape": [4], "init": {"kaiming_uniform_for_shap": {}}}]})
     assert "did you mean 'kaimingUniformForShape'?" in err
-    code, err = _plan_error(tmp_path, capsys, target,
-                            {"params": [{"name": "w", "shape": [4], "init": {"normal": {"stdd": 1}}}]})
+    code, err = _plan_error(tmp_path, capsys, target, {"params": [{"name": "w", "shape": [4], "init": {"normal": {"stdd": 1}}}]})
     assert "params[0].init.normal: unknown field 'stdd' (did you mean 'std'?); valid: mean, std, seed" in err
-    code, err = _plan_error(tmp_path, capsys, target,
-                            {"params": [{"name": "w", "shape": [4], "dtype": "flaot16", "init": {"zeros": {}}}]})
+    code, err = _plan_error(tmp_path, capsys, target, {"params": [{"name": "w", "shape": [4], "dtype": "flaot16", "init": {"zeros": {}}}]})
     assert code == cli.EXIT_INVALID
     assert "params[0].dtype: unknown dtype 'flaot16' (did you mean 'float16'?)" in err
     assert "float32, float64, float16, bfloat16" in err and "bf16" in err
@@ -512,28 +538,43 @@ def test_misspelled_names_get_suggestions_and_the_valid_list(target: str, tmp_pa
         param("w", [2], {"zeros": {}}, "bf61")
 
 
-@pytest.mark.parametrize(("name", "enum"), [("bf16", plan_pb2.DTYPE_BFLOAT16), ("BF16", plan_pb2.DTYPE_BFLOAT16),
-                                            ("fp16", plan_pb2.DTYPE_FLOAT16), ("half", plan_pb2.DTYPE_FLOAT16),
-                                            ("f32", plan_pb2.DTYPE_FLOAT32), ("double", plan_pb2.DTYPE_FLOAT64),
-                                            ("bfloat16", plan_pb2.DTYPE_BFLOAT16),
-                                            ("DTYPE_FLOAT16", plan_pb2.DTYPE_FLOAT16)])
+@pytest.mark.parametrize(
+    ("name", "enum"),
+    [
+        ("bf16", plan_pb2.DTYPE_BFLOAT16),
+        ("BF16", plan_pb2.DTYPE_BFLOAT16),
+        ("fp16", plan_pb2.DTYPE_FLOAT16),
+        ("half", plan_pb2.DTYPE_FLOAT16),
+        ("f32", plan_pb2.DTYPE_FLOAT32),
+        ("double", plan_pb2.DTYPE_FLOAT64),
+        ("bfloat16", plan_pb2.DTYPE_BFLOAT16),
+        ("DTYPE_FLOAT16", plan_pb2.DTYPE_FLOAT16),
+    ],
+)
 def test_plan_files_accept_dtype_aliases(name: str, enum: int, tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
-    path.write_text(f"params:\n- name: w\n  shape: [2]\n  dtype: {name}\n  init: {{zeros: {{}}}}\n"
-                    f"- name: c\n  shape: [1]\n  init: {{safetensors: {{path: x, tensor: t, dtype: {name}}}}}\n")
+    path.write_text(
+        f"params:\n- name: w\n  shape: [2]\n  dtype: {name}\n  init: {{zeros: {{}}}}\n"
+        f"- name: c\n  shape: [1]\n  init: {{safetensors: {{path: x, tensor: t, dtype: {name}}}}}\n"
+    )
     plan = load_plan(path)
     assert plan.params[0].dtype == enum and plan.params[1].init.safetensors.dtype == enum
 
 
 def test_usage_errors_have_their_own_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["validate"], ["materialize", "x.json"], ["inspect", "f", "--bogus"], ["nope"], [],
-                 ["plan", "from-module", "m:f", "--policy", "pytorch"]):
+    for argv in (
+        ["validate"],
+        ["materialize", "x.json"],
+        ["inspect", "f", "--bogus"],
+        ["nope"],
+        [],
+        ["plan", "from-module", "m:f", "--policy", "pytorch"],
+    ):
         code, _, err = run_cli(capsys, *argv)
         assert code == cli.EXIT_USAGE == 64, argv
         assert "usage:" in err
     assert cli.EXIT_USAGE not in (cli.EXIT_OK, cli.EXIT_ERROR, cli.EXIT_INVALID, cli.EXIT_FLAGGED)
-    done = subprocess.run([str(BIN / "paraminit"), "serve", "--port", "notaport"], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([str(BIN / "paraminit"), "serve", "--port", "notaport"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 64, done.stderr
 
 
@@ -560,12 +601,20 @@ def test_readme_documents_the_exit_codes_and_the_memory_budget_default() -> None
 
 def test_without_a_tty_success_is_one_line(target: str, tmp_path: Path) -> None:
     out = tmp_path / "m.safetensors"
-    done = subprocess.run([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out),
-                           "--target", target], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out), "--target", target],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert len(done.stdout.splitlines()) == 1 and "10 parameters" in done.stdout and out.exists()
-    done = subprocess.run([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out),
-                           "--target", target, "-q"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out), "--target", target, "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stdout == "" and done.stderr == ""
 
 
@@ -573,8 +622,13 @@ def test_on_a_tty_the_bar_stays_and_a_final_line_follows(target: str, tmp_path: 
     out = tmp_path / "m.safetensors"
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # a terminal 100 columns wide
-    proc = subprocess.Popen([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out),
-                             "--target", target], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    proc = subprocess.Popen(
+        [str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out), "--target", target],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        close_fds=True,
+    )
     os.close(slave)
     chunks = []
     deadline = time.monotonic() + 120
@@ -595,8 +649,7 @@ def test_on_a_tty_the_bar_stays_and_a_final_line_follows(target: str, tmp_path: 
     screen = b"".join(chunks).decode(errors="replace")
     assert re.search(r"m\.safetensors: 100%\|[^\r\n]*\]\r?\n", screen), f"the finished bar stays: {screen!r}"
     final = screen.rstrip().splitlines()[-1]
-    assert re.fullmatch(r"wrote .*m\.safetensors: 10 parameters, .* [KMGT]?i?B/s; [^)]*\), plan digest [0-9a-f]{64}",
-                        final), screen
+    assert re.fullmatch(r"wrote .*m\.safetensors: 10 parameters, .* [KMGT]?i?B/s; [^)]*\), plan digest [0-9a-f]{64}", final), screen
 
 
 # -- the contract ---------------------------------------------------------------------------------------------------
@@ -606,12 +659,16 @@ def _reflect(channel: grpc.Channel, service: str) -> list[str]:
     from google.protobuf import descriptor_pb2
     from grpc_reflection.v1alpha import reflection_pb2 as r
 
-    call = channel.stream_stream(f"/{service}/ServerReflectionInfo",
-                                 request_serializer=r.ServerReflectionRequest.SerializeToString,
-                                 response_deserializer=r.ServerReflectionResponse.FromString)
-    requests = [r.ServerReflectionRequest(list_services=""),
-                r.ServerReflectionRequest(file_containing_symbol="paraminit.v1.InitService"),
-                r.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection")]
+    call = channel.stream_stream(
+        f"/{service}/ServerReflectionInfo",
+        request_serializer=r.ServerReflectionRequest.SerializeToString,
+        response_deserializer=r.ServerReflectionResponse.FromString,
+    )
+    requests = [
+        r.ServerReflectionRequest(list_services=""),
+        r.ServerReflectionRequest(file_containing_symbol="paraminit.v1.InitService"),
+        r.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection"),
+    ]
     found: list[str] = []
     for resp in call(iter(requests), timeout=10):
         kind = resp.WhichOneof("message_response")
@@ -619,8 +676,7 @@ def _reflect(channel: grpc.Channel, service: str) -> list[str]:
         if kind == "list_services_response":
             found += [s.name for s in resp.list_services_response.service]
         else:
-            found += [descriptor_pb2.FileDescriptorProto.FromString(b).name
-                      for b in resp.file_descriptor_response.file_descriptor_proto]
+            found += [descriptor_pb2.FileDescriptorProto.FromString(b).name for b in resp.file_descriptor_response.file_descriptor_proto]
     return found
 
 
@@ -628,8 +684,12 @@ def _reflect(channel: grpc.Channel, service: str) -> list[str]:
 def test_reflection_v1_and_v1alpha(target: str, service: str) -> None:
     with grpc.insecure_channel(target) as ch:
         found = _reflect(ch, service)
-    assert {"paraminit.v1.InitService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-            "grpc.reflection.v1alpha.ServerReflection"} <= set(found)
+    assert {
+        "paraminit.v1.InitService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= set(found)
     assert "paraminit/v1/init_service.proto" in found and "grpc/reflection/v1/reflection.proto" in found
 
 
@@ -637,9 +697,16 @@ def test_times_are_timestamps_and_durations(target: str) -> None:
     with Client(target) as c:
         stub = c.stub
         before = time.time()
-        resp = next(iter(stub.Materialize(pb.MaterializeRequest(plan=plan_of([param("w", [16], {"ones": {}})]),
-                                                                delivery=pb.DELIVERY_SHM,
-                                                                lease_ttl=times.duration(90.5)), timeout=30)))
+        resp = next(
+            iter(
+                stub.Materialize(
+                    pb.MaterializeRequest(
+                        plan=plan_of([param("w", [16], {"ones": {}})]), delivery=pb.DELIVERY_SHM, lease_ttl=times.duration(90.5)
+                    ),
+                    timeout=30,
+                )
+            )
+        )
         lease = resp.export.lease
         assert lease.expires_at.seconds > 0
         assert before + 90 <= times.epoch(lease.expires_at) <= time.time() + 91
@@ -649,8 +716,9 @@ def test_times_are_timestamps_and_durations(target: str) -> None:
         mine = next(s for s in status if s.lease.lease_id == lease.lease_id)
         assert 0 <= times.seconds(mine.age) < 60 and mine.age.ByteSize() >= 0
         stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=10)
-        ref = stub.UploadPayload(iter([pb.PayloadChunk(dtype=plan_pb2.DTYPE_FLOAT32, count=2,
-                                                       data=np.array([1, 2], np.float32).tobytes())]), timeout=10)
+        ref = stub.UploadPayload(
+            iter([pb.PayloadChunk(dtype=plan_pb2.DTYPE_FLOAT32, count=2, data=np.array([1, 2], np.float32).tobytes())]), timeout=10
+        )
         assert times.epoch(ref.expires_at) > before + 60
     assert pb.Lease.DESCRIPTOR.fields_by_name["expires_at"].message_type.full_name == "google.protobuf.Timestamp"
     assert pb.LeaseStatus.DESCRIPTOR.fields_by_name["age"].message_type.full_name == "google.protobuf.Duration"
@@ -662,8 +730,7 @@ def test_zero_dtype_means_float32_everywhere(target: str) -> None:
     with Client(target) as c:
         ref = c.stub.UploadPayload(iter([pb.PayloadChunk(count=4, data=values.tobytes())]), timeout=10)  # dtype 0
         assert ref.count == 4
-        plan = plan_of([plan_pb2.Param(name="p", shape=[4], init=plan_pb2.Init(
-            flat_ref=plan_pb2.FlatRef(payload_id=ref.payload_id)))])
+        plan = plan_of([plan_pb2.Param(name="p", shape=[4], init=plan_pb2.Init(flat_ref=plan_pb2.FlatRef(payload_id=ref.payload_id)))])
         assert plan.params[0].dtype == plan_pb2.DTYPE_UNSPECIFIED
         header, chunks = c.stream(plan)
         data = b"".join(bytes(ch.data) for ch in chunks)
@@ -673,9 +740,14 @@ def test_zero_dtype_means_float32_everywhere(target: str) -> None:
 
 
 def test_stream_order_and_crc32c_are_as_documented(target: str) -> None:
-    plan = plan_of([param("h", [3], {"ones": {}}, "float16"), param("s", [5], {"normal": {"std": 1, "seed": 1}}),
-                    param("d", [2], {"uniform": {"lo": 0, "hi": 1, "seed": 2}}, "float64"),
-                    param("b", [3], {"ones": {}}, "bfloat16")])
+    plan = plan_of(
+        [
+            param("h", [3], {"ones": {}}, "float16"),
+            param("s", [5], {"normal": {"std": 1, "seed": 1}}),
+            param("d", [2], {"uniform": {"lo": 0, "hi": 1, "seed": 2}}, "float64"),
+            param("b", [3], {"ones": {}}, "bfloat16"),
+        ]
+    )
     with Client(target) as c:
         header, _ = c.stream(plan)
         raw = list(c.stub.Materialize(pb.MaterializeRequest(plan=plan), timeout=30))
@@ -702,8 +774,15 @@ def test_plan_file_errors_name_the_file(tmp_path: Path) -> None:
 
 
 def test_every_paraminit_help_has_the_exit_code_table(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--help"], ["materialize", "--help"], ["validate", "--help"], ["inspect", "--help"],
-                 ["info", "--help"], ["health", "--help"], ["serve", "--help"]):
+    for argv in (
+        ["--help"],
+        ["materialize", "--help"],
+        ["validate", "--help"],
+        ["inspect", "--help"],
+        ["info", "--help"],
+        ["health", "--help"],
+        ["serve", "--help"],
+    ):
         code, out, _ = run_cli(capsys, *argv)
         assert code == 0 and "exit codes:" in out and re.search(r"^\s*64\s+usage error", out, re.M), argv
 
@@ -711,18 +790,20 @@ def test_every_paraminit_help_has_the_exit_code_table(capsys: pytest.CaptureFixt
 # -- --target and -o ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("target", "says"), [
-    ("localhost", "has no port"),
-    ("localhost:99999", "is not a number from 1 to 65535"),
-    ("localhost:0", "is not a number from 1 to 65535"),
-    ("localhost:http", "is not a number"),
-    ("http://localhost:50051", "take no http:// scheme"),
-    ("grpc://10.0.0.1:50051", "take no grpc:// scheme"),
-    ("::1", "has no port"),
-    (":50051", "has no host"),
-])
-def test_a_malformed_target_is_a_usage_error_before_connecting(target: str, says: str,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("localhost", "has no port"),
+        ("localhost:99999", "is not a number from 1 to 65535"),
+        ("localhost:0", "is not a number from 1 to 65535"),
+        ("localhost:http", "is not a number"),
+        ("http://localhost:50051", "take no http:// scheme"),
+        ("grpc://10.0.0.1:50051", "take no grpc:// scheme"),
+        ("::1", "has no port"),
+        (":50051", "has no host"),
+    ],
+)
+def test_a_malformed_target_is_a_usage_error_before_connecting(target: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "info", "--target", target)
     assert code == cli.EXIT_USAGE, err
     assert says in err and "Connection refused" not in err and len(err.splitlines()) == 1, err
@@ -733,15 +814,13 @@ def test_well_formed_targets_pass_the_check(target: str | None) -> None:
     assert cli.check_target(target) == target
 
 
-def test_health_without_a_target_names_the_default_it_tried(capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_health_without_a_target_names_the_default_it_tried(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "DEFAULT_HEALTH_TARGET", "127.0.0.1:1")  # nothing listens on port 1
     code, _, err = run_cli(capsys, "health", "--timeout", "5")
     assert code == cli.EXIT_ERROR and "127.0.0.1:1" in err, err
 
 
-def test_output_onto_the_plan_is_refused_and_the_plan_kept(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_output_onto_the_plan_is_refused_and_the_plan_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan = tmp_path / "plan.json"
     text = (ROOT / "examples/mlp.json").read_text()
     plan.write_text(text)
@@ -760,13 +839,13 @@ def test_plan_output_onto_its_fallback_is_refused(tmp_path: Path, capsys: pytest
     fallback = tmp_path / "fallback.json"
     fallback.write_text('{"params": [{"name": "w", "shape": [3], "init": {"zeros": {}}}]}')
     before = fallback.read_text()
-    code, _, err = run_cli(capsys, "plan", "from-safetensors", str(tmp_path / "c.safetensors"), "--fallback",
-                           str(fallback), "-o", str(fallback))
+    code, _, err = run_cli(
+        capsys, "plan", "from-safetensors", str(tmp_path / "c.safetensors"), "--fallback", str(fallback), "-o", str(fallback)
+    )
     assert code == cli.EXIT_USAGE and "input file" in err and fallback.read_text() == before
 
 
-def test_output_errors_name_the_target_file_not_a_temporary(tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_output_errors_name_the_target_file_not_a_temporary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan = ROOT / "examples/mlp.json"
     code, _, err = run_cli(capsys, "materialize", str(plan), "-o", str(tmp_path))
     assert code == cli.EXIT_ERROR and str(tmp_path) in err and "is a directory" in err and ".part" not in err, err
@@ -783,11 +862,13 @@ def test_summary_rate_is_its_bytes_over_its_seconds(tmp_path: Path, capsys: pyte
 
     with running_server() as server:
         out = tmp_path / "m.safetensors"
-        code, stdout, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out),
-                                    "--target", target_of(server))
+        code, stdout, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out), "--target", target_of(server))
     assert code == 0, err
-    m = re.fullmatch(r"wrote .*: 6 parameters, ([\d.]+ \w+) in ([\d.]+) s \(([\d.]+ \w+)/s; ([\d.]+) s of it before "
-                     r"the first byte: [^)]*\), plan digest [0-9a-f]{64}\n", stdout)
+    m = re.fullmatch(
+        r"wrote .*: 6 parameters, ([\d.]+ \w+) in ([\d.]+) s \(([\d.]+ \w+)/s; ([\d.]+) s of it before "
+        r"the first byte: [^)]*\), plan digest [0-9a-f]{64}\n",
+        stdout,
+    )
     assert m, stdout
     total, seconds, rate, setup = sizes.parse_size(m[1].replace(" ", "")), float(m[2]), m[3], float(m[4])
     assert abs(total - out.stat().st_size) < out.stat().st_size * 0.01
@@ -800,17 +881,23 @@ def test_summary_rate_is_its_bytes_over_its_seconds(tmp_path: Path, capsys: pyte
 def test_quiet_prints_nothing_but_errors(tmp_path: Path) -> None:
     with running_server() as server:
         out = tmp_path / "m.safetensors"
-        done = subprocess.run([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o",
-                               str(out), "--target", target_of(server), "-q"], capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out), "--target", target_of(server), "-q"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0 and done.stdout == "" and done.stderr == "" and out.exists()
-        bad = subprocess.run([str(BIN / "paraminit"), "materialize", str(tmp_path / "none.json"), "-o", str(out),
-                              "--target", target_of(server), "-q"], capture_output=True, text=True, timeout=120)
+        bad = subprocess.run(
+            [str(BIN / "paraminit"), "materialize", str(tmp_path / "none.json"), "-o", str(out), "--target", target_of(server), "-q"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert bad.returncode == cli.EXIT_ERROR and "none.json" in bad.stderr
 
 
-def test_quiet_asks_for_no_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quiet_asks_for_no_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     bars: list[int] = []
     monkeypatch.setattr(cli, "_progress_bar", lambda total, name: bars.append(total))
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
@@ -828,14 +915,19 @@ def _odd_file(tmp_path: Path) -> Path:
 
     rng = np.random.default_rng(3)
     path = tmp_path / "odd.safetensors"
-    save_file({"transformer.encoder.layers.11.self_attention.query_key_value.weight":
-               (rng.standard_normal((64, 48)) * 0.02).astype(np.float32),
-               "bad": np.array([np.nan, np.inf, -np.inf, 1.0], dtype=np.float32)}, str(path))
+    save_file(
+        {
+            "transformer.encoder.layers.11.self_attention.query_key_value.weight": (rng.standard_normal((64, 48)) * 0.02).astype(
+                np.float32
+            ),
+            "bad": np.array([np.nan, np.inf, -np.inf, 1.0], dtype=np.float32),
+        },
+        str(path),
+    )
     return path
 
 
-def test_inspect_fits_the_terminal_and_counts_non_finite_values(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_fits_the_terminal_and_counts_non_finite_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from paraminit_client import inspect
 
     path = _odd_file(tmp_path)
@@ -858,8 +950,7 @@ def test_inspect_fits_the_terminal_and_counts_non_finite_values(tmp_path: Path,
     assert "transformer.encoder.layers.11.self_attention.query_key_value.weight" in wide
 
 
-def test_plot_is_checked_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plot_is_checked_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 
     from paraminit_client import inspect
@@ -908,8 +999,11 @@ def test_cli_against_serve_subprocess(tmp_path: Path) -> None:
     try:
         assert subprocess.run([str(BIN / "paraminit"), "health", "--target", target]).returncode == 0
         out = tmp_path / "conv.safetensors"
-        r = subprocess.run([str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out),
-                            "--target", target, "--summary"], capture_output=True, text=True)
+        r = subprocess.run(
+            [str(BIN / "paraminit"), "materialize", str(ROOT / "examples/conv.json"), "-o", str(out), "--target", target, "--summary"],
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr
         assert "10 parameters" in r.stdout
         loaded = load_file(str(out))
@@ -919,13 +1013,21 @@ def test_cli_against_serve_subprocess(tmp_path: Path) -> None:
             assert loaded[name].tobytes() == w.tobytes(), name
 
         bad = tmp_path / "bad.json"
-        bad.write_text(json.dumps({"params": [
-            {"name": "a", "shape": [5], "init": {"xavierUniformForShape": {"seed": 1}}},
-            {"name": "b", "shape": [2], "init": {"normal": {"std": -1}}}]}))
+        bad.write_text(
+            json.dumps(
+                {
+                    "params": [
+                        {"name": "a", "shape": [5], "init": {"xavierUniformForShape": {"seed": 1}}},
+                        {"name": "b", "shape": [2], "init": {"normal": {"std": -1}}},
+                    ]
+                }
+            )
+        )
         existing = tmp_path / "keep.safetensors"
         existing.write_bytes(b"precious")
-        r = subprocess.run([str(BIN / "paraminit"), "materialize", str(bad), "-o", str(existing), "--target", target],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [str(BIN / "paraminit"), "materialize", str(bad), "-o", str(existing), "--target", target], capture_output=True, text=True
+        )
         assert r.returncode == 2
         assert "torch.runtimeInit: Xavier initialization expects at least 2 dimensions, got [5]" in r.stderr
         assert "initialization: normal standard deviation must be nonnegative" in r.stderr
@@ -934,8 +1036,9 @@ def test_cli_against_serve_subprocess(tmp_path: Path) -> None:
 
         r = subprocess.run([str(BIN / "paraminit"), "info", "--target", target], capture_output=True, text=True)
         assert r.returncode == 0 and "backend=cpu" in r.stdout
-        r = subprocess.run([str(BIN / "paraminit"), "validate", str(ROOT / "examples/mlp.json"), "--target", target],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [str(BIN / "paraminit"), "validate", str(ROOT / "examples/mlp.json"), "--target", target], capture_output=True, text=True
+        )
         assert r.returncode == 0 and "6 parameters" in r.stdout
     finally:
         proc.terminate()
@@ -943,8 +1046,7 @@ def test_cli_against_serve_subprocess(tmp_path: Path) -> None:
 
 
 def test_health_unreachable_exits_1() -> None:
-    r = subprocess.run([str(BIN / "paraminit"), "health", "--target", "127.0.0.1:1", "--timeout", "1"],
-                       capture_output=True, text=True)
+    r = subprocess.run([str(BIN / "paraminit"), "health", "--target", "127.0.0.1:1", "--timeout", "1"], capture_output=True, text=True)
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
 
 
@@ -981,13 +1083,16 @@ def test_interrupted_materialize_leaves_no_partial_file(tmp_path: Path, sig: sig
     # The command starts with SIGHUP and SIGINT at their defaults: a run started under `nohup` or as a background
     # job of a non-interactive shell inherits them ignored, and the command rightly leaves ignored signals ignored.
     argv = [str(Path(sys.executable).parent / "paraminit"), "materialize", str(tmp_path / "plan.json"), "-o", str(out)]
-    defaults = ("import os, signal, sys\n"
-                "for s in (signal.SIGHUP, signal.SIGINT): signal.signal(s, signal.SIG_DFL)\n"
-                "os.execv(sys.argv[1], sys.argv[1:])\n")
+    defaults = (
+        "import os, signal, sys\n"
+        "for s in (signal.SIGHUP, signal.SIGINT): signal.signal(s, signal.SIG_DFL)\n"
+        "os.execv(sys.argv[1], sys.argv[1:])\n"
+    )
     with running_server(backend) as r:
         try:
-            proc = subprocess.Popen([sys.executable, "-c", defaults, *argv, "--target", target_of(r)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", defaults, *argv, "--target", target_of(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
             # the output is open (unnamed, O_TMPFILE, or a hidden temporary): the command is mid-file
             assert wait_until(lambda: _writes_in(proc.pid, out.parent) or proc.poll() is not None, 120)
             assert proc.poll() is None, proc.communicate()
@@ -1033,8 +1138,7 @@ def test_materialize_to_standard_output(tmp_path: Path) -> None:
     plan = ROOT / "examples/mlp.json"
     ref = tmp_path / "ref.safetensors"
     assert subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(ref), "-q"]).returncode == 0
-    r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", "-"], capture_output=True,
-                       cwd=tmp_path, timeout=300)
+    r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", "-"], capture_output=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout == ref.read_bytes() and b"wrote stdout: 6 parameters" in r.stderr
     assert not (tmp_path / "-").exists()
@@ -1046,14 +1150,24 @@ def test_an_in_process_limit_names_the_variable_that_raises_it(tmp_path: Path) -
     plan = tmp_path / "big.json"
     plan.write_text(json.dumps({"params": [{"name": "w", "shape": [1024, 1024], "init": {"zeros": {}}}]}))
     env = {**os.environ, "PARAMINIT_MAX_PARAM_BYTES": "1MiB"}
-    r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode != 0 and "server" not in r.stderr, r.stderr
     assert "over a limit of this process" in r.stderr and "4.0 MiB" in r.stderr and "1.0 MiB" in r.stderr
     assert "PARAMINIT_MAX_PARAM_BYTES" in r.stderr
     env["PARAMINIT_MAX_PARAM_BYTES"] = "8MiB"
-    r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -1061,8 +1175,7 @@ def test_a_reader_that_stops_early_is_no_error(tmp_path: Path) -> None:
     """`paraminit materialize plan -o - | head -c 10`: the reader closing the pipe early ends the command quietly
     with exit 0, as `inspect | head` does, not with "Broken pipe" on stderr and exit 1."""
     plan = write_plan(tmp_path / "p.json", plan_of([param("w", [1 << 20], {"normal": {"std": 1.0, "seed": 1}})]))
-    proc = subprocess.Popen([str(BIN / "paraminit"), "materialize", str(plan), "-o", "-"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen([str(BIN / "paraminit"), "materialize", str(plan), "-o", "-"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     assert len(proc.stdout.read(10)) == 10  # the 4 MiB file is far larger than a pipe holds
     proc.stdout.close()

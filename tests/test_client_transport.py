@@ -47,11 +47,15 @@ def _own_segments() -> set[str]:
 
 
 def mixed_plan() -> plan_pb2.Plan:
-    return plan_of([param("w", [96, 64], {"kaimingUniformForShape": {"seed": 11}}),
-                    param("e", [40, 16], {"normal": {"std": 0.02, "seed": 12}}, "bfloat16"),
-                    param("h", [7], {"uniform": {"lo": -2, "hi": 2, "seed": 13}}, "float16"),
-                    param("d", [8, 8], {"normal": {"mean": 1, "std": 3, "seed": 14}}, "float64"),
-                    param("b", [64], {"zeros": {}})])
+    return plan_of(
+        [
+            param("w", [96, 64], {"kaimingUniformForShape": {"seed": 11}}),
+            param("e", [40, 16], {"normal": {"std": 0.02, "seed": 12}}, "bfloat16"),
+            param("h", [7], {"uniform": {"lo": -2, "hi": 2, "seed": 13}}, "float16"),
+            param("d", [8, 8], {"normal": {"mean": 1, "std": 3, "seed": 14}}, "float64"),
+            param("b", [64], {"zeros": {}}),
+        ]
+    )
 
 
 def test_twelve_threads_share_one_client_beyond_the_concurrency_limit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,8 +119,15 @@ def test_a_closed_client_refuses_every_call_and_exports_nothing() -> None:
     before = _own_segments()
     c.close()
     c.close()  # twice is fine
-    for call in (lambda: c.materialize(plan), lambda: c.export(plan), lambda: c.validate(plan),
-                 lambda: c.stream(plan), lambda: c.upload_payload(np.ones(4, np.float32)), c.leases, c.info):
+    for call in (
+        lambda: c.materialize(plan),
+        lambda: c.export(plan),
+        lambda: c.validate(plan),
+        lambda: c.stream(plan),
+        lambda: c.upload_payload(np.ones(4, np.float32)),
+        c.leases,
+        c.info,
+    ):
         with pytest.raises(ClientClosed) as info:
             call()
         assert isinstance(info.value, ParaminitError) and info.value.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -263,9 +274,14 @@ def test_one_violation_type_from_validate_errors_and_both_transports() -> None:
     assert report.violations[0].index == 0 and report.violations[0].name == "a"
 
 
-@pytest.mark.parametrize("v", [Violation(3, "fc.weight", "params[3].init.normal", "std must be > 0"),
-                               Violation(0, "odd'): name\"", "params[0].name", "duplicate name: odd"),
-                               Violation(-1, "", "params", "plan needs 9 bytes, over the limit of 8", "limit")])
+@pytest.mark.parametrize(
+    "v",
+    [
+        Violation(3, "fc.weight", "params[3].init.normal", "std must be > 0"),
+        Violation(0, "odd'): name\"", "params[0].name", "duplicate name: odd"),
+        Violation(-1, "", "params", "plan needs 9 bytes, over the limit of 8", "limit"),
+    ],
+)
 def test_a_bad_request_description_parses_back_to_its_violation(v: Violation) -> None:
     assert violation_from_text(v.field, str(v), v.category) == v
     assert violation_from_text(v.field, "something else entirely", v.category).message == "something else entirely"

@@ -52,27 +52,28 @@ def stock(server: Running) -> Iterator[Any]:
 @pytest.mark.slow
 def test_a_stock_client_streams_a_60000_parameter_plan(stock: Any) -> None:
     n = 60_000
-    plan = plan_of(param(f"model.layers.{i}.block.attention.output.dense.weight", [1],
-                         {"normal": {"std": 1.0, "seed": i}}) for i in range(n))
+    plan = plan_of(
+        param(f"model.layers.{i}.block.attention.output.dense.weight", [1], {"normal": {"std": 1.0, "seed": i}}) for i in range(n)
+    )
     messages = list(stock.Materialize(pb.MaterializeRequest(plan=plan), timeout=600))
     first = messages[0]
     assert first.WhichOneof("msg") == "header"
     header = pb.StreamHeader()
     header.CopyFrom(first.header)
     count = header.header_parts
-    parts = messages[1:1 + count]
+    parts = messages[1 : 1 + count]
     assert count >= 1 and all(m.WhichOneof("msg") == "header_part" for m in parts)
-    assert all(m.ByteSize() <= 2 << 20 for m in messages[:1 + count])  # as the proto promises
+    assert all(m.ByteSize() <= 2 << 20 for m in messages[: 1 + count])  # as the proto promises
     for m in parts:
         header.tensors.extend(m.header_part.tensors)
         header.safetensors_prefix += m.header_part.safetensors_prefix
     assert header_crc32c(header) == header.header_crc32c
     assert len(header.tensors) == n and header.tensors[n - 1].name == f"model.layers.{n - 1}.block.attention.output.dense.weight"
     prefix = header.safetensors_prefix
-    table = json.loads(prefix[8:8 + int.from_bytes(prefix[:8], "little")])
+    table = json.loads(prefix[8 : 8 + int.from_bytes(prefix[:8], "little")])
     assert len([k for k in table if k != "__metadata__"]) == n
     data = b""
-    for m in messages[1 + count:]:
+    for m in messages[1 + count :]:
         assert m.WhichOneof("msg") == "chunk" and crc32c.crc32c(m.chunk.data) == m.chunk.crc32c
         assert m.chunk.offset == len(data)
         data += m.chunk.data
@@ -80,7 +81,7 @@ def test_a_stock_client_streams_a_60000_parameter_plan(stock: Any) -> None:
     with Client() as c:  # the same bytes as the in-process data plane gives
         want = c.materialize(plan)
     t = header.tensors[12345]
-    assert data[t.offset:t.offset + t.nbytes] == want[t.name].tobytes()
+    assert data[t.offset : t.offset + t.nbytes] == want[t.name].tobytes()
 
 
 def _packed_column_rules(packed: list[Any]) -> dict[str, bytes]:
@@ -97,14 +98,21 @@ def test_a_stock_client_reads_a_100000_parameter_packed_table(stock: Any) -> Non
     checksum over the prefix, digest, data size and each column. Stock limits (4 MiB) throughout."""
     n = 100_000
     shapes = [[16, 16], [3], [2, 2, 2], []]
-    plan = plan_of(param(f"experts.{i}.w{'é' if i % 1000 == 7 else ''}", shapes[i % 4],
-                         {"normal": {"std": 0.02, "seed": i}}, "bfloat16" if i % 3 else "float32") for i in range(n))
+    plan = plan_of(
+        param(
+            f"experts.{i}.w{'é' if i % 1000 == 7 else ''}",
+            shapes[i % 4],
+            {"normal": {"std": 0.02, "seed": i}},
+            "bfloat16" if i % 3 else "float32",
+        )
+        for i in range(n)
+    )
     messages = list(stock.Materialize(pb.MaterializeRequest(plan=plan, packed_table=True), timeout=600))
     header = messages[0].header
     count = header.header_parts
-    parts = [m.header_part for m in messages[1:1 + count]]
-    assert count >= 1 and all(m.WhichOneof("msg") == "header_part" for m in messages[1:1 + count])
-    assert all(m.ByteSize() <= 2 << 20 for m in messages[:1 + count])
+    parts = [m.header_part for m in messages[1 : 1 + count]]
+    assert count >= 1 and all(m.WhichOneof("msg") == "header_part" for m in messages[1 : 1 + count])
+    assert all(m.ByteSize() <= 2 << 20 for m in messages[: 1 + count])
     assert not header.tensors and not any(p.tensors for p in parts)  # stated once
     groups = [header.packed_tensors, *(p.packed_tensors for p in parts)]
     cols = _packed_column_rules(groups)
@@ -115,8 +123,7 @@ def test_a_stock_client_reads_a_100000_parameter_packed_table(stock: Any) -> Non
         return struct.pack("<Q", len(b)) + b
 
     covered = framed(prefix) + framed(header.plan_digest.encode()) + struct.pack("<Q", header.data_bytes)
-    covered += b"".join(framed(cols[c]) for c in ("name_lengths", "names", "dtypes", "ranks", "dims", "offsets",
-                                                      "nbytes"))
+    covered += b"".join(framed(cols[c]) for c in ("name_lengths", "names", "dtypes", "ranks", "dims", "offsets", "nbytes"))
     assert crc32c.crc32c(covered) == header.header_crc32c
     lengths = struct.unpack(f"<{n}I", cols["name_lengths"])
     ranks, enums = list(cols["ranks"]), list(cols["dtypes"])
@@ -125,11 +132,11 @@ def test_a_stock_client_reads_a_100000_parameter_packed_table(stock: Any) -> Non
     dims = struct.unpack(f"<{len(cols['dims']) // 8}Q", cols["dims"])
     table, at, dim_at = {}, 0, 0
     for i in range(n):
-        name = cols["names"][at:at + lengths[i]].decode()
+        name = cols["names"][at : at + lengths[i]].decode()
         at += lengths[i]
-        table[name] = (enums[i], tuple(dims[dim_at:dim_at + ranks[i]]), offsets[i], sizes[i])
+        table[name] = (enums[i], tuple(dims[dim_at : dim_at + ranks[i]]), offsets[i], sizes[i])
         dim_at += ranks[i]
-    data = b"".join(m.chunk.data for m in messages[1 + count:])
+    data = b"".join(m.chunk.data for m in messages[1 + count :])
     assert len(data) == header.data_bytes
     with Client() as c:
         want = c.materialize(plan)
@@ -138,19 +145,18 @@ def test_a_stock_client_reads_a_100000_parameter_packed_table(stock: Any) -> Non
         name = plan.params[i].name
         enum, shape, offset, size = table[name]
         assert enum == plan.params[i].dtype or (enum == 1 and plan.params[i].dtype == 0)
-        assert shape == want[name].shape and data[offset:offset + size] == want[name].tobytes(), name
+        assert shape == want[name].shape and data[offset : offset + size] == want[name].tobytes(), name
 
 
 def test_a_stream_without_the_safetensors_prefix(stock: Any) -> None:
     """omit_safetensors_prefix: no prefix in any header message, the checksum over an empty prefix, the same data."""
     plan = plan_of(param(f"p{i}", [3, 5], {"uniform": {"lo": -1, "hi": 1, "seed": i}}) for i in range(3000))
     full = list(stock.Materialize(pb.MaterializeRequest(plan=plan, packed_table=True), timeout=600))
-    bare = list(stock.Materialize(pb.MaterializeRequest(plan=plan, packed_table=True, omit_safetensors_prefix=True),
-                                  timeout=600))
+    bare = list(stock.Materialize(pb.MaterializeRequest(plan=plan, packed_table=True, omit_safetensors_prefix=True), timeout=600))
     header = bare[0].header
     count = header.header_parts
-    assert not header.safetensors_prefix and not any(m.header_part.safetensors_prefix for m in bare[1:1 + count])
-    cols = _packed_column_rules([header.packed_tensors, *(m.header_part.packed_tensors for m in bare[1:1 + count])])
+    assert not header.safetensors_prefix and not any(m.header_part.safetensors_prefix for m in bare[1 : 1 + count])
+    cols = _packed_column_rules([header.packed_tensors, *(m.header_part.packed_tensors for m in bare[1 : 1 + count])])
     covered = struct.pack("<Q", 0) + struct.pack("<Q", 64) + header.plan_digest.encode()
     covered += struct.pack("<Q", header.data_bytes) + b"".join(struct.pack("<Q", len(c)) + c for c in cols.values())
     assert crc32c.crc32c(covered) == header.header_crc32c
@@ -200,8 +206,11 @@ def test_every_violation_or_a_count_of_the_rest(stock: Any, count: int, name_len
         assert info is None
     else:
         assert info is not None and info.reason == "VIOLATIONS_TRUNCATED" and info.domain == "paraminit.v1"
-        assert (int(info.metadata["total_violations"]), int(info.metadata["included_violations"]),
-                int(info.metadata["omitted_violations"])) == (count, len(fields), count - len(fields))
+        assert (
+            int(info.metadata["total_violations"]),
+            int(info.metadata["included_violations"]),
+            int(info.metadata["omitted_violations"]),
+        ) == (count, len(fields), count - len(fields))
     assert len(fields) >= 20  # as many as the default 8 KiB allow, not a fixed handful
 
 
@@ -262,15 +271,29 @@ def test_validate_and_materialize_answer_both_kinds_of_violation_as_the_proto_sa
 # plan.proto's fields by JSON name: (field number, kind, repeated). Written by hand from the .proto text.
 SCHEMA: dict[str, dict[str, tuple[int, str, bool]]] = {
     "Plan": {"params": (1, "Param", True)},
-    "Param": {"name": (1, "string", False), "shape": (2, "uint64", True), "dtype": (3, "dtype", False),
-              "init": (4, "Init", False), "region": (5, "Range", True), "patches": (6, "Patch", True)},
+    "Param": {
+        "name": (1, "string", False),
+        "shape": (2, "uint64", True),
+        "dtype": (3, "dtype", False),
+        "init": (4, "Init", False),
+        "region": (5, "Range", True),
+        "patches": (6, "Patch", True),
+    },
     "Patch": {"box": (1, "Range", True), "init": (2, "Init", False)},
     "Range": {"start": (1, "uint64", False), "stop": (2, "uint64", False)},
-    "Init": {"zeros": (1, "Empty", False), "ones": (2, "Empty", False), "uniform": (3, "Uniform", False),
-             "normal": (4, "Normal", False), "xavierUniform": (5, "XavierUniform", False),
-             "kaimingUniform": (6, "KaimingUniform", False), "flat": (7, "Flat", False),
-             "xavierUniformForShape": (8, "Seeded", False), "kaimingUniformForShape": (9, "Seeded", False),
-             "flatRef": (10, "FlatRef", False), "safetensors": (11, "SafetensorsRef", False)},
+    "Init": {
+        "zeros": (1, "Empty", False),
+        "ones": (2, "Empty", False),
+        "uniform": (3, "Uniform", False),
+        "normal": (4, "Normal", False),
+        "xavierUniform": (5, "XavierUniform", False),
+        "kaimingUniform": (6, "KaimingUniform", False),
+        "flat": (7, "Flat", False),
+        "xavierUniformForShape": (8, "Seeded", False),
+        "kaimingUniformForShape": (9, "Seeded", False),
+        "flatRef": (10, "FlatRef", False),
+        "safetensors": (11, "SafetensorsRef", False),
+    },
     "Empty": {},
     "Uniform": {"lo": (1, "double", False), "hi": (2, "double", False), "seed": (3, "uint64", False)},
     "Normal": {"mean": (1, "double", False), "std": (2, "double", False), "seed": (3, "uint64", False)},
@@ -281,8 +304,7 @@ SCHEMA: dict[str, dict[str, tuple[int, str, bool]]] = {
     "FlatRef": {"payloadId": (1, "string", False)},
     "SafetensorsRef": {"path": (1, "string", False), "tensor": (2, "string", False), "dtype": (3, "dtype", False)},
 }
-DTYPES = {"float32": 1, "DTYPE_FLOAT32": 1, "float64": 2, "DTYPE_FLOAT64": 2, "float16": 3, "bfloat16": 4,
-          "DTYPE_UNSPECIFIED": 0}
+DTYPES = {"float32": 1, "DTYPE_FLOAT32": 1, "float64": 2, "DTYPE_FLOAT64": 2, "float16": 3, "bfloat16": 4, "DTYPE_UNSPECIFIED": 0}
 
 
 def varint(n: int) -> bytes:
@@ -330,14 +352,22 @@ def encode(message: str, data: dict[str, Any]) -> bytes:
 PLANS: list[dict[str, Any]] = [
     {"params": [{"name": "w", "shape": [2], "init": {"zeros": {}}}]},
     {"params": [{"name": "w", "shape": [2], "dtype": "DTYPE_FLOAT32", "init": {"zeros": {}}}]},
-    {"params": [{"name": "h.0.attn.c_attn.weight", "shape": [768, 2304], "dtype": "bfloat16",
-                 "init": {"normal": {"mean": -0.0, "std": 0.02, "seed": 2**64 - 1}},
-                 "region": [{"start": 0, "stop": 384}, {"start": 5, "stop": 2304}],
-                 "patches": [{"box": [{"start": 0, "stop": 1}, {"start": 0, "stop": 2304}], "init": {"ones": {}}}]},
-                {"name": "b", "shape": [3], "dtype": "float64", "init": {"flat": {"values": [0.0, -1.5, 1e300]}}},
-                {"name": "k", "shape": [4, 8], "init": {"kaimingUniformForShape": {}}},
-                {"name": "x", "shape": [4, 8], "dtype": "float16", "init": {"xavierUniform": {"fanIn": 3, "fanOut": 0}}},
-                {"name": "u", "shape": [], "init": {"uniform": {"lo": 0.0, "hi": 1.0, "seed": 0}}}]},
+    {
+        "params": [
+            {
+                "name": "h.0.attn.c_attn.weight",
+                "shape": [768, 2304],
+                "dtype": "bfloat16",
+                "init": {"normal": {"mean": -0.0, "std": 0.02, "seed": 2**64 - 1}},
+                "region": [{"start": 0, "stop": 384}, {"start": 5, "stop": 2304}],
+                "patches": [{"box": [{"start": 0, "stop": 1}, {"start": 0, "stop": 2304}], "init": {"ones": {}}}],
+            },
+            {"name": "b", "shape": [3], "dtype": "float64", "init": {"flat": {"values": [0.0, -1.5, 1e300]}}},
+            {"name": "k", "shape": [4, 8], "init": {"kaimingUniformForShape": {}}},
+            {"name": "x", "shape": [4, 8], "dtype": "float16", "init": {"xavierUniform": {"fanIn": 3, "fanOut": 0}}},
+            {"name": "u", "shape": [], "init": {"uniform": {"lo": 0.0, "hi": 1.0, "seed": 0}}},
+        ]
+    },
 ]
 
 
@@ -374,15 +404,19 @@ def test_reflection_serves_the_contract_with_its_comments(server: Running, servi
     from grpc_reflection.v1alpha import reflection_pb2 as r
 
     with grpc.insecure_channel(target_of(server)) as channel:
-        call = channel.stream_stream(f"/{service}/ServerReflectionInfo",
-                                     request_serializer=r.ServerReflectionRequest.SerializeToString,
-                                     response_deserializer=r.ServerReflectionResponse.FromString)
-        (resp,) = list(call(iter([r.ServerReflectionRequest(file_containing_symbol="paraminit.v1.InitService")]),
-                            timeout=10))
-    files = {f.name: f for f in map(descriptor_pb2.FileDescriptorProto.FromString,
-                                    resp.file_descriptor_response.file_descriptor_proto)}
-    comments = {name: " ".join(loc.leading_comments + loc.trailing_comments + " ".join(loc.leading_detached_comments)
-                               for loc in f.source_code_info.location) for name, f in files.items()}
+        call = channel.stream_stream(
+            f"/{service}/ServerReflectionInfo",
+            request_serializer=r.ServerReflectionRequest.SerializeToString,
+            response_deserializer=r.ServerReflectionResponse.FromString,
+        )
+        (resp,) = list(call(iter([r.ServerReflectionRequest(file_containing_symbol="paraminit.v1.InitService")]), timeout=10))
+    files = {f.name: f for f in map(descriptor_pb2.FileDescriptorProto.FromString, resp.file_descriptor_response.file_descriptor_proto)}
+    comments = {
+        name: " ".join(
+            loc.leading_comments + loc.trailing_comments + " ".join(loc.leading_detached_comments) for loc in f.source_code_info.location
+        )
+        for name, f in files.items()
+    }
     service_text = " ".join(comments["paraminit/v1/init_service.proto"].split())
     plan_text = " ".join(comments["paraminit/v1/plan.proto"].split())
     assert "Castagnoli" in service_text and "0xE3069283" in service_text and "header_parts" in service_text
@@ -420,8 +454,9 @@ def _echoed(name: str) -> str:
     return f"{head}... ({len(raw)} bytes)"
 
 
-@pytest.mark.parametrize("name", ["x" * 48, "n" * 100, "a" + "€" * 40, "é" * 300],
-                         ids=["48-ascii", "100-ascii", "121-three-byte", "600-two-byte"])
+@pytest.mark.parametrize(
+    "name", ["x" * 48, "n" * 100, "a" + "€" * 40, "é" * 300], ids=["48-ascii", "100-ascii", "121-three-byte", "600-two-byte"]
+)
 def test_a_long_name_is_echoed_as_the_proto_says(stock: Any, name: str) -> None:
     plan = plan_of([param(name, [4], {"normal": {"std": -1.0}})])
     with pytest.raises(grpc.RpcError) as caught:
@@ -454,8 +489,7 @@ ONE_CANONICAL = "0a 0c 0a 01 77 12 01 02 18 01 22 02 0a 00"
 # (plan, digest, data_bytes, tensors as (name, dtype, shape, offset, nbytes), header_crc32c, packed header_crc32c)
 HEADER_VECTORS: list[tuple[dict[str, Any], str, int, list[tuple[str, int, list[int], int, int]], int, int]] = [
     ({"params": []}, EMPTY_DIGEST, 0, [], 0x0176CB2C, 0xCFE2AF8D),
-    ({"params": [{"name": "w", "shape": [2], "init": {"zeros": {}}}]}, ONE_DIGEST, 8, [("w", 1, [2], 0, 8)],
-     0x6E9337FD, 0x335047ED),
+    ({"params": [{"name": "w", "shape": [2], "init": {"zeros": {}}}]}, ONE_DIGEST, 8, [("w", 1, [2], 0, 8)], 0x6E9337FD, 0x335047ED),
 ]
 
 
@@ -478,10 +512,15 @@ def _crc_of_table(digest: str, data_bytes: int, tensors: list[tuple[str, int, li
 
 def _crc_of_packed(digest: str, data_bytes: int, tensors: list[tuple[str, int, list[int], int, int]]) -> int:
     """header_crc32c with an empty prefix and a packed table, its columns built here as PackedTensors says."""
-    columns = [b"".join(struct.pack("<I", len(t[0].encode())) for t in tensors), b"".join(t[0].encode() for t in tensors),
-               bytes(t[1] for t in tensors), bytes(len(t[2]) for t in tensors),
-               b"".join(_u64(d) for t in tensors for d in t[2]), b"".join(_u64(t[3]) for t in tensors),
-               b"".join(_u64(t[4]) for t in tensors)]
+    columns = [
+        b"".join(struct.pack("<I", len(t[0].encode())) for t in tensors),
+        b"".join(t[0].encode() for t in tensors),
+        bytes(t[1] for t in tensors),
+        bytes(len(t[2]) for t in tensors),
+        b"".join(_u64(d) for t in tensors for d in t[2]),
+        b"".join(_u64(t[3]) for t in tensors),
+        b"".join(_u64(t[4]) for t in tensors),
+    ]
     covered = _framed(b"") + _framed(digest.encode()) + _u64(data_bytes) + b"".join(map(_framed, columns))
     return int(crc32c.crc32c(covered))
 
@@ -494,8 +533,7 @@ def test_the_header_checksum_known_answers(stock: Any, vector: Any) -> None:
     assert _crc_of_table(digest, data_bytes, tensors) == crc and _crc_of_packed(digest, data_bytes, tensors) == packed_crc
     plan = plan_from_dict(data)
     for packed, want in ((False, crc), (True, packed_crc)):
-        messages = list(stock.Materialize(pb.MaterializeRequest(plan=plan, omit_safetensors_prefix=True,
-                                                                packed_table=packed), timeout=60))
+        messages = list(stock.Materialize(pb.MaterializeRequest(plan=plan, omit_safetensors_prefix=True, packed_table=packed), timeout=60))
         header = messages[0].header
         assert (header.plan_digest, header.data_bytes, header.header_crc32c) == (digest, data_bytes, want)
         assert not header.safetensors_prefix and header.header_parts == 0
@@ -551,8 +589,7 @@ def test_a_plan_over_the_limits_is_refused_with_pushback_minus_one(stock: Any) -
 
 def test_deliveries_and_device_info_on_a_cpu_server(stock: Any) -> None:
     plan = plan_of([param("w", [4], {"zeros": {}})])
-    for delivery, code in ((pb.DELIVERY_CUDA_IPC, grpc.StatusCode.FAILED_PRECONDITION),
-                           (9, grpc.StatusCode.INVALID_ARGUMENT)):
+    for delivery, code in ((pb.DELIVERY_CUDA_IPC, grpc.StatusCode.FAILED_PRECONDITION), (9, grpc.StatusCode.INVALID_ARGUMENT)):
         with pytest.raises(grpc.RpcError) as caught:
             list(stock.Materialize(pb.MaterializeRequest(plan=plan, delivery=delivery), timeout=30))
         assert caught.value.code() == code
@@ -564,8 +601,7 @@ def test_deliveries_and_device_info_on_a_cpu_server(stock: Any) -> None:
 
 
 def test_an_shm_export_aligns_every_tensor_to_64_bytes(stock: Any) -> None:
-    plan = plan_of([param("a", [1], {"ones": {}}), param("b", [3], {"ones": {}}, "float16"),
-                    param("c", [17], {"ones": {}})])
+    plan = plan_of([param("a", [1], {"ones": {}}), param("b", [3], {"ones": {}}, "float16"), param("c", [17], {"ones": {}})])
     (message,) = list(stock.Materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_SHM), timeout=60))
     export = message.export
     try:
@@ -578,8 +614,9 @@ def test_an_shm_export_aligns_every_tensor_to_64_bytes(stock: Any) -> None:
 
 def test_an_upload_reads_dtype_and_count_from_its_first_chunk_only(stock: Any) -> None:
     data = struct.pack("<4f", 0.0, 1.0, 2.0, 3.0)
-    ref = stock.UploadPayload(iter([pb.PayloadChunk(dtype=1, count=4, data=data[:8]),
-                                    pb.PayloadChunk(dtype=2, count=99, data=data[8:])]), timeout=30)
+    ref = stock.UploadPayload(
+        iter([pb.PayloadChunk(dtype=1, count=4, data=data[:8]), pb.PayloadChunk(dtype=2, count=99, data=data[8:])]), timeout=30
+    )
     assert ref.count == 4
     with pytest.raises(grpc.RpcError) as caught:
         stock.UploadPayload(iter([pb.PayloadChunk(dtype=1, count=4, data=data[:8])]), timeout=30)
@@ -606,8 +643,7 @@ def test_a_safetensors_path_is_read_as_the_proto_says(tmp_path: Path, monkeypatc
     monkeypatch.chdir(tmp_path)
 
     def valid(path: str, **config: Any) -> bool:
-        plan = plan_from_dict({"params": [{"name": "s", "shape": [2],
-                                           "init": {"safetensors": {"path": path, "tensor": "t"}}}]})
+        plan = plan_from_dict({"params": [{"name": "s", "shape": [2], "init": {"safetensors": {"path": path, "tensor": "t"}}}]})
         with running_server(**config) as r, grpc.insecure_channel(target_of(r)) as channel:
             resp = pb_grpc.InitServiceStub(channel).Validate(pb.ValidateRequest(plan=plan), timeout=30)
         assert resp.valid or [v.field for v in resp.violations] == ["params[0].init.safetensors"]

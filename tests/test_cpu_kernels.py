@@ -31,13 +31,30 @@ from paraminit_server.plans import spec
 from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
 from support import poisoned
 
-INITS = ("zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",
-         "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "truncated_normal")
+INITS = (
+    "zeros",
+    "ones",
+    "uniform",
+    "normal",
+    "xavier_uniform",
+    "kaiming_uniform",
+    "flat",
+    "xavier_uniform_for_shape",
+    "kaiming_uniform_for_shape",
+    "truncated_normal",
+)
 BACKEND = CpuBackend()
 
 
-def make_param(init: str, dt: dtypes.DTypeInfo, shape: list[int], seed: int = 7,
-               region: list[tuple[int, int]] | None = None, lo: float = -0.5, hi: float = 2.0) -> ResolvedParam:
+def make_param(
+    init: str,
+    dt: dtypes.DTypeInfo,
+    shape: list[int],
+    seed: int = 7,
+    region: list[tuple[int, int]] | None = None,
+    lo: float = -0.5,
+    hi: float = 2.0,
+) -> ResolvedParam:
     p = plan_pb2.Param(name="w", shape=shape, dtype=dt.enum)  # type: ignore[arg-type]
     i = p.init
     if init == "uniform":
@@ -148,17 +165,36 @@ def _half_probe_values() -> np.ndarray[Any, Any]:
     import ml_dtypes
 
     with np.errstate(invalid="ignore"):
-        exact = [np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64),
-                 np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)]
+        exact = [
+            np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64),
+            np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float64),
+        ]
     vals = []
     for e in exact:
         e = np.unique(e[np.isfinite(e)])
         mid = (e[:-1] + e[1:]) / 2  # exact in binary64
         vals += [e, mid, np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf)]
-    top = [65504.0, 65519.99999999999, 65520.0, 65536.0, float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
-           math.ldexp(2.0 - 2.0**-8, 127), np.nextafter(math.ldexp(2.0 - 2.0**-8, 127), 0.0), 1e300,
-           np.finfo(np.float64).max, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-133, 2.0**-134, 3 * 2.0**-135,
-           5e-324, 1e-300, 1.0 + 2.0**-8 + 2.0**-30, 1.0 + 2.0**-11 + 2.0**-40]
+    top = [
+        65504.0,
+        65519.99999999999,
+        65520.0,
+        65536.0,
+        float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
+        math.ldexp(2.0 - 2.0**-8, 127),
+        np.nextafter(math.ldexp(2.0 - 2.0**-8, 127), 0.0),
+        1e300,
+        np.finfo(np.float64).max,
+        2.0**-24,
+        2.0**-25,
+        3 * 2.0**-26,
+        2.0**-133,
+        2.0**-134,
+        3 * 2.0**-135,
+        5e-324,
+        1e-300,
+        1.0 + 2.0**-8 + 2.0**-30,
+        1.0 + 2.0**-11 + 2.0**-40,
+    ]
     rng = np.random.default_rng(5)
     wide = rng.standard_normal(20000) * np.exp2(rng.integers(-160, 160, 20000).astype(np.float64))
     out = np.concatenate([*vals, np.array(top), wide])
@@ -171,8 +207,7 @@ def _half_probe_values() -> np.ndarray[Any, Any]:
 def test_half_rounding(dt: dtypes.DTypeInfo) -> None:
     """The kernels' float16/bfloat16 bits equal reference.round_half_bits on every probe value."""
     values = _half_probe_values()
-    p = dataclasses.replace(make_param("flat", dt, [1]), shape=(values.size,), region=((0, values.size),),
-                            values=values)
+    p = dataclasses.replace(make_param("flat", dt, [1]), shape=(values.size,), region=((0, values.size),), values=values)
     got = fill(p)
     want = np.array([reference.round_half_bits(v, dt.fmt) for v in values.tolist()], dtype=np.uint16)
     bad = np.flatnonzero(got != want)
@@ -212,8 +247,7 @@ def test_half_rounding_paths(dt: dtypes.DTypeInfo) -> None:
 def test_native_cast(dt: dtypes.DTypeInfo) -> None:
     """float32/float64 take the binary64 value with one round-to-nearest-even cast."""
     values = _half_probe_values()
-    p = dataclasses.replace(make_param("flat", dt, [1]), shape=(values.size,), region=((0, values.size),),
-                            values=values)
+    p = dataclasses.replace(make_param("flat", dt, [1]), shape=(values.size,), region=((0, values.size),), values=values)
     got = fill(p)
     with np.errstate(over="ignore", invalid="ignore"):
         want = values.astype(dt.storage)
@@ -251,8 +285,9 @@ def test_truncated_normal_segment_boundaries(key: int, dt: dtypes.DTypeInfo) -> 
     takes the exact path), with bounds that reject about one element in three."""
     seed = unmix(key)
     assert spec.key(seed) == key
-    p = resolve_param(0, plans.param("w", [40], {"truncatedNormal": {"mean": 0.5, "std": 2.0, "lo": -1.0,
-                                                                    "hi": 2.5, "seed": str(seed)}}, dt.name))
+    p = resolve_param(
+        0, plans.param("w", [40], {"truncatedNormal": {"mean": 0.5, "std": 2.0, "lo": -1.0, "hi": 2.5, "seed": str(seed)}}, dt.name)
+    )
     assert same(fill(p), reference.materialize(p))
     assert same(fill(p, 3, 20), reference.materialize(p)[3:23])
 
@@ -264,8 +299,9 @@ def test_truncated_normal_is_normal_inside(dt: dtypes.DTypeInfo) -> None:
     n, mean, std, lo, hi = 300_000, 0.25, 1.5, -1.25, 2.0  # [mean - sigma, mean + 1.17 sigma]: a third rejected
     normal = make_param("normal", dtypes.FLOAT64, [n], seed=99, lo=mean, hi=mean + std)
     v0 = fill(normal)
-    trunc = resolve_param(0, plans.param("t", [n], {"truncatedNormal": {"mean": mean, "std": std, "lo": lo,
-                                                                        "hi": hi, "seed": 99}}, dt.name))
+    trunc = resolve_param(
+        0, plans.param("t", [n], {"truncatedNormal": {"mean": mean, "std": std, "lo": lo, "hi": hi, "seed": 99}}, dt.name)
+    )
     got = fill(trunc)
     inside = (v0 >= lo) & (v0 <= hi)
     assert 0.25 < 1 - inside.mean() < 0.4
@@ -278,8 +314,7 @@ def test_truncated_normal_is_normal_inside(dt: dtypes.DTypeInfo) -> None:
         assert (wide[~inside] >= lo).all() and (wide[~inside] <= hi).all()
 
 
-@pytest.mark.parametrize(("lo", "hi"), [(0.0, 5e-324), (-1e-310, 1e-310), (-1e308, 1e308), (3.0, 3.0),
-                                        (-math.ldexp(1.0, -1000), 0.0)])
+@pytest.mark.parametrize(("lo", "hi"), [(0.0, 5e-324), (-1e-310, 1e-310), (-1e308, 1e308), (3.0, 3.0), (-math.ldexp(1.0, -1000), 0.0)])
 @pytest.mark.parametrize("dt", dtypes.SUPPORTED, ids=lambda d: d.name)
 def test_extreme_bounds(lo: float, hi: float, dt: dtypes.DTypeInfo) -> None:
     """Tiny spans (the draw is scaled before the multiply), an infinite span (NaN at u = 0) and lo == hi."""
@@ -342,8 +377,10 @@ def test_kinds_cover_all_initializers() -> None:
 
 
 @pytest.mark.parametrize("dt", dtypes.SUPPORTED, ids=lambda d: d.name)
-@pytest.mark.parametrize(("lo", "hi"), [(-1e308, 1e308), (-1e-40, 1e-40), (0.0, 3e-37), (-2.0**-70, 2.0**-70),
-                                        (1e-300, 1e-299), (-70000.0, 70000.0), (0.0, 0.0)])
+@pytest.mark.parametrize(
+    ("lo", "hi"),
+    [(-1e308, 1e308), (-1e-40, 1e-40), (0.0, 3e-37), (-(2.0**-70), 2.0**-70), (1e-300, 1e-299), (-70000.0, 70000.0), (0.0, 0.0)],
+)
 def test_uniform_extreme_bounds(lo: float, hi: float, dt: dtypes.DTypeInfo) -> None:
     """Bounds that give NaN (hi - lo overflows), infinities, exact zeros and 16-bit subnormals take the
     kernels' rare path, block by block, and still match the reference."""
@@ -383,8 +420,7 @@ def test_fill_plan_batches_small_tensors_bit_for_bit() -> None:
             shape = [2, PIECE // 2 + 5]  # above PIECE: filled on its own, in parallel
         region = [(1, shape[0]), (0, shape[1])] if j == 15 and shape[0] > 1 else None
         lo, hi = (0.0, 1e-310) if j % 11 == 1 else (-0.5, 2.0)  # a std that scales the draw instead
-        params.append(dataclasses.replace(make_param(init, dt, shape, seed=1000 + j, region=region, lo=lo, hi=hi),
-                                          index=j, name=f"p{j}"))
+        params.append(dataclasses.replace(make_param(init, dt, shape, seed=1000 + j, region=region, lo=lo, hi=hi), index=j, name=f"p{j}"))
     offsets, pos = [], 0
     for p in params:
         pos = -(-pos // 8) * 8
@@ -393,7 +429,7 @@ def test_fill_plan_batches_small_tensors_bit_for_bit() -> None:
     got = poisoned(pos, np.dtype(np.uint8))
     BACKEND.fill_plan(params, got, offsets)
     for p, off in zip(params, offsets, strict=True):
-        one = got[off:off + p.nbytes].view(p.dtype.storage)
+        one = got[off : off + p.nbytes].view(p.dtype.storage)
         assert same(one, fill(p)), p.name
         if p.numel <= 1000:
             assert same(one, reference.materialize(p).reshape(-1)), p.name

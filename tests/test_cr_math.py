@@ -78,8 +78,10 @@ def test_sample_against_mpmath(fn: str) -> None:
     with mpmath.workprec(200):
         f = mpmath.log if fn == "log" else mpmath.cos
         xs = _inputs(fn, ks[:2000])
-        worst = max(abs((mpmath.mpf(h) + mpmath.mpf(low) - f(x)) / f(x))
-                    for x, h, low in zip(xs, hi[:2000].tolist(), lo[:2000].tolist(), strict=True))
+        worst = max(
+            abs((mpmath.mpf(h) + mpmath.mpf(low) - f(x)) / f(x))
+            for x, h, low in zip(xs, hi[:2000].tolist(), lo[:2000].tolist(), strict=True)
+        )
     assert worst < mpmath.mpf(2) ** -78
 
 

@@ -16,11 +16,14 @@ from support import running_server, target_of
 A, B, C = "a" * 20, "b" * 20, "c" * 20
 
 
-@pytest.mark.parametrize("config,why", [
-    (f"alice:{A},{B},token-1:{C}", "both named and the name of a bare token"),  # B's auto-name is token-1
-    (f"alice:{A},bob:{A}", "two identities"),
-    (f":{A}", "empty identity"),
-])
+@pytest.mark.parametrize(
+    "config,why",
+    [
+        (f"alice:{A},{B},token-1:{C}", "both named and the name of a bare token"),  # B's auto-name is token-1
+        (f"alice:{A},bob:{A}", "two identities"),
+        (f":{A}", "empty identity"),
+    ],
+)
 def test_token_files_that_would_let_one_secret_act_as_another_identity_are_refused(config: str, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         TokenAuth.load(env_value=config)
@@ -35,8 +38,11 @@ def test_tokens_of_one_identity_and_bare_tokens_stay_apart() -> None:
 
 def test_payload_ids_of_another_identity_look_like_no_payload() -> None:
     """bob cannot use alice's payload, and cannot tell it from an id that does not exist (no oracle)."""
-    with running_server(auth_tokens=f"alice:{A},bob:{B}") as r, Client(target_of(r), token=A) as alice, \
-            Client(target_of(r), token=B) as bob:
+    with (
+        running_server(auth_tokens=f"alice:{A},bob:{B}") as r,
+        Client(target_of(r), token=A) as alice,
+        Client(target_of(r), token=B) as bob,
+    ):
         pid = alice.upload_payload(np.arange(4, dtype=np.float32))
         missing = "f" * len(pid)
         answers = []
@@ -45,8 +51,7 @@ def test_payload_ids_of_another_identity_look_like_no_payload() -> None:
                 bob.materialize(plan_of([param("p", [4], {"flatRef": {"payloadId": ref}})]))
             answers.append((info.value.code, info.value.message.replace(ref, "ID")))
         assert answers[0] == answers[1] and "no payload" in answers[0][1]
-        assert alice.materialize(plan_of([param("p", [4], {"flatRef": {"payloadId": pid}})]))["p"].tolist() == \
-            [0.0, 1.0, 2.0, 3.0]
+        assert alice.materialize(plan_of([param("p", [4], {"flatRef": {"payloadId": pid}})]))["p"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_a_full_disk_names_the_file_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

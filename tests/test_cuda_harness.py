@@ -138,13 +138,40 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (work / "kernels.cu").write_text(cb.kernel_source())
     exe = work / "harness"
     host = subprocess.Popen(
-        [NVCC, "-x", "cu", "-std=c++17", "-O2", "-Xcompiler", "-ffp-contract=off", "-I", str(cb.KERNEL_DIR),
-         str(work / "harness.cu"), "-o", str(exe)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            NVCC,
+            "-x",
+            "cu",
+            "-std=c++17",
+            "-O2",
+            "-Xcompiler",
+            "-ffp-contract=off",
+            "-I",
+            str(cb.KERNEL_DIR),
+            str(work / "harness.cu"),
+            "-o",
+            str(exe),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     device = subprocess.Popen(
-        [NVCC, "-cubin", "-arch=sm_90", *cb.NVRTC_OPTIONS, "-Werror", "all-warnings",
-         str(work / "kernels.cu"), "-o", str(work / "kernels.cubin")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            NVCC,
+            "-cubin",
+            "-arch=sm_90",
+            *cb.NVRTC_OPTIONS,
+            "-Werror",
+            "all-warnings",
+            str(work / "kernels.cu"),
+            "-o",
+            str(work / "kernels.cubin"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     host_log, _ = host.communicate(timeout=300)
     dev_log, _ = device.communicate(timeout=300)
     assert host.returncode == 0, f"host harness failed to build:\n{host_log}"
@@ -180,9 +207,26 @@ def device_branches(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (work / "harness.cpp").write_text(DRIVER)
     (work / "shims.h").write_text(DEVICE_SHIMS)
     exe = work / "harness"
-    res = subprocess.run([CXX, "-x", "c++", "-std=c++17", "-O2", "-ffp-contract=off", "-include", str(work / "shims.h"),
-                          "-I", str(cb.KERNEL_DIR), str(work / "harness.cpp"), "-o", str(exe)],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            CXX,
+            "-x",
+            "c++",
+            "-std=c++17",
+            "-O2",
+            "-ffp-contract=off",
+            "-include",
+            str(work / "shims.h"),
+            "-I",
+            str(cb.KERNEL_DIR),
+            str(work / "harness.cpp"),
+            "-o",
+            str(exe),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, f"device-branch harness failed to build:\n{res.stdout}{res.stderr}"
     return exe
 
@@ -203,13 +247,24 @@ def bits_d(b: int) -> float:
     return float(struct.unpack("<d", struct.pack("<Q", b))[0])
 
 
-def run_plan(exe: Path, tmp: Path, jobs: list[cb.Job] | cb.Packed,
-             arena_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+def run_plan(exe: Path, tmp: Path, jobs: list[cb.Job] | cb.Packed, arena_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     packed = jobs if isinstance(jobs, cb.Packed) else cb.pack(jobs)
     (tmp / "meta.bin").write_bytes(packed.meta.tobytes())
     (tmp / "values.bin").write_bytes(packed.values.tobytes())
-    subprocess.run([str(exe), "plan", str(tmp / "meta.bin"), str(tmp / "values.bin"), str(arena_bytes + GUARD),
-                    str(tmp / "arena.bin"), str(packed.njobs), str(packed.total_tiles)], check=True, timeout=120)
+    subprocess.run(
+        [
+            str(exe),
+            "plan",
+            str(tmp / "meta.bin"),
+            str(tmp / "values.bin"),
+            str(arena_bytes + GUARD),
+            str(tmp / "arena.bin"),
+            str(packed.njobs),
+            str(packed.total_tiles),
+        ],
+        check=True,
+        timeout=120,
+    )
     arena = np.frombuffer((tmp / "arena.bin").read_bytes(), dtype=np.uint8)
     assert (arena[arena_bytes:] == 0xFF).all(), "a job wrote past the end of the arena"
     return arena[:arena_bytes]
@@ -225,12 +280,27 @@ def test_constants_agree(harness: Path) -> None:
     assert table["EPT"] == [cb.EPT]
     assert table["TILE"] == [cb.TILE]
     assert table["DESC_WORDS"] == [cb.DESC_WORDS]
-    assert table["W"] == [cb.W_OUT, cb.W_N, cb.W_LBEGIN, cb.W_KIND, cb.W_OTYPE, cb.W_KEY, cb.W_P0, cb.W_P1,
-                          cb.W_VSHIFT, cb.W_BASE, cb.W_RUNLEN, cb.W_NOUTER, cb.W_DIMS, cb.W_LO, cb.W_HI, cb.W_SEED]
+    assert table["W"] == [
+        cb.W_OUT,
+        cb.W_N,
+        cb.W_LBEGIN,
+        cb.W_KIND,
+        cb.W_OTYPE,
+        cb.W_KEY,
+        cb.W_P0,
+        cb.W_P1,
+        cb.W_VSHIFT,
+        cb.W_BASE,
+        cb.W_RUNLEN,
+        cb.W_NOUTER,
+        cb.W_DIMS,
+        cb.W_LO,
+        cb.W_HI,
+        cb.W_SEED,
+    ]
     assert table["KIND"] == [int(Kind.CONST), int(Kind.AFFINE), int(Kind.NORMAL), int(Kind.FLAT), int(Kind.TRUNCNORM)]
     assert table["CANDIDATES"] == [spec.TRUNC_CANDIDATES]
-    assert table["OTYPE"] == [cb.OTYPE_F32, cb.OTYPE_F64, cb.OTYPE_F16, cb.OTYPE_BF16, cb.OTYPE_F8E4M3,
-                              cb.OTYPE_F8E5M2]
+    assert table["OTYPE"] == [cb.OTYPE_F32, cb.OTYPE_F64, cb.OTYPE_F16, cb.OTYPE_BF16, cb.OTYPE_F8E4M3, cb.OTYPE_F8E5M2]
     assert sorted({cb.otype(d) for d in dtypes.SUPPORTED}) == table["OTYPE"]  # one output type per dtype
     assert [cb.otype(d) for d in (dtypes.FLOAT32, dtypes.FLOAT64, dtypes.FLOAT16, dtypes.BFLOAT16)] == [0, 1, 2, 3]
 
@@ -299,9 +369,12 @@ def test_normal_matches_reference_including_the_floor(harness: Path) -> None:
     floored = np.flatnonzero(u1 <= spec.NORMAL_U1_FLOOR)
     assert floored.size > 0  # elements whose u1 is clamped to 1e-6
     cases = [(key, int(g), 0.0, 1.0) for g in floored]
-    cases += [(spec.key(int(s)), int(g), float(m), float(sd))
-              for s, g, m, sd in zip(rng.integers(0, 2**62, 400), rng.integers(0, 2**40, 400),
-                                     rng.normal(0, 1, 400), rng.uniform(0, 3, 400), strict=True)]
+    cases += [
+        (spec.key(int(s)), int(g), float(m), float(sd))
+        for s, g, m, sd in zip(
+            rng.integers(0, 2**62, 400), rng.integers(0, 2**40, 400), rng.normal(0, 1, 400), rng.uniform(0, 3, 400), strict=True
+        )
+    ]
     ops = [("normal", k, g, dbits(m), dbits(sd)) for k, g, m, sd in cases]
     assert run_scalar(harness, ops) == [dbits(normal_ref(*c)) for c in cases]
 
@@ -311,8 +384,18 @@ def special_doubles(rng: np.random.Generator) -> list[float]:
     random bits."""
     xs = [0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, 5e-324, -5e-324, 2.2250738585072014e-308]
     xs += [65504.0, 65519.99, 65520.0, 65520.00000000001, 65536.0, -65520.0, 1.0004882812509095]
-    xs += [1.0039062509313226, -1.00390625, 1.00390625, 3.6e38, 3.3895313892515355e38, 3.3961775292304846e38,
-           3.4028234663852886e38, 3.4028235677973366e38, 3.40282357e38, 1e39]
+    xs += [
+        1.0039062509313226,
+        -1.00390625,
+        1.00390625,
+        3.6e38,
+        3.3895313892515355e38,
+        3.3961775292304846e38,
+        3.4028234663852886e38,
+        3.4028235677973366e38,
+        3.40282357e38,
+        1e39,
+    ]
     xs += [448.0, 464.0, 464.00000000000006, 480.0, 57344.0, 61440.0, 61439.99999999999, 1.0625 + 2.0**-40]
     for mant, emin, emax in ((10, -14, 15), (7, -126, 127), (23, -126, 127), (3, -6, 8), (2, -14, 15)):
         for e in [emin - mant - 2, emin - mant - 1, emin - mant, emin - 1, emin, 0, 1, emax]:
@@ -340,10 +423,15 @@ def test_half_and_float_casts_match_reference(harness: Path) -> None:
         want.append(reference.round_half_bits(x, dtypes.FMT_F8E5M2))
     assert run_scalar(harness, ops) == want
     nan = bits_d(0x7FF8000000000001)
-    assert run_scalar(harness, [("f16", dbits(nan), 0, 0, 0), ("bf16", dbits(-nan), 0, 0, 0),
-                                ("f8e4m3", dbits(nan), 0, 0, 0), ("f8e5m2", dbits(-nan), 0, 0, 0)]) == [
-        reference.round_half_bits(nan, dtypes.FMT_FLOAT16), reference.round_half_bits(-nan, dtypes.FMT_BFLOAT16),
-        reference.round_half_bits(nan, dtypes.FMT_F8E4M3), reference.round_half_bits(-nan, dtypes.FMT_F8E5M2)]
+    assert run_scalar(
+        harness,
+        [("f16", dbits(nan), 0, 0, 0), ("bf16", dbits(-nan), 0, 0, 0), ("f8e4m3", dbits(nan), 0, 0, 0), ("f8e5m2", dbits(-nan), 0, 0, 0)],
+    ) == [
+        reference.round_half_bits(nan, dtypes.FMT_FLOAT16),
+        reference.round_half_bits(-nan, dtypes.FMT_BFLOAT16),
+        reference.round_half_bits(nan, dtypes.FMT_F8E4M3),
+        reference.round_half_bits(-nan, dtypes.FMT_F8E5M2),
+    ]
     assert run_scalar(harness, [("f8e4m3", dbits(1.0625 + 2.0**-40), 0, 0, 0)]) == [0x39]  # one rounding, not two
 
 
@@ -355,13 +443,23 @@ def test_vectors_through_the_packed_kernel_path(harness: Path, tmp_path: Path) -
         pos += -(-(p.nbytes + 8) // 8) * 8  # a gap after each tensor must stay untouched
     arena = run_plan(harness, tmp_path, [cb.Job(p, o) for p, o in zip(params, offsets, strict=True)], pos)
     for case, p, off in zip(CASES, params, offsets, strict=True):
-        got = arena[off:off + p.nbytes].view(f"u{p.dtype.itemsize}")
+        got = arena[off : off + p.nbytes].view(f"u{p.dtype.itemsize}")
         assert [int(x) for x in got] == [int(b, 16) for b in case["bits"]], case["name"]
-        assert (arena[off + p.nbytes:off + -(-(p.nbytes + 8) // 8) * 8] == 0xFF).all(), case["name"]
+        assert (arena[off + p.nbytes : off + -(-(p.nbytes + 8) // 8) * 8] == 0xFF).all(), case["name"]
 
 
-INITS = ("zeros", "ones", "uniform", "normal", "flat", "xavier_uniform", "kaiming_uniform",
-         "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "truncated_normal")
+INITS = (
+    "zeros",
+    "ones",
+    "uniform",
+    "normal",
+    "flat",
+    "xavier_uniform",
+    "kaiming_uniform",
+    "xavier_uniform_for_shape",
+    "kaiming_uniform_for_shape",
+    "truncated_normal",
+)
 
 
 def random_param(rng: np.random.Generator, index: int, max_numel: int = 6000, max_dim: int = 8) -> ResolvedParam:
@@ -394,7 +492,10 @@ def random_param(rng: np.random.Generator, index: int, max_numel: int = 6000, ma
         i.flat.values.extend((rng.normal(0, 1, spec.numel(shape)) * scale).tolist())
     elif init == "xavier_uniform":
         i.xavier_uniform.fan_in, i.xavier_uniform.fan_out, i.xavier_uniform.seed = (
-            int(rng.integers(0, 50)), int(rng.integers(0, 50)), seed)
+            int(rng.integers(0, 50)),
+            int(rng.integers(0, 50)),
+            seed,
+        )
     elif init == "kaiming_uniform":
         i.kaiming_uniform.fan_in, i.kaiming_uniform.seed = int(rng.integers(0, 50)), seed
     else:
@@ -425,10 +526,22 @@ def random_jobs(rng: np.random.Generator, params: list[ResolvedParam]) -> tuple[
 def reference_window(p: ResolvedParam, l_begin: int, n: int) -> bytes:
     """reference.py's bytes for local elements [l_begin, l_begin + n), global indices found by NumPy."""
     local = np.unravel_index(np.arange(l_begin, l_begin + n, dtype=np.int64), p.out_shape) if p.shape else ()
-    g = (np.ravel_multi_index(tuple(ix + a for ix, (a, _) in zip(local, p.region, strict=True)), p.shape)
-         if p.shape else np.zeros(n, dtype=np.int64))
-    window = SimpleNamespace(kind=p.kind, p0=p.p0, p1=p.p1, key=p.key, values=p.values, lo=p.lo, hi=p.hi,
-                             seed=p.seed, global_indices=lambda: np.asarray(g, dtype=np.int64))
+    g = (
+        np.ravel_multi_index(tuple(ix + a for ix, (a, _) in zip(local, p.region, strict=True)), p.shape)
+        if p.shape
+        else np.zeros(n, dtype=np.int64)
+    )
+    window = SimpleNamespace(
+        kind=p.kind,
+        p0=p.p0,
+        p1=p.p1,
+        key=p.key,
+        values=p.values,
+        lo=p.lo,
+        hi=p.hi,
+        seed=p.seed,
+        global_indices=lambda: np.asarray(g, dtype=np.int64),
+    )
     return reference.cast(reference.values_f64(cast(ResolvedParam, window)), p.dtype).tobytes()
 
 
@@ -449,9 +562,10 @@ def test_random_windowed_plans_match_reference(harness: Path, tmp_path: Path) ->
     for job in jobs:
         p = job.param
         end = job.offset + job.n * p.dtype.itemsize
-        assert arena[job.offset:end].tobytes() == reference_window(p, job.l_begin, job.n), (
-            f"{p.name} ({p.initializer}, {p.dtype.name}, region {p.region}, window [{job.l_begin}, +{job.n}))")
-        covered[job.offset:end] = True
+        assert arena[job.offset : end].tobytes() == reference_window(p, job.l_begin, job.n), (
+            f"{p.name} ({p.initializer}, {p.dtype.name}, region {p.region}, window [{job.l_begin}, +{job.n}))"
+        )
+        covered[job.offset : end] = True
     assert (arena[~covered] == 0xFF).all(), "bytes outside every job were written"
 
 
@@ -465,7 +579,7 @@ def test_full_regions_match_reference(harness: Path, tmp_path: Path) -> None:
     arena = run_plan(harness, tmp_path, [cb.Job(p, o) for p, o in zip(params, offsets, strict=True)], pos)
     for p, off in zip(params, offsets, strict=True):
         want = reference.materialize(p).reshape(-1)
-        assert arena[off:off + p.nbytes].tobytes() == want.tobytes(), (p.name, p.initializer, p.dtype.name)
+        assert arena[off : off + p.nbytes].tobytes() == want.tobytes(), (p.name, p.initializer, p.dtype.name)
 
 
 def _big_region_param() -> plan_pb2.Param:
@@ -507,8 +621,7 @@ def test_device_branches_built_for_the_host_agree(harness: Path, device_branches
     ops: list[tuple[str, int, int, int, int]] = []
     for key in keys:
         for g in [int(g) for g in rng.integers(0, 2**40, 40)]:
-            ops += [("unit", key, g, 0, 0), ("affine", key, g, dbits(-0.5), dbits(1.5)),
-                    ("normal", key, g, dbits(0.25), dbits(2.0))]
+            ops += [("unit", key, g, 0, 0), ("affine", key, g, dbits(-0.5), dbits(1.5)), ("normal", key, g, dbits(0.25), dbits(2.0))]
     ops += [(op, int(d), 0, 0, 0) for d in rng.integers(0, 2**32, 400) for op in ("crlog", "crcos")]
     ops += [(op, dbits(x), 0, 0, 0) for x in special_doubles(rng) for op in ("f16", "bf16", "f32", "f8e4m3", "f8e5m2")]
     ops += [("mix", int(x), 0, 0, 0) for x in rng.integers(0, 2**63, 50, dtype=np.int64)]
@@ -533,10 +646,16 @@ def test_a_large_plan_packed_as_columns_gives_the_same_bytes(harness: Path, tmp_
     from paraminit_server.plans import columns
     from paraminit_server.plans.plan import resolve
 
-    inits = [{"normal": {"std": 0.5, "seed": 1}}, {"uniform": {"lo": -2, "hi": 3, "seed": 2}}, {"ones": {}},
-             {"truncatedNormal": {"std": 1, "lo": -1, "hi": 1.5, "seed": 3}}, {"kaimingUniformForShape": {"seed": 4}}]
-    params = [param(f"p{i}", [3 + i % 5, 2 + i % 3], inits[i % len(inits)], dtypes.SUPPORTED[i % 6].name)
-              for i in range(columns.SCAN_MIN + 76)]
+    inits = [
+        {"normal": {"std": 0.5, "seed": 1}},
+        {"uniform": {"lo": -2, "hi": 3, "seed": 2}},
+        {"ones": {}},
+        {"truncatedNormal": {"std": 1, "lo": -1, "hi": 1.5, "seed": 3}},
+        {"kaimingUniformForShape": {"seed": 4}},
+    ]
+    params = [
+        param(f"p{i}", [3 + i % 5, 2 + i % 3], inits[i % len(inits)], dtypes.SUPPORTED[i % 6].name) for i in range(columns.SCAN_MIN + 76)
+    ]
     params[5] = param("p5", [40, 30], inits[0], "bfloat16", region=[(3, 17), (4, 29)])
     params[9] = param("p9", [4], {"flat": {"values": [0.5, -1.25, 3.0, 7.0]}}, "float8_e5m2")
     q = params[11].patches.add(init=param("x", [1], {"zeros": {}}).init)
@@ -560,8 +679,8 @@ def test_a_large_plan_packed_as_columns_gives_the_same_bytes(harness: Path, tmp_
         p = table[i]
         want = poisoned(p.numel, p.dtype.storage)
         cpu_backend.fill(p, want)
-        assert by_columns[offsets[i]:offsets[i] + p.nbytes].tobytes() == want.tobytes(), p.name
-        assert (by_columns[offsets[i] + p.nbytes:offsets[i] + p.nbytes + 8] == 0xFF).all(), p.name
+        assert by_columns[offsets[i] : offsets[i] + p.nbytes].tobytes() == want.tobytes(), p.name
+        assert (by_columns[offsets[i] + p.nbytes : offsets[i] + p.nbytes + 8] == 0xFF).all(), p.name
 
 
 def test_a_column_shard_of_data_uploads_only_its_own_values(harness: Path, tmp_path: Path, cpu_backend: Any) -> None:
@@ -570,8 +689,7 @@ def test_a_column_shard_of_data_uploads_only_its_own_values(harness: Path, tmp_p
     from paraminit_client import param
 
     values = np.arange(64 * 48, dtype=np.float64) * 0.25 - 300.0
-    p = resolve_param(0, param("w", [64, 48], {"flat": {"values": values.tolist()}}, "float32",
-                               region=[(0, 64), (12, 24)]))
+    p = resolve_param(0, param("w", [64, 48], {"flat": {"values": values.tolist()}}, "float32", region=[(0, 64), (12, 24)]))
     packed = cb.pack([cb.Job(p, 0)])
     assert packed.values.size == p.numel == 64 * 12  # not the 63 * 48 + 12 between the shard's ends
     window = cb.pack([cb.Job(p, 0, 100, 300)])

@@ -36,14 +36,18 @@ def plane() -> Iterator[Materializer]:
 
 
 def uniform_plan(n: int, seed: int) -> Any:
-    return plan_of([param("w", [n], {"uniform": {"lo": -1, "hi": 1, "seed": seed}}),
-                    param("b", [333], {"normal": {"std": 0.5, "seed": seed + 1}}, "bfloat16")])
+    return plan_of(
+        [
+            param("w", [n], {"uniform": {"lo": -1, "hi": 1, "seed": seed}}),
+            param("b", [333], {"normal": {"std": 0.5, "seed": seed + 1}}, "bfloat16"),
+        ]
+    )
 
 
 def expected_data(plan: Any, start: StreamStart) -> np.ndarray[Any, Any]:
     data = np.full(start.layout.data_bytes, POISON, dtype=np.uint8)
     for pl, rp in zip(start.layout.placements, planlib.resolve(plan), strict=True):
-        data[pl.offset:pl.offset + pl.param.nbytes] = reference.materialize(rp).reshape(-1).view(np.uint8)
+        data[pl.offset : pl.offset + pl.param.nbytes] = reference.materialize(rp).reshape(-1).view(np.uint8)
     return data
 
 
@@ -59,7 +63,7 @@ def test_stream_yields_a_start_then_host_slabs_that_a_keeping_consumer_owns(plan
         assert isinstance(item, tuple)
         offset, slab = item
         assert isinstance(slab, np.ndarray) and slab.dtype == np.uint8 and offset == at  # in order, no gaps
-        data[offset:offset + len(slab)] = slab
+        data[offset : offset + len(slab)] = slab
         at += len(slab)
     assert at == start.layout.data_bytes
     np.testing.assert_array_equal(data, expected_data(plan, start))
@@ -78,7 +82,7 @@ def test_lent_slabs_come_from_a_ring_and_are_whole_until_the_next_is_asked_for(p
         assert isinstance(item, tuple)
         offset, slab = item
         buffers.add(slab.__array_interface__["data"][0])
-        data[offset:offset + len(slab)] = slab
+        data[offset : offset + len(slab)] = slab
         count += 1
     assert count > materializer.PREFETCH + 2
     assert len(buffers) <= materializer.PREFETCH + 2  # the ring was reused, not fresh memory per slab
@@ -115,7 +119,7 @@ def test_concurrent_encoded_streams_keep_every_message_intact(plane: Materialize
             c = wire.decode_response(raw)
             assert isinstance(c, wire.Chunk) and crc32c.crc32c(c.data) == c.crc32c
             assert len(c.data) <= 8 << 10
-            out[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
+            out[c.offset : c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
         np.testing.assert_array_equal(out, expected_data(plans[i], start))
 
 
@@ -141,24 +145,42 @@ def test_closing_a_stream_early_gives_everything_back(plane: Materializer) -> No
     assert plane.admission.host.reserved == 0 and plane.admission.in_flight == 0
 
 
-DATA_PLANE = ["plane.materializer", "plane.engine", "plane.admission", "ledger", "plane.leases",
-              "plane.layout", "errors", "plane.exports", "backends.shm", "plane.caller", "plans.payloads",
-              "plans.plan", "plans.validation", "plans.files", "plans.orthogonal", "backends", "backends.cpu"]
+DATA_PLANE = [
+    "plane.materializer",
+    "plane.engine",
+    "plane.admission",
+    "ledger",
+    "plane.leases",
+    "plane.layout",
+    "errors",
+    "plane.exports",
+    "backends.shm",
+    "plane.caller",
+    "plans.payloads",
+    "plans.plan",
+    "plans.validation",
+    "plans.files",
+    "plans.orthogonal",
+    "backends",
+    "backends.cpu",
+]
 
 
 def test_the_data_plane_imports_no_transport() -> None:
     """Loading every data-plane module (and streaming through one) leaves grpc unimported."""
     modules = ", ".join(f"paraminit_server.{m}" for m in DATA_PLANE)
-    code = (f"import sys, {modules}\n"
-            "from paraminit_server.plane.caller import Caller\n"
-            "from paraminit_server.config import ServerConfig\n"
-            "from paraminit.v1 import plan_pb2\n"
-            "plane = paraminit_server.plane.materializer.Materializer(ServerConfig(backend='cpu', metrics_port=0),\n"
-            "    paraminit_server.backends.create('cpu'))\n"
-            "plan = plan_pb2.Plan()\n"
-            "plan.params.add(name='w', shape=[1000]).init.ones.SetInParent()\n"
-            "assert len(list(plane.stream(plan, Caller()))) == 2\n"
-            "plane.close()\n"
-            "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.') or m.startswith('grpc_'))\n"
-            "assert not bad, bad\n")
+    code = (
+        f"import sys, {modules}\n"
+        "from paraminit_server.plane.caller import Caller\n"
+        "from paraminit_server.config import ServerConfig\n"
+        "from paraminit.v1 import plan_pb2\n"
+        "plane = paraminit_server.plane.materializer.Materializer(ServerConfig(backend='cpu', metrics_port=0),\n"
+        "    paraminit_server.backends.create('cpu'))\n"
+        "plan = plan_pb2.Plan()\n"
+        "plan.params.add(name='w', shape=[1000]).init.ones.SetInParent()\n"
+        "assert len(list(plane.stream(plan, Caller()))) == 2\n"
+        "plane.close()\n"
+        "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.') or m.startswith('grpc_'))\n"
+        "assert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

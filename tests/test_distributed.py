@@ -62,8 +62,7 @@ def reference(build: Any, client: Client, **kw: Any) -> dict[str, torch.Tensor]:
 
 
 def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.flatten().view(torch.uint8),
-                                                                     y.flatten().view(torch.uint8))
+    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.flatten().view(torch.uint8), y.flatten().view(torch.uint8))
 
 
 def check_sharded(model: nn.Module, want: dict[str, torch.Tensor]) -> None:
@@ -96,9 +95,15 @@ def worker(rank: int, store: str) -> None:
             # 1. DTensors by hand on the 2-D mesh: Shard on either dim, the same dim twice, Replicate, uneven
             want = reference(Shapes, client, overrides=shapes_overrides)
             assert want["emb.weight"][4].count_nonzero() == 0 and want["a"].count_nonzero() == want["a"].numel()
-            layout = {"a": (Shard(0), Shard(1)), "b": (Shard(1), Shard(0)), "c": (Shard(0), Shard(0)),
-                      "d": (Replicate(), Shard(0)), "e": (Replicate(), Replicate()), "f": (Shard(0), Shard(0)),
-                      "emb.weight": (Replicate(), Shard(0))}
+            layout = {
+                "a": (Shard(0), Shard(1)),
+                "b": (Shard(1), Shard(0)),
+                "c": (Shard(0), Shard(0)),
+                "d": (Replicate(), Shard(0)),
+                "e": (Replicate(), Replicate()),
+                "f": (Shard(0), Shard(0)),
+                "emb.weight": (Replicate(), Shard(0)),
+            }
             with torch.device("meta"):
                 model = Shapes()
             for name, placements in layout.items():

@@ -35,10 +35,13 @@ def test_full_tensors_of_2_63_elements_or_more_are_refused(shape: list[int]) -> 
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.parametrize("shape,rows", [
-    ([2**40, 2**22], [0, 2**24, 2**39, 2**40 - 1]),  # 2^62 elements: the rows the old kernel wrapped onto row 0
-    ([2**40, 2**23 - 1], [2**40 - 1]),  # 2^63 - 2^40 elements: the last row ends just under 2^63
-])
+@pytest.mark.parametrize(
+    "shape,rows",
+    [
+        ([2**40, 2**22], [0, 2**24, 2**39, 2**40 - 1]),  # 2^62 elements: the rows the old kernel wrapped onto row 0
+        ([2**40, 2**23 - 1], [2**40 - 1]),  # 2^63 - 2^40 elements: the last row ends just under 2^63
+    ],
+)
 def test_rows_near_2_63_get_their_own_global_index(shape: list[int], rows: list[int]) -> None:
     with running_server() as r, Client(target_of(r)) as c:
         got = {}

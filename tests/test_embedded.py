@@ -27,11 +27,15 @@ def _segments() -> set[str]:
 
 
 def mixed_plan() -> plan_pb2.Plan:
-    return plan_of([param("w", [300, 70], {"kaimingUniformForShape": {"seed": 5}}),
-                    param("e", [33, 8], {"normal": {"std": 0.02, "seed": 6}}, "bfloat16"),
-                    param("h", [5], {"uniform": {"lo": -2, "hi": 2, "seed": 7}}, "float16"),
-                    param("d", [8, 8], {"normal": {"mean": 1, "std": 3, "seed": 8}}, "float64", region=[(2, 5), (1, 7)]),
-                    param("s", [], {"ones": {}})])
+    return plan_of(
+        [
+            param("w", [300, 70], {"kaimingUniformForShape": {"seed": 5}}),
+            param("e", [33, 8], {"normal": {"std": 0.02, "seed": 6}}, "bfloat16"),
+            param("h", [5], {"uniform": {"lo": -2, "hi": 2, "seed": 7}}, "float16"),
+            param("d", [8, 8], {"normal": {"mean": 1, "std": 3, "seed": 8}}, "float64", region=[(2, 5), (1, 7)]),
+            param("s", [], {"ones": {}}),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +72,7 @@ def test_materialize_into_writes_the_callers_arrays(local: Client) -> None:
 
 def test_materialize_into_refuses_wrong_arrays(local: Client) -> None:
     plan = plan_of([param("w", [4, 4], {"ones": {}})])
-    for bad in ({}, {"w": np.empty((4, 5), np.float32)}, {"w": np.empty((4, 4), np.float64)},
-                {"w": np.empty((4, 8), np.float32)[:, ::2]}):
+    for bad in ({}, {"w": np.empty((4, 5), np.float32)}, {"w": np.empty((4, 4), np.float64)}, {"w": np.empty((4, 8), np.float32)[:, ::2]}):
         with pytest.raises(ParaminitError) as info:
             local.materialize_into(plan, bad)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

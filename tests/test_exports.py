@@ -50,10 +50,14 @@ server = server_fixture(max_leases_per_client=4, max_leased_bytes=256 << 20)
 
 
 def plan_small() -> pb.Plan:  # type: ignore[name-defined]
-    return plan_of([param("w", [300, 70], {"kaimingUniformForShape": {"seed": 5}}),
-                    param("e", [33, 8], {"normal": {"std": 0.02, "seed": 6}}, "bfloat16"),
-                    param("h", [5], {"uniform": {"lo": -2, "hi": 2, "seed": 7}}, "float16"),
-                    param("d", [3, 3], {"ones": {}}, "float64")])
+    return plan_of(
+        [
+            param("w", [300, 70], {"kaimingUniformForShape": {"seed": 5}}),
+            param("e", [33, 8], {"normal": {"std": 0.02, "seed": 6}}, "bfloat16"),
+            param("h", [5], {"uniform": {"lo": -2, "hi": 2, "seed": 7}}, "float16"),
+            param("d", [3, 3], {"ones": {}}, "float64"),
+        ]
+    )
 
 
 def test_other_process_reads_the_streamed_bytes(client: Client) -> None:
@@ -195,8 +199,12 @@ def test_remote_peers_are_refused() -> None:
     probe = subprocess.run(["unshare", "-rn", "sh", "-c", setup], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a network namespace here: {probe.stderr.strip()}")
-    done = subprocess.run(["unshare", "-rn", "sh", "-c", f'{setup} && exec "$0" -c "$1"', sys.executable, REMOTE_CALL],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["unshare", "-rn", "sh", "-c", f'{setup} && exec "$0" -c "$1"', sys.executable, REMOTE_CALL],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "refused:" in done.stdout and "this host only" in done.stdout
 
@@ -252,8 +260,7 @@ MiB = 1 << 20
 
 def test_concurrent_exports_cannot_overshoot_lease_limits() -> None:
     """8 concurrent 16 MiB exports against 2 leases per client and 64 MiB: at most 2 are granted."""
-    with running_server(max_leases_per_client=2, max_leased_bytes=64 * MiB, max_concurrent=8) as r, \
-            Client(target_of(r)) as c:
+    with running_server(max_leases_per_client=2, max_leased_bytes=64 * MiB, max_concurrent=8) as r, Client(target_of(r)) as c:
         plan = plan_of([param("w", [4 * MiB], {"ones": {}})])  # 16 MiB
         start = threading.Barrier(8)
 
@@ -335,8 +342,7 @@ def test_remote_client_releases_its_leases_at_exit() -> None:
     try:
         names = []
         for _ in range(3):
-            out = subprocess.run([sys.executable, "-c", EXITS_HOLDING, target], capture_output=True, text=True,
-                                 timeout=120, check=True)
+            out = subprocess.run([sys.executable, "-c", EXITS_HOLDING, target], capture_output=True, text=True, timeout=120, check=True)
             names.append(Path("/dev/shm") / out.stdout.strip())
         assert wait_until(lambda: not any(n.exists() for n in names), 10), names  # the TTL is 300 s
         with Client(target) as c:
@@ -534,8 +540,7 @@ def test_an_export_too_large_for_one_answer_is_refused_before_it_is_made() -> No
         assert r.plane.leases.list() == [] and r.plane.leases.leased_bytes() == 0
         small = plan_of([param(n, [2, 2], {"zeros": {}}) for n in names[:1000]])
         info = pb.ExportInfo(plan_digest="0" * 64)
-        info.tensors.extend(pb.TensorInfo(name=n, dtype=1, shape=[2, 2], offset=1 << 40, nbytes=16)
-                            for n in names[:1000])
+        info.tensors.extend(pb.TensorInfo(name=n, dtype=1, shape=[2, 2], offset=1 << 40, nbytes=16) for n in names[:1000])
         assert info.ByteSize() < service.export_info_bound(small)  # the bound is one
 
 
@@ -589,8 +594,9 @@ def test_an_expired_segment_still_mapped_stays_charged_until_unmapped() -> None:
         base = r.plane.admission.host.reserved
         lease = c.export(plan, ttl_seconds=0.3)
         name, size = lease.info.shm.segment_name, lease.info.shm.size
-        holder = subprocess.Popen([sys.executable, "-c", HOLDS_MAPPING, name, str(size)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDS_MAPPING, name, str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         try:
             assert holder.stdout is not None and holder.stdout.readline().strip() == "0000803f"  # 1.0f
             lease.stop_renewing()

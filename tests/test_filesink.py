@@ -16,8 +16,7 @@ from support import server_fixture, wait_until
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 3 * (64 << 10) + 17])
-def test_direct_sink_writes_prefix_and_chunks_exactly(tmp_path: Path, size: int,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_direct_sink_writes_prefix_and_chunks_exactly(tmp_path: Path, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(filesink.DirectSink, "BLOCK", 64 << 10)
     prefix = b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"a":1}        '
     data = np.random.default_rng(size).integers(1, 255, size, dtype=np.uint8).tobytes()  # no zero bytes
@@ -29,7 +28,7 @@ def test_direct_sink_writes_prefix_and_chunks_exactly(tmp_path: Path, size: int,
         sink = filesink.DirectSink(str(path), prefix, len(prefix) + size)
         try:
             for off in range(0, size, 5000):  # chunks that straddle blocks
-                piece = memoryview(data)[off:off + 5000]
+                piece = memoryview(data)[off : off + 5000]
                 sink.put(wire.Chunk(off, piece, 0))
             sink.finish()
         finally:
@@ -89,8 +88,9 @@ def _no_direct(*args: object) -> None:
 
 
 @pytest.mark.parametrize("numel", [1, 1023, 4096 * 3 + 5, (3 << 20) // 4 + 7])
-def test_durable_file_with_direct_io_is_the_stream_at_any_size(client: Client, tmp_path: Path, numel: int,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_durable_file_with_direct_io_is_the_stream_at_any_size(
+    client: Client, tmp_path: Path, numel: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Blocks of 64 KiB so the ring turns over many times; sizes that end mid-block and mid-page. The file
     (written directly, then cut to size) equals the same plan written through the page cache, byte for byte."""
     from paraminit_client import filesink
@@ -104,8 +104,7 @@ def test_durable_file_with_direct_io_is_the_stream_at_any_size(client: Client, t
 
     monkeypatch.setattr(filesink.DirectSink, "BLOCK", 64 << 10)
     monkeypatch.setattr(filesink.DirectSink, "__init__", spy)
-    plan = plan_of([param("w", [numel], {"uniform": {"lo": -1, "hi": 1, "seed": 6}}),
-                    param("b", [3], {"ones": {}}, "bfloat16")])
+    plan = plan_of([param("w", [numel], {"uniform": {"lo": -1, "hi": 1, "seed": 6}}), param("b", [3], {"ones": {}}, "bfloat16")])
     client.materialize_to_file(plan, tmp_path / "direct.safetensors", chunk_bytes=16 << 10)
     assert len(opened) == 1, "direct I/O was not used on this file system"
     monkeypatch.setattr(filesink, "DirectSink", _no_direct)
@@ -118,8 +117,7 @@ def test_durable_file_with_direct_io_is_the_stream_at_any_size(client: Client, t
     assert load_file(str(tmp_path / "direct.safetensors"))["w"].tobytes() == client.materialize(plan)["w"].tobytes()
 
 
-def test_a_file_system_that_refuses_direct_writes_falls_back(client: Client, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_system_that_refuses_direct_writes_falls_back(client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """O_DIRECT accepted at open but refused at the first write (as some file systems do): the page cache
     path writes the same file."""
     from paraminit_client import filesink
@@ -203,13 +201,15 @@ def test_a_killed_writer_leaves_no_partial_file(tmp_path: Path) -> None:
     import sys
 
     out = tmp_path / "big.safetensors"
-    code = ("import sys\n"
-            "from paraminit_client import Client, param, plan_of\n"
-            "def seen(done, total):\n"
-            "    if done:\n"
-            "        print('writing', flush=True); sys.stdin.read()\n"  # blocks mid-file until killed
-            "plan = plan_of([param('w', [1 << 24], {'normal': {'std': 1.0}})])\n"
-            f"Client().materialize_to_file(plan, {str(out)!r}, progress=seen)\n")
+    code = (
+        "import sys\n"
+        "from paraminit_client import Client, param, plan_of\n"
+        "def seen(done, total):\n"
+        "    if done:\n"
+        "        print('writing', flush=True); sys.stdin.read()\n"  # blocks mid-file until killed
+        "plan = plan_of([param('w', [1 << 24], {'normal': {'std': 1.0}})])\n"
+        f"Client().materialize_to_file(plan, {str(out)!r}, progress=seen)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "writing\n"

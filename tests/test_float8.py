@@ -77,8 +77,12 @@ def test_one_rounding_where_pytorch_rounds_twice() -> None:
 
 def test_regions_and_windows_are_slices_of_the_whole(cpu_backend: Any) -> None:
     for dtype in (E4M3, E5M2):
-        for init in ({"normal": {"std": 0.02, "seed": 4}}, {"uniform": {"lo": -2, "hi": 2, "seed": 5}},
-                     {"truncatedNormal": {"std": 1, "lo": -2, "hi": 2, "seed": 6}}, {"kaimingUniformForShape": {}}):
+        for init in (
+            {"normal": {"std": 0.02, "seed": 4}},
+            {"uniform": {"lo": -2, "hi": 2, "seed": 5}},
+            {"truncatedNormal": {"std": 1, "lo": -2, "hi": 2, "seed": 6}},
+            {"kaimingUniformForShape": {}},
+        ):
             whole = resolve_param(0, param("w", [40, 70], init, dtype))
             full = poisoned(whole.numel, whole.dtype.storage)
             cpu_backend.fill(whole, full)
@@ -97,6 +101,7 @@ def test_regions_and_windows_are_slices_of_the_whole(cpu_backend: Any) -> None:
 
 # -- the range rule: values that could round beyond the largest finite value are refused ----------------------------
 
+
 def _patched(name: str, dtype: str, init: dict[str, Any]) -> plan_pb2.Param:
     p = param(name, [4, 4], {"zeros": {}}, dtype)
     q = p.patches.add()
@@ -107,26 +112,33 @@ def _patched(name: str, dtype: str, init: dict[str, Any]) -> plan_pb2.Param:
 
 
 def test_the_range_rule_is_reported_with_every_other_violation(client: Client) -> None:
-    plan = plan_of([
-        param("uniform_edge", [4], {"uniform": {"lo": -448, "hi": 448}}, E4M3),  # exactly the largest: valid
-        param("normal_edge", [4], {"normal": {"mean": 1, "std": 85}}, E4M3),  # 1 + 85 * 5.2566 = 447.8: valid
-        param("normal_over", [4], {"normal": {"mean": 1, "std": 85.2}}, E4M3),  # 448.9
-        param("uniform_over", [4], {"uniform": {"lo": -449, "hi": 0}}, E4M3),
-        param("trunc_over", [4], {"truncatedNormal": {"std": 1, "lo": -1, "hi": 60000}}, E5M2),
-        param("flat_over", [2], {"flat": {"values": [0.5, -57345]}}, E5M2),
-        param("wide_is_fine", [4], {"uniform": {"lo": -1e30, "hi": 1e30}}, "float32"),
-        param("bad_std", [4], {"normal": {"std": -1}}, E4M3),  # the normal's own rule, not the range rule
-        _patched("patched", E4M3, {"uniform": {"lo": 0, "hi": 500}}),
-        _patched("patched_ok", E4M3, {"uniform": {"lo": 0, "hi": 448}}),
-    ])
+    plan = plan_of(
+        [
+            param("uniform_edge", [4], {"uniform": {"lo": -448, "hi": 448}}, E4M3),  # exactly the largest: valid
+            param("normal_edge", [4], {"normal": {"mean": 1, "std": 85}}, E4M3),  # 1 + 85 * 5.2566 = 447.8: valid
+            param("normal_over", [4], {"normal": {"mean": 1, "std": 85.2}}, E4M3),  # 448.9
+            param("uniform_over", [4], {"uniform": {"lo": -449, "hi": 0}}, E4M3),
+            param("trunc_over", [4], {"truncatedNormal": {"std": 1, "lo": -1, "hi": 60000}}, E5M2),
+            param("flat_over", [2], {"flat": {"values": [0.5, -57345]}}, E5M2),
+            param("wide_is_fine", [4], {"uniform": {"lo": -1e30, "hi": 1e30}}, "float32"),
+            param("bad_std", [4], {"normal": {"std": -1}}, E4M3),  # the normal's own rule, not the range rule
+            _patched("patched", E4M3, {"uniform": {"lo": 0, "hi": 500}}),
+            _patched("patched_ok", E4M3, {"uniform": {"lo": 0, "hi": 448}}),
+        ]
+    )
     with pytest.raises(ParaminitError) as info:
         client.materialize(plan)
     err = info.value
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
     found = {(v.index, v.field): v.message for v in err.violations}
-    assert sorted(found) == [(2, "params[2].init.normal"), (3, "params[3].init.uniform"),
-                             (4, "params[4].init.truncatedNormal"), (5, "params[5].init.flat"),
-                             (7, "params[7].init.normal"), (8, "params[8].patches[0].init.uniform")]
+    assert sorted(found) == [
+        (2, "params[2].init.normal"),
+        (3, "params[3].init.uniform"),
+        (4, "params[4].init.truncatedNormal"),
+        (5, "params[5].init.flat"),
+        (7, "params[7].init.normal"),
+        (8, "params[8].patches[0].init.uniform"),
+    ]
     assert "could reach 448.86232 (|mean| + std * 5.2566), beyond 448," in found[(2, "params[2].init.normal")]
     assert "largest finite float8_e4m3fn value" in found[(3, "params[3].init.uniform")]
     assert "57345.0 (the largest |value|), beyond 57344" in found[(5, "params[5].init.flat")]
@@ -151,8 +163,7 @@ def test_large_plans_apply_the_rule_as_columns() -> None:
     with Client() as c:
         with pytest.raises(ParaminitError) as info:
             c.materialize(plan)
-        assert [(v.index, v.field) for v in info.value.violations] == [
-            (700, "params[700].init.normal"), (900, "params[900].init.uniform")]
+        assert [(v.index, v.field) for v in info.value.violations] == [(700, "params[700].init.normal"), (900, "params[900].init.uniform")]
         del params[900], params[700]
         got = c.materialize(plan_of(params))
     assert len(got) == n - 2 and got["p0"].dtype == ml_dtypes.float8_e4m3fn
@@ -160,10 +171,11 @@ def test_large_plans_apply_the_rule_as_columns() -> None:
 
 # -- payloads and checkpoints ---------------------------------------------------------------------------------------
 
+
 def test_payloads_into_and_of_8_bit_floats(client: Client) -> None:
     rng = np.random.default_rng(8)
     x = rng.standard_normal(5000) * 40
-    x[:4] = [1.0625 + 2.0**-40, 448.0, -2.0**-10, 0.0029296875]  # above a tie, the largest, half the least, a tie
+    x[:4] = [1.0625 + 2.0**-40, 448.0, -(2.0**-10), 0.0029296875]  # above a tie, the largest, half the least, a tie
     pid = client.upload_payload(x)  # float64 values, rounded once into the 8-bit parameter
     got = client.materialize(plan_of([param("w", [50, 100], {"flatRef": {"payloadId": pid}}, E4M3)]))["w"]
     assert got.view(np.uint8).reshape(-1).tobytes() == reference.cast(x, dtypes.FLOAT8_E4M3FN).tobytes()
@@ -172,15 +184,24 @@ def test_payloads_into_and_of_8_bit_floats(client: Client) -> None:
     over[4321] = 449.0
     pid_over = client.upload_payload(over)
     with pytest.raises(ParaminitError) as info:
-        client.materialize(plan_of([param("w", [5000], {"flatRef": {"payloadId": pid_over}}, E4M3),
-                                    param("v", [5000], {"flatRef": {"payloadId": pid_over}}, E5M2)]))
+        client.materialize(
+            plan_of(
+                [
+                    param("w", [5000], {"flatRef": {"payloadId": pid_over}}, E4M3),
+                    param("v", [5000], {"flatRef": {"payloadId": pid_over}}, E5M2),
+                ]
+            )
+        )
     [v] = info.value.violations  # float8_e5m2 holds 449
     assert v.field == "params[0].init.flatRef" and "449.0 (the largest |value|)" in v.message
     # a payload of 8-bit floats keeps its bits, and converts exactly into any wider dtype
     f8 = got.reshape(-1)
     pid8 = client.upload_payload(f8)
-    back = client.materialize(plan_of([param("a", [5000], {"flatRef": {"payloadId": pid8}}, E4M3),
-                                       param("b", [5000], {"flatRef": {"payloadId": pid8}}, "float32")]))
+    back = client.materialize(
+        plan_of(
+            [param("a", [5000], {"flatRef": {"payloadId": pid8}}, E4M3), param("b", [5000], {"flatRef": {"payloadId": pid8}}, "float32")]
+        )
+    )
     assert back["a"].tobytes() == f8.tobytes()
     assert back["b"].tobytes() == f8.astype(np.float32).tobytes()
 
@@ -201,22 +222,31 @@ def test_checkpoints_into_and_of_8_bit_floats(client: Client, ckpt_dir: Path) ->
     [v] = info.value.violations
     assert v.index == 0 and "1000.0 (the largest |value|)" in v.message and str(path) not in v.message
     got = client.materialize(plan_of([ref("wide", E5M2), ref("narrow", E4M3), ref("narrow", E5M2)]))
-    assert got["wide" + E5M2].view(np.uint8).reshape(-1).tobytes() == reference.cast(
-        wide.astype(np.float64).reshape(-1), dtypes.FLOAT8_E5M2).tobytes()
+    assert (
+        got["wide" + E5M2].view(np.uint8).reshape(-1).tobytes()
+        == reference.cast(wide.astype(np.float64).reshape(-1), dtypes.FLOAT8_E5M2).tobytes()
+    )
     assert got["narrow" + E4M3].tobytes() == narrow.tobytes()  # same format: the same bits
-    assert got["narrow" + E5M2].view(np.uint8).reshape(-1).tobytes() == reference.cast(
-        narrow.astype(np.float64).reshape(-1), dtypes.FLOAT8_E5M2).tobytes()
+    assert (
+        got["narrow" + E5M2].view(np.uint8).reshape(-1).tobytes()
+        == reference.cast(narrow.astype(np.float64).reshape(-1), dtypes.FLOAT8_E5M2).tobytes()
+    )
 
 
 # -- the caller's side: files, torch, inspect -----------------------------------------------------------------------
+
 
 def test_a_checkpoint_file_torch_reads_and_inspect_passes(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
 
-    plan = plan_of([param("a", [64, 64], {"normal": {"std": 0.02, "seed": 1}}, E4M3),
-                    param("b", [64, 32], {"xavierUniformForShape": {"seed": 2}}, E5M2),
-                    param("c", [32], {"ones": {}}, E5M2)])
+    plan = plan_of(
+        [
+            param("a", [64, 64], {"normal": {"std": 0.02, "seed": 1}}, E4M3),
+            param("b", [64, 32], {"xavierUniformForShape": {"seed": 2}}, E5M2),
+            param("c", [32], {"ones": {}}, E5M2),
+        ]
+    )
     out = tmp_path / "f8.safetensors"
     with Client() as c:
         arrays = c.materialize(plan)
@@ -233,8 +263,7 @@ def test_a_checkpoint_file_torch_reads_and_inspect_passes(tmp_path: Path) -> Non
     assert [r.dtype for r in report.rows] == [E4M3, E5M2, E5M2]
     assert not any(r.problems for r in report.rows), [r.problems for r in report.rows]
     # a file that does not hold the plan's values is flagged
-    shifted = {"a": (arrays["a"].astype(np.float64) + 0.05).astype(ml_dtypes.float8_e4m3fn),
-               "b": arrays["b"], "c": arrays["c"]}
+    shifted = {"a": (arrays["a"].astype(np.float64) + 0.05).astype(ml_dtypes.float8_e4m3fn), "b": arrays["b"], "c": arrays["c"]}
     save_file(shifted, str(tmp_path / "bad.safetensors"))
     flagged = inspect.inspect_file(tmp_path / "bad.safetensors", plan)
     assert flagged.rows[0].problems and not flagged.rows[1].problems

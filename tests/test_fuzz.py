@@ -32,8 +32,22 @@ seeds = st.one_of(st.integers(0, 2**64 - 1), st.just(0))
 
 @st.composite
 def inits(draw: Any, shape: list[int]) -> plan_pb2.Init | None:
-    kind = draw(st.sampled_from(["zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat",
-                                 "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "unset"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "zeros",
+                "ones",
+                "uniform",
+                "normal",
+                "xavier_uniform",
+                "kaiming_uniform",
+                "flat",
+                "xavier_uniform_for_shape",
+                "kaiming_uniform_for_shape",
+                "unset",
+            ]
+        )
+    )
     init = plan_pb2.Init()
     if kind == "unset":
         return None
@@ -76,8 +90,7 @@ def params(draw: Any, names: Any) -> plan_pb2.Param:
     return p
 
 
-plans = st.lists(params(st.sampled_from(["a", "b", "c", "", "w.weight"])), min_size=0, max_size=5).map(
-    lambda ps: plan_pb2.Plan(params=ps))
+plans = st.lists(params(st.sampled_from(["a", "b", "c", "", "w.weight"])), min_size=0, max_size=5).map(lambda ps: plan_pb2.Plan(params=ps))
 
 
 @FUZZ

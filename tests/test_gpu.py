@@ -73,10 +73,10 @@ def gpu_fill_window(gpu: CupyBackend, p: ResolvedParam, l_begin: int, n: int) ->
     """GPU fill of a window into a poisoned buffer; checks the guards and returns the window."""
     isz = p.dtype.itemsize
     buf = gpu_poisoned(GUARD + n * isz + GUARD)
-    gpu.fill(p, buf[GUARD:GUARD + n * isz].view(p.dtype.storage), l_begin)
+    gpu.fill(p, buf[GUARD : GUARD + n * isz].view(p.dtype.storage), l_begin)
     host = gpu.to_host(buf)
-    assert (host[:GUARD] == 0xFF).all() and (host[GUARD + n * isz:] == 0xFF).all(), f"{p.name}: write outside out"
-    return np.asarray(host[GUARD:GUARD + n * isz]).view(p.dtype.storage)
+    assert (host[:GUARD] == 0xFF).all() and (host[GUARD + n * isz :] == 0xFF).all(), f"{p.name}: write outside out"
+    return np.asarray(host[GUARD : GUARD + n * isz]).view(p.dtype.storage)
 
 
 def cpu_fill_window(cpu: Any, p: ResolvedParam, l_begin: int, n: int) -> np.ndarray[Any, Any]:
@@ -170,9 +170,11 @@ def big_param(index: int, init: str, dtype: int, shape: list[int], region: list[
 def test_fill_plan_matches_cpu(gpu: CupyBackend, cpu_backend: Any) -> None:
     rng = np.random.default_rng(99)
     params = [random_param(rng, i, max_numel=100000, max_dim=30) for i in range(120)]
-    params += [big_param(len(params), "kaiming_uniform_for_shape", plan_pb2.DTYPE_FLOAT32, [4096, 3000], [(5, 4000)]),
-               big_param(len(params) + 1, "uniform", plan_pb2.DTYPE_BFLOAT16, [3000, 4096], [(0, 3000), (7, 4000)]),
-               big_param(len(params) + 2, "normal", plan_pb2.DTYPE_FLOAT16, [6000, 2048], [])]
+    params += [
+        big_param(len(params), "kaiming_uniform_for_shape", plan_pb2.DTYPE_FLOAT32, [4096, 3000], [(5, 4000)]),
+        big_param(len(params) + 1, "uniform", plan_pb2.DTYPE_BFLOAT16, [3000, 4096], [(0, 3000), (7, 4000)]),
+        big_param(len(params) + 2, "normal", plan_pb2.DTYPE_FLOAT16, [6000, 2048], []),
+    ]
     offsets, pos = [], GUARD
     for p in params:
         pos = -(-pos // 8) * 8 + int(rng.integers(0, 3)) * 8
@@ -184,10 +186,9 @@ def test_fill_plan_matches_cpu(gpu: CupyBackend, cpu_backend: Any) -> None:
     covered = np.zeros(host.size, dtype=bool)
     differing = 0
     for p, off in zip(params, offsets, strict=True):
-        got = host[off:off + p.nbytes].view(p.dtype.storage)
-        differing += compare(p, got, cpu_fill_window(cpu_backend, p, 0, p.numel),
-                             f"{p.name} {p.initializer} {p.dtype.name}")
-        covered[off:off + p.nbytes] = True
+        got = host[off : off + p.nbytes].view(p.dtype.storage)
+        differing += compare(p, got, cpu_fill_window(cpu_backend, p, 0, p.numel), f"{p.name} {p.initializer} {p.dtype.name}")
+        covered[off : off + p.nbytes] = True
     assert (host[~covered] == 0xFF).all(), "fill_plan wrote outside its parameters"
     assert differing == 0
 
@@ -199,7 +200,7 @@ def test_fill_plan_module_helper_and_empty_plan(gpu: CupyBackend, cpu_backend: A
     assert (gpu.to_host(arena) == 0xFF).all()
     fill_plan([p], arena, [16])
     host = gpu.to_host(arena)
-    assert host[16:16 + p.nbytes].tobytes() == cpu_fill_window(cpu_backend, p, 0, p.numel).tobytes()
+    assert host[16 : 16 + p.nbytes].tobytes() == cpu_fill_window(cpu_backend, p, 0, p.numel).tobytes()
     with pytest.raises(ValueError):
         fill_plan([p], arena, [40])  # runs past the arena
 

@@ -34,9 +34,11 @@ def test_shellcheck_is_clean() -> None:
 
 FAKE_CUPY = {
     "missing": ("raise ImportError('libcudart.so.13: cannot open shared object file')\n", "CuPy does not import"),
-    "no-device": ("__version__ = '0.0-stand-in'\nimport types\n"
-                  "cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 0))\n",
-                  "sees no CUDA device"),
+    "no-device": (
+        "__version__ = '0.0-stand-in'\nimport types\n"
+        "cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 0))\n",
+        "sees no CUDA device",
+    ),
 }
 
 
@@ -66,12 +68,20 @@ def test_out_of_time_steps_are_skipped_and_the_logs_come_back_in_one_archive(tmp
 
     fake = tmp_path / "fake"
     fake.mkdir()
-    (fake / "cupy.py").write_text("__version__ = '0.0-stand-in'\nimport types\n"
-                                  "cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))\n")
+    (fake / "cupy.py").write_text(
+        "__version__ = '0.0-stand-in'\nimport types\n"
+        "cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))\n"
+    )
     out = tmp_path / "out"
     paths = os.pathsep.join([str(fake), str(ROOT / "proto"), str(ROOT / "server"), str(ROOT / "client")])
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": paths, "GPU_CHECK_BUDGET": "1",
-           "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels")}  # never the device's wheels a `make gpu-wheels` left
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": paths,
+        "GPU_CHECK_BUDGET": "1",
+        "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels"),
+    }  # never the device's wheels a `make gpu-wheels` left
     res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert res.returncode == 1, res.stdout + res.stderr
     files = sorted(p.name for p in out.iterdir())
@@ -87,14 +97,14 @@ def test_the_wheel_set_is_the_gpu_lock_and_never_shadows_pytest() -> None:
     """`make gpu-wheels` pins what the GPU image lacks from deploy/requirements-gpu.lock (no dev venv to read
     versions from) and ships no pytest: the image's own runs, its installed plugins not autoloaded."""
     make = (ROOT / "Makefile").read_text()
-    block = make[make.index("GPU_WHEELS :="):make.index("GPU_TEST_WHEELS")]
+    block = make[make.index("GPU_WHEELS :=") : make.index("GPU_TEST_WHEELS")]
     wheels = block.replace("GPU_WHEELS :=", "").replace("\\", " ").split()
     assert "protobuf" in wheels and "grpcio" in wheels
     assert not {"pytest", "pluggy", "iniconfig", "packaging", "pygments"} & set(wheels)
     lock = (ROOT / "deploy" / "requirements-gpu.lock").read_text().lower()
     assert all(f"\n{w}==" in lock for w in wheels), [w for w in wheels if f"\n{w}==" not in lock]
-    target = make[make.index("gpu-wheels:"):]
+    target = make[make.index("gpu-wheels:") :]
     assert target.splitlines()[0].split(":")[1].split() == ["$(BASE)"]  # not the test and lint venv
     step = SCRIPT.read_text()
-    run = step[step.index("-m pytest -m gpu") - 200:step.index("-m pytest -m gpu")]
+    run = step[step.index("-m pytest -m gpu") - 200 : step.index("-m pytest -m gpu")]
     assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1" in run

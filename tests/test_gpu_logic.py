@@ -81,15 +81,31 @@ def test_format_uuid_keeps_every_byte() -> None:
     assert cuda.format_uuid(b"") == "" and cuda.format_uuid(bytes(17)) == ""
 
 
-@pytest.mark.parametrize("spelling", ["GPU-5a1f00c2-0011-2233-4455-66778899aabb", "gpu-5A1F00C2-0011-2233-4455-66778899AABB",
-                                      "5a1f00c2001122334455 66778899aabb".replace(" ", ""),
-                                      "  GPU-5a1f00c2-0011-2233-4455-66778899aabb\n", "5a1f00c2-0011-2233-4455-66778899aabb"])
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        "GPU-5a1f00c2-0011-2233-4455-66778899aabb",
+        "gpu-5A1F00C2-0011-2233-4455-66778899AABB",
+        "5a1f00c2001122334455 66778899aabb".replace(" ", ""),
+        "  GPU-5a1f00c2-0011-2233-4455-66778899aabb\n",
+        "5a1f00c2-0011-2233-4455-66778899aabb",
+    ],
+)
 def test_format_uuid_accepts_any_spelling(spelling: str) -> None:
     assert cuda.format_uuid(spelling) == cuda.format_uuid(GPU_A.uuid)
 
 
-@pytest.mark.parametrize("bad", ["", "GPU-", "GPU-5a1f00c2-0011-2233-4455-66778899aab", "GPU-5a1f00c2-0011-2233-4455-66778899aabbcc",
-                                 "GPU-5a1f00c2-0011-2233-4455-66778899aabz", "MIG-5a1f00c2-0011-2233-4455-66778899aabb"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "GPU-",
+        "GPU-5a1f00c2-0011-2233-4455-66778899aab",
+        "GPU-5a1f00c2-0011-2233-4455-66778899aabbcc",
+        "GPU-5a1f00c2-0011-2233-4455-66778899aabz",
+        "MIG-5a1f00c2-0011-2233-4455-66778899aabb",
+    ],
+)
 def test_format_uuid_rejects_what_is_not_a_uuid(bad: str) -> None:
     assert cuda.format_uuid(bad) == ""
 
@@ -174,10 +190,10 @@ def test_device_uuid_fallbacks(world: World) -> None:
 
 
 @pytest.mark.parametrize("driver", [True, False], ids=["cuDeviceGetUuid", "properties-or-pci"])
-@pytest.mark.parametrize("server_visible,client_visible", [([0, 1, 2], [2, 1, 0]), ([1, 2], [2, 0, 1]), ([2], [0, 1, 2]),
-                                                           ([0, 1, 2], [0, 1, 2])])
-def test_local_ordinal_remaps_by_identity(world: World, driver: bool, server_visible: list[int],
-                                          client_visible: list[int]) -> None:
+@pytest.mark.parametrize(
+    "server_visible,client_visible", [([0, 1, 2], [2, 1, 0]), ([1, 2], [2, 0, 1]), ([2], [0, 1, 2]), ([0, 1, 2], [0, 1, 2])]
+)
+def test_local_ordinal_remaps_by_identity(world: World, driver: bool, server_visible: list[int], client_visible: list[int]) -> None:
     server, client = FakeCupy(world, server_visible, "server"), FakeCupy(world, client_visible, "client")
     for ordinal, physical in enumerate(server_visible):
         identity = cuda.device_uuid(server, ordinal, uuid_of=server.uuid_of if driver else (lambda i: None))
@@ -205,14 +221,17 @@ def test_server_and_client_agree_on_the_device(monkeypatch: pytest.MonkeyPatch, 
 # The CuPy backend's exports, contexts and errors (the real code, on the fake CuPy).
 
 
-@pytest.mark.parametrize("nbytes,alloc", [(0, 0), (1, 2 * MiB), (2 * MiB - 1, 2 * MiB), (2 * MiB, 2 * MiB),
-                                          (2 * MiB + 1, 4 * MiB), (3 * MiB + 5, 4 * MiB), (1 << 30, 1 << 30)])
+@pytest.mark.parametrize(
+    "nbytes,alloc",
+    [(0, 0), (1, 2 * MiB), (2 * MiB - 1, 2 * MiB), (2 * MiB, 2 * MiB), (2 * MiB + 1, 4 * MiB), (3 * MiB + 5, 4 * MiB), (1 << 30, 1 << 30)],
+)
 def test_ipc_size_is_whole_2mib_granules(nbytes: int, alloc: int) -> None:
     assert cb.ipc_size(nbytes) == alloc
 
 
-def test_device_export_is_a_whole_rounded_allocation_with_a_zeroed_tail(monkeypatch: pytest.MonkeyPatch,
-                                                                        world: World, no_driver: None) -> None:
+def test_device_export_is_a_whole_rounded_allocation_with_a_zeroed_tail(
+    monkeypatch: pytest.MonkeyPatch, world: World, no_driver: None
+) -> None:
     cp = FakeCupy(world, [0, 1], "server")
     gpu = cupy_backend_on(monkeypatch, cp, 1)
     nbytes = 3 * MiB + 5
@@ -233,8 +252,7 @@ def test_device_export_is_a_whole_rounded_allocation_with_a_zeroed_tail(monkeypa
     assert [(e[2], e[3]["ptr"]) for e in world.events("free")] == [(1, ptr)]
 
 
-def test_zero_byte_device_export_allocates_nothing(monkeypatch: pytest.MonkeyPatch, world: World,
-                                                   no_driver: None) -> None:
+def test_zero_byte_device_export_allocates_nothing(monkeypatch: pytest.MonkeyPatch, world: World, no_driver: None) -> None:
     cp = FakeCupy(world, [0, 1], "server")
     buf = cupy_backend_on(monkeypatch, cp, 1).export_buffer(0)
     assert buf.array.shape == (0,) and buf.array.device_id == 1
@@ -249,8 +267,7 @@ def test_malloc_retries_once_after_freeing_the_pool(monkeypatch: pytest.MonkeyPa
     gpu = cupy_backend_on(monkeypatch, cp, 1)
     cp.malloc_failures = [2]
     buf = gpu.export_buffer(5 * MiB)
-    assert [(e[1], e[2]) for e in world.events("malloc", "free_all_blocks")] == [
-        ("malloc", 1), ("free_all_blocks", 1), ("malloc", 1)]
+    assert [(e[1], e[2]) for e in world.events("malloc", "free_all_blocks")] == [("malloc", 1), ("free_all_blocks", 1), ("malloc", 1)]
     buf.close()
 
 
@@ -278,9 +295,17 @@ def test_illegal_address_is_not_out_of_memory(monkeypatch: pytest.MonkeyPatch, w
         gpu.scratch(MiB)
 
 
-@pytest.mark.parametrize("exc,oom", [(CudaError(2), True), (CudaError(CUDA_ERROR_ILLEGAL_ADDRESS), False),
-                                     (OutOfMemoryError("x"), True), (RuntimeError("cudaErrorMemoryAllocation: out of memory"), False),
-                                     (MemoryError("host memory"), False), (CudaError(999), False)])
+@pytest.mark.parametrize(
+    "exc,oom",
+    [
+        (CudaError(2), True),
+        (CudaError(CUDA_ERROR_ILLEGAL_ADDRESS), False),
+        (OutOfMemoryError("x"), True),
+        (RuntimeError("cudaErrorMemoryAllocation: out of memory"), False),
+        (MemoryError("host memory"), False),
+        (CudaError(999), False),
+    ],
+)
 def test_is_out_of_memory_by_status_code(exc: BaseException, oom: bool) -> None:
     assert cb.is_out_of_memory(exc) is oom
 
@@ -290,8 +315,7 @@ def test_zero_synchronize_and_to_host_run_in_the_device_context(monkeypatch: pyt
     gpu = cupy_backend_on(monkeypatch, cp, 2)
     with cp.cuda.Device(2):
         buf = cp.empty(4096)
-    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(
-        empty_pinned=lambda shape, dtype: np.empty(shape, dtype=dtype)))
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(empty_pinned=lambda shape, dtype: np.empty(shape, dtype=dtype)))
 
     def on_a_new_thread() -> None:  # like an RPC worker: current device 0
         gpu.zero(buf, 100, 200)
@@ -314,7 +338,10 @@ def test_zero_synchronize_and_to_host_run_in_the_device_context(monkeypatch: pyt
     assert not world.events("event_synchronize")  # queued, not waited for
     assert wait() is not None and (staged[100:200] == 0).all() and (staged[:100] == POISON).all()
     assert [e[1] for e in world.log if e[1] in ("copy_to_host", "event_record", "event_synchronize")] == [
-        "copy_to_host", "event_record", "event_synchronize"]
+        "copy_to_host",
+        "event_record",
+        "event_synchronize",
+    ]
     assert cp.current() == 0  # contexts are left as found
 
 
@@ -355,12 +382,13 @@ class FakeDeviceBackend:
         with self._call("fill"):
             self.cpu.fill(p, np.asarray(out), l_begin)
 
-    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int],
-                  should_stop: Callable[[], bool] | None = None) -> None:
+    def fill_plan(
+        self, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int], should_stop: Callable[[], bool] | None = None
+    ) -> None:
         with self._call("fill_plan", n=len(params)):
             host = np.asarray(arena)
             for p, off in zip(params, offsets, strict=True):
-                self.cpu.fill(p, host[off:off + p.nbytes].view(p.dtype.storage))
+                self.cpu.fill(p, host[off : off + p.nbytes].view(p.dtype.storage))
 
     def zero(self, buf: Any, start: int, stop: int) -> None:
         if stop > start:
@@ -393,8 +421,7 @@ class FakeDeviceBackend:
         return wait
 
     def device(self) -> DeviceDescription:
-        return DeviceDescription("cuda", "Fake H200", cuda.device_uuid(self.cp, self.ordinal), self.ordinal,
-                                 80 << 30, 60 << 30)
+        return DeviceDescription("cuda", "Fake H200", cuda.device_uuid(self.cp, self.ordinal), self.ordinal, 80 << 30, 60 << 30)
 
 
 class FakeExport:
@@ -403,8 +430,9 @@ class FakeExport:
     def __init__(self, backend: FakeDeviceBackend, nbytes: int) -> None:
         self.backend, self.size = backend, nbytes
         self.mem = FakeMemory(backend.cp, cb.ipc_size(nbytes)) if nbytes else None
-        self.array = (backend.cp.ndarray((nbytes,), np.uint8, FakeMemoryPointer(self.mem, 0)) if self.mem is not None
-                      else backend.cp.empty(0))
+        self.array = (
+            backend.cp.ndarray((nbytes,), np.uint8, FakeMemoryPointer(self.mem, 0)) if self.mem is not None else backend.cp.empty(0)
+        )
 
     def handle(self) -> ExportHandle:
         dev = self.backend.device()
@@ -424,15 +452,21 @@ class FakeExport:
 
 
 def small_plan() -> pb.Plan:  # type: ignore[name-defined]
-    return plan_of([param("w", [300, 70], {"kaimingUniformForShape": {"seed": 5}}),
-                    param("e", [33, 9], {"normal": {"std": 0.02, "seed": 6}}, "bfloat16"),
-                    param("h", [5], {"uniform": {"lo": -2, "hi": 2, "seed": 7}}, "float16"),
-                    param("z", [0, 4], {"ones": {}}),
-                    param("d", [3, 3], {"ones": {}}, "float64")])
+    return plan_of(
+        [
+            param("w", [300, 70], {"kaimingUniformForShape": {"seed": 5}}),
+            param("e", [33, 9], {"normal": {"std": 0.02, "seed": 6}}, "bfloat16"),
+            param("h", [5], {"uniform": {"lo": -2, "hi": 2, "seed": 7}}, "float16"),
+            param("z", [0, 4], {"ones": {}}),
+            param("d", [3, 3], {"ones": {}}, "float64"),
+        ]
+    )
 
 
-EMPTY_PLANS = {"no-params": plan_of([]),
-               "zero-size-shapes": plan_of([param("a", [0], {"ones": {}}), param("b", [4, 0, 2], {"zeros": {}}, "bfloat16")])}
+EMPTY_PLANS = {
+    "no-params": plan_of([]),
+    "zero-size-shapes": plan_of([param("a", [0], {"ones": {}}), param("b", [4, 0, 2], {"zeros": {}}, "bfloat16")]),
+}
 
 
 def plane_on(cp: FakeCupy, ordinal: int) -> Materializer:
@@ -450,8 +484,11 @@ def test_export_fills_in_the_device_context_and_synchronizes_before_the_handle(w
     plane = plane_on(cp, 1)
     try:
         export = plane.export(small_plan(), "cuda_ipc", Caller("alice"))
-        names = [e[1] for e in world.log if e[0] == "server" and e[1] in ("zero", "fill_plan", "synchronize", "handle",
-                                                                          "ipcGetMemHandle", "write")]
+        names = [
+            e[1]
+            for e in world.log
+            if e[0] == "server" and e[1] in ("zero", "fill_plan", "synchronize", "handle", "ipcGetMemHandle", "write")
+        ]
         assert names.index("synchronize") > max(i for i, n in enumerate(names) if n in ("zero", "fill_plan", "write"))
         assert names.index("synchronize") < names.index("ipcGetMemHandle")
         assert world.events("zero"), "padding between tensors is zeroed"
@@ -478,8 +515,12 @@ def test_device_streams_fill_the_next_slab_while_this_one_is_sent(world: World, 
     cp = FakeCupy(world, [0, 1], "server")
     config = ServerConfig(backend="cpu", metrics_port=0, slab_bytes=64 << 10, chunk_bytes=16 << 10)
     plane = Materializer(config, FakeDeviceBackend(cp, 1))
-    plan = plan_of([param("w", [200, 300], {"normal": {"std": 0.02, "seed": 8}}),
-                    param("b", [77], {"uniform": {"lo": -1, "hi": 1, "seed": 9}}, "bfloat16")])
+    plan = plan_of(
+        [
+            param("w", [200, 300], {"normal": {"std": 0.02, "seed": 8}}),
+            param("b", [77], {"uniform": {"lo": -1, "hi": 1, "seed": 9}}, "bfloat16"),
+        ]
+    )
     try:
         items = plane.stream(plan, Caller("alice"), lend=True)
         start = next(items)
@@ -488,10 +529,10 @@ def test_device_streams_fill_the_next_slab_while_this_one_is_sent(world: World, 
         for item in items:
             assert isinstance(item, tuple)
             offset, slab = item
-            data[offset:offset + len(slab)] = slab  # copied out before the next is asked for, as a transport does
+            data[offset : offset + len(slab)] = slab  # copied out before the next is asked for, as a transport does
         want = want_arrays(plan)
         for pl in start.layout.placements:
-            assert data[pl.offset:pl.offset + pl.param.nbytes].tobytes() == want[pl.param.name]
+            assert data[pl.offset : pl.offset + pl.param.nbytes].tobytes() == want[pl.param.name]
         names = [e[1] for e in world.log if e[0] == "server" and e[1] in ("fill", "start_to_host", "wait_to_host")]
         slabs = -(-start.layout.data_bytes // (64 << 10))
         assert slabs > 3 and names.count("start_to_host") == names.count("wait_to_host") == slabs
@@ -551,9 +592,9 @@ def test_cuda_ipc_end_to_end_through_the_servicer(world: World, no_driver: None,
 
 
 @pytest.mark.parametrize("which", EMPTY_PLANS)
-def test_zero_byte_cuda_ipc_through_the_servicer_on_the_cupy_backend(monkeypatch: pytest.MonkeyPatch, world: World,
-                                                                      no_driver: None, client_cupy: FakeCupy,
-                                                                      which: str) -> None:
+def test_zero_byte_cuda_ipc_through_the_servicer_on_the_cupy_backend(
+    monkeypatch: pytest.MonkeyPatch, world: World, no_driver: None, client_cupy: FakeCupy, which: str
+) -> None:
     class NoKernels(cb.CupyBackend):
         def warm_up(self) -> None:
             """Nothing to compile on a fake device; an empty plan launches no kernel."""
@@ -561,8 +602,7 @@ def test_zero_byte_cuda_ipc_through_the_servicer_on_the_cupy_backend(monkeypatch
     server_cp = FakeCupy(world, [0, 1, 2], "server")
     monkeypatch.setattr(cb, "_import_cupy", lambda: server_cp)
     with running_server(instance=NoKernels(1)) as srv, Client(target_of(srv)) as c:
-        responses = list(c.stub.Materialize(pb.MaterializeRequest(plan=EMPTY_PLANS[which],
-                                                                  delivery=pb.DELIVERY_CUDA_IPC)))
+        responses = list(c.stub.Materialize(pb.MaterializeRequest(plan=EMPTY_PLANS[which], delivery=pb.DELIVERY_CUDA_IPC)))
         info = responses[0].export
         assert info.WhichOneof("buffer") == "cuda_ipc"
         assert (info.cuda_ipc.size, info.cuda_ipc.ipc_handle) == (0, b"")
@@ -577,10 +617,12 @@ def test_zero_byte_cuda_ipc_through_the_servicer_on_the_cupy_backend(monkeypatch
     assert not world.events("malloc", "ipcGetMemHandle", "ipcOpenMemHandle", "ipcCloseMemHandle")
 
 
-@pytest.mark.parametrize("statuses,code", [([2, 2], grpc.StatusCode.RESOURCE_EXHAUSTED),
-                                           ([CUDA_ERROR_ILLEGAL_ADDRESS], grpc.StatusCode.INTERNAL)])
-def test_device_errors_map_by_status_code(monkeypatch: pytest.MonkeyPatch, world: World, no_driver: None,
-                                          client_cupy: FakeCupy, statuses: list[int], code: grpc.StatusCode) -> None:
+@pytest.mark.parametrize(
+    "statuses,code", [([2, 2], grpc.StatusCode.RESOURCE_EXHAUSTED), ([CUDA_ERROR_ILLEGAL_ADDRESS], grpc.StatusCode.INTERNAL)]
+)
+def test_device_errors_map_by_status_code(
+    monkeypatch: pytest.MonkeyPatch, world: World, no_driver: None, client_cupy: FakeCupy, statuses: list[int], code: grpc.StatusCode
+) -> None:
     class NoKernels(cb.CupyBackend):
         def warm_up(self) -> None:
             """Nothing to compile: the export fails at its allocation."""
@@ -638,8 +680,7 @@ def exported_info(world: World, gpu_index: int, nbytes: int, tensors: list[tuple
     return info
 
 
-def test_release_closes_the_mapping_before_sending_release(world: World, no_driver: None,
-                                                           client_cupy: FakeCupy) -> None:
+def test_release_closes_the_mapping_before_sending_release(world: World, no_driver: None, client_cupy: FakeCupy) -> None:
     info = exported_info(world, 0, 4096, [("w", [16, 4], 256)])
     lease = client_exports.Lease(RecordingClient(world), info)
     assert lease._cuda is not None and lease._cuda.ordinal == 1  # GPU_A is the client's ordinal 1
@@ -738,8 +779,7 @@ def test_gpu_to_gpu_copy_is_synchronized_before_release(monkeypatch: pytest.Monk
             return True
 
     client = types.SimpleNamespace(export=lambda *a, **k: FakeLease())
-    monkeypatch.setattr(client_torch, "_lease_tensors", lambda lease: {"w": FakeTensor(src, log),
-                                                                       "b": FakeTensor(src, log)})
+    monkeypatch.setattr(client_torch, "_lease_tensors", lambda lease: {"w": FakeTensor(src, log), "b": FakeTensor(src, log)})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append(f"synchronize {device}"))
     tensors, lease = client_torch._fetch(client, plan_of([]), torch.device("cuda", 1), "cuda_ipc", 0.0, None)
     assert lease is None and {t.device for t in tensors.values()} == {torch.device("cuda", 1)}
@@ -793,8 +833,9 @@ def test_grids_are_sized_from_four_attributes_read_in_the_device_context(monkeyp
             raise CudaError(CUDA_ERROR_ILLEGAL_ADDRESS)  # e.g. MaxBlocksPerMultiprocessor on an old driver
         return values[code]
 
-    fake = types.SimpleNamespace(RawModule=Module, cuda=types.SimpleNamespace(
-        Device=Device, runtime=types.SimpleNamespace(deviceGetAttribute=get_attribute)))
+    fake = types.SimpleNamespace(
+        RawModule=Module, cuda=types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(deviceGetAttribute=get_attribute))
+    )
     monkeypatch.setattr(cb, "_import_cupy", lambda: fake)
     monkeypatch.setattr(cb, "_KERNELS", {})
     k = cb.kernels(5)
@@ -809,12 +850,15 @@ def test_a_fill_is_prepared_on_the_host_and_launched_apart(monkeypatch: pytest.M
     (timing both made a 1 GiB fill read about 15% slow)."""
     cp = FakeCupy(world, [0], "server")
     launched: list[tuple[Any, ...]] = []
-    kernels = cb.Kernels(lambda grid, block, args: launched.append(("fill", grid, args[1])),
-                         lambda grid, block, args: launched.append(("fill_plan", grid, args[2])), 64, 64)
+    kernels = cb.Kernels(
+        lambda grid, block, args: launched.append(("fill", grid, args[1])),
+        lambda grid, block, args: launched.append(("fill_plan", grid, args[2])),
+        64,
+        64,
+    )
     monkeypatch.setattr(cb, "kernels", lambda device_id: kernels)
     backend = cupy_backend_on(monkeypatch, cp, 0)
-    p = ResolvedParam(0, "w", (4, 6), ((0, 4), (1, 5)), dtypes.FLOAT32, "flat", Kind.FLAT,
-                      values=np.arange(24, dtype=np.float64))
+    p = ResolvedParam(0, "w", (4, 6), ((0, 4), (1, 5)), dtypes.FLOAT32, "flat", Kind.FLAT, values=np.arange(24, dtype=np.float64))
     out = cp.empty(p.numel, np.float32)
     launch = backend.prepare_fill(p, out)
     uploads = [e for e in world.log if e[1] == "upload"]
@@ -830,8 +874,7 @@ def test_a_fill_is_prepared_on_the_host_and_launched_apart(monkeypatch: pytest.M
     assert launched[-1] == ("fill_plan", (1,), np.int32(1))
 
 
-def test_a_lease_released_under_live_views_is_released_at_exit(world: World, no_driver: None,
-                                                                client_cupy: FakeCupy) -> None:
+def test_a_lease_released_under_live_views_is_released_at_exit(world: World, no_driver: None, client_cupy: FakeCupy) -> None:
     """Release deferred to the last view's end never came when the views outlived the interpreter (the
     mapping's finalizer does not run at exit): the exit hook now sends it, once, and a view that goes later
     sends nothing more."""

@@ -38,10 +38,14 @@ except Exception:  # no driver
 IPC_REFUSED = os.environ.get("PARAMINIT_CUDA_IPC_REFUSED", "")
 needs_ipc = pytest.mark.skipif(bool(IPC_REFUSED), reason=f"this environment refuses CUDA IPC: {IPC_REFUSED}")
 
-PLAN = plan_of([param("w", [512, 300], {"kaimingUniformForShape": {"seed": 1}}),
-                param("e", [1000, 64], {"uniform": {"lo": -2, "hi": 2, "seed": 2}}, "bfloat16"),
-                param("h", [333], {"xavierUniform": {"fanIn": 3, "fanOut": 4, "seed": 3}}, "float16"),
-                param("d", [8, 8, 8], {"ones": {}}, "float64", region=[(1, 3), (0, 8), (2, 5)])])
+PLAN = plan_of(
+    [
+        param("w", [512, 300], {"kaimingUniformForShape": {"seed": 1}}),
+        param("e", [1000, 64], {"uniform": {"lo": -2, "hi": 2, "seed": 2}}, "bfloat16"),
+        param("h", [333], {"xavierUniform": {"fanIn": 3, "fanOut": 4, "seed": 3}}, "float16"),
+        param("d", [8, 8, 8], {"ones": {}}, "float64", region=[(1, 3), (0, 8), (2, 5)]),
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +76,17 @@ def test_multi_slab_stream_through_the_pinned_ring_matches_cpu(servers: tuple[Ru
     """Many small slabs, so the device ring (two device slabs, two pinned staging slots, asynchronous copies)
     turns over many times: every byte still equals the CPU backend's."""
     _, cpu = servers
-    plan = plan_of([param("w", [1536, 1024], {"normal": {"std": 0.02, "seed": 11}}),
-                    param("b", [4099], {"uniform": {"lo": -1, "hi": 1, "seed": 12}}, "bfloat16")])
-    with running_server(backend="cupy", slab_bytes=256 << 10) as small, \
-            Client(f"127.0.0.1:{small.port}") as g, Client(f"127.0.0.1:{cpu.port}") as c:
+    plan = plan_of(
+        [
+            param("w", [1536, 1024], {"normal": {"std": 0.02, "seed": 11}}),
+            param("b", [4099], {"uniform": {"lo": -1, "hi": 1, "seed": 12}}, "bfloat16"),
+        ]
+    )
+    with (
+        running_server(backend="cupy", slab_bytes=256 << 10) as small,
+        Client(f"127.0.0.1:{small.port}") as g,
+        Client(f"127.0.0.1:{cpu.port}") as c,
+    ):
         a, b = g.materialize(plan, chunk_bytes=64 << 10), c.materialize(plan)
     for name in b:
         assert a[name].tobytes() == b[name].tobytes(), name
@@ -118,9 +129,11 @@ def test_cuda_ipc_in_a_second_process(servers: tuple[Running, Running]) -> None:
         assert g.leases() == []
 
 
-@pytest.mark.parametrize("plan", [plan_of([]), plan_of([param("a", [0], {"ones": {}}),
-                                                       param("b", [4, 0, 2], {"zeros": {}}, "bfloat16")])],
-                         ids=["no-params", "zero-size-shapes"])
+@pytest.mark.parametrize(
+    "plan",
+    [plan_of([]), plan_of([param("a", [0], {"ones": {}}), param("b", [4, 0, 2], {"zeros": {}}, "bfloat16")])],
+    ids=["no-params", "zero-size-shapes"],
+)
 def test_zero_byte_cuda_ipc_in_a_second_process(servers: tuple[Running, Running], plan: Any) -> None:
     gpu, _ = servers
     out = run_child(f"""
@@ -144,4 +157,3 @@ def test_shm_is_refused_on_gpu(servers: tuple[Running, Running]) -> None:
     with Client(f"127.0.0.1:{gpu.port}") as g, pytest.raises(ParaminitError) as info:
         g.export(PLAN, delivery="shm")
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-

@@ -43,8 +43,18 @@ def gpt2_config(**kw: Any) -> Any:
 
 
 def llama_config(**kw: Any) -> Any:
-    base = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base = dict(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return transformers.LlamaConfig(**{**base, **kw})
 
 
@@ -97,8 +107,15 @@ def test_llama_like_families(family: str) -> None:
 
 
 def test_bert_plan() -> None:
-    cfg = transformers.BertConfig(vocab_size=500, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32, pad_token_id=0)
+    cfg = transformers.BertConfig(
+        vocab_size=500,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        pad_token_id=0,
+    )
     plan = {p.name: p for p in plan_from_module(on_meta(lambda: transformers.BertForMaskedLM(cfg)), 0, "hf").params}
     assert plan["cls.predictions.bias"].init.WhichOneof("kind") == "zeros"
     assert "cls.predictions.decoder.weight" not in plan and "cls.predictions.decoder.bias" not in plan
@@ -146,8 +163,9 @@ def test_llama_on_meta_runs_forward(client: Client) -> None:
 
 
 def test_bert_buffers_on_meta(client: Client) -> None:
-    cfg = transformers.BertConfig(vocab_size=500, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32)
+    cfg = transformers.BertConfig(
+        vocab_size=500, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, max_position_embeddings=32
+    )
     model = on_meta(lambda: transformers.BertForMaskedLM(cfg))
     materialize_module(model, client, policy="hf")
     emb = model.bert.embeddings
@@ -245,15 +263,17 @@ def proj_uniform(name, tensor):
 """
 
 
-def test_plan_from_module_takes_the_hf_policy_and_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_from_module_takes_the_hf_policy_and_overrides(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     (tmp_path / "hfmodels.py").write_text(HF_SRC)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    code, out, err = run_cli(capsys, "plan", "from-module", "hfmodels:tiny_gpt2", "--policy", "hf", "--seed", "3",
-                             "--overrides", "hfmodels:proj_uniform")
+    code, out, err = run_cli(
+        capsys, "plan", "from-module", "hfmodels:tiny_gpt2", "--policy", "hf", "--seed", "3", "--overrides", "hfmodels:proj_uniform"
+    )
     assert code == 0, err
     from paraminit_client import plan_from_dict
     from paraminit_client.torch import plan_from_module

@@ -49,8 +49,9 @@ HEAP = textwrap.dedent("""
 
 def _heap(mode: str, env: dict[str, str] | None = None) -> tuple[str, int, int]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", HEAP, mode], env={**base, **(env or {})}, capture_output=True,
-                         text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", HEAP, mode], env={**base, **(env or {})}, capture_output=True, text=True, check=True
+    ).stdout.split()
     if out == ["skip"]:
         pytest.skip("no glibc mallinfo2 here")
     return out[0], int(out[1]), int(out[2])
@@ -115,13 +116,13 @@ def test_prefault_keeps_contents_while_a_writer_runs() -> None:
     head = np.arange(HUGE, dtype=np.uint64).view(np.uint8)[:HUGE]
     buf[:HUGE] = head  # written before the helper starts
     t = prefault(buf)
-    buf[n - HUGE:] = 0xA5  # written while it may run
+    buf[n - HUGE :] = 0xA5  # written while it may run
     if t is not None:
         t.join(60)
         assert not t.is_alive()
     assert np.array_equal(buf[:HUGE], head)
-    assert (buf[n - HUGE:] == 0xA5).all()
-    assert not buf[HUGE:n - HUGE].any()  # never-written pages read as zeros, as fresh anonymous memory does
+    assert (buf[n - HUGE :] == 0xA5).all()
+    assert not buf[HUGE : n - HUGE].any()  # never-written pages read as zeros, as fresh anonymous memory does
 
 
 def test_validate_trims_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,6 +34,8 @@ def unix_server(sock: Path) -> Iterator[Running]:
         yield running
     finally:
         running.stop(grace=0)
+
+
 PLAN = plan_of([param("w", [64], {"ones": {}})])
 
 
@@ -41,8 +43,14 @@ def _as_nobody(code: str) -> dict[str, object]:
     if os.geteuid() != 0:
         pytest.skip("needs root to run a client as another user")
     env = {k: v for k, v in os.environ.items() if k != "PARAMINIT_TOKEN"}
-    child = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable,
-                            "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, env=env, cwd="/")
+    child = subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd="/",
+    )
     assert child.returncode == 0, child.stderr[-2000:]
     out: dict[str, object] = json.loads(child.stdout.strip().splitlines()[-1])
     return out
@@ -148,9 +156,12 @@ def test_loopback_lookup_matches_both_ends_and_refuses_ambiguity() -> None:
             """
             if os.geteuid() != 0:
                 pytest.skip("needs root to hold a socket as another user")
-            child = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                                      sys.executable, "-c", textwrap.dedent(code)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+            child = subprocess.Popen(
+                ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", textwrap.dedent(code)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             try:
                 assert child.stdout is not None and "ready" in child.stdout.readline()
                 accepted = [srv.accept()[0], srv.accept()[0], other.accept()[0]]

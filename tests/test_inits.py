@@ -37,10 +37,15 @@ def test_the_table_names_every_kind_of_the_contract() -> None:
 
 
 SHAPES = ([7, 5], [3, 4, 2, 2], [6])
-SEEDED = [("uniform", {"lo": -0.5, "hi": 2.0}), ("normal", {"mean": 0.25, "std": 3.0}),
-          ("xavierUniform", {"fanIn": 30, "fanOut": 9}), ("kaimingUniform", {"fanIn": 40}),
-          ("xavierUniformForShape", {}), ("kaimingUniformForShape", {}),
-          ("truncatedNormal", {"mean": 0.1, "std": 0.2, "lo": -0.3, "hi": 0.5})]
+SEEDED = [
+    ("uniform", {"lo": -0.5, "hi": 2.0}),
+    ("normal", {"mean": 0.25, "std": 3.0}),
+    ("xavierUniform", {"fanIn": 30, "fanOut": 9}),
+    ("kaimingUniform", {"fanIn": 40}),
+    ("xavierUniformForShape", {}),
+    ("kaimingUniformForShape", {}),
+    ("truncatedNormal", {"mean": 0.1, "std": 0.2, "lo": -0.3, "hi": 0.5}),
+]
 
 
 @pytest.mark.parametrize("shape", SHAPES[:2])
@@ -53,9 +58,12 @@ def test_resolution_and_inspect_read_the_same_bounds(name: str, fields: dict[str
     exp = inspect.expected_of(p)
     assert exp is not None
     fan_in, fan_out = fan_in_out(shape)
-    want = {"xavierUniform": math.sqrt(6.0 / 39), "kaimingUniform": math.sqrt(6.0 / 40),
-            "xavierUniformForShape": math.sqrt(6.0 / (fan_in + fan_out)),
-            "kaimingUniformForShape": math.sqrt(6.0 / fan_in)}.get(name)
+    want = {
+        "xavierUniform": math.sqrt(6.0 / 39),
+        "kaimingUniform": math.sqrt(6.0 / 40),
+        "xavierUniformForShape": math.sqrt(6.0 / (fan_in + fan_out)),
+        "kaimingUniformForShape": math.sqrt(6.0 / fan_in),
+    }.get(name)
     if want is not None:
         assert rp.kind == planlib.Kind.AFFINE
         assert (rp.p0, rp.p1) == (-want, 2 * want) and (exp.lo, exp.hi) == (-want, want)
@@ -71,22 +79,34 @@ def test_resolution_and_inspect_read_the_same_bounds(name: str, fields: dict[str
 
 def test_validation_reports_the_tables_checks_for_params_and_patches() -> None:
     bad_patch = param("e", [4, 3], {"normal": {"std": 1}})
-    bad_patch.patches.add(box=[plan_pb2.Range(start=0, stop=1), plan_pb2.Range(start=0, stop=3)],
-                          init=plan_pb2.Init(flat=plan_pb2.Flat(values=[0.0] * 12)))
-    bad_patch.patches.add(box=[plan_pb2.Range(start=1, stop=2), plan_pb2.Range(start=0, stop=3)],
-                          init=plan_pb2.Init(uniform=plan_pb2.Uniform(lo=1.0, hi=0.0)))
+    bad_patch.patches.add(
+        box=[plan_pb2.Range(start=0, stop=1), plan_pb2.Range(start=0, stop=3)], init=plan_pb2.Init(flat=plan_pb2.Flat(values=[0.0] * 12))
+    )
+    bad_patch.patches.add(
+        box=[plan_pb2.Range(start=1, stop=2), plan_pb2.Range(start=0, stop=3)], init=plan_pb2.Init(uniform=plan_pb2.Uniform(lo=1.0, hi=0.0))
+    )
     bad_patch.patches.add(box=[plan_pb2.Range(start=2, stop=3), plan_pb2.Range(start=0, stop=3)])
-    plan = plan_of([param("u", [2], {"uniform": {"lo": 1, "hi": -1}}),
-                    param("k", [5], {"kaimingUniformForShape": {}}),
-                    param("t", [5], {"truncatedNormal": {"std": 1, "lo": -0.1, "hi": 3}}),
-                    param("f", [3], plan_pb2.Init(flat=plan_pb2.Flat(values=[1.0, math.nan]))),
-                    bad_patch])
+    plan = plan_of(
+        [
+            param("u", [2], {"uniform": {"lo": 1, "hi": -1}}),
+            param("k", [5], {"kaimingUniformForShape": {}}),
+            param("t", [5], {"truncatedNormal": {"std": 1, "lo": -0.1, "hi": 3}}),
+            param("f", [3], plan_pb2.Init(flat=plan_pb2.Flat(values=[1.0, math.nan]))),
+            bad_patch,
+        ]
+    )
     got = [(v.field, v.message) for v in validation.validate(plan).violations]
     fields = [f for f, _ in got]
-    assert fields == ["params[0].init.uniform", "params[1].init.kaimingUniformForShape",
-                      "params[2].init.truncatedNormal", "params[3].init.flat.values", "params[3].init.flat.values",
-                      "params[4].patches[0].init.flat", "params[4].patches[1].init.uniform",
-                      "params[4].patches[2].init"], got
+    assert fields == [
+        "params[0].init.uniform",
+        "params[1].init.kaimingUniformForShape",
+        "params[2].init.truncatedNormal",
+        "params[3].init.flat.values",
+        "params[3].init.flat.values",
+        "params[4].patches[0].init.flat",
+        "params[4].patches[1].init.uniform",
+        "params[4].patches[2].init",
+    ], got
     assert "Kaiming initialization expects at least 2 dimensions, got [5]" in got[1][1]
     assert got[3][1].endswith("(expected 3, got 2)") and "1 not finite" in got[4][1]
     assert "a patch cannot use flat values" in got[5][1]
@@ -116,13 +136,13 @@ def server() -> Iterator[Running]:
 def _padded_plan() -> plan_pb2.Plan:
     """An embedding with a zero padding row (torch's padding_idx) and a normal(0.5, 0.1) block, row-sharded."""
     emb = param("emb", [400, 64], {"normal": {"std": 0.02, "seed": 1}})
-    emb.patches.add(box=[plan_pb2.Range(start=3, stop=4), plan_pb2.Range(start=0, stop=64)],
-                    init=plan_pb2.Init(zeros=plan_pb2.Zeros()))
-    emb.patches.add(box=[plan_pb2.Range(start=100, stop=300), plan_pb2.Range(start=0, stop=32)],
-                    init=plan_pb2.Init(normal=plan_pb2.Normal(mean=0.5, std=0.1, seed=2)))
+    emb.patches.add(box=[plan_pb2.Range(start=3, stop=4), plan_pb2.Range(start=0, stop=64)], init=plan_pb2.Init(zeros=plan_pb2.Zeros()))
+    emb.patches.add(
+        box=[plan_pb2.Range(start=100, stop=300), plan_pb2.Range(start=0, stop=32)],
+        init=plan_pb2.Init(normal=plan_pb2.Normal(mean=0.5, std=0.1, seed=2)),
+    )
     shard = param("shard", [400, 64], {"uniform": {"lo": -1, "hi": 1, "seed": 3}}, region=[(0, 200), (0, 64)])
-    shard.patches.add(box=[plan_pb2.Range(start=0, stop=400), plan_pb2.Range(start=60, stop=64)],
-                      init=plan_pb2.Init(ones=plan_pb2.Ones()))
+    shard.patches.add(box=[plan_pb2.Range(start=0, stop=400), plan_pb2.Range(start=60, stop=64)], init=plan_pb2.Init(ones=plan_pb2.Ones()))
     return plan_of([emb, shard, param("plain", [1000], {"normal": {"std": 1, "seed": 4}})])
 
 
@@ -146,8 +166,9 @@ def test_inspect_plan_honours_patches(padded_file: tuple[Path, Path], capsys: py
     assert "every tensor matches the plan" in out.splitlines()[-1]
 
 
-def test_inspect_plan_flags_a_patched_row_that_is_wrong(padded_file: tuple[Path, Path], tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_plan_flags_a_patched_row_that_is_wrong(
+    padded_file: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A padding row that is not zero, and a block that is not its patch's distribution, are flagged."""
     path, plan_path = padded_file
     arrays = {k: v.copy() for k, v in load_file(str(path)).items()}
@@ -176,10 +197,8 @@ def test_part_statistics_over_chunks_match_numpy() -> None:
     """Each part's statistics, gathered chunk by chunk over a row shard, equal NumPy's over that part's elements;
     where boxes overlap the later patch owns the element."""
     p = param("e", [50, 8], {"normal": {"std": 1}}, region=[(10, 50), (0, 8)])
-    p.patches.add(box=[plan_pb2.Range(start=0, stop=20), plan_pb2.Range(start=0, stop=4)],
-                  init=plan_pb2.Init(zeros=plan_pb2.Zeros()))
-    p.patches.add(box=[plan_pb2.Range(start=15, stop=30), plan_pb2.Range(start=0, stop=8)],
-                  init=plan_pb2.Init(ones=plan_pb2.Ones()))
+    p.patches.add(box=[plan_pb2.Range(start=0, stop=20), plan_pb2.Range(start=0, stop=4)], init=plan_pb2.Init(zeros=plan_pb2.Zeros()))
+    p.patches.add(box=[plan_pb2.Range(start=15, stop=30), plan_pb2.Range(start=0, stop=8)], init=plan_pb2.Init(ones=plan_pb2.Ones()))
     values = np.random.default_rng(7).standard_normal(40 * 8) * 3 + 1
     values[-1] = math.nan  # a base element (row 49)
     parts = inspect._part_stats(iter(np.array_split(values, 7)), p, list(p.patches))

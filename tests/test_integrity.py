@@ -64,17 +64,18 @@ class FlipProxy:
         self.sock.close()
 
 
-HEADER_PLAN = plan_of([param("weight_one", [8, 8], {"uniform": {"lo": -1, "hi": 1, "seed": 1}}),
-                       param("bias_two", [8], {"zeros": {}})])
+HEADER_PLAN = plan_of([param("weight_one", [8, 8], {"uniform": {"lo": -1, "hi": 1, "seed": 1}}), param("bias_two", [8], {"zeros": {}})])
 
 
 @pytest.mark.parametrize("where", ["prefix", "name", "digest", "offset"])
 def test_corrupted_stream_header_is_data_loss_before_anything_is_written(where: str, tmp_path: Path) -> None:
     digest = planlib.digest(HEADER_PLAN)
-    patterns = {"prefix": (b'"__metadata__"', 3),  # still JSON, a renamed key
-                "name": (b"weight_one", 0),  # the first occurrence is the tensor table's
-                "digest": (digest[:16].encode(), 5),
-                "offset": (b'"data_offsets":[0,', 16)}  # "[0," -> "[1,"
+    patterns = {
+        "prefix": (b'"__metadata__"', 3),  # still JSON, a renamed key
+        "name": (b"weight_one", 0),  # the first occurrence is the tensor table's
+        "digest": (digest[:16].encode(), 5),
+        "offset": (b'"data_offsets":[0,', 16),
+    }  # "[0," -> "[1,"
     pattern, at = patterns[where]
     with running_server() as r:
         proxy = FlipProxy(r.port, pattern, at)
@@ -99,8 +100,9 @@ MARKED_PLAN = plan_of([param("w", [4096], {"flat": {"values": [float(v) for v in
 
 @pytest.mark.parametrize("threaded", [True, False], ids=["land-thread", "land-inline"])
 @pytest.mark.parametrize("door", ["materialize", "materialize_into", "materialize_to_file", "stream"])
-def test_corrupted_chunk_data_is_data_loss_on_every_client_path(door: str, threaded: bool, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_corrupted_chunk_data_is_data_loss_on_every_client_path(
+    door: str, threaded: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One bit flipped in a chunk's data (not its header) fails each way of receiving a stream, with chunks
     landed on a helper thread or inline, and the file path leaves no file behind: every path checks each
     chunk's CRC32C exactly once, wherever it does it."""

@@ -18,14 +18,16 @@ from paraminit.v1 import plan_pb2  # noqa: E402
 from paraminit_client import Client, param, plan_of  # noqa: E402
 from paraminit_client import jax as pjax  # noqa: E402
 
-PLAN = plan_of([
-    param("emb", [8, 12], {"normal": {"std": 0.02, "seed": 1}}, "bfloat16"),
-    param("w", [12, 16], {"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04, "seed": 2}}),
-    param("k", [6, 4, 8], {"kaimingUniformForShape": {"seed": 3}}, "float16"),
-    param("b", [16], {"uniform": {"lo": -1, "hi": 1, "seed": 4}}, "float64"),
-    param("g", [4], {"ones": {}}),
-    param("f8", [8, 16], {"normal": {"std": 0.5, "seed": 5}}, "float8_e4m3fn"),
-])
+PLAN = plan_of(
+    [
+        param("emb", [8, 12], {"normal": {"std": 0.02, "seed": 1}}, "bfloat16"),
+        param("w", [12, 16], {"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04, "seed": 2}}),
+        param("k", [6, 4, 8], {"kaimingUniformForShape": {"seed": 3}}, "float16"),
+        param("b", [16], {"uniform": {"lo": -1, "hi": 1, "seed": 4}}, "float64"),
+        param("g", [4], {"ones": {}}),
+        param("f8", [8, 16], {"normal": {"std": 0.5, "seed": 5}}, "float8_e4m3fn"),
+    ]
+)
 
 
 class Recording(Client):
@@ -65,9 +67,13 @@ def whole() -> dict[str, np.ndarray[Any, Any]]:
 
 
 def test_mixed_partition_specs_give_the_single_process_bytes(mesh: Mesh, whole: dict[str, Any]) -> None:
-    shardings = {"emb": NamedSharding(mesh, P()), "w": NamedSharding(mesh, P("x", "y")),
-                 "k": NamedSharding(mesh, P(None, "y", "x")), "b": NamedSharding(mesh, P("y")),
-                 "f8": NamedSharding(mesh, P("y", "x"))}
+    shardings = {
+        "emb": NamedSharding(mesh, P()),
+        "w": NamedSharding(mesh, P("x", "y")),
+        "k": NamedSharding(mesh, P(None, "y", "x")),
+        "b": NamedSharding(mesh, P("y")),
+        "f8": NamedSharding(mesh, P("y", "x")),
+    }
     layouts = {"w": (1, 0), "k": (2, 0, 1)}
     client = Recording()
     with x64():
@@ -131,10 +137,16 @@ def test_flax_nnx_twin_of_a_torch_mlp(mesh: Mesh) -> None:
             return self.l2(jax.nn.relu(self.l0(x)))
 
     fmodel = Mlp(nnx.Rngs(0))
-    arrays = pjax.materialize(plan, layouts={"0.weight": (1, 0), "2.weight": (1, 0)},
-                              shardings={"0.weight": NamedSharding(mesh, P(None, "x")),
-                                         "2.weight": NamedSharding(mesh, P("y", None)),
-                                         "0.bias": NamedSharding(mesh, P()), "2.bias": NamedSharding(mesh, P())})
+    arrays = pjax.materialize(
+        plan,
+        layouts={"0.weight": (1, 0), "2.weight": (1, 0)},
+        shardings={
+            "0.weight": NamedSharding(mesh, P(None, "x")),
+            "2.weight": NamedSharding(mesh, P("y", None)),
+            "0.bias": NamedSharding(mesh, P()),
+            "2.bias": NamedSharding(mesh, P()),
+        },
+    )
     for layer, name in ((fmodel.l0, "0"), (fmodel.l2, "2")):
         layer.kernel.set_value(arrays[f"{name}.weight"])
         layer.bias.set_value(arrays[f"{name}.bias"])

@@ -37,8 +37,10 @@ def test_unwritable_cache_falls_back_and_seed_is_copied(tmp_path: Path) -> None:
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")  # unwritable even for root: a path below a regular file
-    seed = _tree(tmp_path / "seed", {"numba/backends_abc/cpu_kernels.fill-1.py311.nbi": "index",
-                                     "numba/backends_abc/cpu_kernels.fill-1.py311.1.nbc": "code"})
+    seed = _tree(
+        tmp_path / "seed",
+        {"numba/backends_abc/cpu_kernels.fill-1.py311.nbi": "index", "numba/backends_abc/cpu_kernels.fill-1.py311.1.nbc": "code"},
+    )
     env = {"NUMBA_CACHE_DIR": str(blocker / "numba"), "PARAMINIT_JIT_CACHE_SEED": str(seed)}
     result = jit_cache.prepare_jit_cache(env)
     assert "not writable" in result.warning and env["NUMBA_CACHE_DIR"] == result.path != str(blocker / "numba")
@@ -73,9 +75,14 @@ def read_only_install(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str
     base = tmp_path_factory.mktemp("ro")
     blocker = base / "file"
     blocker.write_text("")
-    return {"NUMBA_CACHE_LOCATOR_CLASSES": "UserProvidedCacheLocator,UserWideCacheLocator",
-            "NUMBA_CACHE_DIR": str(blocker / "numba"), "HOME": str(blocker), "XDG_CACHE_HOME": str(blocker),
-            "TMPDIR": str(base), "PARAMINIT_LOG_FORMAT": "text"}
+    return {
+        "NUMBA_CACHE_LOCATOR_CLASSES": "UserProvidedCacheLocator,UserWideCacheLocator",
+        "NUMBA_CACHE_DIR": str(blocker / "numba"),
+        "HOME": str(blocker),
+        "XDG_CACHE_HOME": str(blocker),
+        "TMPDIR": str(base),
+        "PARAMINIT_LOG_FORMAT": "text",
+    }
 
 
 @pytest.mark.slow
@@ -100,14 +107,18 @@ def test_cold_cli_says_it_compiles_and_reports_compiling_apart(tmp_path: Path) -
     """A first materialize with an empty kernel cache prints the compile line once and reports the compile
     seconds apart from the time its throughput is computed over; the next process loads them and says nothing."""
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"params": [{"name": "w", "shape": [1024, 1024],
-                                            "init": {"normal": {"std": 0.02, "seed": 3}}}]}))
+    plan.write_text(json.dumps({"params": [{"name": "w", "shape": [1024, 1024], "init": {"normal": {"std": 0.02, "seed": 3}}}]}))
     size = 4 << 20
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     summaries = []
     for _ in range(2):
-        r = subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
-                           env=env, capture_output=True, text=True, timeout=900)
+        r = subprocess.run(
+            [str(BIN / "paraminit"), "materialize", str(plan), "-o", str(tmp_path / "w.safetensors")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert r.returncode == 0, r.stderr
         summaries.append((r.stdout, r.stderr))
     (cold, cold_err), (warm, warm_err) = summaries
@@ -126,16 +137,22 @@ def test_failed_warm_up_exits_non_zero_with_one_line(read_only_install: dict[str
     """A kernel that cannot compile fails the warm-up: the server must exit (and be restarted or reported)
     instead of staying up NOT_SERVING; stderr says why in one line, no traceback. The compiler is broken for
     the server process alone, by a sitecustomize on its path (as LLVM running out of memory would break it)."""
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent("""
         import numba.core.dispatcher
         def compile(self, sig):
             raise MemoryError("LLVM ERROR: out of memory")
         numba.core.dispatcher.Dispatcher.compile = compile
-    """))
-    env = {**os.environ, **read_only_install, "PARAMINIT_PORT": "0", "PARAMINIT_BACKEND": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([str(BIN / "paraminit-server")], env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
+    """)
+    )
+    env = {
+        **os.environ,
+        **read_only_install,
+        "PARAMINIT_PORT": "0",
+        "PARAMINIT_BACKEND": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    proc = subprocess.run([str(BIN / "paraminit-server")], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     errors = [line for line in lines if "warm-up failed" in line]

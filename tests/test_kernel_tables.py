@@ -36,7 +36,7 @@ def test_block_holds_the_cpu_tables_bit_for_bit() -> None:
     text = _header()
     t = cr_tables.tables()
     for name, key in (("PI_LOG_R", "log_r"), ("PI_COS_SL", "cos_sl")):
-        body = text[text.index(f"#define {name}_DATA"):text.index(f"PI_TABLE({name},")]
+        body = text[text.index(f"#define {name}_DATA") : text.index(f"PI_TABLE({name},")]
         words = [int(w, 16) for w in re.findall(r"0x([0-9A-F]{16})ULL", body)]
         assert words == [_bits(v) for v in t[key].tolist()]
         assert len(set(words)) > 100  # a real table, not a constant fill
@@ -98,13 +98,18 @@ def test_a_header_without_markers_is_refused(tmp_path: Path, capsys: pytest.Capt
 
 def test_make_target_runs_the_generator(tmp_path: Path) -> None:
     """`python -m paraminit_server.backends.kernel_tables --check` (what `make kernel-tables` runs, read-only)."""
-    res = subprocess.run([sys.executable, "-m", "paraminit_server.backends.kernel_tables", "--check"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "paraminit_server.backends.kernel_tables", "--check"], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     assert "up to date" in res.stdout
     stale = next(iter(_stale_copies(tmp_path).values()))
-    res = subprocess.run([sys.executable, "-m", "paraminit_server.backends.kernel_tables", "--check", str(stale)],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "paraminit_server.backends.kernel_tables", "--check", str(stale)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 1 and "make kernel-tables" in res.stderr
     makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
     assert "kernel-tables: $(STAMP)\n\t$(PY) -m paraminit_server.backends.kernel_tables\n" in makefile

@@ -42,8 +42,9 @@ def imports(path: Path, top_level_only: bool = False) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("paraminit_server"):
             for a in node.names:
                 sub = f"{node.module}.{a.name}"
-                known = (SERVER.parent / sub.replace(".", "/")).with_suffix(".py").exists() or \
-                    (SERVER.parent / sub.replace(".", "/") / "__init__.py").exists()
+                known = (SERVER.parent / sub.replace(".", "/")).with_suffix(".py").exists() or (
+                    SERVER.parent / sub.replace(".", "/") / "__init__.py"
+                ).exists()
                 out.add(sub if known else node.module)
     return out
 
@@ -64,8 +65,7 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
 
 def test_module_level_imports_have_no_circle() -> None:
     mods = modules()
-    graph = {name: {t for t in imports(path, top_level_only=True) if t in mods and t != name}
-             for name, path in mods.items()}
+    graph = {name: {t for t in imports(path, top_level_only=True) if t in mods and t != name} for name, path in mods.items()}
     # a package's __init__ runs before its submodules: importing a submodule imports its package first
     for name in list(graph):
         parent = name.rsplit(".", 1)[0]
@@ -78,7 +78,7 @@ def test_module_level_imports_have_no_circle() -> None:
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append([*stack[stack.index(nxt):], nxt] if nxt in stack else [node, nxt])
+                cycles.append([*stack[stack.index(nxt) :], nxt] if nxt in stack else [node, nxt])
             elif nxt not in state:
                 visit(nxt, [*stack, nxt])
         state[node] = 2

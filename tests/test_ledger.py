@@ -180,8 +180,7 @@ def test_a_failed_export_leaves_no_slot_and_no_memory_held(monkeypatch: pytest.M
     from paraminit_server.plane.caller import Caller
     from paraminit_server.plane.materializer import Materializer
 
-    plane = Materializer(ServerConfig(backend="cpu", metrics_port=0, max_leases_per_client=2, shm_pool_bytes=0),
-                         backends.create("cpu"))
+    plane = Materializer(ServerConfig(backend="cpu", metrics_port=0, max_leases_per_client=2, shm_pool_bytes=0), backends.create("cpu"))
     plan = plan_of([param("w", [4096], {"zeros": {}})])
 
     def broken(*args: object, **kwargs: object) -> None:

@@ -39,8 +39,13 @@ def test_metrics_endpoint_counts_requests_and_bytes() -> None:
         assert 'paraminit_materialized_bytes_total{backend="cpu",dtype="bfloat16",initializer="uniform"} 2000.0' in text
         assert "paraminit_leases_active 1.0" in text and "paraminit_leased_bytes 1024.0" in text
         # Default collectors on the private registry, the build, and no node memory posing as device memory.
-        for series in ("process_resident_memory_bytes ", "process_cpu_seconds_total ", "process_open_fds ",
-                       "python_gc_collections_total{", "python_info{"):
+        for series in (
+            "process_resident_memory_bytes ",
+            "process_cpu_seconds_total ",
+            "process_open_fds ",
+            "python_gc_collections_total{",
+            "python_info{",
+        ):
             assert re.search(rf"^{re.escape(series)}", text, re.M), series
         assert re.search(r'^paraminit_build_info\{.*backend="cpu".*version="\d[^"]*"', text, re.M)
         assert "paraminit_serving 1.0" in text
@@ -76,9 +81,17 @@ def test_device_memory_only_for_device_backends() -> None:
     texts = {}
     for name, kind in (("cpu", "cpu"), ("cupy", "cuda")):
         m = Metrics()
-        m.bind(inflight=lambda: 0, inflight_bytes=lambda: 0, leases=lambda: 0, leased_bytes=lambda: 0,
-               memory_free=lambda: free[0], memory_total=lambda: total, backend=Backend(name, kind))
+        m.bind(
+            inflight=lambda: 0,
+            inflight_bytes=lambda: 0,
+            leases=lambda: 0,
+            leased_bytes=lambda: 0,
+            memory_free=lambda: free[0],
+            memory_total=lambda: total,
+            backend=Backend(name, kind),
+        )
         texts[name] = generate_latest(m.registry).decode()
+
     def value(text: str, state: str) -> float:
         m = re.search(rf'^paraminit_device_memory_bytes\{{state="{state}"\}} (\S+)$', text, re.M)
         assert m, text

@@ -96,8 +96,7 @@ def compile_source(source: str, options: tuple[str, ...], cubin: bool = False) -
 # The header's one explicit multiply-add, moved into a function that is never inlined: then any
 # fma or mad left anywhere else in the PTX was contracted by the compiler.
 FMA_BODY = "return __fma_rn(a, b, c);"
-OPAQUE_FMA = "extern \"C\" __device__ __noinline__ double pi_fma_opaque(double a, double b, double c) " \
-             "{ return __fma_rn(a, b, c); }\n"
+OPAQUE_FMA = 'extern "C" __device__ __noinline__ double pi_fma_opaque(double a, double b, double c) { return __fma_rn(a, b, c); }\n'
 
 
 def opaque_fma_source() -> str:
@@ -117,8 +116,7 @@ def ptx() -> dict[str, str]:
         opaque = pool.submit(compile_source, opaque_fma_source(), cupy_options(f"compute_{ARCH}"))
         cubin = pool.submit(compile_source, source, (*cupy_options(f"sm_{ARCH}"), "--ptxas-options=-v"), True)
         binary, log = cubin.result()
-        return {"plain": plain.result()[0].decode(), "opaque": opaque.result()[0].decode(),
-                "cubin": str(len(binary)), "ptxas": log}
+        return {"plain": plain.result()[0].decode(), "opaque": opaque.result()[0].decode(), "cubin": str(len(binary)), "ptxas": log}
 
 
 def instructions(text: str) -> list[str]:

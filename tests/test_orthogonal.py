@@ -15,8 +15,9 @@ from support import running_server, target_of
 SHAPES = [[300, 200], [200, 300], [257, 257], [16, 4, 8], [1, 64], [64, 1]]
 
 
-def orth(name: str, shape: list[int], gain: float = 1.0, seed: int = 7, dtype: str = "float64",
-         region: list[tuple[int, int]] | None = None) -> Any:
+def orth(
+    name: str, shape: list[int], gain: float = 1.0, seed: int = 7, dtype: str = "float64", region: list[tuple[int, int]] | None = None
+) -> Any:
     return param(name, shape, {"orthogonal": {"gain": gain, "seed": seed}}, dtype, region=region)
 
 
@@ -29,9 +30,11 @@ def gram_error(q: np.ndarray[Any, Any]) -> float:
 
 @pytest.mark.slow
 def test_orthonormal_to_rounding_in_float64_and_float32() -> None:
-    plan = plan_of([orth(f"q{i}", s) for i, s in enumerate(SHAPES)]
-                   + [orth(f"f{i}", s, dtype="float32") for i, s in enumerate(SHAPES)]
-                   + [orth("big", [1024, 1024], seed=3), orth("big32", [1024, 1024], seed=3, dtype="float32")])
+    plan = plan_of(
+        [orth(f"q{i}", s) for i, s in enumerate(SHAPES)]
+        + [orth(f"f{i}", s, dtype="float32") for i, s in enumerate(SHAPES)]
+        + [orth("big", [1024, 1024], seed=3), orth("big32", [1024, 1024], seed=3, dtype="float32")]
+    )
     with Client() as c:
         got = c.materialize(plan)
     for i, shape in enumerate(SHAPES):
@@ -50,8 +53,9 @@ def test_pytorchs_matrix_for_the_same_draws() -> None:
     for shape in ([40, 24], [24, 40], [8, 3, 5]):
         rows = shape[0]
         with Client() as c:
-            got = c.materialize(plan_of([orth("q", shape, gain=2.5, seed=11),
-                                         param("g", shape, {"normal": {"std": 1, "seed": 11}}, "float64")]))
+            got = c.materialize(
+                plan_of([orth("q", shape, gain=2.5, seed=11), param("g", shape, {"normal": {"std": 1, "seed": 11}}, "float64")])
+            )
         g = torch.from_numpy(got["g"].reshape(rows, -1).copy())
         a = g.T if rows < g.shape[1] else g
         q, r = torch.linalg.qr(a)
@@ -69,23 +73,24 @@ def test_same_bytes_at_any_thread_count_region_and_rank() -> None:
         # four ranks, each asking for its own block of a 2 x 2 mesh, from either server
         for k, (r0, c0) in enumerate([(0, 0), (0, 80), (48, 0), (48, 80)]):
             client = (c1, c2)[k % 2]
-            part = client.materialize(plan_of([orth("w", shape, 0.5, 5, "bfloat16",
-                                                    [(r0, r0 + 48), (c0, c0 + 80)])]))["w"]
-            assert part.tobytes() == np.ascontiguousarray(whole[r0:r0 + 48, c0:c0 + 80]).tobytes(), k
+            part = client.materialize(plan_of([orth("w", shape, 0.5, 5, "bfloat16", [(r0, r0 + 48), (c0, c0 + 80)])]))["w"]
+            assert part.tobytes() == np.ascontiguousarray(whole[r0 : r0 + 48, c0 : c0 + 80]).tobytes(), k
     with Client() as here:
         assert here.materialize(whole_plan)["w"].tobytes() == whole.tobytes()
 
 
 def test_rules_are_reported_with_the_rest() -> None:
-    plan = plan_of([
-        orth("ok", [4, 4]),
-        orth("vector", [8]),
-        orth("no_gain", [4, 4], gain=0.0),
-        orth("inf_gain", [4, 4]),
-        orth("huge", [8192, 8192]),
-        orth("fp8", [4, 4], gain=500.0, dtype="float8_e4m3fn"),
-        param("bad_normal", [4], {"normal": {"std": -1}}),
-    ])
+    plan = plan_of(
+        [
+            orth("ok", [4, 4]),
+            orth("vector", [8]),
+            orth("no_gain", [4, 4], gain=0.0),
+            orth("inf_gain", [4, 4]),
+            orth("huge", [8192, 8192]),
+            orth("fp8", [4, 4], gain=500.0, dtype="float8_e4m3fn"),
+            param("bad_normal", [4], {"normal": {"std": -1}}),
+        ]
+    )
     plan.params[3].init.orthogonal.gain = float("inf")
     patched = orth("patched", [4, 4])
     q = patched.patches.add(init=plan.params[0].init)

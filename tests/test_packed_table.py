@@ -64,9 +64,13 @@ def test_the_checksum_covers_every_column() -> None:
 
 
 def test_a_client_gets_the_same_arrays_packed_or_not(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
-    plan = plan_of([param(f"e{i}.w", [4, 4] if i % 2 else [3], {"normal": {"std": 1.0, "seed": i}},
-                          "float16" if i % 3 == 0 else "float32") for i in range(3000)]
-                   + [param("big", [64, 64], {"uniform": {"lo": -1, "hi": 1}}, "float64")])
+    plan = plan_of(
+        [
+            param(f"e{i}.w", [4, 4] if i % 2 else [3], {"normal": {"std": 1.0, "seed": i}}, "float16" if i % 3 == 0 else "float32")
+            for i in range(3000)
+        ]
+        + [param("big", [64, 64], {"uniform": {"lo": -1, "hi": 1}}, "float64")]
+    )
     packed = client.materialize(plan)
     assert list(packed) == [p.name for p in plan.params]
     with Client() as local:
@@ -104,8 +108,11 @@ def test_runs_are_the_row_by_row_runs() -> None:
         out, i = [], 0
         while i < len(enums):
             j = i + 1
-            while j < len(enums) and (enums[j], shapes[j], sizes[j]) == (enums[i], shapes[i], sizes[i]) \
-                    and offsets[j] == offsets[j - 1] + sizes[j - 1]:
+            while (
+                j < len(enums)
+                and (enums[j], shapes[j], sizes[j]) == (enums[i], shapes[i], sizes[i])
+                and offsets[j] == offsets[j - 1] + sizes[j - 1]
+            ):
                 j += 1
             out.append(packed_table.Run(i, j, enums[i], shapes[i], offsets[i], sizes[i]))
             i = j
@@ -121,15 +128,13 @@ def test_runs_are_the_row_by_row_runs() -> None:
     table = packed_table.Table(packed_table.pack([f"t{i}" for i in range(n)], enums, shapes, offsets, sizes))
     runs = table.runs()
     assert runs == packed_table.runs(enums, shapes, offsets, sizes) == by_rows(enums, shapes, offsets, sizes)
-    assert [(r.first, r.stop) for r in runs] == [(0, 150), (150, 170), (170, 250), (250, 300), (300, 301),
-                                                 (301, 400)]
+    assert [(r.first, r.stop) for r in runs] == [(0, 150), (150, 170), (170, 250), (250, 300), (300, 301), (301, 400)]
 
 
 def test_scalars_are_zero_dimensional_views(client: Client) -> None:
     """Runs of scalar parameters come back as 0-d arrays viewing the delivered buffer, like every other tensor,
     in process and through a server (packed table): not numpy scalars, which are copies of another type."""
-    plan = plan_of([param(f"s{i}", [], {"normal": {"std": 1.0, "seed": i}}) for i in range(1500)]
-                   + [param("v", [3], {"ones": {}})])
+    plan = plan_of([param(f"s{i}", [], {"normal": {"std": 1.0, "seed": i}}) for i in range(1500)] + [param("v", [3], {"ones": {}})])
     with Client() as local:
         for got in (local.materialize(plan), client.materialize(plan)):
             scalars = [got[f"s{i}"] for i in range(1500)]

@@ -22,8 +22,14 @@ server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
 Box = list[tuple[int, int]]
 
 
-def param(name: str, shape: list[int], init: dict[str, Any], patches: list[tuple[Box, dict[str, Any]]],
-          dtype: str = "float32", region: Box | None = None) -> plan_pb2.Param:
+def param(
+    name: str,
+    shape: list[int],
+    init: dict[str, Any],
+    patches: list[tuple[Box, dict[str, Any]]],
+    dtype: str = "float32",
+    region: Box | None = None,
+) -> plan_pb2.Param:
     from google.protobuf import json_format
 
     p = plan_pb2.Param(name=name, shape=shape, dtype=dtypes.by_name(dtype).enum)
@@ -39,33 +45,65 @@ def param(name: str, shape: list[int], init: dict[str, Any], patches: list[tuple
 
 
 def patched_plan() -> plan_pb2.Plan:
-    return plan_pb2.Plan(params=[
-        # padding_idx rows 0 and 5 of an embedding
-        param("emb", [11, 7], {"normal": {"std": 0.02, "seed": 1}},
-              [([(0, 1), (0, 7)], {"zeros": {}}), ([(5, 6), (0, 7)], {"zeros": {}})]),
-        # a column (one element per run), then an overlapping seeded block that wins over it
-        param("col", [9, 13], {"uniform": {"lo": -1, "hi": 1, "seed": 2}},
-              [([(0, 9), (4, 5)], {"ones": {}}), ([(2, 6), (3, 8)], {"normal": {"mean": 3, "std": 0.5, "seed": 9}})],
-              dtype="bfloat16"),
-        # a region (row and column shard) the patches only partly overlap
-        param("shard", [6, 10, 4], {"kaimingUniformForShape": {"seed": 3}},
-              [([(1, 3), (0, 10), (0, 4)], {"uniform": {"lo": 7, "hi": 7, "seed": 0}}),
-               ([(0, 6), (8, 10), (2, 3)], {"zeros": {}}), ([(5, 6), (0, 1), (0, 1)], {"ones": {}})],
-              dtype="float16", region=[(1, 6), (2, 10), (0, 4)]),
-        # a patch wholly outside the region changes nothing
-        param("outside", [8, 3], {"normal": {"std": 1, "seed": 4}}, [([(0, 2), (0, 3)], {"ones": {}})],
-              dtype="float64", region=[(4, 8), (0, 3)]),
-        param("plain", [5], {"normal": {"std": 1, "seed": 5}}, []),
-        # many short runs (columns of a row shard): their span is generated at once and the columns taken from it
-        param("cols", [64, 33], {"uniform": {"lo": -1, "hi": 1, "seed": 8}},
-              [([(0, 64), (5, 6)], {"ones": {}}), ([(10, 50), (10, 13)], {"normal": {"std": 2, "seed": 11}}),
-               ([(0, 64), (32, 33)], {"truncatedNormal": {"std": 1, "lo": -1, "hi": 1, "seed": 12}})],
-              region=[(3, 61), (0, 33)]),
-        # a truncated normal patch over a truncated normal base (the base of an embedding's rows 2..4)
-        param("trunc", [6, 9], {"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04, "seed": 6}},
-              [([(2, 5), (1, 8)], {"truncatedNormal": {"mean": 1, "std": 0.5, "lo": 0.5, "hi": 1.6, "seed": 7}})],
-              dtype="bfloat16"),
-    ])
+    return plan_pb2.Plan(
+        params=[
+            # padding_idx rows 0 and 5 of an embedding
+            param(
+                "emb", [11, 7], {"normal": {"std": 0.02, "seed": 1}}, [([(0, 1), (0, 7)], {"zeros": {}}), ([(5, 6), (0, 7)], {"zeros": {}})]
+            ),
+            # a column (one element per run), then an overlapping seeded block that wins over it
+            param(
+                "col",
+                [9, 13],
+                {"uniform": {"lo": -1, "hi": 1, "seed": 2}},
+                [([(0, 9), (4, 5)], {"ones": {}}), ([(2, 6), (3, 8)], {"normal": {"mean": 3, "std": 0.5, "seed": 9}})],
+                dtype="bfloat16",
+            ),
+            # a region (row and column shard) the patches only partly overlap
+            param(
+                "shard",
+                [6, 10, 4],
+                {"kaimingUniformForShape": {"seed": 3}},
+                [
+                    ([(1, 3), (0, 10), (0, 4)], {"uniform": {"lo": 7, "hi": 7, "seed": 0}}),
+                    ([(0, 6), (8, 10), (2, 3)], {"zeros": {}}),
+                    ([(5, 6), (0, 1), (0, 1)], {"ones": {}}),
+                ],
+                dtype="float16",
+                region=[(1, 6), (2, 10), (0, 4)],
+            ),
+            # a patch wholly outside the region changes nothing
+            param(
+                "outside",
+                [8, 3],
+                {"normal": {"std": 1, "seed": 4}},
+                [([(0, 2), (0, 3)], {"ones": {}})],
+                dtype="float64",
+                region=[(4, 8), (0, 3)],
+            ),
+            param("plain", [5], {"normal": {"std": 1, "seed": 5}}, []),
+            # many short runs (columns of a row shard): their span is generated at once and the columns taken from it
+            param(
+                "cols",
+                [64, 33],
+                {"uniform": {"lo": -1, "hi": 1, "seed": 8}},
+                [
+                    ([(0, 64), (5, 6)], {"ones": {}}),
+                    ([(10, 50), (10, 13)], {"normal": {"std": 2, "seed": 11}}),
+                    ([(0, 64), (32, 33)], {"truncatedNormal": {"std": 1, "lo": -1, "hi": 1, "seed": 12}}),
+                ],
+                region=[(3, 61), (0, 33)],
+            ),
+            # a truncated normal patch over a truncated normal base (the base of an embedding's rows 2..4)
+            param(
+                "trunc",
+                [6, 9],
+                {"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04, "seed": 6}},
+                [([(2, 5), (1, 8)], {"truncatedNormal": {"mean": 1, "std": 0.5, "lo": 0.5, "hi": 1.6, "seed": 7}})],
+                dtype="bfloat16",
+            ),
+        ]
+    )
 
 
 def expected(p: plan_pb2.Param) -> np.ndarray[Any, Any]:
@@ -84,19 +122,30 @@ def expected(p: plan_pb2.Param) -> np.ndarray[Any, Any]:
 
 
 def test_validation_reports_every_bad_patch() -> None:
-    p = param("w", [4, 5], {"zeros": {}}, [
-        ([(0, 1)], {"ones": {}}),                         # wrong rank
-        ([(2, 2), (0, 9)], {"ones": {}}),                 # empty, out of bounds
-        ([(0, 1), (0, 5)], {"flat": {"values": [0.0]}}),  # flat kinds are refused
-        ([(0, 1), (0, 5)], {"normal": {"std": -1}}),      # the initializer's own rules
-        ([(0, 1), (0, 5)], {}),                           # unset
-        ([(0, 1), (0, 5)], {"truncatedNormal": {"std": 1, "lo": -0.4, "hi": 1}}),  # bounds too tight
-    ])
+    p = param(
+        "w",
+        [4, 5],
+        {"zeros": {}},
+        [
+            ([(0, 1)], {"ones": {}}),  # wrong rank
+            ([(2, 2), (0, 9)], {"ones": {}}),  # empty, out of bounds
+            ([(0, 1), (0, 5)], {"flat": {"values": [0.0]}}),  # flat kinds are refused
+            ([(0, 1), (0, 5)], {"normal": {"std": -1}}),  # the initializer's own rules
+            ([(0, 1), (0, 5)], {}),  # unset
+            ([(0, 1), (0, 5)], {"truncatedNormal": {"std": 1, "lo": -0.4, "hi": 1}}),  # bounds too tight
+        ],
+    )
     report = validation.validate(plan_pb2.Plan(params=[p]))
     fields = sorted(v.field for v in report.violations)
-    assert fields == ["params[0].patches[0].box", "params[0].patches[1].box[0]", "params[0].patches[1].box[1]",
-                      "params[0].patches[2].init.flat", "params[0].patches[3].init.normal",
-                      "params[0].patches[4].init", "params[0].patches[5].init.truncatedNormal"], fields
+    assert fields == [
+        "params[0].patches[0].box",
+        "params[0].patches[1].box[0]",
+        "params[0].patches[1].box[1]",
+        "params[0].patches[2].init.flat",
+        "params[0].patches[3].init.normal",
+        "params[0].patches[4].init",
+        "params[0].patches[5].init.truncatedNormal",
+    ], fields
     assert validation.validate(patched_plan()).ok
 
 
@@ -115,10 +164,10 @@ def test_every_window_is_exact(cpu_backend: Any, window: int) -> None:
     lay = layout.stream_layout(params, planlib.digest(plan))
     buf = poisoned(lay.data_bytes, np.dtype(np.uint8))
     for start in range(0, lay.data_bytes, window):
-        engine.fill_window(cpu_backend, lay, buf[start:start + window], start)
+        engine.fill_window(cpu_backend, lay, buf[start : start + window], start)
     for pl, p in zip(lay.placements, plan.params, strict=True):
         rp = pl.param
-        got = buf[pl.offset:pl.offset + rp.nbytes].view(rp.dtype.storage).reshape(rp.out_shape)
+        got = buf[pl.offset : pl.offset + rp.nbytes].view(rp.dtype.storage).reshape(rp.out_shape)
         want = expected(p)
         assert got.tobytes() == want.tobytes(), p.name
 
@@ -130,7 +179,7 @@ def test_whole_arena_is_exact(cpu_backend: Any) -> None:
     engine.fill_all(cpu_backend, lay, buf)
     for pl, p in zip(lay.placements, plan.params, strict=True):
         rp = pl.param
-        got = buf[pl.offset:pl.offset + rp.nbytes].view(rp.dtype.storage).reshape(rp.out_shape)
+        got = buf[pl.offset : pl.offset + rp.nbytes].view(rp.dtype.storage).reshape(rp.out_shape)
         assert got.tobytes() == expected(p).tobytes(), p.name
 
 
@@ -139,9 +188,16 @@ def test_long_patch_work_looks_at_cancellation(cpu_backend: Any) -> None:
     deadline before): span pieces and runs one by one both look at should_stop."""
     from paraminit_server import errors
 
-    plan = plan_pb2.Plan(params=[param("w", [4096, 512], {"zeros": {}},
-                                       [([(0, 4096), (c, c + 1)], {"ones": {}}) for c in range(0, 512, 2)]
-                                       + [([(0, 4096), (0, 300)], {"ones": {}})])])
+    plan = plan_pb2.Plan(
+        params=[
+            param(
+                "w",
+                [4096, 512],
+                {"zeros": {}},
+                [([(0, 4096), (c, c + 1)], {"ones": {}}) for c in range(0, 512, 2)] + [([(0, 4096), (0, 300)], {"ones": {}})],
+            )
+        ]
+    )
     rp = planlib.resolve(plan)[0]
     out = np.zeros(rp.numel, dtype=np.float32)
     calls = []

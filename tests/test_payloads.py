@@ -31,8 +31,7 @@ def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(ckpt_dir: Path) -> Iterator[Running]:
-    with running_server(safetensors_dirs=str(ckpt_dir),
-                        auth_tokens="alice:alice-token-0123456789,bob:bob-token-0123456789ab") as r:
+    with running_server(safetensors_dirs=str(ckpt_dir), auth_tokens="alice:alice-token-0123456789,bob:bob-token-0123456789ab") as r:
         yield r
 
 
@@ -50,8 +49,17 @@ def test_payload_larger_than_a_message(client: Client) -> None:
     assert got.tobytes() == values.tobytes()
 
 
-@pytest.mark.parametrize("src,dst", [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16"),
-                                     ("float64", "float32"), ("float64", "bfloat16"), ("float32", "float16")])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ("float32", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("float16", "float16"),
+        ("float64", "float32"),
+        ("float64", "bfloat16"),
+        ("float32", "float16"),
+    ],
+)
 def test_payload_dtypes_convert_exactly_then_round_once(client: Client, src: str, dst: str) -> None:
     rng = np.random.default_rng(1)
     x = (rng.standard_normal(4099) * 3).astype(np.float64)
@@ -71,8 +79,9 @@ def test_payload_dtypes_convert_exactly_then_round_once(client: Client, src: str
 def test_payload_errors(server: Running, client: Client) -> None:
     pid = client.upload_payload(np.array([1.0, np.inf, 2.0], np.float32))
     with pytest.raises(ParaminitError) as info:
-        client.materialize(plan_of([param("a", [4], {"flatRef": {"payloadId": pid}}),
-                                    param("b", [2], {"flatRef": {"payloadId": "0" * 32}})]))
+        client.materialize(
+            plan_of([param("a", [4], {"flatRef": {"payloadId": pid}}), param("b", [2], {"flatRef": {"payloadId": "0" * 32}})])
+        )
     msgs = [v.description for v in info.value.violations]
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert any("flat initializer length mismatch (expected 4, got 3)" in m for m in msgs)
@@ -92,11 +101,15 @@ def test_checkpoint_mixed_with_fresh_layers(client: Client, ckpt_dir: Path) -> N
     # safetensors.numpy has no bfloat16: rewrite the header's dtype for that tensor (same bytes)
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    head = raw[8:8 + n].replace(b'"U16"', b'"BF16"')
-    path.write_bytes(len(head).to_bytes(8, "little") + head + raw[8 + n:])
-    fallback = plan_of([param("backbone.weight", [64, 32], {"zeros": {}}),
-                        param("emb", [100, 16], {"zeros": {}}, "bfloat16"),
-                        param("head.weight", [10, 32], {"kaimingUniformForShape": {"seed": 3}})])
+    head = raw[8 : 8 + n].replace(b'"U16"', b'"BF16"')
+    path.write_bytes(len(head).to_bytes(8, "little") + head + raw[8 + n :])
+    fallback = plan_of(
+        [
+            param("backbone.weight", [64, 32], {"zeros": {}}),
+            param("emb", [100, 16], {"zeros": {}}, "bfloat16"),
+            param("head.weight", [10, 32], {"kaimingUniformForShape": {"seed": 3}}),
+        ]
+    )
     plan = plan_from_safetensors(path, fallback)
     got = client.materialize(plan)
     assert got["backbone.weight"].tobytes() == backbone.tobytes()
@@ -112,8 +125,12 @@ def test_checkpoint_mismatches_are_clear(client: Client, ckpt_dir: Path, tmp_pat
         plan_from_safetensors(path, plan_of([param("w", [4, 5], {"zeros": {}})]))
     with pytest.raises(ValueError, match="w: checkpoint dtype F32 != plan dtype float16"):
         plan_from_safetensors(path, plan_of([param("w", [4, 4], {"zeros": {}}, "float16")]))
-    wrong = plan_of([param("w", [2, 8], {"safetensors": {"path": str(path), "tensor": "w", "dtype": "DTYPE_FLOAT64"}}),
-                     param("x", [1], {"safetensors": {"path": str(path), "tensor": "nope"}})])
+    wrong = plan_of(
+        [
+            param("w", [2, 8], {"safetensors": {"path": str(path), "tensor": "w", "dtype": "DTYPE_FLOAT64"}}),
+            param("x", [1], {"safetensors": {"path": str(path), "tensor": "nope"}}),
+        ]
+    )
     outside = tmp_path / "elsewhere.safetensors"
     save_file({"w": np.ones(1, np.float32)}, str(outside))
     wrong.params.add().CopyFrom(param("y", [1], {"safetensors": {"path": str(outside), "tensor": "w"}}))
@@ -242,7 +259,7 @@ def test_the_follower_hashes_and_scans_what_lands(dtype: str) -> None:
     at = 0
     for size in [1, 7, Follower.PIECE - 3, 100_000, 3] * 40:
         size = min(size, raw.size - at)
-        buf[at:at + size] = raw[at:at + size]
+        buf[at : at + size] = raw[at : at + size]
         at += size
         follower.landed(at)
         if at == raw.size:

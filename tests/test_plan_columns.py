@@ -22,8 +22,18 @@ from support import poisoned
 
 BACKEND = CpuBackend()
 N = columns.SCAN_MIN + 200
-INITS = ["normal", "uniform", "zeros", "ones", "xavier_uniform", "kaiming_uniform", "truncated_normal",
-         "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "flat"]
+INITS = [
+    "normal",
+    "uniform",
+    "zeros",
+    "ones",
+    "xavier_uniform",
+    "kaiming_uniform",
+    "truncated_normal",
+    "xavier_uniform_for_shape",
+    "kaiming_uniform_for_shape",
+    "flat",
+]
 
 
 def _param(rng: np.random.Generator, i: int, valid: bool) -> plan_pb2.Param:
@@ -117,8 +127,9 @@ def test_valid_plans_give_the_same_bytes_layout_and_tables(seed: int) -> None:
     assert digest == planlib.digest(plan)
     table, listed = planlib.resolve(plan, None, cols), planlib.resolve(plan)
     assert isinstance(table, ParamTable) and len(table.special) < len(plan.params) // 3
-    assert [(p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in table] == \
-        [(p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in listed]
+    assert [(p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in table] == [
+        (p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in listed
+    ]
     (lay, got), (want_lay, want) = _stream(table, digest), _stream(listed, digest)
     assert lay.prefix == want_lay.prefix and list(np.asarray(lay.offsets)) == list(want_lay.offsets)
     assert lay.data_bytes == want_lay.data_bytes and np.array_equal(got, want)
@@ -165,21 +176,31 @@ def test_scan_reads_names_with_nul_and_non_ascii() -> None:
 
 
 def test_dtype_sizes_match_the_dtype_table() -> None:
-    plan = plan_pb2.Plan(params=[plan_pb2.Param(name=f"p{i}", shape=[5, 3], dtype=d.enum)  # type: ignore[arg-type]
-                                 for i in range(N) for d in [dtypes.SUPPORTED[i % len(dtypes.SUPPORTED)]]])
+    plan = plan_pb2.Plan(
+        params=[
+            plan_pb2.Param(name=f"p{i}", shape=[5, 3], dtype=d.enum)  # type: ignore[arg-type]
+            for i in range(N)
+            for d in [dtypes.SUPPORTED[i % len(dtypes.SUPPORTED)]]
+        ]
+    )
     for p in plan.params:
         p.init.ones.SetInParent()
     cols = columns.of(plan)
-    assert cols is not None and cols.nbytes.tolist() == [15 * dtypes.by_enum(p.dtype).itemsize  # type: ignore[union-attr]
-                                                         for p in plan.params]
+    assert cols is not None and cols.nbytes.tolist() == [
+        15 * dtypes.by_enum(p.dtype).itemsize  # type: ignore[union-attr]
+        for p in plan.params
+    ]
 
 
 def test_canonical_bytes_from_the_scan() -> None:
     """A plan of plain parameters, some with their dtype omitted: the scan writes the canonical bytes itself."""
     rng = np.random.default_rng(9)
-    plan = plan_pb2.Plan(params=[plan_pb2.Param(name=f"p{i}", shape=[int(rng.integers(1, 300))] * (i % 3),
-                                                dtype=int(rng.integers(0, 5)))  # type: ignore[arg-type]
-                                 for i in range(N)])
+    plan = plan_pb2.Plan(
+        params=[
+            plan_pb2.Param(name=f"p{i}", shape=[int(rng.integers(1, 300))] * (i % 3), dtype=int(rng.integers(0, 5)))  # type: ignore[arg-type]
+            for i in range(N)
+        ]
+    )
     for i, p in enumerate(plan.params):
         p.init.normal.std, p.init.normal.seed = 0.02, i * 1000003
     cols = columns.of(plan)
@@ -213,8 +234,12 @@ def test_unknown_initializer_fields_leave_the_digest_alone(extra: bytes) -> None
     """plan.proto: unknown fields are dropped from the canonical form. A field the kind does not declare (field 4
     of Normal), or a declared one with another wire type (seed as fixed64, mean as a varint), is kept by protobuf
     as unknown: the scan must not copy it into the digest's bytes."""
-    plan = plan_pb2.Plan(params=[plan_pb2.Param(name=f"p{i}", shape=[4], init=plan_pb2.Init(
-        normal=plan_pb2.Normal(std=1.0, seed=i))) for i in range(columns.SCAN_MIN + 8)])
+    plan = plan_pb2.Plan(
+        params=[
+            plan_pb2.Param(name=f"p{i}", shape=[4], init=plan_pb2.Init(normal=plan_pb2.Normal(std=1.0, seed=i)))
+            for i in range(columns.SCAN_MIN + 8)
+        ]
+    )
     plain_digest = planlib.digest(plan)
     odd = plan.params[5].init.normal
     odd.MergeFromString(extra)

@@ -31,16 +31,22 @@ def problems(tmp_path: Path, text: str, name: str = "p.json") -> PlanFileError:
 def test_three_mistakes_are_three_problems_with_their_lines(tmp_path: Path) -> None:
     err = problems(tmp_path, THREE)
     got = [(q.where, q.line, q.message.split(";")[0]) for q in err.problems]
-    assert got == [("params[0]", "2", "unknown field 'shap' (did you mean 'shape'?)"),
-                   ("params[0].dtype", "3", "unknown dtype 'bfloat61' (did you mean 'bfloat16'?)"),
-                   ("params[0].init.normal", "4", "unknown field 'stdev' (did you mean 'std'?)")]
+    assert got == [
+        ("params[0]", "2", "unknown field 'shap' (did you mean 'shape'?)"),
+        ("params[0].dtype", "3", "unknown dtype 'bfloat61' (did you mean 'bfloat16'?)"),
+        ("params[0].init.normal", "4", "unknown field 'stdev' (did you mean 'std'?)"),
+    ]
     text = str(err)
     assert f"{tmp_path / 'p.json'}:3: params[0].dtype: unknown dtype" in text and "3 problems" in text
 
 
 def test_unknown_initializers_and_two_kinds_are_all_named(tmp_path: Path) -> None:
-    plan = {"params": [{"name": "a", "shape": [2], "init": {"kaimingUnifrom": {}, "zero": {}}},
-                       {"name": "b", "shape": [2], "init": {"kaimingUniformForShape": {}, "zeros": {}}}]}
+    plan = {
+        "params": [
+            {"name": "a", "shape": [2], "init": {"kaimingUnifrom": {}, "zero": {}}},
+            {"name": "b", "shape": [2], "init": {"kaimingUniformForShape": {}, "zeros": {}}},
+        ]
+    }
     err = problems(tmp_path, json.dumps(plan, indent=1))
     text = str(err)
     assert "unknown initializer 'kaimingUnifrom' (did you mean 'kaimingUniform'?)" in text
@@ -51,9 +57,13 @@ def test_unknown_initializers_and_two_kinds_are_all_named(tmp_path: Path) -> Non
 
 
 def test_type_errors_are_named_without_protobuf_words(tmp_path: Path) -> None:
-    plan = {"params": [{"name": 3, "shape": [4, "x", 2.5], "init": {"normal": {"std": "big", "seed": -1}}},
-                       {"name": "b", "shape": 4, "init": {"zeros": []}},
-                       {"name": "c", "shape": [2], "dtype": "float8", "init": {"uniform": {"lo": "-Infinity"}}}]}
+    plan = {
+        "params": [
+            {"name": 3, "shape": [4, "x", 2.5], "init": {"normal": {"std": "big", "seed": -1}}},
+            {"name": "b", "shape": 4, "init": {"zeros": []}},
+            {"name": "c", "shape": [2], "dtype": "float8", "init": {"uniform": {"lo": "-Infinity"}}},
+        ]
+    }
     err = problems(tmp_path, json.dumps(plan))
     by_path = {q.where: q.message for q in err.problems}
     assert by_path["params[0].name"].startswith("expected a string, got a number")

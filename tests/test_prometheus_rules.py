@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RULE = ROOT / "deploy" / "components" / "monitoring" / "prometheusrule.yaml"
 UNIT = Path(__file__).resolve().parent / "prometheus_rules_test.yaml"
 PROMTOOL = shutil.which("promtool")
-pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian/Ubuntu: apt-get install "
-                                "prometheus; `make venv` does it when root)")
+pytestmark = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not installed (Debian/Ubuntu: apt-get install prometheus; `make venv` does it when root)"
+)
 
 
 def groups() -> list[dict[str, Any]]:

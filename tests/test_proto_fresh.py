@@ -21,10 +21,25 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
     src = ROOT / "proto"
     protos = sorted(str(p.relative_to(src)) for p in (src / "paraminit/v1").glob("*.proto"))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", str(src), f"--python_out={tmp_path}",
-                    f"--grpc_python_out={tmp_path}", f"--mypy_out={tmp_path}", f"--mypy_grpc_out={tmp_path}",
-                    "--include_source_info", f"--descriptor_set_out={tmp_path / 'contract.binpb'}", *protos],
-                   check=True, env=env, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            str(src),
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--mypy_out={tmp_path}",
+            f"--mypy_grpc_out={tmp_path}",
+            "--include_source_info",
+            f"--descriptor_set_out={tmp_path / 'contract.binpb'}",
+            *protos,
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     stale = []
     for proto in protos:
         stem = proto.removesuffix(".proto")

@@ -32,6 +32,7 @@ def _queue_in_order(q: SlotQueue, arrivals: list[tuple[str, str]], granted: list
     gets the slot and hands the slot on at once."""
     threads = []
     for k, (ident, name) in enumerate(arrivals):
+
         def take(ident: str = ident, name: str = name) -> None:
             q.acquire(ident, LONG)
             granted.append(name)
@@ -211,6 +212,7 @@ def test_a_queued_call_waits_for_the_slot_and_one_without_deadline_is_refused_wi
         adm = r.plane.admission
         results: list[str] = []
         with adm.admit(0):  # the test holds the only slot
+
             def queued_call() -> None:
                 with Client(target_of(r), timeout=LONG) as c:
                     results.append(_digest(c.materialize(plan)))
@@ -230,14 +232,15 @@ def test_a_queued_call_waits_for_the_slot_and_one_without_deadline_is_refused_wi
         t.join(LONG)
         assert results == [expected]
         assert r.metrics is not None
-        assert r.metrics.registry.get_sample_value(
-            "paraminit_refusals_total", {"method": "Materialize", "reason": "busy"}) == 1
+        assert r.metrics.registry.get_sample_value("paraminit_refusals_total", {"method": "Materialize", "reason": "busy"}) == 1
 
 
 def test_a_refusal_no_retry_can_fix_tells_clients_not_to_retry() -> None:
-    with running_server(max_plan_bytes=1024) as r, \
-            grpc.insecure_channel(target_of(r), options=[("grpc.enable_retries", 0)]) as ch, \
-            pytest.raises(grpc.RpcError) as over:
+    with (
+        running_server(max_plan_bytes=1024) as r,
+        grpc.insecure_channel(target_of(r), options=[("grpc.enable_retries", 0)]) as ch,
+        pytest.raises(grpc.RpcError) as over,
+    ):
         list(pb_grpc.InitServiceStub(ch).Materialize(pb.MaterializeRequest(plan=_plan(1, 4096))))
     assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert dict(over.value.trailing_metadata() or ())[PUSHBACK] == "-1"
@@ -269,8 +272,7 @@ class _RefusingFirst:
         self._refuse("GetInfo", context)
         return pb.GetInfoResponse(version="stand-in")
 
-    def materialize(self, request: pb.MaterializeRequest,
-                    context: grpc.ServicerContext) -> Iterator[pb.MaterializeResponse]:
+    def materialize(self, request: pb.MaterializeRequest, context: grpc.ServicerContext) -> Iterator[pb.MaterializeResponse]:
         self._refuse("Materialize", context)
         yield pb.MaterializeResponse(header=pb.StreamHeader(plan_digest="stand-in"))
 
@@ -284,20 +286,32 @@ def stand_in() -> Iterator[tuple[grpc.Server, int]]:
 
 
 def _serve(server: grpc.Server, impl: _RefusingFirst) -> None:
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("paraminit.v1.InitService", {
-        "GetInfo": grpc.unary_unary_rpc_method_handler(
-            impl.get_info, request_deserializer=pb.GetInfoRequest.FromString,
-            response_serializer=pb.GetInfoResponse.SerializeToString),
-        "Materialize": grpc.unary_stream_rpc_method_handler(
-            impl.materialize, request_deserializer=pb.MaterializeRequest.FromString,
-            response_serializer=pb.MaterializeResponse.SerializeToString)}),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "paraminit.v1.InitService",
+                {
+                    "GetInfo": grpc.unary_unary_rpc_method_handler(
+                        impl.get_info,
+                        request_deserializer=pb.GetInfoRequest.FromString,
+                        response_serializer=pb.GetInfoResponse.SerializeToString,
+                    ),
+                    "Materialize": grpc.unary_stream_rpc_method_handler(
+                        impl.materialize,
+                        request_deserializer=pb.MaterializeRequest.FromString,
+                        response_serializer=pb.MaterializeResponse.SerializeToString,
+                    ),
+                },
+            ),
+        )
+    )
     server.start()
 
 
-@pytest.mark.parametrize(("code", "pushback"), [(grpc.StatusCode.RESOURCE_EXHAUSTED, "1"),
-                                                (grpc.StatusCode.UNAVAILABLE, None)])
-def test_client_retries_refusals_by_grpc_retry_policy(stand_in: tuple[grpc.Server, int], code: grpc.StatusCode,
-                                                      pushback: str | None) -> None:
+@pytest.mark.parametrize(("code", "pushback"), [(grpc.StatusCode.RESOURCE_EXHAUSTED, "1"), (grpc.StatusCode.UNAVAILABLE, None)])
+def test_client_retries_refusals_by_grpc_retry_policy(
+    stand_in: tuple[grpc.Server, int], code: grpc.StatusCode, pushback: str | None
+) -> None:
     server, port = stand_in
     impl = _RefusingFirst(2, code, pushback)
     _serve(server, impl)
@@ -383,6 +397,7 @@ def test_no_deadline_call_is_refused_at_once() -> None:
 def test_caller_wait_is_zero_without_deadline() -> None:
     """grpc reports about 9.2e18 s remaining for a call without a deadline; that is not a deadline."""
     with running_server(admission_wait=5.0) as r:
+
         class Ctx:
             def __init__(self, remaining: float | None) -> None:
                 self.remaining = remaining
@@ -439,8 +454,9 @@ def test_a_stalled_reader_or_uploader_gives_its_slot_back_within_the_stall_limit
                 yield wire.encode_payload_chunk(memoryview(bytes(4096)), 1, 4096)  # float32
                 go_on.wait(60)  # the client stops sending
 
-            upload = channel.stream_unary("/paraminit.v1.InitService/UploadPayload", request_serializer=bytes,
-                                          response_deserializer=pb.PayloadRef.FromString)
+            upload = channel.stream_unary(
+                "/paraminit.v1.InitService/UploadPayload", request_serializer=bytes, response_deserializer=pb.PayloadRef.FromString
+            )
             future = upload.future(chunks(), timeout=120)
             time.sleep(0.5)
             started = time.monotonic()
@@ -464,6 +480,7 @@ def test_validate_takes_a_slot_in_turn() -> None:
         adm = r.plane.admission
         reports: list[bool] = []
         with adm.admit(0):  # the test holds the only slot
+
             def queued_validate() -> None:
                 with Client(target_of(r), timeout=LONG) as c:
                     reports.append(c.validate(plan).ok)
@@ -471,8 +488,7 @@ def test_validate_takes_a_slot_in_turn() -> None:
             t = threading.Thread(target=queued_validate)
             t.start()
             assert wait_until(lambda: adm.slots.queued == 1)
-            with grpc.insecure_channel(target_of(r), options=[("grpc.enable_retries", 0)]) as ch, \
-                    pytest.raises(grpc.RpcError) as busy:
+            with grpc.insecure_channel(target_of(r), options=[("grpc.enable_retries", 0)]) as ch, pytest.raises(grpc.RpcError) as busy:
                 pb_grpc.InitServiceStub(ch).Validate(pb.ValidateRequest(plan=plan))
             assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert int(dict(busy.value.trailing_metadata() or ())[PUSHBACK]) > 0

@@ -37,8 +37,7 @@ def test_python_block_runs(index: int, tmp_path: Path) -> None:
     for optional in ("torch", "transformers", "torchtitan", "jax"):
         if optional in code:
             pytest.importorskip(optional)
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_scratch(tmp_path), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_scratch(tmp_path), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"python block {index} failed:\n{code}\n{done.stderr[-3000:]}"
 
 
@@ -48,8 +47,9 @@ def test_shell_block_runs(index: int, tmp_path: Path) -> None:
     code = blocks("sh")[index]
     if NOT_RUN.search(code):
         pytest.skip("install/build commands: exercised by make test and the image check")
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=_scratch(tmp_path),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=_scratch(tmp_path), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"sh block {index} failed:\n{code}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
 
@@ -79,8 +79,7 @@ def test_json_block_is_a_valid_plan(index: int) -> None:
 
 
 def test_make_demo_ends_by_saying_how_to_run_paraminit() -> None:
-    done = subprocess.run(["make", "-n", "-W", "pyproject.toml", "demo"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(["make", "-n", "-W", "pyproject.toml", "demo"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    tail = done.stdout[done.stdout.index("paraminit materialize"):]
+    tail = done.stdout[done.stdout.index("paraminit materialize") :]
     assert ".venv/bin/paraminit --help" in tail and ". .venv/bin/activate" in tail

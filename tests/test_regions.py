@@ -81,8 +81,7 @@ def _check_local_runs(i: int, shape: tuple[int, ...], region: regions.Box) -> No
         box = tuple((min(a, d - 1), min(b, d)) for (a, b), d in zip(box, shape, strict=True))
         local = np.full(shape, -1, dtype=np.int64)
         reg = tuple(slice(a, b) for a, b in region)
-        local[reg] = np.arange(int(np.prod([b - a for a, b in region])), dtype=np.int64).reshape(
-            [b - a for a, b in region])
+        local[reg] = np.arange(int(np.prod([b - a for a, b in region])), dtype=np.int64).reshape([b - a for a, b in region])
         inside = np.zeros(shape, dtype=bool)
         inside[tuple(slice(a, b) for a, b in box)] = True
         want = np.sort(local[inside & (local >= 0)])
@@ -128,7 +127,6 @@ def test_a_region_that_does_not_fit_its_checkpoint_tensor_is_an_error_of_the_req
             bound.tensor_values(path, "w", region)
     values, compact = bound.tensor_values(path, "w", ((1, 2), (0, 2)))
     assert compact and values.tolist() == [3.0, 4.0]
-    p = plan_pb2.Param(name="w", shape=[4], init=plan_pb2.Init(safetensors=plan_pb2.SafetensorsRef(path=path,
-                                                                                                    tensor="w")))
+    p = plan_pb2.Param(name="w", shape=[4], init=plan_pb2.Init(safetensors=plan_pb2.SafetensorsRef(path=path, tensor="w")))
     p.region.add(start=0, stop=2)
     assert planlib.digest(plan_pb2.Plan(params=[p]), bound)  # the digest marks it unreadable; validation says why

@@ -58,8 +58,7 @@ def _expire_after_first_lookup(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return looked_up
 
 
-def test_payload_expiring_mid_request_is_the_one_filled_and_digested(client: Client,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_payload_expiring_mid_request_is_the_one_filled_and_digested(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     values = np.random.default_rng(3).standard_normal(6 * 7).astype(np.float32)
     pid = client.upload_payload(values)
     plan = plan_of([param("w", [6, 7], {"flatRef": {"payloadId": pid}}), param("b", [7], {"normal": {"std": 1}})])
@@ -113,8 +112,9 @@ def test_payload_gone_before_the_request_is_invalid_argument(client: Client) -> 
     assert [v.field for v in info.value.violations] == ["params[0].init.flatRef.payloadId"]
 
 
-def test_checkpoint_rewritten_mid_request_is_refused_cleanly(server: Running, client: Client, ckpt_dir: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpoint_rewritten_mid_request_is_refused_cleanly(
+    server: Running, client: Client, ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The header read while validating is the one the request uses: a file replaced before its values are read
     gives INVALID_ARGUMENT, not values from another file under the digest of the first."""
     path = ckpt_dir / "w.safetensors"

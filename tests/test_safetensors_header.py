@@ -38,15 +38,13 @@ HOSTILE: dict[str, tuple[Any, int | None, str]] = {
     "bool dims": ({"w": W, SECRET: {**W, "shape": [True, 4]}}, None, "shape must be a list of non-negative integers"),
     "2^80 elements": ({"w": W, SECRET: {**W, "shape": [1 << 40, 1 << 40]}}, None, "more than 2^63 - 1 elements"),
     "huge dim": ({"w": W, SECRET: {**W, "shape": [0, 1 << 80]}}, None, "dimension beyond 2^63 - 1"),
-    "2^65 bytes": ({"w": W, SECRET: {"dtype": "F64", "shape": [1 << 62], "data_offsets": [0, 16]}}, None,
-                   "size overflows"),
+    "2^65 bytes": ({"w": W, SECRET: {"dtype": "F64", "shape": [1 << 62], "data_offsets": [0, 16]}}, None, "size overflows"),
     "overlap": ({"w": W, SECRET: {**W, "data_offsets": [8, 24]}}, None, "overlap"),
     "unknown dtype": ({"w": W, SECRET: {**W, "dtype": "F31"}}, None, "not a safetensors dtype"),
     "offsets vs shape": ({"w": W, SECRET: {**W, "data_offsets": [16, 40]}}, None, "inconsistent data_offsets"),
     "past the end": ({"w": W, SECRET: {**W, "shape": [40], "data_offsets": [16, 176]}}, None, "past the end"),
     "metadata values": ({"__metadata__": {"k": 1}, "w": W}, None, "__metadata__ must be an object mapping strings"),
-    "duplicate key": (b'{"w": ' + json.dumps(W).encode() + b', "w": ' + json.dumps(W).encode() + b"}", None,
-                      "one key twice"),
+    "duplicate key": (b'{"w": ' + json.dumps(W).encode() + b', "w": ' + json.dumps(W).encode() + b"}", None, "one key twice"),
     "NaN": (b'{"w": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 16]}}', None, "NaN is not JSON"),
     "not UTF-8": (b'{"w\xff": 1}', None, "not UTF-8"),
 }
@@ -55,8 +53,10 @@ HOSTILE: dict[str, tuple[Any, int | None, str]] = {
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("hostile")
-    return {name: _file(d / f"{name.replace(' ', '_').replace('^', '')}.safetensors", header, length=length)
-            for name, (header, length, _) in HOSTILE.items()}
+    return {
+        name: _file(d / f"{name.replace(' ', '_').replace('^', '')}.safetensors", header, length=length)
+        for name, (header, length, _) in HOSTILE.items()
+    }
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
@@ -80,9 +80,9 @@ def test_the_server_refuses_each_hostile_file_without_quoting_it(hostile: dict[s
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_inspect_and_plan_from_safetensors_exit_1_with_one_line(hostile: dict[str, Path], name: str,
-                                                                 capsys: pytest.CaptureFixture[str],
-                                                                 tmp_path: Path) -> None:
+def test_inspect_and_plan_from_safetensors_exit_1_with_one_line(
+    hostile: dict[str, Path], name: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     path = hostile[name]
     code, out, err = run_cli(capsys, "inspect", str(path))
     assert code == cli.EXIT_ERROR and out == "", (code, out)
@@ -103,8 +103,12 @@ def test_commands_in_a_process_of_their_own_print_no_traceback(hostile: dict[str
 
 def test_files_the_safetensors_library_writes_read_as_it_reads_them(tmp_path: Path) -> None:
     path = tmp_path / "good.safetensors"
-    tensors = {"b": np.arange(6, dtype=np.float32).reshape(2, 3) + 1, "a": np.arange(4, dtype=np.int64) + 7,
-               "empty": np.zeros((0, 3), dtype=np.float16), "s": np.array(2.5, dtype=np.float64)}
+    tensors = {
+        "b": np.arange(6, dtype=np.float32).reshape(2, 3) + 1,
+        "a": np.arange(4, dtype=np.int64) + 7,
+        "empty": np.zeros((0, 3), dtype=np.float16),
+        "s": np.array(2.5, dtype=np.float64),
+    }
     save_file(tensors, str(path), metadata={"plan_digest": "abc"})
     header = sth.read_file(path)
     assert header.metadata == {"plan_digest": "abc"} and set(header.tensors) == set(tensors)
@@ -112,14 +116,17 @@ def test_files_the_safetensors_library_writes_read_as_it_reads_them(tmp_path: Pa
         for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             e = header.tensors[name]
             assert e.shape == tuple(f.get_slice(name).get_shape())
-            raw = path.read_bytes()[e.start:e.start + e.nbytes]
+            raw = path.read_bytes()[e.start : e.start + e.nbytes]
             assert np.frombuffer(raw, dtype=tensors[name].dtype).tolist() == f.get_tensor(name).ravel().tolist()
     assert [e.name for e in header.in_file_order() if e.nbytes] == sorted(
-        (n for n in tensors if tensors[n].size), key=lambda n: header.tensors[n].begin)
+        (n for n in tensors if tensors[n].size), key=lambda n: header.tensors[n].begin
+    )
     # the three consumers accept it
-    assert plans.safetensors_header(path)["b"] == {"dtype": "F32", "shape": [2, 3],
-                                                    "data_offsets": [header.tensors["b"].begin,
-                                                                     header.tensors["b"].end]}
+    assert plans.safetensors_header(path)["b"] == {
+        "dtype": "F32",
+        "shape": [2, 3],
+        "data_offsets": [header.tensors["b"].begin, header.tensors["b"].end],
+    }
     meta, entries = inspect.read_header(path)
     assert meta == {"plan_digest": "abc"} and {e.name for e in entries} == set(tensors)
     bound = BoundSources(Sources(1 << 20, 60.0, [str(tmp_path)]), "someone")

@@ -31,14 +31,16 @@ def workers() -> Iterator[list[tuple[subprocess.Popen[str], str]]]:
 
 
 def big_plan() -> plan_pb2.Plan:
-    return plan_of([
-        param("emb", [4096, 512], {"normal": {"std": 0.02, "seed": 1}}, "bfloat16"),
-        param("w1", [2048, 1024], {"kaimingUniformForShape": {"seed": 2}}),
-        param("w2", [1024, 2048], {"uniform": {"lo": -0.1, "hi": 0.1, "seed": 3}}, "float16"),
-        param("shard", [64, 64, 8], {"xavierUniformForShape": {"seed": 4}}, "float64", region=[(8, 40), (0, 64), (2, 6)]),
-        param("b", [1024], {"zeros": {}}),
-        param("scalar", [], {"ones": {}}),
-    ])
+    return plan_of(
+        [
+            param("emb", [4096, 512], {"normal": {"std": 0.02, "seed": 1}}, "bfloat16"),
+            param("w1", [2048, 1024], {"kaimingUniformForShape": {"seed": 2}}),
+            param("w2", [1024, 2048], {"uniform": {"lo": -0.1, "hi": 0.1, "seed": 3}}, "float16"),
+            param("shard", [64, 64, 8], {"xavierUniformForShape": {"seed": 4}}, "float64", region=[(8, 40), (0, 64), (2, 6)]),
+            param("b", [1024], {"zeros": {}}),
+            param("scalar", [], {"ones": {}}),
+        ]
+    )
 
 
 def test_split_is_byte_identical(workers: list[tuple[subprocess.Popen[str], str]]) -> None:

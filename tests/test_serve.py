@@ -59,22 +59,34 @@ def test_both_binaries_share_the_usage_exit_code_and_document_it(binary: list[st
 def test_bad_environment_variable_is_a_usage_error() -> None:
     import os
 
-    done = subprocess.run([str(BIN / "paraminit"), "serve", "--port", "0"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PARAMINIT_SLAB_BYTES": "lots"})
+    done = subprocess.run(
+        [str(BIN / "paraminit"), "serve", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PARAMINIT_SLAB_BYTES": "lots"},
+    )
     assert done.returncode == 64 and "PARAMINIT_SLAB_BYTES" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_paraminit_serve_takes_the_server_flags_and_serves() -> None:
-    proc = subprocess.Popen([str(BIN / "paraminit"), "serve", "--port", "0", "--backend", "cpu", "--host",
-                             "127.0.0.1", "--drain-seconds", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [str(BIN / "paraminit"), "serve", "--port", "0", "--backend", "cpu", "--host", "127.0.0.1", "--drain-seconds", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         m = re.search(r"listening on [\d.]+:(\d+)", line)
         assert m, line + (proc.stderr.read() if proc.stderr and proc.poll() is not None else "")
-        done = subprocess.run([str(BIN / "paraminit"), "health", "--target", f"127.0.0.1:{m.group(1)}",
-                               "--timeout", "60"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [str(BIN / "paraminit"), "health", "--target", f"127.0.0.1:{m.group(1)}", "--timeout", "60"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.stdout.strip() in ("SERVING", "NOT_SERVING"), done.stderr
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
@@ -84,16 +96,20 @@ def test_paraminit_serve_takes_the_server_flags_and_serves() -> None:
             proc.wait()
 
 
-HEADER_PLAN = plan_of([param("weight_one", [8, 8], {"uniform": {"lo": -1, "hi": 1, "seed": 1}}),
-                       param("bias_two", [8], {"zeros": {}})])
+HEADER_PLAN = plan_of([param("weight_one", [8, 8], {"uniform": {"lo": -1, "hi": 1, "seed": 1}}), param("bias_two", [8], {"zeros": {}})])
 
 
 # -- Unix sockets, uploads drain at SIGTERM; startup errors -----------------------
 
 
 def _server(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(BIN / "paraminit-server"), "--backend", "cpu", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [str(BIN / "paraminit-server"), "--backend", "cpu", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_unix_socket_host_prints_a_usable_address(tmp_path: Path) -> None:
@@ -122,11 +138,14 @@ def test_uploads_in_flight_drain_at_shutdown() -> None:
     result: list[Any] = []
 
     def chunks() -> Any:
-        yield pb.PayloadChunk(dtype=dtypes.by_name("float32").enum, count=values.size,  # type: ignore[arg-type]
-                              data=raw[:1 << 20])
+        yield pb.PayloadChunk(
+            dtype=dtypes.by_name("float32").enum,
+            count=values.size,  # type: ignore[arg-type]
+            data=raw[: 1 << 20],
+        )
         assert go.wait(60)
         for off in range(1 << 20, len(raw), 1 << 20):
-            yield pb.PayloadChunk(data=raw[off:off + (1 << 20)])
+            yield pb.PayloadChunk(data=raw[off : off + (1 << 20)])
 
     def upload() -> None:
         with Client(target_of(r)) as c:
@@ -153,10 +172,18 @@ def test_uploads_in_flight_drain_at_shutdown() -> None:
     assert result[0].count == values.size
 
 
-@pytest.mark.parametrize("args,env", [(["--backend", "foo"], {}), (["--log-format", "jsonx"], {}),
-                                      ([], {"PARAMINIT_BACKEND": "foo"}), ([], {"PARAMINIT_LOG_FORMAT": "jsonx"}),
-                                      (["--backend", "cupy"], {}), (["--port", "TAKEN"], {}),
-                                      (["--host", "unix:/tmp/" + "x" * 120], {})])
+@pytest.mark.parametrize(
+    "args,env",
+    [
+        (["--backend", "foo"], {}),
+        (["--log-format", "jsonx"], {}),
+        ([], {"PARAMINIT_BACKEND": "foo"}),
+        ([], {"PARAMINIT_LOG_FORMAT": "jsonx"}),
+        (["--backend", "cupy"], {}),
+        (["--port", "TAKEN"], {}),
+        (["--host", "unix:/tmp/" + "x" * 120], {}),
+    ],
+)
 def test_startup_errors_are_one_line_and_non_zero(args: list[str], env: dict[str, str]) -> None:
     if "cupy" in args and importlib.util.find_spec("cupy") is not None:
         pytest.skip("CuPy is installed here")
@@ -164,20 +191,17 @@ def test_startup_errors_are_one_line_and_non_zero(args: list[str], env: dict[str
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         args = [str(taken.getsockname()[1]) if a == "TAKEN" else a for a in args]
-        cmd = [str(BIN / "paraminit-server"), *args] if "--backend" in args else \
-            [str(BIN / "paraminit-server"), "--backend", "cpu", *args]
+        cmd = [str(BIN / "paraminit-server"), *args] if "--backend" in args else [str(BIN / "paraminit-server"), "--backend", "cpu", *args]
         if env:
             cmd = [str(BIN / "paraminit-server"), *args]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PARAMINIT_PORT": "0", **env})
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PARAMINIT_PORT": "0", **env})
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode != 0 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert lines[0].startswith("paraminit-server: error:")
 
 
 def test_sigterm_drains_in_flight_stream_and_exits_zero() -> None:
-    proc, target = serve_subprocess({"PARAMINIT_DRAIN_SECONDS": "30", "PARAMINIT_LOG_FORMAT": "json"},
-                                    stderr=subprocess.PIPE)
+    proc, target = serve_subprocess({"PARAMINIT_DRAIN_SECONDS": "30", "PARAMINIT_LOG_FORMAT": "json"}, stderr=subprocess.PIPE)
     plan = plan_of([param("w", [48 << 20], {"uniform": {"lo": -1, "hi": 1, "seed": 3}})])  # 192 MiB
     result: dict[str, Any] = {}
     first_chunk = threading.Event()
@@ -246,8 +270,14 @@ server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
 def test_info_health_reflection(server: Running, client: Client) -> None:
     info = client.info()
     assert info.backend == "cpu" and info.device.kind == "cpu"
-    assert set(info.dtypes) == {plan_pb2.DTYPE_FLOAT32, plan_pb2.DTYPE_FLOAT64, plan_pb2.DTYPE_FLOAT16,
-                                plan_pb2.DTYPE_BFLOAT16, plan_pb2.DTYPE_FLOAT8_E4M3FN, plan_pb2.DTYPE_FLOAT8_E5M2}
+    assert set(info.dtypes) == {
+        plan_pb2.DTYPE_FLOAT32,
+        plan_pb2.DTYPE_FLOAT64,
+        plan_pb2.DTYPE_FLOAT16,
+        plan_pb2.DTYPE_BFLOAT16,
+        plan_pb2.DTYPE_FLOAT8_E4M3FN,
+        plan_pb2.DTYPE_FLOAT8_E5M2,
+    }
     assert client.health() == "SERVING"
     assert client.health("paraminit.v1.InitService") == "SERVING"
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -310,8 +340,12 @@ def test_a_unix_socket_server_serves_metrics_on_loopback(tmp_path: Path) -> None
     import urllib.request
 
     sock = tmp_path / "pi.sock"
-    proc = subprocess.Popen([str(BIN / "paraminit"), "serve", "--host", f"unix:{sock}", "--metrics-port", "-1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(BIN / "paraminit"), "serve", "--host", f"unix:{sock}", "--metrics-port", "-1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

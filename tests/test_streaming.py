@@ -30,14 +30,16 @@ server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
 
 
 def mixed_plan() -> plan_pb2.Plan:
-    return plan_of([
-        param("w", [33, 17], {"kaimingUniformForShape": {"seed": 3}}),
-        param("e", [50, 8], {"normal": {"mean": 0.5, "std": 2.0, "seed": 4}}, "bfloat16"),
-        param("h", [7], {"uniform": {"lo": -3, "hi": 5, "seed": 5}}, "float16"),
-        param("d", [4, 5, 6], {"xavierUniformForShape": {"seed": 6}}, "float64", region=[(1, 3), (0, 5), (2, 5)]),
-        param("f", [3], {"flat": {"values": [1.5, -2.25, 3e38]}}, "bfloat16"),
-        param("s", [], {"ones": {}}),
-    ])
+    return plan_of(
+        [
+            param("w", [33, 17], {"kaimingUniformForShape": {"seed": 3}}),
+            param("e", [50, 8], {"normal": {"mean": 0.5, "std": 2.0, "seed": 4}}, "bfloat16"),
+            param("h", [7], {"uniform": {"lo": -3, "hi": 5, "seed": 5}}, "float16"),
+            param("d", [4, 5, 6], {"xavierUniformForShape": {"seed": 6}}, "float64", region=[(1, 3), (0, 5), (2, 5)]),
+            param("f", [3], {"flat": {"values": [1.5, -2.25, 3e38]}}, "bfloat16"),
+            param("s", [], {"ones": {}}),
+        ]
+    )
 
 
 def expected_arrays(plan: plan_pb2.Plan) -> dict[str, np.ndarray[Any, Any]]:
@@ -65,10 +67,10 @@ def test_header_is_safetensors(client: Client, tmp_path: Path) -> None:
     header = client.materialize_to_file(plan, out)
     raw = out.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    meta = json.loads(raw[8:8 + n])
+    meta = json.loads(raw[8 : 8 + n])
     assert (8 + n) % 64 == 0
     assert meta["__metadata__"]["plan_digest"] == header.plan_digest == planlib.digest(plan)
-    data = raw[8 + n:]
+    data = raw[8 + n :]
     for name, want in expected_arrays(plan).items():
         b, e = meta[name]["data_offsets"]
         assert data[b:e] == want.tobytes()
@@ -81,8 +83,9 @@ def test_cancellation_stops_generation_and_frees(server: Running, client: Client
     for _, _c in zip(range(3), chunks, strict=False):
         pass
     chunks.close()  # type: ignore[attr-defined]  # cancels the call
-    assert wait_until(lambda: server.plane.admission.in_flight == 0
-                      and not any(t.name == "paraminit-fill" for t in threading.enumerate()), 1.0)
+    assert wait_until(
+        lambda: server.plane.admission.in_flight == 0 and not any(t.name == "paraminit-fill" for t in threading.enumerate()), 1.0
+    )
 
 
 def test_unexpected_error_is_internal_with_id(caplog: pytest.LogCaptureFixture) -> None:
@@ -102,8 +105,12 @@ def test_unexpected_error_is_internal_with_id(caplog: pytest.LogCaptureFixture) 
 
 
 def test_300_mib_plan_streams_with_default_limits(client: Client) -> None:
-    plan = plan_of([param("a", [50 << 20], {"uniform": {"lo": -1, "hi": 1, "seed": 9}}),  # 200 MiB
-                    param("b", [25 << 20], {"kaimingUniform": {"fanIn": 3, "seed": 2}}, "float32")])  # 100 MiB
+    plan = plan_of(
+        [
+            param("a", [50 << 20], {"uniform": {"lo": -1, "hi": 1, "seed": 9}}),  # 200 MiB
+            param("b", [25 << 20], {"kaimingUniform": {"fanIn": 3, "seed": 2}}, "float32"),
+        ]
+    )  # 100 MiB
     got = client.materialize(plan)
     backend = CpuBackend()
     for p in planlib.resolve(plan):
@@ -111,8 +118,7 @@ def test_300_mib_plan_streams_with_default_limits(client: Client) -> None:
         backend.fill(p, want)
         assert hashlib.sha256(got[p.name].tobytes()).digest() == hashlib.sha256(want.tobytes()).digest()
     head = planlib.resolve(plan)[0]
-    assert got["a"][:1000].tobytes() == reference.materialize(
-        dataclasses.replace(head, region=((0, 1000),))).tobytes()
+    assert got["a"][:1000].tobytes() == reference.materialize(dataclasses.replace(head, region=((0, 1000),))).tobytes()
 
 
 def test_unknown_delivery_is_invalid_argument(client: Client) -> None:
@@ -138,9 +144,11 @@ def test_max_chunk_leaves_room_for_framing() -> None:
         assert info.limits.max_chunk_bytes == ServerConfig().max_chunk_bytes
         # a stock client with default options asks for 4 MiB chunks of a 12 MiB plan
         with grpc.insecure_channel(target_of(r)) as ch:
-            call = ch.unary_stream("/paraminit.v1.InitService/Materialize",
-                                   request_serializer=pb.MaterializeRequest.SerializeToString,
-                                   response_deserializer=pb.MaterializeResponse.FromString)
+            call = ch.unary_stream(
+                "/paraminit.v1.InitService/Materialize",
+                request_serializer=pb.MaterializeRequest.SerializeToString,
+                response_deserializer=pb.MaterializeResponse.FromString,
+            )
             plan = plan_of([param("w", [3 * MiB], {"uniform": {"lo": -1, "hi": 1, "seed": 4}})])
             responses = list(call(pb.MaterializeRequest(plan=plan, chunk_bytes=4 * MiB), timeout=60))
         chunks = [m.chunk for m in responses if m.WhichOneof("msg") == "chunk"]
@@ -150,7 +158,7 @@ def test_max_chunk_leaves_room_for_framing() -> None:
         header = responses[0].header
         (t,) = header.tensors
         want = reference.materialize(planlib.resolve(plan)[0])
-        assert data[t.offset:t.offset + t.nbytes] == want.tobytes()
+        assert data[t.offset : t.offset + t.nbytes] == want.tobytes()
         assert dtypes.by_enum(t.dtype) is not None
 
 
@@ -222,4 +230,5 @@ def test_slabs_fill_before_the_first_read() -> None:
     assert not any(t.name == "paraminit-fill" and t.is_alive() for t in threading.enumerate())
     with engine.iter_slabs(CpuBackend(), lay, 1 << 18, lambda: False) as again:
         assert b"".join(bytes(s) for _, s in again) == b"".join(
-            bytes(s) for _, s in engine.iter_slabs(CpuBackend(), lay, 1 << 20, lambda: False))
+            bytes(s) for _, s in engine.iter_slabs(CpuBackend(), lay, 1 << 20, lambda: False)
+        )

@@ -172,17 +172,31 @@ def test_torchlean_policy_statistics(client: Client) -> None:
 
 def test_distributions_match_pytorch_own_init(client: Client) -> None:
     """Each layer family against PyTorch's reset_parameters on CPU: same kind, same bounds, same spread."""
+
     def zoo() -> nn.Module:
-        return nn.ModuleDict({
-            "linear": nn.Linear(300, 200), "bilinear": nn.Bilinear(40, 50, 60),
-            "conv1": nn.Conv1d(16, 32, 5), "conv2": nn.Conv2d(8, 64, 3), "conv3": nn.Conv3d(4, 8, 3),
-            "convt": nn.ConvTranspose2d(32, 16, 4), "emb": nn.Embedding(500, 32), "bag": nn.EmbeddingBag(300, 40),
-            "ln": nn.LayerNorm(64), "rms": nn.RMSNorm(64), "gn": nn.GroupNorm(4, 64), "bn": nn.BatchNorm2d(64),
-            "inorm": nn.InstanceNorm1d(64, affine=True, track_running_stats=True),
-            "mha": nn.MultiheadAttention(64, 4, add_bias_kv=True), "mha_kv": nn.MultiheadAttention(64, 4, kdim=32, vdim=48),
-            "lstm": nn.LSTM(64, 96, num_layers=2), "gru": nn.GRUCell(32, 80), "prelu": nn.PReLU(8),
-            "tf": nn.Transformer(32, 2, 1, 1, 64, batch_first=True),
-        })
+        return nn.ModuleDict(
+            {
+                "linear": nn.Linear(300, 200),
+                "bilinear": nn.Bilinear(40, 50, 60),
+                "conv1": nn.Conv1d(16, 32, 5),
+                "conv2": nn.Conv2d(8, 64, 3),
+                "conv3": nn.Conv3d(4, 8, 3),
+                "convt": nn.ConvTranspose2d(32, 16, 4),
+                "emb": nn.Embedding(500, 32),
+                "bag": nn.EmbeddingBag(300, 40),
+                "ln": nn.LayerNorm(64),
+                "rms": nn.RMSNorm(64),
+                "gn": nn.GroupNorm(4, 64),
+                "bn": nn.BatchNorm2d(64),
+                "inorm": nn.InstanceNorm1d(64, affine=True, track_running_stats=True),
+                "mha": nn.MultiheadAttention(64, 4, add_bias_kv=True),
+                "mha_kv": nn.MultiheadAttention(64, 4, kdim=32, vdim=48),
+                "lstm": nn.LSTM(64, 96, num_layers=2),
+                "gru": nn.GRUCell(32, 80),
+                "prelu": nn.PReLU(8),
+                "tf": nn.Transformer(32, 2, 1, 1, 64, batch_first=True),
+            }
+        )
 
     torch.manual_seed(0)
     reference = zoo()
@@ -237,12 +251,19 @@ def meta_materialized(client: Client, seed: int) -> nn.Module:
 
 def test_dtypes_and_cpu_modules(client: Client) -> None:
     def build() -> nn.Module:
-        return nn.ModuleDict({"a": nn.Linear(64, 64, dtype=torch.bfloat16), "b": nn.Linear(64, 32, dtype=torch.float16),
-                              "c": nn.Linear(32, 8, dtype=torch.float64), "e": nn.Embedding(50, 8, dtype=torch.bfloat16)})
+        return nn.ModuleDict(
+            {
+                "a": nn.Linear(64, 64, dtype=torch.bfloat16),
+                "b": nn.Linear(64, 32, dtype=torch.float16),
+                "c": nn.Linear(32, 8, dtype=torch.float64),
+                "e": nn.Embedding(50, 8, dtype=torch.bfloat16),
+            }
+        )
 
     plan = plan_from_module(meta(build), 5)
-    assert [plan_pb2.DType.Name(p.dtype) for p in plan.params] == ["DTYPE_BFLOAT16"] * 2 + ["DTYPE_FLOAT16"] * 2 + [
-        "DTYPE_FLOAT64"] * 2 + ["DTYPE_BFLOAT16"]
+    assert [plan_pb2.DType.Name(p.dtype) for p in plan.params] == ["DTYPE_BFLOAT16"] * 2 + ["DTYPE_FLOAT16"] * 2 + ["DTYPE_FLOAT64"] * 2 + [
+        "DTYPE_BFLOAT16"
+    ]
     got = []
     for delivery in ("shm", "stream"):
         m = meta(build)
@@ -430,9 +451,11 @@ def test_auto_delivery_falls_back_to_stream(client: Client, monkeypatch: pytest.
 
 
 def test_client_never_imports_torch_and_the_extra_is_named() -> None:
-    code = ("import sys; import paraminit_client, paraminit_client.client, paraminit_client.exports, "
-            "paraminit_client.plans, paraminit_client.cli; assert 'torch' not in sys.modules, 'torch imported'; "
-            "sys.modules['torch'] = None\n"
-            "try:\n    import paraminit_client.torch\nexcept ImportError as e:\n    print(e)\n")
+    code = (
+        "import sys; import paraminit_client, paraminit_client.client, paraminit_client.exports, "
+        "paraminit_client.plans, paraminit_client.cli; assert 'torch' not in sys.modules, 'torch imported'; "
+        "sys.modules['torch'] = None\n"
+        "try:\n    import paraminit_client.torch\nexcept ImportError as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install 'paraminit[torch]'" in out

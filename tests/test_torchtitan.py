@@ -64,8 +64,7 @@ def test_debug_model_has_torchtitans_distributions(pair: tuple[Any, Any, Any]) -
     assert mine["lm_head.weight"].abs().max().item() > 2.9 * s  # the tails reach the cut, as torchtitan's do
     wo = next(p for p in plan.params if p.name == "layers.3.attention.wo.weight").init.truncated_normal
     assert (wo.std, wo.lo, wo.hi) == (0.02 / (2 * 4) ** 0.5, -2.0, 2.0)  # depth-scaled; trunc_normal_'s a, b
-    assert kinds["tok_embeddings.weight"] == "normal" and kinds["layers.0.attention.qkv_linear.wqkv.weight"] == (
-        "truncated_normal")
+    assert kinds["tok_embeddings.weight"] == "normal" and kinds["layers.0.attention.qkv_linear.wqkv.weight"] == ("truncated_normal")
     for (n, x), (_, y) in zip(ours.named_buffers(), theirs.named_buffers(), strict=True):
         assert torch.equal(x, y), n  # RoPE caches: the modules' own code
 
@@ -76,7 +75,8 @@ def test_unknown_initializers_are_refused() -> None:
         model = cfg.build()
     model.lm_head._param_init = {"weight": lambda t: t.fill_(0.5), "bias": torch.nn.init.zeros_}
     model.layers["2"].feed_forward.w1._param_init = {
-        "weight": __import__("functools").partial(torch.nn.init.trunc_normal_, std=0.02, generator=torch.Generator())}
+        "weight": __import__("functools").partial(torch.nn.init.trunc_normal_, std=0.02, generator=torch.Generator())
+    }
     with pytest.raises(UnsupportedModuleError) as err:
         plan_from_module(model, seed=0, policy="torchtitan")
     text = str(err.value)
@@ -145,10 +145,24 @@ def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     out = tmp_path / "result"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "4",
-           "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(out)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "4",
+        "OMP_NUM_THREADS": "1",
+        "NUMBA_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(out)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(4)
+    ]
     logs = []
     try:
         for p in procs:

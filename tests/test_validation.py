@@ -16,31 +16,37 @@ def messages(plan: plan_pb2.Plan, limits: Limits | None = None) -> list[str]:
 
 
 def test_valid_plan_has_no_violations_and_sizes() -> None:
-    plan = plan_of([param("w", [3, 4], {"uniform": {"lo": -1, "hi": 1}}, "bfloat16"),
-                    param("b", [], {"ones": {}}, "float64"),
-                    param("r", [4, 4], {"normal": {"std": 0}}, region=[(1, 3), (0, 2)])])
+    plan = plan_of(
+        [
+            param("w", [3, 4], {"uniform": {"lo": -1, "hi": 1}}, "bfloat16"),
+            param("b", [], {"ones": {}}, "float64"),
+            param("r", [4, 4], {"normal": {"std": 0}}, region=[(1, 3), (0, 2)]),
+        ]
+    )
     report = validate(plan)
     assert report.ok
     assert report.param_bytes == (24, 8, 16)
 
 
 def test_every_violation_reported_at_once() -> None:
-    plan = plan_of([
-        param("u", [2], {"uniform": {"lo": "NaN", "hi": 1}}),
-        param("u2", [2], {"uniform": {"lo": 2, "hi": 1}}),
-        param("n", [2], {"normal": {"mean": "Infinity", "std": 1}}),
-        param("n2", [2], {"normal": {"std": -0.5}}),
-        param("f", [2, 3], {"flat": {"values": [1, 2]}}),
-        param("x", [5], {"xavierUniformForShape": {}}),
-        param("k", [], {"kaimingUniformForShape": {}}),
-        param("", [1], {"zeros": {}}),
-        param("u", [1], {"zeros": {}}),
-        plan_pb2.Param(name="noinit", shape=[1]),
-        param("reg", [4, 4], {"zeros": {}}, region=[(3, 2), (0, 5)]),
-        param("reg2", [4], {"zeros": {}}, region=[(1, 1)]),
-        param("reg3", [4, 4], {"zeros": {}}, region=[(0, 1)]),
-        param("nf", [2], {"flat": {"values": [1, "Infinity"]}}),
-    ])
+    plan = plan_of(
+        [
+            param("u", [2], {"uniform": {"lo": "NaN", "hi": 1}}),
+            param("u2", [2], {"uniform": {"lo": 2, "hi": 1}}),
+            param("n", [2], {"normal": {"mean": "Infinity", "std": 1}}),
+            param("n2", [2], {"normal": {"std": -0.5}}),
+            param("f", [2, 3], {"flat": {"values": [1, 2]}}),
+            param("x", [5], {"xavierUniformForShape": {}}),
+            param("k", [], {"kaimingUniformForShape": {}}),
+            param("", [1], {"zeros": {}}),
+            param("u", [1], {"zeros": {}}),
+            plan_pb2.Param(name="noinit", shape=[1]),
+            param("reg", [4, 4], {"zeros": {}}, region=[(3, 2), (0, 5)]),
+            param("reg2", [4], {"zeros": {}}, region=[(1, 1)]),
+            param("reg3", [4, 4], {"zeros": {}}, region=[(0, 1)]),
+            param("nf", [2], {"flat": {"values": [1, "Infinity"]}}),
+        ]
+    )
     plan.params.add(name="dt", shape=[1], dtype=99).init.zeros.SetInParent()
     got = messages(plan)
     want = [
@@ -49,10 +55,8 @@ def test_every_violation_reported_at_once() -> None:
         "params[2].init.normal ('n'): initialization: normal mean and standard deviation must be finite",
         "params[3].init.normal ('n2'): initialization: normal standard deviation must be nonnegative",
         "params[4].init.flat.values ('f'): torch.runtimeInit: flat initializer length mismatch (expected 6, got 2)",
-        "params[5].init.xavierUniformForShape ('x'): torch.runtimeInit: Xavier initialization expects at least 2 "
-        "dimensions, got [5]",
-        "params[6].init.kaimingUniformForShape ('k'): torch.runtimeInit: Kaiming initialization expects at least 2 "
-        "dimensions, got []",
+        "params[5].init.xavierUniformForShape ('x'): torch.runtimeInit: Xavier initialization expects at least 2 dimensions, got [5]",
+        "params[6].init.kaimingUniformForShape ('k'): torch.runtimeInit: Kaiming initialization expects at least 2 dimensions, got []",
         "params[7].name (''): parameter name must not be empty",
         "params[8].name ('u'): duplicate parameter name 'u' (first at params[0])",
         "params[10].region[0] ('reg'): range start 3 exceeds stop 2",
@@ -67,35 +71,42 @@ def test_every_violation_reported_at_once() -> None:
 
 
 def test_truncated_normal_rules_reported_with_the_rest() -> None:
-    plan = plan_of([
-        param("t_inf", [2], {"truncatedNormal": {"std": 1, "lo": "-Infinity", "hi": 2}}),
-        param("t_nan", [2], {"truncatedNormal": {"mean": "NaN", "std": 1, "lo": -2, "hi": 2}}),
-        param("t_neg", [2], {"truncatedNormal": {"std": -1, "lo": -2, "hi": 2}}),
-        param("t_lo", [2], {"truncatedNormal": {"std": 1, "lo": -0.49, "hi": 2}}),
-        param("t_hi", [2], {"truncatedNormal": {"mean": 1, "std": 0.02, "lo": 0.9, "hi": 1.0099}}),
-        param("n", [2], {"normal": {"std": -0.5}}),
-        param("ok_edge", [2], {"truncatedNormal": {"std": 1, "lo": -0.5, "hi": 0.5}}),
-        param("ok_point", [2], {"truncatedNormal": {"mean": 3, "std": 0, "lo": 3, "hi": 3}}),
-    ])
+    plan = plan_of(
+        [
+            param("t_inf", [2], {"truncatedNormal": {"std": 1, "lo": "-Infinity", "hi": 2}}),
+            param("t_nan", [2], {"truncatedNormal": {"mean": "NaN", "std": 1, "lo": -2, "hi": 2}}),
+            param("t_neg", [2], {"truncatedNormal": {"std": -1, "lo": -2, "hi": 2}}),
+            param("t_lo", [2], {"truncatedNormal": {"std": 1, "lo": -0.49, "hi": 2}}),
+            param("t_hi", [2], {"truncatedNormal": {"mean": 1, "std": 0.02, "lo": 0.9, "hi": 1.0099}}),
+            param("n", [2], {"normal": {"std": -0.5}}),
+            param("ok_edge", [2], {"truncatedNormal": {"std": 1, "lo": -0.5, "hi": 0.5}}),
+            param("ok_point", [2], {"truncatedNormal": {"mean": 3, "std": 0, "lo": 3, "hi": 3}}),
+        ]
+    )
     got = messages(plan)
     assert got[:3] == [
-        "params[0].init.truncatedNormal ('t_inf'): initialization: truncated normal mean, standard deviation and "
-        "bounds must be finite",
-        "params[1].init.truncatedNormal ('t_nan'): initialization: truncated normal mean, standard deviation and "
-        "bounds must be finite",
-        "params[2].init.truncatedNormal ('t_neg'): initialization: truncated normal standard deviation must be "
-        "nonnegative"]
-    assert got[3].startswith("params[3].init.truncatedNormal ('t_lo'): truncated normal bounds [-0.49, 2.0] are "
-                             "too tight: they must hold [mean - std / 2, mean + std / 2] = [-0.5, 0.5]")
-    assert got[4].startswith("params[4].init.truncatedNormal ('t_hi'): truncated normal bounds [0.9, 1.0099] are "
-                             "too tight")
+        "params[0].init.truncatedNormal ('t_inf'): initialization: truncated normal mean, standard deviation and bounds must be finite",
+        "params[1].init.truncatedNormal ('t_nan'): initialization: truncated normal mean, standard deviation and bounds must be finite",
+        "params[2].init.truncatedNormal ('t_neg'): initialization: truncated normal standard deviation must be nonnegative",
+    ]
+    assert got[3].startswith(
+        "params[3].init.truncatedNormal ('t_lo'): truncated normal bounds [-0.49, 2.0] are "
+        "too tight: they must hold [mean - std / 2, mean + std / 2] = [-0.5, 0.5]"
+    )
+    assert got[4].startswith("params[4].init.truncatedNormal ('t_hi'): truncated normal bounds [0.9, 1.0099] are too tight")
     assert got[5] == "params[5].init.normal ('n'): initialization: normal standard deviation must be nonnegative"
     assert len(got) == 6
 
 
 def test_equal_bounds_and_zero_std_are_valid() -> None:
-    plan = plan_of([param("a", [2], {"uniform": {"lo": 1, "hi": 1}}), param("b", [2], {"normal": {"std": 0}}),
-                    param("c", [2], {"kaimingUniform": {"fanIn": 0}}), param("d", [2], {"xavierUniform": {}})])
+    plan = plan_of(
+        [
+            param("a", [2], {"uniform": {"lo": 1, "hi": 1}}),
+            param("b", [2], {"normal": {"std": 0}}),
+            param("c", [2], {"kaimingUniform": {"fanIn": 0}}),
+            param("d", [2], {"xavierUniform": {}}),
+        ]
+    )
     assert messages(plan) == []
 
 
@@ -110,8 +121,8 @@ def test_size_overflow_and_limits() -> None:
     assert [str(v) for v in report.violations] == [
         "params[1].shape ('b'): parameter needs 800 bytes (800 B), over the per-parameter limit of 500 (500 B; "
         "--max-param-bytes, PARAMINIT_MAX_PARAM_BYTES)",
-        "params: plan needs 1200 bytes (1.2 KiB), over the per-plan limit of 1000 (1000 B; --max-plan-bytes, "
-        "PARAMINIT_MAX_PLAN_BYTES)"]
+        "params: plan needs 1200 bytes (1.2 KiB), over the per-plan limit of 1000 (1000 B; --max-plan-bytes, PARAMINIT_MAX_PLAN_BYTES)",
+    ]
 
 
 def test_untrusted_shapes_are_sized_without_big_integers() -> None:
@@ -122,11 +133,13 @@ def test_untrusted_shapes_are_sized_without_big_integers() -> None:
     from paraminit.shapes import fan_in_out
 
     deep = plan_of([param("deep", [1 << 62] * 231, {"zeros": {}})])
-    assert messages(deep) == ["params[0].shape ('deep'): rank 231 exceeds the maximum of 32",
-                              "params[0].shape ('deep'): the full tensor [4611686018427387904, 4611686018427387904, "
-                              "4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, "
-                              "4611686018427387904, 4611686018427387904, ... (231 dimensions)] has 2^63 elements or "
-                              "more; flat indices must fit in 64 bits"]
+    assert messages(deep) == [
+        "params[0].shape ('deep'): rank 231 exceeds the maximum of 32",
+        "params[0].shape ('deep'): the full tensor [4611686018427387904, 4611686018427387904, "
+        "4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, "
+        "4611686018427387904, 4611686018427387904, ... (231 dimensions)] has 2^63 elements or "
+        "more; flat indices must fit in 64 bits",
+    ]
     flat = plan_of([param("f", [1 << 62] * 40, {"flat": {"values": [1.0, 2.0]}})])
     assert any("(expected 2^63 or more, got 2)" in m for m in messages(flat))
     started = time.process_time()
@@ -142,7 +155,8 @@ def test_untrusted_shapes_are_sized_without_big_integers() -> None:
         "4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, "
         "4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904, 4611686018427387904] "
         "other than 0 multiply to 2^60 or more; an empty tensor's shape must still fit in 2^63 bytes as if it were "
-        "not empty"]
+        "not empty"
+    ]
     ok = plan_of([param("e", [1 << 20, 0, 1 << 20], {"xavierUniformForShape": {"seed": 1}})])
     assert messages(ok) == []
     with Client() as client:  # materialized: 0 bytes, a zero fan (docs/SAMPLER.md section 3)
@@ -153,8 +167,9 @@ def test_untrusted_shapes_are_sized_without_big_integers() -> None:
 def test_reserved_names_are_refused() -> None:
     """`__metadata__` is the safetensors header's own key: a tensor of that name would overwrite it."""
     small = plan_of([param("__metadata__", [2], {"zeros": {}})])
-    assert messages(small) == ["params[0].name ('__metadata__'): parameter name '__metadata__' is reserved (a "
-                               "safetensors header keeps it for the file's metadata)"]
+    assert messages(small) == [
+        "params[0].name ('__metadata__'): parameter name '__metadata__' is reserved (a safetensors header keeps it for the file's metadata)"
+    ]
     from paraminit_server.plans import columns
 
     many = plan_of([param(f"p{i}", [2], {"zeros": {}}) for i in range(1100)] + [param("__metadata__", [2], {"zeros": {}})])
@@ -175,14 +190,16 @@ server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
 
 
 def mixed_plan() -> plan_pb2.Plan:
-    return plan_of([
-        param("w", [33, 17], {"kaimingUniformForShape": {"seed": 3}}),
-        param("e", [50, 8], {"normal": {"mean": 0.5, "std": 2.0, "seed": 4}}, "bfloat16"),
-        param("h", [7], {"uniform": {"lo": -3, "hi": 5, "seed": 5}}, "float16"),
-        param("d", [4, 5, 6], {"xavierUniformForShape": {"seed": 6}}, "float64", region=[(1, 3), (0, 5), (2, 5)]),
-        param("f", [3], {"flat": {"values": [1.5, -2.25, 3e38]}}, "bfloat16"),
-        param("s", [], {"ones": {}}),
-    ])
+    return plan_of(
+        [
+            param("w", [33, 17], {"kaimingUniformForShape": {"seed": 3}}),
+            param("e", [50, 8], {"normal": {"mean": 0.5, "std": 2.0, "seed": 4}}, "bfloat16"),
+            param("h", [7], {"uniform": {"lo": -3, "hi": 5, "seed": 5}}, "float16"),
+            param("d", [4, 5, 6], {"xavierUniformForShape": {"seed": 6}}, "float64", region=[(1, 3), (0, 5), (2, 5)]),
+            param("f", [3], {"flat": {"values": [1.5, -2.25, 3e38]}}, "bfloat16"),
+            param("s", [], {"ones": {}}),
+        ]
+    )
 
 
 def test_validate_rpc(client: Client) -> None:
@@ -194,14 +211,22 @@ def test_validate_rpc(client: Client) -> None:
 
 
 def test_invalid_plan_gives_every_violation(client: Client) -> None:
-    bad = plan_of([param("a", [3], {"uniform": {"lo": 1, "hi": 0}}), param("b", [2], {"flat": {"values": [1]}}),
-                   param("c", [4], {"kaimingUniformForShape": {}})])
+    bad = plan_of(
+        [
+            param("a", [3], {"uniform": {"lo": 1, "hi": 0}}),
+            param("b", [2], {"flat": {"values": [1]}}),
+            param("c", [4], {"kaimingUniformForShape": {}}),
+        ]
+    )
     with pytest.raises(ParaminitError) as info:
         client.materialize(bad)
     err = info.value
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert [v.field for v in err.violations] == ["params[0].init.uniform", "params[1].init.flat.values",
-                                                 "params[2].init.kaimingUniformForShape"]
+    assert [v.field for v in err.violations] == [
+        "params[0].init.uniform",
+        "params[1].init.flat.values",
+        "params[2].init.kaimingUniformForShape",
+    ]
     assert "initialization: uniform lower bound must not exceed the upper bound" in err.message
     assert "Traceback" not in err.message
 
@@ -211,10 +236,14 @@ def test_invalid_plan_gives_every_violation(client: Client) -> None:
 
 def test_many_long_violations_arrive_as_invalid_argument() -> None:
     names = [f"model.layers.{i}.self_attention.query_key_value.weight.{'x' * 180}" for i in range(20)]
-    plan = plan_of([param(n, [4], {"uniform": {"lo": 1, "hi": 0}}) for n in names]
-                   + [param("y" * 10_000, [4], {"normal": {"std": -1}}),
-                      param("z", [4], {"safetensors": {"path": "/" + "p" * 4000, "tensor": "t" * 4000}}),
-                      param("q", [4], {"flatRef": {"payloadId": "f" * 50_000}})])
+    plan = plan_of(
+        [param(n, [4], {"uniform": {"lo": 1, "hi": 0}}) for n in names]
+        + [
+            param("y" * 10_000, [4], {"normal": {"std": -1}}),
+            param("z", [4], {"safetensors": {"path": "/" + "p" * 4000, "tensor": "t" * 4000}}),
+            param("q", [4], {"flatRef": {"payloadId": "f" * 50_000}}),
+        ]
+    )
     with running_server() as r, Client(target_of(r), timeout=30) as c:
         with pytest.raises(ParaminitError) as info:
             c.materialize(plan)
@@ -246,4 +275,5 @@ def test_a_box_reports_at_most_two_violations_whatever_its_rank() -> None:
     assert [str(v) for v in found[:2]] == [
         "params[0].patches[0].box[0] ('w'): range [0, 5) is out of bounds for dimension 0 of size 2",
         "params[0].patches[0].box[1] ('w'): range [0, 5) is out of bounds for dimension 1 of size 2 (30 more ranges "
-        "of this box are bad too)"]
+        "of this box are bad too)",
+    ]

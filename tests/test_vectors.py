@@ -56,9 +56,18 @@ def test_cpu_backend_matches_vectors(case: dict[str, Any], cpu_backend: Any) -> 
 
 def test_cli_materialize_matches_vectors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every case through `paraminit materialize` (the embedded server, a plan file, a safetensors file)."""
-    plan = {"params": [{"name": c["name"], "shape": c["shape"], "dtype": c["dtype"], "init": c["init"],
-                        **({"region": [{"start": a, "stop": b} for a, b in c["region"]]} if "region" in c else {})}
-                       for c in CASES]}
+    plan = {
+        "params": [
+            {
+                "name": c["name"],
+                "shape": c["shape"],
+                "dtype": c["dtype"],
+                "init": c["init"],
+                **({"region": [{"start": a, "stop": b} for a, b in c["region"]]} if "region" in c else {}),
+            }
+            for c in CASES
+        ]
+    }
     src, out = tmp_path / "vectors_plan.json", tmp_path / "vectors.safetensors"
     src.write_text(json.dumps(plan))
     assert cli.main(["materialize", str(src), "-o", str(out), "-q"]) == 0, capsys.readouterr().err
@@ -68,7 +77,7 @@ def test_cli_materialize_matches_vectors(tmp_path: Path, capsys: pytest.CaptureF
     for case in CASES:
         a, b = header[case["name"]]["data_offsets"]
         assert header[case["name"]]["dtype"] == dtypes.by_name(case["dtype"]).safetensors, case["name"]
-        got = np.frombuffer(data[start + a:start + b], dtype=f"<u{dtypes.by_name(case['dtype']).itemsize}")
+        got = np.frombuffer(data[start + a : start + b], dtype=f"<u{dtypes.by_name(case['dtype']).itemsize}")
         assert [int(x) for x in got] == expected_bits(case), case["name"]
 
 

@@ -16,8 +16,7 @@ FIELDS = pb.DataChunk.DESCRIPTOR.fields_by_name
 
 def test_field_numbers_come_from_the_descriptors() -> None:
     assert pb.MaterializeResponse.DESCRIPTOR.fields_by_name["chunk"].number == wire._CHUNK
-    assert (FIELDS["offset"].number, FIELDS["data"].number,
-                                                     FIELDS["crc32c"].number) == (wire._OFFSET, wire._DATA, wire._CRC)
+    assert (FIELDS["offset"].number, FIELDS["data"].number, FIELDS["crc32c"].number) == (wire._OFFSET, wire._DATA, wire._CRC)
 
 
 def encode(offset: int, data: bytes) -> bytes:
@@ -74,7 +73,6 @@ def test_payload_chunks_round_trip_with_the_generated_classes(dtype: int, count:
 
 def test_payload_chunk_fields_come_from_the_descriptors() -> None:
     fields = pb.PayloadChunk.DESCRIPTOR.fields_by_name
-    assert (fields["dtype"].number, fields["count"].number,
-                                                          fields["data"].number) == (wire._P_DTYPE, wire._P_COUNT, wire._P_DATA)
+    assert (fields["dtype"].number, fields["count"].number, fields["data"].number) == (wire._P_DTYPE, wire._P_COUNT, wire._P_DATA)
     with pytest.raises(ValueError):
         wire.decode_payload_chunk(wire.encode_payload_chunk(b"abcdef", 1, 6)[:-2])

@@ -27,6 +27,22 @@ from paraminit_client.plans import (
     zip_plan,
 )
 
-__all__ = ["CheckpointFormatError", "Client", "ClientClosed", "FileAccessError", "InvalidArgument", "ParaminitError", "PlanFileError",
-           "ValidationReport", "Violation", "__version__", "load_plan", "param", "plan_from_dict",
-           "plan_from_safetensors", "plan_of", "plan_to_json", "zip_plan"]
+__all__ = [
+    "CheckpointFormatError",
+    "Client",
+    "ClientClosed",
+    "FileAccessError",
+    "InvalidArgument",
+    "ParaminitError",
+    "PlanFileError",
+    "ValidationReport",
+    "Violation",
+    "__version__",
+    "load_plan",
+    "param",
+    "plan_from_dict",
+    "plan_from_safetensors",
+    "plan_of",
+    "plan_to_json",
+    "zip_plan",
+]

@@ -48,12 +48,11 @@ def arrays_from_buffer(tensors: Iterable[Any], buf: Any) -> dict[str, np.ndarray
         dt = kinds.get(enum)
         if dt is None:
             dt = kinds[enum] = numpy_dtype(enum)
-        whole = host[start:start + (j - i) * size].view(dt)
+        whole = host[start : start + (j - i) * size].view(dt)
         if j == i + 1:
             out[names[i]] = whole.reshape(shape)
         elif shape:
             out.update(zip(names[i:j], whole.reshape((j - i, *shape)), strict=True))
         else:  # scalars: 0-d views (iterating a 1-D array would give numpy scalars, copies)
-            out.update((name, whole[k:k + 1].reshape(())) for k, name in enumerate(names[i:j]))
+            out.update((name, whole[k : k + 1].reshape(())) for k, name in enumerate(names[i:j]))
     return out
-

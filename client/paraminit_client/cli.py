@@ -30,7 +30,13 @@ from paraminit_client.errors import CheckpointFormatError, InvalidArgument, Para
 from paraminit_client.plans import PlanFileError, load_plan, plan_from_safetensors, plan_to_json
 
 EXIT_OK, EXIT_ERROR, EXIT_INVALID, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = (
-    exitcodes.OK, exitcodes.ERROR, exitcodes.INVALID, exitcodes.FLAGGED, exitcodes.USAGE, exitcodes.INTERRUPTED)
+    exitcodes.OK,
+    exitcodes.ERROR,
+    exitcodes.INVALID,
+    exitcodes.FLAGGED,
+    exitcodes.USAGE,
+    exitcodes.INTERRUPTED,
+)
 DEFAULT_HEALTH_TARGET = "127.0.0.1:50051"
 EXIT_CODES_HELP = f"""exit codes:
   {EXIT_OK:<4} success
@@ -43,10 +49,18 @@ EXIT_CODES_HELP = f"""exit codes:
 
 # gRPC status codes in words, for one clear line on stderr.
 _CODE_WORDS = {
-    "UNAVAILABLE": "server unavailable", "DEADLINE_EXCEEDED": "timed out", "RESOURCE_EXHAUSTED": "over a server limit",
-    "NOT_FOUND": "not found", "FAILED_PRECONDITION": "not possible here", "UNAUTHENTICATED": "not authenticated",
-    "PERMISSION_DENIED": "permission denied", "INVALID_ARGUMENT": "invalid request", "INTERNAL": "server error",
-    "CANCELLED": "cancelled", "DATA_LOSS": "data corrupted in transit", "UNIMPLEMENTED": "not supported by the server",
+    "UNAVAILABLE": "server unavailable",
+    "DEADLINE_EXCEEDED": "timed out",
+    "RESOURCE_EXHAUSTED": "over a server limit",
+    "NOT_FOUND": "not found",
+    "FAILED_PRECONDITION": "not possible here",
+    "UNAUTHENTICATED": "not authenticated",
+    "PERMISSION_DENIED": "permission denied",
+    "INVALID_ARGUMENT": "invalid request",
+    "INTERNAL": "server error",
+    "CANCELLED": "cancelled",
+    "DATA_LOSS": "data corrupted in transit",
+    "UNIMPLEMENTED": "not supported by the server",
     "UNKNOWN": "error",
 }
 
@@ -74,13 +88,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-
-
 def _client(args: argparse.Namespace, default_target: str | None = None) -> Client:
     if args.target is None and default_target is not None:
         args.target = default_target  # errors name the target tried
-    return Client(check_target(args.target), timeout=getattr(args, "timeout", None), token=args.token or None,
-                  tls_ca=args.tls_ca or None, tls_cert=args.tls_cert or None, tls_key=args.tls_key or None)
+    return Client(
+        check_target(args.target),
+        timeout=getattr(args, "timeout", None),
+        token=args.token or None,
+        tls_ca=args.tls_ca or None,
+        tls_cert=args.tls_cert or None,
+        tls_key=args.tls_key or None,
+    )
 
 
 def _write(text: str, output: str | None) -> None:
@@ -109,8 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         return serve(config)
     except Exception as exc:  # port in use, a backend that cannot run here, unreadable TLS files: one line
-        print(f"paraminit serve: error: {' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr,
-              flush=True)
+        print(f"paraminit serve: error: {' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr, flush=True)
         return EXIT_ERROR
 
 
@@ -135,9 +152,11 @@ def check_target(target: str | None) -> str | None:
         return target
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", target)
     if scheme:
-        rest = target[scheme.end():].rstrip("/")
-        raise UsageError(f"--target {target!r}: gRPC targets take no {scheme.group(1)}:// scheme; "
-                         f"write HOST:PORT ({rest or 'localhost:50051'}) or unix:PATH")
+        rest = target[scheme.end() :].rstrip("/")
+        raise UsageError(
+            f"--target {target!r}: gRPC targets take no {scheme.group(1)}:// scheme; "
+            f"write HOST:PORT ({rest or 'localhost:50051'}) or unix:PATH"
+        )
     host, sep, port = target.rpartition(":")
     if not sep or (":" in host and not host.startswith("[")):  # no port, or a bare IPv6 address
         example = f"[{target}]:50051" if ":" in target else f"{target}:50051"
@@ -227,10 +246,13 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     if not args.quiet:
         setup = min(max((data_at[0] - started if data_at else seconds) - compiled, 0.0), seconds)
         extra = f" plus {compiled:.1f} s compiling CPU kernels" if compiled > 0 else ""
-        print(f"wrote {'stdout' if to_stdout else args.output}: {_plural(len(header.tensors), 'parameter')}, "
-              f"{sizes.format_size(total)} in {seconds:.2f} s{extra} ({sizes.format_size(total / max(seconds, 1e-9))}"
-              f"/s; {setup:.2f} s of it before the first byte: plan checks), plan digest {header.plan_digest}",
-              file=sys.stderr if to_stdout else sys.stdout, flush=True)
+        print(
+            f"wrote {'stdout' if to_stdout else args.output}: {_plural(len(header.tensors), 'parameter')}, "
+            f"{sizes.format_size(total)} in {seconds:.2f} s{extra} ({sizes.format_size(total / max(seconds, 1e-9))}"
+            f"/s; {setup:.2f} s of it before the first byte: plan checks), plan digest {header.plan_digest}",
+            file=sys.stderr if to_stdout else sys.stdout,
+            flush=True,
+        )
     return EXIT_OK
 
 
@@ -253,12 +275,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
         report = c.validate(plan)
     code = EXIT_OK if not report.violations else EXIT_INVALID if not report.valid else EXIT_ERROR
     if args.json:
-        out = {"valid": report.valid, "fits_limits": report.fits_limits, "plan_digest": report.plan_digest,
-               "total_bytes": report.total_bytes,
-               "params": [{"name": p.name, "dtype": _dtype_name(p.dtype), "shape": list(p.shape), "bytes": n}
-                          for p, n in zip(plan.params, report.param_bytes, strict=False)],
-               "violations": [{"index": v.index, "name": v.name, "field": v.field, "message": v.message,
-                               "limit": v.is_limit} for v in report.violations]}
+        out = {
+            "valid": report.valid,
+            "fits_limits": report.fits_limits,
+            "plan_digest": report.plan_digest,
+            "total_bytes": report.total_bytes,
+            "params": [
+                {"name": p.name, "dtype": _dtype_name(p.dtype), "shape": list(p.shape), "bytes": n}
+                for p, n in zip(plan.params, report.param_bytes, strict=False)
+            ],
+            "violations": [
+                {"index": v.index, "name": v.name, "field": v.field, "message": v.message, "limit": v.is_limit} for v in report.violations
+            ],
+        }
         print(json.dumps(out, indent=1))
         return code
     if report.violations:
@@ -272,8 +301,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         entry = by_dtype.setdefault(_dtype_name(p.dtype), [0, 0])
         entry[0] += 1
         entry[1] += nbytes
-    print(f"valid plan {report.plan_digest[:16]}: {_plural(len(plan.params), 'parameter')}, "
-          f"{sizes.format_size(report.total_bytes)}")
+    print(f"valid plan {report.plan_digest[:16]}: {_plural(len(plan.params), 'parameter')}, {sizes.format_size(report.total_bytes)}")
     print(f"  {'dtype':<10} {'params':>7} {'bytes':>12}")
     for name, (count, nbytes) in sorted(by_dtype.items()):
         print(f"  {name:<10} {count:>7} {sizes.format_size(nbytes):>12}")
@@ -344,8 +372,7 @@ def cmd_plan_from_module(args: argparse.Namespace) -> int:
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"{args.factory} returned {type(module).__name__}, not a torch.nn.Module")
     overrides = _factory(args.overrides) if args.overrides else None
-    _write(plan_to_json(plan_from_module(module, seed=args.seed, policy=args.policy, overrides=overrides)),
-           args.output)
+    _write(plan_to_json(plan_from_module(module, seed=args.seed, policy=args.policy, overrides=overrides)), args.output)
     return EXIT_OK
 
 
@@ -353,18 +380,24 @@ def _lease_rows(leases: Sequence[Any], now: float) -> list[dict[str, Any]]:
     from paraminit import times
     from paraminit.v1 import init_service_pb2 as pb
 
-    return [{"lease_id": s.lease.lease_id,
-             "delivery": pb.Delivery.Name(s.lease.delivery).removeprefix("DELIVERY_").lower(),
-             "nbytes": s.lease.nbytes, "expires_in_s": round(times.epoch(s.lease.expires_at) - now, 1),
-             "age_s": round(times.seconds(s.age), 1), "owner": s.owner, "plan_digest": s.plan_digest}
-            for s in leases]
+    return [
+        {
+            "lease_id": s.lease.lease_id,
+            "delivery": pb.Delivery.Name(s.lease.delivery).removeprefix("DELIVERY_").lower(),
+            "nbytes": s.lease.nbytes,
+            "expires_in_s": round(times.epoch(s.lease.expires_at) - now, 1),
+            "age_s": round(times.seconds(s.age), 1),
+            "owner": s.owner,
+            "plan_digest": s.plan_digest,
+        }
+        for s in leases
+    ]
 
 
 def cmd_leases(args: argparse.Namespace) -> int:
     """List, release or renew this identity's leases on a server."""
     if args.target is None:
-        raise UsageError("leases live on a server: give --target HOST:PORT (an in-process client's leases end "
-                         "with its process)")
+        raise UsageError("leases live on a server: give --target HOST:PORT (an in-process client's leases end with its process)")
     action = args.action
     if action != "list" and not args.lease_ids:
         raise UsageError(f"leases {action} needs at least one LEASE_ID (see `paraminit leases`)")
@@ -377,9 +410,17 @@ def cmd_leases(args: argparse.Namespace) -> int:
                 print(f"no live leases for this identity on {args.target}")
             else:
                 head = ("lease id", "delivery", "size", "expires in", "age", "plan digest")
-                table = [head] + [(r["lease_id"], r["delivery"], sizes.format_size(r["nbytes"]),
-                                   f"{r['expires_in_s']:.0f} s", f"{r['age_s']:.0f} s", r["plan_digest"][:16])
-                                  for r in rows]
+                table = [head] + [
+                    (
+                        r["lease_id"],
+                        r["delivery"],
+                        sizes.format_size(r["nbytes"]),
+                        f"{r['expires_in_s']:.0f} s",
+                        f"{r['age_s']:.0f} s",
+                        r["plan_digest"][:16],
+                    )
+                    for r in rows
+                ]
                 widths = [max(len(row[i]) for row in table) for i in range(len(head))]
                 for row in table:
                     print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
@@ -393,8 +434,10 @@ def cmd_leases(args: argparse.Namespace) -> int:
             return EXIT_OK
         for lease_id in args.lease_ids:
             expires = c.renew(lease_id, args.ttl)
-            print(f"{lease_id}: renewed, expires in {expires - time.time():.0f} s "
-                  f"({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(expires))})")
+            print(
+                f"{lease_id}: renewed, expires in {expires - time.time():.0f} s "
+                f"({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(expires))})"
+            )
         return EXIT_OK
 
 
@@ -402,8 +445,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     with _client(args) as c:
         info = c.info()
     fmt = sizes.format_size
-    print(f"paraminit {info.version} backend={info.backend} device={info.device.kind}:{info.device.name}"
-          f"{' ' + info.device.uuid if info.device.uuid else ''}")
+    print(
+        f"paraminit {info.version} backend={info.backend} device={info.device.kind}:{info.device.name}"
+        f"{' ' + info.device.uuid if info.device.uuid else ''}"
+    )
     print(f"  memory free/total: {fmt(info.device.memory_free)} / {fmt(info.device.memory_total)}")
     print(f"  max plan bytes: {fmt(info.limits.max_plan_bytes)}, concurrent: {info.limits.max_concurrent_requests}")
     return EXIT_OK
@@ -422,18 +467,21 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="paraminit", description="Materialize parameter tensors from a declarative init plan, "
-                    "check plans, and look at the result.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                help="what to do; `paraminit COMMAND --help` says more")
+    parser = Parser(
+        prog="paraminit", description="Materialize parameter tensors from a declarative init plan, check plans, and look at the result."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do; `paraminit COMMAND --help` says more")
 
     def add(name: str, help: str, description: str = "", **kwargs: Any) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description or help, **kwargs)
         return p
 
-    serve = add("serve", "run the gRPC server (the same as paraminit-server; `paraminit serve --help` lists its "
-                "flags, each with its PARAMINIT_* variable and default)",
-                "Run the paraminit gRPC server: the same flags, variables and exit codes as paraminit-server.")
+    serve = add(
+        "serve",
+        "run the gRPC server (the same as paraminit-server; `paraminit serve --help` lists its "
+        "flags, each with its PARAMINIT_* variable and default)",
+        "Run the paraminit gRPC server: the same flags, variables and exit codes as paraminit-server.",
+    )
     try:
         from paraminit_server.config import add_arguments  # optional: the client can be installed alone
     except ImportError as exc:
@@ -442,115 +490,183 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(serve, version=False)
         serve.set_defaults(func=cmd_serve, server_missing="")
 
-    def with_target(p: argparse.ArgumentParser, default: str | None = None,
-                    local: str = "the plan runs in this process on the CPU") -> None:
+    def with_target(
+        p: argparse.ArgumentParser, default: str | None = None, local: str = "the plan runs in this process on the CPU"
+    ) -> None:
         where = f"default: {default}" if default else f"default: none, {local}"
         p.add_argument("--target", default=None, metavar="HOST:PORT", help=f"server to use ({where})")
-        p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                       help="deadline of each call (default: none" + (", 5 for health)" if default else ")"))
+        p.add_argument(
+            "--timeout",
+            type=float,
+            default=None,
+            metavar="SECONDS",
+            help="deadline of each call (default: none" + (", 5 for health)" if default else ")"),
+        )
         p.add_argument("--token", default="", help="bearer token (default: $PARAMINIT_TOKEN)")
-        p.add_argument("--tls-ca", default="", metavar="PEM", help="CA that signed the server's certificate "
-                       "(enables TLS)")
+        p.add_argument("--tls-ca", default="", metavar="PEM", help="CA that signed the server's certificate (enables TLS)")
         p.add_argument("--tls-cert", default="", metavar="PEM", help="client certificate, for mutual TLS")
         p.add_argument("--tls-key", default="", metavar="PEM", help="client private key, for mutual TLS")
 
-    m = add("materialize", "materialize a plan into a safetensors file",
-            "Materialize a plan into a safetensors file, written atomically (a temporary file renamed into place "
-            "when complete). On a terminal a progress bar shows on stderr; on success one line on stdout says what "
-            "was written: parameters, bytes, time, throughput and the plan digest.")
+    m = add(
+        "materialize",
+        "materialize a plan into a safetensors file",
+        "Materialize a plan into a safetensors file, written atomically (a temporary file renamed into place "
+        "when complete). On a terminal a progress bar shows on stderr; on success one line on stdout says what "
+        "was written: parameters, bytes, time, throughput and the plan digest.",
+    )
     m.add_argument("plan", help="plan file: JSON or YAML form of paraminit.v1.Plan")
-    m.add_argument("-o", "--output", required=True, metavar="FILE",
-                   help="safetensors file to write; - writes it to standard output (the summary then goes to stderr)")
-    m.add_argument("--chunk-bytes", type=sizes.size_arg, default=0, metavar="SIZE",
-                   help="largest stream chunk to ask the server for, e.g. 2MiB (default: 0, the server's choice)")
-    m.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar, even on a terminal")
+    m.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE",
+        help="safetensors file to write; - writes it to standard output (the summary then goes to stderr)",
+    )
+    m.add_argument(
+        "--chunk-bytes",
+        type=sizes.size_arg,
+        default=0,
+        metavar="SIZE",
+        help="largest stream chunk to ask the server for, e.g. 2MiB (default: 0, the server's choice)",
+    )
+    m.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar, even on a terminal")
     m.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors: no bar, no summary line")
     m.add_argument("--summary", action="store_true", help=argparse.SUPPRESS)  # the summary is always printed now
     with_target(m)
     m.set_defaults(func=cmd_materialize)
 
-    v = add("validate", "check a plan: every violation, or a summary by dtype",
-            "Check a plan without materializing it: every violation (parameter, field, message) on stderr, or "
-            "parameters and bytes by dtype.")
+    v = add(
+        "validate",
+        "check a plan: every violation, or a summary by dtype",
+        "Check a plan without materializing it: every violation (parameter, field, message) on stderr, or parameters and bytes by dtype.",
+    )
     v.add_argument("plan", help="plan file: JSON or YAML form of paraminit.v1.Plan")
-    v.add_argument("--json", action="store_true",
-                   help="print the report as JSON on stdout (valid, violations, bytes per parameter, digest)")
+    v.add_argument(
+        "--json", action="store_true", help="print the report as JSON on stdout (valid, violations, bytes per parameter, digest)"
+    )
     with_target(v)
     v.set_defaults(func=cmd_validate)
 
-    ins = add("inspect", "list a safetensors file's tensors with their statistics, and check them against a plan",
-              "One line per tensor: name, dtype, shape, bytes, mean, std (over the finite values), and a "
-              "non-finite count when any value is NaN or infinite; --wide adds min and max. With --plan also the "
-              "initializer (--wide: the mean, standard deviation and bounds it promises), and a check column: "
-              "FLAG when the sample "
-              "mean or std is more than 5 standard errors (plus the dtype's rounding) from the expected one, or a "
-              "value lies outside the bounds; the FLAG lines below the table say why.")
+    ins = add(
+        "inspect",
+        "list a safetensors file's tensors with their statistics, and check them against a plan",
+        "One line per tensor: name, dtype, shape, bytes, mean, std (over the finite values), and a "
+        "non-finite count when any value is NaN or infinite; --wide adds min and max. With --plan also the "
+        "initializer (--wide: the mean, standard deviation and bounds it promises), and a check column: "
+        "FLAG when the sample "
+        "mean or std is more than 5 standard errors (plus the dtype's rounding) from the expected one, or a "
+        "value lies outside the bounds; the FLAG lines below the table say why.",
+    )
     ins.add_argument("file", help="safetensors file")
     ins.add_argument("--plan", metavar="PLAN", help="plan whose initializers the tensors should follow")
     ins.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
-    ins.add_argument("--wide", action="store_true", help="every column (min, max, the expected mean, std and "
-                     "bounds); the default table fits 100 columns, long names cut in the middle with '~'")
-    ins.add_argument("--plot-log", action="store_true", help="with --plot: the whole range of values on a "
-                     "logarithmic density axis, so the tails show (default: the bulk, mean +- 4 std, linear)")
-    ins.add_argument("--plot", metavar="DIR", help="write one PNG histogram per tensor into DIR, the plan's "
-                     "expected density drawn over it (needs matplotlib: pip install 'paraminit[plot]')")
+    ins.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column (min, max, the expected mean, std and "
+        "bounds); the default table fits 100 columns, long names cut in the middle with '~'",
+    )
+    ins.add_argument(
+        "--plot-log",
+        action="store_true",
+        help="with --plot: the whole range of values on a "
+        "logarithmic density axis, so the tails show (default: the bulk, mean +- 4 std, linear)",
+    )
+    ins.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write one PNG histogram per tensor into DIR, the plan's "
+        "expected density drawn over it (needs matplotlib: pip install 'paraminit[plot]')",
+    )
     ins.set_defaults(func=cmd_inspect)
 
-    plan = add("plan", "build a plan from a checkpoint or a PyTorch module",
-               "Build a plan and print its JSON (or write it with -o).")
+    plan = add("plan", "build a plan from a checkpoint or a PyTorch module", "Build a plan and print its JSON (or write it with -o).")
     plan_sub = plan.add_subparsers(dest="plan_command", required=True, metavar="SOURCE", help="where the plan comes from")
-    fs = plan_sub.add_parser("from-safetensors", help="a plan that loads every tensor of a checkpoint",
-                             description="A plan that takes every tensor of the checkpoint (as safetensors "
-                             "references, which the server must be allowed to read: --safetensors-dirs) and "
-                             "initializes the other parameters of --fallback as that plan says.")
+    fs = plan_sub.add_parser(
+        "from-safetensors",
+        help="a plan that loads every tensor of a checkpoint",
+        description="A plan that takes every tensor of the checkpoint (as safetensors "
+        "references, which the server must be allowed to read: --safetensors-dirs) and "
+        "initializes the other parameters of --fallback as that plan says.",
+    )
     fs.add_argument("file", help="safetensors checkpoint")
-    fs.add_argument("--fallback", metavar="PLAN", help="plan for the parameters the checkpoint lacks; its shapes "
-                    "and dtypes must agree with the checkpoint's")
+    fs.add_argument(
+        "--fallback",
+        metavar="PLAN",
+        help="plan for the parameters the checkpoint lacks; its shapes and dtypes must agree with the checkpoint's",
+    )
     fs.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     fs.set_defaults(func=cmd_plan_from_safetensors)
-    fm = plan_sub.add_parser("from-module", help="the plan of a PyTorch module, built on the meta device",
-                             description="Import package.module, call factory() under torch.device('meta') (no "
-                             "memory is allocated) and print the plan of the module it returns: one parameter per "
-                             "distinct floating-point tensor of its state_dict. Needs PyTorch.")
-    fm.add_argument("factory", metavar="package.module:factory", help="callable returning a torch.nn.Module; "
-                    "the current directory is importable")
-    fm.add_argument("--seed", type=int, default=0, help="plan seed; each parameter's seed derives from it and "
-                    "the parameter name (default: 0)")
-    fm.add_argument("--policy", choices=POLICIES, default="torch",
-                    help="torch: PyTorch's own default distributions; torchlean: kaiming/xavier uniform, as "
-                    "TorchLean (the Lean runtime whose sampler paraminit reproduces) initializes; hf: Hugging Face "
-                    "transformers' own _init_weights (pip install 'paraminit[hf]'); torchtitan: torchtitan's own "
-                    "init_weights, read from the module (pip install 'paraminit[torchtitan]') (default: torch)")
-    fm.add_argument("--overrides", metavar="package.module:callable", help="asked first for every tensor: "
-                    "callable(name, tensor) or callable(name, tensor, module, module_name) returning an "
-                    "initializer as JSON ({'normal': {'std': 0.02}}) or an Init, or None to leave it to the policy")
+    fm = plan_sub.add_parser(
+        "from-module",
+        help="the plan of a PyTorch module, built on the meta device",
+        description="Import package.module, call factory() under torch.device('meta') (no "
+        "memory is allocated) and print the plan of the module it returns: one parameter per "
+        "distinct floating-point tensor of its state_dict. Needs PyTorch.",
+    )
+    fm.add_argument(
+        "factory", metavar="package.module:factory", help="callable returning a torch.nn.Module; the current directory is importable"
+    )
+    fm.add_argument(
+        "--seed", type=int, default=0, help="plan seed; each parameter's seed derives from it and the parameter name (default: 0)"
+    )
+    fm.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="torch",
+        help="torch: PyTorch's own default distributions; torchlean: kaiming/xavier uniform, as "
+        "TorchLean (the Lean runtime whose sampler paraminit reproduces) initializes; hf: Hugging Face "
+        "transformers' own _init_weights (pip install 'paraminit[hf]'); torchtitan: torchtitan's own "
+        "init_weights, read from the module (pip install 'paraminit[torchtitan]') (default: torch)",
+    )
+    fm.add_argument(
+        "--overrides",
+        metavar="package.module:callable",
+        help="asked first for every tensor: "
+        "callable(name, tensor) or callable(name, tensor, module, module_name) returning an "
+        "initializer as JSON ({'normal': {'std': 0.02}}) or an Init, or None to leave it to the policy",
+    )
     fm.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     fm.set_defaults(func=cmd_plan_from_module)
 
-    ls = add("leases", "list, release or renew your shared-memory / CUDA IPC leases on a server",
-             "Leases hold exported buffers (SHM, CUDA IPC) until released or expired. Without an action: list "
-             "this identity's live leases (id, delivery, size, time to expiry, age, plan digest).")
-    ls.add_argument("action", nargs="?", choices=("list", "release", "renew"), default="list",
-                    help="list (the default): this identity's live leases; release: free them at once; renew: "
-                    "extend them")
+    ls = add(
+        "leases",
+        "list, release or renew your shared-memory / CUDA IPC leases on a server",
+        "Leases hold exported buffers (SHM, CUDA IPC) until released or expired. Without an action: list "
+        "this identity's live leases (id, delivery, size, time to expiry, age, plan digest).",
+    )
+    ls.add_argument(
+        "action",
+        nargs="?",
+        choices=("list", "release", "renew"),
+        default="list",
+        help="list (the default): this identity's live leases; release: free them at once; renew: extend them",
+    )
     ls.add_argument("lease_ids", nargs="*", metavar="LEASE_ID", help="the leases to release or renew")
-    ls.add_argument("--ttl", type=float, default=0.0, metavar="SECONDS",
-                    help="renew: new time to live from now (default: 0, the server's --lease-ttl, capped by its "
-                    "--max-lease-ttl)")
+    ls.add_argument(
+        "--ttl",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="renew: new time to live from now (default: 0, the server's --lease-ttl, capped by its --max-lease-ttl)",
+    )
     ls.add_argument("--json", action="store_true", help="list as JSON")
     with_target(ls, local="required: leases live on a server")
     ls.set_defaults(func=cmd_leases)
 
-    i = add("info", "server version, backend, device and limits",
-            "Ask a server (or, without --target, the in-process data plane) for its version, backend, device, "
-            "memory and limits.")
+    i = add(
+        "info",
+        "server version, backend, device and limits",
+        "Ask a server (or, without --target, the in-process data plane) for its version, backend, device, memory and limits.",
+    )
     with_target(i, local="this process's own data plane answers")
     i.set_defaults(func=cmd_info)
 
-    h = add("health", "print the server's health status; exit 0 when it is SERVING",
-            f"Ask a server's gRPC health service; exit 0 when it answers SERVING, 1 otherwise (default target "
-            f"{DEFAULT_HEALTH_TARGET}).")
+    h = add(
+        "health",
+        "print the server's health status; exit 0 when it is SERVING",
+        f"Ask a server's gRPC health service; exit 0 when it answers SERVING, 1 otherwise (default target {DEFAULT_HEALTH_TARGET}).",
+    )
     with_target(h, DEFAULT_HEALTH_TARGET)
     h.set_defaults(func=cmd_health)
     return parser
@@ -602,8 +718,11 @@ def _interruptible(output: str | None) -> Iterator[None]:
 
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for sig, default in ((signal.SIGTERM, signal.SIG_DFL), (signal.SIGHUP, signal.SIG_DFL),
-                             (signal.SIGINT, signal.default_int_handler)):
+        for sig, default in (
+            (signal.SIGTERM, signal.SIG_DFL),
+            (signal.SIGHUP, signal.SIG_DFL),
+            (signal.SIGINT, signal.default_int_handler),
+        ):
             if signal.getsignal(sig) == default:
                 previous[sig] = signal.signal(sig, end)
     try:
@@ -657,8 +776,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in lines:
         print(line, file=sys.stderr)
     if getattr(args, "json", False):
-        print(json.dumps({"ok": False, "valid": False if code == EXIT_INVALID else None, "exit_code": code,
-                          "error": message.splitlines()[0].rstrip(":"), "violations": violations}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "ok": False,
+                    "valid": False if code == EXIT_INVALID else None,
+                    "exit_code": code,
+                    "error": message.splitlines()[0].rstrip(":"),
+                    "violations": violations,
+                },
+                indent=1,
+            )
+        )
     return code
 
 

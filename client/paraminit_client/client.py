@@ -43,26 +43,52 @@ from paraminit_client.transports import (
     start_local,
 )
 
-__all__ = ["CHANNEL_OPTIONS", "RETRY_POLICY", "SERVICE_CONFIG", "Client", "ValidationReport", "first_response",
-           "land", "make_transport", "rpc_errors", "tls_credentials"]
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "RETRY_POLICY",
+    "SERVICE_CONFIG",
+    "Client",
+    "ValidationReport",
+    "first_response",
+    "land",
+    "make_transport",
+    "rpc_errors",
+    "tls_credentials",
+]
 
 # gRPC's own retries (gRFC A6), for every InitService method: a call refused before any response (a busy or
 # draining server: RESOURCE_EXHAUSTED, UNAVAILABLE) is sent again after an exponential backoff with jitter, or
 # after the server's grpc-retry-pushback-ms (a negative pushback, sent for limits no retry can fix, stops it);
 # the call's deadline bounds every attempt together. Any gRPC client can use this JSON as its service config.
-RETRY_POLICY: dict[str, Any] = {"maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "5s",
-                                "backoffMultiplier": 2, "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"]}
-SERVICE_CONFIG: dict[str, Any] = {"methodConfig": [{"name": [{"service": "paraminit.v1.InitService"}],
-                                                    "retryPolicy": RETRY_POLICY}]}
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 256 << 20),
-                   ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(SERVICE_CONFIG))]
+RETRY_POLICY: dict[str, Any] = {
+    "maxAttempts": 5,
+    "initialBackoff": "0.2s",
+    "maxBackoff": "5s",
+    "backoffMultiplier": 2,
+    "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"],
+}
+SERVICE_CONFIG: dict[str, Any] = {"methodConfig": [{"name": [{"service": "paraminit.v1.InitService"}], "retryPolicy": RETRY_POLICY}]}
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
+]
 DELIVERIES = ("shm", "cuda_ipc")
 
 
-def make_transport(target: str | Sequence[str] | None = None, *, timeout: float | None = None,
-                   credentials: grpc.ChannelCredentials | None = None, split_bytes: int = 64 << 20,
-                   token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                   tls_key: str | None = None, safetensors_dirs: Sequence[str] | None = None) -> Transport:
+def make_transport(
+    target: str | Sequence[str] | None = None,
+    *,
+    timeout: float | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+    split_bytes: int = 64 << 20,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    safetensors_dirs: Sequence[str] | None = None,
+) -> Transport:
     """The transport a Client with these arguments uses: in process without a target, else gRPC.
 
     Args:
@@ -85,8 +111,9 @@ def make_transport(target: str | Sequence[str] | None = None, *, timeout: float 
         dirs = "/" if safetensors_dirs is None else ":".join(os.fspath(d) for d in safetensors_dirs)
         return start_local(dirs)
     if safetensors_dirs is not None:
-        raise InvalidArgument("safetensors_dirs applies in process only; a server's --safetensors-dirs decides "
-                              "which files its plans may read")
+        raise InvalidArgument(
+            "safetensors_dirs applies in process only; a server's --safetensors-dirs decides which files its plans may read"
+        )
     workers: list[GrpcTransport] = []
     if isinstance(target, (list, tuple)):
         targets = list(target)
@@ -99,9 +126,17 @@ def make_transport(target: str | Sequence[str] | None = None, *, timeout: float 
     return _grpc(target, timeout, credentials, split_bytes, token, tls_ca, tls_cert, tls_key, workers)
 
 
-def _grpc(target: str, timeout: float | None, credentials: grpc.ChannelCredentials | None, split_bytes: int,
-          token: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None,
-          workers: Sequence[GrpcTransport] = ()) -> GrpcTransport:
+def _grpc(
+    target: str,
+    timeout: float | None,
+    credentials: grpc.ChannelCredentials | None,
+    split_bytes: int,
+    token: str | None,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    workers: Sequence[GrpcTransport] = (),
+) -> GrpcTransport:
     tune_malloc_for_streams()  # megabyte messages reuse heap memory (paraminit.hostmem); before the channel exists
     options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
     if target.startswith("dns:"):
@@ -129,10 +164,19 @@ class Client:
     child frees nothing of its parent's (it makes its own Client()).
     """
 
-    def __init__(self, target: str | Sequence[str] | None = None, *, timeout: float | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, split_bytes: int = 64 << 20,
-                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, safetensors_dirs: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        target: str | Sequence[str] | None = None,
+        *,
+        timeout: float | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        split_bytes: int = 64 << 20,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        safetensors_dirs: Sequence[str] | None = None,
+    ) -> None:
         """Args:
             target: None for the data plane in this process (CPU backend); "host:port" or "dns:///name" for a
                 server; a list of targets to split each materialize across.
@@ -149,8 +193,16 @@ class Client:
             ParaminitError: FAILED_PRECONDITION without a target when the server package is not installed.
         """
         self._transport: Transport = make_transport(
-            target, timeout=timeout, credentials=credentials, split_bytes=split_bytes, token=token, tls_ca=tls_ca,
-            tls_cert=tls_cert, tls_key=tls_key, safetensors_dirs=safetensors_dirs)
+            target,
+            timeout=timeout,
+            credentials=credentials,
+            split_bytes=split_bytes,
+            token=token,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            safetensors_dirs=safetensors_dirs,
+        )
         self.target = self._transport.target
         self.timeout = timeout
         self.split_bytes = split_bytes
@@ -251,8 +303,7 @@ class Client:
                 raise ParaminitError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.target} not SERVING after {timeout} s")
             time.sleep(0.05)
 
-    def stream(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
-               check_crc: bool = True) -> tuple[pb.StreamHeader, Iterator[Chunk]]:
+    def stream(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0, check_crc: bool = True) -> tuple[pb.StreamHeader, Iterator[Chunk]]:
         """Start a STREAM materialization: the header, then the data section's chunks in order.
 
         Args:
@@ -272,8 +323,7 @@ class Client:
         """
         return self._transport.stream(plan, chunk_bytes, check_crc)
 
-    def export(self, plan: plan_pb2.Plan, delivery: str = "shm", *, ttl_seconds: float = 0.0,
-               auto_renew: bool | None = None) -> Lease:
+    def export(self, plan: plan_pb2.Plan, delivery: str = "shm", *, ttl_seconds: float = 0.0, auto_renew: bool | None = None) -> Lease:
         """Zero-copy handoff: the plan filled into shared memory ("shm", CPU) or one CUDA allocation
         ("cuda_ipc", GPU) on this host, lent under a lease.
 
@@ -362,8 +412,9 @@ class Client:
         """
         return self._transport.renew(lease_id, ttl_seconds)
 
-    def materialize(self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0,
-                    progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray[Any, Any]]:
+    def materialize(
+        self, plan: plan_pb2.Plan, *, chunk_bytes: int = 0, progress: Callable[[int], None] | None = None
+    ) -> dict[str, np.ndarray[Any, Any]]:
         """All parameters as numpy arrays that share one preallocated buffer (no per-chunk copies).
 
         With several targets (or a dns:/// target) the plan is split across workers and reassembled.
@@ -398,9 +449,15 @@ class Client:
         """
         self._transport.materialize_into(plan, outputs)
 
-    def materialize_to_file(self, plan: plan_pb2.Plan, path: str | os.PathLike[str], *,
-                            progress: bool | Callable[[int, int], None] = False,
-                            chunk_bytes: int = 0, durable: bool = True) -> pb.StreamHeader:
+    def materialize_to_file(
+        self,
+        plan: plan_pb2.Plan,
+        path: str | os.PathLike[str],
+        *,
+        progress: bool | Callable[[int, int], None] = False,
+        chunk_bytes: int = 0,
+        durable: bool = True,
+    ) -> pb.StreamHeader:
         """Write a safetensors file atomically: a temporary file renamed into place only when complete.
 
         The file is sized up front (a full disk fails before any transfer) and each chunk is written as
@@ -484,11 +541,12 @@ def write_stream(fd: int, prefix: bytes, chunks: Iterator[Chunk], update: Callab
 def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:  # a short write is legal (a pipe): write the rest
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
-def _write_atomically(dest: Path, header: pb.StreamHeader, chunks: Iterator[Chunk],
-                      update: Callable[[int], None] | None, durable: bool) -> None:
+def _write_atomically(
+    dest: Path, header: pb.StreamHeader, chunks: Iterator[Chunk], update: Callable[[int], None] | None, durable: bool
+) -> None:
     """A regular file: written under no name (O_TMPFILE, so a killed process leaves nothing behind) or a hidden
     temporary one where the file system has no O_TMPFILE, then given its name only when complete."""
     fd, tmp = _open_unnamed(dest)
@@ -502,11 +560,9 @@ def _write_atomically(dest: Path, header: pb.StreamHeader, chunks: Iterator[Chun
                 try:
                     os.posix_fallocate(fd, 0, base + header.data_bytes)
                 except OSError as exc:  # a full disk: say which file, and how much it needed
-                    raise OSError(exc.errno, f"{exc.strerror} (the file needs {base + header.data_bytes} "
-                                             "bytes)", str(dest)) from None
+                    raise OSError(exc.errno, f"{exc.strerror} (the file needs {base + header.data_bytes} bytes)", str(dest)) from None
             # an unnamed file is reopened (for O_DIRECT) through its descriptor's /proc link
-            sink = filesink.open_sink(fd, tmp or f"/proc/self/fd/{fd}", header.safetensors_prefix,
-                                      header.data_bytes, durable)
+            sink = filesink.open_sink(fd, tmp or f"/proc/self/fd/{fd}", header.safetensors_prefix, header.data_bytes, durable)
             try:
                 land(chunks, sink.put, update)
                 sink.finish()
@@ -580,9 +636,11 @@ def _fsync_dir(path: Path) -> None:
 
 def tls_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
     """TLS verifying the server against `ca` (system roots when empty), with an optional client certificate."""
-    return grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes() if ca else None,
-                                        private_key=Path(key).read_bytes() if key else None,
-                                        certificate_chain=Path(cert).read_bytes() if cert else None)
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes() if ca else None,
+        private_key=Path(key).read_bytes() if key else None,
+        certificate_chain=Path(cert).read_bytes() if cert else None,
+    )
 
 
 class _CallDetails(grpc.ClientCallDetails):
@@ -595,8 +653,7 @@ class _CallDetails(grpc.ClientCallDetails):
         self.compression = base.compression
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor):
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor):
     """Adds `authorization: Bearer <token>` to every call (works on plaintext loopback channels too)."""
 
     def __init__(self, token: str) -> None:

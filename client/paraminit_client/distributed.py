@@ -57,8 +57,10 @@ def local_region(shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> 
     dt = _dtensor_module()
     for pl in placements:
         if type(pl).__name__ == "_StridedShard":
-            raise InvalidArgument(f"{pl}: strided sharding interleaves rows, so a rank's shard is not one box; "
-                             "materialize the tensor before sharding it this way")
+            raise InvalidArgument(
+                f"{pl}: strided sharding interleaves rows, so a rank's shard is not one box; "
+                "materialize the tensor before sharding it this way"
+            )
         if not isinstance(pl, dt.Shard | dt.Replicate):
             raise InvalidArgument(f"{pl}: only Shard and Replicate placements can be initialized")
     local, offset = compute_local_shape_and_global_offset(tuple(shape), mesh, list(placements))
@@ -97,12 +99,12 @@ def wrap(local: torch.Tensor | None, like: Any, box: Region, device: torch.devic
     dt = _dtensor_module()
     if local is None:
         local = torch.empty(tuple(b - a for a, b in box), dtype=like.dtype, device=device)
-    return dt.DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                                 stride=like.stride())
+    return dt.DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
 
 
-def materialize_region(client: Client, param: plan_pb2.Param, region: Sequence[tuple[int, int] | slice],
-                       device: str | torch.device = "cpu") -> torch.Tensor:
+def materialize_region(
+    client: Client, param: plan_pb2.Param, region: Sequence[tuple[int, int] | slice], device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """The `region` box (one (start, stop) or slice per dimension) of the global tensor `param` describes,
     as a tensor of the region's shape on `device`: the same bytes as slicing the whole tensor, with only
     the region generated and allocated. `param` is typically one of plan_from_module(model_on_meta).params.

@@ -24,21 +24,24 @@ from paraminit.violations import INVALID, LIMIT, Violation
 __all__ = ["ClientClosed", "FileAccessError", "InvalidArgument", "ParaminitError", "Violation", "violation_from_text"]
 
 _PARAM_FIELD = re.compile(r"params\[(\d+)\]")
-_FILE_CODES = {errno.ENOENT: grpc.StatusCode.NOT_FOUND, errno.EACCES: grpc.StatusCode.PERMISSION_DENIED,
-               errno.EPERM: grpc.StatusCode.PERMISSION_DENIED, errno.ENOSPC: grpc.StatusCode.RESOURCE_EXHAUSTED}
+_FILE_CODES = {
+    errno.ENOENT: grpc.StatusCode.NOT_FOUND,
+    errno.EACCES: grpc.StatusCode.PERMISSION_DENIED,
+    errno.EPERM: grpc.StatusCode.PERMISSION_DENIED,
+    errno.ENOSPC: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 class ParaminitError(Exception):
     """Every failure the client reports: a gRPC status code, a message and, for plans, the violations."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, violations: Sequence[Violation] = (),
-                 omitted: int = 0) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, violations: Sequence[Violation] = (), omitted: int = 0) -> None:
         """Args:
-            code: the status code (the same names in process and from a server).
-            message: what happened, in words.
-            violations: every problem of an invalid plan (or those that fit a server's trailers).
-            omitted: violations a server left out of the status details to keep its trailers within the default
-                8 KiB metadata limit (google.rpc.ErrorInfo VIOLATIONS_TRUNCATED); `validate` returns every one.
+        code: the status code (the same names in process and from a server).
+        message: what happened, in words.
+        violations: every problem of an invalid plan (or those that fit a server's trailers).
+        omitted: violations a server left out of the status details to keep its trailers within the default
+            8 KiB metadata limit (google.rpc.ErrorInfo VIOLATIONS_TRUNCATED); `validate` returns every one.
         """
         super().__init__(message)
         self.code = code
@@ -156,7 +159,7 @@ def violation_from_text(field: str, description: str, category: str = INVALID) -
     index = int(m.group(1)) if m else -1
     if not description.startswith(field):
         return Violation(index, "", field, description, category)
-    rest = description[len(field):]
+    rest = description[len(field) :]
     if index >= 0 and rest.startswith(" ("):
         at = rest.find("): ")
         while at >= 0:  # the name is a Python repr: the first cut that parses as a string is it
@@ -165,7 +168,7 @@ def violation_from_text(field: str, description: str, category: str = INVALID) -
             except (ValueError, SyntaxError):
                 name = None
             if isinstance(name, str):
-                return Violation(index, name, field, rest[at + 3:], category)
+                return Violation(index, name, field, rest[at + 3 :], category)
             at = rest.find("): ", at + 1)
     if rest.startswith(": "):
         return Violation(index, "", field, rest[2:], category)

@@ -36,8 +36,9 @@ def _map_shm(name: str, size: int) -> mmap.mmap:
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
     except OSError as exc:
-        raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"cannot open shared-memory segment {name!r} ({exc}); is the server on this host?") from None
+        raise ParaminitError(
+            grpc.StatusCode.FAILED_PRECONDITION, f"cannot open shared-memory segment {name!r} ({exc}); is the server on this host?"
+        ) from None
     try:
         return mmap.mmap(fd, max(size, 1))
     finally:
@@ -48,9 +49,10 @@ def _import_cupy() -> Any:
     try:
         import cupy  # optional: only CUDA_IPC leases need it
     except ImportError:
-        raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "CUDA_IPC leases need CuPy: pip install 'paraminit[gpu-cuda13]' on CUDA 13, "
-                             "'paraminit[gpu]' on CUDA 12") from None
+        raise ParaminitError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "CUDA_IPC leases need CuPy: pip install 'paraminit[gpu-cuda13]' on CUDA 13, 'paraminit[gpu]' on CUDA 12",
+        ) from None
     return cupy
 
 
@@ -122,8 +124,9 @@ class CudaMapping:
         except Exception as exc:  # not visible here, or no usable driver: the caller may fall back to STREAM
             raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the CUDA IPC handle: {exc}") from None
         if self.size and len(info.ipc_handle) != cuda.IPC_HANDLE_BYTES:
-            raise ParaminitError(grpc.StatusCode.INTERNAL, f"server sent a CUDA IPC handle of {len(info.ipc_handle)} "
-                                 f"bytes, expected {cuda.IPC_HANDLE_BYTES}")
+            raise ParaminitError(
+                grpc.StatusCode.INTERNAL, f"server sent a CUDA IPC handle of {len(info.ipc_handle)} bytes, expected {cuda.IPC_HANDLE_BYTES}"
+            )
         with self.cp.cuda.Device(self.ordinal):
             if self.size == 0:  # an empty plan: nothing was allocated, nothing to open
                 self.array: Any = self.cp.empty(0, dtype=self.cp.uint8)
@@ -131,14 +134,12 @@ class CudaMapping:
             try:
                 self.ptr = int(self.cp.cuda.runtime.ipcOpenMemHandle(bytes(info.ipc_handle)))
             except self.cp.cuda.runtime.CUDARuntimeError as exc:
-                raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
-                                     f"cannot open the CUDA IPC handle: {exc}") from None
+                raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION, f"cannot open the CUDA IPC handle: {exc}") from None
             self._mapped = _Mapped(self.cp, self.ordinal, self.ptr)
             mem: Any = None
             try:
                 mem = self.cp.cuda.UnownedMemory(self.ptr, self.size, self._mapped, self.ordinal)
-                self.array = self.cp.ndarray((self.size,), dtype=self.cp.uint8,
-                                             memptr=self.cp.cuda.MemoryPointer(mem, 0))
+                self.array = self.cp.ndarray((self.size,), dtype=self.cp.uint8, memptr=self.cp.cuda.MemoryPointer(mem, 0))
             except BaseException:
                 mem = None  # the traceback keeps this frame: it must not keep the mapping
                 self.close()
@@ -241,8 +242,10 @@ class Lease:
             try:
                 self.buffer = self._cuda.array
                 # cupy has no bfloat16 or 8-bit floats: those tensors are their bit patterns (torch() views them back)
-                self.arrays = {t.name: self.buffer[t.offset:t.offset + t.nbytes].view(_cupy_dtype(t.dtype))
-                               .reshape(tuple(t.shape)) for t in info.tensors}
+                self.arrays = {
+                    t.name: self.buffer[t.offset : t.offset + t.nbytes].view(_cupy_dtype(t.dtype)).reshape(tuple(t.shape))
+                    for t in info.tensors
+                }
             except BaseException:
                 self.buffer = None
                 self._cuda.close()
@@ -256,8 +259,7 @@ class Lease:
                 adopt(self)
         if auto_renew:
             ttl = max(1.0, self.expires_at - time.time())
-            self._renewer = threading.Thread(target=self._renew_loop, args=(ttl / 3,), daemon=True,
-                                             name="paraminit-renew")
+            self._renewer = threading.Thread(target=self._renew_loop, args=(ttl / 3,), daemon=True, name="paraminit-renew")
             self._renewer.start()
 
     def torch(self) -> dict[str, Any]:
@@ -268,14 +270,18 @@ class Lease:
             from paraminit_client.torch_rules import _numpy_to_torch
 
             return {k: _numpy_to_torch(v) for k, v in self.arrays.items()}
-        views = {t.name: getattr(torch, dtypes.by_enum(t.dtype).name)  # type: ignore[union-attr]
-                 for t in self.info.tensors if _bit_patterns(t.dtype)}
-        return {k: torch.from_dlpack(v).view(views[k]) if k in views  # type: ignore[attr-defined,unused-ignore]
-                else torch.from_dlpack(v) for k, v in self.arrays.items()}  # type: ignore[attr-defined,unused-ignore]
+        views = {
+            t.name: getattr(torch, dtypes.by_enum(t.dtype).name)  # type: ignore[union-attr]
+            for t in self.info.tensors
+            if _bit_patterns(t.dtype)
+        }
+        from_dlpack = torch.from_dlpack  # type: ignore[attr-defined,unused-ignore]
+        return {k: from_dlpack(v).view(views[k]) if k in views else from_dlpack(v) for k, v in self.arrays.items()}
 
     def __reduce__(self) -> Any:
-        raise InvalidArgument("a Lease holds a live mapping of the server's memory and cannot be pickled or copied; "
-                        "copy its arrays instead")
+        raise InvalidArgument(
+            "a Lease holds a live mapping of the server's memory and cannot be pickled or copied; copy its arrays instead"
+        )
 
     def stop_renewing(self) -> None:
         """Stop the background renewal (the lease then lasts to its expiry unless renewed)."""

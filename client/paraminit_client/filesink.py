@@ -86,7 +86,7 @@ class DirectSink:
         while len(data):
             within = self._pos - self._block * self.BLOCK
             n = min(len(data), self.BLOCK - within)
-            self._ring[self._block % self.RING][within:within + n] = data[:n]
+            self._ring[self._block % self.RING][within : within + n] = data[:n]
             data, self._pos = data[n:], self._pos + n
             if within + n == self.BLOCK:
                 self._submit(self.BLOCK)

@@ -93,8 +93,13 @@ def fingerprint(fn: Any) -> str:
     comments and formatting, changed by any change of behaviour."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     node = tree.body[0]
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.body and isinstance(node.body[0], ast.Expr) \
-            and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str):
+    if (
+        isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+    ):
         node.body = node.body[1:]
     return hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()[:16]
 
@@ -145,8 +150,11 @@ def _base(model: Any, mod: nn.Module, write: Write) -> None:
                     write(key, Assigned(_same_kind(got)))
         if mod.in_proj_bias is not None and mod.out_proj.bias is not None:
             write("out_proj.bias", Assigned(_zeros))
-    elif isinstance(mod, nn.GroupNorm | nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d) \
-            or "LayerNorm" in type(mod).__name__ or "RMSNorm" in type(mod).__name__:
+    elif (
+        isinstance(mod, nn.GroupNorm | nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d)
+        or "LayerNorm" in type(mod).__name__
+        or "RMSNorm" in type(mod).__name__
+    ):
         for key, make in (("weight", _ones), ("bias", _zeros), ("running_mean", _zeros), ("running_var", _ones)):
             if _present(mod, key) and (key in ("weight", "bias") or _present(mod, "running_mean")):
                 write(key, Assigned(make))
@@ -154,8 +162,10 @@ def _base(model: Any, mod: nn.Module, write: Write) -> None:
 
 def _same_kind(init: plan_pb2.Init) -> Make:
     """An Init built with some seed, rebuilt for any seed."""
+
     def make(seed: int) -> plan_pb2.Init:
         return inits.with_seed(init, seed)
+
     return make
 
 
@@ -213,14 +223,12 @@ def _rule_for(model: Any) -> Callable[[Any, nn.Module, Write], None] | str:
             if known is None:
                 return f"{cls.__name__}._init_weights is not one the hf policy knows"
             if fingerprint(cls.__dict__["_init_weights"]) not in known[0]:
-                return (f"{cls.__name__}._init_weights of this transformers version differs from the one the hf "
-                        "policy replays")
+                return f"{cls.__name__}._init_weights of this transformers version differs from the one the hf policy replays"
             return known[1]
     return "no _init_weights"
 
 
-def _walk(module: nn.Module, prefix: str, owner: Any, pretrained: type[Any],
-          seen: set[int]) -> Iterator[tuple[nn.Module, str, Any]]:
+def _walk(module: nn.Module, prefix: str, owner: Any, pretrained: type[Any], seen: set[int]) -> Iterator[tuple[nn.Module, str, Any]]:
     """(module, prefix, the PreTrainedModel whose _init_weights applies) in initialize_weights' order: children first."""
     for name, child in module.named_children():
         sub = f"{prefix}{name}."
@@ -292,8 +300,11 @@ def fill_buffers(module: nn.Module, pending: dict[str, tuple[nn.Module, str]], d
             assert old is not None
             mod._buffers[key] = fresh[name] = torch.empty(old.shape, dtype=old.dtype, device=device)
         versions = {name: t._version for name, t in fresh.items()}
-        flagged = [t for t in [*mod.parameters(), *mod.buffers()] if all(t is not f for f in fresh.values())
-                   and not getattr(t, "_is_hf_initialized", False)]
+        flagged = [
+            t
+            for t in [*mod.parameters(), *mod.buffers()]
+            if all(t is not f for f in fresh.values()) and not getattr(t, "_is_hf_initialized", False)
+        ]
         for t in flagged:
             setattr(t, "_is_hf_initialized", True)  # noqa: B010 (an attribute torch does not declare)
         try:

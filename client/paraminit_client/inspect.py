@@ -65,8 +65,9 @@ def _values(path: str | os.PathLike[str], e: Entry) -> Iterator[np.ndarray[Any, 
             n = min(CHUNK_ELEMENTS, count - i) * dt.itemsize
             buf = bytearray(n)
             if os.preadv(f.fileno(), [buf], e.start + i * dt.itemsize) != n:
-                raise SafetensorsError("the file ends inside the tensor's data (it changed while it was read)",
-                                       e.name).in_file(os.fspath(path))
+                raise SafetensorsError("the file ends inside the tensor's data (it changed while it was read)", e.name).in_file(
+                    os.fspath(path)
+                )
             yield np.frombuffer(buf, dtype=dt.numpy).astype(np.float64)
 
 
@@ -163,7 +164,7 @@ class Row:
 
     @property
     def status(self) -> str:
-        """"ok", "FLAG", or "-" when there is nothing to compare with."""
+        """ "ok", "FLAG", or "-" when there is nothing to compare with."""
         if self.problems:
             return "FLAG"
         return "ok" if self.expected is not None else "-"
@@ -272,8 +273,7 @@ def _judge_param(path: str | os.PathLike[str], e: Entry, p: plan_pb2.Param, row:
     return problems
 
 
-def _part_stats(chunks: Iterator[np.ndarray[Any, Any]], p: plan_pb2.Param,
-                patches: Sequence[plan_pb2.Patch]) -> list[Stats]:
+def _part_stats(chunks: Iterator[np.ndarray[Any, Any]], p: plan_pb2.Param, patches: Sequence[plan_pb2.Patch]) -> list[Stats]:
     """Statistics of each part of the tensor: [0] the base's elements, [j + 1] those patch j sets (the last patch
     covering an element wins, as when it was filled)."""
     region = shapes.region_of(p)
@@ -306,8 +306,7 @@ def _merged(a: Stats, b: Stats) -> Stats:
     n = a.count + b.count
     delta = b.mean - a.mean
     m2 = a.std * a.std * a.count + b.std * b.std * b.count + delta * delta * a.count * b.count / n
-    return Stats(n, a.mean + delta * b.count / n, math.sqrt(m2 / n), min(a.min, b.min), max(a.max, b.max),
-                 a.nonfinite + b.nonfinite)
+    return Stats(n, a.mean + delta * b.count / n, math.sqrt(m2 / n), min(a.min, b.min), max(a.max, b.max), a.nonfinite + b.nonfinite)
 
 
 # -- output ---------------------------------------------------------------------------------------------------------
@@ -323,13 +322,12 @@ def _shape(shape: Sequence[int]) -> str:
     return "x".join(str(d) for d in shape) if shape else "scalar"
 
 
-
 def _fit(text: str, width: int) -> str:
     """`text` cut in the middle to `width` characters (names differ most at both ends)."""
     if len(text) <= width:
         return text
     keep = width - 1
-    return text[:keep - keep // 2] + "~" + text[len(text) - keep // 2:]
+    return text[: keep - keep // 2] + "~" + text[len(text) - keep // 2 :]
 
 
 def format_table(report: Report, wide: bool = False, columns: int | None = None) -> str:
@@ -347,8 +345,7 @@ def format_table(report: Report, wide: bool = False, columns: int | None = None)
         The table, the FLAG lines and a summary line.
     """
     any_nonfinite = any(r.stats is not None and r.stats.nonfinite for r in report.rows)
-    cols: list[tuple[str, bool]] = [("name", False), ("dtype", False), ("shape", False), ("bytes", True),
-                                    ("mean", True), ("std", True)]
+    cols: list[tuple[str, bool]] = [("name", False), ("dtype", False), ("shape", False), ("bytes", True), ("mean", True), ("std", True)]
     if wide:
         cols += [("min", True), ("max", True)]
     if wide or any_nonfinite:
@@ -361,12 +358,23 @@ def format_table(report: Report, wide: bool = False, columns: int | None = None)
     lines: list[list[str]] = [[c for c, _ in cols]]
     for r in report.rows:
         s, x = r.stats, r.expected
-        cell = {"name": r.name, "dtype": r.dtype, "shape": _shape(r.shape), "bytes": format_size(r.nbytes),
-                "mean": _num(s.mean) if s else "-", "std": _num(s.std) if s else "-",
-                "min": _num(s.min) if s else "-", "max": _num(s.max) if s else "-",
-                "non-finite": str(s.nonfinite) if s else "-", "expected": x.label if x else "-",
-                "exp mean": _num(x.mean) if x else "-", "exp std": _num(x.std) if x else "-",
-                "exp min": _num(x.lo) if x else "-", "exp max": _num(x.hi) if x else "-", "check": r.status}
+        cell = {
+            "name": r.name,
+            "dtype": r.dtype,
+            "shape": _shape(r.shape),
+            "bytes": format_size(r.nbytes),
+            "mean": _num(s.mean) if s else "-",
+            "std": _num(s.std) if s else "-",
+            "min": _num(s.min) if s else "-",
+            "max": _num(s.max) if s else "-",
+            "non-finite": str(s.nonfinite) if s else "-",
+            "expected": x.label if x else "-",
+            "exp mean": _num(x.mean) if x else "-",
+            "exp std": _num(x.std) if x else "-",
+            "exp min": _num(x.lo) if x else "-",
+            "exp max": _num(x.hi) if x else "-",
+            "check": r.status,
+        }
         lines.append([cell[c] for c, _ in cols])
     widths = [max(len(row[i]) for row in lines) for i in range(len(cols))]
     if not wide and columns is not None:
@@ -374,8 +382,9 @@ def format_table(report: Report, wide: bool = False, columns: int | None = None)
         widths[0] = max(min(widths[0], columns - others), 12)
         for row in lines:
             row[0] = _fit(row[0], widths[0])
-    out = ["  ".join(c.rjust(w) if right else c.ljust(w) for c, w, (_, right) in zip(row, widths, cols, strict=True))
-           .rstrip() for row in lines]
+    out = [
+        "  ".join(c.rjust(w) if right else c.ljust(w) for c, w, (_, right) in zip(row, widths, cols, strict=True)).rstrip() for row in lines
+    ]
     for r in report.rows:
         for problem in r.problems:
             out.append(f"FLAG {r.name}: {problem}")
@@ -404,17 +413,21 @@ def to_json(report: Report) -> dict[str, Any]:
         item: dict[str, Any] = {"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "nbytes": r.nbytes}
         if r.stats is not None:
             s = r.stats
-            item.update(count=s.count, mean=_finite(s.mean), std=_finite(s.std), min=_finite(s.min),
-                        max=_finite(s.max), nonfinite=s.nonfinite)
+            item.update(
+                count=s.count, mean=_finite(s.mean), std=_finite(s.std), min=_finite(s.min), max=_finite(s.max), nonfinite=s.nonfinite
+            )
         if report.with_plan:
             x = r.expected
-            item["expected"] = None if x is None else {"init": x.label, "mean": x.mean, "std": x.std, "min": x.lo,
-                                                       "max": x.hi}
+            item["expected"] = None if x is None else {"init": x.label, "mean": x.mean, "std": x.std, "min": x.lo, "max": x.hi}
             item["check"] = r.status
             item["problems"] = list(r.problems)
         tensors.append(item)
-    out: dict[str, Any] = {"file": report.path, "metadata": report.metadata, "tensors": tensors,
-                           "total_bytes": sum(r.nbytes for r in report.rows)}
+    out: dict[str, Any] = {
+        "file": report.path,
+        "metadata": report.metadata,
+        "tensors": tensors,
+        "total_bytes": sum(r.nbytes for r in report.rows),
+    }
     if report.with_plan:
         out.update(missing=report.missing, ok=report.ok)
     return out
@@ -508,8 +521,7 @@ def _draw(ax: Any, r: Row, chunks: Iterator[np.ndarray[Any, Any]], bins: int, lo
         counts += np.histogram(c[np.isfinite(c)], bins=edges)[0]
     width = edges[1] - edges[0]
     density = counts / max(s.count, 1) / width
-    ax.bar(edges[:-1], density, width=width, align="edge", color="#8fb3d9", edgecolor="none",
-           label=f"values ({s.count:,})")
+    ax.bar(edges[:-1], density, width=width, align="edge", color="#8fb3d9", edgecolor="none", label=f"values ({s.count:,})")
     if x is not None:
         grid = np.linspace(lo, hi, 600)
         if x.density == "normal":
@@ -540,4 +552,3 @@ def _label(ax: Any, r: Row, s: Stats) -> None:
     ax.set_xlabel(f"value   (mean {s.mean:.4g}, std {s.std:.4g}, min {s.min:.4g}, max {s.max:.4g})", fontsize=8)
     ax.xaxis.set_major_locator(MaxNLocator(7))
     ax.legend(fontsize=8, loc="upper right")
-

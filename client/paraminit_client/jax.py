@@ -69,8 +69,9 @@ def plan_boxes(shape: Sequence[int], sharding: Any, perm: Sequence[int]) -> dict
     return out
 
 
-def materialize(plan: plan_pb2.Plan, client: Client | None = None, *, shardings: Any = None,
-                layouts: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+def materialize(
+    plan: plan_pb2.Plan, client: Client | None = None, *, shardings: Any = None, layouts: Mapping[str, Sequence[int]] | None = None
+) -> dict[str, Any]:
     """Every parameter of `plan` as a ``jax.Array``, each addressable shard filled from its own box only.
 
     Args:
@@ -100,8 +101,9 @@ def materialize(plan: plan_pb2.Plan, client: Client | None = None, *, shardings:
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     wide = [p.name for p in plan.params if p.dtype == plan_pb2.DTYPE_FLOAT64]
     if wide and jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
-        raise InvalidArgument(f"float64 parameters ({', '.join(map(repr, wide[:5]))}) need jax_enable_x64; JAX would "
-                         "silently hold them as float32")
+        raise InvalidArgument(
+            f"float64 parameters ({', '.join(map(repr, wide[:5]))}) need jax_enable_x64; JAX would silently hold them as float32"
+        )
 
     request = plan_pb2.Plan()
     wanted: list[tuple[plan_pb2.Param, Any, tuple[int, ...], dict[Any, tuple[str | None, Box]]]] = []

@@ -125,8 +125,7 @@ class PlanFileError(ParaminitError, ValueError):
     def __init__(self, file: str | None, problems: Sequence[PlanProblem]) -> None:
         self.file = file
         self.problems = list(problems)
-        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, self.text(),
-                         tuple(Violation(-1, "", q.where, q.message) for q in self.problems))
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, self.text(), tuple(Violation(-1, "", q.where, q.message) for q in self.problems))
 
     def __str__(self) -> str:
         return self.message
@@ -140,8 +139,7 @@ class PlanFileError(ParaminitError, ValueError):
 
     def to_json(self) -> list[dict[str, Any]]:
         """The problems as JSON objects: field (path), line (or null), message."""
-        return [{"field": q.where, "line": int(q.line.split(":")[0]) if q.line else None, "message": q.message}
-                for q in self.problems]
+        return [{"field": q.where, "line": int(q.line.split(":")[0]) if q.line else None, "message": q.message} for q in self.problems]
 
 
 def _plural(n: int, word: str) -> str:
@@ -164,13 +162,12 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _json_syntax(text: str, exc: json.JSONDecodeError) -> PlanProblem:
     """A JSON syntax error at the place to fix: a trailing comma is reported where the comma is, not at the
     next line's closing bracket."""
-    before = text[:exc.pos].rstrip()
+    before = text[: exc.pos].rstrip()
     if before.endswith(",") and exc.msg.startswith(("Expecting property name", "Expecting value")):
         pos = len(before) - 1
         line = text.count("\n", 0, pos) + 1
         column = pos - (text.rfind("\n", 0, pos) + 1) + 1
-        return PlanProblem((), "JSON syntax: a trailing comma (JSON allows none after the last item)",
-                           f"{line}:{column}")
+        return PlanProblem((), "JSON syntax: a trailing comma (JSON allows none after the last item)", f"{line}:{column}")
     return PlanProblem((), f"JSON syntax: {exc.msg}", f"{exc.lineno}:{exc.colno}")
 
 
@@ -211,8 +208,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> plan_pb2.Plan:
             and all of them), every value of the wrong type or sign, and initializers given twice.
     """
     if not isinstance(data, Mapping):
-        raise PlanFileError(None, [PlanProblem((), f"the top level must be an object with a 'params' list, "
-                                                   f"not {_kind(data)}")])
+        raise PlanFileError(None, [PlanProblem((), f"the top level must be an object with a 'params' list, not {_kind(data)}")])
     plan = plan_pb2.Plan()
     _parsed(data, plan)
     return plan
@@ -245,8 +241,10 @@ def _unknown_dtype(name: str) -> str:
     # a suggestion keeps the digits (bit widths) the user wrote: 'bf61' -> 'bf16', but 'float8' is no 'float'
     digits = sorted(c for c in word if c.isdigit())
     same_width = [c for c in choices if sorted(ch for ch in c if ch.isdigit()) == digits]
-    return (f"unknown dtype {name!r}{_nearest(word, same_width)}; valid: {', '.join(dtypes.NAMES)} "
-            f"(aliases: {', '.join(choices[len(dtypes.NAMES):])}, or DTYPE_FLOAT32 ...)")
+    return (
+        f"unknown dtype {name!r}{_nearest(word, same_width)}; valid: {', '.join(dtypes.NAMES)} "
+        f"(aliases: {', '.join(choices[len(dtypes.NAMES) :])}, or DTYPE_FLOAT32 ...)"
+    )
 
 
 def _nearest(word: str, choices: Sequence[str]) -> str:
@@ -261,12 +259,12 @@ def _nearest(word: str, choices: Sequence[str]) -> str:
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-            dict: "an object"}.get(type(value), type(value).__name__)
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}.get(
+        type(value), type(value).__name__
+    )
 
 
-def _walk(data: Any, desc: descriptor.Descriptor, path: tuple[str | int, ...],
-          problems: list[PlanProblem]) -> dict[str, Any]:
+def _walk(data: Any, desc: descriptor.Descriptor, path: tuple[str | int, ...], problems: list[PlanProblem]) -> dict[str, Any]:
     """Check `data` against the message `desc` recursively, appending every problem; returns what protobuf's
     parser should get (dtype names as enum names)."""
     if not isinstance(data, Mapping):
@@ -282,8 +280,9 @@ def _walk(data: Any, desc: descriptor.Descriptor, path: tuple[str | int, ...],
         if field is None:
             names = [f.json_name for f in desc.fields]
             what = "initializer" if is_init else "field"
-            problems.append(PlanProblem(path, f"unknown {what} {str(key)!r}{_nearest(str(key), names)}; valid: "
-                                        f"{', '.join(names)}", anchor=here))
+            problems.append(
+                PlanProblem(path, f"unknown {what} {str(key)!r}{_nearest(str(key), names)}; valid: {', '.join(names)}", anchor=here)
+            )
             continue
         if field.containing_oneof is not None and value is not None:
             oneofs.setdefault(field.containing_oneof.name, []).append(str(key))
@@ -291,13 +290,11 @@ def _walk(data: Any, desc: descriptor.Descriptor, path: tuple[str | int, ...],
     for group, keys in oneofs.items():
         if len(keys) > 1:
             what = "initializer" if is_init else f"member of {group}"
-            problems.append(PlanProblem(path, f"more than one {what}: {', '.join(map(repr, keys))}; give one",
-                                        anchor=(*path, keys[1])))
+            problems.append(PlanProblem(path, f"more than one {what}: {', '.join(map(repr, keys))}; give one", anchor=(*path, keys[1])))
     return out
 
 
-def _walk_value(value: Any, field: descriptor.FieldDescriptor, path: tuple[str | int, ...],
-                problems: list[PlanProblem]) -> Any:
+def _walk_value(value: Any, field: descriptor.FieldDescriptor, path: tuple[str | int, ...], problems: list[PlanProblem]) -> Any:
     if value is None:
         return None  # JSON null: the field's default
     if field.is_repeated:
@@ -310,11 +307,18 @@ def _walk_value(value: Any, field: descriptor.FieldDescriptor, path: tuple[str |
 
 _FD = descriptor.FieldDescriptor
 _UNSIGNED = (_FD.TYPE_UINT64, _FD.TYPE_UINT32, _FD.TYPE_FIXED64, _FD.TYPE_FIXED32)
-_INTS = {_FD.TYPE_INT32: (-(1 << 31), 1 << 31), _FD.TYPE_SINT32: (-(1 << 31), 1 << 31),
-         _FD.TYPE_SFIXED32: (-(1 << 31), 1 << 31), _FD.TYPE_INT64: (-(1 << 63), 1 << 63),
-         _FD.TYPE_SINT64: (-(1 << 63), 1 << 63), _FD.TYPE_SFIXED64: (-(1 << 63), 1 << 63),
-         _FD.TYPE_UINT32: (0, 1 << 32), _FD.TYPE_FIXED32: (0, 1 << 32), _FD.TYPE_UINT64: (0, 1 << 64),
-         _FD.TYPE_FIXED64: (0, 1 << 64)}
+_INTS = {
+    _FD.TYPE_INT32: (-(1 << 31), 1 << 31),
+    _FD.TYPE_SINT32: (-(1 << 31), 1 << 31),
+    _FD.TYPE_SFIXED32: (-(1 << 31), 1 << 31),
+    _FD.TYPE_INT64: (-(1 << 63), 1 << 63),
+    _FD.TYPE_SINT64: (-(1 << 63), 1 << 63),
+    _FD.TYPE_SFIXED64: (-(1 << 63), 1 << 63),
+    _FD.TYPE_UINT32: (0, 1 << 32),
+    _FD.TYPE_FIXED32: (0, 1 << 32),
+    _FD.TYPE_UINT64: (0, 1 << 64),
+    _FD.TYPE_FIXED64: (0, 1 << 64),
+}
 _FLOAT_WORDS = ("NaN", "Infinity", "-Infinity")
 
 
@@ -323,8 +327,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _walk_one(value: Any, field: descriptor.FieldDescriptor, path: tuple[str | int, ...],
-              problems: list[PlanProblem]) -> Any:
+def _walk_one(value: Any, field: descriptor.FieldDescriptor, path: tuple[str | int, ...], problems: list[PlanProblem]) -> Any:
     def wrong(expected: str) -> None:
         problems.append(PlanProblem(path, f"expected {expected}, got {_kind(value)} ({_short(value)})", anchor=path))
 
@@ -340,14 +343,14 @@ def _walk_one(value: Any, field: descriptor.FieldDescriptor, path: tuple[str | i
                     return None
             if value not in field.enum_type.values_by_name:
                 names = list(field.enum_type.values_by_name)
-                problems.append(PlanProblem(path, f"unknown value {value!r}{_nearest(value, names)}; valid: "
-                                            f"{', '.join(names)}", anchor=path))
+                problems.append(
+                    PlanProblem(path, f"unknown value {value!r}{_nearest(value, names)}; valid: {', '.join(names)}", anchor=path)
+                )
             return value
         return value if isinstance(value, int) and not isinstance(value, bool) else wrong("a name")
     if field.type in _INTS:
         number: Any = value
-        if (isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip())) or (
-                isinstance(value, float) and value.is_integer()):
+        if (isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip())) or (isinstance(value, float) and value.is_integer()):
             number = int(value)
         if not isinstance(number, int) or isinstance(number, bool):
             wrong("a whole number")
@@ -385,8 +388,13 @@ def plan_to_json(plan: plan_pb2.Plan) -> str:
     return json_format.MessageToJson(plan, indent=1)
 
 
-def param(name: str, shape: Sequence[int], init: plan_pb2.Init | Mapping[str, Any], dtype: str = "float32",
-          region: Sequence[tuple[int, int]] | None = None) -> plan_pb2.Param:
+def param(
+    name: str,
+    shape: Sequence[int],
+    init: plan_pb2.Init | Mapping[str, Any],
+    dtype: str = "float32",
+    region: Sequence[tuple[int, int]] | None = None,
+) -> plan_pb2.Param:
     """Build one Param; `init` may be an Init message or its JSON form, e.g. {"normal": {"std": 0.02, "seed": 1}}."""
     p = plan_pb2.Param(name=name, shape=list(shape), dtype=dtype_of(dtype).enum)  # type: ignore[arg-type]
     if isinstance(init, plan_pb2.Init):
@@ -426,8 +434,7 @@ def safetensors_header(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     with file_errors():
         header = st_header.read_file(path)
-    return {e.name: {"dtype": e.code, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
-            for e in header.tensors.values()}
+    return {e.name: {"dtype": e.code, "shape": list(e.shape), "data_offsets": [e.begin, e.end]} for e in header.tensors.values()}
 
 
 def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.Plan | None = None) -> plan_pb2.Plan:
@@ -460,7 +467,7 @@ def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.
         q.init.safetensors.tensor = tensor
         q.init.safetensors.dtype = dtype.enum  # type: ignore[assignment]
 
-    for p in (fallback_plan.params if fallback_plan is not None else ()):
+    for p in fallback_plan.params if fallback_plan is not None else ():
         named.add(p.name)
         q = out.params.add()
         q.CopyFrom(p)
@@ -480,8 +487,10 @@ def plan_from_safetensors(path: str | os.PathLike[str], fallback_plan: plan_pb2.
             continue
         dtype = entry.dtype
         if dtype is None:
-            problems.append(f"{entry.name}: checkpoint dtype {entry.code} is not one a plan can hold "
-                            f"({', '.join(d.safetensors for d in dtypes.SUPPORTED)})")
+            problems.append(
+                f"{entry.name}: checkpoint dtype {entry.code} is not one a plan can hold "
+                f"({', '.join(d.safetensors for d in dtypes.SUPPORTED)})"
+            )
             continue
         q = out.params.add(name=entry.name, shape=list(entry.shape), dtype=dtype.enum)
         reference(q, entry.name, dtype)

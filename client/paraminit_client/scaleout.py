@@ -21,8 +21,14 @@ from paraminit.regions import box_of
 from paraminit.v1 import plan_pb2
 from paraminit_client.errors import ParaminitError
 
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS,
+}
 DEFAULT_SPLIT_BYTES = 64 << 20
 
 
@@ -35,8 +41,7 @@ class Part:
     nbytes: int
 
 
-def split_plan(plan: plan_pb2.Plan, param_bytes: Sequence[int], n_parts: int,
-               split_bytes: int = DEFAULT_SPLIT_BYTES) -> list[Part]:
+def split_plan(plan: plan_pb2.Plan, param_bytes: Sequence[int], n_parts: int, split_bytes: int = DEFAULT_SPLIT_BYTES) -> list[Part]:
     """Parameters in balanced groups; one larger than split_bytes is cut into row regions first."""
     units: list[tuple[int, int, int, int]] = []  # (index, row0, row1, bytes)
     for i, p in enumerate(plan.params):
@@ -73,8 +78,12 @@ def split_plan(plan: plan_pb2.Plan, param_bytes: Sequence[int], n_parts: int,
     return parts
 
 
-def run_parts(parts: Sequence[Part], workers: Sequence[Any], fetch: Callable[[Any, plan_pb2.Plan], dict[str, Any]],
-              on_piece: Callable[[int, int, int, Any], None]) -> None:
+def run_parts(
+    parts: Sequence[Part],
+    workers: Sequence[Any],
+    fetch: Callable[[Any, plan_pb2.Plan], dict[str, Any]],
+    on_piece: Callable[[int, int, int, Any], None],
+) -> None:
     """Run every part concurrently, retrying retryable failures on the other workers."""
     alive = list(range(len(workers)))
     lock = threading.Lock()
@@ -116,8 +125,9 @@ def run_parts(parts: Sequence[Part], workers: Sequence[Any], fetch: Callable[[An
                     on_piece(i, r0, r1, arrays[name])
 
 
-def assemble(plan: plan_pb2.Plan, dtypes: Sequence[np.dtype[Any]]) -> tuple[dict[str, np.ndarray[Any, Any]],
-                                                                          Callable[[int, int, int, Any], None]]:
+def assemble(
+    plan: plan_pb2.Plan, dtypes: Sequence[np.dtype[Any]]
+) -> tuple[dict[str, np.ndarray[Any, Any]], Callable[[int, int, int, Any], None]]:
     """Output arrays for a plan and the callback that writes one piece into them."""
     out = {p.name: np.empty(tuple(b - a for a, b in box_of(p)), dtype=dt) for p, dt in zip(plan.params, dtypes, strict=True)}
     names = [p.name for p in plan.params]

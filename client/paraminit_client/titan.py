@@ -40,8 +40,7 @@ from paraminit_client.torch_rules import _ones, _orthogonal, _rule_of, _trunc_no
 __all__ = ["fill_buffers", "init_for", "refused_modules"]
 
 # init_states implementations that only re-tie weights before the standard recursion
-_PLAIN_INIT_STATES = {"torchtitan.protocols.module.Module.init_states",
-                      "torchtitan.models.common.decoder.Decoder.init_states"}
+_PLAIN_INIT_STATES = {"torchtitan.protocols.module.Module.init_states", "torchtitan.models.common.decoder.Decoder.init_states"}
 
 
 def _qualified(fn: Any) -> str:
@@ -96,10 +95,8 @@ def translate(fn: Callable[..., Any], seed: int) -> plan_pb2.Init | str | _Skip:
         base = _closure_var(func, "base_init")  # q, k and v each drawn by base_init, then interleaved
         return translate(base, seed) if base is not None else f"fused initializer {_qualified(func)} without base_init"
     table: dict[Any, Callable[[dict[str, Any]], plan_pb2.Init | str]] = {
-        nn.init.trunc_normal_: lambda a: _trunc_normal(float(a["mean"]), float(a["std"]), float(a["a"]),
-                                                       float(a["b"]), seed),
-        nn.init.normal_: lambda a: plan_pb2.Init(normal=plan_pb2.Normal(mean=float(a["mean"]), std=float(a["std"]),
-                                                                        seed=seed)),
+        nn.init.trunc_normal_: lambda a: _trunc_normal(float(a["mean"]), float(a["std"]), float(a["a"]), float(a["b"]), seed),
+        nn.init.normal_: lambda a: plan_pb2.Init(normal=plan_pb2.Normal(mean=float(a["mean"]), std=float(a["std"]), seed=seed)),
         nn.init.uniform_: lambda a: _uniform(float(a["a"]), float(a["b"]), seed),
         nn.init.zeros_: lambda a: _zeros(),
         nn.init.ones_: lambda a: _ones(),

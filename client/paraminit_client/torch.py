@@ -86,9 +86,16 @@ from paraminit_client.torch_rules import (
     _zeros,
 )
 
-__all__ = ["LEASE_ATTR", "POLICIES", "UnsupportedModuleError", "lease_of", "materialize_module", "meta_parameters",
-           "param_seed",
-           "plan_from_module"]
+__all__ = [
+    "LEASE_ATTR",
+    "POLICIES",
+    "UnsupportedModuleError",
+    "lease_of",
+    "materialize_module",
+    "meta_parameters",
+    "param_seed",
+    "plan_from_module",
+]
 
 # overrides(name, tensor) or overrides(name, tensor, module, module_name): the module owning the tensor under
 # `name` and its qualified name in the model ("" for the root); None leaves the tensor to the policy.
@@ -105,8 +112,10 @@ class UnsupportedModuleError(InvalidArgument):
     def __init__(self, problems: list[tuple[str, str, str]]) -> None:
         self.problems = problems
         lines = "\n".join(f"  {name} ({kind}): {reason}" for name, kind, reason in problems)
-        super().__init__(f"{len(problems)} tensor(s) have no initializer under this policy; pass `overrides` "
-                         f"returning an Init (or its JSON form) for them:\n{lines}")
+        super().__init__(
+            f"{len(problems)} tensor(s) have no initializer under this policy; pass `overrides` "
+            f"returning an Init (or its JSON form) for them:\n{lines}"
+        )
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -126,6 +135,7 @@ def param_seed(seed: int, name: str) -> int:
 
 
 # -- walking a module ---------------------------------------------------------------------
+
 
 def _owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """state_dict name -> (owning module, local key); a shared module appears under each of its names."""
@@ -154,8 +164,7 @@ def _is_plan_tensor(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-def _container_rules(module: nn.Module, policy: str, seed: int,
-                     inits: dict[str, plan_pb2.Init | str]) -> None:
+def _container_rules(module: nn.Module, policy: str, seed: int, inits: dict[str, plan_pb2.Init | str]) -> None:
     """Initializations a parent applies over its children's: MultiheadAttention zeroes out_proj.bias,
     nn.Transformer re-initializes every tensor of rank > 1 with Xavier-uniform."""
     for prefix, mod in module.named_modules(remove_duplicate=False):
@@ -166,8 +175,9 @@ def _container_rules(module: nn.Module, policy: str, seed: int,
             redefined = type(mod)._reset_parameters is not nn.Transformer._reset_parameters
             for name, p in mod.named_parameters(prefix=prefix):
                 if p.dim() > 1 and name in inits:
-                    inits[name] = (f"{type(mod).__name__} redefines Transformer._reset_parameters" if redefined
-                                   else _xavier(param_seed(seed, name)))
+                    inits[name] = (
+                        f"{type(mod).__name__} redefines Transformer._reset_parameters" if redefined else _xavier(param_seed(seed, name))
+                    )
 
 
 def _override_init(name: str, value: plan_pb2.Init | Mapping[str, Any], seed: int) -> plan_pb2.Init:
@@ -176,8 +186,7 @@ def _override_init(name: str, value: plan_pb2.Init | Mapping[str, Any], seed: in
         return value
     if not isinstance(value, Mapping):
         raise InvalidArgument(f"override for {name!r} must return an Init, a mapping or None, got {type(value).__name__}")
-    data = {k: ({**v, "seed": seed} if k in _SEEDED and isinstance(v, Mapping) and "seed" not in v else v)
-            for k, v in value.items()}
+    data = {k: ({**v, "seed": seed} if k in _SEEDED and isinstance(v, Mapping) and "seed" not in v else v) for k, v in value.items()}
     init = plan_pb2.Init()
     try:
         json_format.ParseDict(data, init)
@@ -201,8 +210,7 @@ def _module_names(module: nn.Module) -> dict[int, str]:
     return {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
 
 
-def plan_from_module(module: nn.Module, seed: int, policy: str = "torch",
-                     overrides: Override | None = None) -> plan_pb2.Plan:
+def plan_from_module(module: nn.Module, seed: int, policy: str = "torch", overrides: Override | None = None) -> plan_pb2.Plan:
     """One Param per distinct floating-point tensor of `module.state_dict()`, in its order.
 
     Names are state_dict names; a tied tensor appears once, under its first
@@ -258,7 +266,7 @@ def _plan_from_module(module: nn.Module, seed: int, policy: str, overrides: Over
         from paraminit_client import titan
 
         ties, refused = titan.tied_owners(module), titan.refused_modules(module)
-    for name, t in ([] if policy == "hf" else _distinct_tensors(module)):
+    for name, t in [] if policy == "hf" else _distinct_tensors(module):
         if not _is_plan_tensor(t):
             continue  # integer/bool buffers: not expressible in the plan's float dtypes (see materialize_module)
         tensors[name] = t
@@ -271,10 +279,8 @@ def _plan_from_module(module: nn.Module, seed: int, policy: str, overrides: Over
             inits[name] = "state_dict name not found among the module's parameters and persistent buffers"
             continue
         if policy == "torchtitan":
-            why = next((f"{r} (module {m!r})" for m, r in refused.items()
-                        if not m or name.startswith(m + ".")), None)
-            got_titan = why or titan.init_for([owner, *[o for o in ties.get(id(t), []) if o != owner]], t,
-                                              param_seed(seed, name))
+            why = next((f"{r} (module {m!r})" for m, r in refused.items() if not m or name.startswith(m + ".")), None)
+            got_titan = why or titan.init_for([owner, *[o for o in ties.get(id(t), []) if o != owner]], t, param_seed(seed, name))
             inits[name] = got_titan if got_titan is not None else f"{kinds[name]} has no rule for {owner[1]!r}"
             continue
         rule = _rule_of(owner[0])
@@ -294,8 +300,7 @@ def _plan_from_module(module: nn.Module, seed: int, policy: str, overrides: Over
         init = inits[name]
         if overrides is not None:
             owner = owners.get(name)
-            args = (name, t) if arity == 2 else (name, t, owner[0] if owner else None,
-                                                 mod_names.get(id(owner[0]), "") if owner else "")
+            args = (name, t) if arity == 2 else (name, t, owner[0] if owner else None, mod_names.get(id(owner[0]), "") if owner else "")
             custom = overrides(*args)
             if custom is not None:
                 init = _override_init(name, custom, param_seed(seed, name))
@@ -305,16 +310,21 @@ def _plan_from_module(module: nn.Module, seed: int, policy: str, overrides: Over
         elif isinstance(init, str):
             problems.append((name, kinds[name], init))
         else:
-            params.append(plan_pb2.Param(name=name, shape=list(t.shape), dtype=dtype, init=init,
-                                         patches=patches.get(name, [])))
+            params.append(plan_pb2.Param(name=name, shape=list(t.shape), dtype=dtype, init=init, patches=patches.get(name, [])))
     if problems:
         raise UnsupportedModuleError(problems)
     return plan_pb2.Plan(params=params)
 
 
-def _hf_inits(module: nn.Module, seed: int, owners: dict[str, tuple[nn.Module, str]],
-              inits: dict[str, plan_pb2.Init | str], patches: dict[str, list[plan_pb2.Patch]],
-              tensors: dict[str, torch.Tensor], kinds: dict[str, str]) -> None:
+def _hf_inits(
+    module: nn.Module,
+    seed: int,
+    owners: dict[str, tuple[nn.Module, str]],
+    inits: dict[str, plan_pb2.Init | str],
+    patches: dict[str, list[plan_pb2.Patch]],
+    tensors: dict[str, torch.Tensor],
+    kinds: dict[str, str],
+) -> None:
     """policy="hf" (paraminit_client.hf): transformers' own _init_weights, per distinct tensor."""
     names: dict[int, list[str]] = {}
     first: dict[int, tuple[str, torch.Tensor]] = {}
@@ -338,12 +348,12 @@ def _hf_inits(module: nn.Module, seed: int, owners: dict[str, tuple[nn.Module, s
 
 # -- materializing ------------------------------------------------------------------------
 
+
 def _lease_tensors(lease: Lease) -> dict[str, torch.Tensor]:
     """Views of the lease's buffer (host mapping or device memory), typed in torch, no copy."""
     buf = lease.buffer
     base = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else torch.utils.dlpack.from_dlpack(buf)
-    return {t.name: base[t.offset:t.offset + t.nbytes].view(_TORCH_DTYPES[t.dtype]).view(tuple(t.shape))
-            for t in lease.info.tensors}
+    return {t.name: base[t.offset : t.offset + t.nbytes].view(_TORCH_DTYPES[t.dtype]).view(tuple(t.shape)) for t in lease.info.tensors}
 
 
 def _choose(client: Client, device: torch.device, delivery: str) -> list[str]:
@@ -365,8 +375,9 @@ def _choose(client: Client, device: torch.device, delivery: str) -> list[str]:
     return [*order, "stream"]
 
 
-def _fetch(client: Client, plan: plan_pb2.Plan, device: torch.device, kind: str, ttl_seconds: float,
-           auto_renew: bool | None) -> tuple[dict[str, torch.Tensor], Lease | None]:
+def _fetch(
+    client: Client, plan: plan_pb2.Plan, device: torch.device, kind: str, ttl_seconds: float, auto_renew: bool | None
+) -> tuple[dict[str, torch.Tensor], Lease | None]:
     if kind == "in_process":
         host = device if device.type == "cpu" else torch.device("cpu")
         tensors = {p.name: torch.empty(out_shape(p), dtype=_TORCH_DTYPES[p.dtype], device=host) for p in plan.params}
@@ -393,10 +404,19 @@ def _fetch(client: Client, plan: plan_pb2.Plan, device: torch.device, kind: str,
     return moved, None
 
 
-def materialize_module(module: nn.Module, client: Client, device: str | torch.device = "cpu", delivery: str = "auto",
-                       *, plan: plan_pb2.Plan | None = None, seed: int = 0, policy: str = "torch",
-                       overrides: Override | None = None, ttl_seconds: float = 0.0,
-                       auto_renew: bool | None = None) -> Lease | None:
+def materialize_module(
+    module: nn.Module,
+    client: Client,
+    device: str | torch.device = "cpu",
+    delivery: str = "auto",
+    *,
+    plan: plan_pb2.Plan | None = None,
+    seed: int = 0,
+    policy: str = "torch",
+    overrides: Override | None = None,
+    ttl_seconds: float = 0.0,
+    auto_renew: bool | None = None,
+) -> Lease | None:
     """Replace the module's tensors (typically on meta) with real ones from the server; returns the lease, if any.
 
     `plan` defaults to plan_from_module(module, seed, policy, overrides).
@@ -440,13 +460,21 @@ def materialize_module(module: nn.Module, client: Client, device: str | torch.de
         ValueError: a delivery name, or a plan that does not match the module.
     """
     with _state_dict_as_parameters(module):
-        return _materialize_module(module, client, device, delivery, plan, seed, policy, overrides, ttl_seconds,
-                                   auto_renew)
+        return _materialize_module(module, client, device, delivery, plan, seed, policy, overrides, ttl_seconds, auto_renew)
 
 
-def _materialize_module(module: nn.Module, client: Client, device: str | torch.device, delivery: str,
-                        plan: plan_pb2.Plan | None, seed: int, policy: str, overrides: Override | None,
-                        ttl_seconds: float, auto_renew: bool | None) -> Lease | None:
+def _materialize_module(
+    module: nn.Module,
+    client: Client,
+    device: str | torch.device,
+    delivery: str,
+    plan: plan_pb2.Plan | None,
+    seed: int,
+    policy: str,
+    overrides: Override | None,
+    ttl_seconds: float,
+    auto_renew: bool | None,
+) -> Lease | None:
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # compare like with like: tensors report cuda:N
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -470,10 +498,13 @@ def _materialize_module(module: nn.Module, client: Client, device: str | torch.d
             why = "not in the plan" if name in state else "a non-persistent buffer the module cannot recompute"
             missing.append(f"{name} ({t.dtype}, {why})")
     if missing:
-        raise InvalidArgument("these tensors are still on meta and would stay unmaterialized: " + ", ".join(missing)
-                         + ". Build the model under paraminit_client.torch.meta_parameters() instead of "
-                         "torch.device('meta'): parameters stay on meta, buffers are computed for real, and "
-                         "materialize_module fills the parameters (pass overrides for parameters a policy refuses)")
+        raise InvalidArgument(
+            "these tensors are still on meta and would stay unmaterialized: "
+            + ", ".join(missing)
+            + ". Build the model under paraminit_client.torch.meta_parameters() instead of "
+            "torch.device('meta'): parameters stay on meta, buffers are computed for real, and "
+            "materialize_module fills the parameters (pass overrides for parameters a policy refuses)"
+        )
     full_plan = plan
     boxes: dict[str, tuple[tuple[int, int], ...]] = {}
     if any(distributed.is_dtensor(state[p.name]) for p in plan.params):
@@ -498,8 +529,9 @@ def _materialize_module(module: nn.Module, client: Client, device: str | torch.d
                 new = distributed.wrap(new, old, boxes[p.name], dev)
             assert new is not None
             fills[id(old)] = nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else new
-        module.load_state_dict({name: fills.get(id(t), t) if isinstance(t, torch.Tensor) else t
-                                for name, t in state.items()}, strict=True, assign=True)
+        module.load_state_dict(
+            {name: fills.get(id(t), t) if isinstance(t, torch.Tensor) else t for name, t in state.items()}, strict=True, assign=True
+        )
     except BaseException:
         if lease is not None:
             lease.release()
@@ -537,8 +569,7 @@ class _Held:
         return f"<paraminit lease {self.lease.lease_id if self.lease else None}>"
 
 
-_STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                     "_load_state_dict_post_hooks")
+_STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
 @contextlib.contextmanager
@@ -574,7 +605,7 @@ def _compute_transient_buffers(module: nn.Module, device: torch.device) -> None:
             if b is not None and b.is_meta:
                 pending[f"{prefix}.{key}" if prefix else key] = (mod, key)
     if pending and "transformers" in sys.modules:  # a transformers model implies transformers is loaded
-            hf.fill_buffers(module, pending, device)
+        hf.fill_buffers(module, pending, device)
     if pending and "torchtitan" in sys.modules:  # torchtitan modules compute theirs (RoPE caches)
         from paraminit_client import titan
 
@@ -626,8 +657,7 @@ def _check_plan(plan: plan_pb2.Plan, state: Mapping[str, Any]) -> None:
             problems.append(f"{p.name!r} is not a tensor of the module's state_dict")
             continue
         if list(p.shape) != list(t.shape) or _TORCH_DTYPES.get(p.dtype) != t.dtype:
-            problems.append(f"{p.name!r}: plan {plan_pb2.DType.Name(p.dtype)}{list(p.shape)} but module "
-                            f"{t.dtype}{list(t.shape)}")
+            problems.append(f"{p.name!r}: plan {plan_pb2.DType.Name(p.dtype)}{list(p.shape)} but module {t.dtype}{list(t.shape)}")
         if p.region:
             problems.append(f"{p.name!r}: a region (shard) cannot fill a whole module tensor")
     if problems:

@@ -20,13 +20,15 @@ from paraminit import dtypes
 from paraminit.shapes import fan_in_out
 from paraminit.v1 import plan_pb2
 
-_PLAN_DTYPES: dict[torch.dtype, plan_pb2.DType.ValueType] = {
-    getattr(torch, d.name): d.enum for d in dtypes.SUPPORTED}  # type: ignore[misc]
-_TORCH_DTYPES: dict[int, torch.dtype] = {e: getattr(torch, dtypes.by_enum(e).name)  # type: ignore[union-attr]
-                                         for e in plan_pb2.DType.values()}
+_PLAN_DTYPES: dict[torch.dtype, plan_pb2.DType.ValueType] = {getattr(torch, d.name): d.enum for d in dtypes.SUPPORTED}  # type: ignore[misc]
+_TORCH_DTYPES: dict[int, torch.dtype] = {
+    e: getattr(torch, dtypes.by_enum(e).name)  # type: ignore[union-attr]
+    for e in plan_pb2.DType.values()
+}
 
 
 # -- initializers -------------------------------------------------------------------------
+
 
 def _zeros() -> plan_pb2.Init:
     return plan_pb2.Init(zeros=plan_pb2.Zeros())
@@ -85,11 +87,13 @@ Rule = Callable[[Any, str, torch.Tensor, int, str], "plan_pb2.Init | str | None"
 
 def _lean(torch_rule: Rule) -> Rule:
     """The same tensors under "torchlean": Kaiming-uniform for rank >= 2, zeros below."""
+
     def rule(mod: Any, key: str, t: torch.Tensor, seed: int, policy: str) -> plan_pb2.Init | str | None:
         got = torch_rule(mod, key, t, seed, policy)
         if policy == "torchlean" and isinstance(got, plan_pb2.Init):
             return _kaiming(seed) if t.dim() >= 2 else _zeros()
         return got
+
     return rule
 
 
@@ -184,7 +188,8 @@ def _rule_of(mod: nn.Module) -> Rule | str:
 _BIT_PATTERNS: dict[str, dtypes.DTypeInfo] = {d.name: d for d in dtypes.SUPPORTED if d.via_ml_dtypes}
 # each such torch dtype -> the integer dtype of its width, which .numpy() knows
 _TORCH_BITS: dict[torch.dtype, torch.dtype] = {
-    _TORCH_DTYPES[d.enum]: {1: torch.uint8, 2: torch.int16}[d.itemsize] for d in _BIT_PATTERNS.values()}
+    _TORCH_DTYPES[d.enum]: {1: torch.uint8, 2: torch.int16}[d.itemsize] for d in _BIT_PATTERNS.values()
+}
 
 
 def _numpy_to_torch(a: np.ndarray[Any, Any]) -> torch.Tensor:

@@ -76,8 +76,7 @@ class Transport(Protocol):
 
     def health(self, service: str) -> str: ...
 
-    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader,
-                                                                                      Iterator[Chunk]]: ...
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader, Iterator[Chunk]]: ...
 
     def materialize(self, plan: plan_pb2.Plan, chunk_bytes: int, progress: Callable[[int], None] | None) -> Arrays: ...
 
@@ -101,8 +100,7 @@ class Transport(Protocol):
 # -- common to both --------------------------------------------------------------------------------------------------
 
 
-def land(chunks: Iterator[Chunk], put: Callable[[Chunk], None], progress: Callable[[int], None] | None = None,
-         depth: int = 8) -> None:
+def land(chunks: Iterator[Chunk], put: Callable[[Chunk], None], progress: Callable[[int], None] | None = None, depth: int = 8) -> None:
     """Check each chunk's CRC32C (where it carries one: it crossed a wire) and `put` it behind the thread that
     receives (paraminit.overlap: on a helper thread where cores allow, at most `depth` chunks in flight).
 
@@ -131,8 +129,10 @@ def copy_into(table: Any, chunks: Iterator[Chunk], outputs: Mapping[str, np.ndar
         rows: Iterable[tuple[str, int, int]] = zip(names, offsets, sizes, strict=True)
     else:
         rows = ((t.name, t.offset, t.nbytes) for t in table)
-    spans = sorted(((offset, offset + size, outputs[name].reshape(-1).view(np.uint8))
-                    for name, offset, size in rows if name in outputs), key=lambda s: s[0])
+    spans = sorted(
+        ((offset, offset + size, outputs[name].reshape(-1).view(np.uint8)) for name, offset, size in rows if name in outputs),
+        key=lambda s: s[0],
+    )
 
     def put(c: Chunk) -> None:
         lo, hi = c.offset, c.offset + len(c.data)
@@ -140,7 +140,7 @@ def copy_into(table: Any, chunks: Iterator[Chunk], outputs: Mapping[str, np.ndar
         for start, stop, out in spans:
             if start < hi and stop > lo:
                 a, b = max(start, lo), min(stop, hi)
-                out[a - start:b - start] = data[a - lo:b - lo]
+                out[a - start : b - start] = data[a - lo : b - lo]
 
     land(chunks, put)
 
@@ -161,8 +161,7 @@ class _Gate:
 
     def check(self) -> None:
         if self.forked():
-            raise ClientClosed(f"this {self.what} belongs to process {self.pid}; a forked child makes its own "
-                               "Client()")
+            raise ClientClosed(f"this {self.what} belongs to process {self.pid}; a forked child makes its own Client()")
         if self.closed:
             raise ClientClosed(f"this {self.what} is closed")
 
@@ -239,8 +238,7 @@ class LocalTransport:
             _ = self._plane.plane  # kernels loaded: SERVING (a failed start raises here)
         return "SERVING"
 
-    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader,
-                                                                                      Iterator[Chunk]]:
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader, Iterator[Chunk]]:
         with self._call():
             items = self._plane.stream(plan, chunk_bytes)
             header = next(items)
@@ -276,7 +274,7 @@ class LocalTransport:
         def pieces() -> Iterator[tuple[int, int, memoryview]]:
             yield dtype, count, raw[:chunk_bytes]
             for off in range(chunk_bytes, len(raw), chunk_bytes):
-                yield 0, 0, raw[off:off + chunk_bytes]
+                yield 0, 0, raw[off : off + chunk_bytes]
 
         with self._call():
             return str(self._plane.upload(pieces()))
@@ -319,9 +317,11 @@ def start_local(safetensors_dirs: str = "/") -> LocalTransport:
     try:
         from paraminit_server import embedded  # optional: the client can be installed alone
     except ImportError as exc:
-        raise ParaminitError(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"no target given and the embedded server is not installed ({exc}); "
-                             "pass Client('host:port') or install paraminit with its server") from None
+        raise ParaminitError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"no target given and the embedded server is not installed ({exc}); "
+            "pass Client('host:port') or install paraminit with its server",
+        ) from None
     return LocalTransport(embedded.InProcess.start("cpu", safetensors_dirs=safetensors_dirs))
 
 
@@ -374,8 +374,9 @@ def _verified_chunks(call: Any, total: int, check_crc: bool = True) -> Iterator[
                 if not isinstance(c, wire.Chunk):
                     c = wire.Chunk(c.chunk.offset, memoryview(c.chunk.data), c.chunk.crc32c)
                 if c.offset != expected or expected + len(c.data) > total:
-                    raise ParaminitError(grpc.StatusCode.DATA_LOSS,
-                                         f"out-of-order or oversized chunk at offset {c.offset} (expected {expected})")
+                    raise ParaminitError(
+                        grpc.StatusCode.DATA_LOSS, f"out-of-order or oversized chunk at offset {c.offset} (expected {expected})"
+                    )
                 if check_crc and crc32c.crc32c(c.data) != c.crc32c:
                     raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"CRC32C mismatch in chunk at offset {c.offset}")
                 expected += len(c.data)
@@ -391,8 +392,9 @@ class GrpcTransport:
 
     releases_at_exit = True  # the server keeps a lease to its TTL unless told
 
-    def __init__(self, target: str, channel: grpc.Channel, timeout: float | None, split_bytes: int,
-                 workers: Sequence[GrpcTransport] = ()) -> None:
+    def __init__(
+        self, target: str, channel: grpc.Channel, timeout: float | None, split_bytes: int, workers: Sequence[GrpcTransport] = ()
+    ) -> None:
         self.target = target
         self.timeout = timeout
         self.split_bytes = split_bytes
@@ -405,12 +407,15 @@ class GrpcTransport:
         self._finalizer = weakref.finalize(self, _close_channel, self._gate, channel)
         self.stub = pb_grpc.InitServiceStub(channel)
         # Uploads with the chunk codec: each message is encoded once, without a protobuf copy of the data.
-        self._upload = channel.stream_unary("/paraminit.v1.InitService/UploadPayload",
-                                            request_serializer=bytes, response_deserializer=pb.PayloadRef.FromString)
+        self._upload = channel.stream_unary(
+            "/paraminit.v1.InitService/UploadPayload", request_serializer=bytes, response_deserializer=pb.PayloadRef.FromString
+        )
         # Materialize with the chunk codec: payloads arrive as views, not as copies inside messages.
         self._materialize = channel.unary_stream(
             "/paraminit.v1.InitService/Materialize",
-            request_serializer=pb.MaterializeRequest.SerializeToString, response_deserializer=wire.decode_response)
+            request_serializer=pb.MaterializeRequest.SerializeToString,
+            response_deserializer=wire.decode_response,
+        )
 
     def call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         """One unary (or client-streaming) call of the raw stub, its failure as a ParaminitError."""
@@ -420,35 +425,34 @@ class GrpcTransport:
 
     def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
         r = self.call(self.stub.Validate, pb.ValidateRequest(plan=plan))
-        violations = tuple(Violation(v.index, v.name, v.field, v.message, LIMIT if v.limit else INVALID)
-                           for v in r.violations)
-        return ValidationReport(r.valid, r.fits_limits, violations, tuple(r.param_bytes), r.total_bytes,
-                                r.plan_digest)
+        violations = tuple(Violation(v.index, v.name, v.field, v.message, LIMIT if v.limit else INVALID) for v in r.violations)
+        return ValidationReport(r.valid, r.fits_limits, violations, tuple(r.param_bytes), r.total_bytes, r.plan_digest)
 
     def info(self) -> pb.GetInfoResponse:
         return self.call(self.stub.GetInfo, pb.GetInfoRequest())  # type: ignore[no-any-return]
 
     def health(self, service: str) -> str:
-        r = self.call(health_pb2_grpc.HealthStub(self._channel).Check, health_pb2.HealthCheckRequest(service=service),
-                      self.timeout or 5.0)
+        r = self.call(health_pb2_grpc.HealthStub(self._channel).Check, health_pb2.HealthCheckRequest(service=service), self.timeout or 5.0)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
-    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader,
-                                                                                      Iterator[Chunk]]:
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader, Iterator[Chunk]]:
         header, _table, chunks = self._open_stream(plan, chunk_bytes, check_crc, packed=False)
         return header, chunks
 
-    def _open_stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool,
-                     packed: bool = True) -> tuple[pb.StreamHeader, Any, Iterator[Chunk]]:
+    def _open_stream(
+        self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool, packed: bool = True
+    ) -> tuple[pb.StreamHeader, Any, Iterator[Chunk]]:
         """The header, its tensor table (TensorInfo messages, or a packed_table.Table when `packed` was asked
         for and the server packs) and the checked chunks. The header's checksum is verified here, before anyone
         writes a byte. A `packed` stream is for arrays: it comes without the safetensors prefix."""
         self._gate.check()
         # arrays need the table, not a file's JSON header: a packed stream leaves the prefix out
-        call = self._materialize(pb.MaterializeRequest(plan=plan, delivery=pb.DELIVERY_STREAM,
-                                                       chunk_bytes=chunk_bytes, packed_table=packed,
-                                                       omit_safetensors_prefix=packed),
-                                 timeout=self.timeout)
+        call = self._materialize(
+            pb.MaterializeRequest(
+                plan=plan, delivery=pb.DELIVERY_STREAM, chunk_bytes=chunk_bytes, packed_table=packed, omit_safetensors_prefix=packed
+            ),
+            timeout=self.timeout,
+        )
         with rpc_errors():
             first = first_response(call)
         if not isinstance(first, pb.MaterializeResponse) or first.WhichOneof("msg") != "header":
@@ -463,8 +467,7 @@ class GrpcTransport:
                 part = next(call, None)
             if not isinstance(part, pb.MaterializeResponse) or part.WhichOneof("msg") != "header_part":
                 call.cancel()
-                raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream header part {k + 1} of "
-                                     f"{header.header_parts} is missing")
+                raise ParaminitError(grpc.StatusCode.DATA_LOSS, f"stream header part {k + 1} of {header.header_parts} is missing")
             if is_packed:
                 groups.append(part.header_part.packed_tensors)
             else:
@@ -475,14 +478,14 @@ class GrpcTransport:
         if is_packed:
             joined = packed_table.join(groups)
             header.ClearField("packed_tensors")
-            ok = packed_table.checksum(header.safetensors_prefix, header.plan_digest, header.data_bytes,
-                                       joined) == header.header_crc32c
+            ok = packed_table.checksum(header.safetensors_prefix, header.plan_digest, header.data_bytes, joined) == header.header_crc32c
         else:
             ok = header_crc32c(header) == header.header_crc32c
         if not ok:
             call.cancel()
-            raise ParaminitError(grpc.StatusCode.DATA_LOSS, "stream header checksum mismatch: the prefix, tensor "
-                                 "table or digest was corrupted in transit")
+            raise ParaminitError(
+                grpc.StatusCode.DATA_LOSS, "stream header checksum mismatch: the prefix, tensor table or digest was corrupted in transit"
+            )
         if is_packed:
             try:
                 table = packed_table.Table(joined)
@@ -496,8 +499,7 @@ class GrpcTransport:
             return self._materialize_split(plan)
         return self._materialize_one(plan, chunk_bytes, progress)
 
-    def _materialize_one(self, plan: plan_pb2.Plan, chunk_bytes: int = 0,
-                         progress: Callable[[int], None] | None = None) -> Arrays:
+    def _materialize_one(self, plan: plan_pb2.Plan, chunk_bytes: int = 0, progress: Callable[[int], None] | None = None) -> Arrays:
         header, table, chunks = self._open_stream(plan, chunk_bytes, check_crc=False)
         # plain pages, faulted in by a helper thread ahead of the copies: huge pages are faster only where the
         # kernel has them free, and stall the stream where it must compact for them (host_buffer)
@@ -505,7 +507,7 @@ class GrpcTransport:
         prefault(buf)
 
         def put(c: Chunk) -> None:
-            buf[c.offset:c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
+            buf[c.offset : c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)
 
         land(chunks, put, progress)
         return arrays_from_buffer(table, buf)
@@ -542,7 +544,7 @@ class GrpcTransport:
         def encoded() -> Iterator[bytes]:  # PayloadChunk messages encoded once, with one copy of the data
             yield wire.encode_payload_chunk(raw[:chunk_bytes], dtype, count)
             for off in range(chunk_bytes, len(raw), chunk_bytes):
-                yield wire.encode_payload_chunk(raw[off:off + chunk_bytes])
+                yield wire.encode_payload_chunk(raw[off : off + chunk_bytes])
 
         return str(self.call(self._upload, encoded()).payload_id)
 
@@ -557,10 +559,12 @@ class GrpcTransport:
         if not self._gate.closed or self._gate.forked():  # a closed client's leases still release
             return bool(self.call(self.stub.Release, pb.ReleaseRequest(lease_id=lease_id), timeout).released)
         with rpc_errors():
-            released = bool(self.stub.Release(pb.ReleaseRequest(lease_id=lease_id),
-                                              timeout=self.timeout if timeout is None else timeout).released)
-        self._leases = weakref.WeakSet(x for x in self._leases if getattr(x, "lease_id", None) != lease_id
-                                       and not getattr(x, "released", True))
+            released = bool(
+                self.stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout if timeout is None else timeout).released
+            )
+        self._leases = weakref.WeakSet(
+            x for x in self._leases if getattr(x, "lease_id", None) != lease_id and not getattr(x, "released", True)
+        )
         if not self._leases:  # the last live lease of a closed client: now the channel goes
             self._channel.close()
         return released

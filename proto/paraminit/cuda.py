@@ -86,5 +86,6 @@ def local_ordinal(cp: Any, identity: str, uuid_of: UuidOf | None = None) -> int:
     for ordinal in range(count):
         if same_device(device_uuid(cp, ordinal, uuid_of=uuid_of), identity):
             return ordinal
-    raise LookupError(f"GPU {identity or '(unnamed)'} is not visible in this process ({count} visible device(s); "
-                      "check CUDA_VISIBLE_DEVICES)")
+    raise LookupError(
+        f"GPU {identity or '(unnamed)'} is not visible in this process ({count} visible device(s); check CUDA_VISIBLE_DEVICES)"
+    )

@@ -78,20 +78,45 @@ def _numpy_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(name)
 
 
-FLOAT32 = DTypeInfo(plan_pb2.DTYPE_FLOAT32, "float32", "F32", 4, np.dtype(np.float32), "float32",
-                    FMT_NATIVE, ("f32", "fp32", "float"), None, 23, -126)
-FLOAT64 = DTypeInfo(plan_pb2.DTYPE_FLOAT64, "float64", "F64", 8, np.dtype(np.float64), "float64",
-                    FMT_NATIVE, ("f64", "fp64", "double"), None, 52, -1022)
-FLOAT16 = DTypeInfo(plan_pb2.DTYPE_FLOAT16, "float16", "F16", 2, np.dtype(np.uint16), "float16",
-                    FMT_FLOAT16, ("f16", "fp16", "half"), None, 10, -14)
-BFLOAT16 = DTypeInfo(plan_pb2.DTYPE_BFLOAT16, "bfloat16", "BF16", 2, np.dtype(np.uint16), "ml_dtypes.bfloat16",
-                     FMT_BFLOAT16, ("bf16",), None, 7, -126)
+FLOAT32 = DTypeInfo(
+    plan_pb2.DTYPE_FLOAT32, "float32", "F32", 4, np.dtype(np.float32), "float32", FMT_NATIVE, ("f32", "fp32", "float"), None, 23, -126
+)
+FLOAT64 = DTypeInfo(
+    plan_pb2.DTYPE_FLOAT64, "float64", "F64", 8, np.dtype(np.float64), "float64", FMT_NATIVE, ("f64", "fp64", "double"), None, 52, -1022
+)
+FLOAT16 = DTypeInfo(
+    plan_pb2.DTYPE_FLOAT16, "float16", "F16", 2, np.dtype(np.uint16), "float16", FMT_FLOAT16, ("f16", "fp16", "half"), None, 10, -14
+)
+BFLOAT16 = DTypeInfo(
+    plan_pb2.DTYPE_BFLOAT16, "bfloat16", "BF16", 2, np.dtype(np.uint16), "ml_dtypes.bfloat16", FMT_BFLOAT16, ("bf16",), None, 7, -126
+)
 
-FLOAT8_E4M3FN = DTypeInfo(plan_pb2.DTYPE_FLOAT8_E4M3FN, "float8_e4m3fn", "F8_E4M3", 1, np.dtype(np.uint8),
-                          "ml_dtypes.float8_e4m3fn", FMT_F8E4M3, ("f8e4m3", "fp8_e4m3", "float8_e4m3", "e4m3"),
-                          448.0, 3, -6)
-FLOAT8_E5M2 = DTypeInfo(plan_pb2.DTYPE_FLOAT8_E5M2, "float8_e5m2", "F8_E5M2", 1, np.dtype(np.uint8),
-                        "ml_dtypes.float8_e5m2", FMT_F8E5M2, ("f8e5m2", "fp8_e5m2", "e5m2"), 57344.0, 2, -14)
+FLOAT8_E4M3FN = DTypeInfo(
+    plan_pb2.DTYPE_FLOAT8_E4M3FN,
+    "float8_e4m3fn",
+    "F8_E4M3",
+    1,
+    np.dtype(np.uint8),
+    "ml_dtypes.float8_e4m3fn",
+    FMT_F8E4M3,
+    ("f8e4m3", "fp8_e4m3", "float8_e4m3", "e4m3"),
+    448.0,
+    3,
+    -6,
+)
+FLOAT8_E5M2 = DTypeInfo(
+    plan_pb2.DTYPE_FLOAT8_E5M2,
+    "float8_e5m2",
+    "F8_E5M2",
+    1,
+    np.dtype(np.uint8),
+    "ml_dtypes.float8_e5m2",
+    FMT_F8E5M2,
+    ("f8e5m2", "fp8_e5m2", "e5m2"),
+    57344.0,
+    2,
+    -14,
+)
 
 SUPPORTED: tuple[DTypeInfo, ...] = (FLOAT32, FLOAT64, FLOAT16, BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2)
 EIGHT_BIT: tuple[DTypeInfo, ...] = (FLOAT8_E4M3FN, FLOAT8_E5M2)
@@ -115,8 +140,9 @@ def by_name(name: str) -> DTypeInfo:
     key = key.removeprefix("dtype_")
     found = _BY_NAME.get(key)
     if found is None:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(NAMES)} "
-                         f"(aliases: {', '.join(a for d in SUPPORTED for a in d.aliases)})")
+        raise ValueError(
+            f"unknown dtype {name!r}; expected one of {', '.join(NAMES)} (aliases: {', '.join(a for d in SUPPORTED for a in d.aliases)})"
+        )
     return found
 
 

@@ -66,6 +66,7 @@ _KURTOSIS_NORMAL, _KURTOSIS_UNIFORM = 3.0, 1.8
 
 # -- bounds (docs/SAMPLER.md section 3) ---------------------------------------------------------------------------------
 
+
 def xavier_bound(fan_in: int, fan_out: int) -> float:
     """sqrt(6 / (fanIn + fanOut)) with fans converted to binary64 first; 0 for zero fans."""
     denom = float(fan_in) + float(fan_out)
@@ -84,6 +85,7 @@ def trunc_bounds_ok(mean: float, std: float, lo: float, hi: float) -> bool:
 
 
 # -- value forms ----------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Const:
@@ -204,8 +206,13 @@ def value_bound(form: type, fields: Mapping[str, Any]) -> Any:
     return None
 
 
-_BOUND_WORDS = {Const: "its value", Uniform: "max(|lo|, |hi|)", Normal: "|mean| + std * 5.2566",
-                TruncNormal: "max(|lo|, |hi|)", Orthogonal: "|gain|"}
+_BOUND_WORDS = {
+    Const: "its value",
+    Uniform: "max(|lo|, |hi|)",
+    Normal: "|mean| + std * 5.2566",
+    TruncNormal: "max(|lo|, |hi|)",
+    Orthogonal: "|gain|",
+}
 
 
 def range_problem(dt: dtypes.DTypeInfo, form: ValueForm, field: str, largest: float | None = None) -> Problem | None:
@@ -233,11 +240,15 @@ def range_problem(dt: dtypes.DTypeInfo, form: ValueForm, field: str, largest: fl
     b = largest if bound is None else float(bound)
     if b is None or b <= dt.max_finite:
         return None
-    return (f"init.{field}", f"values could reach {b!r} ({words}), beyond {dt.max_finite:g}, the largest finite "
-                             f"{dt.name} value: an 8-bit parameter's values must stay within it")
+    return (
+        f"init.{field}",
+        f"values could reach {b!r} ({words}), beyond {dt.max_finite:g}, the largest finite "
+        f"{dt.name} value: an 8-bit parameter's values must stay within it",
+    )
 
 
 # -- the table ------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class InitKind:
@@ -297,9 +308,14 @@ def _check_truncated_normal(t: plan_pb2.TruncatedNormal, _s: Sequence[int]) -> l
     if t.std < 0:
         return [(where, "initialization: truncated normal standard deviation must be nonnegative")]
     if not trunc_bounds_ok(t.mean, t.std, t.lo, t.hi):
-        return [(where, f"truncated normal bounds [{t.lo!r}, {t.hi!r}] are too tight: they must hold "
-                        f"[mean - std / 2, mean + std / 2] = [{t.mean - 0.5 * t.std!r}, {t.mean + 0.5 * t.std!r}] "
-                        "(lo <= mean - 0.5 * std, hi >= mean + 0.5 * std)")]
+        return [
+            (
+                where,
+                f"truncated normal bounds [{t.lo!r}, {t.hi!r}] are too tight: they must hold "
+                f"[mean - std / 2, mean + std / 2] = [{t.mean - 0.5 * t.std!r}, {t.mean + 0.5 * t.std!r}] "
+                "(lo <= mean - 0.5 * std, hi >= mean + 0.5 * std)",
+            )
+        ]
     return []
 
 
@@ -318,8 +334,7 @@ def _check_flat(f: plan_pb2.Flat, shape: Sequence[int]) -> list[Problem]:
         out.append(("init.flat.values", length_message(expected, got)))
     nonfinite = np.flatnonzero(~np.isfinite(np.asarray(f.values, dtype=np.float64)))
     if nonfinite.size:
-        out.append(("init.flat.values", f"flat values must be finite ({nonfinite.size} not finite, first at index "
-                                        f"{nonfinite[0]})"))
+        out.append(("init.flat.values", f"flat values must be finite ({nonfinite.size} not finite, first at index {nonfinite[0]})"))
     return out
 
 
@@ -341,12 +356,21 @@ def _check_orthogonal(o: plan_pb2.Orthogonal, shape: Sequence[int]) -> list[Prob
     if out:
         return out
     if not math.isfinite(o.gain) or o.gain == 0.0:  # proto3 omits a zero: an unset gain reads 0, never PyTorch's 1
-        out.append(("init.orthogonal.gain", "orthogonal gain must be finite and not 0 (an omitted gain is 0: write "
-                                            "\"gain\": 1 for PyTorch's default)"))
+        out.append(
+            (
+                "init.orthogonal.gain",
+                'orthogonal gain must be finite and not 0 (an omitted gain is 0: write "gain": 1 for PyTorch\'s default)',
+            )
+        )
     rows, cols = _matrix(shape)
     if min(rows, cols) and rows * cols > ORTHOGONAL_MAX_WORK // min(rows, cols):
-        out.append(("init.orthogonal", f"an orthogonal {rows} x {cols} matrix is too large to factorize: rows * cols * "
-                                       f"min(rows, cols) must be at most 4096^3 ({ORTHOGONAL_MAX_WORK})"))
+        out.append(
+            (
+                "init.orthogonal",
+                f"an orthogonal {rows} x {cols} matrix is too large to factorize: rows * cols * "
+                f"min(rows, cols) must be at most 4096^3 ({ORTHOGONAL_MAX_WORK})",
+            )
+        )
     return out
 
 
@@ -437,41 +461,68 @@ def _kaiming_forms(f: FieldColumns, n: int) -> Forms:
 
 def _table() -> dict[str, InitKind]:
     kinds = [
-        InitKind("zeros", "zeros", False, False, lambda m, s: Const(0.0), _none, lambda m, s: "zeros",
-                 _const_forms(0.0)),
+        InitKind("zeros", "zeros", False, False, lambda m, s: Const(0.0), _none, lambda m, s: "zeros", _const_forms(0.0)),
         InitKind("ones", "ones", False, False, lambda m, s: Const(1.0), _none, lambda m, s: "ones", _const_forms(1.0)),
-        InitKind("uniform", "uniform", True, False, lambda m, s: Uniform(m.lo, m.hi, m.seed), _check_uniform,
-                 forms=_uniform_forms),
-        InitKind("normal", "normal", True, False, lambda m, s: Normal(m.mean, m.std, m.seed), _check_normal,
-                 forms=_normal_forms),
-        InitKind("xavier_uniform", "xavierUniform", True, False,
-                 lambda m, s: _symmetric(xavier_bound(m.fan_in, m.fan_out), m.seed), _none,
-                 lambda m, s: _xavier_label(m.fan_in, m.fan_out), _xavier_forms),
-        InitKind("kaiming_uniform", "kaimingUniform", True, False,
-                 lambda m, s: _symmetric(kaiming_bound(m.fan_in), m.seed), _none,
-                 lambda m, s: _kaiming_label(m.fan_in), _kaiming_forms),
+        InitKind("uniform", "uniform", True, False, lambda m, s: Uniform(m.lo, m.hi, m.seed), _check_uniform, forms=_uniform_forms),
+        InitKind("normal", "normal", True, False, lambda m, s: Normal(m.mean, m.std, m.seed), _check_normal, forms=_normal_forms),
+        InitKind(
+            "xavier_uniform",
+            "xavierUniform",
+            True,
+            False,
+            lambda m, s: _symmetric(xavier_bound(m.fan_in, m.fan_out), m.seed),
+            _none,
+            lambda m, s: _xavier_label(m.fan_in, m.fan_out),
+            _xavier_forms,
+        ),
+        InitKind(
+            "kaiming_uniform",
+            "kaimingUniform",
+            True,
+            False,
+            lambda m, s: _symmetric(kaiming_bound(m.fan_in), m.seed),
+            _none,
+            lambda m, s: _kaiming_label(m.fan_in),
+            _kaiming_forms,
+        ),
         InitKind("flat", "flat", False, True, lambda m, s: Inline(m.values), _check_flat),
-        InitKind("xavier_uniform_for_shape", "xavierUniformForShape", True, False,
-                 lambda m, s: _symmetric(xavier_bound(*fan_in_out(s)), m.seed),
-                 _rank2("Xavier", "xavier_uniform_for_shape"), lambda m, s: _xavier_label(*fan_in_out(s))),
-        InitKind("kaiming_uniform_for_shape", "kaimingUniformForShape", True, False,
-                 lambda m, s: _symmetric(kaiming_bound(fan_in_out(s)[0]), m.seed),
-                 _rank2("Kaiming", "kaiming_uniform_for_shape"), lambda m, s: _kaiming_label(fan_in_out(s)[0])),
+        InitKind(
+            "xavier_uniform_for_shape",
+            "xavierUniformForShape",
+            True,
+            False,
+            lambda m, s: _symmetric(xavier_bound(*fan_in_out(s)), m.seed),
+            _rank2("Xavier", "xavier_uniform_for_shape"),
+            lambda m, s: _xavier_label(*fan_in_out(s)),
+        ),
+        InitKind(
+            "kaiming_uniform_for_shape",
+            "kaimingUniformForShape",
+            True,
+            False,
+            lambda m, s: _symmetric(kaiming_bound(fan_in_out(s)[0]), m.seed),
+            _rank2("Kaiming", "kaiming_uniform_for_shape"),
+            lambda m, s: _kaiming_label(fan_in_out(s)[0]),
+        ),
         InitKind("flat_ref", "flatRef", False, True, lambda m, s: PayloadRef(m.payload_id), _check_flat_ref),
-        InitKind("safetensors", "safetensors", False, True, lambda m, s: Checkpoint(m.path, m.tensor, m.dtype),
-                 _check_safetensors),
-        InitKind("truncated_normal", "truncatedNormal", True, False,
-                 lambda m, s: TruncNormal(m.mean, m.std, m.lo, m.hi, m.seed), _check_truncated_normal,
-                 forms=_truncated_normal_forms),
+        InitKind("safetensors", "safetensors", False, True, lambda m, s: Checkpoint(m.path, m.tensor, m.dtype), _check_safetensors),
+        InitKind(
+            "truncated_normal",
+            "truncatedNormal",
+            True,
+            False,
+            lambda m, s: TruncNormal(m.mean, m.std, m.lo, m.hi, m.seed),
+            _check_truncated_normal,
+            forms=_truncated_normal_forms,
+        ),
         # computed from the whole matrix, so its values are data like a payload's (and not allowed in a patch)
-        InitKind("orthogonal", "orthogonal", True, True, _orthogonal, _check_orthogonal,
-                 lambda m, s: f"orthogonal(gain={_g(m.gain)})"),
+        InitKind("orthogonal", "orthogonal", True, True, _orthogonal, _check_orthogonal, lambda m, s: f"orthogonal(gain={_g(m.gain)})"),
     ]
     return {k.field: k for k in kinds}
 
 
 KINDS: dict[str, InitKind] = _table()  # by oneof field, in field-number order
-_NOT_SET = ("initializer is not set (expected one of " + ", ".join(KINDS) + ")")
+_NOT_SET = "initializer is not set (expected one of " + ", ".join(KINDS) + ")"
 
 
 def kind_of(init: plan_pb2.Init) -> InitKind | None:
@@ -496,8 +547,13 @@ def check(init: plan_pb2.Init | None, shape: Sequence[int], patch: bool = False)
         return [("init", _NOT_SET)]
     which = kind.field
     if patch and kind.flat:
-        return [(f"init.{which}", f"a patch cannot use {which} values (patches take "
-                                  f"{', '.join(k.field for k in KINDS.values() if k.patchable)} initializers)")]
+        return [
+            (
+                f"init.{which}",
+                f"a patch cannot use {which} values (patches take "
+                f"{', '.join(k.field for k in KINDS.values() if k.patchable)} initializers)",
+            )
+        ]
     if kind.checks is _none:  # most kinds of most plans: no call at all
         return []
     return kind.checks(getattr(init, which), shape)
@@ -525,6 +581,7 @@ SEEDED_JSON = frozenset(name for k in KINDS.values() if k.seeded for name in (k.
 
 
 # -- what a file should look like -----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Moments:
@@ -577,8 +634,7 @@ def moments(form: ValueForm, values: Any = None) -> Moments | None:
         return Moments(form.value, 0.0, form.value, form.value, 0.0, "point")
     if isinstance(form, Uniform):
         lo, hi = form.lo, form.hi
-        return Moments((lo + hi) / 2, (hi - lo) / math.sqrt(12), lo, hi, _KURTOSIS_UNIFORM,
-                       "uniform" if hi > lo else "point")
+        return Moments((lo + hi) / 2, (hi - lo) / math.sqrt(12), lo, hi, _KURTOSIS_UNIFORM, "uniform" if hi > lo else "point")
     if isinstance(form, Normal):
         m, s = form.mean, form.std
         return Moments(m, s, m - Z_MAX * s, m + Z_MAX * s, _KURTOSIS_NORMAL, "normal" if s > 0 else "point")
@@ -591,8 +647,7 @@ def moments(form: ValueForm, values: Any = None) -> Moments | None:
         v = np.asarray(form.values if values is None else values, dtype=np.float64)
         if v.size == 0:
             return None
-        return Moments(float(v.mean()), float(v.std()), float(v.min()), float(v.max()), 0.0,
-                       "point" if v.min() == v.max() else "")
+        return Moments(float(v.mean()), float(v.std()), float(v.min()), float(v.max()), 0.0, "point" if v.min() == v.max() else "")
     return None
 
 

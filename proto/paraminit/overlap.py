@@ -26,8 +26,7 @@ def helper_pays() -> bool:
     return len(os.sched_getaffinity(0)) >= HELPER_MIN_CPUS
 
 
-def behind(items: Iterable[T], work: Callable[[T], R], depth: int = 8,
-           threaded: bool | None = None) -> Iterator[R]:
+def behind(items: Iterable[T], work: Callable[[T], R], depth: int = 8, threaded: bool | None = None) -> Iterator[R]:
     """work(item) for each item, results in order; on a helper thread with at most `depth` items waiting,
     or inline (`threaded=None`: as helper_pays() says). An error stops at once: pending work is dropped and
     a generator source is closed (which cancels its call)."""

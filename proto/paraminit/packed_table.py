@@ -52,9 +52,16 @@ def pack(names: Sequence[str], dtypes: Any, shapes: Sequence[Sequence[int]], off
     if ranks.size and int(ranks.max()) > 255:
         raise ValueError("a rank over 255 cannot be packed")
     dims = np.fromiter(itertools.chain.from_iterable(shapes), dtype=_U64, count=int(ranks.sum()))
-    return Packed(len(names), lengths.tobytes(), blob, np.asarray(dtypes, dtype=_U8).tobytes(),
-                  ranks.astype(_U8).tobytes(), dims.tobytes(), np.asarray(offsets, dtype=_U64).tobytes(),
-                  np.asarray(nbytes, dtype=_U64).tobytes())
+    return Packed(
+        len(names),
+        lengths.tobytes(),
+        blob,
+        np.asarray(dtypes, dtype=_U8).tobytes(),
+        ranks.astype(_U8).tobytes(),
+        dims.tobytes(),
+        np.asarray(offsets, dtype=_U64).tobytes(),
+        np.asarray(nbytes, dtype=_U64).tobytes(),
+    )
 
 
 def split(packed: Packed, budget: int) -> list[Packed]:
@@ -76,9 +83,18 @@ def split(packed: Packed, budget: int) -> list[Packed]:
     dim_at = np.concatenate([[0], np.cumsum(ranks)])
     out = []
     for a, b in itertools.pairwise(cuts):
-        out.append(Packed(b - a, packed.name_lengths[4 * a:4 * b], packed.names[name_at[a]:name_at[b]],
-                          packed.dtypes[a:b], packed.ranks[a:b], packed.dims[8 * dim_at[a]:8 * dim_at[b]],
-                          packed.offsets[8 * a:8 * b], packed.nbytes[8 * a:8 * b]))
+        out.append(
+            Packed(
+                b - a,
+                packed.name_lengths[4 * a : 4 * b],
+                packed.names[name_at[a] : name_at[b]],
+                packed.dtypes[a:b],
+                packed.ranks[a:b],
+                packed.dims[8 * dim_at[a] : 8 * dim_at[b]],
+                packed.offsets[8 * a : 8 * b],
+                packed.nbytes[8 * a : 8 * b],
+            )
+        )
     return out
 
 
@@ -120,15 +136,19 @@ class Table:
 
     def __init__(self, packed: Packed) -> None:
         """Raises:
-            ValueError: the columns do not agree with each other or with `count`.
+        ValueError: the columns do not agree with each other or with `count`.
         """
         n = packed.count
         lengths = np.frombuffer(packed.name_lengths, dtype=_U32)
         ranks = np.frombuffer(packed.ranks, dtype=_U8)
         sizes = (lengths.size, len(packed.dtypes), ranks.size, len(packed.offsets) // 8, len(packed.nbytes) // 8)
-        if any(s != n for s in sizes) or len(packed.offsets) % 8 or len(packed.nbytes) % 8 \
-                or int(lengths.sum(dtype=np.int64)) != len(packed.names) \
-                or int(ranks.sum(dtype=np.int64)) * 8 != len(packed.dims):
+        if (
+            any(s != n for s in sizes)
+            or len(packed.offsets) % 8
+            or len(packed.nbytes) % 8
+            or int(lengths.sum(dtype=np.int64)) != len(packed.names)
+            or int(ranks.sum(dtype=np.int64)) * 8 != len(packed.dims)
+        ):
             raise ValueError("the packed tensor table's columns do not agree in length")
         self.names = _names(packed.names, lengths)
         self._dtypes = np.frombuffer(packed.dtypes, dtype=_U8)
@@ -142,16 +162,22 @@ class Table:
     def columns(self) -> tuple[list[str], list[int], list[tuple[int, ...]], list[int], list[int]]:
         """Names, dtype enums, shapes, offsets and byte counts, in plan order."""
         shapes = self._shapes
-        return (self.names, self._dtypes.tolist(), [shapes[i] for i in self._shape_ids.tolist()],
-                self._offsets.tolist(), self._nbytes.tolist())
+        return (
+            self.names,
+            self._dtypes.tolist(),
+            [shapes[i] for i in self._shape_ids.tolist()],
+            self._offsets.tolist(),
+            self._nbytes.tolist(),
+        )
 
     def runs(self) -> list[Run]:
         """The table as maximal runs (Run), in order: a plan of many small parameters has few."""
         return runs(self._dtypes, self._shapes, self._offsets, self._nbytes, self._shape_ids)
 
 
-def runs(dtypes: Any, shapes: Sequence[tuple[int, ...]], offsets: Any, nbytes: Any,
-         shape_ids: npt.NDArray[np.int64] | None = None) -> list[Run]:
+def runs(
+    dtypes: Any, shapes: Sequence[tuple[int, ...]], offsets: Any, nbytes: Any, shape_ids: npt.NDArray[np.int64] | None = None
+) -> list[Run]:
     """The maximal runs (Run) of a table given as columns (sequences or arrays), in order. With `shape_ids`, row
     i's shape is shapes[shape_ids[i]] and shapes are compared by id; else `shapes` has one per row."""
     n = len(shape_ids) if shape_ids is not None else len(shapes)
@@ -167,9 +193,18 @@ def runs(dtypes: Any, shapes: Sequence[tuple[int, ...]], offsets: Any, nbytes: A
         cut[1:] |= np.fromiter(map(operator.ne, shapes[1:], shapes[:-1]), dtype=bool, count=n - 1)
     firsts = np.flatnonzero(cut)
     picked = shape_ids[firsts].tolist() if shape_ids is not None else firsts.tolist()
-    return [Run(i, j, d, shapes[k], o, b) for i, j, d, k, o, b in
-            zip(firsts.tolist(), [*firsts[1:].tolist(), n], dt[firsts].tolist(), picked, off[firsts].tolist(),
-                size[firsts].tolist(), strict=True)]
+    return [
+        Run(i, j, d, shapes[k], o, b)
+        for i, j, d, k, o, b in zip(
+            firsts.tolist(),
+            [*firsts[1:].tolist(), n],
+            dt[firsts].tolist(),
+            picked,
+            off[firsts].tolist(),
+            size[firsts].tolist(),
+            strict=True,
+        )
+    ]
 
 
 def _names(blob: bytes, lengths: npt.NDArray[Any]) -> list[str]:

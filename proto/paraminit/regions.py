@@ -111,8 +111,13 @@ def runs(shape: Sequence[int], box: Box) -> Runs:
     lo_k, hi_k = box[k]
     if k == 0:
         return Runs(_NO_DIMS, _NO_DIMS, _NO_DIMS, lo_k * strides[0], (hi_k - lo_k) * strides[0])
-    return Runs(_i64([box[d][0] for d in range(k)]), _i64([box[d][1] - box[d][0] for d in range(k)]),
-                _i64(strides[:k]), lo_k * strides[k], (hi_k - lo_k) * strides[k])
+    return Runs(
+        _i64([box[d][0] for d in range(k)]),
+        _i64([box[d][1] - box[d][0] for d in range(k)]),
+        _i64(strides[:k]),
+        lo_k * strides[k],
+        (hi_k - lo_k) * strides[k],
+    )
 
 
 @dataclass(frozen=True)
@@ -153,8 +158,7 @@ class Region:
     @property
     def fits(self) -> bool:
         """Whether the box has the shape's rank and lies within it (what runs() needs)."""
-        return len(self.box) == len(self.shape) and all(
-            0 <= a <= b <= d for (a, b), d in zip(self.box, self.shape, strict=True))
+        return len(self.box) == len(self.shape) and all(0 <= a <= b <= d for (a, b), d in zip(self.box, self.shape, strict=True))
 
     def runs(self) -> Runs:
         """The region's runs in the full tensor's row-major order."""

@@ -34,9 +34,26 @@ METADATA = "__metadata__"
 
 # Bits per element of every dtype the safetensors format names.
 DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
-    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4,
-    "F6_E2M3": 6, "F6_E3M2": 6,
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
 }
 
 
@@ -44,8 +61,7 @@ class HeaderError(ValueError):
     """A header that breaks the format. `reason` never quotes the file's bytes; `tensor` (the entry's name,
     which is file content) and `position` (its place in the header, from 0) say which entry, when one does."""
 
-    def __init__(self, reason: str, tensor: str | None = None, position: int | None = None,
-                 path: str | None = None) -> None:
+    def __init__(self, reason: str, tensor: str | None = None, position: int | None = None, path: str | None = None) -> None:
         self.reason = reason
         self.tensor = tensor
         self.position = position
@@ -219,8 +235,7 @@ def _entry(name: str, position: int, entry: Any, data_start: int, size: int) -> 
         raise bad("data_offsets must be a list of two integers")
     begin, end = offsets
     if begin < 0 or end < begin or end - begin != nbytes:
-        raise bad(f"inconsistent data_offsets: they hold {max(end - begin, 0) if begin >= 0 else 'no'} bytes, "
-                  f"shape x dtype is {nbytes}")
+        raise bad(f"inconsistent data_offsets: they hold {max(end - begin, 0) if begin >= 0 else 'no'} bytes, shape x dtype is {nbytes}")
     if end > size:
         raise bad(f"ends at byte {data_start + end}, past the end of the file ({data_start + size} bytes)")
     return TensorEntry(name, code, tuple(shape), begin, end, data_start)
@@ -231,8 +246,7 @@ def _check_overlaps(tensors: dict[str, TensorEntry], header: dict[str, Any]) -> 
     spans = sorted((e.begin, e.end, e.name) for e in tensors.values() if e.end > e.begin)
     for (b0, e0, _), (b1, e1, name) in itertools.pairwise(spans):
         if b1 < e0:
-            raise HeaderError(f"data_offsets [{b1}, {e1}] overlap [{b0}, {e0}] of another tensor", name,
-                              list(header).index(name))
+            raise HeaderError(f"data_offsets [{b1}, {e1}] overlap [{b0}, {e0}] of another tensor", name, list(header).index(name))
 
 
 def read(read_at: Callable[[int, int], bytes], file_size: int) -> SafetensorsHeader:

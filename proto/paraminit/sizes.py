@@ -26,8 +26,7 @@ def parse_size(text: str | int) -> int:
         return text
     m = _SIZE.match(str(text))
     if m is None:
-        raise ValueError(f"{text!r} is not a size; write bytes (4096) or a number with a unit (512M, 2GiB, 1.5GB); "
-                         f"{UNITS_HELP}")
+        raise ValueError(f"{text!r} is not a size; write bytes (4096) or a number with a unit (512M, 2GiB, 1.5GB); {UNITS_HELP}")
     number, prefix, binary, _ = m.groups()
     power = _POWERS[prefix.lower()]
     decimal = bool(prefix) and not binary and m.group(4) != ""  # "MB": 1000**2; "M", "Mi", "MiB": 1024**2

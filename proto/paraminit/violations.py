@@ -45,7 +45,7 @@ def clip(text: str, limit: int) -> str:
     raw = text.encode("utf-8", "replace")
     if len(raw) <= limit:
         return text
-    return raw[:max(0, limit - 24)].decode("utf-8", "ignore") + f"... ({len(raw)} bytes)"
+    return raw[: max(0, limit - 24)].decode("utf-8", "ignore") + f"... ({len(raw)} bytes)"
 
 
 def camel_path(path: str) -> str:

@@ -119,12 +119,12 @@ def _fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
             length, pos = _read_varint(buf, pos)
             if pos + length > len(buf):
                 raise ValueError("truncated message")
-            yield field, buf[pos:pos + length]
+            yield field, buf[pos : pos + length]
             pos += length
         elif wire_type == _FIXED32:
             if pos + 4 > len(buf):
                 raise ValueError("truncated message")
-            yield field, int.from_bytes(buf[pos:pos + 4], "little")
+            yield field, int.from_bytes(buf[pos : pos + 4], "little")
             pos += 4
         elif wire_type == 1:
             pos += 8

@@ -19,8 +19,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "paraminit-server") -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description="Run the paraminit gRPC server.",
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog=prog, description="Run the paraminit gRPC server.", formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return parser
 

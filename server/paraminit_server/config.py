@@ -80,11 +80,26 @@ class ServerConfig:
 
 # Byte-size fields: flags and variables take human sizes (2GiB, 512M, ...; paraminit.sizes).
 # enumerated flags: argparse and the environment accept only these
-CHOICES: dict[str, tuple[str, ...]] = {"backend": ("auto", "cpu", "numpy", "cupy"), "log_format": ("text", "json"),
-                                       "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
-SIZE_FIELDS = frozenset({"max_plan_bytes", "max_param_bytes", "chunk_bytes", "max_chunk_bytes", "slab_bytes",
-                         "max_leased_bytes", "shm_pool_bytes", "memory_budget", "device_memory_budget",
-                         "max_payload_bytes", "max_leased_bytes_per_client"})
+CHOICES: dict[str, tuple[str, ...]] = {
+    "backend": ("auto", "cpu", "numpy", "cupy"),
+    "log_format": ("text", "json"),
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+}
+SIZE_FIELDS = frozenset(
+    {
+        "max_plan_bytes",
+        "max_param_bytes",
+        "chunk_bytes",
+        "max_chunk_bytes",
+        "slab_bytes",
+        "max_leased_bytes",
+        "shm_pool_bytes",
+        "memory_budget",
+        "device_memory_budget",
+        "max_payload_bytes",
+        "max_leased_bytes_per_client",
+    }
+)
 
 # What each knob means, for --help (README's configuration text says the same).
 HELP: dict[str, str] = {
@@ -94,7 +109,7 @@ HELP: dict[str, str] = {
     "device": "CUDA device ordinal for the cupy backend",
     "threads": "CPU kernel threads; 0 = every core; the default is the container's CPU quota (0 without one)",
     "workers": "gRPC worker threads: calls the server answers at once, queued ones included (keep it above "
-               "--max-concurrent + --max-queued, with room for health checks and lease calls)",
+    "--max-concurrent + --max-queued, with room for health checks and lease calls)",
     "max_plan_bytes": "largest plan (all its parameters' bytes) a call may materialize",
     "max_param_bytes": "largest single parameter",
     "max_concurrent": "materializations running at once; beyond it calls wait in line (--max-queued)",
@@ -106,28 +121,25 @@ HELP: dict[str, str] = {
     "max_leased_bytes": "bytes all live leases may hold together",
     "max_leases_per_client": "live leases one identity may hold",
     "max_leased_bytes_per_client": "bytes one identity's live leases may hold; 0 = three quarters of the smaller of "
-                                   "--max-leased-bytes and --memory-budget, so one identity's leases always leave "
-                                   "room for the others' streams",
+    "--max-leased-bytes and --memory-budget, so one identity's leases always leave "
+    "room for the others' streams",
     "max_concurrent_per_client": "materializations one identity may run at once; 0 = --max-concurrent less a "
-                                 "quarter (at least 1), so one identity never holds every slot",
+    "quarter (at least 1), so one identity never holds every slot",
     "max_queued_per_client": "calls one identity may have waiting in line; 0 = half of --max-queued (at least 1)",
     "shm_pool_bytes": "keep released SHM segments for the same identity's next export, up to this size; 0 = off",
     "metrics_port": "Prometheus HTTP port; 0 = off, -1 = any free port",
     "drain_seconds": "on SIGTERM, how long running streams may take to finish before the server exits",
     "memory_budget": "host bytes requests may hold (slabs, payloads, SHM exports); 0 = half of the memory available at "
-                     "start; the default is half the container's memory limit (0 without one)",
-    "device_memory_budget": "GPU bytes requests may hold (device slabs, CUDA IPC exports); 0 = half of the device "
-                            "memory free at start",
+    "start; the default is half the container's memory limit (0 without one)",
+    "device_memory_budget": "GPU bytes requests may hold (device slabs, CUDA IPC exports); 0 = half of the device memory free at start",
     "admission_wait": "longest wait (seconds) for memory when the client's deadline allows it; calls without a "
-                      "deadline are refused at once",
+    "deadline are refused at once",
     "max_queued": "calls that may wait for a concurrency slot (round-robin across identities, arrival order within "
-                  "one); beyond it RESOURCE_EXHAUSTED; keep --workers above --max-concurrent plus this",
-    "max_queue_wait": "longest wait (seconds) in line for a concurrency slot; a call waits at most half its "
-                      "deadline",
-    "queue_wait_no_deadline": "wait (seconds) in line for calls without a deadline; 0 = refuse them at once when "
-                              "every slot is taken",
+    "one); beyond it RESOURCE_EXHAUSTED; keep --workers above --max-concurrent plus this",
+    "max_queue_wait": "longest wait (seconds) in line for a concurrency slot; a call waits at most half its deadline",
+    "queue_wait_no_deadline": "wait (seconds) in line for calls without a deadline; 0 = refuse them at once when every slot is taken",
     "max_stall": "seconds a stream's client may stop reading, or an upload's client stop sending, before the call "
-                 "is cancelled and its slot and memory go back; 0 = never",
+    "is cancelled and its slot and memory go back; 0 = never",
     "tls_cert": "server certificate (PEM) for TLS; needs --tls-key",
     "tls_key": "server private key (PEM) for TLS; needs --tls-cert",
     "tls_ca": "CA certificate (PEM): clients must present a certificate it signed (mutual TLS)",
@@ -141,8 +153,6 @@ HELP: dict[str, str] = {
 }
 
 
-
-
 def _parse(name: str, raw: str, kind: type) -> Any:
     try:
         if name in SIZE_FIELDS:
@@ -152,8 +162,9 @@ def _parse(name: str, raw: str, kind: type) -> Any:
         return kind(raw)
     except ValueError as exc:
         why = f": {exc}" if name in SIZE_FIELDS else ""
-        raise ValueError(f"PARAMINIT_{name.upper()}={raw!r} is not a valid "
-                         f"{'size' if name in SIZE_FIELDS else kind.__name__}{why}") from None
+        raise ValueError(
+            f"PARAMINIT_{name.upper()}={raw!r} is not a valid {'size' if name in SIZE_FIELDS else kind.__name__}{why}"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser, version: bool = True) -> None:
@@ -166,16 +177,20 @@ def add_arguments(parser: argparse.ArgumentParser, version: bool = True) -> None
     defaults = ServerConfig()
     if version:
         parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.epilog = ("Each flag falls back to its PARAMINIT_* variable, then to its default; "
-                     f"{sizes.UNITS_HELP}.\n\n{exitcodes.SERVER_HELP}")
+    parser.epilog = f"Each flag falls back to its PARAMINIT_* variable, then to its default; {sizes.UNITS_HELP}.\n\n{exitcodes.SERVER_HELP}"
     for f in fields(ServerConfig):
         default = getattr(defaults, f.name)
         size = f.name in SIZE_FIELDS
         shown = sizes.exact_size(default) if size else repr(default)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=sizes.size_arg if size else type(default),
-                            default=None, metavar="SIZE" if size else None,
-                            choices=CHOICES[f.name] if f.name in ("backend", "log_format") else None,
-                            help=f"{HELP.get(f.name, '')} (env PARAMINIT_{f.name.upper()}; default {shown})")
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            type=sizes.size_arg if size else type(default),
+            default=None,
+            metavar="SIZE" if size else None,
+            choices=CHOICES[f.name] if f.name in ("backend", "log_format") else None,
+            help=f"{HELP.get(f.name, '')} (env PARAMINIT_{f.name.upper()}; default {shown})",
+        )
 
 
 def from_args(args: argparse.Namespace) -> ServerConfig:

@@ -31,8 +31,7 @@ from paraminit_server.plane.materializer import Materializer, PayloadPiece, Stre
 from paraminit_server.rpc import service
 from paraminit_server.rpc.server import Running, start
 
-__all__ = ["Failure", "InProcess", "Materializer", "Running", "ServerConfig", "data_plane",
-           "loopback_server", "serve_main"]
+__all__ = ["Failure", "InProcess", "Materializer", "Running", "ServerConfig", "data_plane", "loopback_server", "serve_main"]
 log = logging.getLogger("paraminit.server")
 
 # In process every caller is one of this process's own threads: a call beyond the concurrency limit waits in line
@@ -88,8 +87,7 @@ class InProcess:
             plane = ready
         self._ready = plane
         self._handlers: service.Handlers | None = None
-        self.caller = Caller(identity=f"uid:{os.getuid()}", local=True, wait=ServerConfig.admission_wait,
-                             queue_wait=IN_PROCESS_QUEUE_WAIT)
+        self.caller = Caller(identity=f"uid:{os.getuid()}", local=True, wait=ServerConfig.admission_wait, queue_wait=IN_PROCESS_QUEUE_WAIT)
 
     @classmethod
     def start(cls, backend: str = "cpu", **config: Any) -> InProcess:
@@ -125,8 +123,14 @@ class InProcess:
     def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
         report, digest = self.plane.validate(plan, self.caller)
         violations = tuple(report.violations)
-        return ValidationReport(not any(not v.is_limit for v in violations), not any(v.is_limit for v in violations),
-                         violations, tuple(report.param_bytes), int(report.total_bytes), digest)
+        return ValidationReport(
+            not any(not v.is_limit for v in violations),
+            not any(v.is_limit for v in violations),
+            violations,
+            tuple(report.param_bytes),
+            int(report.total_bytes),
+            digest,
+        )
 
     def info(self) -> pb.GetInfoResponse:
         if self._handlers is None:
@@ -139,15 +143,18 @@ class InProcess:
         lay, digest, buf = self.plane.fill_host(plan, self.caller, outputs)
         return (lay.spans() if outputs is None else []), digest, buf
 
-    def stream(self, plan: plan_pb2.Plan,
-               chunk_bytes: int = 0) -> Generator[pb.StreamHeader | tuple[int, Any], None, None]:
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int = 0) -> Generator[pb.StreamHeader | tuple[int, Any], None, None]:
         """A header, then (offset, host slab) pairs: for writing files without an extra copy."""
         it = self.plane.stream(plan, self.caller, chunk_bytes)
         with contextlib.closing(it):  # frees the slabs and the admission slot when the consumer stops early
             for item in it:
                 if isinstance(item, StreamStart):
-                    yield pb.StreamHeader(plan_digest=item.digest, safetensors_prefix=item.layout.prefix,
-                                          data_bytes=item.layout.data_bytes, tensors=service.tensor_infos(item.layout.spans()))
+                    yield pb.StreamHeader(
+                        plan_digest=item.digest,
+                        safetensors_prefix=item.layout.prefix,
+                        data_bytes=item.layout.data_bytes,
+                        tensors=service.tensor_infos(item.layout.spans()),
+                    )
                 elif isinstance(item, tuple):
                     yield item
 
@@ -170,8 +177,10 @@ class InProcess:
 
     def leases(self) -> list[pb.LeaseStatus]:
         now = time.time()
-        return [pb.LeaseStatus(lease=service._lease(rec), age=times.duration(now - rec.created), owner=rec.owner,
-                               plan_digest=rec.plan_digest) for rec in self.plane.list_leases(self.caller)]
+        return [
+            pb.LeaseStatus(lease=service._lease(rec), age=times.duration(now - rec.created), owner=rec.owner, plan_digest=rec.plan_digest)
+            for rec in self.plane.list_leases(self.caller)
+        ]
 
     def close(self) -> None:
         """Free every lease and pooled buffer of this data plane."""
@@ -180,4 +189,3 @@ class InProcess:
         except Exception:  # it never started: nothing to free
             return
         plane.close()
-

@@ -50,8 +50,7 @@ class ResourceExhausted(ParaminitServerError):
 
     code: ClassVar[str] = "RESOURCE_EXHAUSTED"
 
-    def __init__(self, message: str, violations: Sequence[Violation] = (), retry_after: float | None = None,
-                 reason: str = "limit") -> None:
+    def __init__(self, message: str, violations: Sequence[Violation] = (), retry_after: float | None = None, reason: str = "limit") -> None:
         self.violations = tuple(violations)
         self.retry_after = retry_after
         self.reason = reason
@@ -128,9 +127,11 @@ def classify(exc: BaseException, where: str) -> ParaminitServerError:
     if isinstance(exc, ParaminitServerError):
         return exc
     if isinstance(exc, MemoryError):  # allocation failed: everything of the request is already unwound
-        return ResourceExhausted(f"out of memory while materializing ({exc or 'allocation failed'}); retry in "
-                                 f"{MEMORY_RETRY_AFTER:g} s or free memory", retry_after=MEMORY_RETRY_AFTER,
-                                 reason="memory")
+        return ResourceExhausted(
+            f"out of memory while materializing ({exc or 'allocation failed'}); retry in {MEMORY_RETRY_AFTER:g} s or free memory",
+            retry_after=MEMORY_RETRY_AFTER,
+            reason="memory",
+        )
     error_id = uuid.uuid4().hex[:12]
     log.error("internal error %s in %s", error_id, where, exc_info=exc, extra={"error_id": error_id})
     return Internal(error_id, f"{type(exc).__name__}: {exc}")

@@ -123,8 +123,7 @@ class Ledger:
         with self.lock:
             return self._bytes[holder]
 
-    def claim(self, nbytes: int, holder: str = "", refusal: Refusal = lambda ledger, n, h: None,
-              wait: float = 0.0) -> Claim:
+    def claim(self, nbytes: int, holder: str = "", refusal: Refusal = lambda ledger, n, h: None, wait: float = 0.0) -> Claim:
         """Take `nbytes` for `holder` once `refusal(ledger, nbytes, holder)` (run under the lock) returns None.
 
         Args:

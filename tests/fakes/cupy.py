@@ -34,17 +34,18 @@ class Gpu:
         return self.uuid.split(b"\0", 1)[0]
 
 
-GPU_A = Gpu(bytes.fromhex("5a1f00c2" "0011" "2233" "4455" "66778899aabb"), "0000:1B:00.0")  # zero bytes inside
-GPU_B = Gpu(bytes.fromhex("0b7e3c41" "9a2d" "4c6f" "8e1b" "2f3a4b5c6d7e"), "0000:3B:00.0")  # starts with a zero nibble
-GPU_C = Gpu(bytes.fromhex("c3c3c3c3" "1111" "2222" "3333" "444455556666"), "0000:5E:00.0")  # no zero byte at all
+GPU_A = Gpu(bytes.fromhex("5a1f00c200112233445566778899aabb"), "0000:1B:00.0")  # zero bytes inside
+GPU_B = Gpu(bytes.fromhex("0b7e3c419a2d4c6f8e1b2f3a4b5c6d7e"), "0000:3B:00.0")  # starts with a zero nibble
+GPU_C = Gpu(bytes.fromhex("c3c3c3c3111122223333444455556666"), "0000:5E:00.0")  # no zero byte at all
 
 
 class CudaError(RuntimeError):
     """Stands in for cupy_backends' CUDARuntimeError: the status code is what matters."""
 
     def __init__(self, status: int) -> None:
-        super().__init__(f"status {status}: out of memory" if status == 2 else f"status {status}: an illegal memory "
-                         "access was encountered")  # both mention memory: only the status may decide
+        super().__init__(
+            f"status {status}: out of memory" if status == 2 else f"status {status}: an illegal memory access was encountered"
+        )  # both mention memory: only the status may decide
         self.status = status
 
 
@@ -95,7 +96,7 @@ class DeviceArray(np.ndarray):  # type: ignore[type-arg]
     def __new__(cls, shape: Any, dtype: Any = np.uint8, memptr: Any = None) -> DeviceArray:
         dt = np.dtype(dtype)
         n = int(np.prod(shape)) * dt.itemsize
-        host = memptr.mem.host[memptr.offset:memptr.offset + n]
+        host = memptr.mem.host[memptr.offset : memptr.offset + n]
         arr = host.view(dt).reshape(shape).view(cls)
         arr.proc, arr.device_id, arr.memptr = memptr.mem.proc, memptr.mem.device_id, memptr
         return arr
@@ -218,11 +219,16 @@ class FakeCupy:
                 getDeviceCount=lambda: len(self.visible),
                 getDeviceProperties=lambda i: {"name": b"Fake H200", "uuid": self.gpu(i).props_uuid},
                 deviceGetPCIBusId=lambda i: self.gpu(i).pci.lower(),
-                ipcGetMemHandle=ipc_get, ipcOpenMemHandle=ipc_open, ipcCloseMemHandle=ipc_close,
-                memGetInfo=mem_get_info),
+                ipcGetMemHandle=ipc_get,
+                ipcOpenMemHandle=ipc_open,
+                ipcCloseMemHandle=ipc_close,
+                memGetInfo=mem_get_info,
+            ),
             memory=types.SimpleNamespace(Memory=lambda size: FakeMemory(self, size)),
             UnownedMemory=lambda ptr, size, owner, device_id: FakeUnownedMemory(self, ptr, size, owner, device_id),
-            MemoryPointer=FakeMemoryPointer)
+            MemoryPointer=FakeMemoryPointer,
+        )
+
         class Event:
             def record(self) -> None:
                 proc.record("event_record")
@@ -276,8 +282,9 @@ class FakeCupy:
         if self.empty_failures:
             raise self.empty_failures.pop(0)
         count = int(np.prod(n))
-        mem = types.SimpleNamespace(host=np.full(count * np.dtype(dtype).itemsize, POISON, dtype=np.uint8),
-                                    proc=self, device_id=self.current())
+        mem = types.SimpleNamespace(
+            host=np.full(count * np.dtype(dtype).itemsize, POISON, dtype=np.uint8), proc=self, device_id=self.current()
+        )
         return DeviceArray((count,), dtype, FakeMemoryPointer(mem, 0))
 
 

@@ -75,8 +75,9 @@ class Backend(Protocol):
     def fill(self, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
         """Write local elements [l_begin, l_begin + len(out)) of p into out (p.dtype.storage, 1-D)."""
 
-    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
-                  should_stop: Callable[[], bool] | None = None) -> None:
+    def fill_plan(
+        self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None
+    ) -> None:
         """Whole parameters into one 1-D uint8 arena, parameter i at byte offsets[i]; raises errors.Cancelled
         between pieces of work once should_stop() is true."""
 

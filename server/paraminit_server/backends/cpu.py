@@ -91,8 +91,10 @@ class _Compiles:
                 if not self.announced:
                     self.announced = True
                     # says what it compiles: a later run that meets a new kind or dtype compiles that one too
-                    line = (f"{COMPILE_LINE} for each kind of value and dtype, then loaded from the cache; now: "
-                            f"{_kernel_words(disp.__name__, args)}")
+                    line = (
+                        f"{COMPILE_LINE} for each kind of value and dtype, then loaded from the cache; now: "
+                        f"{_kernel_words(disp.__name__, args)}"
+                    )
                     if logging.getLogger("paraminit").handlers:  # a server: its log format (JSON lines, ...)
                         log.info("%s", line)
                     else:
@@ -112,8 +114,17 @@ def _kernel_words(name: str, args: tuple[Any, ...]) -> str:
 
     _, _, code = name.rpartition("_k")
     kind = Kind(int(code)).name.lower() if code.isdigit() and int(code) in Kind._value2member_map_ else name
-    stores = sorted({a.dtype.name for a in args if isinstance(a, np.ndarray) and a.dtype.kind in "fu" and a.ndim == 1
-                     and a.dtype.itemsize in (1, 2, 4, 8) and a.dtype.name != "uint64"})
+    stores = sorted(
+        {
+            a.dtype.name
+            for a in args
+            if isinstance(a, np.ndarray)
+            and a.dtype.kind in "fu"
+            and a.ndim == 1
+            and a.dtype.itemsize in (1, 2, 4, 8)
+            and a.dtype.name != "uint64"
+        }
+    )
     return f"{kind} values" + (f" ({', '.join(stores)} arrays)" if stores else "")
 
 
@@ -217,12 +228,18 @@ class _Batch:
     def add(self, p: ResolvedParam, offset: int) -> bool:
         """Queue p (at byte `offset` of the arena) when fill_batch can fill it; False: fill it on its own."""
         dt, n, runs = p.dtype, p.numel, p.runs()
-        if not 0 < n <= self.piece or p.kind == Kind.FLAT or runs.run_len != n or runs.base or runs.outer_ext.shape[0] \
-                or offset % dt.itemsize:
+        if (
+            not 0 < n <= self.piece
+            or p.kind == Kind.FLAT
+            or runs.run_len != n
+            or runs.base
+            or runs.outer_ext.shape[0]
+            or offset % dt.itemsize
+        ):
             return False
         group = self.groups.get((dt.enum, p.kind))
         if group is None:
-            view = self.arena[:self.arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
+            view = self.arena[: self.arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
             group = self.groups[(dt.enum, p.kind)] = _Group(view, dt.fmt, p.kind)
         group.add(p, offset // dt.itemsize)
         return True
@@ -271,9 +288,18 @@ class _Group:
 
     def args(self) -> tuple[Any, ...]:
         i64, u64, f64 = np.int64, np.uint64, np.float64
-        return (self.out, np.array(self.starts, i64), np.array(self.counts, i64), np.array(self.keys, u64),
-                np.array(self.p0, f64), np.array(self.p1, f64), np.array(self.lo, f64), np.array(self.hi, f64),
-                np.array(self.seeds, u64), self.fmt)
+        return (
+            self.out,
+            np.array(self.starts, i64),
+            np.array(self.counts, i64),
+            np.array(self.keys, u64),
+            np.array(self.p0, f64),
+            np.array(self.p1, f64),
+            np.array(self.lo, f64),
+            np.array(self.hi, f64),
+            np.array(self.seeds, u64),
+            self.fmt,
+        )
 
     def run(self) -> None:
         if not self.starts:
@@ -291,8 +317,7 @@ def _fill_batch(kind: int, args: tuple[Any, ...]) -> None:
     kernel(*args)  # on the calling thread
 
 
-def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Offsets,
-                should_stop: Callable[[], bool] | None) -> None:
+def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None) -> None:
     """fill_plan from a ParamTable's columns: its small plain tensors by one fill_batch call per dtype and kind per
     FILL_WINDOW bytes, straight from the columns; the other rows as fill_plan fills any list."""
     t = params
@@ -311,13 +336,14 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
         dt = dtypes.by_enum(enum)
         assert dt is not None, "plain rows have a known dtype"
         rows = np.flatnonzero(batched & (t.dtype == enum) & (t.kernel == kind))
-        view = arena[:arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
+        view = arena[: arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
         window = np.cumsum(t.nbytes[rows]) // piece  # which piece each tensor's end falls in
         cuts = [0, *(np.flatnonzero(np.diff(window)) + 1).tolist(), rows.shape[0]]
         for a, b in itertools.pairwise(cuts):
             r = rows[a:b]
-            tasks.append((kind, (view, offs[r] // dt.itemsize, t.numel[r], t.key[r], t.p0[r], t.p1[r], t.lo[r],
-                                 t.hi[r], t.seed[r], dt.fmt)))
+            tasks.append(
+                (kind, (view, offs[r] // dt.itemsize, t.numel[r], t.key[r], t.p0[r], t.p1[r], t.lo[r], t.hi[r], t.seed[r], dt.fmt))
+            )
 
     def work(i: int) -> None:
         if should_stop is not None and should_stop():
@@ -362,8 +388,7 @@ class CpuBackend:
             if COMPILES.ensure(kernel, args, compile=compile, background=True):
                 kernel(*args)
         for group in _Batch.warm_up_groups(params):
-            if COMPILES.ensure(cpu_kernels.KERNELS[group.kind].fill_batch, group.args(), compile=compile,
-                               background=True):
+            if COMPILES.ensure(cpu_kernels.KERNELS[group.kind].fill_batch, group.args(), compile=compile, background=True):
                 group.run()
 
     def scratch(self, nbytes: int) -> Any:
@@ -383,7 +408,7 @@ class CpuBackend:
                 hi = min(n, lo + CONVERT_PIECE)
                 g_lo, g_hi = runs.global_index(l_begin + lo), runs.global_index(l_begin + hi - 1)
                 if g_hi - g_lo < 2 * (hi - lo):  # mostly contiguous: one slice
-                    part, at, piece_runs = values[g_lo:g_hi + 1].astype(np.float64), l_begin + lo, runs.shifted(g_lo)
+                    part, at, piece_runs = values[g_lo : g_hi + 1].astype(np.float64), l_begin + lo, runs.shifted(g_lo)
                 else:  # a sparse region (e.g. a column): gather just its elements, indexed 0..hi-lo
                     part = values[runs.global_indices(l_begin + lo, hi - lo)].astype(np.float64)
                     at, piece_runs = 0, Runs(_NO_INDEX, _NO_INDEX, _NO_INDEX, 0, hi - lo)
@@ -410,12 +435,28 @@ class CpuBackend:
     def _entry(p: ResolvedParam, out: Any, l_begin: int, runs: Runs, values: Any) -> tuple[Any, tuple[Any, ...]]:
         """The kernel of p's kind and its arguments to fill all of `out` (local elements l_begin...)."""
         return cpu_kernels.KERNELS[p.kind].fill, (
-            out, l_begin, l_begin + out.shape[0], l_begin, np.uint64(p.key), p.p0, p.p1, p.lo, p.hi,
-            np.uint64(p.seed), values, p.dtype.fmt, runs.outer_start, runs.outer_ext, runs.outer_stride, runs.base,
-            runs.run_len)
+            out,
+            l_begin,
+            l_begin + out.shape[0],
+            l_begin,
+            np.uint64(p.key),
+            p.p0,
+            p.p1,
+            p.lo,
+            p.hi,
+            np.uint64(p.seed),
+            values,
+            p.dtype.fmt,
+            runs.outer_start,
+            runs.outer_ext,
+            runs.outer_stride,
+            runs.base,
+            runs.run_len,
+        )
 
-    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
-                  should_stop: Callable[[], bool] | None = None) -> None:
+    def fill_plan(
+        self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None
+    ) -> None:
         """In windows of FILL_WINDOW bytes, so a cancelled request stops within one window's time.
 
         `should_stop` is asked before each window's worth of bytes, not before each parameter: a plan of
@@ -436,14 +477,14 @@ class CpuBackend:
             if batch.add(p, off):
                 since_check += p.nbytes
                 continue
-            out = arena[off:off + p.nbytes].view(p.dtype.storage)
+            out = arena[off : off + p.nbytes].view(p.dtype.storage)
             step = max(1, FILL_WINDOW // p.dtype.itemsize)
             for lo in range(0, p.numel, step):
                 if since_check >= FILL_WINDOW:
                     if should_stop is not None and should_stop():
                         raise Cancelled("client cancelled or deadline passed")
                     since_check = 0
-                piece = out[lo:lo + step]
+                piece = out[lo : lo + step]
                 self.fill(p, piece, lo)
                 since_check += piece.nbytes
         batch.run()

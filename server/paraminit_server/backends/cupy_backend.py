@@ -48,8 +48,7 @@ EPT = 8
 TILE = BLOCK * EPT
 WAVES = 4  # grid = whole waves of resident blocks, each striding over many tiles
 DESC_WORDS = 16
-(W_OUT, W_N, W_LBEGIN, W_KIND, W_OTYPE, W_KEY, W_P0, W_P1, W_VSHIFT, W_BASE, W_RUNLEN, W_NOUTER, W_DIMS, W_LO, W_HI,
- W_SEED) = range(16)
+(W_OUT, W_N, W_LBEGIN, W_KIND, W_OTYPE, W_KEY, W_P0, W_P1, W_VSHIFT, W_BASE, W_RUNLEN, W_NOUTER, W_DIMS, W_LO, W_HI, W_SEED) = range(16)
 OTYPE_F32, OTYPE_F64, OTYPE_F16, OTYPE_BF16, OTYPE_F8E4M3, OTYPE_F8E5M2 = range(6)
 
 _INCLUDE = '#include "paraminit_kernels.cuh"'
@@ -64,8 +63,7 @@ def otype(dt: dtypes.DTypeInfo) -> int:
     return _OTYPES.get(dt.fmt, OTYPE_F64 if dt.itemsize == 8 else OTYPE_F32)
 
 
-_OTYPES = {dtypes.FMT_FLOAT16: OTYPE_F16, dtypes.FMT_BFLOAT16: OTYPE_BF16, dtypes.FMT_F8E4M3: OTYPE_F8E4M3,
-           dtypes.FMT_F8E5M2: OTYPE_F8E5M2}
+_OTYPES = {dtypes.FMT_FLOAT16: OTYPE_F16, dtypes.FMT_BFLOAT16: OTYPE_BF16, dtypes.FMT_F8E4M3: OTYPE_F8E4M3, dtypes.FMT_F8E5M2: OTYPE_F8E5M2}
 
 
 def kernel_source() -> str:
@@ -157,7 +155,7 @@ def pack(jobs: Sequence[Job]) -> Packed:
                 row[W_VSHIFT] = job.l_begin - vpos
                 vpos += n
             else:
-                values.append(np.ascontiguousarray(p.values[g_lo:g_hi + 1], dtype=np.float64))
+                values.append(np.ascontiguousarray(p.values[g_lo : g_hi + 1], dtype=np.float64))
                 row[W_VSHIFT] = g_lo - vpos
                 vpos += g_hi + 1 - g_lo
         rows.append(row)
@@ -201,10 +199,10 @@ def pack_table(table: ParamTable, offsets: Offsets) -> Packed:
     desc[:, W_RUNLEN] = n  # one run from element 0 (base 0, no outer dims)
     tiles = -(-n // TILE)
     head = int(tiles.sum())
-    rest_desc = rest.meta[:rest.njobs * DESC_WORDS]
-    rest_tiles = rest.meta[rest.njobs * DESC_WORDS:rest.dims_at]
+    rest_desc = rest.meta[: rest.njobs * DESC_WORDS]
+    rest_tiles = rest.meta[rest.njobs * DESC_WORDS : rest.dims_at]
     tile_start = np.concatenate([[0], np.cumsum(tiles), head + rest_tiles[1:]]).astype(np.int64)
-    meta = np.concatenate([desc.reshape(-1), rest_desc, tile_start, rest.meta[rest.dims_at:]])
+    meta = np.concatenate([desc.reshape(-1), rest_desc, tile_start, rest.meta[rest.dims_at :]])
     end = max(int((offs[plain] + n * table.itemsize[plain]).max()) if plain.size else 0, rest.end_bytes)
     return Packed(meta, rest.values, plain.shape[0] + rest.njobs, head + rest.total_tiles, end)
 
@@ -227,8 +225,10 @@ def _import_cupy() -> Any:
     try:
         import cupy
     except ImportError as exc:
-        raise BackendUnavailable(f"cupy backend unavailable: CuPy is not installed ({_one_line(exc)}); "
-                                 "install paraminit[gpu-cuda13] (CUDA 13) or paraminit[gpu] (CUDA 12) to use the GPU") from None
+        raise BackendUnavailable(
+            f"cupy backend unavailable: CuPy is not installed ({_one_line(exc)}); "
+            "install paraminit[gpu-cuda13] (CUDA 13) or paraminit[gpu] (CUDA 12) to use the GPU"
+        ) from None
     except Exception as exc:  # a broken CUDA install can fail the import in many ways
         raise BackendUnavailable(f"cupy backend unavailable: importing CuPy failed ({_one_line(exc)})") from None
     return cupy
@@ -290,8 +290,7 @@ def _occupancy_attributes(cp: Any, device_id: int) -> dict[str, int]:
         try:
             out[name] = int(cp.cuda.runtime.deviceGetAttribute(code, device_id))
         except Exception as exc:
-            log.warning("device %d: attribute %s unreadable (%s); sizing grids with %d", device_id, name,
-                        _one_line(exc), default)
+            log.warning("device %d: attribute %s unreadable (%s); sizing grids with %d", device_id, name, _one_line(exc), default)
             out[name] = default
     return out
 
@@ -342,8 +341,12 @@ def prepare_jobs(jobs: Sequence[Job] | Packed, arena: Any) -> Callable[[], None]
 
     def launch() -> None:
         with arena.device:
-            k.fill_plan((_grid(packed.total_tiles, k.fill_plan_grid),), (BLOCK,),
-                        (arena, meta, np.int32(packed.njobs), np.int64(packed.total_tiles), values))
+            k.fill_plan(
+                (_grid(packed.total_tiles, k.fill_plan_grid),),
+                (BLOCK,),
+                (arena, meta, np.int32(packed.njobs), np.int64(packed.total_tiles), values),
+            )
+
     return launch
 
 
@@ -495,21 +498,37 @@ class CupyBackend:
         n_outer = int(row[W_NOUTER])
         with self._device:
             k = kernels(self._ordinal)
-            dims = cp.asarray(packed.meta[packed.dims_at:]) if n_outer else _null()
+            dims = cp.asarray(packed.meta[packed.dims_at :]) if n_outer else _null()
             values = cp.asarray(packed.values) if packed.values.size else _null()
-        args = (out, np.int64(n), np.int64(l_begin), np.int32(row[W_KIND]), np.int32(row[W_OTYPE]),
-                row.view(np.uint64)[W_KEY], row.view(np.float64)[W_P0], row.view(np.float64)[W_P1],
-                values, np.int64(row[W_VSHIFT]), dims, np.int32(n_outer),
-                np.int64(row[W_BASE]), np.int64(row[W_RUNLEN]), row.view(np.float64)[W_LO],
-                row.view(np.float64)[W_HI], row.view(np.uint64)[W_SEED])
+        args = (
+            out,
+            np.int64(n),
+            np.int64(l_begin),
+            np.int32(row[W_KIND]),
+            np.int32(row[W_OTYPE]),
+            row.view(np.uint64)[W_KEY],
+            row.view(np.float64)[W_P0],
+            row.view(np.float64)[W_P1],
+            values,
+            np.int64(row[W_VSHIFT]),
+            dims,
+            np.int32(n_outer),
+            np.int64(row[W_BASE]),
+            np.int64(row[W_RUNLEN]),
+            row.view(np.float64)[W_LO],
+            row.view(np.float64)[W_HI],
+            row.view(np.uint64)[W_SEED],
+        )
 
         def launch() -> None:
             with self._device:
                 k.fill((_grid(packed.total_tiles, k.fill_grid),), (BLOCK,), args)
+
         return launch
 
-    def fill_plan(self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
-                  should_stop: Callable[[], bool] | None = None) -> None:
+    def fill_plan(
+        self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None
+    ) -> None:
         """Whole parameters into one arena in one launch (see the module-level fill_plan)."""
         if should_stop is not None and should_stop():
             raise Cancelled("client cancelled or deadline passed")

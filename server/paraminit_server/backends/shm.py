@@ -64,8 +64,9 @@ def instance_tag() -> str:
                         os.unlink(tmp)
                     raise
             except OSError as exc:  # a full or inode-less /dev/shm: no segments here, nothing else is affected
-                raise errors.ResourceExhausted(f"shared memory is unavailable: cannot take an instance lock in "
-                                               f"{d}: {exc.strerror or exc}") from None
+                raise errors.ResourceExhausted(
+                    f"shared memory is unavailable: cannot take an instance lock in {d}: {exc.strerror or exc}"
+                ) from None
             _instance = (tag, fd, os.getpid())
             atexit.register(release_instance)
             sweep()
@@ -122,7 +123,7 @@ def sweep() -> list[str]:
     except OSError:
         return removed
     for name in locks:
-        tag = name[:-len(".lock")]
+        tag = name[: -len(".lock")]
         if tag == own:
             continue
         path = os.path.join(d, name)

@@ -75,8 +75,10 @@ class MemoryBudget:
             if ledger.total + n <= self.limit:
                 return None
             return errors.ResourceExhausted(
-                f"{what} needs {n} bytes of {self.name} memory, {self.limit - ledger.total} of "
-                f"{self.limit} are available now; retry later", retry_after=errors.MEMORY_RETRY_AFTER, reason="memory")
+                f"{what} needs {n} bytes of {self.name} memory, {self.limit - ledger.total} of {self.limit} are available now; retry later",
+                retry_after=errors.MEMORY_RETRY_AFTER,
+                reason="memory",
+            )
 
         return self.ledger.claim(nbytes, what, refusal, wait)
 
@@ -102,14 +104,13 @@ class SlotQueue:
     newcomer cannot overtake the queue. Refusals raise ResourceExhausted with a retry hint sized from how
     long slots have recently been held."""
 
-    def __init__(self, slots: int, max_queued: int = 0, slots_per_identity: int = 0,
-                 queued_per_identity: int = 0) -> None:
+    def __init__(self, slots: int, max_queued: int = 0, slots_per_identity: int = 0, queued_per_identity: int = 0) -> None:
         """Args:
-            slots: concurrency slots.
-            max_queued: calls that may wait in line.
-            slots_per_identity: slots one identity may hold at once; 0: all but a quarter (at least one), so a
-                caller with many threads, or with stalled calls, never holds every slot.
-            queued_per_identity: places in line one identity may take; 0: half of them (at least one).
+        slots: concurrency slots.
+        max_queued: calls that may wait in line.
+        slots_per_identity: slots one identity may hold at once; 0: all but a quarter (at least one), so a
+            caller with many threads, or with stalled calls, never holds every slot.
+        queued_per_identity: places in line one identity may take; 0: half of them (at least one).
         """
         self.slots = slots
         self.max_queued = max_queued
@@ -147,19 +148,33 @@ class SlotQueue:
                 return 0.0
             if wait <= 0:
                 if capped:
-                    raise self._refuse("identity_share", f"this client holds {self._held[identity]} of the "
-                                       f"{self.slots} concurrency slots, its share; retry later (give the call a "
-                                       "deadline to wait in line)", self.queued)
-                raise self._refuse("busy", f"server is at its limit of {self.slots} concurrent materializations; "
-                                           "retry later (give the call a deadline to wait in line)", self.queued)
+                    raise self._refuse(
+                        "identity_share",
+                        f"this client holds {self._held[identity]} of the "
+                        f"{self.slots} concurrency slots, its share; retry later (give the call a "
+                        "deadline to wait in line)",
+                        self.queued,
+                    )
+                raise self._refuse(
+                    "busy",
+                    f"server is at its limit of {self.slots} concurrent materializations; "
+                    "retry later (give the call a deadline to wait in line)",
+                    self.queued,
+                )
             if self.queued >= self.max_queued:
-                raise self._refuse("queue_full", f"server is at its limit of {self.slots} concurrent "
-                                                 f"materializations and {self.max_queued} queued calls; retry later",
-                                   self.queued)
+                raise self._refuse(
+                    "queue_full",
+                    f"server is at its limit of {self.slots} concurrent materializations and {self.max_queued} queued calls; retry later",
+                    self.queued,
+                )
             mine = len(self._lines.get(identity, ()))
             if mine >= self.queued_per_identity:
-                raise self._refuse("identity_share", f"this client has {mine} calls waiting for a concurrency "
-                                   f"slot, its share of the {self.max_queued} places in line; retry later", self.queued)
+                raise self._refuse(
+                    "identity_share",
+                    f"this client has {mine} calls waiting for a concurrency "
+                    f"slot, its share of the {self.max_queued} places in line; retry later",
+                    self.queued,
+                )
             me = _Waiter(identity, self._lock)
             self._lines.setdefault(identity, collections.deque()).append(me)
             self.queued += 1
@@ -168,8 +183,11 @@ class SlotQueue:
                 while not me.granted:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise self._refuse("queue_timeout", f"no concurrency slot within {wait:.1f} s (limit "
-                                           f"{self.slots}, {self.queued} queued); retry later", self.queued)
+                        raise self._refuse(
+                            "queue_timeout",
+                            f"no concurrency slot within {wait:.1f} s (limit {self.slots}, {self.queued} queued); retry later",
+                            self.queued,
+                        )
                     if stop():
                         raise errors.Cancelled("client cancelled or deadline passed while queued")
                     me.wake.wait(min(left, WAIT_SLICE))
@@ -233,9 +251,16 @@ class SlotQueue:
 class Admission:
     """Concurrency limit with a fair bounded queue, plus a draining flag."""
 
-    def __init__(self, max_concurrent: int, host_limit: int, device_limit: int | None = None,
-                 on_idle: Callable[[], None] = lambda: None, max_queued: int = 0, slots_per_identity: int = 0,
-                 queued_per_identity: int = 0) -> None:
+    def __init__(
+        self,
+        max_concurrent: int,
+        host_limit: int,
+        device_limit: int | None = None,
+        on_idle: Callable[[], None] = lambda: None,
+        max_queued: int = 0,
+        slots_per_identity: int = 0,
+        queued_per_identity: int = 0,
+    ) -> None:
         self._on_idle = on_idle  # drops caches before the heap is trimmed
         self.slots = SlotQueue(max_concurrent, max_queued, slots_per_identity, queued_per_identity)
         self.on_queue_wait: Callable[[float], None] = lambda seconds: None  # metrics: seconds waited for a slot
@@ -263,8 +288,7 @@ class Admission:
 
         def stop() -> bool:
             if self.draining.is_set():
-                raise errors.Unavailable("server is shutting down; retry on another worker",
-                                         retry_after=DRAIN_RETRY_AFTER)
+                raise errors.Unavailable("server is shutting down; retry on another worker", retry_after=DRAIN_RETRY_AFTER)
             return caller.gone()
 
         waited = self.slots.acquire(caller.identity, caller.queue_wait, stop)

@@ -24,8 +24,7 @@ from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Offsets, Patch, ResolvedParam
 
 
-def fill_window(backend: Backend, layout: Layout, buf: Any, start: int,
-                should_stop: Callable[[], bool] | None = None) -> None:
+def fill_window(backend: Backend, layout: Layout, buf: Any, start: int, should_stop: Callable[[], bool] | None = None) -> None:
     """Fill buf (1-D uint8, backend memory) with layout bytes [start, start + len(buf))."""
     stop = start + int(buf.shape[0])
     params = layout.params
@@ -43,18 +42,18 @@ def fill_window(backend: Backend, layout: Layout, buf: Any, start: int,
         _fill_part(backend, pl.param, pl.offset, buf, start, stop, should_stop)
 
 
-def _fill_part(backend: Backend, p: ResolvedParam, offset: int, buf: Any, start: int, stop: int,
-               should_stop: Callable[[], bool] | None = None) -> None:
+def _fill_part(
+    backend: Backend, p: ResolvedParam, offset: int, buf: Any, start: int, stop: int, should_stop: Callable[[], bool] | None = None
+) -> None:
     """The bytes of p (at `offset` of the layout) that fall in the window buf = layout bytes [start, stop)."""
     lo, hi = max(start, offset), min(stop, offset + p.nbytes)
     if lo < hi:
         isz = p.dtype.itemsize
-        out = buf[lo - start:hi - start].view(p.dtype.storage)
+        out = buf[lo - start : hi - start].view(p.dtype.storage)
         fill_param(backend, p, out, (lo - offset) // isz, should_stop)
 
 
-def fill_param(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0,
-               should_stop: Callable[[], bool] | None = None) -> None:
+def fill_param(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0, should_stop: Callable[[], bool] | None = None) -> None:
     """Local elements [l_begin, l_begin + len(out)) of p, patches included: every fill of part of a parameter goes here."""
     backend.fill(p, out, l_begin)
     apply_patches(backend, p, out, l_begin, should_stop)
@@ -65,8 +64,7 @@ SPAN_PER_RUN = 4096  # a span up to this many elements per run costs less to gen
 CHECK_RUNS = 256  # runs filled one by one between two looks at should_stop
 
 
-def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0,
-                  should_stop: Callable[[], bool] | None = None) -> None:
+def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0, should_stop: Callable[[], bool] | None = None) -> None:
     """Overwrite the patched elements of a filled window, each from its own initializer at its global index.
 
     Backend-neutral (only backend.fill on sub-windows), so every backend applies patches the same way and a
@@ -93,11 +91,10 @@ def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0
                 _stop_if(should_stop)
             a_lo, a_hi = max(a, l_begin), min(a + patch.run_len, end)
             if a_lo < a_hi:
-                backend.fill(patch.param, out[a_lo - l_begin:a_hi - l_begin], a_lo)
+                backend.fill(patch.param, out[a_lo - l_begin : a_hi - l_begin], a_lo)
 
 
-def _patch_span(backend: Backend, patch: Patch, out: Any, l_begin: int, lo: int, hi: int,
-                should_stop: Callable[[], bool] | None) -> None:
+def _patch_span(backend: Backend, patch: Patch, out: Any, l_begin: int, lo: int, hi: int, should_stop: Callable[[], bool] | None) -> None:
     """The covered elements of local [lo, hi), from the patch's values over that span made PATCH_PIECE at a time."""
     offsets = np.arange(patch.run_len, dtype=np.int64)
     scratch = np.empty(min(PATCH_PIECE, hi - lo), dtype=out.dtype)
@@ -109,7 +106,7 @@ def _patch_span(backend: Backend, patch: Patch, out: Any, l_begin: int, lo: int,
         if not idx.shape[0]:
             continue
         first, stop = int(idx[0]), int(idx[-1]) + 1  # generate only from the first to the last covered element
-        values = scratch[:stop - first]
+        values = scratch[: stop - first]
         backend.fill(patch.param, values, first)
         out[idx - l_begin] = values[idx - first]
 
@@ -119,8 +116,9 @@ def _stop_if(should_stop: Callable[[], bool] | None) -> None:
         raise errors.Cancelled("client cancelled or deadline passed")
 
 
-def fill_params(backend: Backend, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets,
-                should_stop: Callable[[], bool] | None = None) -> None:
+def fill_params(
+    backend: Backend, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None
+) -> None:
     """backend.fill_plan, patches included: whole parameters into one arena, parameter i at byte offsets[i]."""
     backend.fill_plan(params, arena, offsets, should_stop)
     # a ParamTable's plain rows have no patches: only its other rows are looked at
@@ -128,7 +126,7 @@ def fill_params(backend: Backend, params: Sequence[ResolvedParam], arena: Any, o
     for i, p in patched:
         if p.patches:
             off = int(offsets[i])
-            apply_patches(backend, p, arena[off:off + p.nbytes].view(p.dtype.storage), 0, should_stop)
+            apply_patches(backend, p, arena[off : off + p.nbytes].view(p.dtype.storage), 0, should_stop)
 
 
 def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[], bool] | None = None) -> None:
@@ -150,8 +148,9 @@ class Slabs(Iterator[tuple[int, Any]]):
     header is built and sent. `close()` (or the end of a `with`) stops it and frees its slabs, whether or not
     anything was read; a Slabs dropped unclosed stops its producer when collected."""
 
-    def __init__(self, backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool],
-                 prefetch: int, lend: bool) -> None:
+    def __init__(
+        self, backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool], prefetch: int, lend: bool
+    ) -> None:
         slab = max(SLAB_QUANTUM, slab_bytes // SLAB_QUANTUM * SLAB_QUANTUM)
         total = layout.data_bytes
         q: queue.Queue[tuple[int, Any, int] | BaseException | None] = queue.Queue(maxsize=prefetch)
@@ -287,8 +286,9 @@ def _stop_producer(cancel: threading.Event, q: queue.Queue[Any], worker: threadi
         worker.join(timeout=5)
 
 
-def iter_slabs(backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool],
-               prefetch: int = 2, lend: bool = False) -> Slabs:
+def iter_slabs(
+    backend: Backend, layout: Layout, slab_bytes: int, should_stop: Callable[[], bool], prefetch: int = 2, lend: bool = False
+) -> Slabs:
     """(offset, host uint8 array) slabs of the data section, generated ahead on a thread started now.
 
     With `lend`, slabs come from a ring of `prefetch + 2` buffers and each one is lent: it is the consumer's

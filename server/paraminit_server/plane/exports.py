@@ -105,8 +105,7 @@ class Exports:
         self._watcher: threading.Thread | None = None
         self._closed = threading.Event()
 
-    def export(self, params: Sequence[ResolvedParam], digest: str, delivery: str, caller: Caller,
-               ttl_seconds: float = 0.0) -> Export:
+    def export(self, params: Sequence[ResolvedParam], digest: str, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
         """Fill a new buffer with the plan and lend it; every limit is taken before anything is allocated."""
         self.check_caller(delivery, caller)
         ttl = self.leases.ttl(ttl_seconds)
@@ -191,20 +190,25 @@ class Exports:
                 owned by the server's user) that the caller's user cannot open.
         """
         if not caller.local:
-            raise errors.FailedPrecondition(f"{delivery.upper()} hands out memory on this host only and this caller "
-                                            "is remote: use STREAM delivery")
+            raise errors.FailedPrecondition(
+                f"{delivery.upper()} hands out memory on this host only and this caller is remote: use STREAM delivery"
+            )
         if delivery != self.backend.delivery:
-            raise errors.FailedPrecondition(f"{delivery.upper()} is not available on the {self.backend.name} backend; "
-                                            f"this server offers {self.backend.delivery.upper()}")
+            raise errors.FailedPrecondition(
+                f"{delivery.upper()} is not available on the {self.backend.name} backend; "
+                f"this server offers {self.backend.delivery.upper()}"
+            )
         if delivery == "shm" and caller.identity in (REMOTE, UNIX_SHARED):
             raise errors.FailedPrecondition(
                 "SHM segments are mode 0600 and only the server's user can open them; the kernel does not show "
                 f"which user this caller is ({caller.identity}): use STREAM delivery, or call as the server's user "
-                "over a socket only it can connect to (loopback TCP, or the Unix socket at 0600), or with a token")
+                "over a socket only it can connect to (loopback TCP, or the Unix socket at 0600), or with a token"
+            )
         if delivery == "shm" and caller.uid is not None and caller.uid not in (0, os.geteuid()):
             raise errors.FailedPrecondition(
                 f"SHM segments are mode 0600 and owned by the server's user (uid {os.geteuid()}); this caller is uid "
-                f"{caller.uid} and could not open one: use STREAM delivery, or a server run by the same user")
+                f"{caller.uid} and could not open one: use STREAM delivery, or a server run by the same user"
+            )
 
     def _reserve(self, nbytes: int, caller: Caller) -> Claim:
         try:
@@ -252,7 +256,9 @@ def _check_same_parameters(lay: layout.Layout, params: Sequence[ResolvedParam]) 
         problems.append(f"the lease has {len(old)} parameters, the plan {len(params)}")
     for a, b in zip(old, params, strict=False):
         if (a.name, a.shape, a.region, a.dtype.enum) != (b.name, b.shape, b.region, b.dtype.enum):
-            problems.append(f"params[{b.index}] {b.name!r} {b.dtype.name}{list(b.out_shape)} does not match the "
-                            f"leased {a.name!r} {a.dtype.name}{list(a.out_shape)}")
+            problems.append(
+                f"params[{b.index}] {b.name!r} {b.dtype.name}{list(b.out_shape)} does not match the "
+                f"leased {a.name!r} {a.dtype.name}{list(a.out_shape)}"
+            )
     if problems:
         raise errors.InvalidRequest("plan does not match the lease's parameter list: " + "; ".join(problems))

@@ -38,8 +38,9 @@ class Layout:
     For a large plan (a columns.ParamTable) the placements and the stream's safetensors prefix are built only
     when asked for: an in-process fill needs neither, only the tensor table (`spans`, from the columns)."""
 
-    def __init__(self, params: Sequence[ResolvedParam], offsets: Offsets, data_bytes: int,
-                 prefix: bytes | Callable[[], bytes] = b"") -> None:
+    def __init__(
+        self, params: Sequence[ResolvedParam], offsets: Offsets, data_bytes: int, prefix: bytes | Callable[[], bytes] = b""
+    ) -> None:
         self.params = params
         self.offsets = offsets
         self.data_bytes = data_bytes
@@ -62,10 +63,8 @@ class Layout:
         """Where each tensor lies, in plan order, as plain tuples (no protobuf for in-process callers)."""
         params = self.params
         if isinstance(params, ParamTable):  # from the columns, without a ResolvedParam each
-            return SpanTable(params.names, params.dtype.tolist(), params.shapes,
-                             np.asarray(self.offsets).tolist(), params.nbytes.tolist())
-        return [TensorSpan(pl.param.name, pl.param.dtype.enum, pl.param.out_shape, pl.offset, pl.param.nbytes)
-                for pl in self.placements]
+            return SpanTable(params.names, params.dtype.tolist(), params.shapes, np.asarray(self.offsets).tolist(), params.nbytes.tolist())
+        return [TensorSpan(pl.param.name, pl.param.dtype.enum, pl.param.out_shape, pl.offset, pl.param.nbytes) for pl in self.placements]
 
 
 class TensorSpan(NamedTuple):
@@ -82,8 +81,7 @@ class SpanTable(list[TensorSpan]):
     """The tensor table of a large plan, as columns: `columns()` gives them to a reader that wants them whole
     (the client's arrays_from_buffer); iterating gives TensorSpans, made only then."""
 
-    def __init__(self, names: list[str], dtypes: list[int], shapes: list[tuple[int, ...]], offsets: list[int],
-                 nbytes: list[int]) -> None:
+    def __init__(self, names: list[str], dtypes: list[int], shapes: list[tuple[int, ...]], offsets: list[int], nbytes: list[int]) -> None:
         super().__init__()
         self._columns = (names, dtypes, shapes, offsets, nbytes)
 
@@ -120,8 +118,7 @@ def stream_layout(params: Sequence[ResolvedParam], plan_digest: str) -> Layout:
         return _table_stream_layout(params, plan_digest)
     indices = [p.index for p in params]
     if all(a < b for a, b in itertools.pairwise(indices)):  # plan order: a stable pass per item size, no sort
-        order = [p for size in sorted({p.dtype.itemsize for p in params}, reverse=True)
-                 for p in params if p.dtype.itemsize == size]
+        order = [p for size in sorted({p.dtype.itemsize for p in params}, reverse=True) for p in params if p.dtype.itemsize == size]
     else:
         order = sorted(params, key=lambda p: (-p.dtype.itemsize, p.index))
     offsets: dict[int, int] = {}
@@ -146,8 +143,7 @@ def _table_stream_layout(params: ParamTable, plan_digest: str) -> Layout:
 
     def prefix() -> bytes:
         st = {d.enum: d.safetensors for d in dtypes.SUPPORTED}
-        entries = list(zip(map(st.__getitem__, params.dtype.tolist()), params.shapes,
-                           nbytes.tolist(), strict=True))
+        entries = list(zip(map(st.__getitem__, params.dtype.tolist()), params.shapes, nbytes.tolist(), strict=True))
         return _padded(_header(params.names, entries, offsets.tolist(), plan_digest))
 
     return Layout(params, offsets, total, prefix)
@@ -159,8 +155,7 @@ def _padded(text: bytes) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def _header(names: Sequence[str], entries: Sequence[tuple[str, tuple[int, ...], int]], offsets: Sequence[int],
-            plan_digest: str) -> bytes:
+def _header(names: Sequence[str], entries: Sequence[tuple[str, tuple[int, ...], int]], offsets: Sequence[int], plan_digest: str) -> bytes:
     """The safetensors JSON header, byte for byte what json.dumps(separators=(",", ":")) makes of the dict
     {"__metadata__": ..., name: {"dtype", "shape", "data_offsets"}, ...}, written out entry by entry
     (entries: safetensors dtype, shape and bytes of each parameter)."""
@@ -169,8 +164,7 @@ def _header(names: Sequence[str], entries: Sequence[tuple[str, tuple[int, ...], 
     quote = json.encoder.encode_basestring_ascii  # what json.dumps uses (ensure_ascii)
     parts = [json.dumps(meta, separators=(",", ":"))[:-1]]
     for name, (dt, shape, nbytes), o in zip(names, entries, offsets, strict=True):
-        parts.append(f'{quote(name)}:{{"dtype":{quote(dt)},"shape":[{",".join(map(str, shape))}],'
-                     f'"data_offsets":[{o},{o + nbytes}]}}')
+        parts.append(f'{quote(name)}:{{"dtype":{quote(dt)},"shape":[{",".join(map(str, shape))}],"data_offsets":[{o},{o + nbytes}]}}')
     return (",".join(parts) + "}").encode()
 
 

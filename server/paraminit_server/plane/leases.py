@@ -42,8 +42,15 @@ class LeaseRecord:
 
 
 class LeaseTable:
-    def __init__(self, max_bytes: int, max_per_owner: int, default_ttl: float, max_ttl: float,
-                 reap_interval: float = 0.5, max_bytes_per_owner: int | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        max_per_owner: int,
+        default_ttl: float,
+        max_ttl: float,
+        reap_interval: float = 0.5,
+        max_bytes_per_owner: int | None = None,
+    ) -> None:
         self.max_bytes = max_bytes
         self.max_per_owner = max_per_owner
         # one owner's share of the leasable bytes, so one identity's leases cannot take them all
@@ -56,8 +63,7 @@ class LeaseTable:
         self.ledger = Ledger("leases")
         self._lock = self.ledger.lock  # the records change in the same step as the claims
         self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval,), name="paraminit-reaper",
-                                        daemon=True)
+        self._reaper = threading.Thread(target=self._reap_loop, args=(reap_interval,), name="paraminit-reaper", daemon=True)
         self._reaper.start()
 
     def ttl(self, requested: float) -> float:
@@ -75,30 +81,33 @@ class LeaseTable:
         def refusal(ledger: Ledger, n: int, holder: str) -> errors.ResourceExhausted | None:
             held = ledger.claims(holder)
             if held >= self.max_per_owner:
-                return errors.ResourceExhausted(f"client holds {held} leases, the limit is {self.max_per_owner}; "
-                                                "release some first")
+                return errors.ResourceExhausted(f"client holds {held} leases, the limit is {self.max_per_owner}; release some first")
             own = ledger.held_bytes(holder)
             if own + n > self.max_bytes_per_owner:
-                return errors.ResourceExhausted(f"export needs {n} bytes; this client's leases hold {own} of its "
-                                                f"share of {self.max_bytes_per_owner} leasable bytes; release some "
-                                                "first", reason="identity_share")
+                return errors.ResourceExhausted(
+                    f"export needs {n} bytes; this client's leases hold {own} of its "
+                    f"share of {self.max_bytes_per_owner} leasable bytes; release some "
+                    "first",
+                    reason="identity_share",
+                )
             used = ledger.total
             if used + n > self.max_bytes:
-                return errors.ResourceExhausted(f"export needs {n} bytes but only {self.max_bytes - used} of the "
-                                                f"{self.max_bytes} leasable bytes are free")
+                return errors.ResourceExhausted(
+                    f"export needs {n} bytes but only {self.max_bytes - used} of the {self.max_bytes} leasable bytes are free"
+                )
             return None
 
         return self.ledger.claim(nbytes, owner, refusal)
 
-    def add(self, slot: Claim, delivery: str, ttl: float, plan_digest: str,
-            release_fn: Callable[[bool], None], payload: Any = None) -> LeaseRecord:
+    def add(
+        self, slot: Claim, delivery: str, ttl: float, plan_digest: str, release_fn: Callable[[bool], None], payload: Any = None
+    ) -> LeaseRecord:
         """Turn a reserved slot into a lease; `release_fn(explicit)` frees it exactly once.
 
         Raises:
             RuntimeError: the slot was already used or released."""
         now = time.time()
-        rec = LeaseRecord(secrets.token_hex(16), slot.holder, delivery, slot.nbytes, now, now + ttl, plan_digest,
-                          release_fn, payload, slot)
+        rec = LeaseRecord(secrets.token_hex(16), slot.holder, delivery, slot.nbytes, now, now + ttl, plan_digest, release_fn, payload, slot)
 
         def record() -> None:
             self._leases[rec.lease_id] = rec

@@ -104,20 +104,32 @@ class Materializer:
         self.config = config
         self.backend = backend
         self.limits = validation.Limits(config.max_param_bytes, config.max_plan_bytes)
-        self.sources = Sources(config.max_payload_bytes, config.payload_ttl, config.safetensors_dirs.split(":"),
-                               lambda n: self.admission.host.reserve(n, 0.0, "payload"))
+        self.sources = Sources(
+            config.max_payload_bytes,
+            config.payload_ttl,
+            config.safetensors_dirs.split(":"),
+            lambda n: self.admission.host.reserve(n, 0.0, "payload"),
+        )
         host_budget = config.memory_budget or host_memory()[1] // 2
         device_budget = None
         if backend.memory != HOST:
             device_budget = config.device_memory_budget or backend.device().memory_free // 2
-        self.admission = Admission(config.max_concurrent, host_budget, device_budget, max_queued=config.max_queued,
-                                   slots_per_identity=config.max_concurrent_per_client,
-                                   queued_per_identity=config.max_queued_per_client)
+        self.admission = Admission(
+            config.max_concurrent,
+            host_budget,
+            device_budget,
+            max_queued=config.max_queued,
+            slots_per_identity=config.max_concurrent_per_client,
+            queued_per_identity=config.max_queued_per_client,
+        )
         leasable = min(config.max_leased_bytes, device_budget if device_budget is not None else host_budget)
-        self.leases = LeaseTable(config.max_leased_bytes, config.max_leases_per_client, config.lease_ttl,
-                                 config.max_lease_ttl,
-                                 max_bytes_per_owner=config.max_leased_bytes_per_client
-                                 or max(1, leasable - leasable // 4))
+        self.leases = LeaseTable(
+            config.max_leased_bytes,
+            config.max_leases_per_client,
+            config.lease_ttl,
+            config.max_lease_ttl,
+            max_bytes_per_owner=config.max_leased_bytes_per_client or max(1, leasable - leasable // 4),
+        )
         self.exports = Exports(backend, self.leases, self.admission.backend, config.shm_pool_bytes)
 
     # -- plans ---------------------------------------------------------------------------
@@ -125,12 +137,13 @@ class Materializer:
     def _sources(self, caller: Caller, p: plan_pb2.Plan) -> BoundSources:
         """The request's view of payloads and checkpoints, holding the plan's own memory (plan_memory) until
         it is released; checkpoint values are host memory too, reserved before they are read."""
-        sources = BoundSources(self.sources, caller.identity,
-                               lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"),
-                               standard_normal)
+        sources = BoundSources(
+            self.sources, caller.identity, lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"), standard_normal
+        )
         size = p.ByteSize()
-        sources.hold(self.admission.host.reserve(
-            plan_memory(p, size), caller.wait, f"checking a plan of {len(p.params)} parameters ({size} bytes)"))
+        sources.hold(
+            self.admission.host.reserve(plan_memory(p, size), caller.wait, f"checking a plan of {len(p.params)} parameters ({size} bytes)")
+        )
         return sources
 
     def validate(self, p: plan_pb2.Plan, caller: Caller) -> tuple[validation.Report, str]:
@@ -175,8 +188,9 @@ class Materializer:
 
     # -- deliveries ----------------------------------------------------------------------
 
-    def stream(self, p: plan_pb2.Plan, caller: Caller, chunk_bytes: int = 0,
-               lend: bool = False) -> Generator[StreamStart | tuple[int, Any], None, None]:
+    def stream(
+        self, p: plan_pb2.Plan, caller: Caller, chunk_bytes: int = 0, lend: bool = False
+    ) -> Generator[StreamStart | tuple[int, Any], None, None]:
         """A StreamStart, then the data section as (offset, host uint8 slab) pairs in order.
 
         Each slab is a whole number of `chunk_size(chunk_bytes)` chunks (the last may be short). With `lend`
@@ -191,17 +205,20 @@ class Materializer:
         with contextlib.closing(checked):
             yield from self._stream(checked, caller, chunk_bytes, lend)
 
-    def _stream(self, checked: Checked, caller: Caller, chunk_bytes: int,
-                lend: bool) -> Generator[StreamStart | tuple[int, Any], None, None]:
+    def _stream(
+        self, checked: Checked, caller: Caller, chunk_bytes: int, lend: bool
+    ) -> Generator[StreamStart | tuple[int, Any], None, None]:
         lay = layout.stream_layout(checked.params, checked.digest)
         chunk = self.chunk_size(chunk_bytes)
         slab = max(chunk, self.config.slab_bytes // chunk * chunk)
         held = min(lay.data_bytes, slab * (PREFETCH + 2))  # slabs in flight (lent or not)
         # the consumer's copies of the slabs in flight (a transport's messages) and, on a device, their host copies
         host = held + (0 if self.backend.memory == HOST else held)
-        with self.admission.admit(checked.report.total_bytes, caller), \
-                self._reserve(held, host, caller, "stream"), \
-                engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH, lend) as slabs:
+        with (
+            self.admission.admit(checked.report.total_bytes, caller),
+            self._reserve(held, host, caller, "stream"),
+            engine.iter_slabs(self.backend, lay, slab, caller.gone, PREFETCH, lend) as slabs,
+        ):
             # the first slabs fill while the consumer builds and sends the header
             yield StreamStart(lay, checked.digest)
             for item in slabs:
@@ -212,12 +229,12 @@ class Materializer:
     @contextlib.contextmanager
     def _reserve(self, backend_bytes: int, host_bytes: int, caller: Caller, what: str) -> Iterator[None]:
         """Hold backend and host memory (one budget on the CPU) for the duration of the block."""
-        with self.admission.backend.reserve(backend_bytes, caller.wait, what), \
-                self.admission.host.reserve(host_bytes, caller.wait, what):
+        with self.admission.backend.reserve(backend_bytes, caller.wait, what), self.admission.host.reserve(host_bytes, caller.wait, what):
             yield
 
-    def fill_host(self, p: plan_pb2.Plan, caller: Caller,
-                  outputs: Mapping[str, npt.NDArray[Any]] | None = None) -> tuple[layout.Layout, str, Any]:
+    def fill_host(
+        self, p: plan_pb2.Plan, caller: Caller, outputs: Mapping[str, npt.NDArray[Any]] | None = None
+    ) -> tuple[layout.Layout, str, Any]:
         """Materialize into host memory of this process, no slabs, no encoding: for in-process callers.
 
         With `outputs` (parameter name -> C-contiguous array of the region's shape and the dtype's item
@@ -239,11 +256,17 @@ class Materializer:
                 out = outputs.get(rp.name)
                 if out is None:
                     raise errors.InvalidRequest(f"no output array for parameter {rp.name!r}")
-                if tuple(out.shape) != rp.out_shape or out.dtype.itemsize != rp.dtype.itemsize \
-                        or not out.flags.c_contiguous or not out.flags.writeable:
-                    raise errors.InvalidRequest(f"output for {rp.name!r} must be a writable C-contiguous array of "
-                                                f"shape {list(rp.out_shape)} with {rp.dtype.itemsize}-byte items, got "
-                                                f"{list(out.shape)} {out.dtype}")
+                if (
+                    tuple(out.shape) != rp.out_shape
+                    or out.dtype.itemsize != rp.dtype.itemsize
+                    or not out.flags.c_contiguous
+                    or not out.flags.writeable
+                ):
+                    raise errors.InvalidRequest(
+                        f"output for {rp.name!r} must be a writable C-contiguous array of "
+                        f"shape {list(rp.out_shape)} with {rp.dtype.itemsize}-byte items, got "
+                        f"{list(out.shape)} {out.dtype}"
+                    )
             for rp in params:
                 flat = outputs[rp.name].reshape(-1).view(np.uint8)
                 engine.fill_params(self.backend, [rp], flat, [0], caller.gone)
@@ -294,8 +317,7 @@ class Materializer:
     # -- the server ----------------------------------------------------------------------
 
     def info(self) -> Info:
-        return Info(__version__, self.backend.name, self.backend.device(), self.config, dtypes.SUPPORTED,
-                    ("stream", self.backend.delivery))
+        return Info(__version__, self.backend.name, self.backend.device(), self.config, dtypes.SUPPORTED, ("stream", self.backend.delivery))
 
     def close(self) -> None:
         """Free every lease and pooled buffer (shutdown)."""
@@ -329,12 +351,14 @@ class _Upload:
         self.dtype, self.count = first.dtype, first.count
         dt = dtypes.by_enum(first.dtype)
         if dt is None:
-            raise errors.InvalidRequest(f"unknown payload dtype enum value {first.dtype}; expected one "
-                                        f"of {', '.join(d.name for d in dtypes.SUPPORTED)}")
+            raise errors.InvalidRequest(
+                f"unknown payload dtype enum value {first.dtype}; expected one of {', '.join(d.name for d in dtypes.SUPPORTED)}"
+            )
         nbytes = first.count * dt.itemsize
         if nbytes > self.sources.max_bytes:
-            raise errors.ResourceExhausted(f"payload of {first.count} {dt.name} values needs {nbytes} bytes; the "
-                                           f"payload limit is {self.sources.max_bytes}")
+            raise errors.ResourceExhausted(
+                f"payload of {first.count} {dt.name} values needs {nbytes} bytes; the payload limit is {self.sources.max_bytes}"
+            )
         self.ticket = self.sources.reserve(nbytes)
         self.buf = host_buffer(nbytes)
         self.follower = Follower(self.buf, dt)
@@ -342,7 +366,7 @@ class _Upload:
     def land(self, item: tuple[int, bytes | memoryview]) -> None:
         at, data = item
         assert self.buf is not None and self.follower is not None
-        self.buf[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.buf[at : at + len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.follower.landed(at + len(data))
 
     def store(self, identity: str) -> tuple[str, Payload]:
@@ -350,8 +374,9 @@ class _Upload:
             raise errors.InvalidRequest("empty payload upload")
         sha256, scanned = self.follower.finish()
         whole = self.received == len(self.buf)  # else store() refuses it, naming the sizes
-        return self.sources.store(identity, self.dtype, self.count, self.buf[:self.received], self.ticket,
-                                  sha256 if whole else "", scanned if whole else None)
+        return self.sources.store(
+            identity, self.dtype, self.count, self.buf[: self.received], self.ticket, sha256 if whole else "", scanned if whole else None
+        )
 
     def cancel(self) -> None:
         if self.follower is not None:

@@ -73,8 +73,7 @@ class Columns:
 
     def resolve(self, plan: plan_pb2.Plan, sources: BoundSources | None = None) -> ParamTable:
         """The validated plan resolved: plain rows stay columns, the others are resolved one by one."""
-        special = {int(i): resolve_param(int(i), plan.params[int(i)], sources)
-                   for i in np.flatnonzero(~self.plain).tolist()}
+        special = {int(i): resolve_param(int(i), plan.params[int(i)], sources) for i in np.flatnonzero(~self.plain).tolist()}
         return ParamTable(self, special)
 
 
@@ -165,8 +164,22 @@ class ParamTable(Sequence[ResolvedParam]):
         listed = rows.tolist()
         out.special = {j: self.special[i] for j, i in enumerate(listed) if i in self.special} if self.special else {}
         out.names, out.shapes = [self.names[i] for i in listed], [self.shapes[i] for i in listed]
-        for column in ("plan_index", "plain", "dtype", "init", "kernel", "p0", "p1", "key", "lo", "hi", "seed", "numel",
-                       "nbytes", "itemsize"):
+        for column in (
+            "plan_index",
+            "plain",
+            "dtype",
+            "init",
+            "kernel",
+            "p0",
+            "p1",
+            "key",
+            "lo",
+            "hi",
+            "seed",
+            "numel",
+            "nbytes",
+            "itemsize",
+        ):
             setattr(out, column, getattr(self, column)[rows])
         return out
 
@@ -190,9 +203,20 @@ class ParamTable(Sequence[ResolvedParam]):
         dt = dtypes.by_enum(int(self.dtype[i]))
         assert dt is not None, "plain rows have a known dtype"
         kind = _KIND_BY_NUMBER[int(self.init[i])]
-        return ResolvedParam.whole(int(self.plan_index[i]), self.names[i], self.shapes[i], dt, kind.field,
-                                   Kind(int(self.kernel[i])), float(self.p0[i]), float(self.p1[i]), int(self.key[i]),
-                                   float(self.lo[i]), float(self.hi[i]), int(self.seed[i]))
+        return ResolvedParam.whole(
+            int(self.plan_index[i]),
+            self.names[i],
+            self.shapes[i],
+            dt,
+            kind.field,
+            Kind(int(self.kernel[i])),
+            float(self.p0[i]),
+            float(self.p1[i]),
+            int(self.key[i]),
+            float(self.lo[i]),
+            float(self.hi[i]),
+            int(self.seed[i]),
+        )
 
     def __iter__(self) -> Iterator[ResolvedParam]:
         for i in range(len(self)):

@@ -96,8 +96,15 @@ def _openat2(dir_fd: int, rel: str) -> int | None:
     how = _OpenHow(_OPEN_FLAGS, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
     try:
         _libc = _libc or ctypes.CDLL(None, use_errno=True)
-        fd = int(_libc.syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(os.fsencode(rel)),
-                              ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))))
+        fd = int(
+            _libc.syscall(
+                ctypes.c_long(SYS_OPENAT2),
+                ctypes.c_int(dir_fd),
+                ctypes.c_char_p(os.fsencode(rel)),
+                ctypes.byref(how),
+                ctypes.c_size_t(ctypes.sizeof(how)),
+            )
+        )
     except (OSError, AttributeError):
         _openat2_missing = True
         return None
@@ -149,8 +156,10 @@ def open_beneath(root: str, rel: str, shown: str) -> tuple[int, os.stat_result]:
             _openat2_seen_working = True
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR):  # a link (or a swapped one) on the way
-            raise errors.InvalidRequest(f"cannot open {shown}: it is, or lies under, a symbolic link or not a "
-                                        f"directory (links are not followed under allowed directories)") from None
+            raise errors.InvalidRequest(
+                f"cannot open {shown}: it is, or lies under, a symbolic link or not a "
+                f"directory (links are not followed under allowed directories)"
+            ) from None
         raise errors.InvalidRequest(f"cannot open {shown}: {exc.strerror}") from None
     finally:
         os.close(root_fd)
@@ -174,8 +183,9 @@ def pread_exact(fd: int, offset: int, n: int, shown: str) -> bytes:
         except OSError as exc:
             raise errors.InvalidRequest(f"cannot read {shown}: {exc.strerror}") from None
         if not part:
-            raise FileChanged(f"{shown} changed while it was read: {n} bytes expected at offset {offset}, the file "
-                              f"ends after {offset + got}")
+            raise FileChanged(
+                f"{shown} changed while it was read: {n} bytes expected at offset {offset}, the file ends after {offset + got}"
+            )
         parts.append(part)
         got += len(part)
     return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -203,13 +213,21 @@ def tensor_entry(header: Header, tensor: str, shown: str) -> StoredTensor:
         raise errors.InvalidRequest(f"tensor {name} is not in {shown}")
     dt = entry.dtype
     if dt is None:  # a code of the format (checked), so it is no file content beyond that
-        raise errors.InvalidRequest(f"tensor {name} in {shown} has dtype {entry.code}, not one of "
-                                    f"{', '.join(d.safetensors for d in dtypes.SUPPORTED)}")
+        raise errors.InvalidRequest(
+            f"tensor {name} in {shown} has dtype {entry.code}, not one of {', '.join(d.safetensors for d in dtypes.SUPPORTED)}"
+        )
     return StoredTensor(dt, entry.shape, entry.start, entry.nbytes)
 
 
-def read_runs(fd: int, data_start: int, itemsize: int, starts: npt.NDArray[np.int64], run_len: int, shown: str,
-              sink: Callable[[npt.NDArray[np.uint8]], None]) -> None:
+def read_runs(
+    fd: int,
+    data_start: int,
+    itemsize: int,
+    starts: npt.NDArray[np.int64],
+    run_len: int,
+    shown: str,
+    sink: Callable[[npt.NDArray[np.uint8]], None],
+) -> None:
     """Feed the bytes of every run to `sink`, in order, reading at most READ_BLOCK at a time."""
     run_bytes = run_len * itemsize
     if run_bytes == 0:

@@ -72,7 +72,7 @@ def _scan(values: npt.NDArray[Any], piece: int = 1 << 16) -> tuple[int, int, flo
     and min, which a NaN or an infinity turns non-finite); only a piece that holds one is looked at again."""
     count, first, largest = 0, -1, 0.0
     for lo in range(0, values.size, piece):
-        part = values[lo:lo + piece]
+        part = values[lo : lo + piece]
         top = max(float(part.max()), -float(part.min()))
         if math.isfinite(top):  # every value of the piece is finite
             largest = max(largest, top)
@@ -146,7 +146,7 @@ class Follower:
                     self._hasher.update(self._buf[a:b])
                     # whole elements only: a piece ends on one (PIECE is a multiple of every itemsize), the last
                     # may not, and a payload whose size is not a whole number of elements is refused anyway
-                    count, first, largest = _scan(self._buf[a:b - (b - a) % item].view(self._dt.numpy.newbyteorder("<")))
+                    count, first, largest = _scan(self._buf[a : b - (b - a) % item].view(self._dt.numpy.newbyteorder("<")))
                     total, at, top = self._scan
                     if first >= 0 and at < 0:
                         at = a // item + first
@@ -179,14 +179,15 @@ PayloadTicket = Claim  # payload bytes taken from the limit: an upload in flight
 class Sources:
     """Where flat_ref and safetensors initializers get their values."""
 
-    def __init__(self, max_bytes: int, ttl: float, safetensors_dirs: Iterable[str] = (),
-                 charge: Callable[[int], Claim] | None = None) -> None:
+    def __init__(
+        self, max_bytes: int, ttl: float, safetensors_dirs: Iterable[str] = (), charge: Callable[[int], Claim] | None = None
+    ) -> None:
         """Args:
-            max_bytes: stored and in-flight payload bytes.
-            ttl: seconds a payload lives.
-            safetensors_dirs: directories whose files plans may name.
-            charge: takes a payload's bytes from the server's memory budget too, for as long as it lives (a
-                payload is host memory like any other); raises when they do not fit.
+        max_bytes: stored and in-flight payload bytes.
+        ttl: seconds a payload lives.
+        safetensors_dirs: directories whose files plans may name.
+        charge: takes a payload's bytes from the server's memory budget too, for as long as it lives (a
+            payload is host memory like any other); raises when they do not fit.
         """
         self.max_bytes = max_bytes
         self.ttl = ttl
@@ -194,8 +195,9 @@ class Sources:
         # each allowed directory as resolved at start, and as written (an operator's path may pass through links
         # above the directory; nothing beneath it may)
         self.dirs = [Path(d).resolve() for d in safetensors_dirs if d]
-        roots = {(written, str(Path(d).resolve())) for d in safetensors_dirs if d
-                 for written in (os.path.abspath(d), str(Path(d).resolve()))}
+        roots = {
+            (written, str(Path(d).resolve())) for d in safetensors_dirs if d for written in (os.path.abspath(d), str(Path(d).resolve()))
+        }
         self._roots = sorted(roots, key=lambda r: -len(r[0]))  # (as written or resolved, resolved), deepest first
         self._payloads: dict[str, Payload] = {}
         self.ledger = Ledger("payloads")  # uploads in flight (pending claims) and stored payloads (committed)
@@ -221,8 +223,10 @@ class Sources:
             used = ledger.total
             if used + n <= self.max_bytes:
                 return None
-            return errors.ResourceExhausted(f"payload needs {n} bytes; {max(0, self.max_bytes - used)} of "
-                                            f"{self.max_bytes} payload bytes are free (uploads in flight count)")
+            return errors.ResourceExhausted(
+                f"payload needs {n} bytes; {max(0, self.max_bytes - used)} of "
+                f"{self.max_bytes} payload bytes are free (uploads in flight count)"
+            )
 
         ticket = self.ledger.claim(nbytes, "", refusal)
         if self._charge is not None:
@@ -250,9 +254,16 @@ class Sources:
         with self._lock:
             return self._idle.wait_for(lambda: self._uploads == 0, max(0.0, timeout))
 
-    def store(self, owner: str, dtype_enum: int, count: int, data: npt.NDArray[np.uint8],
-              ticket: Claim | None = None, sha256: str = "",
-              scanned: tuple[int, int, float] | None = None) -> tuple[str, Payload]:
+    def store(
+        self,
+        owner: str,
+        dtype_enum: int,
+        count: int,
+        data: npt.NDArray[np.uint8],
+        ticket: Claim | None = None,
+        sha256: str = "",
+        scanned: tuple[int, int, float] | None = None,
+    ) -> tuple[str, Payload]:
         """Keep an upload in its own dtype; with a ticket its bytes were reserved already, without one they are
         taken now. `sha256` of the dtype name, a NUL and the bytes, and `scanned` (_scan of the values), if the
         caller computed them on the way in (Follower)."""
@@ -261,8 +272,7 @@ class Sources:
             raise errors.InvalidRequest(f"unknown payload dtype enum value {dtype_enum}")
         nbytes = count * dt.itemsize
         if len(data) != nbytes:
-            raise errors.InvalidRequest(f"payload declared {count} {dt.name} values ({nbytes} bytes) but "
-                                        f"{len(data)} bytes arrived")
+            raise errors.InvalidRequest(f"payload declared {count} {dt.name} values ({nbytes} bytes) but {len(data)} bytes arrived")
         ticket = ticket or self.reserve(nbytes)
         with ticket:  # given back unless it becomes the payload
             if ticket.nbytes < nbytes:
@@ -302,14 +312,15 @@ class Sources:
         the file is opened (files.open_beneath), in every component, so what is checked is what is read."""
         shown = files.echo(path)
         if not self.dirs:
-            raise errors.InvalidRequest("this server reads no files: start it with --safetensors-dirs DIR[:DIR...] "
-                                        "(in process, Client(safetensors_dirs=[...]))")
+            raise errors.InvalidRequest(
+                "this server reads no files: start it with --safetensors-dirs DIR[:DIR...] (in process, Client(safetensors_dirs=[...]))"
+            )
         if "\0" in path:
             raise errors.InvalidRequest(f"path {shown} contains a NUL character")
         full = os.path.normpath(os.path.abspath(path))  # '..' folds lexically: a/link/.. is a, never link's parent
         for written, real in self._roots:
             if full.startswith(written.rstrip("/") + "/"):
-                return real, full[len(written.rstrip("/")) + 1:], shown
+                return real, full[len(written.rstrip("/")) + 1 :], shown
         allowed = ", ".join(files.echo(written) for written, _ in self._roots)
         raise errors.InvalidRequest(f"{shown} is not under an allowed directory ({allowed})")
 
@@ -332,8 +343,9 @@ def _region_of(info: StoredTensor, region: tuple[tuple[int, int], ...] | None, t
     validation has compared shapes, so a region that does not fit the file's tensor is an error of the request."""
     box = Region.of(info.shape, region)
     if not box.fits:
-        raise errors.InvalidRequest(f"region {list(box.box)} does not fit tensor {files.echo(tensor, 120)} of shape "
-                                    f"{list(info.shape)} in {shown}")
+        raise errors.InvalidRequest(
+            f"region {list(box.box)} does not fit tensor {files.echo(tensor, 120)} of shape {list(info.shape)} in {shown}"
+        )
     return box
 
 
@@ -344,14 +356,19 @@ class BoundSources:
     changes after that is refused, never half read); checkpoint values reserved against the memory budget
     until release()."""
 
-    def __init__(self, sources: Sources, owner: str, reserve: Callable[[int], Held] | None = None,
-                 gaussian: Callable[[int, int], npt.NDArray[np.float64]] | None = None) -> None:
+    def __init__(
+        self,
+        sources: Sources,
+        owner: str,
+        reserve: Callable[[int], Held] | None = None,
+        gaussian: Callable[[int, int], npt.NDArray[np.float64]] | None = None,
+    ) -> None:
         """Args:
-            sources: the server's payloads and allowed files.
-            owner: the caller's identity (whose payloads it sees).
-            reserve: takes bytes from the memory budget (checkpoint values, computed values) until release().
-            gaussian: (n, seed) -> the first n normal(0, 1, seed) values, binary64: what an orthogonal
-                parameter factorizes (the data plane passes the CPU kernels' normal).
+        sources: the server's payloads and allowed files.
+        owner: the caller's identity (whose payloads it sees).
+        reserve: takes bytes from the memory budget (checkpoint values, computed values) until release().
+        gaussian: (n, seed) -> the first n normal(0, 1, seed) values, binary64: what an orthogonal
+            parameter factorizes (the data plane passes the CPU kernels' normal).
         """
         self.sources = sources
         self.owner = owner
@@ -400,8 +417,9 @@ class BoundSources:
         with self._open(path) as (_fd, header, shown):
             return files.tensor_entry(header, tensor, shown)
 
-    def tensor_values(self, path: str, tensor: str,
-                      region: tuple[tuple[int, int], ...] | None = None) -> tuple[npt.NDArray[np.float64], bool]:
+    def tensor_values(
+        self, path: str, tensor: str, region: tuple[tuple[int, int], ...] | None = None
+    ) -> tuple[npt.NDArray[np.float64], bool]:
         """The tensor's values as binary64: only the region's (in the region's row-major order, compact=True)
         when it is a proper part of the tensor, else the whole tensor's. Returns (values, compact)."""
         with self._open(path) as (fd, header, shown):
@@ -418,7 +436,7 @@ class BoundSources:
 
             def sink(piece: npt.NDArray[np.uint8]) -> None:
                 nonlocal pos
-                raw[pos:pos + len(piece)] = piece
+                raw[pos : pos + len(piece)] = piece
                 h.update(piece.data)
                 pos += len(piece)
 
@@ -469,8 +487,7 @@ class BoundSources:
                 return remembered
             starts, run_len = box.run_starts()
             h = hashlib.sha256()
-            files.read_runs(fd, info.start, info.dtype.itemsize, starts, run_len, shown,
-                            lambda piece: h.update(piece.data))
+            files.read_runs(fd, info.start, info.dtype.itemsize, starts, run_len, shown, lambda piece: h.update(piece.data))
             digest = self._hashes[(path, tensor, region)] = h.hexdigest()
             self.sources.remember_hash(key, digest)
             return digest

@@ -92,18 +92,51 @@ class ResolvedParam:
             setattr_(self, "_runs", regions.runs(self.shape, region))
 
     @classmethod
-    def whole(cls, index: int, name: str, shape: tuple[int, ...], dtype: dtypes.DTypeInfo, initializer: str,
-              kind: Kind, p0: float = 0.0, p1: float = 0.0, key: int = 0, lo: float = 0.0, hi: float = 0.0,
-              seed: int = 0) -> ResolvedParam:
+    def whole(
+        cls,
+        index: int,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: dtypes.DTypeInfo,
+        initializer: str,
+        kind: Kind,
+        p0: float = 0.0,
+        p1: float = 0.0,
+        key: int = 0,
+        lo: float = 0.0,
+        hi: float = 0.0,
+        seed: int = 0,
+    ) -> ResolvedParam:
         """A whole tensor of a value kind without values or patches: what the constructor builds, without its
         per-field calls (plans of 100,000s of small parameters are mostly these)."""
         region, numel, runs = _whole(shape)
         rp = object.__new__(cls)
-        object.__setattr__(rp, "__dict__", {
-            "index": index, "name": name, "shape": shape, "region": region, "dtype": dtype,
-            "initializer": initializer, "kind": kind, "p0": p0, "p1": p1, "key": key, "values": None, "patches": (),
-            "compact": False, "lo": lo, "hi": hi, "seed": seed, "out_shape": shape, "numel": numel,
-            "nbytes": numel * dtype.itemsize, "_runs": runs})
+        object.__setattr__(
+            rp,
+            "__dict__",
+            {
+                "index": index,
+                "name": name,
+                "shape": shape,
+                "region": region,
+                "dtype": dtype,
+                "initializer": initializer,
+                "kind": kind,
+                "p0": p0,
+                "p1": p1,
+                "key": key,
+                "values": None,
+                "patches": (),
+                "compact": False,
+                "lo": lo,
+                "hi": hi,
+                "seed": seed,
+                "out_shape": shape,
+                "numel": numel,
+                "nbytes": numel * dtype.itemsize,
+                "_runs": runs,
+            },
+        )
         return rp
 
     @property
@@ -140,7 +173,7 @@ class Patch:
         if not self.run_len or begin >= end:
             return self.starts[:0]
         first = max(0, int(np.searchsorted(self.starts, begin - self.run_len, side="right")))
-        return self.starts[first:int(np.searchsorted(self.starts, end, side="left"))]
+        return self.starts[first : int(np.searchsorted(self.starts, end, side="left"))]
 
 
 def resolve_param(index: int, p: plan_pb2.Param, sources: BoundSources | None = None) -> ResolvedParam:
@@ -169,17 +202,18 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: BoundSources | None = 
     if not kind.flat:
         return _resolve_form(index, p.name, shape, region, dt, kind.field, form)
 
-    def make(kernel: Kind, p0: float = 0.0, p1: float = 0.0, seed: int | None = None,
-             values: npt.NDArray[Any] | None = None) -> ResolvedParam:
-        return ResolvedParam(index, p.name, shape, region, dt, kind.field, kernel, p0, p1,
-                             0 if seed is None else spec.key(seed), values)
+    def make(
+        kernel: Kind, p0: float = 0.0, p1: float = 0.0, seed: int | None = None, values: npt.NDArray[Any] | None = None
+    ) -> ResolvedParam:
+        return ResolvedParam(index, p.name, shape, region, dt, kind.field, kernel, p0, p1, 0 if seed is None else spec.key(seed), values)
 
     if isinstance(form, inits.Inline):
         return make(Kind.FLAT, values=np.asarray(form.values, dtype=np.float64))
     if isinstance(form, inits.Orthogonal):  # the whole matrix, computed on the host for every backend
         if sources is None or sources.gaussian is None:
-            raise errors.InvalidRequest("an orthogonal parameter is resolved with the request's sources (its "
-                                        "Gaussian matrix comes from them)")
+            raise errors.InvalidRequest(
+                "an orthogonal parameter is resolved with the request's sources (its Gaussian matrix comes from them)"
+            )
         from paraminit_server.plans import orthogonal  # numba, compiled on first use (after the cache is set up)
 
         n = form.rows * form.cols
@@ -199,8 +233,9 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: BoundSources | None = 
     return replace(make(Kind.FLAT, values=values), compact=compact)
 
 
-def _resolve_form(index: int, name: str, shape: tuple[int, ...], region: regions.Box | None, dt: dtypes.DTypeInfo,
-                  initializer: str, form: inits.ValueForm) -> ResolvedParam:
+def _resolve_form(
+    index: int, name: str, shape: tuple[int, ...], region: regions.Box | None, dt: dtypes.DTypeInfo, initializer: str, form: inits.ValueForm
+) -> ResolvedParam:
     """A parameter whose values are a distribution or a constant (not data); region None: the whole tensor."""
     # the value form decides the kernel: five kernels whatever the initializer (the table maps kinds to forms)
     if isinstance(form, inits.Normal):
@@ -212,17 +247,38 @@ def _resolve_form(index: int, name: str, shape: tuple[int, ...], region: regions
     else:
         assert isinstance(form, inits.TruncNormal), "every data form is resolved by _resolve_base"
         if region is None:
-            return ResolvedParam.whole(index, name, shape, dt, initializer, Kind.TRUNCNORM, form.mean, form.std,
-                                       spec.key(form.seed), form.lo, form.hi, form.seed)
-        return ResolvedParam(index, name, shape, region, dt, initializer, Kind.TRUNCNORM, form.mean, form.std,
-                             spec.key(form.seed), lo=form.lo, hi=form.hi, seed=form.seed)
+            return ResolvedParam.whole(
+                index, name, shape, dt, initializer, Kind.TRUNCNORM, form.mean, form.std, spec.key(form.seed), form.lo, form.hi, form.seed
+            )
+        return ResolvedParam(
+            index,
+            name,
+            shape,
+            region,
+            dt,
+            initializer,
+            Kind.TRUNCNORM,
+            form.mean,
+            form.std,
+            spec.key(form.seed),
+            lo=form.lo,
+            hi=form.hi,
+            seed=form.seed,
+        )
     if region is None:
         return ResolvedParam.whole(index, name, shape, dt, initializer, kind, p0, p1, key)
     return ResolvedParam(index, name, shape, region, dt, initializer, kind, p0, p1, key)
 
 
-KernelColumns = tuple[Any, npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.uint64],
-                      npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.uint64]]
+KernelColumns = tuple[
+    Any,
+    npt.NDArray[np.float64],
+    npt.NDArray[np.float64],
+    npt.NDArray[np.uint64],
+    npt.NDArray[np.float64],
+    npt.NDArray[np.float64],
+    npt.NDArray[np.uint64],
+]
 
 
 def kernel_columns(form: type, fields: dict[str, npt.NDArray[Any]]) -> KernelColumns:
@@ -273,8 +329,7 @@ def resolve(plan: plan_pb2.Plan, sources: BoundSources | None = None, cols: Colu
             m = init.normal
             out.append(ResolvedParam.whole(i, p.name, shape, dt, "normal", Kind.NORMAL, m.mean, m.std, spec.key(m.seed)))
             continue
-        out.append(_resolve_form(i, p.name, shape, None, dt, kind.field,
-                                 kind.form(getattr(init, kind.field), shape)))
+        out.append(_resolve_form(i, p.name, shape, None, dt, kind.field, kind.form(getattr(init, kind.field), shape)))
     return out
 
 

@@ -14,8 +14,20 @@ import numpy.typing as npt
 from paraminit.inits import NORMAL_U1_FLOOR, kaiming_bound, trunc_bounds_ok, xavier_bound
 from paraminit.shapes import fan_in_out, numel, shape_str
 
-__all__ = ["NORMAL_U1_FLOOR", "candidate_seed", "fan_in_out", "kaiming_bound", "key", "keys", "mix", "numel", "shape_str",
-           "trunc_bounds_ok", "unit", "xavier_bound"]
+__all__ = [
+    "NORMAL_U1_FLOOR",
+    "candidate_seed",
+    "fan_in_out",
+    "kaiming_bound",
+    "key",
+    "keys",
+    "mix",
+    "numel",
+    "shape_str",
+    "trunc_bounds_ok",
+    "unit",
+    "xavier_bound",
+]
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -55,4 +67,3 @@ def unit(seed: int, i: int) -> float:
 def candidate_seed(seed: int, j: int) -> int:
     """Seed of candidate j of a truncatedNormal: (seed + j * GOLDEN) mod 2^64 (section 2.2)."""
     return (seed + j * GOLDEN) & MASK64
-

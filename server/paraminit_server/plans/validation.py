@@ -62,8 +62,7 @@ class Report:
         return bool(self.violations) and all(v.category == LIMIT for v in self.violations)
 
 
-def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: BoundSources | None = None,
-             cols: Columns | None = None) -> Report:
+def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: BoundSources | None = None, cols: Columns | None = None) -> Report:
     """Check a whole plan; returns every violation found.
 
     Args:
@@ -88,9 +87,17 @@ def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: BoundSo
             sizes.append(_check_param(i, p, limits, sources, first_seen, out) if size is None else size)
     total = sum(sizes)
     if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
-        out.append(Violation(-1, "", "params", f"plan needs {total} bytes ({format_size(total)}), over the "
-                             f"per-plan limit of {limits.max_plan_bytes} ({format_size(limits.max_plan_bytes)}; "
-                             "--max-plan-bytes, PARAMINIT_MAX_PLAN_BYTES)", LIMIT))
+        out.append(
+            Violation(
+                -1,
+                "",
+                "params",
+                f"plan needs {total} bytes ({format_size(total)}), over the "
+                f"per-plan limit of {limits.max_plan_bytes} ({format_size(limits.max_plan_bytes)}; "
+                "--max-plan-bytes, PARAMINIT_MAX_PLAN_BYTES)",
+                LIMIT,
+            )
+        )
     return Report(tuple(out), tuple(sizes))
 
 
@@ -109,8 +116,13 @@ def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[st
     kind = inits.KINDS[which]
     n = spec.numel(shape)
     size = n * dt.itemsize
-    if kind.flat or n == 0 or n > MAX_ELEMENTS or size > MAX_BYTES or (limits.max_param_bytes is not None
-                                                             and size > limits.max_param_bytes):
+    if (
+        kind.flat
+        or n == 0
+        or n > MAX_ELEMENTS
+        or size > MAX_BYTES
+        or (limits.max_param_bytes is not None and size > limits.max_param_bytes)
+    ):
         return None
     if kind.checks is not inits.no_checks and kind.checks(getattr(p.init, which), shape):
         return None
@@ -118,8 +130,9 @@ def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[st
     return size
 
 
-def _validate_columns(plan: plan_pb2.Plan, limits: Limits, sources: BoundSources | None, cols: Columns,
-                      first_seen: dict[str, int], out: list[Violation]) -> list[int]:
+def _validate_columns(
+    plan: plan_pb2.Plan, limits: Limits, sources: BoundSources | None, cols: Columns, first_seen: dict[str, int], out: list[Violation]
+) -> list[int]:
     """validate() over columns: plain rows with a good name and size pass as arrays, every other row (and any
     repeated name) takes the full per-parameter checks, in plan order so names are first seen as before."""
     nbytes = cols.nbytes
@@ -143,8 +156,9 @@ def _validate_columns(plan: plan_pb2.Plan, limits: Limits, sources: BoundSources
     return sizes
 
 
-def _check_param(i: int, p: plan_pb2.Param, limits: Limits, sources: BoundSources | None, first_seen: dict[str, int],
-                 out: list[Violation]) -> int:
+def _check_param(
+    i: int, p: plan_pb2.Param, limits: Limits, sources: BoundSources | None, first_seen: dict[str, int], out: list[Violation]
+) -> int:
     """Every check of one parameter; appends its violations to `out` and returns its materialized bytes."""
     found: list[Violation] = []
 
@@ -170,12 +184,14 @@ def _check_param(i: int, p: plan_pb2.Param, limits: Limits, sources: BoundSource
     numel = numel_at_most(shape, MAX_ELEMENTS)
     if numel > MAX_ELEMENTS:
         sane = False
-        bad("shape", f"the full tensor {_shape_echo(shape)} has 2^63 elements or more; flat indices must fit "
-                     "in 64 bits")
+        bad("shape", f"the full tensor {_shape_echo(shape)} has 2^63 elements or more; flat indices must fit in 64 bits")
     elif numel == 0 and numel_at_most([d for d in shape if d], _EMPTY_SPAN) > _EMPTY_SPAN:
         sane = False  # empty, but no array library can hold the shape (nor its fans)
-        bad("shape", f"the dimensions of {_shape_echo(shape)} other than 0 multiply to 2^60 or more; an empty "
-                     "tensor's shape must still fit in 2^63 bytes as if it were not empty")
+        bad(
+            "shape",
+            f"the dimensions of {_shape_echo(shape)} other than 0 multiply to 2^60 or more; an empty "
+            "tensor's shape must still fit in 2^63 bytes as if it were not empty",
+        )
     dt = dtypes.by_enum(p.dtype)
     if dt is None:
         bad("dtype", f"unknown dtype enum value {p.dtype}")
@@ -190,9 +206,13 @@ def _check_param(i: int, p: plan_pb2.Param, limits: Limits, sources: BoundSource
             bad("shape", f"size overflows: {region_numel} elements of {dt.name} exceed 2^63 bytes")
             size = 0
         elif limits.max_param_bytes is not None and size > limits.max_param_bytes:
-            bad("shape", f"parameter needs {size} bytes ({format_size(size)}), over the per-parameter limit "
-                         f"of {limits.max_param_bytes} ({format_size(limits.max_param_bytes)}; "
-                         "--max-param-bytes, PARAMINIT_MAX_PARAM_BYTES)", LIMIT)
+            bad(
+                "shape",
+                f"parameter needs {size} bytes ({format_size(size)}), over the per-parameter limit "
+                f"of {limits.max_param_bytes} ({format_size(limits.max_param_bytes)}; "
+                "--max-param-bytes, PARAMINIT_MAX_PARAM_BYTES)",
+                LIMIT,
+            )
     out.extend(found)
     return size
 
@@ -231,6 +251,7 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | N
         bad("patches", f"{len(p.patches)} patches exceed the maximum of {MAX_PATCHES} per parameter")
         return
     for j, q in enumerate(p.patches):
+
         def sub(field: str, message: str, category: str = INVALID, _j: int = j) -> None:
             bad(f"patches[{_j}].{field}", message, category)
 
@@ -239,8 +260,7 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | N
         else:
             # at most BOX_RANGES_SHOWN violations per box, the last counting the rest: 4,096 patches of rank 32
             # would otherwise make 131,072 violations of one parameter from a plan of a few hundred kilobytes
-            bad_ranges = [(d, r, dim) for d, (r, dim) in enumerate(zip(q.box, shape, strict=True))
-                          if r.start >= r.stop or r.stop > dim]
+            bad_ranges = [(d, r, dim) for d, (r, dim) in enumerate(zip(q.box, shape, strict=True)) if r.start >= r.stop or r.stop > dim]
             shown = bad_ranges[:BOX_RANGES_SHOWN]
             for k, (d, r, dim) in enumerate(shown):
                 rest = len(bad_ranges) - len(shown)
@@ -248,8 +268,7 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | N
                 if r.start >= r.stop:
                     sub(f"box[{d}]", f"range [{r.start}, {r.stop}) is empty{more}")
                 else:
-                    sub(f"box[{d}]", f"range [{r.start}, {r.stop}) is out of bounds for dimension {d} of size "
-                                     f"{dim}{more}")
+                    sub(f"box[{d}]", f"range [{r.start}, {r.stop}) is out of bounds for dimension {d} of size {dim}{more}")
         problems = inits.check(q.init if q.HasField("init") else None, shape, patch=True)
         for field, message in problems:
             sub(field, message)
@@ -275,8 +294,7 @@ def _echo(text: str) -> str:
     return repr(text) if len(text) <= ECHO else repr(text[:ECHO]) + f"... ({len(text)} characters)"
 
 
-def _check_init(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad,
-                sources: BoundSources | None = None) -> None:
+def _check_init(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad, sources: BoundSources | None = None) -> None:
     """The initializer's form (the table's checks), then what it reads against the request's snapshot, then
     whether its values fit an 8-bit dtype."""
     init = p.init if p.HasField("init") else None
@@ -298,8 +316,7 @@ def _check_init(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None
         _check_range(dt, init, shape, bad, largest)
 
 
-def _check_range(dt: dtypes.DTypeInfo, init: plan_pb2.Init, shape: list[int], bad: _Bad,
-                 largest: float | None = None) -> None:
+def _check_range(dt: dtypes.DTypeInfo, init: plan_pb2.Init, shape: list[int], bad: _Bad, largest: float | None = None) -> None:
     """The 8-bit range rule (docs/SAMPLER.md 4.1) for a valid initializer; `largest` for referenced data."""
     kind = inits.kind_of(init)
     if dt.max_finite is None or kind is None:
@@ -313,22 +330,21 @@ def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: 
     """The payload's checks; returns its largest |value| when it is whole and finite (for the range rule)."""
     payload = sources.payload(ref.payload_id)
     if payload is None:
-        bad("init.flat_ref.payload_id", f"no payload {_echo(ref.payload_id)} (upload it with UploadPayload; "
-                                        "payloads expire)")
+        bad("init.flat_ref.payload_id", f"no payload {_echo(ref.payload_id)} (upload it with UploadPayload; payloads expire)")
         return None
     ok = True
     if payload.values.size != spec.numel(shape):
         bad("init.flat_ref", inits.length_message(spec.numel(shape), payload.values.size))
         ok = False
     if payload.nonfinite:
-        bad("init.flat_ref", f"flat values must be finite ({payload.nonfinite} not finite, first at index "
-                             f"{payload.first_nonfinite})")
+        bad("init.flat_ref", f"flat values must be finite ({payload.nonfinite} not finite, first at index {payload.first_nonfinite})")
         ok = False
     return payload.max_abs if ok else None
 
 
-def _check_checkpoint(shape: list[int], ref: inits.Checkpoint, bad: _Bad, sources: BoundSources,
-                      dt: dtypes.DTypeInfo | None) -> float | None:
+def _check_checkpoint(
+    shape: list[int], ref: inits.Checkpoint, bad: _Bad, sources: BoundSources, dt: dtypes.DTypeInfo | None
+) -> float | None:
     """The checkpoint tensor's checks; for a parameter of an 8-bit dtype whose file holds a wider one, returns
     the tensor's largest |value| (for the range rule; read from the file)."""
     try:
@@ -342,8 +358,11 @@ def _check_checkpoint(shape: list[int], ref: inits.Checkpoint, bad: _Bad, source
         bad("init.safetensors.dtype", f"tensor {_echo(ref.tensor)} is {info.dtype.name} in the file, not {expected.name}")
         ok = False
     if tuple(shape) != info.shape:
-        bad("init.safetensors", f"tensor {_echo(ref.tensor)} has shape {spec.shape_str(info.shape)} in the file; the "
-                                f"parameter's shape is {spec.shape_str(shape)}")
+        bad(
+            "init.safetensors",
+            f"tensor {_echo(ref.tensor)} has shape {spec.shape_str(info.shape)} in the file; the "
+            f"parameter's shape is {spec.shape_str(shape)}",
+        )
         ok = False
     if not ok or dt is None or dt.max_finite is None:
         return None

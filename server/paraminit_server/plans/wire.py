@@ -62,13 +62,13 @@ class Scan:
         out = np.empty(int(self.name_at[:, 1].sum() - self.name_at[:, 0].sum()) + n, dtype=np.uint8)
         size = _kernels().join_names(np.frombuffer(self.data, dtype=np.uint8), self.name_at, out)
         if size >= 0:  # one decode and one split instead of 100,000s of each
-            return out[:size - 1].tobytes().decode().split("\0") if n else []
+            return out[: size - 1].tobytes().decode().split("\0") if n else []
         data = self.data  # some name holds a NUL
         return [data[a:b].decode() for a, b in self.name_at.tolist()]
 
     def shapes(self) -> list[tuple[int, ...]]:
         """Every regular parameter's shape (() for irregular ones), one tuple per distinct shape."""
-        return packed_table.shapes_of(self.dims[:int(self.dims_at[-1])], np.diff(self.dims_at))
+        return packed_table.shapes_of(self.dims[: int(self.dims_at[-1])], np.diff(self.dims_at))
 
     def field(self, message: Any, name: str) -> npt.NDArray[Any]:
         """A numeric field of every row's initializer message, as protobuf reads it (0 when absent): float64 for

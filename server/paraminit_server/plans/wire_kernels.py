@@ -131,8 +131,21 @@ def _init(buf: Any, pos: int, end: int, i: int, kind: Any, wire: Any, raw: Any) 
 
 
 @jit
-def _param(buf: Any, pos: int, end: int, i: int, flags: Any, name_at: Any, dtype: Any, dims: Any, nd: int,
-           kind: Any, wire: Any, raw: Any, param_at: Any) -> tuple[bool, int]:
+def _param(
+    buf: Any,
+    pos: int,
+    end: int,
+    i: int,
+    flags: Any,
+    name_at: Any,
+    dtype: Any,
+    dims: Any,
+    nd: int,
+    kind: Any,
+    wire: Any,
+    raw: Any,
+    param_at: Any,
+) -> tuple[bool, int]:
     """Read one Param body in the plain form; (regular, dims written)."""
     last = 0
     written = 0
@@ -195,8 +208,7 @@ def _param(buf: Any, pos: int, end: int, i: int, flags: Any, name_at: Any, dtype
 
 
 @jit
-def fill(buf: Any, flags: Any, name_at: Any, dtype: Any, dims: Any, dims_at: Any, kind: Any, wire: Any, raw: Any,
-         param_at: Any) -> None:
+def fill(buf: Any, flags: Any, name_at: Any, dtype: Any, dims: Any, dims_at: Any, kind: Any, wire: Any, raw: Any, param_at: Any) -> None:
     """Write every parameter's columns (sized by `count`); irregular parameters keep only their body span."""
     pos, end = 0, buf.shape[0]
     i = 0
@@ -250,15 +262,15 @@ def canonical(buf: Any, flags: Any, param_at: Any, out: Any) -> int:
         out[pos] = 0x0A
         pos = _put_varint(out, pos + 1, b - a + extra)
         if extra:
-            out[pos:pos + at - a] = buf[a:at]
+            out[pos : pos + at - a] = buf[a:at]
             pos += at - a
             out[pos] = 0x18
             out[pos + 1] = 1
             pos += 2
-            out[pos:pos + b - at] = buf[at:b]
+            out[pos : pos + b - at] = buf[at:b]
             pos += b - at
         else:
-            out[pos:pos + b - a] = buf[a:b]
+            out[pos : pos + b - a] = buf[a:b]
             pos += b - a
     return pos
 

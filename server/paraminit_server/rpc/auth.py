@@ -63,8 +63,10 @@ class TokenAuth:
                 raise ValueError(f"one auth token is given for two identities, {tokens[token]!r} and {ident!r}")
             tokens[token] = ident
         if named & unnamed:  # a bare token's name given to a named one: two secrets for one identity by accident
-            raise ValueError(f"identity {sorted(named & unnamed)[0]!r} is both named and the name of a bare token; "
-                             "name every token or none with that name")
+            raise ValueError(
+                f"identity {sorted(named & unnamed)[0]!r} is both named and the name of a bare token; "
+                "name every token or none with that name"
+            )
         return cls(tokens) if tokens else None
 
     def identify(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
@@ -82,6 +84,7 @@ class TokenAuth:
 def certificate_identity(auth: dict[str, list[bytes]]) -> str | None:
     """The client certificate's identity: its subject, else its subject alternative names, else the
     certificate's SHA-256 fingerprint; two different certificates never share an empty identity."""
+
     def text(key: str) -> list[str]:
         return [v.decode(errors="replace") for v in auth.get(key) or () if v]
 
@@ -142,8 +145,7 @@ def local_identity(peer: str, endpoint: Endpoint = Endpoint()) -> str:
     return peer_identity(peer, endpoint)[0]
 
 
-def identity(context: grpc.ServicerContext, tokens: TokenAuth | None,
-             endpoint: Endpoint = Endpoint()) -> tuple[str, int | None]:
+def identity(context: grpc.ServicerContext, tokens: TokenAuth | None, endpoint: Endpoint = Endpoint()) -> tuple[str, int | None]:
     """Who is calling: token identity, else client certificate, else the peer's local user; and the caller's
     uid where the kernel shows it (whatever the identity), for what only that user can open."""
     ident = tokens.identify(context.invocation_metadata()) if tokens is not None else None
@@ -171,8 +173,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
         self._deny: grpc.RpcMethodHandler[Any, Any] = grpc.stream_stream_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
-                          details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails) -> Any:
         method = details.method
         if method.startswith(HEALTH_PREFIX) or self.tokens.identify(details.invocation_metadata) is not None:
             return continuation(details)

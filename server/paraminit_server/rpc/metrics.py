@@ -40,38 +40,57 @@ class Metrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
-        self.build = Info("paraminit_build", "version of the server and of the libraries its results depend on",
-                          registry=r)
+        self.build = Info("paraminit_build", "version of the server and of the libraries its results depend on", registry=r)
         self.build.info(self._build_labels(""))
         self.requests = Counter("paraminit_requests", "RPCs by method and status code", ["method", "code"], registry=r)
-        self.bytes = Counter("paraminit_materialized_bytes", "bytes materialized",
-                             ["backend", "dtype", "initializer"], registry=r)
-        self.latency = Histogram("paraminit_materialize_seconds", "Materialize latency by delivery", ["delivery"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.bytes = Counter("paraminit_materialized_bytes", "bytes materialized", ["backend", "dtype", "initializer"], registry=r)
+        self.latency = Histogram(
+            "paraminit_materialize_seconds", "Materialize latency by delivery", ["delivery"], buckets=LATENCY_BUCKETS, registry=r
+        )
         self.inflight = Gauge("paraminit_inflight_requests", "materializations in progress", registry=r)
         # the scaling signal: calls waiting for a concurrency slot, and how long they waited
         self.queued = Gauge("paraminit_queued_requests", "calls waiting for a concurrency slot", registry=r)
-        self.queue_wait = Histogram("paraminit_queue_wait_seconds", "time admitted calls waited for a concurrency "
-                                    "slot", buckets=QUEUE_WAIT_BUCKETS, registry=r)
-        self.refusals = Counter("paraminit_refusals", "calls refused for load (RESOURCE_EXHAUSTED, UNAVAILABLE) by "
-                                "method and reason", ["method", "reason"], registry=r)
+        self.queue_wait = Histogram(
+            "paraminit_queue_wait_seconds", "time admitted calls waited for a concurrency slot", buckets=QUEUE_WAIT_BUCKETS, registry=r
+        )
+        self.refusals = Counter(
+            "paraminit_refusals",
+            "calls refused for load (RESOURCE_EXHAUSTED, UNAVAILABLE) by method and reason",
+            ["method", "reason"],
+            registry=r,
+        )
         self.inflight_bytes = Gauge("paraminit_inflight_bytes", "bytes of materializations in progress", registry=r)
         self.leases = Gauge("paraminit_leases_active", "live zero-copy leases", registry=r)
         self.leased_bytes = Gauge("paraminit_leased_bytes", "bytes held by live leases", registry=r)
-        self.serving = Gauge("paraminit_serving", "1 while the InitService reports SERVING (warm, not draining)",
-                             registry=r)  # set by the server with its health status
+        self.serving = Gauge(
+            "paraminit_serving", "1 while the InitService reports SERVING (warm, not draining)", registry=r
+        )  # set by the server with its health status
         self.device_memory: Gauge | None = None  # only for device backends; see bind()
         self._http: Any = None
 
     @staticmethod
     def _build_labels(backend: str) -> dict[str, str]:
-        return {"version": _version("paraminit"), "revision": os.environ.get("PARAMINIT_REVISION", ""),
-                "backend": backend, "python": platform.python_version(), "numpy": _version("numpy"),
-                "numba": _version("numba"), "grpcio": _version("grpcio")}
+        return {
+            "version": _version("paraminit"),
+            "revision": os.environ.get("PARAMINIT_REVISION", ""),
+            "backend": backend,
+            "python": platform.python_version(),
+            "numpy": _version("numpy"),
+            "numba": _version("numba"),
+            "grpcio": _version("grpcio"),
+        }
 
-    def bind(self, inflight: Callable[[], float], inflight_bytes: Callable[[], float], leases: Callable[[], float],
-             leased_bytes: Callable[[], float], memory_free: Callable[[], float], memory_total: Callable[[], float],
-             backend: Any = None, queued: Callable[[], float] = lambda: 0.0) -> None:
+    def bind(
+        self,
+        inflight: Callable[[], float],
+        inflight_bytes: Callable[[], float],
+        leases: Callable[[], float],
+        leased_bytes: Callable[[], float],
+        memory_free: Callable[[], float],
+        memory_total: Callable[[], float],
+        backend: Any = None,
+        queued: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         """Gauges read live state at scrape time instead of being kept in sync by hand.
 
         Device memory is exported only for a device backend (`backend.device().kind != "cpu"`): on the CPU backend
@@ -85,8 +104,7 @@ class Metrics:
         if backend is not None:
             self.build.info(self._build_labels(str(backend.name)))
             if backend.device().kind != "cpu" and self.device_memory is None:
-                self.device_memory = Gauge("paraminit_device_memory_bytes", "device (GPU) memory", ["state"],
-                                           registry=self.registry)
+                self.device_memory = Gauge("paraminit_device_memory_bytes", "device (GPU) memory", ["state"], registry=self.registry)
                 self.device_memory.labels("free").set_function(memory_free)
                 self.device_memory.labels("used").set_function(lambda: memory_total() - memory_free())
                 self.device_memory.labels("total").set_function(memory_total)

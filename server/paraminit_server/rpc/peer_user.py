@@ -83,11 +83,14 @@ def _netlink_uid(packed: bytes, port: int, server_ports: Collection[int] = ()) -
 
 def _dump_request(family: int, port: int, seq: int) -> bytes:
     # In-kernel filter: sport >= port and sport <= port. A failed test jumps 4 bytes past the end: reject.
-    bytecode = struct.pack("=BBH", INET_DIAG_BC_S_GE, 8, 16 + 4) + struct.pack("=BBH", 0, 0, port) \
-        + struct.pack("=BBH", INET_DIAG_BC_S_LE, 8, 8 + 4) + struct.pack("=BBH", 0, 0, port)
+    bytecode = (
+        struct.pack("=BBH", INET_DIAG_BC_S_GE, 8, 16 + 4)
+        + struct.pack("=BBH", 0, 0, port)
+        + struct.pack("=BBH", INET_DIAG_BC_S_LE, 8, 8 + 4)
+        + struct.pack("=BBH", 0, 0, port)
+    )
     attr = struct.pack("=HH", 4 + len(bytecode), INET_DIAG_REQ_BYTECODE) + bytecode
-    body = _REQ.pack(family, socket.IPPROTO_TCP, 0, 1 << TCP_ESTABLISHED) \
-        + _SOCKID.pack(0, 0, b"", b"", 0) + attr
+    body = _REQ.pack(family, socket.IPPROTO_TCP, 0, 1 << TCP_ESTABLISHED) + _SOCKID.pack(0, 0, b"", b"", 0) + attr
     return _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
@@ -109,13 +112,13 @@ def _read_dump(nl: socket.socket, port: int, wanted: set[bytes], dports: set[int
             body = pos + _NLMSG.size
             sport, dport, src, _dst, _ifindex = _SOCKID.unpack_from(data, body + 4)
             if sport == port and src in wanted and (not dports or dport in dports):
-                found.add(int.from_bytes(data[body + _MSG_UID_AT:body + _MSG_UID_AT + 4], sys.byteorder))
+                found.add(int.from_bytes(data[body + _MSG_UID_AT : body + _MSG_UID_AT + 4], sys.byteorder))
             pos += (length + 3) & ~3
 
 
 def _proc_uid(packed: bytes, port: int, tables: tuple[str, ...], server_ports: Collection[int] = ()) -> int | None:
     """The same answer from /proc/net/tcp{,6}, whose addresses are 32-bit words in host byte order, hex."""
-    addr = "".join(f"{int.from_bytes(packed[i:i + 4], sys.byteorder):08X}" for i in range(0, len(packed), 4))
+    addr = "".join(f"{int.from_bytes(packed[i : i + 4], sys.byteorder):08X}" for i in range(0, len(packed), 4))
     wanted = {f"{addr}:{port:04X}"}
     if len(addr) == 8:  # an IPv4 peer may appear as a v4-mapped address in tcp6
         wanted.add(f"0000000000000000FFFF0000{addr}:{port:04X}")
@@ -127,8 +130,12 @@ def _proc_uid(packed: bytes, port: int, tables: tuple[str, ...], server_ports: C
                 next(f, None)
                 for line in f:
                     fields = line.split()
-                    if len(fields) > 7 and fields[1] in wanted and fields[3] == "01" \
-                            and (not dports or fields[2].rpartition(":")[2] in dports):
+                    if (
+                        len(fields) > 7
+                        and fields[1] in wanted
+                        and fields[3] == "01"
+                        and (not dports or fields[2].rpartition(":")[2] in dports)
+                    ):
                         uids.add(int(fields[7]))
         except OSError:
             continue

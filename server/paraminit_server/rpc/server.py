@@ -108,8 +108,11 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     plane = Materializer(config, backend)
     metrics = Metrics() if config.metrics_port else None
     servicer = InitServicer(plane, tokens, metrics)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
-                         options=_grpc_options(plane), interceptors=[AuthInterceptor(tokens)] if tokens else [])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
+        options=_grpc_options(plane),
+        interceptors=[AuthInterceptor(tokens)] if tokens else [],
+    )
     server.add_generic_rpc_handlers((_service_handler(servicer),))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -120,16 +123,14 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
         raise ValueError("TLS needs both --tls-cert and --tls-key")
     with _private_umask(address.startswith("unix:")):  # a Unix socket is 0600 from its bind on, never wider
         if config.tls_cert or config.tls_key:
-            port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key,
-                                                                      config.tls_ca))
+            port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
         else:
             port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
     if address.startswith("unix:"):
         os.chmod(address[5:], 0o600)  # only the server's user connects (auth.peer_identity relies on it)
-    servicer.endpoint = Endpoint(() if address.startswith("unix:") else (port,),
-                                 address[5:] if address.startswith("unix:") else "")
+    servicer.endpoint = Endpoint(() if address.startswith("unix:") else (port,), address[5:] if address.startswith("unix:") else "")
     running = Running(server, port, plane, servicer, health_servicer, config, metrics)
     if metrics is not None:
         try:
@@ -240,10 +241,11 @@ def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> No
     servicer = DocumentedReflection(names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
     handler = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1,
-                                                                          {"ServerReflectionInfo": handler}),))
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),))
 
 
 @contextlib.contextmanager
@@ -261,8 +263,7 @@ def _private_umask(private: bool) -> Iterator[None]:
 def _grpc_options(plane: Materializer) -> list[tuple[str, Any]]:
     """GRPC_OPTIONS with the request size limit the memory budget allows (materializer.max_request_bytes)."""
     limit = max_request_bytes(plane.admission.host.limit, plane.config.max_concurrent)
-    return [("grpc.max_receive_message_length", limit) if k == "grpc.max_receive_message_length" else (k, v)
-            for k, v in GRPC_OPTIONS]
+    return [("grpc.max_receive_message_length", limit) if k == "grpc.max_receive_message_length" else (k, v) for k, v in GRPC_OPTIONS]
 
 
 def bind_address(host: str, port: int) -> str:
@@ -327,22 +328,31 @@ def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
         parse = _lenient_parser(request_cls, HAND_DECODED.get(method.name))
         if method.client_streaming:
             handlers[method.name] = grpc.stream_unary_rpc_method_handler(
-                fn, request_deserializer=parse, response_serializer=response_cls.SerializeToString)
+                fn, request_deserializer=parse, response_serializer=response_cls.SerializeToString
+            )
         elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                fn, request_deserializer=parse, response_serializer=wire.serialize_response)
+                fn, request_deserializer=parse, response_serializer=wire.serialize_response
+            )
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=parse, response_serializer=response_cls.SerializeToString)
+                fn, request_deserializer=parse, response_serializer=response_cls.SerializeToString
+            )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 def _serve_metrics(config: ServerConfig, plane: Materializer, metrics: Metrics) -> int:
     adm, leases, backend = plane.admission, plane.leases, plane.backend
-    metrics.bind(inflight=lambda: adm.in_flight, inflight_bytes=lambda: adm.in_flight_bytes,
-                 leases=lambda: len(leases.list()), leased_bytes=leases.leased_bytes,
-                 memory_free=lambda: backend.device().memory_free, memory_total=lambda: backend.device().memory_total,
-                 backend=backend, queued=lambda: adm.slots.queued)
+    metrics.bind(
+        inflight=lambda: adm.in_flight,
+        inflight_bytes=lambda: adm.in_flight_bytes,
+        leases=lambda: len(leases.list()),
+        leased_bytes=leases.leased_bytes,
+        memory_free=lambda: backend.device().memory_free,
+        memory_total=lambda: backend.device().memory_total,
+        backend=backend,
+        queued=lambda: adm.slots.queued,
+    )
     adm.on_queue_wait = metrics.queue_wait.observe
     return metrics.serve(metrics_host(config.host), config.metrics_port if config.metrics_port > 0 else 0)
 
@@ -368,8 +378,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line, for log pipelines."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {"time": self.formatTime(record), "level": record.levelname,
-                                 "logger": record.name, "message": record.getMessage()}
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         for key in ("error_id", "plan_digest", "method", "bytes", "seconds", "outcome"):
             if hasattr(record, key):
                 entry[key] = getattr(record, key)
@@ -386,8 +400,7 @@ def serve(config: ServerConfig) -> int:
         log.warning("%s", jit.warning)
     running = start(config)
     metrics = f" metrics={metrics_host(config.host)}:{running.metrics_port}" if running.metrics_port else ""
-    print(f"paraminit listening on {listen_address(config.host, running.port)} backend={running.plane.backend.name}{metrics}",
-          flush=True)
+    print(f"paraminit listening on {listen_address(config.host, running.port)} backend={running.plane.backend.name}{metrics}", flush=True)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

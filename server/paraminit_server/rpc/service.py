@@ -56,7 +56,7 @@ class Handlers:
                 continue
             start, slab = item
             for off in range(0, int(slab.shape[0]), chunk):
-                yield wire.encode_chunk(start + off, slab[off:off + chunk])
+                yield wire.encode_chunk(start + off, slab[off : off + chunk])
 
     def export(self, request: pb.MaterializeRequest, caller: Caller) -> pb.MaterializeResponse:
         delivery = DELIVERY_NAMES.get(request.delivery)
@@ -67,15 +67,20 @@ class Handlers:
             raise errors.ResourceExhausted(
                 f"the export's answer (one ExportInfo with {len(request.plan.params)} tensors) could take up to "
                 f"{bound} bytes, over the {MAX_ANSWER_BYTES} a client receives by default; use STREAM (its table "
-                "comes in parts) or export the plan in several calls")
+                "comes in parts) or export the plan in several calls"
+            )
         export = self.plane.export(request.plan, delivery, caller, times.seconds(request.lease_ttl))
         return pb.MaterializeResponse(export=_export_info(export))
 
     def validate(self, request: pb.ValidateRequest, caller: Caller) -> pb.ValidateResponse:
         report, digest = self.plane.validate(request.plan, caller)
-        resp = pb.ValidateResponse(valid=not any(not v.is_limit for v in report.violations),
-                                   param_bytes=report.param_bytes, total_bytes=report.total_bytes,
-                                   fits_limits=not any(v.is_limit for v in report.violations), plan_digest=digest)
+        resp = pb.ValidateResponse(
+            valid=not any(not v.is_limit for v in report.violations),
+            param_bytes=report.param_bytes,
+            total_bytes=report.total_bytes,
+            fits_limits=not any(v.is_limit for v in report.violations),
+            plan_digest=digest,
+        )
         for v in report.violations:
             resp.violations.add(index=v.index, name=v.name, field=v.field, message=v.message, limit=v.is_limit)
         return resp
@@ -84,14 +89,22 @@ class Handlers:
         info = self.plane.info()
         dev, c = info.device, info.config
         return pb.GetInfoResponse(
-            version=info.version, backend=info.backend,
-            device=pb.DeviceInfo(kind=dev.kind, name=dev.name, uuid=dev.uuid, ordinal=dev.ordinal,
-                                 memory_total=dev.memory_total, memory_free=dev.memory_free),
-            limits=pb.Limits(max_plan_bytes=c.max_plan_bytes, max_param_bytes=c.max_param_bytes,
-                             max_concurrent_requests=c.max_concurrent, max_chunk_bytes=c.max_chunk_bytes,
-                             max_leased_bytes=c.max_leased_bytes, max_leases_per_client=c.max_leases_per_client),
+            version=info.version,
+            backend=info.backend,
+            device=pb.DeviceInfo(
+                kind=dev.kind, name=dev.name, uuid=dev.uuid, ordinal=dev.ordinal, memory_total=dev.memory_total, memory_free=dev.memory_free
+            ),
+            limits=pb.Limits(
+                max_plan_bytes=c.max_plan_bytes,
+                max_param_bytes=c.max_param_bytes,
+                max_concurrent_requests=c.max_concurrent,
+                max_chunk_bytes=c.max_chunk_bytes,
+                max_leased_bytes=c.max_leased_bytes,
+                max_leases_per_client=c.max_leases_per_client,
+            ),
             dtypes=[d.enum for d in info.dtypes],  # type: ignore[misc]
-            deliveries=[DELIVERIES[d] for d in info.deliveries])  # type: ignore[misc]
+            deliveries=[DELIVERIES[d] for d in info.deliveries],  # type: ignore[misc]
+        )
 
     def upload(self, request: Iterable[pb.PayloadChunk | wire.Piece | MalformedRequest], caller: Caller) -> pb.PayloadRef:
         def pieces() -> Iterator[PayloadPiece]:
@@ -113,8 +126,7 @@ class Handlers:
         now = time.time()
         resp = pb.ListLeasesResponse()
         for rec in self.plane.list_leases(caller):
-            resp.leases.add(lease=_lease(rec), age=times.duration(now - rec.created), owner=rec.owner,
-                            plan_digest=rec.plan_digest)
+            resp.leases.add(lease=_lease(rec), age=times.duration(now - rec.created), owner=rec.owner, plan_digest=rec.plan_digest)
         return resp
 
     def apply(self, request: pb.ApplyRequest, caller: Caller) -> pb.ApplyResponse:
@@ -122,8 +134,9 @@ class Handlers:
 
 
 class InitServicer(pb_grpc.InitServiceServicer):
-    def __init__(self, plane: Materializer, tokens: TokenAuth | None = None, metrics: Metrics | None = None,
-                 stalls: StallWatch | None = None) -> None:
+    def __init__(
+        self, plane: Materializer, tokens: TokenAuth | None = None, metrics: Metrics | None = None, stalls: StallWatch | None = None
+    ) -> None:
         self.plane = plane
         self.handlers = Handlers(plane)
         self.tokens = tokens
@@ -133,9 +146,16 @@ class InitServicer(pb_grpc.InitServiceServicer):
 
     def methods(self) -> dict[str, Callable[..., Any]]:
         """The RPC implementations by method name, for the server's handler table."""
-        return {"Materialize": self.Materialize, "Validate": self.Validate, "GetInfo": self.GetInfo,
-                "UploadPayload": self.UploadPayload, "Release": self.Release, "Renew": self.Renew,
-                "ListLeases": self.ListLeases, "Apply": self.Apply}
+        return {
+            "Materialize": self.Materialize,
+            "Validate": self.Validate,
+            "GetInfo": self.GetInfo,
+            "UploadPayload": self.UploadPayload,
+            "Release": self.Release,
+            "Renew": self.Renew,
+            "ListLeases": self.ListLeases,
+            "Apply": self.Apply,
+        }
 
     # -- what status.boundary needs --------------------------------------------------------
 
@@ -204,8 +224,15 @@ class InitServicer(pb_grpc.InitServiceServicer):
         finally:
             self._record(request, delivery, header, parts, outcome, time.perf_counter() - started)
 
-    def _record(self, request: pb.MaterializeRequest, delivery: int, header: pb.StreamHeader | None,
-                parts: list[pb.HeaderPart], outcome: str, seconds: float) -> None:
+    def _record(
+        self,
+        request: pb.MaterializeRequest,
+        delivery: int,
+        header: pb.StreamHeader | None,
+        parts: list[pb.HeaderPart],
+        outcome: str,
+        seconds: float,
+    ) -> None:
         enums, sizes = _table_columns(header, parts)
         digest = header.plan_digest if header is not None else ""
         nbytes = int(sizes.sum())
@@ -214,18 +241,25 @@ class InitServicer(pb_grpc.InitServiceServicer):
             self.metrics.latency.labels(name).observe(seconds)
             if outcome == "ok" and enums.size:
                 # bytes summed per (dtype, initializer) with array operations: one counter update per label
-                fields = [p.init.WhichOneof("kind") or "" for p in request.plan.params][:enums.size]
+                fields = [p.init.WhichOneof("kind") or "" for p in request.plan.params][: enums.size]
                 names, inverse = np.unique(np.asarray(fields, dtype=object).astype(str), return_inverse=True)
-                labels = enums[:len(fields)].astype(np.int64) * len(names) + inverse.reshape(-1)
-                totals = np.bincount(labels, weights=sizes[:len(fields)].astype(np.float64))
+                labels = enums[: len(fields)].astype(np.int64) * len(names) + inverse.reshape(-1)
+                totals = np.bincount(labels, weights=sizes[: len(fields)].astype(np.float64))
                 for label in np.flatnonzero(totals).tolist():
                     dt = dtypes.by_enum(label // len(names))
-                    self.metrics.bytes.labels(self.plane.backend.name, dt.name if dt else "?",
-                                              str(names[label % len(names)])).inc(int(totals[label]))
-        log.info("materialize digest=%s params=%d bytes=%d delivery=%s seconds=%.3f outcome=%s",
-                 digest[:16], enums.size, nbytes, name, seconds, outcome,
-                 extra={"method": "Materialize", "plan_digest": digest, "bytes": nbytes,
-                        "seconds": round(seconds, 6), "outcome": outcome})
+                    self.metrics.bytes.labels(self.plane.backend.name, dt.name if dt else "?", str(names[label % len(names)])).inc(
+                        int(totals[label])
+                    )
+        log.info(
+            "materialize digest=%s params=%d bytes=%d delivery=%s seconds=%.3f outcome=%s",
+            digest[:16],
+            enums.size,
+            nbytes,
+            name,
+            seconds,
+            outcome,
+            extra={"method": "Materialize", "plan_digest": digest, "bytes": nbytes, "seconds": round(seconds, 6), "outcome": outcome},
+        )
 
     @boundary
     def Validate(self, request: pb.ValidateRequest, context: grpc.ServicerContext) -> pb.ValidateResponse:
@@ -242,8 +276,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
                 return self.handlers.upload(self.stalls.iterate(iter(request), watched), self.caller(context))
             except Exception:
                 if watched.stalled:  # what the cancelled request stream raised: say why instead
-                    raise errors.Cancelled(f"the upload made no progress for {self.stalls.limit:.0f} s "
-                                           "(--max-stall)") from None
+                    raise errors.Cancelled(f"the upload made no progress for {self.stalls.limit:.0f} s (--max-stall)") from None
                 raise
 
     @boundary
@@ -263,8 +296,9 @@ class InitServicer(pb_grpc.InitServiceServicer):
         return self.handlers.apply(request, self.caller(context))
 
 
-def _header(start: StreamStart, packed: bool = False,
-            omit_prefix: bool = False) -> tuple[pb.StreamHeader, list[packed_table.Packed] | None]:
+def _header(
+    start: StreamStart, packed: bool = False, omit_prefix: bool = False
+) -> tuple[pb.StreamHeader, list[packed_table.Packed] | None]:
     """The stream's header and, for a packed table, its columns cut into groups (one per header message);
     `omit_prefix`: no safetensors prefix (it is then never built)."""
     lay = start.layout
@@ -274,20 +308,21 @@ def _header(start: StreamStart, packed: bool = False,
         columns = spans.columns() if isinstance(spans, SpanTable) else tuple(map(list, zip(*spans, strict=True)))
         table = packed_table.pack(*(columns or ([], [], [], [], [])))
         crc = packed_table.checksum(prefix, start.digest, lay.data_bytes, table)
-        header = pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=prefix, data_bytes=lay.data_bytes,
-                                 header_crc32c=crc)
+        header = pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=prefix, data_bytes=lay.data_bytes, header_crc32c=crc)
         return header, packed_table.split(table, HEADER_PART_BYTES // 2)  # with a prefix slice: under 2 MiB
     # clients check the checksum before writing anything; it is computed from the plain table, not the messages
     crc = checksum(prefix, start.digest, lay.data_bytes, spans)
-    return pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=prefix, data_bytes=lay.data_bytes,
-                           tensors=tensor_infos(spans), header_crc32c=crc), None
+    return pb.StreamHeader(
+        plan_digest=start.digest, safetensors_prefix=prefix, data_bytes=lay.data_bytes, tensors=tensor_infos(spans), header_crc32c=crc
+    ), None
 
 
 HEADER_PART_BYTES = 1 << 20  # tensor table and prefix bytes per message: each message stays under 2 MiB
 
 
-def header_messages(header: pb.StreamHeader, packed: list[packed_table.Packed] | None = None,
-                    part_bytes: int = HEADER_PART_BYTES) -> list[pb.MaterializeResponse]:
+def header_messages(
+    header: pb.StreamHeader, packed: list[packed_table.Packed] | None = None, part_bytes: int = HEADER_PART_BYTES
+) -> list[pb.MaterializeResponse]:
     """`header` as the stream's first messages: a StreamHeader, then `header_parts` HeaderParts, so that no
     message comes near a client's default 4 MiB receive limit however many tensors the plan has. Message k
     holds the k-th group of tensors (at most `part_bytes` of them serialized; `packed`: the groups of a packed
@@ -306,7 +341,7 @@ def header_messages(header: pb.StreamHeader, packed: list[packed_table.Packed] |
             groups[-1].append(t)
             size += n
     prefix = header.safetensors_prefix
-    slices = [prefix[i:i + part_bytes] for i in range(0, len(prefix), part_bytes)] or [b""]
+    slices = [prefix[i : i + part_bytes] for i in range(0, len(prefix), part_bytes)] or [b""]
     count = max(len(groups), len(slices))
     empty: Any = packed_table.Packed(0, b"", b"", b"", b"", b"", b"", b"") if packed is not None else []
     groups += [empty] * (count - len(groups))
@@ -317,11 +352,18 @@ def header_messages(header: pb.StreamHeader, packed: list[packed_table.Packed] |
 
     if count == 1 and packed is None:
         return [pb.MaterializeResponse(header=header)]
-    first = pb.StreamHeader(plan_digest=header.plan_digest, safetensors_prefix=slices[0], data_bytes=header.data_bytes,
-                            header_crc32c=header.header_crc32c, header_parts=count - 1, **table(groups[0]))
+    first = pb.StreamHeader(
+        plan_digest=header.plan_digest,
+        safetensors_prefix=slices[0],
+        data_bytes=header.data_bytes,
+        header_crc32c=header.header_crc32c,
+        header_parts=count - 1,
+        **table(groups[0]),
+    )
     return [pb.MaterializeResponse(header=first)] + [
         pb.MaterializeResponse(header_part=pb.HeaderPart(safetensors_prefix=b, **table(g)))
-        for g, b in zip(groups[1:], slices[1:], strict=True)]
+        for g, b in zip(groups[1:], slices[1:], strict=True)
+    ]
 
 
 def _table_columns(header: pb.StreamHeader | None, parts: list[pb.HeaderPart]) -> tuple[Any, Any]:
@@ -332,8 +374,10 @@ def _table_columns(header: pb.StreamHeader | None, parts: list[pb.HeaderPart]) -
         table = packed_table.join([header.packed_tensors, *(p.packed_tensors for p in parts)])
         return np.frombuffer(table.dtypes, dtype=np.uint8), np.frombuffer(table.nbytes, dtype="<u8")
     infos = [*header.tensors, *(t for p in parts for t in p.tensors)]
-    return (np.fromiter((t.dtype for t in infos), dtype=np.int64, count=len(infos)),
-            np.fromiter((t.nbytes for t in infos), dtype=np.uint64, count=len(infos)))
+    return (
+        np.fromiter((t.dtype for t in infos), dtype=np.int64, count=len(infos)),
+        np.fromiter((t.nbytes for t in infos), dtype=np.uint64, count=len(infos)),
+    )
 
 
 MAX_ANSWER_BYTES = (4 << 20) - (16 << 10)  # one message a stock client receives (4 MiB), framing left aside
@@ -348,13 +392,14 @@ def export_info_bound(plan: Any) -> int:
 
 def tensor_infos(spans: Iterable[TensorSpan]) -> list[pb.TensorInfo]:
     """Where each tensor lies, in plan order (a layout's spans)."""
-    return [pb.TensorInfo(name=s.name, dtype=s.dtype, shape=s.shape, offset=s.offset, nbytes=s.nbytes)  # type: ignore[arg-type]
-            for s in spans]
+    return [
+        pb.TensorInfo(name=s.name, dtype=s.dtype, shape=s.shape, offset=s.offset, nbytes=s.nbytes)  # type: ignore[arg-type]
+        for s in spans
+    ]
 
 
 def _lease(rec: LeaseRecord) -> pb.Lease:
-    return pb.Lease(lease_id=rec.lease_id, expires_at=times.timestamp(rec.expires_at), nbytes=rec.nbytes,
-                    delivery=DELIVERIES[rec.delivery])  # type: ignore[arg-type]
+    return pb.Lease(lease_id=rec.lease_id, expires_at=times.timestamp(rec.expires_at), nbytes=rec.nbytes, delivery=DELIVERIES[rec.delivery])  # type: ignore[arg-type]
 
 
 def _export_info(export: Export) -> pb.ExportInfo:

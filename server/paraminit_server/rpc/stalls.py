@@ -86,8 +86,7 @@ class StallWatch:
                 late = [w for w in self._calls if w.since is not None and now - w.since > self.limit and not w.stalled]
             for w in late:
                 w.stalled = True
-                log.warning("cancelled a %s whose client made no progress for %.0f s (--max-stall)", w.what,
-                            self.limit)
+                log.warning("cancelled a %s whose client made no progress for %.0f s (--max-stall)", w.what, self.limit)
                 with contextlib.suppress(Exception):
                     w.cancel()
 

@@ -42,8 +42,7 @@ MAX_DESCRIPTION_ECHO = 200
 
 def short(v: Violation) -> str:
     """A violation's text with every echoed user string bounded."""
-    return describe(v.index, clip(v.name, MAX_NAME_ECHO), clip(v.field, MAX_FIELD_ECHO),
-                    clip(v.message, MAX_DESCRIPTION_ECHO))
+    return describe(v.index, clip(v.name, MAX_NAME_ECHO), clip(v.field, MAX_FIELD_ECHO), clip(v.message, MAX_DESCRIPTION_ECHO))
 
 
 def _percent_len(text: str) -> int:
@@ -54,23 +53,31 @@ def _percent_len(text: str) -> int:
 def trailer_bytes(st: status_pb2.Status) -> int:
     """What the trailers of `st` count against a client's metadata limit (HPACK: name + value + 32 each)."""
     details = 4 * -(-int(st.ByteSize()) // 3)  # base64 without padding loss
-    return (32 + len("grpc-status") + 2) + (32 + len("grpc-message") + _percent_len(st.message)) + \
-        (32 + len("grpc-status-details-bin") + details)
+    return (
+        (32 + len("grpc-status") + 2)
+        + (32 + len("grpc-message") + _percent_len(st.message))
+        + (32 + len("grpc-status-details-bin") + details)
+    )
 
 
 def truncation_info(total: int, included: int) -> error_details_pb2.ErrorInfo:
     """The ErrorInfo saying how many violations a BadRequest left out (reason VIOLATIONS_TRUNCATED)."""
-    return error_details_pb2.ErrorInfo(reason=TRUNCATED_REASON, domain=ERROR_DOMAIN, metadata={
-        "total_violations": str(total), "included_violations": str(included),
-        "omitted_violations": str(total - included), "every_violation": "Validate returns every one"})
+    return error_details_pb2.ErrorInfo(
+        reason=TRUNCATED_REASON,
+        domain=ERROR_DOMAIN,
+        metadata={
+            "total_violations": str(total),
+            "included_violations": str(included),
+            "omitted_violations": str(total - included),
+            "every_violation": "Validate returns every one",
+        },
+    )
 
 
-def with_violations(st: status_pb2.Status, violations: Sequence[Violation],
-                    budget: int = TRAILER_BUDGET) -> status_pb2.Status:
+def with_violations(st: status_pb2.Status, violations: Sequence[Violation], budget: int = TRAILER_BUDGET) -> status_pb2.Status:
     """`st` with a BadRequest of the first violations whose trailers fit `budget`, one FieldViolation per
     violation (never a made-up one), and, when some do not fit, an ErrorInfo counting them."""
-    fvs = [error_details_pb2.BadRequest.FieldViolation(field=clip(v.field, MAX_FIELD_ECHO), description=short(v))
-           for v in violations]
+    fvs = [error_details_pb2.BadRequest.FieldViolation(field=clip(v.field, MAX_FIELD_ECHO), description=short(v)) for v in violations]
 
     def build(n: int) -> status_pb2.Status:
         out = status_pb2.Status()
@@ -171,8 +178,9 @@ def status_for(exc: BaseException, method: str) -> grpc.Status:
     INTERNAL with an error id that is in the server log (never the traceback, nor the exception's text)."""
     err = errors.classify(exc, method)
     if isinstance(err, errors.Internal):
-        internal: grpc.Status = rpc_status.to_status(status_pb2.Status(
-            code=code_pb2.INTERNAL, message=f"internal error (id {err.error_id}); see the server log"))
+        internal: grpc.Status = rpc_status.to_status(
+            status_pb2.Status(code=code_pb2.INTERNAL, message=f"internal error (id {err.error_id}); see the server log")
+        )
         return internal
     return to_status(err)
 

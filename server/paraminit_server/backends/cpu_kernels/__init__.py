@@ -45,8 +45,25 @@ def standard_normal(n: int, seed: int) -> Any:
     out = np.empty(n, dtype=np.float64)
     if n:
         none = np.zeros(0, dtype=np.int64)
-        KERNELS[Kind.NORMAL].fill(out, 0, n, 0, np.uint64(spec.key(seed)), 0.0, 1.0, 0.0, 0.0, np.uint64(0),
-                                  np.zeros(0, dtype=np.float64), 0, none, none, none, 0, n)
+        KERNELS[Kind.NORMAL].fill(
+            out,
+            0,
+            n,
+            0,
+            np.uint64(spec.key(seed)),
+            0.0,
+            1.0,
+            0.0,
+            0.0,
+            np.uint64(0),
+            np.zeros(0, dtype=np.float64),
+            0,
+            none,
+            none,
+            none,
+            0,
+            n,
+        )
     return out
 
 

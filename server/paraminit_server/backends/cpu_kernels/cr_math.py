@@ -44,8 +44,21 @@ from paraminit_server.backends.cpu_kernels.cr_tables import (
 )
 from paraminit_server.backends.cpu_kernels.jit import bits_f64, f64_bits, inline, jit
 
-__all__ = ["COS_PLAIN_ULPS", "LOG_FLOOR", "LOG_PLAIN_ULPS", "cos_dd", "cos_input", "cos_plain", "cr_cos", "cr_log",
-           "fma", "log_dd", "log_input", "log_plain", "sqrt"]
+__all__ = [
+    "COS_PLAIN_ULPS",
+    "LOG_FLOOR",
+    "LOG_PLAIN_ULPS",
+    "cos_dd",
+    "cos_input",
+    "cos_plain",
+    "cr_cos",
+    "cr_log",
+    "fma",
+    "log_dd",
+    "log_input",
+    "log_plain",
+    "sqrt",
+]
 
 _TWO_PI = 2.0 * math.pi
 
@@ -58,8 +71,7 @@ def _fma_impl(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         d = ir.DoubleType()
         fn = builder.module.declare_intrinsic("llvm.fma", [d], ir.FunctionType(d, [d, d, d]))
-        return builder.call(fn, [context.cast(builder, v, t, types.float64)
-                                 for v, t in zip(args, signature.args, strict=True)])
+        return builder.call(fn, [context.cast(builder, v, t, types.float64) for v, t in zip(args, signature.args, strict=True)])
 
     return types.float64(types.float64, types.float64, types.float64), codegen
 
@@ -299,4 +311,3 @@ def cr_cos(k: float) -> Any:
     if ok:
         return hi
     return _fixed(hi, k, _COS_FIX_K, _COS_FIX_D)
-

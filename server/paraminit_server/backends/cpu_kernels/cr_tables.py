@@ -98,11 +98,20 @@ def tables() -> dict[str, Any]:
         sixth = _dd(-_D(1) / 6)
         log_floor = float(_D(U1_FLOOR).ln())
     return {
-        "log_r": np.array(r_tab), "log_th": np.array(th_tab), "log_tl": np.array(tl_tab),
-        "ln2h": ln2h, "ln2l": float(ln2 - _D(ln2h)),
-        "cos_ch": np.array(ch), "cos_cl": np.array(cl), "cos_sh": np.array(sh), "cos_sl": np.array(sl),
-        "p1": p1, "p2": p2, "p3": p3, "inv_step": float(_COS_N / _PI_DEC),
-        "third": third, "sixth": sixth, "log_floor": log_floor,
+        "log_r": np.array(r_tab),
+        "log_th": np.array(th_tab),
+        "log_tl": np.array(tl_tab),
+        "ln2h": ln2h,
+        "ln2l": float(ln2 - _D(ln2h)),
+        "cos_ch": np.array(ch),
+        "cos_cl": np.array(cl),
+        "cos_sh": np.array(sh),
+        "cos_sl": np.array(sl),
+        "p1": p1,
+        "p2": p2,
+        "p3": p3,
+        "inv_step": float(_COS_N / _PI_DEC),
+        "third": third,
+        "sixth": sixth,
+        "log_floor": log_floor,
     }
-
-

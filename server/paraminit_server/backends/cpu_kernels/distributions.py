@@ -59,8 +59,7 @@ def affine_body(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
     # No NaN, and no nonzero |value| below 2^-126 (where bfloat16 rounds on another path), can occur when p0 and
     # p1 are finite and |p0| >= 2^-73 (values near -p0 are then multiples of 2^-126) or p0 = 0 and
     # |p1| >= 2^-90: then store_fast never flags, and its flag is not even computed (the loop drops it).
-    plain = (sc == 1.0) & math.isfinite(p0) & math.isfinite(p1) & (
-        (abs(p0) >= 2.0**-73) | ((p0 == 0.0) & (abs(p1) >= 2.0**-122)))
+    plain = (sc == 1.0) & math.isfinite(p0) & math.isfinite(p1) & ((abs(p0) >= 2.0**-73) | ((p0 == 0.0) & (abs(p1) >= 2.0**-122)))
     k = 0
     while k < m:
         x = x0 + np.uint64(k)
@@ -68,7 +67,7 @@ def affine_body(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
         c, c1, hi = seg_consts(x)
         if plain:
             xl = x & LOW32
-            sub = dst[k:k + cnt]
+            sub = dst[k : k + cnt]
             for j in range(cnt):
                 store_fast(sub, np.uint64(j), p0 + draw_seg(xl + np.uint64(j), c, c1, hi) * p1, h)
             k += cnt
@@ -76,7 +75,7 @@ def affine_body(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
         for b0 in range(0, cnt, _ABLOCK):
             nb_ = min(cnt - b0, _ABLOCK)
             xl = (x & LOW32) + np.uint64(b0)
-            sub = dst[k + b0:k + b0 + nb_]
+            sub = dst[k + b0 : k + b0 + nb_]
             rare = 0
             if sc == 1.0:
                 for j in range(nb_):
@@ -171,15 +170,19 @@ def normal_fast(out: Any, d1: float, d2: float, p0: float, p1: float, h: Any) ->
 @overload(normal_fast, inline="always")
 def _normal_fast_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
     if out.dtype == types.float64:
+
         def f64(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
             lh, _, lok = log_dd(log_input(d1))
             ch, _, cok = cos_dd(cos_input(d2))
             return p0 + p1 * (sqrt(-2.0 * lh) * ch), np.int64(~(lok & cok)) & 1
+
         return f64
     if out.dtype == types.float32:
+
         def f32(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
             va, vb = normal_bounds(d1, d2, p0, p1)
             return va, np.int64(np.float32(va) != np.float32(vb))
+
         return f32
 
     def half(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) -> Any:
@@ -187,6 +190,7 @@ def _normal_fast_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, h: Any) 
         # bfloat16 takes another path, the element is simply redone)
         va, vb = normal_bounds(d1, d2, p0, p1)
         return va, np.int64((sticky32(va) != sticky32(vb)) | (abs(va) < F32_MIN_NORMAL))
+
     return half
 
 
@@ -210,7 +214,7 @@ def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
         for b0 in range(0, cnt, _NBLOCK):
             nb_ = min(cnt - b0, _NBLOCK)
             xl = (x & LOW32) + U2 * np.uint64(b0)
-            sub = dst[k + b0:k + b0 + nb_]
+            sub = dst[k + b0 : k + b0 + nb_]
             bad = 0
             for j in range(nb_):
                 w = xl + U2 * np.uint64(j)
@@ -237,23 +241,28 @@ def trunc_fast(out: Any, d1: float, d2: float, p0: float, p1: float, lo: float, 
 @overload(trunc_fast, inline="always")
 def _trunc_fast_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
     if out.dtype == types.float64:
+
         def f64(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
             lh, _, lok = log_dd(log_input(d1))
             ch, _, cok = cos_dd(cos_input(d2))
             v = p0 + p1 * (sqrt(-2.0 * lh) * ch)
             return v, np.int64(1) - np.int64(lok & cok & (lo <= v) & (v <= hi))
+
         return f64
     if out.dtype == types.float32:
+
         def f32(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
             va, vb = normal_bounds(d1, d2, p0, p1)
             inside = np.int64((lo <= va) & (vb <= hi))
             return va, np.int64(np.float32(va) != np.float32(vb)) | (np.int64(1) - inside)
+
         return f32
 
     def half(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
         va, vb = normal_bounds(d1, d2, p0, p1)
         inside = np.int64((lo <= va) & (vb <= hi))
         return va, np.int64((sticky32(va) != sticky32(vb)) | (abs(va) < F32_MIN_NORMAL)) | (np.int64(1) - inside)
+
     return half
 
 
@@ -274,8 +283,7 @@ def trunc_exact(g: Any, p0: float, p1: float, lo: float, hi: float, seed: Any) -
 
 
 @jit
-def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, hi: float, seed: Any,
-                   h: Any) -> None:
+def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, hi: float, seed: Any, h: Any) -> None:
     """dst[k] = truncated normal of element g0 + k; x0 = key(seed) + GOLDEN + 2 g0 (candidate 0's draws).
 
     One vectorized pass computes candidate 0 as fill_normal does and flags the elements it cannot settle
@@ -297,7 +305,7 @@ def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, 
         for b0 in range(0, cnt, _NBLOCK):
             nb_ = min(cnt - b0, _NBLOCK)
             xl = (x & LOW32) + U2 * np.uint64(b0)
-            sub = dst[k + b0:k + b0 + nb_]
+            sub = dst[k + b0 : k + b0 + nb_]
             bad = 0
             for j in range(nb_):
                 w = xl + U2 * np.uint64(j)
@@ -316,7 +324,7 @@ def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, 
 @jit
 def fill_flat(dst: Any, values: Any, g: int, h: Any) -> None:
     """dst[k] = values[g + k], cast."""
-    src = values[g:g + dst.shape[0]]
+    src = values[g : g + dst.shape[0]]
     for j in range(dst.shape[0]):
         store(dst, np.uint64(j), src[np.uint64(j)], h)
 

@@ -45,36 +45,41 @@ def run_global(r: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base
 # One run of each kind: dst = elements g, g+1, ... of the full tensor; s = key + GOLDEN. All take the same
 # arguments, so one driver (below) serves them all.
 @jit
-def run_const(dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float,
-              seed: Any, values: Any, h: Any) -> None:
+def run_const(
+    dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float, seed: Any, values: Any, h: Any
+) -> None:
     """A constant run."""
     fill_const(dst, p0, h)
 
 
 @jit
-def run_affine(dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float,
-               seed: Any, values: Any, h: Any) -> None:
+def run_affine(
+    dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float, seed: Any, values: Any, h: Any
+) -> None:
     """A run of the uniform family."""
     fill_affine(dst, s + np.uint64(g), p0, sc, p1b, h)
 
 
 @jit
-def run_normal(dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float,
-               seed: Any, values: Any, h: Any) -> None:
+def run_normal(
+    dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float, seed: Any, values: Any, h: Any
+) -> None:
     """A normal run."""
     fill_normal(dst, s + U2 * np.uint64(g), p0, p1, h)
 
 
 @jit
-def run_flat(dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float,
-             seed: Any, values: Any, h: Any) -> None:
+def run_flat(
+    dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float, seed: Any, values: Any, h: Any
+) -> None:
     """A run of payload values."""
     fill_flat(dst, values, g, h)
 
 
 @jit
-def run_truncnorm(dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float,
-                  seed: Any, values: Any, h: Any) -> None:
+def run_truncnorm(
+    dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float, hi: float, seed: Any, values: Any, h: Any
+) -> None:
     """A truncated-normal run."""
     fill_truncnorm(dst, s + U2 * np.uint64(g), np.uint64(g), p0, p1, lo, hi, seed, h)
 
@@ -96,41 +101,79 @@ def _kernels(kind: int, run: Any) -> Kernels:
     everything it may call, so one kernel for all kinds made every process compile every kind.
     """
 
-    def run_any(out: Any, dst: Any, g: int, s: Any, p0: float, p1: float, sc: float, p1b: float, lo: float,
-                hi: float, seed: Any, values: Any, fmt: int) -> None:
+    def run_any(
+        out: Any,
+        dst: Any,
+        g: int,
+        s: Any,
+        p0: float,
+        p1: float,
+        sc: float,
+        p1b: float,
+        lo: float,
+        hi: float,
+        seed: Any,
+        values: Any,
+        fmt: int,
+    ) -> None:
         """`run` with the narrow format's constants fixed at compile time (float arrays ignore them); fmt is the
         dtype's `fmt` (paraminit.dtypes)."""
         raise NotImplementedError("called only inside kernels")
 
     @overload(run_any)
-    def _run_any_overload(out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any,
-                          hi: Any, seed: Any, values: Any, fmt: Any) -> Any:
+    def _run_any_overload(
+        out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any, seed: Any, values: Any, fmt: Any
+    ) -> Any:
         if out.dtype == types.uint8:
-            def byte(out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any,
-                     seed: Any, values: Any, fmt: Any) -> Any:
+
+            def byte(
+                out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any, seed: Any, values: Any, fmt: Any
+            ) -> Any:
                 if fmt == FMT_F8E4M3:
                     run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, F8E4M3)
                 else:
                     run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, F8E5M2)
+
             return byte
         if out.dtype == types.uint16:
-            def half(out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any,
-                     seed: Any, values: Any, fmt: Any) -> Any:
+
+            def half(
+                out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any, seed: Any, values: Any, fmt: Any
+            ) -> Any:
                 if fmt == FMT_FLOAT16:
                     run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, F16)
                 else:
                     run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, BF16)
+
             return half
 
-        def native(out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any,
-                   seed: Any, values: Any, fmt: Any) -> Any:
+        def native(
+            out: Any, dst: Any, g: Any, s: Any, p0: Any, p1: Any, sc: Any, p1b: Any, lo: Any, hi: Any, seed: Any, values: Any, fmt: Any
+        ) -> Any:
             run(dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, BF16)
+
         return native
 
     @kernel_of(kind)
-    def fill(out: Any, l: int, lend: int, l_begin: int, key: Any, p0: float, p1: float, lo: float, hi: float,
-             seed: Any, values: Any, fmt: int, outer_start: Any, outer_ext: Any, outer_stride: Any, base: int,
-             run_len: int) -> None:
+    def fill(
+        out: Any,
+        l: int,
+        lend: int,
+        l_begin: int,
+        key: Any,
+        p0: float,
+        p1: float,
+        lo: float,
+        hi: float,
+        seed: Any,
+        values: Any,
+        fmt: int,
+        outer_start: Any,
+        outer_ext: Any,
+        outer_stride: Any,
+        base: int,
+        run_len: int,
+    ) -> None:
         """Local elements [l, lend) of a region into out[l - l_begin:lend - l_begin], run by run.
 
         The backend calls it from several threads at once on disjoint spans of one output (it releases the GIL);
@@ -147,13 +190,12 @@ def _kernels(kind: int, run: Any) -> Kernels:
             off = l - r * run_len
             g = run_global(r, outer_start, outer_ext, outer_stride, base) + off
             m = min(lend - l, run_len - off)
-            dst = out[l - l_begin:l - l_begin + m]
+            dst = out[l - l_begin : l - l_begin + m]
             run_any(out, dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, fmt)
             l += m
 
     @kernel_of(kind)
-    def fill_batch(out: Any, starts: Any, counts: Any, keys: Any, p0s: Any, p1s: Any, los: Any, his: Any,
-                   seeds: Any, fmt: int) -> None:
+    def fill_batch(out: Any, starts: Any, counts: Any, keys: Any, p0s: Any, p1s: Any, los: Any, his: Any, seeds: Any, fmt: int) -> None:
         """Whole tensors of one dtype in one call: tensor j is out[starts[j]:starts[j] + counts[j]], valued as
         `fill` values a whole tensor of this kind (not FLAT) with keys[j], p0s[j], ...
 
@@ -166,12 +208,36 @@ def _kernels(kind: int, run: Any) -> Kernels:
             n = counts[j]
             if n > 0:
                 a = starts[j]
-                fill(out[a:a + n], 0, n, 0, keys[j], p0s[j], p1s[j], los[j], his[j], seeds[j], no_values, fmt,
-                     no_dims, no_dims, no_dims, 0, n)
+                fill(
+                    out[a : a + n],
+                    0,
+                    n,
+                    0,
+                    keys[j],
+                    p0s[j],
+                    p1s[j],
+                    los[j],
+                    his[j],
+                    seeds[j],
+                    no_values,
+                    fmt,
+                    no_dims,
+                    no_dims,
+                    no_dims,
+                    0,
+                    n,
+                )
 
     return Kernels(kind, fill, fill_batch)
 
 
-KERNELS: dict[int, Kernels] = {kind: _kernels(kind, run) for kind, run in (
-    (Kind.CONST, run_const), (Kind.AFFINE, run_affine), (Kind.NORMAL, run_normal), (Kind.FLAT, run_flat),
-    (Kind.TRUNCNORM, run_truncnorm))}
+KERNELS: dict[int, Kernels] = {
+    kind: _kernels(kind, run)
+    for kind, run in (
+        (Kind.CONST, run_const),
+        (Kind.AFFINE, run_affine),
+        (Kind.NORMAL, run_normal),
+        (Kind.FLAT, run_flat),
+        (Kind.TRUNCNORM, run_truncnorm),
+    )
+}

@@ -193,16 +193,21 @@ def store(out: Any, k: Any, v: float, h: Any) -> None:
 @overload(store)
 def _store_overload(out: Any, k: Any, v: Any, h: Any) -> Any:
     if out.dtype == types.uint8:
+
         def store_byte(out: Any, k: Any, v: Any, h: Any) -> Any:
             out[k] = narrow_bits(v, h)
+
         return store_byte
     if out.dtype == types.uint16:
+
         def store_half(out: Any, k: Any, v: Any, h: Any) -> Any:
             out[k] = half_bits(v, h)
+
         return store_half
 
     def store_native(out: Any, k: Any, v: Any, h: Any) -> Any:
         out[k] = v
+
     return store_native
 
 
@@ -214,11 +219,14 @@ def store_fast(out: Any, k: Any, v: float, h: Any) -> Any:
 @overload(store_fast, inline="always")
 def _store_fast_overload(out: Any, k: Any, v: Any, h: Any) -> Any:
     if out.dtype == types.uint8:
+
         def store_byte(out: Any, k: Any, v: Any, h: Any) -> Any:
             out[k] = narrow_bits(v, h)  # branch-free and exact everywhere: nothing to redo
             return np.int64(0)
+
         return store_byte
     if out.dtype == types.uint16:
+
         def store_half(out: Any, k: Any, v: Any, h: Any) -> Any:
             # half_bits without its NaN and bfloat16-subnormal paths; zero is exact on the common path
             b = f32_bits(sticky32(v))
@@ -233,9 +241,11 @@ def _store_fast_overload(out: Any, k: Any, v: Any, h: Any) -> Any:
                 out[k] = np.uint16(((bb + _BF16_ROUND + ((bb >> _I16) & 1)) >> _I16) & _LOW16)
             av = abs(v)
             return np.int64(not (av >= F32_MIN_NORMAL)) & np.int64(av != 0.0)
+
         return store_half
 
     def store_native(out: Any, k: Any, v: Any, h: Any) -> Any:
         out[k] = v
         return np.int64(0)
+
     return store_native
