@@ -214,7 +214,8 @@ def test_inspect_json(mixed_file: Path, tmp_path: Path, capsys: pytest.CaptureFi
     stats = rows["w.uniform"].stats
     assert stats is not None and tensors["w.uniform"]["mean"] == stats.mean and tensors["w.uniform"]["count"] == 1000
     code, out, _ = run_cli(capsys, "inspect", str(mixed_file), "--json")
-    assert code == 0 and "ok" not in json.loads(out) and "check" not in json.loads(out)["tensors"][0]
+    doc = json.loads(out)  # without a plan nothing is judged: no check column, and no missing list
+    assert code == 0 and doc["ok"] is True and "missing" not in doc and "check" not in doc["tensors"][0]
 
 
 def test_inspect_refuses_a_file_that_is_not_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1182,3 +1183,36 @@ def test_a_reader_that_stops_early_is_no_error(tmp_path: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(120) == 0, err
     assert "Broken pipe" not in err and "Traceback" not in err
+
+
+def test_json_everywhere_has_one_envelope(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--json on every command that reports: one object on stdout, "ok" and "exit_code" first, the command's own
+    fields on success, and one shape for every failure (error, violations)."""
+    plan = write_plan(tmp_path / "p.json", plan_of([param("w", [4, 4], {"normal": {"std": 1.0, "seed": 1}})]))
+    out_file = tmp_path / "w.safetensors"
+    docs = {}
+    for argv in (
+        ("materialize", str(plan), "-o", str(out_file), "--target", target),
+        ("validate", str(plan), "--target", target),
+        ("inspect", str(out_file), "--plan", str(plan)),
+        ("info", "--target", target),
+        ("health", "--target", target),
+        ("leases", "--target", target),
+    ):
+        code, out, err = run_cli(capsys, *argv, "--json")
+        doc = json.loads(out)
+        assert list(doc)[:2] == ["ok", "exit_code"] and doc["ok"] is True and doc["exit_code"] == code == 0, (argv, err)
+        docs[argv[0]] = doc
+    assert docs["materialize"]["parameters"] == 1 and docs["materialize"]["bytes"] == 64
+    assert docs["materialize"]["plan_digest"] == docs["validate"]["plan_digest"] == docs["inspect"]["metadata"]["plan_digest"]
+    assert docs["info"]["backend"] == "cpu" and "float32" in docs["info"]["dtypes"] and docs["info"]["limits"]["max_chunk_bytes"] > 0
+    assert docs["health"]["status"] == "SERVING" and docs["leases"]["leases"] == []
+    failures = [
+        ("materialize", str(plan), "-o", "-"),  # usage: the file and the summary would share stdout
+        ("info", "--target", "127.0.0.1:1"),  # unreachable
+        ("validate", str(tmp_path / "missing.json")),
+    ]
+    for argv in failures:
+        code, out, _ = run_cli(capsys, *argv, "--json")
+        doc = json.loads(out)
+        assert code != 0 and doc["ok"] is False and doc["exit_code"] == code and doc["error"] and doc["violations"] == [], argv

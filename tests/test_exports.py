@@ -414,10 +414,15 @@ def test_leases_list_renew_release_from_the_shell(capsys: pytest.CaptureFixture[
         assert lease.lease_id in out and "shm" in out and "4.0 KiB" in out and "1 lease," in out
         assert all(len(line) <= 100 for line in out.splitlines())
         code, out, _ = run_cli(capsys, "leases", "--json", "--target", target)
-        (row,) = json.loads(out)
+        doc = json.loads(out)
+        (row,) = doc["leases"]
+        assert doc["ok"] is True and doc["exit_code"] == 0
         assert row["lease_id"] == lease.lease_id and row["nbytes"] == 4096 and 0 < row["expires_in_s"] <= 60
         code, out, err = run_cli(capsys, "leases", "renew", lease.lease_id, "--ttl", "600", "--target", target)
         assert code == 0 and "renewed" in out, err
+        code, out, err = run_cli(capsys, "leases", "renew", lease.lease_id, "--ttl", "900", "--json", "--target", target)
+        (renewed,) = json.loads(out)["leases"]
+        assert code == 0 and renewed["lease_id"] == lease.lease_id and 600 < renewed["expires_in_s"] <= 900, err
         (status,) = c.leases()
         assert times.epoch(status.lease.expires_at) - time.time() > 300
         code, out, err = run_cli(capsys, "leases", "release", lease.lease_id, "--target", target)

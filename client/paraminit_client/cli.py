@@ -203,6 +203,8 @@ def check_output(output: str, inputs: Sequence[str | None]) -> Path:
 def cmd_materialize(args: argparse.Namespace) -> int:
     started = time.time()  # one clock (tqdm's) for the bar and the summary
     to_stdout = args.output == "-"  # the data to standard output, everything said to standard error
+    if to_stdout and args.json:
+        raise UsageError("--json prints the summary on standard output, where -o - writes the file: use one of them")
     if not to_stdout:
         check_output(args.output, [args.plan])
     plan = load_plan(args.plan)
@@ -243,8 +245,19 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     # one-time kernel compiling is reported apart: the time and the rate are over the rest
     seconds = max(time.time() - started - compiled, 0.0)
     total = header.data_bytes
+    setup = min(max((data_at[0] - started if data_at else seconds) - compiled, 0.0), seconds)
+    if args.json:
+        return _print_json(
+            EXIT_OK,
+            output=args.output,
+            parameters=len(header.tensors),
+            bytes=total,
+            seconds=round(seconds, 3),
+            compile_seconds=round(compiled, 3),
+            first_byte_seconds=round(setup, 3),
+            plan_digest=header.plan_digest,
+        )
     if not args.quiet:
-        setup = min(max((data_at[0] - started if data_at else seconds) - compiled, 0.0), seconds)
         extra = f" plus {compiled:.1f} s compiling CPU kernels" if compiled > 0 else ""
         print(
             f"wrote {'stdout' if to_stdout else args.output}: {_plural(len(header.tensors), 'parameter')}, "
@@ -275,21 +288,28 @@ def cmd_validate(args: argparse.Namespace) -> int:
         report = c.validate(plan)
     code = EXIT_OK if not report.violations else EXIT_INVALID if not report.valid else EXIT_ERROR
     if args.json:
-        out = {
-            "valid": report.valid,
-            "fits_limits": report.fits_limits,
-            "plan_digest": report.plan_digest,
-            "total_bytes": report.total_bytes,
-            "params": [
+        return _print_json(
+            code,
+            valid=report.valid,
+            fits_limits=report.fits_limits,
+            plan_digest=report.plan_digest,
+            total_bytes=report.total_bytes,
+            params=[
                 {"name": p.name, "dtype": _dtype_name(p.dtype), "shape": list(p.shape), "bytes": n}
                 for p, n in zip(plan.params, report.param_bytes, strict=False)
             ],
-            "violations": [
+            violations=[
                 {"index": v.index, "name": v.name, "field": v.field, "message": v.message, "limit": v.is_limit} for v in report.violations
             ],
-        }
-        print(json.dumps(out, indent=1))
-        return code
+            **(
+                {
+                    "error": f"{'invalid plan' if not report.valid else 'plan over the limits'}: "
+                    f"{_plural(len(report.violations), 'violation')}"
+                }
+                if code
+                else {}
+            ),
+        )
     if report.violations:
         kind = "invalid plan" if not report.valid else "plan over the server's limits"
         print(f"paraminit: {kind}: {len(report.violations)} violation(s)", file=sys.stderr)
@@ -308,6 +328,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _print_json(code: int, **fields: Any) -> int:
+    """Every --json answer: one object on stdout with "ok" and "exit_code", then the command's own fields (a
+    failure's are "error" and "violations", written by main); returns `code`."""
+    out: dict[str, Any] = {"ok": code == EXIT_OK, "exit_code": code}
+    out.update((k, v) for k, v in fields.items() if k not in out)
+    print(json.dumps(out, indent=1))
+    return code
+
+
 def _dtype_name(value: int) -> str:
     dt = dtypes.by_enum(value)
     return dt.name if dt else str(value)
@@ -318,8 +347,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         inspect.check_plot(args.plot)  # before any work: matplotlib and a writable directory
     plan = load_plan(args.plan) if args.plan else None
     report = inspect.inspect_file(args.file, plan)
+    code = EXIT_FLAGGED if plan is not None and not report.ok else EXIT_OK
     if args.json:
-        print(json.dumps(inspect.to_json(report), indent=1))
+        _print_json(code, **inspect.to_json(report))
     else:
         # names are cut (in the middle) only to fit a terminal, at its own width
         width = shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else None
@@ -327,7 +357,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.plot:
         written = inspect.plot(report, args.plot, log=args.plot_log)
         print(f"wrote {len(written)} histograms to {args.plot}", file=sys.stderr)
-    return EXIT_FLAGGED if plan is not None and not report.ok else EXIT_OK
+    return code
 
 
 def cmd_plan_from_safetensors(args: argparse.Namespace) -> int:
@@ -405,7 +435,7 @@ def cmd_leases(args: argparse.Namespace) -> int:
         if action == "list":
             rows = _lease_rows(c.leases(), time.time())
             if args.json:
-                print(json.dumps(rows, indent=1))
+                _print_json(EXIT_OK, leases=rows)
             elif not rows:
                 print(f"no live leases for this identity on {args.target}")
             else:
@@ -427,23 +457,48 @@ def cmd_leases(args: argparse.Namespace) -> int:
                 total = sum(r["nbytes"] for r in rows)
                 print(f"{_plural(len(rows), 'lease')}, {sizes.format_size(total)}, owner {rows[0]['owner']}")
             return EXIT_OK
+        done: list[dict[str, Any]] = []
         if action == "release":
             for lease_id in args.lease_ids:
-                done = c.release(lease_id)
-                print(f"{lease_id}: {'released' if done else 'already released'}")
-            return EXIT_OK
-        for lease_id in args.lease_ids:
-            expires = c.renew(lease_id, args.ttl)
-            print(
-                f"{lease_id}: renewed, expires in {expires - time.time():.0f} s "
-                f"({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(expires))})"
-            )
-        return EXIT_OK
+                released = c.release(lease_id)
+                done.append({"lease_id": lease_id, "released": released})
+                if not args.json:
+                    print(f"{lease_id}: {'released' if released else 'already released'}")
+        else:
+            for lease_id in args.lease_ids:
+                expires = c.renew(lease_id, args.ttl)
+                done.append({"lease_id": lease_id, "expires_in_s": round(expires - time.time(), 1)})
+                if not args.json:
+                    print(
+                        f"{lease_id}: renewed, expires in {expires - time.time():.0f} s "
+                        f"({time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(expires))})"
+                    )
+        return _print_json(EXIT_OK, leases=done) if args.json else EXIT_OK
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     with _client(args) as c:
         info = c.info()
+    if args.json:
+        from paraminit.v1 import init_service_pb2 as pb
+
+        d, lim = info.device, info.limits
+        return _print_json(
+            EXIT_OK,
+            version=info.version,
+            backend=info.backend,
+            device={
+                "kind": d.kind,
+                "name": d.name,
+                "uuid": d.uuid,
+                "ordinal": d.ordinal,
+                "memory_total": d.memory_total,
+                "memory_free": d.memory_free,
+            },
+            limits={f.name: getattr(lim, f.name) for f in lim.DESCRIPTOR.fields},
+            dtypes=[_dtype_name(e) for e in info.dtypes],
+            deliveries=[pb.Delivery.Name(e).removeprefix("DELIVERY_").lower() for e in info.deliveries],
+        )
     fmt = sizes.format_size
     print(
         f"paraminit {info.version} backend={info.backend} device={info.device.kind}:{info.device.name}"
@@ -459,8 +514,11 @@ def cmd_health(args: argparse.Namespace) -> int:
         args.timeout = 5.0
     with _client(args, DEFAULT_HEALTH_TARGET) as c:
         status = c.health()
+    code = EXIT_OK if status == "SERVING" else EXIT_ERROR
+    if args.json:
+        return _print_json(code, status=status)
     print(status)
-    return EXIT_OK if status == "SERVING" else EXIT_ERROR
+    return code
 
 
 # -- parser ---------------------------------------------------------------------------------------------------------
@@ -532,6 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar, even on a terminal")
     m.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors: no bar, no summary line")
     m.add_argument("--summary", action="store_true", help=argparse.SUPPRESS)  # the summary is always printed now
+    m.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (not with -o -: the file goes there)")
     with_target(m)
     m.set_defaults(func=cmd_materialize)
 
@@ -650,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="renew: new time to live from now (default: 0, the server's --lease-ttl, capped by its --max-lease-ttl)",
     )
-    ls.add_argument("--json", action="store_true", help="list as JSON")
+    ls.add_argument("--json", action="store_true", help="print the leases listed, released or renewed as JSON")
     with_target(ls, local="required: leases live on a server")
     ls.set_defaults(func=cmd_leases)
 
@@ -659,6 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
         "server version, backend, device and limits",
         "Ask a server (or, without --target, the in-process data plane) for its version, backend, device, memory and limits.",
     )
+    i.add_argument("--json", action="store_true", help="print the answer as JSON on stdout")
     with_target(i, local="this process's own data plane answers")
     i.set_defaults(func=cmd_info)
 
@@ -667,6 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
         "print the server's health status; exit 0 when it is SERVING",
         f"Ask a server's gRPC health service; exit 0 when it answers SERVING, 1 otherwise (default target {DEFAULT_HEALTH_TARGET}).",
     )
+    h.add_argument("--json", action="store_true", help="print the status as JSON on stdout")
     with_target(h, DEFAULT_HEALTH_TARGET)
     h.set_defaults(func=cmd_health)
     return parser
