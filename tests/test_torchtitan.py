@@ -28,6 +28,27 @@ def debug_config() -> Any:
     return llama3.llama3_configs["debugmodel"](attn_backend="flex")
 
 
+def moe_config() -> Any:
+    """torchtitan's Qwen3 MoE debug model cut to 2 layers of 16 experts (GroupedExperts w1/w2/w3 of 1M elements
+    each, a router gate, the expert_bias buffer), built by torchtitan's own layer builder."""
+    qwen3 = pytest.importorskip("torchtitan.models.qwen3")
+    cfg = qwen3.qwen3_configs["debugmodel_moe"](attn_backend="flex")
+    cfg.layers = qwen3._build_qwen3_moe_layers(
+        n_layers=2,
+        dim=256,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        moe_hidden_dim=256,
+        num_experts=16,
+        top_k=2,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        rope=cfg.layers[0].attention.rope,
+    )
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def pair() -> tuple[Any, Any, Any]:
     """(ours, torchtitan's, our plan): the debug model materialized by policy torchtitan and by its own
@@ -69,6 +90,40 @@ def test_debug_model_has_torchtitans_distributions(pair: tuple[Any, Any, Any]) -
         assert torch.equal(x, y), n  # RoPE caches: the modules' own code
 
 
+def test_moe_layers_have_torchtitans_distributions() -> None:
+    """The mixture-of-experts layers (3-D grouped expert weights, depth-scaled w2, router gate, the persistent
+    expert_bias buffer that torchtitan's _init_self_buffers sets) get torchtitan's own initialization: per tensor
+    mean and std within 2 % over at least 1M elements, the buffer exactly."""
+    cfg = moe_config()
+    with torch.device("meta"):
+        ours, theirs = cfg.build(), cfg.build()
+    plan = plan_from_module(ours, seed=0, policy="torchtitan")
+    kinds = {p.name: p.init.WhichOneof("kind") for p in plan.params}
+    assert kinds["layers.0.moe.expert_bias_E"] == "zeros" and ours.layers["0"].moe.expert_bias_E.is_meta  # untouched
+    with Client() as c:
+        materialize_module(ours, c, plan=plan)
+    torch.manual_seed(0)
+    theirs.to_empty(device="cpu")
+    theirs.init_weights(buffer_device=torch.device("cpu"))
+    mine, ref = ours.state_dict(), theirs.state_dict()
+    assert mine.keys() == ref.keys()
+    experts = [n for n in mine if ".inner_experts.w" in n]
+    assert len(experts) == 6 and all(mine[n].dim() == 3 and mine[n].numel() >= 1 << 20 for n in experts)
+    for name, a in mine.items():
+        b = ref[name]
+        assert a.dtype == b.dtype and a.shape == b.shape and not a.is_meta, name
+        if name.endswith("expert_bias_E") or b.std() == 0:  # the buffer (zeros) and the norms (ones)
+            assert torch.equal(a, b), name
+            continue
+        # two samples of one law: within 2 % over 1M elements or more, within 5 standard errors below that
+        n, sd = a.numel(), b.double().std().item()
+        tol = 0.02 if n >= 1 << 20 else 5 / n**0.5
+        assert abs(a.double().std().item() / sd - 1) < tol, (name, n)
+        assert abs(a.double().mean().item() - b.double().mean().item()) < (0.02 if n >= 1 << 20 else 5 * (2 / n) ** 0.5) * sd, name
+    w2 = next(p for p in plan.params if p.name == "layers.1.moe.routed_experts.inner_experts.w2_EDF").init.normal
+    assert w2.std == 0.02 / (2 * 2) ** 0.5  # depth-scaled from the model's own layer count
+
+
 def test_unknown_initializers_are_refused() -> None:
     cfg = debug_config()
     with torch.device("meta"):
@@ -106,7 +161,14 @@ class Recording(Client):
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (4,))
-cfg = llama3_configs["debugmodel"](attn_backend="flex")
+if sys.argv[2] == "moe":
+    from torchtitan.models import qwen3
+    cfg = qwen3.qwen3_configs["debugmodel_moe"](attn_backend="flex")
+    cfg.layers = qwen3._build_qwen3_moe_layers(
+        n_layers=2, dim=256, n_heads=16, n_kv_heads=8, head_dim=128, moe_hidden_dim=256, num_experts=16, top_k=2,
+        attn_backend="flex", moe_comm_backend="standard", rope=cfg.layers[0].attention.rope)
+else:
+    cfg = llama3_configs["debugmodel"](attn_backend="flex")
 with torch.device("meta"):
     model = cfg.build()
 for layer in model.layers.values():
@@ -127,6 +189,10 @@ equal, local = {}, {}
 for name, p in model.named_parameters():
     local[name] = list(p.to_local().shape)
     equal[name] = bool(torch.equal(p.full_tensor().detach().view(torch.uint8), ref[name].detach().view(torch.uint8)))
+ref_buffers = single.state_dict()
+for name, b in model.state_dict().items():  # persistent buffers (MoE expert_bias): whole on every rank
+    if name not in equal and name in full:
+        equal[name] = bool(torch.equal(b.detach(), ref_buffers[name].detach()))
 json.dump({"regions": regions, "full": full, "local": local, "equal": equal,
            "placements": {n: str(p.placements) for n, p in model.named_parameters()}},
           open(sys.argv[1] + f".{rank}", "w"))
@@ -141,7 +207,10 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["llama3", "moe"])
+def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path, model: str) -> None:
+    """Each rank fills only its shards (one request) with the single-process bytes: the Llama 3 debug model, and
+    the MoE model, whose grouped expert weights shard along the experts."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     out = tmp_path / "result"
@@ -155,7 +224,7 @@ def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path) -> None:
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(out)],
+            [sys.executable, str(script), str(out), model],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -176,7 +245,11 @@ def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path) -> None:
     for r, res in enumerate(results):
         assert all(res["equal"].values()), [n for n, ok in res["equal"].items() if not ok]
         assert set(res["regions"]) == set(res["full"])  # one request, every parameter, each its own shard
+        assert set(res["equal"]) == set(res["full"])
         for name, shape in res["full"].items():
+            if name not in res["placements"]:  # a buffer: not sharded, asked for whole
+                assert res["regions"][name] in ([], [[0, d] for d in shape]), (r, name)
+                continue
             rows = shape[0] // 4
             assert res["placements"][name] == "(Shard(dim=0),)", name
             assert res["regions"][name][0] == [r * rows, (r + 1) * rows], (r, name)

@@ -20,24 +20,32 @@ other owner initializes it. Anything else (an unknown callable, a custom
 ``_init_self_parameters``, a plain ``nn.Module`` owner, which torchtitan
 never initializes) is refused with the reason, never guessed.
 
-Buffers such as RoPE caches are not in the plan: ``materialize_module``
-computes them with the modules' own ``_init_self_buffers``.
+Persistent buffers (the MoE layer's ``expert_bias_E``) are in the plan as
+torchtitan's own ``_init_self_buffers`` computes them: it runs on the CPU on a
+copy of the module (which stays on meta), and the value is stated as the
+constant it is, or as its values when it is small. Non-persistent buffers such
+as RoPE caches are not in the plan: ``materialize_module`` computes them with
+the modules' own ``_init_self_buffers``.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from paraminit.v1 import plan_pb2
 from paraminit_client.torch_rules import _ones, _orthogonal, _rule_of, _trunc_normal, _uniform, _zeros
 
 __all__ = ["fill_buffers", "init_for", "refused_modules"]
+
+BUFFER_VALUES_MAX = 1 << 16  # elements of a non-constant buffer the plan states value by value
 
 # init_states implementations that only re-tie weights before the standard recursion
 _PLAIN_INIT_STATES = {"torchtitan.protocols.module.Module.init_states", "torchtitan.models.common.decoder.Decoder.init_states"}
@@ -116,6 +124,27 @@ def translate(fn: Callable[..., Any], seed: int) -> plan_pb2.Init | str | _Skip:
     return make(bound.arguments)
 
 
+def buffer_init(mod: nn.Module, key: str) -> plan_pb2.Init | str:
+    """A persistent buffer as the module's own ``_init_self_buffers`` computes it, run on the CPU on a shallow copy
+    with its own buffer table (the module keeps its meta buffers): a constant as zeros, ones or a constant, other
+    values as Flat when there are at most BUFFER_VALUES_MAX of them."""
+    clone = copy.copy(mod)
+    clone._buffers = dict(mod._buffers)
+    clone._init_self_buffers(buffer_device=torch.device("cpu"))  # type: ignore[operator]
+    value = clone._buffers.get(key)
+    if value is None or value.is_meta:
+        return f"{type(mod).__name__}._init_self_buffers does not compute {key!r}"
+    flat = value.detach().to(torch.float64).reshape(-1)
+    if flat.numel() and not bool(torch.isfinite(flat).all()):
+        return f"{type(mod).__name__}._init_self_buffers gives {key!r} non-finite values"
+    if not flat.numel() or bool((flat == flat[0]).all()):
+        c = float(flat[0]) if flat.numel() else 0.0
+        return _zeros() if c == 0.0 else _ones() if c == 1.0 else _uniform(c, c, 0)  # lo == hi: the constant
+    if flat.numel() > BUFFER_VALUES_MAX:
+        return f"{type(mod).__name__}._init_self_buffers gives {key!r} {flat.numel()} distinct values, more than a plan states"
+    return plan_pb2.Init(flat=plan_pb2.Flat(values=flat.tolist()))
+
+
 def init_for(owners: list[tuple[nn.Module, str]], t: Any, seed: int) -> plan_pb2.Init | str | None:
     """The Init torchtitan's init_states gives a tensor, from its owners (the first, then those it is tied to)."""
     module_cls = _titan_module()
@@ -124,6 +153,8 @@ def init_for(owners: list[tuple[nn.Module, str]], t: Any, seed: int) -> plan_pb2
         if not isinstance(mod, module_cls):
             reasons.append(f"{type(mod).__name__} is not a torchtitan Module: init_states never initializes it")
             continue
+        if key in mod._buffers:  # a persistent buffer: _init_self_buffers computes it
+            return buffer_init(mod, key)
         table = mod._param_init
         if table is None:  # torchtitan falls back to reset_parameters: PyTorch's own rule
             rule = _rule_of(mod)
