@@ -488,9 +488,46 @@ def test_summary_throughput_leaves_compiling_out(
     # 940544 bytes over 0.001 s; over the whole 0.501 s it would read 1.8 MiB/s.
     assert re.fullmatch(
         r"wrote .*: 6 parameters, 918\.5 KiB in 0\.00 s plus 0\.5 s compiling CPU kernels "
-        r"\(897\.0 MiB/s; 0\.00 s of it before the first byte: plan checks\), plan digest [0-9a-f]{64}\n",
+        r"\(897\.0 MiB/s; 0\.00 s of it before the first byte: 0\.00 s plan checks\), plan digest [0-9a-f]{64}\n",
         stdout,
     ), stdout
+
+
+def test_summary_tells_starting_the_data_plane_from_plan_checks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process, the time before the first byte is mostly starting the data plane (importing numba, loading the
+    cached kernels): the summary says so, apart from the plan's checks."""
+    ticks = [100.0]  # the start; every later reading (first byte, end) is 0.5 s on
+
+    def clock() -> float:
+        now = ticks[-1]
+        ticks.append(100.5)
+        return now
+
+    waited = iter([3.0, 3.4])  # this command's calls waited 0.4 s for the data plane to start
+    monkeypatch.setattr(cli, "time", type("Clock", (), {"time": staticmethod(clock)}))
+    monkeypatch.setattr(cli, "_start_seconds", lambda: next(waited))
+    code, stdout, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(tmp_path / "m.safetensors"))
+    assert code == 0, err
+    assert "0.50 s of it before the first byte: 0.40 s starting the data plane (numba, cached CPU kernels), 0.10 s plan checks)" in stdout
+
+
+def test_the_start_wait_is_counted_once_per_start() -> None:
+    """embedded.start_wait_seconds grows by the time a call waited for a data plane still starting, not after."""
+    import concurrent.futures
+
+    from paraminit_server import embedded
+
+    slow: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    door = embedded.InProcess(slow)
+    threading.Timer(0.3, lambda: slow.set_result(embedded.data_plane("cpu"))).start()
+    before = embedded.start_wait_seconds()
+    assert door.plane is door.plane
+    waited = embedded.start_wait_seconds() - before
+    assert 0.2 < waited < 30
+    assert door.plane is not None  # ready now: no wait counted
+    assert embedded.start_wait_seconds() - before == waited
 
 
 def test_chunk_bytes_takes_a_size(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -73,6 +73,15 @@ class Failure:
     violations: tuple[Violation, ...] = ()
 
 
+_START_WAIT = 0.0  # seconds calls in this process have waited for an in-process data plane to start
+
+
+def start_wait_seconds() -> float:
+    """Seconds calls in this process have waited for in-process data planes to start (importing numba and loading
+    the cached CPU kernels): a summary tells them apart from plan checks."""
+    return _START_WAIT
+
+
 class InProcess:
     """The data plane behind a client's local transport: plain calls in, plain values (or the contract's
     messages, where the client returns them) out; every data-plane error is raised as it is (see `failure`).
@@ -106,6 +115,13 @@ class InProcess:
 
     @property
     def plane(self) -> Materializer:
+        global _START_WAIT
+        if not self._ready.done():  # a call waits for the start: numba, the cached kernels, the plane
+            started = time.perf_counter()
+            try:
+                return self._ready.result()
+            finally:
+                _START_WAIT += time.perf_counter() - started
         return self._ready.result()
 
     @staticmethod
