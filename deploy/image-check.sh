@@ -13,12 +13,15 @@
 # 4. Materializes examples/mlp.json from a second container and checks the file on the host.
 # 5. A root-owned cache tmpfs (the old compose mistake) does not stop the server: it caches under /tmp instead.
 # 6. SIGTERM in the middle of a 192 MiB stream: the stream completes, the server exits 0.
-#
-# Needs root, a Docker daemon (started here from `dockerd` when none answers) and, for the base, mmdebstrap:
-#   apt-get install -y docker.io mmdebstrap
-# 7. The GPU image (same base; cupy-cuda13x, the CUDA runtime with its headers and NVRTC from PyPI wheels, no NVIDIA
+# 7. Compose without a build: the image is also tagged paraminit:cpu (what docker-compose.yml names), and
+#    `docker compose up` (or Compose v1's `docker-compose up`) with --no-build starts the server from it, waits for it
+#    to be healthy and runs the one-shot client, which materializes examples/mlp.json into the project's out/.
+# 8. The GPU image (same base; cupy-cuda13x, the CUDA runtime with its headers and NVRTC from PyPI wheels, no NVIDIA
 #    registry) is built, and the kernels compile inside it, hardened and without a GPU, through CuPy's own compiler
 #    path with its full option set (deploy/gpu-compile-check.py).
+#
+# Needs root, a Docker daemon (started here from `dockerd` when none answers), for the base mmdebstrap, and Compose:
+#   apt-get install -y docker.io mmdebstrap docker-compose
 # Environment: IMAGE (default paraminit:check), GPU_IMAGE (default paraminit:check-gpu), TARGETS ("cpu gpu", or
 # "cpu" / "gpu" alone), BASE_REBUILD=1 rebuilds the base, MAX_READY_S (default 3).
 set -eu
@@ -251,6 +254,30 @@ echo "server exit code $server_rc after $(since "$t0") s; stream client exit cod
 docker logs "$NAME" 2>&1 | tail -3
 [ "$server_rc" = 0 ] || fail "server exited $server_rc"
 [ "$stream_rc" = 0 ] || fail "stream client exited $stream_rc"
+
+# --- compose, no build ------------------------------------------------------------------------------------------
+step "compose: tag $IMAGE as paraminit:cpu, then up --no-build (server healthy, the client materializes mlp.json)"
+docker tag "$IMAGE" paraminit:cpu
+if docker compose version >/dev/null 2>&1; then
+    compose="docker compose"
+elif command -v docker-compose >/dev/null; then
+    compose=docker-compose
+else
+    fail "neither docker compose (v2) nor docker-compose (v1) is installed (apt-get install docker-compose)"
+fi
+# the project in a scratch directory: its own examples/ and out/, so the checkout's out/ is not touched
+mkdir -p "$WORK/compose/out" && cp -r examples "$WORK/compose/" && chown 10001:10001 "$WORK/compose/out"
+project="$NAME-compose"
+# shellcheck disable=SC2086
+PARAMINIT_UID=10001 PARAMINIT_GID=10001 $compose -f "$PWD/docker-compose.yml" --project-directory "$WORK/compose" \
+    -p "$project" up --no-build --exit-code-from materialize materialize >"$WORK/compose.log" 2>&1 \
+    || { tail -30 "$WORK/compose.log"; $compose -p "$project" -f "$PWD/docker-compose.yml" down >/dev/null 2>&1; \
+         fail "compose up"; }
+grep -m1 "wrote /out/mlp.safetensors" "$WORK/compose.log" || { tail -30 "$WORK/compose.log"; fail "no summary from the client"; }
+# shellcheck disable=SC2086
+$compose -f "$PWD/docker-compose.yml" --project-directory "$WORK/compose" -p "$project" down >/dev/null 2>&1 || true
+[ -s "$WORK/compose/out/mlp.safetensors" ] || fail "compose wrote no out/mlp.safetensors"
+echo "compose ($compose) wrote out/mlp.safetensors: $(stat -c %s "$WORK/compose/out/mlp.safetensors") bytes"
 
 case " $TARGETS " in *" gpu "*) gpu_check ;; esac
 

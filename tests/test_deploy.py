@@ -420,6 +420,18 @@ def test_compose_gpu_reservation() -> None:
     assert "deploy" not in services["paraminit"]
 
 
+def test_the_offline_container_route_is_one_image() -> None:
+    """The README's route: image-check tags the image it checked as the one compose names, and compose runs it
+    without a build (the script's compose step runs exactly that)."""
+    script = (ROOT / "deploy" / "image-check.sh").read_text()
+    services = _compose()["services"]
+    assert services["paraminit"]["image"] == services["materialize"]["image"] == "paraminit:cpu"
+    assert 'docker tag "$IMAGE" paraminit:cpu' in script and "up --no-build --exit-code-from materialize" in script
+    readme = (ROOT / "README.md").read_text()
+    assert "make image-check" in readme and "docker compose up --no-build" in readme
+    assert "docker-compose up --no-build" in (ROOT / "docker-compose.yml").read_text()
+
+
 def test_compose_materialize_job() -> None:
     job = _compose()["services"]["materialize"]
     assert job["depends_on"]["paraminit"]["condition"] == "service_healthy"
