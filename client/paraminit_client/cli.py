@@ -67,7 +67,7 @@ _CODE_WORDS = {
 
 # paraminit_client.torch.POLICIES, written here so that the CLI starts without importing torch (a test holds
 # the two equal)
-POLICIES = ("torch", "torchlean", "hf", "torchtitan")
+POLICIES = ("torch", "torchlean", "hf", "torchtitan", "megatron", "neox")
 
 
 class UsageError(Exception):
@@ -688,7 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch: PyTorch's own default distributions; torchlean: kaiming/xavier uniform, as "
         "TorchLean (the Lean runtime whose sampler paraminit reproduces) initializes; hf: Hugging Face "
         "transformers' own _init_weights (pip install 'paraminit[hf]'); torchtitan: torchtitan's own "
-        "init_weights, read from the module (pip install 'paraminit[torchtitan]') (default: torch)",
+        "init_weights, read from the module (pip install 'paraminit[torchtitan]'); megatron: Megatron-LM's "
+        "normal(0, sigma) with sigma / sqrt(2 L) on output projections; neox: GPT-NeoX's small_init with wang_init on "
+        "output projections (both read depth and width from the model) (default: torch)",
     )
     fm.add_argument(
         "--overrides",

@@ -70,7 +70,7 @@ from paraminit.peers import is_local_target
 from paraminit.shapes import out_shape
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
-from paraminit_client import distributed, hf
+from paraminit_client import distributed, hf, recipes
 from paraminit_client.client import Client
 from paraminit_client.errors import InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
@@ -100,7 +100,7 @@ __all__ = [
 # overrides(name, tensor) or overrides(name, tensor, module, module_name): the module owning the tensor under
 # `name` and its qualified name in the model ("" for the root); None leaves the tensor to the policy.
 Override = Callable[..., "plan_pb2.Init | Mapping[str, Any] | None"]
-POLICIES = ("torch", "torchlean", "hf", "torchtitan")
+POLICIES = ("torch", "torchlean", "hf", "torchtitan", *recipes.RECIPES)
 LEASE_ATTR = "_paraminit_lease"
 
 _SEEDED = inits.SEEDED_JSON  # JSON keys (both spellings) of the seeded kinds
@@ -210,7 +210,9 @@ def _module_names(module: nn.Module) -> dict[int, str]:
     return {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
 
 
-def plan_from_module(module: nn.Module, seed: int, policy: str = "torch", overrides: Override | None = None) -> plan_pb2.Plan:
+def plan_from_module(
+    module: nn.Module, seed: int, policy: str | recipes.Recipe = "torch", overrides: Override | None = None
+) -> plan_pb2.Plan:
     """One Param per distinct floating-point tensor of `module.state_dict()`, in its order.
 
     Names are state_dict names; a tied tensor appears once, under its first
@@ -238,7 +240,8 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch", overri
         module: the model (on meta, or real: only shapes and dtypes are read).
         seed: the model's seed (each parameter's is param_seed(seed, name)).
         policy: one of POLICIES: "torch" (PyTorch's own distributions), "torchlean", "hf" (transformers'
-            initialization), "torchtitan".
+            initialization), "torchtitan", or a framework's recipe: "megatron", "neox" (paraminit_client.recipes,
+            whose functions also make one with other settings: policy=recipes.megatron(sigma=0.01)).
         overrides: asked first for every tensor; returns an Init, its JSON form, or None for the policy's.
 
     Returns:
@@ -252,9 +255,12 @@ def plan_from_module(module: nn.Module, seed: int, policy: str = "torch", overri
         return _plan_from_module(module, seed, policy, overrides)
 
 
-def _plan_from_module(module: nn.Module, seed: int, policy: str, overrides: Override | None) -> plan_pb2.Plan:
-    if policy not in POLICIES:
-        raise InvalidArgument(f"policy must be one of {POLICIES}, got {policy!r}")
+def _plan_from_module(module: nn.Module, seed: int, policy: str | recipes.Recipe, overrides: Override | None) -> plan_pb2.Plan:
+    recipe = policy if isinstance(policy, recipes.Recipe) else recipes.RECIPES[policy]() if policy in recipes.RECIPES else None
+    if recipe is None and policy not in POLICIES:
+        raise InvalidArgument(f"policy must be one of {POLICIES} or a recipes.Recipe, got {policy!r}")
+    entries: dict[str, tuple[nn.Module, str, str, int]] = {}  # a recipe's tensors: owner, key, owner's name, seed
+    module_names = _module_names(module) if recipe is not None else {}
     owners = _owners(module)
     inits: dict[str, plan_pb2.Init | str] = {}
     patches: dict[str, list[plan_pb2.Patch]] = {}
@@ -278,6 +284,9 @@ def _plan_from_module(module: nn.Module, seed: int, policy: str, overrides: Over
         if owner is None:
             inits[name] = "state_dict name not found among the module's parameters and persistent buffers"
             continue
+        if recipe is not None:
+            entries[name] = (owner[0], owner[1], module_names.get(id(owner[0]), ""), param_seed(seed, name))
+            continue
         if policy == "torchtitan":
             why = next((f"{r} (module {m!r})" for m, r in refused.items() if not m or name.startswith(m + ".")), None)
             got_titan = why or titan.init_for([owner, *[o for o in ties.get(id(t), []) if o != owner]], t, param_seed(seed, name))
@@ -287,10 +296,13 @@ def _plan_from_module(module: nn.Module, seed: int, policy: str, overrides: Over
         if isinstance(rule, str):
             inits[name] = rule
             continue
-        got = rule(owner[0], owner[1], t, param_seed(seed, name), policy)
+        got = rule(owner[0], owner[1], t, param_seed(seed, name), str(policy))
         inits[name] = got if got is not None else f"{kinds[name]} has no rule for its tensor {owner[1]!r}"
         patches[name] = _fixed_elements(owner[0], owner[1], t)
-    if policy not in ("hf", "torchtitan"):
+    if recipe is not None:
+        inits.update(recipe.inits(module, entries))
+    elif policy not in ("hf", "torchtitan"):
+        assert isinstance(policy, str)
         _container_rules(module, policy, seed, inits)
     problems: list[tuple[str, str, str]] = []
     params: list[plan_pb2.Param] = []
@@ -412,7 +424,7 @@ def materialize_module(
     *,
     plan: plan_pb2.Plan | None = None,
     seed: int = 0,
-    policy: str = "torch",
+    policy: str | recipes.Recipe = "torch",
     overrides: Override | None = None,
     ttl_seconds: float = 0.0,
     auto_renew: bool | None = None,
@@ -470,7 +482,7 @@ def _materialize_module(
     delivery: str,
     plan: plan_pb2.Plan | None,
     seed: int,
-    policy: str,
+    policy: str | recipes.Recipe,
     overrides: Override | None,
     ttl_seconds: float,
     auto_renew: bool | None,

@@ -1,0 +1,215 @@
+"""Framework recipes as policies (paraminit_client.recipes): Megatron's against megatron-core's own initialization of
+its GPT model, GPT-NeoX's against GPT-NeoX's init functions on transformers' GPT-NeoX, and what a recipe reads from
+a model or refuses."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from paraminit_client import Client  # noqa: E402
+from paraminit_client.recipes import megatron, neox  # noqa: E402
+from paraminit_client.torch import UnsupportedModuleError, plan_from_module  # noqa: E402
+
+
+def same_law(ours: np.ndarray[Any, Any], theirs: np.ndarray[Any, Any], what: str) -> None:
+    """Two samples of one law: mean and std within 2 % of the std over 1M elements or more, within 5 standard
+    errors below that."""
+    a, b = ours.astype(np.float64).reshape(-1), theirs.astype(np.float64).reshape(-1)
+    sd, n = float(b.std()), a.size
+    assert sd > 0, what
+    tol = 0.02 if n >= 1 << 20 else 5 / math.sqrt(n)
+    assert abs(float(a.std()) / sd - 1) < tol, (what, n, float(a.std()), sd)
+    assert abs(float(a.mean()) - float(b.mean())) < (0.02 if n >= 1 << 20 else 5 * math.sqrt(2 / n)) * sd, what
+
+
+def compare(plan: Any, reference: dict[str, Any], pooled: dict[str, list[str]]) -> dict[str, str]:
+    """Materialize the plan in process and check it against the framework's tensors, one by one (constants exactly)
+    and pooled by role across layers (at least 1M elements each); returns each tensor's initializer kind."""
+    with Client() as c:
+        ours = c.materialize(plan)
+    kinds = {p.name: p.init.WhichOneof("kind") for p in plan.params}
+    assert set(ours) == set(reference)
+    for name, b in reference.items():
+        a = ours[name]
+        assert a.shape == tuple(b.shape), name
+        if kinds[name] in ("zeros", "ones"):
+            assert np.array_equal(a, b.numpy()), name
+        else:
+            same_law(a, b.numpy(), name)
+    for role, names in pooled.items():
+        a = np.concatenate([ours[n].reshape(-1) for n in names])
+        assert a.size >= 1 << 20, role
+        same_law(a, np.concatenate([reference[n].numpy().reshape(-1) for n in names]), role)
+    return kinds
+
+
+# -- Megatron -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def megatron_gpt() -> Iterator[Any]:
+    """megatron-core's GPTModel (local layer spec, 4 layers, width 256), built and initialized by megatron-core itself
+    on the CPU in a one-rank gloo group."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
+        pytest.importorskip("megatron.core")
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    import torch.distributed as dist
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        torch.manual_seed(0)
+        config = TransformerConfig(
+            num_layers=4,
+            hidden_size=256,
+            num_attention_heads=4,
+            use_cpu_initialization=True,
+            init_method_std=0.01,
+            params_dtype=torch.float32,
+        )
+        yield GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=4096, max_sequence_length=256)
+    finally:
+        parallel_state.destroy_model_parallel()
+        if own_group:
+            dist.destroy_process_group()
+
+
+def test_megatron_recipe_is_megatrons_own_initialization(megatron_gpt: Any) -> None:
+    model = megatron_gpt
+    plan = plan_from_module(model, seed=0, policy="megatron")
+    reference = {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    layers = range(4)
+    kinds = compare(
+        plan,
+        reference,
+        {
+            "linear_qkv and linear_fc1": [
+                f"decoder.layers.{i}.{w}.weight" for i in layers for w in ("self_attention.linear_qkv", "mlp.linear_fc1")
+            ],
+            "linear_proj and linear_fc2 (output)": [
+                f"decoder.layers.{i}.{w}.weight" for i in layers for w in ("self_attention.linear_proj", "mlp.linear_fc2")
+            ],
+        },
+    )
+    std = {p.name: p.init.normal.std for p in plan.params if kinds[p.name] == "normal"}
+    # read from the model's TransformerConfig: init_method_std 0.01, 4 layers
+    assert std["decoder.layers.0.mlp.linear_fc1.weight"] == 0.01 == std["embedding.word_embeddings.weight"]
+    assert std["decoder.layers.3.self_attention.linear_proj.weight"] == 0.01 / math.sqrt(8)
+    assert kinds["decoder.layers.0.mlp.linear_fc2.bias"] == "zeros" and kinds["decoder.final_layernorm.weight"] == "ones"
+
+
+# -- GPT-NeoX -------------------------------------------------------------------------------------------------------
+
+
+def test_neox_recipe_is_gpt_neoxs_small_init_and_wang_init() -> None:
+    """GPT-NeoX initializes linear and embedding weights with small_init and the attention's and MLP's output
+    projections with wang_init (its init_functions.py; transformers carries them for xLSTM, used here as the
+    reference), biases zero, norms one."""
+    pytest.importorskip("transformers")
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers.models.xlstm.modeling_xlstm import small_init_method, wang_init_method
+
+    layers, width = 4, 256
+    config = GPTNeoXConfig(
+        vocab_size=4096,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        use_parallel_residual=True,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    ref_model = GPTNeoXForCausalLM(config)
+    small, wang = small_init_method(width), wang_init_method(layers, width)
+    with torch.no_grad():
+        for name, mod in ref_model.named_modules():
+            if isinstance(mod, nn.Linear | nn.Embedding):
+                (wang if name.endswith(("attention.dense", "mlp.dense_4h_to_h")) else small)(mod.weight)
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.zero_()
+            elif isinstance(mod, nn.LayerNorm):
+                mod.weight.fill_(1.0)
+                mod.bias.zero_()
+    with torch.device("meta"):
+        ours = GPTNeoXForCausalLM(config)
+    plan = plan_from_module(ours, seed=1, policy="neox")
+    reference = {k: v.detach() for k, v in ref_model.state_dict().items() if v.is_floating_point()}
+    kinds = compare(
+        plan,
+        reference,
+        {
+            "dense_h_to_4h": [f"gpt_neox.layers.{i}.mlp.dense_h_to_4h.weight" for i in range(layers)],
+            "dense_4h_to_h (output)": [f"gpt_neox.layers.{i}.mlp.dense_4h_to_h.weight" for i in range(layers)],
+        },
+    )
+    std = {p.name: p.init.normal.std for p in plan.params if kinds[p.name] == "normal"}
+    assert std["gpt_neox.layers.2.attention.dense.weight"] == 2 / layers / math.sqrt(width)
+    assert std["gpt_neox.embed_in.weight"] == math.sqrt(2 / (5 * width))
+
+
+# -- what a recipe reads and refuses --------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+
+class Tiny(nn.Module):
+    def __init__(self, d: int = 32, n: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+
+def test_a_recipe_reads_depth_and_width_from_structure_and_takes_output_names() -> None:
+    with torch.device("meta"):
+        model = Tiny()
+    plan = plan_from_module(model, seed=0, policy=megatron(sigma=0.05, output_layers=("proj",)))
+    std = {p.name: p.init.normal.std for p in plan.params if p.init.WhichOneof("kind") == "normal"}
+    assert std["blocks.1.up.weight"] == 0.05 == std["embed.weight"]
+    assert std["blocks.1.proj.weight"] == 0.05 / math.sqrt(2 * 3)  # 3 blocks: the longest list of one class
+    neo = {
+        p.name: p.init.normal.std
+        for p in plan_from_module(model, seed=0, policy=neox(output_layers=("proj",))).params
+        if p.init.WhichOneof("kind") == "normal"
+    }
+    assert neo["blocks.0.up.weight"] == math.sqrt(2 / (5 * 32))  # width: the embedding's
+    assert neo["blocks.0.proj.weight"] == 2 / 3 / math.sqrt(32)
+
+
+def test_a_recipe_refuses_what_it_cannot_read() -> None:
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.empty(4))  # neither a bias nor a norm's
+
+    with torch.device("meta"):
+        no_depth = nn.Sequential(nn.Linear(4, 4))  # no config, no list of blocks, no embedding
+        odd = Odd()
+    with pytest.raises(UnsupportedModuleError, match="needs the model's depth: pass num_layers="):
+        plan_from_module(no_depth, seed=0, policy="megatron")
+    with pytest.raises(UnsupportedModuleError, match="needs the model's depth and width"):
+        plan_from_module(no_depth, seed=0, policy=neox(num_layers=2))
+    with pytest.raises(UnsupportedModuleError) as err:
+        plan_from_module(odd, seed=0, policy=megatron(num_layers=2))
+    assert [p[0] for p in err.value.problems] == ["scale"] and "neither a bias nor a norm" in str(err.value)
