@@ -137,3 +137,35 @@ def test_one_parameter_is_singular(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli.main(["validate", str(path)]) == 0
     out, _ = capsys.readouterr()
     assert ": 1 parameter," in out and "1 parameters" not in out
+
+
+def test_plan_violations_name_their_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan's violations (found by validation, not by the file reader) read like the file's own mistakes:
+    FILE:LINE, the line where the file writes the field, whichever spelling it uses (snake_case here), in text and
+    in --json, for validate and materialize alike."""
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "params:\n"
+        "  - name: a\n"
+        "    shape: [4]\n"
+        "    init:\n"
+        "      normal: {std: -1}\n"
+        "  - name: b\n"
+        "    shape: [2]\n"
+        "    init:\n"
+        "      kaiming_uniform_for_shape: {}\n"
+    )
+    code = cli.main(["validate", str(path)])
+    _, err = capsys.readouterr()
+    assert code == cli.EXIT_INVALID
+    assert f"  {path}:5: params[0].init.normal ('a'): " in err and f"  {path}:9: params[1].init.kaimingUniformForShape ('b'): " in err
+    code = cli.main(["validate", str(path), "--json"])
+    out, _ = capsys.readouterr()
+    assert [(v["file"], v["line"]) for v in json.loads(out)["violations"]] == [(str(path), 5), (str(path), 9)]
+    code = cli.main(["materialize", str(path), "-o", str(tmp_path / "x.safetensors")])
+    _, err = capsys.readouterr()
+    assert code == cli.EXIT_INVALID and f"  {path}:9: params[1].init.kaimingUniformForShape" in err
+    from paraminit_client.plans import field_lines
+
+    assert field_lines(path, ["params[1].init", "params[7].name", "params", "nothing"]) == [8, 1, 1, None]
+    assert field_lines("-", ["params[0]"]) == [None]

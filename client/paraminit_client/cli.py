@@ -27,7 +27,7 @@ from paraminit import dtypes, exitcodes, sizes
 from paraminit_client import __version__, filesink, inspect
 from paraminit_client.client import Client, write_stream
 from paraminit_client.errors import CheckpointFormatError, InvalidArgument, ParaminitError
-from paraminit_client.plans import PlanFileError, load_plan, plan_from_safetensors, plan_to_json
+from paraminit_client.plans import PlanFileError, field_lines, load_plan, plan_from_safetensors, plan_to_json
 
 EXIT_OK, EXIT_ERROR, EXIT_INVALID, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = (
     exitcodes.OK,
@@ -299,6 +299,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     with _client(args) as c:
         report = c.validate(plan)
     code = EXIT_OK if not report.violations else EXIT_INVALID if not report.valid else EXIT_ERROR
+    at = field_lines(args.plan, [v.field for v in report.violations]) if report.violations else []
     if args.json:
         return _print_json(
             code,
@@ -311,7 +312,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 for p, n in zip(plan.params, report.param_bytes, strict=False)
             ],
             violations=[
-                {"index": v.index, "name": v.name, "field": v.field, "message": v.message, "limit": v.is_limit} for v in report.violations
+                {
+                    "file": args.plan,
+                    "line": line,
+                    "index": v.index,
+                    "name": v.name,
+                    "field": v.field,
+                    "message": v.message,
+                    "limit": v.is_limit,
+                }
+                for v, line in zip(report.violations, at, strict=True)
             ],
             **(
                 {
@@ -324,8 +334,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         )
     if report.violations:
         kind = "invalid plan" if not report.valid else "plan over the server's limits"
-        print(f"paraminit: {kind}: {len(report.violations)} violation(s)", file=sys.stderr)
-        for line in report.lines():
+        print(f"paraminit: {kind}: {_plural(len(report.violations), 'violation')}", file=sys.stderr)
+        for line in _located(args.plan, report.violations, at):
             print(line, file=sys.stderr)
         return code
     by_dtype: dict[str, list[int]] = {}
@@ -338,6 +348,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for name, (count, nbytes) in sorted(by_dtype.items()):
         print(f"  {name:<10} {count:>7} {sizes.format_size(nbytes):>12}")
     return EXIT_OK
+
+
+def _located(file: str, violations: Sequence[Any], at: Sequence[int | None]) -> list[str]:
+    """Violations as a plan file's own mistakes read: `  FILE:LINE: FIELD ('NAME'): MESSAGE` (no line where the
+    file does not write the field)."""
+    shown = "<stdin>" if file == "-" else file
+    return [f"  {shown}:{line}: {v}" if line else f"  {shown}: {v}" for v, line in zip(violations, at, strict=True)]
 
 
 def _print_json(code: int, **fields: Any) -> int:
@@ -836,10 +853,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ParaminitError as err:
         if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.violations:
             message = f"invalid plan: {_plural(len(err.violations) + err.omitted, 'violation')}"
-            lines = [str(v) for v in err.violations]
+            plan_file = getattr(args, "plan", None)
+            at = field_lines(plan_file, [v.field for v in err.violations]) if plan_file else [None] * len(err.violations)
+            lines = _located(plan_file, err.violations, at) if plan_file else [str(v) for v in err.violations]
             if err.omitted:
                 lines.append(f"... and {err.omitted} more (`paraminit validate` lists every one)")
-            violations = [{"field": v.field, "message": str(v)} for v in err.violations]
+            violations = [
+                {"file": plan_file, "line": line, "field": v.field, "message": str(v)} for v, line in zip(err.violations, at, strict=True)
+            ]
             code = EXIT_INVALID
         else:
             message, lines, code = _rpc_line(err, getattr(args, "target", None)), [], EXIT_ERROR

@@ -171,6 +171,47 @@ def _json_syntax(text: str, exc: json.JSONDecodeError) -> PlanProblem:
     return PlanProblem((), f"JSON syntax: {exc.msg}", f"{exc.lineno}:{exc.colno}")
 
 
+def field_lines(path: str | os.PathLike[str], fields: Sequence[str]) -> list[int | None]:
+    """The line of a plan file each violation's field names (`params[3].init.kaimingUniformForShape`), so that a
+    plan's violations read as `FILE:LINE:` like the file's own mistakes: the deepest part of the path the file
+    writes (keys in either spelling, camelCase or snake_case). None where the file is standard input, cannot be
+    read again, or does not write the field (a plan-wide violation gives the line of `params`).
+
+    Args:
+        path: the plan file as given.
+        fields: each violation's field path.
+
+    Returns:
+        One line number (or None) per field.
+    """
+    if str(path) == "-":
+        return [None] * len(fields)
+    try:
+        lines = _key_lines(read_input(path).decode())
+    except (OSError, UnicodeDecodeError):
+        return [None] * len(fields)
+    folded = {tuple(_fold(k) for k in key): line for key, line in lines.items()}
+    out: list[int | None] = []
+    for field in fields:
+        parts: list[str | int] = []
+        for piece in field.split("."):
+            name, *indices = piece.replace("]", "").split("[")
+            parts.append(_fold(name))
+            parts.extend(int(i) for i in indices if i.isdigit())
+        found = None
+        for n in range(len(parts), 0, -1):
+            found = folded.get(tuple(parts[:n]))
+            if found is not None:
+                break
+        out.append(found)
+    return out
+
+
+def _fold(key: str | int) -> str | int:
+    """A key in one spelling: `kaiming_uniform_for_shape` and `kaimingUniformForShape` read alike."""
+    return key.replace("_", "").lower() if isinstance(key, str) else key
+
+
 def _key_lines(text: str) -> dict[tuple[str | int, ...], int]:
     """Line of every key and list item of a JSON or YAML document, by path (empty when it does not compose)."""
     try:
