@@ -29,8 +29,8 @@ $(STAMP): $(BASE)
 		echo "promtool not installable here: the alert rule tests will skip"
 	# torchtitan (tests/test_torchtitan.py) after torch, so its requirements find the CPU build installed.
 	$(PY) -m pip install -q -e '.[torchtitan]' || echo "torchtitan not installable here: torchtitan tests will skip"
-	# megatron-core (tests/test_recipes.py builds Megatron's own GPT model), also after torch.
-	$(PY) -m pip install -q -e '.[recipes]' || echo "megatron-core not installable here: the Megatron recipe test will skip"
+	# megatron-core and OLMo-core (tests/test_recipes.py builds their own models), also after torch.
+	$(PY) -m pip install -q -e '.[recipes]' || echo "megatron-core or OLMo-core not installable here: their recipe tests will skip"
 	touch $(STAMP)
 
 venv: $(STAMP)

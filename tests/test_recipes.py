@@ -213,3 +213,57 @@ def test_a_recipe_refuses_what_it_cannot_read() -> None:
     with pytest.raises(UnsupportedModuleError) as err:
         plan_from_module(odd, seed=0, policy=megatron(num_layers=2))
     assert [p[0] for p in err.value.problems] == ["scale"] and "neither a bias nor a norm" in str(err.value)
+
+
+# -- OLMo-core, replayed --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["normal", "llama", "llama_depth", "fan_in"])
+def test_olmo_recipe_is_olmo_cores_own_initialization(method: str) -> None:
+    """policy="olmo" replays OLMo-core's Transformer.init_weights on the meta model: every tensor gets the law OLMo-core's
+    own initialization gives it (per InitMethod), truncated normals cut exactly where OLMo-core cuts (3 sigma)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("olmo_core")
+        from olmo_core.nn.transformer import TransformerConfig
+        from olmo_core.nn.transformer.init import InitMethod
+
+    cfg = TransformerConfig.llama_like(d_model=256, vocab_size=4096, n_layers=4, n_heads=4)
+    cfg.init_method = InitMethod(method)
+    theirs = cfg.build(init_device="cpu")
+    theirs.init_weights(device=torch.device("cpu"))
+    ours = cfg.build(init_device="meta")
+    plan = plan_from_module(ours, seed=3, policy="olmo")
+    assert ours.embeddings.weight.is_meta  # replaying fills nothing
+    reference = {k: v.detach() for k, v in theirs.state_dict().items() if v.is_floating_point()}
+    kinds = compare(plan, reference, {"w1, w3": [f"blocks.{i}.feed_forward.{w}.weight" for i in range(4) for w in ("w1", "w3")]})
+    with Client() as c:
+        values = c.materialize(plan)
+    for p in plan.params:
+        if kinds[p.name] == "truncated_normal":
+            t = p.init.truncated_normal
+            assert (t.lo, t.hi) == (-3 * t.std, 3 * t.std), p.name
+            bound = float(reference[p.name].abs().max())
+            assert float(np.abs(values[p.name]).max()) <= 3 * t.std and bound <= 3 * t.std * (1 + 1e-6), p.name
+    assert set(kinds.values()) >= {"truncated_normal", "ones"}
+
+
+def test_a_replay_refuses_tensors_its_code_writes_otherwise() -> None:
+    from paraminit_client.recipes import replay
+
+    def init(m: nn.Module) -> None:
+        nn.init.normal_(m.a.weight, std=0.5)
+        nn.init.zeros_(m.a.bias)
+        nn.init.normal_(m.b.weight, std=0.5)
+        with torch.no_grad():
+            m.b.weight.mul_(2.0)  # a rescale after the call: the call alone would be wrong
+
+    with torch.device("meta"):
+        model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    with pytest.raises(UnsupportedModuleError) as err:
+        plan_from_module(model, seed=0, policy=replay(init, "mine"))
+    problems = {name: why for name, _, why in err.value.problems}
+    assert set(problems) == {"b.weight", "b.bias"}
+    assert "mul_" in problems["b.weight"] and "never sets" in problems["b.bias"]
+    with pytest.raises(UnsupportedModuleError, match="olmo's initialization cannot run on this model: AttributeError"):
+        plan_from_module(model, seed=0, policy="olmo")  # not an OLMo-core model: no init_weights

@@ -67,7 +67,7 @@ _CODE_WORDS = {
 
 # paraminit_client.torch.POLICIES, written here so that the CLI starts without importing torch (a test holds
 # the two equal)
-POLICIES = ("torch", "torchlean", "hf", "torchtitan", "megatron", "neox")
+POLICIES = ("torch", "torchlean", "hf", "torchtitan", "megatron", "neox", "olmo")
 
 
 class UsageError(Exception):
@@ -707,7 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers' own _init_weights (pip install 'paraminit[hf]'); torchtitan: torchtitan's own "
         "init_weights, read from the module (pip install 'paraminit[torchtitan]'); megatron: Megatron-LM's "
         "normal(0, sigma) with sigma / sqrt(2 L) on output projections; neox: GPT-NeoX's small_init with wang_init on "
-        "output projections (both read depth and width from the model) (default: torch)",
+        "output projections (both read depth and width from the model); olmo: OLMo-core's own init_weights, replayed "
+        "(pip install ai2-olmo-core) (default: torch)",
     )
     fm.add_argument(
         "--overrides",

@@ -18,15 +18,17 @@ bias nor a norm's, a buffer) is refused with the reason, never guessed.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from paraminit.v1 import plan_pb2
 
-__all__ = ["OUTPUT_LAYERS", "RECIPES", "Recipe", "megatron", "neox"]
+__all__ = ["OUTPUT_LAYERS", "RECIPES", "Recipe", "Replay", "megatron", "neox", "olmo", "replay"]
 
 OUTPUT_LAYERS = (
     "linear_proj",  # Megatron: attention output
@@ -141,9 +143,6 @@ def neox(num_layers: int | None = None, d_model: int | None = None, output_layer
     )
 
 
-RECIPES: dict[str, Callable[[], Recipe]] = {"megatron": megatron, "neox": neox}
-
-
 def _config_value(module: nn.Module, keys: tuple[str, ...], kind: type[int] | type[float] = int) -> float | None:
     """The first of `keys` set (positive) on a config object of the model (the root's first, then its submodules')."""
     for mod in module.modules():
@@ -171,3 +170,142 @@ def _embedding_width(module: nn.Module) -> int | None:
         if isinstance(width, int) and width > 0:
             return width
     return None
+
+
+# -- a framework's own initialization code, replayed ------------------------------------------------------------------
+
+_REPLAYED = ("normal_", "trunc_normal_", "uniform_", "zeros_", "ones_", "constant_", "orthogonal_")
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A framework's own initialization code, run on the meta model with torch.nn.init's functions recording their
+    call instead of filling (see `replay`)."""
+
+    name: str
+    init: Callable[[nn.Module], object]
+
+    def inits(self, module: nn.Module, tensors: dict[str, tuple[nn.Module, str, str, int]]) -> dict[str, plan_pb2.Init | str]:
+        """An Init (or why none) per tensor, from the last torch.nn.init call the framework's code made on it.
+
+        Args:
+            module: the model, on the meta device.
+            tensors: every tensor of the plan, by state_dict name: (owning module, key, owner's name, seed).
+
+        Returns:
+            name -> Init, or the reason it has none.
+        """
+        import torch
+
+        params = {id(mod._parameters.get(key)): name for name, (mod, key, _, _) in tensors.items() if key in mod._parameters}
+        calls: dict[str, tuple[str, dict[str, object]]] = {}  # name -> (nn.init function, its arguments)
+        other: dict[str, str] = {}  # name -> an in-place operation on it that no recorded call came after
+
+        def recorder(fname: str) -> Callable[..., object]:
+            real = getattr(torch.nn.init, fname)
+            signature = inspect.signature(real)
+
+            def record(tensor: object, *args: object, **kwargs: object) -> object:
+                name = params.get(id(tensor))
+                if name is None:
+                    return real(tensor, *args, **kwargs)
+                bound = signature.bind(tensor, *args, **kwargs)
+                bound.apply_defaults()
+                calls[name] = (fname, dict(bound.arguments))
+                other.pop(name, None)
+                return tensor  # nothing to fill on meta
+
+            return record
+
+        class Watch(torch.overrides.TorchFunctionMode):
+            """Flags any other in-place operation on a parameter (a rescale, a copy): its effect is not in a call."""
+
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                fname = getattr(func, "__name__", "")
+                if args and fname.endswith("_") and not fname.startswith("__"):
+                    name = params.get(id(args[0]))
+                    if name is not None:
+                        other[name] = fname
+                return func(*args, **(kwargs or {}))
+
+        real_generator = torch.Generator
+
+        class MetaSafeGenerator(real_generator):  # type: ignore[misc, valid-type]
+            """torch.Generator("meta") fails; a framework's seeded generator only feeds calls that are recorded."""
+
+            def __new__(cls, device: Any = "cpu") -> Any:
+                return real_generator("cpu" if str(device) == "meta" else device)
+
+        saved = {f: getattr(torch.nn.init, f) for f in _REPLAYED}
+        try:
+            for f in _REPLAYED:
+                setattr(torch.nn.init, f, recorder(f))
+            torch.Generator = MetaSafeGenerator  # type: ignore[misc]
+            with Watch():
+                self.init(module)
+        except Exception as exc:  # the framework's code cannot run on this model: every tensor says why
+            why = f"{self.name}'s initialization cannot run on this model: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            return dict.fromkeys(tensors, why)
+        finally:
+            for f, fn in saved.items():
+                setattr(torch.nn.init, f, fn)
+            torch.Generator = real_generator  # type: ignore[misc]
+        out: dict[str, plan_pb2.Init | str] = {}
+        for name, (mod, key, _, seed) in tensors.items():
+            if name in other:
+                out[name] = f"{self.name}'s initialization also writes {name} with {other[name]}, which no initializer states"
+            elif name not in calls:
+                out[name] = f"{self.name}'s initialization never sets {type(mod).__name__}.{key} through torch.nn.init"
+            else:
+                out[name] = _from_call(*calls[name], seed)
+        return out
+
+
+def _from_call(fname: str, a: dict[str, object], seed: int) -> plan_pb2.Init:
+    """A torch.nn.init call as an Init (the framework's own generator, if any, is replaced by the plan's seed)."""
+
+    def f(key: str) -> float:
+        return float(a[key])  # type: ignore[arg-type]
+
+    if fname == "normal_":
+        return plan_pb2.Init(normal=plan_pb2.Normal(mean=f("mean"), std=f("std"), seed=seed))
+    if fname == "trunc_normal_":
+        return plan_pb2.Init(truncated_normal=plan_pb2.TruncatedNormal(mean=f("mean"), std=f("std"), lo=f("a"), hi=f("b"), seed=seed))
+    if fname == "uniform_":
+        return plan_pb2.Init(uniform=plan_pb2.Uniform(lo=f("a"), hi=f("b"), seed=seed))
+    if fname == "constant_":
+        return plan_pb2.Init(uniform=plan_pb2.Uniform(lo=f("val"), hi=f("val"), seed=seed))  # lo == hi: the constant
+    if fname == "orthogonal_":
+        return plan_pb2.Init(orthogonal=plan_pb2.Orthogonal(gain=f("gain"), seed=seed))
+    return plan_pb2.Init(ones=plan_pb2.Ones()) if fname == "ones_" else plan_pb2.Init(zeros=plan_pb2.Zeros())
+
+
+def replay(init: Callable[[nn.Module], object], name: str = "replay") -> Replay:
+    """A policy that runs a framework's own initialization code on the meta model, each torch.nn.init call
+    (normal_, trunc_normal_, uniform_, zeros_, ones_, constant_, orthogonal_) recording its distribution for the
+    tensor instead of filling it. A tensor the code never sets that way, or also writes otherwise (a rescale, a
+    copy), is refused. The framework's own random generator is not used: the plan's seeds make the values.
+
+    Args:
+        init: runs the framework's initialization on the module, e.g. `lambda m: m.init_weights()`.
+        name: what refusals call it.
+
+    Returns:
+        The policy, for plan_from_module(policy=...).
+    """
+    return Replay(name, init)
+
+
+def olmo() -> Replay:
+    """OLMo-core's own `Transformer.init_weights` (its InitMethod: normal, llama, llama_depth, fan_in, ...), replayed.
+
+    Returns:
+        The policy, for plan_from_module(policy=...).
+    """
+    import torch
+
+    return replay(lambda m: m.init_weights(device=torch.device("meta")), "olmo")  # type: ignore[operator]
+
+
+Policy = Recipe | Replay  # what plan_from_module takes besides a policy name
+RECIPES: dict[str, Callable[[], Policy]] = {"megatron": megatron, "neox": neox, "olmo": olmo}

@@ -211,7 +211,7 @@ def _module_names(module: nn.Module) -> dict[int, str]:
 
 
 def plan_from_module(
-    module: nn.Module, seed: int, policy: str | recipes.Recipe = "torch", overrides: Override | None = None
+    module: nn.Module, seed: int, policy: str | recipes.Policy = "torch", overrides: Override | None = None
 ) -> plan_pb2.Plan:
     """One Param per distinct floating-point tensor of `module.state_dict()`, in its order.
 
@@ -240,8 +240,9 @@ def plan_from_module(
         module: the model (on meta, or real: only shapes and dtypes are read).
         seed: the model's seed (each parameter's is param_seed(seed, name)).
         policy: one of POLICIES: "torch" (PyTorch's own distributions), "torchlean", "hf" (transformers'
-            initialization), "torchtitan", or a framework's recipe: "megatron", "neox" (paraminit_client.recipes,
-            whose functions also make one with other settings: policy=recipes.megatron(sigma=0.01)).
+            initialization), "torchtitan", or a framework's recipe: "megatron", "neox", "olmo" (paraminit_client.recipes,
+            whose functions also make one with other settings: policy=recipes.megatron(sigma=0.01), or replay any
+            framework's initialization code: policy=recipes.replay(lambda m: m.init_weights())).
         overrides: asked first for every tensor; returns an Init, its JSON form, or None for the policy's.
 
     Returns:
@@ -255,10 +256,12 @@ def plan_from_module(
         return _plan_from_module(module, seed, policy, overrides)
 
 
-def _plan_from_module(module: nn.Module, seed: int, policy: str | recipes.Recipe, overrides: Override | None) -> plan_pb2.Plan:
-    recipe = policy if isinstance(policy, recipes.Recipe) else recipes.RECIPES[policy]() if policy in recipes.RECIPES else None
+def _plan_from_module(module: nn.Module, seed: int, policy: str | recipes.Policy, overrides: Override | None) -> plan_pb2.Plan:
+    recipe = (
+        policy if isinstance(policy, recipes.Recipe | recipes.Replay) else recipes.RECIPES[policy]() if policy in recipes.RECIPES else None
+    )
     if recipe is None and policy not in POLICIES:
-        raise InvalidArgument(f"policy must be one of {POLICIES} or a recipes.Recipe, got {policy!r}")
+        raise InvalidArgument(f"policy must be one of {POLICIES} or a recipes policy, got {policy!r}")
     entries: dict[str, tuple[nn.Module, str, str, int]] = {}  # a recipe's tensors: owner, key, owner's name, seed
     module_names = _module_names(module) if recipe is not None else {}
     owners = _owners(module)
@@ -424,7 +427,7 @@ def materialize_module(
     *,
     plan: plan_pb2.Plan | None = None,
     seed: int = 0,
-    policy: str | recipes.Recipe = "torch",
+    policy: str | recipes.Policy = "torch",
     overrides: Override | None = None,
     ttl_seconds: float = 0.0,
     auto_renew: bool | None = None,
@@ -482,7 +485,7 @@ def _materialize_module(
     delivery: str,
     plan: plan_pb2.Plan | None,
     seed: int,
-    policy: str | recipes.Recipe,
+    policy: str | recipes.Policy,
     overrides: Override | None,
     ttl_seconds: float,
     auto_renew: bool | None,
