@@ -279,3 +279,26 @@ def test_an_abandoned_follower_stops() -> None:
     follower.landed(1 << 19)
     follower.stop()
     wait_until(lambda: not any(t.name == "paraminit-upload-digest" and t.is_alive() for t in threading.enumerate()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_the_follower_waits_for_an_element_cut_by_a_message(dtype: str) -> None:
+    """A message may end inside an element (any client may send any sizes): the follower works on whole elements and
+    takes the cut one with the next message, so the scan never reads an element from a misaligned start."""
+    from paraminit_server.plans.payloads import Follower, _scan, payload_sha256
+
+    dt = dtypes.by_name(dtype)
+    values = np.random.default_rng(4).standard_normal(2 * Follower.PIECE // dt.itemsize).astype(dt.numpy)
+    values[-1] = np.nan
+    raw = values.view(np.uint8)
+    buf = np.full(raw.size, 0xFF, dtype=np.uint8)
+    follower = Follower(buf, dt)
+    cut = Follower.PIECE + 1  # inside an element
+    buf[:cut] = raw[:cut]
+    follower.landed(cut)
+    assert wait_until(lambda: follower._done > 0)  # it worked on what had landed before the rest arrived
+    assert follower._done % dt.itemsize == 0
+    buf[cut:] = raw[cut:]
+    follower.landed(raw.size)
+    sha, scanned = follower.finish()
+    assert sha == payload_sha256(dt, raw) and scanned == _scan(values) and scanned[:2] == (1, values.size - 1)

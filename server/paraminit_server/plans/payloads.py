@@ -138,14 +138,19 @@ class Follower:
                         self._cond.wait()
                     if self._stopped:
                         return
-                    start, end = self._done, self._landed
+                    # whole elements until the end: a message may stop inside an element, whose rest comes next
+                    start, end = self._done, self._landed if self._closing else self._landed - self._landed % item
                     if start == end:
-                        return
+                        if self._closing:
+                            return
+                        continue
                 for a in range(start, end, self.PIECE):
+                    if self._stopped:  # abandoned: no more work on its bytes
+                        return
                     b = min(end, a + self.PIECE)
                     self._hasher.update(self._buf[a:b])
-                    # whole elements only: a piece ends on one (PIECE is a multiple of every itemsize), the last
-                    # may not, and a payload whose size is not a whole number of elements is refused anyway
+                    # pieces start on an element (PIECE is a multiple of every itemsize); only the payload's very
+                    # end may cut one, and a payload that is not a whole number of elements is refused anyway
                     count, first, largest = _scan(self._buf[a : b - (b - a) % item].view(self._dt.numpy.newbyteorder("<")))
                     total, at, top = self._scan
                     if first >= 0 and at < 0:
