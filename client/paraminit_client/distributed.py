@@ -108,6 +108,28 @@ def materialize_region(
     """The `region` box (one (start, stop) or slice per dimension) of the global tensor `param` describes,
     as a tensor of the region's shape on `device`: the same bytes as slicing the whole tensor, with only
     the region generated and allocated. `param` is typically one of plan_from_module(model_on_meta).params.
+
+    Args:
+        client: the Client to materialize with (in process, or a server).
+        param: the whole tensor's Param (no region of its own).
+        region: one (start, stop) pair or step-1 slice per dimension.
+        device: where the tensor goes.
+
+    Returns:
+        The region, of the region's shape and the plan's dtype.
+
+    Raises:
+        ValueError: a region of another rank, or a slice with a step.
+        ParaminitError: the server refused the parameter or failed.
+
+    Example:
+        from paraminit_client import Client, param
+        from paraminit_client.distributed import materialize_region
+
+        w = param("w", [64, 32], {"normal": {"std": 0.02, "seed": 7}})
+        with Client() as client:
+            rows = materialize_region(client, w, [(16, 32), slice(None)])  # this rank's rows only
+            assert rows.shape == (16, 32)
     """
     shape = [int(d) for d in param.shape]
     if len(region) != len(shape):

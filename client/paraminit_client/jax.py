@@ -86,6 +86,14 @@ def materialize(
         ValueError: a region in the plan, a sharding or layout for a name the plan lacks, a layout that is
             not a permutation, a shard that is not a box, or float64 without ``jax_enable_x64``.
         ParaminitError: the server refused the plan (every violation named) or failed.
+
+    Example:
+        from paraminit_client import param, plan_of
+        from paraminit_client.jax import materialize
+
+        plan = plan_of([param("w", [4, 8], {"normal": {"std": 0.02, "seed": 1}}, "bfloat16")])
+        arrays = materialize(plan)  # an in-process Client(); pass client= for a server, shardings= to shard
+        assert arrays["w"].shape == (4, 8) and str(arrays["w"].dtype) == "bfloat16"
     """
     import jax
 

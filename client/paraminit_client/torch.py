@@ -473,6 +473,17 @@ def materialize_module(
         ParaminitError: the materialization failed (an invalid plan with every violation, a limit, the server).
         UnsupportedModuleError: with no plan, tensors the policy cannot initialize.
         ValueError: a delivery name, or a plan that does not match the module.
+
+    Example:
+        import torch
+        from paraminit_client import Client
+        from paraminit_client.torch import materialize_module
+
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+        with Client() as client:  # Client("host:port") for a server
+            materialize_module(model, client, seed=0, policy="torch")
+        assert not model[0].weight.is_meta and model[1].weight.eq(1).all()
     """
     with _state_dict_as_parameters(module):
         return _materialize_module(module, client, device, delivery, plan, seed, policy, overrides, ttl_seconds, auto_renew)
