@@ -1,4 +1,4 @@
-"""Large plans read as columns (plans/wire.py, plans/columns.py) give exactly what the per-parameter path gives:
+"""Large plans read as columns (plans/scanner.py, plans/columns.py) give exactly what the per-parameter path gives:
 the same violations, sizes, digest, layout, header and bytes, whatever mix of parameters the plan holds."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from paraminit.v1 import plan_pb2
 from paraminit_client.arrays import arrays_from_buffer
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.plane import engine, layout
-from paraminit_server.plans import columns, validation, wire
+from paraminit_server.plans import columns, scanner, validation
 from paraminit_server.plans import plan as planlib
 from paraminit_server.plans.columns import ParamTable
 from support import poisoned
@@ -170,7 +170,7 @@ def test_scan_reads_names_with_nul_and_non_ascii() -> None:
     plan = plan_pb2.Plan(params=[plan_pb2.Param(name=f"é{i}\x00x" if i % 2 else f"名{i}", shape=[2]) for i in range(N)])
     for p in plan.params:
         p.init.zeros.SetInParent()
-    s = wire.scan(plan)
+    s = scanner.scan(plan)
     assert s.names() == [p.name for p in plan.params]
     assert s.shapes() == [(2,)] * N
 

@@ -1,7 +1,7 @@
 """Large plans as columns: checked, valued and resolved a column at a time instead of a parameter at a time.
 
 A plan of 100,000s of small parameters (a mixture of experts) costs microseconds per parameter when every
-step reads the message and builds objects per parameter. `of` scans the plan's wire bytes once (plans/wire.py)
+step reads the message and builds objects per parameter. `of` scans the plan's wire bytes once (plans/scanner.py)
 and, for the plain parameters (a whole tensor of a distribution or a constant: nearly all of them), computes
 their sizes, form checks (the initializer table's `forms`) and kernel values as arrays. Validation, the digest
 and resolution take these columns; everything else about a plan (regions, patches, data, any parameter that
@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from paraminit import dtypes, inits
 from paraminit.v1 import plan_pb2
-from paraminit_server.plans import wire
+from paraminit_server.plans import scanner
 from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns, resolve_param
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ for _d in dtypes.SUPPORTED:
 class Columns:
     """A scanned plan's columns; `plain` rows are valued here, the rest are read from the message."""
 
-    scan: wire.Scan
+    scan: scanner.Scan
     names: list[str]
     shapes: list[tuple[int, ...]]
     plain: npt.NDArray[np.bool_]
@@ -68,8 +68,8 @@ class Columns:
         return np.flatnonzero(~self.scan.regular | np.isin(self.scan.kind, _FLAT_NUMBERS))
 
     def canonical(self) -> bytes | None:
-        """The plan digest's canonical bytes, when the scan can write them (wire.canonical)."""
-        return wire.canonical(self.scan)
+        """The plan digest's canonical bytes, when the scan can write them (scanner.canonical)."""
+        return scanner.canonical(self.scan)
 
     def resolve(self, plan: plan_pb2.Plan, sources: BoundSources | None = None) -> ParamTable:
         """The validated plan resolved: plain rows stay columns, the others are resolved one by one."""
@@ -81,7 +81,7 @@ def of(plan: plan_pb2.Plan) -> Columns | None:
     """The columns of a plan of at least SCAN_MIN parameters; None for smaller plans."""
     if len(plan.params) < SCAN_MIN:
         return None
-    s = wire.scan(plan)
+    s = scanner.scan(plan)
     n = len(s)
     rank = np.diff(s.dims_at)
     dtype = np.where(s.dtype == 0, plan_pb2.DTYPE_FLOAT32, s.dtype)
@@ -113,11 +113,11 @@ def of(plan: plan_pb2.Plan) -> Columns | None:
     return Columns(s, s.names(), s.shapes(), plain, dtype, numel, numel * itemsize, kernel, p0, p1, key, lo, hi, seed)
 
 
-def _field(s: wire.Scan, message: Any, rows: npt.NDArray[np.int64], name: str) -> npt.NDArray[Any]:
+def _field(s: scanner.Scan, message: Any, rows: npt.NDArray[np.int64], name: str) -> npt.NDArray[Any]:
     return s.field(message, name)[rows]
 
 
-def _numel(s: wire.Scan, rank: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+def _numel(s: scanner.Scan, rank: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
     """Element counts, and whether each is below _SMALL (larger ones are left to the per-parameter checks)."""
     n = rank.shape[0]
     numel = np.ones(n, dtype=np.int64)

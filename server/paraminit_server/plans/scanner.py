@@ -144,7 +144,7 @@ class _Compiled:
     """The compiled scanner (numba is imported, and the kernels loaded or compiled, on first use)."""
 
     def __init__(self) -> None:
-        from paraminit_server.plans.wire_kernels import canonical, count, fill, join_names
+        from paraminit_server.plans.scanner_kernels import canonical, count, fill, join_names
 
         self.count, self.fill, self.canonical, self.join_names = count, fill, canonical, join_names
 
