@@ -1,7 +1,7 @@
 """The compiled passes of plans/scanner.py over a serialized plan (protobuf's wire format, plan.proto's numbers).
 
 `count` sizes the columns, `fill` writes them, `canonical` writes the digest's canonical bytes. A parameter
-whose encoding is anything but the plain form (see wire.py) is flagged irregular and left to the message.
+whose encoding is anything but the plain form (see scanner.py) is flagged irregular and left to the message.
 """
 
 from __future__ import annotations
