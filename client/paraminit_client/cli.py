@@ -299,6 +299,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     with _client(args) as c:
         report = c.validate(plan)
     code = EXIT_OK if not report.violations else EXIT_INVALID if not report.valid else EXIT_ERROR
+    kind = "invalid plan" if not report.valid else "plan over the server's limits"
     at = field_lines(args.plan, [v.field for v in report.violations]) if report.violations else []
     if args.json:
         return _print_json(
@@ -323,17 +324,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 }
                 for v, line in zip(report.violations, at, strict=True)
             ],
-            **(
-                {
-                    "error": f"{'invalid plan' if not report.valid else 'plan over the limits'}: "
-                    f"{_plural(len(report.violations), 'violation')}"
-                }
-                if code
-                else {}
-            ),
+            **({"error": f"{kind}: {_plural(len(report.violations), 'violation')}"} if code else {}),
         )
     if report.violations:
-        kind = "invalid plan" if not report.valid else "plan over the server's limits"
         print(f"paraminit: {kind}: {_plural(len(report.violations), 'violation')}", file=sys.stderr)
         for line in _located(args.plan, report.violations, at):
             print(line, file=sys.stderr)
@@ -841,12 +834,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         violations = [{"file": err.file, **v} for v in err.to_json()]
     except UsageError as err:
         message, lines, code = str(err), [], EXIT_USAGE
-    except BrokenPipeError:  # `paraminit inspect f | head`: the reader has all it wants
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
     except OSError as err:  # FileAccessError too: a file, not a status, is the news
-        if err.errno == errno.EPIPE:  # a broken pipe wrapped on the way (`materialize -o - | head`): as above
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if err.errno == errno.EPIPE:  # `paraminit inspect f | head`: the reader has all it wants (a BrokenPipeError,
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # or one wrapped on the way by a sink)
             return EXIT_OK
         message, lines, code = _os_line(err), [], EXIT_ERROR
     except (InvalidArgument, CheckpointFormatError) as err:  # refused before any call: an argument, a local file
@@ -873,18 +863,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in lines:
         print(line, file=sys.stderr)
     if getattr(args, "json", False):
-        print(
-            json.dumps(
-                {
-                    "ok": False,
-                    "valid": False if code == EXIT_INVALID else None,
-                    "exit_code": code,
-                    "error": message.splitlines()[0].rstrip(":"),
-                    "violations": violations,
-                },
-                indent=1,
-            )
-        )
+        _print_json(code, valid=False if code == EXIT_INVALID else None, error=message.splitlines()[0].rstrip(":"), violations=violations)
     return code
 
 

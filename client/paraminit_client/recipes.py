@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from paraminit.v1 import plan_pb2
+from paraminit_client.torch_rules import INIT_CALLS, init_of_call
 
 __all__ = ["OUTPUT_LAYERS", "RECIPES", "Recipe", "Replay", "megatron", "neox", "olmo", "replay"]
 
@@ -174,8 +175,6 @@ def _embedding_width(module: nn.Module) -> int | None:
 
 # -- a framework's own initialization code, replayed ------------------------------------------------------------------
 
-_REPLAYED = ("normal_", "trunc_normal_", "uniform_", "zeros_", "ones_", "constant_", "orthogonal_")
-
 
 @dataclass(frozen=True)
 class Replay:
@@ -236,9 +235,9 @@ class Replay:
             def __new__(cls, device: Any = "cpu") -> Any:
                 return real_generator("cpu" if str(device) == "meta" else device)
 
-        saved = {f: getattr(torch.nn.init, f) for f in _REPLAYED}
+        saved = {f: getattr(torch.nn.init, f) for f in INIT_CALLS}
         try:
-            for f in _REPLAYED:
+            for f in INIT_CALLS:
                 setattr(torch.nn.init, f, recorder(f))
             torch.Generator = MetaSafeGenerator  # type: ignore[misc]
             with Watch():
@@ -257,27 +256,8 @@ class Replay:
             elif name not in calls:
                 out[name] = f"{self.name}'s initialization never sets {type(mod).__name__}.{key} through torch.nn.init"
             else:
-                out[name] = _from_call(*calls[name], seed)
+                out[name] = init_of_call(*calls[name], seed)
         return out
-
-
-def _from_call(fname: str, a: dict[str, object], seed: int) -> plan_pb2.Init:
-    """A torch.nn.init call as an Init (the framework's own generator, if any, is replaced by the plan's seed)."""
-
-    def f(key: str) -> float:
-        return float(a[key])  # type: ignore[arg-type]
-
-    if fname == "normal_":
-        return plan_pb2.Init(normal=plan_pb2.Normal(mean=f("mean"), std=f("std"), seed=seed))
-    if fname == "trunc_normal_":
-        return plan_pb2.Init(truncated_normal=plan_pb2.TruncatedNormal(mean=f("mean"), std=f("std"), lo=f("a"), hi=f("b"), seed=seed))
-    if fname == "uniform_":
-        return plan_pb2.Init(uniform=plan_pb2.Uniform(lo=f("a"), hi=f("b"), seed=seed))
-    if fname == "constant_":
-        return plan_pb2.Init(uniform=plan_pb2.Uniform(lo=f("val"), hi=f("val"), seed=seed))  # lo == hi: the constant
-    if fname == "orthogonal_":
-        return plan_pb2.Init(orthogonal=plan_pb2.Orthogonal(gain=f("gain"), seed=seed))
-    return plan_pb2.Init(ones=plan_pb2.Ones()) if fname == "ones_" else plan_pb2.Init(zeros=plan_pb2.Zeros())
 
 
 def replay(init: Callable[[nn.Module], object], name: str = "replay") -> Replay:

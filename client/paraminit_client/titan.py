@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from paraminit.v1 import plan_pb2
-from paraminit_client.torch_rules import _ones, _orthogonal, _rule_of, _trunc_normal, _uniform, _zeros
+from paraminit_client.torch_rules import INIT_CALLS, _ones, _rule_of, _uniform, _zeros, init_of_call
 
 __all__ = ["fill_buffers", "init_for", "refused_modules"]
 
@@ -102,17 +102,8 @@ def translate(fn: Callable[..., Any], seed: int) -> plan_pb2.Init | str | _Skip:
     if "_fused_qkv_param_init" in getattr(func, "__qualname__", ""):
         base = _closure_var(func, "base_init")  # q, k and v each drawn by base_init, then interleaved
         return translate(base, seed) if base is not None else f"fused initializer {_qualified(func)} without base_init"
-    table: dict[Any, Callable[[dict[str, Any]], plan_pb2.Init | str]] = {
-        nn.init.trunc_normal_: lambda a: _trunc_normal(float(a["mean"]), float(a["std"]), float(a["a"]), float(a["b"]), seed),
-        nn.init.normal_: lambda a: plan_pb2.Init(normal=plan_pb2.Normal(mean=float(a["mean"]), std=float(a["std"]), seed=seed)),
-        nn.init.uniform_: lambda a: _uniform(float(a["a"]), float(a["b"]), seed),
-        nn.init.zeros_: lambda a: _zeros(),
-        nn.init.ones_: lambda a: _ones(),
-        nn.init.constant_: lambda a: _uniform(float(a["val"]), float(a["val"]), seed),  # lo == hi: the constant
-        nn.init.orthogonal_: lambda a: _orthogonal(float(a["gain"]), seed),
-    }
-    make = table.get(func)
-    if make is None:
+    name = getattr(func, "__name__", "")
+    if name not in INIT_CALLS or getattr(nn.init, name) is not func:
         return f"unknown initializer {_qualified(func)}"
     try:
         bound = inspect.signature(func).bind(None, *args, **kw)
@@ -121,7 +112,7 @@ def translate(fn: Callable[..., Any], seed: int) -> plan_pb2.Init | str | _Skip:
     bound.apply_defaults()
     if bound.arguments.get("generator") is not None:
         return f"{_qualified(func)} with its own generator"
-    return make(bound.arguments)
+    return init_of_call(name, bound.arguments, seed)
 
 
 def buffer_init(mod: nn.Module, key: str) -> plan_pb2.Init | str:

@@ -9,7 +9,7 @@ defers to; distributed.py and torch.py share the dtype tables.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,26 @@ def _orthogonal(gain: float, seed: int) -> plan_pb2.Init:
     """nn.init.orthogonal_(t, gain): the plan's deterministic orthogonal (docs/SAMPLER.md 2.3), the same matrix up
     to rounding for the same Gaussian draws."""
     return plan_pb2.Init(orthogonal=plan_pb2.Orthogonal(gain=gain, seed=seed))
+
+
+# torch.nn.init functions with a plan form: the Init of a call, from its bound arguments and the plan's seed (a
+# framework's own generator, if any, is not used). torchtitan's param_init tables and a replayed framework init
+# (recipes.replay) both read calls through this one table.
+_INIT_CALLS: dict[str, Callable[[Mapping[str, Any], int], plan_pb2.Init]] = {
+    "trunc_normal_": lambda a, s: _trunc_normal(float(a["mean"]), float(a["std"]), float(a["a"]), float(a["b"]), s),
+    "normal_": lambda a, s: plan_pb2.Init(normal=plan_pb2.Normal(mean=float(a["mean"]), std=float(a["std"]), seed=s)),
+    "uniform_": lambda a, s: _uniform(float(a["a"]), float(a["b"]), s),
+    "zeros_": lambda a, s: _zeros(),
+    "ones_": lambda a, s: _ones(),
+    "constant_": lambda a, s: _uniform(float(a["val"]), float(a["val"]), s),  # lo == hi: the constant
+    "orthogonal_": lambda a, s: _orthogonal(float(a["gain"]), s),
+}
+INIT_CALLS = tuple(_INIT_CALLS)  # their names
+
+
+def init_of_call(name: str, arguments: Mapping[str, Any], seed: int) -> plan_pb2.Init:
+    """The Init of a call of torch.nn.init's `name` (one of INIT_CALLS) with these bound arguments."""
+    return _INIT_CALLS[name](arguments, seed)
 
 
 def _xavier(seed: int) -> plan_pb2.Init:

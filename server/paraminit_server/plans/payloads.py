@@ -66,11 +66,15 @@ def payload_hasher(dt: dtypes.DTypeInfo, data: Any = b"") -> Any:
     return h
 
 
-def _scan(values: npt.NDArray[Any], piece: int = 1 << 16) -> tuple[int, int, float]:
-    """(count of NaN/inf values, index of the first or -1, largest finite |value|), in pieces of the uploaded dtype
-    (numpy's or ml_dtypes' own ufuncs: no binary64 copy). A piece is read twice, while it is in cache (its max
-    and min, which a NaN or an infinity turns non-finite); only a piece that holds one is looked at again."""
-    count, first, largest = 0, -1, 0.0
+Scanned = tuple[int, int, float]  # (count of NaN/inf values, index of the first or -1, largest finite |value|)
+
+
+def _scan(values: npt.NDArray[Any], piece: int = 1 << 16, at: int = 0, before: Scanned = (0, -1, 0.0)) -> Scanned:
+    """Scanned of `values`, in pieces of the uploaded dtype (numpy's or ml_dtypes' own ufuncs: no binary64 copy).
+    A piece is read twice, while it is in cache (its max and min, which a NaN or an infinity turns non-finite);
+    only a piece that holds one is looked at again. A payload scanned in parts gives what one scan gives: `at` is
+    the payload index of values[0], `before` the scan of the elements before it."""
+    count, first, largest = before
     for lo in range(0, values.size, piece):
         part = values[lo : lo + piece]
         top = max(float(part.max()), -float(part.min()))
@@ -81,7 +85,7 @@ def _scan(values: npt.NDArray[Any], piece: int = 1 << 16) -> tuple[int, int, flo
         bad = np.flatnonzero(~finite)
         if bad.size:
             count += int(bad.size)
-            first = lo + int(bad[0]) if first < 0 else first
+            first = at + lo + int(bad[0]) if first < 0 else first
             part = part[finite]
         if part.size:
             largest = max(largest, float(np.max(np.abs(part))))
@@ -102,7 +106,7 @@ class Follower:
         self._landed = self._done = 0
         self._closing = self._stopped = False
         self._error: BaseException | None = None
-        self._scan = (0, -1, 0.0)
+        self._scan: Scanned = (0, -1, 0.0)
         self._thread = threading.Thread(target=self._run, name="paraminit-upload-digest", daemon=True)
         self._thread.start()
 
@@ -113,7 +117,7 @@ class Follower:
             if upto - self._done >= self.PIECE:
                 self._cond.notify()
 
-    def finish(self) -> tuple[str, tuple[int, int, float]]:
+    def finish(self) -> tuple[str, Scanned]:
         """Wait for the rest: the sha256 of everything landed, and the scan of its whole elements."""
         with self._cond:
             self._closing = True
@@ -151,11 +155,9 @@ class Follower:
                     self._hasher.update(self._buf[a:b])
                     # pieces start on an element (PIECE is a multiple of every itemsize); only the payload's very
                     # end may cut one, and a payload that is not a whole number of elements is refused anyway
-                    count, first, largest = _scan(self._buf[a : b - (b - a) % item].view(self._dt.numpy.newbyteorder("<")))
-                    total, at, top = self._scan
-                    if first >= 0 and at < 0:
-                        at = a // item + first
-                    self._scan = (total + count, at, max(top, largest))
+                    self._scan = _scan(
+                        self._buf[a : b - (b - a) % item].view(self._dt.numpy.newbyteorder("<")), at=a // item, before=self._scan
+                    )
                 with self._cond:
                     self._done = end
         except BaseException as exc:  # handed to finish()
@@ -267,7 +269,7 @@ class Sources:
         data: npt.NDArray[np.uint8],
         ticket: Claim | None = None,
         sha256: str = "",
-        scanned: tuple[int, int, float] | None = None,
+        scanned: Scanned | None = None,
     ) -> tuple[str, Payload]:
         """Keep an upload in its own dtype; with a ticket its bytes were reserved already, without one they are
         taken now. `sha256` of the dtype name, a NUL and the bytes, and `scanned` (_scan of the values), if the

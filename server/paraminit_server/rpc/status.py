@@ -35,14 +35,13 @@ MAX_MESSAGE_BYTES = 400
 TRAILER_BUDGET = 8192 - 1024  # room for the transport's own entries and any a proxy adds
 TRUNCATED_REASON = "VIOLATIONS_TRUNCATED"
 ERROR_DOMAIN = "paraminit.v1"
-MAX_NAME_ECHO = NAME_ECHO
 MAX_FIELD_ECHO = 64
 MAX_DESCRIPTION_ECHO = 200
 
 
 def short(v: Violation) -> str:
     """A violation's text with every echoed user string bounded."""
-    return describe(v.index, clip(v.name, MAX_NAME_ECHO), clip(v.field, MAX_FIELD_ECHO), clip(v.message, MAX_DESCRIPTION_ECHO))
+    return describe(v.index, clip(v.name, NAME_ECHO), clip(v.field, MAX_FIELD_ECHO), clip(v.message, MAX_DESCRIPTION_ECHO))
 
 
 def _percent_len(text: str) -> int:
