@@ -25,7 +25,7 @@ from paraminit_server.backends.cpu_kernels import standard_normal
 from paraminit_server.config import ServerConfig
 from paraminit_server.host_limits import host_memory
 from paraminit_server.ledger import Claim
-from paraminit_server.plane import admission, engine, layout
+from paraminit_server.plane import engine, layout
 from paraminit_server.plane.admission import Admission
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export, Exports
@@ -163,8 +163,7 @@ class Materializer:
             cols = columns.of(p)
             return validation.validate(p, self.limits, sources, cols), plan.digest(p, sources, cols)
         finally:
-            sources.release()
-            admission.trim_heap()  # a large plan's parse and checks leave freed heap behind, as materializations do
+            sources.release()  # the freed heap a large plan's checks leave goes back at the slot's idle trim
 
     def check(self, p: plan_pb2.Plan, caller: Caller) -> Checked:
         """Validate the whole plan; raise with every violation, or return it resolved."""
