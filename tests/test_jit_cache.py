@@ -1,5 +1,6 @@
 """The CPU kernels' JIT cache: an unwritable cache falls back and is seeded, the CPU-model pin, a read-only install
-only slows the start, a cold CLI says it compiles, and a warm-up that fails exits with one line."""
+only slows the start, a cold CLI says it compiles, a warm-up that fails exits with one line, and a process whose
+kernel sources were edited after it imported them keeps its code out of the cache."""
 
 from __future__ import annotations
 
@@ -30,6 +31,36 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 # -- JIT cache ------------------------------------------------------------------------------------------------------
+
+
+def test_kernels_of_edited_sources_stay_out_of_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache key digests the sources as they are on disk; a process that imported them before an edit compiles
+    the older code, which must not be saved (nor a newer entry loaded) under the edited sources' key."""
+    from numba.core.caching import FunctionCache
+
+    from paraminit_server.backends.cpu_kernels import jit as kjit
+    from paraminit_server.backends.cpu_kernels.distributions import fill_normal
+
+    saved: list[object] = []
+    loaded: list[object] = []
+    monkeypatch.setattr(FunctionCache, "save_overload", lambda self, sig, data: saved.append(sig))
+    monkeypatch.setattr(FunctionCache, "load_overload", lambda self, sig, ctx: loaded.append(sig))
+    cache = kjit.KernelCache(fill_normal.py_func)
+    kjit.sources_digest.cache_clear()
+    try:
+        digest = kjit.sources_digest()
+        assert digest is not None and re.fullmatch("[0-9a-f]{64}", digest)
+        cache.save_overload("sig", None)
+        cache.load_overload("sig", None)
+        assert saved == ["sig"] and loaded == ["sig"]
+        monkeypatch.setattr(kjit, "_IMPORTED", {**kjit._IMPORTED, "distributions.py": -1})  # edited since import
+        kjit.sources_digest.cache_clear()
+        assert kjit.sources_digest() is None
+        assert cache.load_overload("sig", None) is None
+        cache.save_overload("sig", None)
+        assert saved == ["sig"] and loaded == ["sig"]
+    finally:
+        kjit.sources_digest.cache_clear()
 
 
 def test_unwritable_cache_falls_back_and_seed_is_copied(tmp_path: Path) -> None:

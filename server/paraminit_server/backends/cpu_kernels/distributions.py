@@ -219,16 +219,14 @@ def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
             for j in range(nb_):
                 w = xl + U2 * np.uint64(j)
                 v, u = normal_fast(sub, draw_seg(w, c, c1, hi), draw_seg(w + U1, c, c1, hi), p0, p1, h)
-                store(sub, np.uint64(j), v, h)
-                bad += u
-            if bad:
+                bad += u | store_fast(sub, np.uint64(j), v, h)
+            if bad:  # redo the block: undecided elements on the exact path, the rest through the full store
                 for j in range(nb_):
                     w = xl + U2 * np.uint64(j)
                     d1 = draw_seg(w, c, c1, hi)
                     d2 = draw_seg(w + U1, c, c1, hi)
-                    _, u = normal_fast(sub, d1, d2, p0, p1, h)
-                    if u:
-                        store(sub, np.uint64(j), normal_exact(d1, d2, p0, p1), h)
+                    v, u = normal_fast(sub, d1, d2, p0, p1, h)
+                    store(sub, np.uint64(j), normal_exact(d1, d2, p0, p1) if u else v, h)
         k += cnt
 
 
@@ -310,9 +308,9 @@ def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, 
             for j in range(nb_):
                 w = xl + U2 * np.uint64(j)
                 v, u = trunc_fast(sub, draw_seg(w, c, c1, hi32), draw_seg(w + U1, c, c1, hi32), p0, p1, lo, hi, h)
-                store(sub, np.uint64(j), v, h)
-                flags[j] = u
-                bad += u
+                rare = store_fast(sub, np.uint64(j), v, h)  # a value store() must write (u also covers these)
+                flags[j] = u | rare
+                bad += u | rare
             if bad:
                 gb = g0 + np.uint64(k + b0)
                 for j in range(nb_):

@@ -2,7 +2,8 @@
 
 Every kernel is cached on disk. numba keys a cached function on its own bytecode and the stamp of its own source
 file only, so a kernel whose callee lives in a sibling module would load stale machine code after that sibling
-changed; `KernelCache` adds a digest of every module of this package to the key. No fastmath anywhere: every
+changed; `KernelCache` adds a digest of every module of this package to the key (and keeps a process whose
+sources were edited after it imported them out of the cache). No fastmath anywhere: every
 binary64 operation of the spec rounds on its own (no FMA contraction).
 """
 
@@ -25,9 +26,22 @@ from numba.extending import intrinsic
 _PACKAGE = Path(__file__).resolve().parent
 
 
+def _stamps() -> dict[str, int]:
+    return {path.name: path.stat().st_mtime_ns for path in _PACKAGE.glob("*.py")}
+
+
+# The modules' stamps as this process imports them (a directory listing, microseconds): a digest read later from
+# files edited since would key this process's older code as the new sources, and every later process would load
+# it. Such a process compiles without the cache instead.
+_IMPORTED = _stamps()
+
+
 @functools.cache
-def sources_digest() -> str:
-    """SHA-256 over the names and bytes of this package's modules ('' where the sources are not shipped)."""
+def sources_digest() -> str | None:
+    """SHA-256 over the names and bytes of this package's modules; None when they changed since this process
+    imported them (its code is not what the files say: nothing is loaded from or saved to the cache)."""
+    if _stamps() != _IMPORTED:
+        return None
     h = hashlib.sha256()
     for path in sorted(_PACKAGE.glob("*.py")):
         h.update(path.name.encode())
@@ -43,6 +57,13 @@ class KernelCache(FunctionCache):
     from the cache. It is keyed on its qualname instead, which names its kind (kernel_of), while the sources digest
     covers the code of every cell.
     """
+
+    def load_overload(self, sig: Any, target_context: Any) -> Any:
+        return None if sources_digest() is None else super().load_overload(sig, target_context)  # type: ignore[no-untyped-call]
+
+    def save_overload(self, sig: Any, data: Any) -> None:
+        if sources_digest() is not None:
+            super().save_overload(sig, data)  # type: ignore[no-untyped-call]
 
     def _index_key(self, sig: Any, codegen: Any) -> Any:
         if self._py_func.__closure__ is None:
