@@ -1,4 +1,5 @@
-"""The server package's layers only look down, and its modules import one another without a circle.
+"""The server package's layers only look down, its modules import one another without a circle, and no code switches on
+which value form it holds.
 
 Layers, lowest first: the floors (errors, the ledger, host limits, config: what every layer may use), `plans/`
 (reading, checking and resolving plans), `backends/` (kernels and buffers), `plane/` (the transport-free data
@@ -88,3 +89,33 @@ def test_module_level_imports_have_no_circle() -> None:
             visit(name, [name])
     assert not cycles, cycles
     assert graph["paraminit_server.backends.cpu"], "the graph was read"
+
+
+def test_value_forms_carry_their_behaviour() -> None:
+    """No code outside a form switches on which form it has (`isinstance`, `is`, `==` on a form class): the forms
+    answer for themselves (their kernel, bound, label, moments) and readers take one method per form
+    (inits.FormReader), so adding a form is one class that mypy holds every reader to."""
+    from paraminit import inits
+
+    classes = (inits.Distribution, *inits.Distribution.__subclasses__(), *inits.Data.__args__)
+    forms = {c.__name__ for c in classes}
+    assert {"Normal", "Inline", "Checkpoint", "Distribution"} <= forms
+
+    def names(node: ast.AST) -> set[str]:
+        return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, ast.Name | ast.Attribute)}
+
+    roots = [SERVER, SERVER.parent.parent / "client" / "paraminit_client", SERVER.parent.parent / "proto" / "paraminit"]
+    found = []
+    for root in roots:
+        for path in root.rglob("*.py"):
+            if "_pb2" in path.name:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                switch: ast.AST | None = None
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" and node.args[1:]:
+                    switch = node.args[1]
+                elif isinstance(node, ast.Compare) and any(isinstance(op, ast.Is | ast.IsNot | ast.Eq) for op in node.ops):
+                    switch = ast.Tuple(elts=[node.left, *node.comparators])
+                if switch is not None and names(switch) & forms:
+                    found.append(f"{path.name}:{getattr(node, 'lineno', 0)}")
+    assert not found

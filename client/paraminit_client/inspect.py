@@ -135,15 +135,7 @@ def expected_of(p: plan_pb2.Param, init: plan_pb2.Init | None = None) -> Expecte
     if inits.kind_of(init) is None:
         return None
     shape = [int(d) for d in p.shape]
-    form = inits.value_form(init, shape)
-    values = None
-    if isinstance(form, inits.Inline):
-        if len(form.values) != shapes.numel(shape) or not form.values:
-            return None
-        values = np.asarray(form.values, dtype=np.float64)
-        if p.region:
-            values = values.reshape(shape)[tuple(slice(a, b) for a, b in shapes.region_of(p))]
-    m = inits.moments(form, values)
+    m = inits.value_form(init, shape).moments(shape, shapes.region_of(p))
     if m is None:
         return None
     return Expected(inits.label(init, shape), m.mean, m.std, m.lo, m.hi, m.kurtosis, m.density)

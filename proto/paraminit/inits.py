@@ -11,7 +11,7 @@ A value form says what element i is: a constant, an affine map of the unit draw
 (uniform and every Xavier / Kaiming kind), a normal, a truncated normal, or data (values in the plan, uploaded or
 in a checkpoint, or an orthogonal matrix computed whole).
 The Xavier and Kaiming bounds (docs/SAMPLER.md section 3) are stated here once, and
-`moments` gives the mean, standard deviation and bounds a form promises (what
+a form's `moments` gives the mean, standard deviation and bounds it promises (what
 `inspect` checks a file against).
 """
 
@@ -20,13 +20,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
-from paraminit.shapes import MAX_ELEMENTS, fan_in_out, numel_at_most, shape_str
+from paraminit.shapes import MAX_ELEMENTS, fan_in_out, numel, numel_at_most, shape_str
 from paraminit.v1 import plan_pb2
 
 __all__ = [
@@ -35,10 +35,13 @@ __all__ = [
     "Checkpoint",
     "Const",
     "Data",
+    "Distribution",
     "FieldColumns",
+    "FormReader",
     "Forms",
     "InitKind",
     "Inline",
+    "Kernel",
     "Moments",
     "Normal",
     "Orthogonal",
@@ -50,10 +53,8 @@ __all__ = [
     "kaiming_bound",
     "kind_of",
     "label",
-    "moments",
     "range_problem",
     "trunc_bounds_ok",
-    "value_bound",
     "value_form",
     "with_seed",
     "xavier_bound",
@@ -85,35 +86,137 @@ def trunc_bounds_ok(mean: float, std: float, lo: float, hi: float) -> bool:
 
 
 # -- value forms ----------------------------------------------------------------------------------------------------
+# Each form carries its behaviour: the kernel arguments and the range rule's bound (as class methods over its
+# fields, floats for one form or arrays for many rows at once, so one rule serves both), its label and moments,
+# and, for data, which reader it takes (`accept`). Adding a form is one class here plus its kernel or reader.
+
+_T = TypeVar("_T")
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class Kernel(NamedTuple):
+    """What a distribution form gives the fill kernels, of one form (floats) or of many rows (arrays): the kernel's
+    name (the data plane's kernel kind of that name), p0 and p1 (docs/SAMPLER.md; p1 None: zero), the seed (None:
+    no draws) and a truncated normal's bounds (None otherwise)."""
+
+    name: str
+    p0: Any
+    p1: Any
+    seed: Any = None
+    lo: Any = None
+    hi: Any = None
+
+
+class _Form:
+    """What every value form answers; a form overrides what it knows."""
+
+    WORDS: ClassVar[str] = "the largest |value|"  # the range rule's words for bound()
+
+    @classmethod
+    def bound(cls, f: Mapping[str, Any]) -> Any:
+        """The bound B that the form's |values| stay within, each operation one binary64 rounding (section 4.1):
+        of one form (`vars(form)`) or of many rows (`Forms.fields`); None where it is the data's largest |value|."""
+        return None
+
+    def largest(self) -> float | None:
+        """The largest |value| where the form itself holds its values (inline data), else None."""
+        return None
+
+    def describe(self) -> str | None:
+        """A short label such as "normal(0, 0.02)"; None: the initializer's field name says it."""
+        return None
+
+    def moments(self, shape: Sequence[int] = (), region: Sequence[tuple[int, int]] = ()) -> Moments | None:
+        """The moments the form promises over a parameter's region (what `inspect` checks a file against; inline
+        data describes the values of `region` of `shape`, all of them by default); None where it promises nothing
+        checkable (references, whose values only the file holds)."""
+        return None
+
+
+class Distribution(_Form):
+    """A form whose elements a kernel computes from the seed and the element's index alone."""
+
+    def accept(self, reader: FormReader[_T]) -> _T:
+        """The reader's method for this form."""
+        return reader.distribution(self)
+
+    @classmethod
+    def kernel(cls, f: Mapping[str, Any]) -> Kernel:
+        """The kernel's arguments from the form's fields (floats or arrays)."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class Const:
+class Const(Distribution):
     """value everywhere."""
 
     value: float
+    WORDS: ClassVar[str] = "its value"
+
+    @classmethod
+    def kernel(cls, f: Mapping[str, Any]) -> Kernel:
+        return Kernel("const", f["value"], None)
+
+    @classmethod
+    def bound(cls, f: Mapping[str, Any]) -> Any:
+        return np.abs(f["value"])
+
+    def moments(self, shape: Sequence[int] = (), region: Sequence[tuple[int, int]] = ()) -> Moments:
+        return Moments(self.value, 0.0, self.value, self.value, 0.0, "point")
 
 
 @dataclass(frozen=True)
-class Uniform:
+class Uniform(Distribution):
     """lo + unit(seed, i) * (hi - lo)."""
 
     lo: float
     hi: float
     seed: int
+    WORDS: ClassVar[str] = "max(|lo|, |hi|)"
+
+    @classmethod
+    def kernel(cls, f: Mapping[str, Any]) -> Kernel:
+        return Kernel("affine", f["lo"], f["hi"] - f["lo"], f["seed"])
+
+    @classmethod
+    def bound(cls, f: Mapping[str, Any]) -> Any:
+        return np.maximum(np.abs(f["lo"]), np.abs(f["hi"]))
+
+    def describe(self) -> str:
+        return f"uniform({_g(self.lo)}, {_g(self.hi)})"
+
+    def moments(self, shape: Sequence[int] = (), region: Sequence[tuple[int, int]] = ()) -> Moments:
+        lo, hi = self.lo, self.hi
+        return Moments((lo + hi) / 2, (hi - lo) / math.sqrt(12), lo, hi, _KURTOSIS_UNIFORM, "uniform" if hi > lo else "point")
 
 
 @dataclass(frozen=True)
-class Normal:
+class Normal(Distribution):
     """mean + std * z(seed, i)."""
 
     mean: float
     std: float
     seed: int
+    WORDS: ClassVar[str] = "|mean| + std * 5.2566"
+
+    @classmethod
+    def kernel(cls, f: Mapping[str, Any]) -> Kernel:
+        return Kernel("normal", f["mean"], f["std"], f["seed"])
+
+    @classmethod
+    def bound(cls, f: Mapping[str, Any]) -> Any:
+        return np.abs(f["mean"]) + f["std"] * Z_BOUND
+
+    def describe(self) -> str:
+        return f"normal({_g(self.mean)}, {_g(self.std)})"
+
+    def moments(self, shape: Sequence[int] = (), region: Sequence[tuple[int, int]] = ()) -> Moments:
+        m, s = self.mean, self.std
+        return Moments(m, s, m - Z_MAX * s, m + Z_MAX * s, _KURTOSIS_NORMAL, "normal" if s > 0 else "point")
 
 
 @dataclass(frozen=True)
-class TruncNormal:
+class TruncNormal(Distribution):
     """The first candidate mean + std * z_j in [lo, hi] (docs/SAMPLER.md 2.2)."""
 
     mean: float
@@ -121,33 +224,96 @@ class TruncNormal:
     lo: float
     hi: float
     seed: int
+    WORDS: ClassVar[str] = "max(|lo|, |hi|)"
+
+    @classmethod
+    def kernel(cls, f: Mapping[str, Any]) -> Kernel:
+        return Kernel("truncnorm", f["mean"], f["std"], f["seed"], f["lo"], f["hi"])
+
+    @classmethod
+    def bound(cls, f: Mapping[str, Any]) -> Any:
+        return np.maximum(np.abs(f["lo"]), np.abs(f["hi"]))
+
+    def describe(self) -> str:
+        return f"truncated_normal({_g(self.mean)}, {_g(self.std)}, {_g(self.lo)}, {_g(self.hi)})"
+
+    def moments(self, shape: Sequence[int] = (), region: Sequence[tuple[int, int]] = ()) -> Moments:
+        return _truncated(self.mean, self.std, self.lo, self.hi)
+
+
+class FormReader(Protocol[_T_co]):
+    """What a form is read with where its kind of values matters (the data plane's resolution, digest and
+    checks): one method per data form and one for the distributions, so a new form is a type error until every
+    reader handles it."""
+
+    def distribution(self, form: Distribution) -> _T_co: ...
+
+    def inline(self, form: Inline) -> _T_co: ...
+
+    def payload(self, form: PayloadRef) -> _T_co: ...
+
+    def checkpoint(self, form: Checkpoint) -> _T_co: ...
+
+    def orthogonal(self, form: Orthogonal) -> _T_co: ...
+
+
+class _DataForm(_Form):
+    """A form whose values are data: in the plan, uploaded, in a checkpoint, or computed whole."""
+
+    def accept(self, reader: FormReader[_T]) -> _T:
+        """The reader's method for this form."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
-class Inline:
+class Inline(_DataForm):
     """Values in the plan itself, row-major over the full shape."""
 
     values: Sequence[float]
 
+    def accept(self, reader: FormReader[_T]) -> _T:
+        return reader.inline(self)
+
+    def largest(self) -> float:
+        vals = np.abs(np.asarray(self.values, dtype=np.float64))
+        return float(vals.max()) if vals.size else 0.0
+
+    def describe(self) -> str:
+        return f"flat({len(self.values)} values)"
+
+    def moments(self, shape: Sequence[int] = (), region: Sequence[tuple[int, int]] = ()) -> Moments | None:
+        v = np.asarray(self.values, dtype=np.float64)
+        if v.size == 0 or (shape and v.size != numel(shape)):
+            return None
+        if region:
+            v = v.reshape(tuple(shape))[tuple(slice(a, b) for a, b in region)]
+        return Moments(float(v.mean()), float(v.std()), float(v.min()), float(v.max()), 0.0, "point" if v.min() == v.max() else "")
+
 
 @dataclass(frozen=True)
-class PayloadRef:
+class PayloadRef(_DataForm):
     """Values uploaded with UploadPayload."""
 
     payload_id: str
 
+    def accept(self, reader: FormReader[_T]) -> _T:
+        return reader.payload(self)
+
 
 @dataclass(frozen=True)
-class Checkpoint:
+class Checkpoint(_DataForm):
     """A tensor of a safetensors file the server reads; dtype 0 means "do not check"."""
 
     path: str
     tensor: str
     dtype: int
 
+    def accept(self, reader: FormReader[_T]) -> _T:
+        return reader.checkpoint(self)
+
 
 @dataclass(frozen=True)
-class Orthogonal:
+class Orthogonal(_DataForm):
     """gain times a (semi-)orthogonal rows x cols matrix (docs/SAMPLER.md 2.3); its values are computed, as data,
     from the whole matrix."""
 
@@ -155,10 +321,23 @@ class Orthogonal:
     seed: int
     rows: int
     cols: int
+    WORDS: ClassVar[str] = "|gain|"
+
+    def accept(self, reader: FormReader[_T]) -> _T:
+        return reader.orthogonal(self)
+
+    @classmethod
+    def bound(cls, f: Mapping[str, Any]) -> Any:
+        return np.abs(f["gain"])
+
+    def moments(self, shape: Sequence[int] = (), region: Sequence[tuple[int, int]] = ()) -> Moments:
+        # min(rows, cols) orthonormal vectors: the mean square is 1 / max(rows, cols)
+        g, big = abs(self.gain), max(self.rows, self.cols, 1)
+        return Moments(0.0, g / math.sqrt(big), -g, g, _KURTOSIS_NORMAL if big > 1 else 1.0, "")
 
 
 Data = Inline | PayloadRef | Checkpoint | Orthogonal
-ValueForm = Const | Uniform | Normal | TruncNormal | Data
+ValueForm = Distribution | Data
 
 
 @dataclass(frozen=True)
@@ -167,7 +346,7 @@ class Forms:
     (what `InitKind.form` gives row by row), and the rows whose form checks pass. Rows that fail are checked
     one by one, which names the problem."""
 
-    form: type[Const | Uniform | Normal | TruncNormal]
+    form: type[Distribution]
     fields: dict[str, npt.NDArray[Any]]
     ok: npt.NDArray[np.bool_]
 
@@ -181,38 +360,6 @@ Problem = tuple[str, str]  # (field path under the Param or Patch, message)
 # -- the 8-bit range rule (docs/SAMPLER.md section 4.1) --------------------------------------------------------------
 
 Z_BOUND = 5.2566  # bounds |z| (Z_MAX = 5.25652...): the range rule's bound of a normal's values
-
-
-def value_bound(form: type, fields: Mapping[str, Any]) -> Any:
-    """The bound B that a form's |values| stay within, each operation one binary64 rounding (section 4.1): of one
-    form (fields as floats, e.g. `vars(form)`) or of many rows at once (fields as arrays, `Forms.fields`), so the
-    rule is written once for both. None for data forms, whose bound is their largest |value|.
-
-    Args:
-        form: the value form's class (Const, Uniform, Normal, TruncNormal, or a data form).
-        fields: its fields by name.
-
-    Returns:
-        B as a float or an array of them, or None.
-    """
-    if form is Const:
-        return np.abs(fields["value"])
-    if form is Uniform or form is TruncNormal:
-        return np.maximum(np.abs(fields["lo"]), np.abs(fields["hi"]))
-    if form is Normal:
-        return np.abs(fields["mean"]) + fields["std"] * Z_BOUND
-    if form is Orthogonal:
-        return np.abs(fields["gain"])
-    return None
-
-
-_BOUND_WORDS = {
-    Const: "its value",
-    Uniform: "max(|lo|, |hi|)",
-    Normal: "|mean| + std * 5.2566",
-    TruncNormal: "max(|lo|, |hi|)",
-    Orthogonal: "|gain|",
-}
 
 
 def range_problem(dt: dtypes.DTypeInfo, form: ValueForm, field: str, largest: float | None = None) -> Problem | None:
@@ -230,11 +377,11 @@ def range_problem(dt: dtypes.DTypeInfo, form: ValueForm, field: str, largest: fl
     """
     if dt.max_finite is None:
         return None
-    if isinstance(form, Inline):
-        vals = np.abs(np.asarray(form.values, dtype=np.float64))
-        largest = float(vals.max()) if vals.size else 0.0
-    bound = value_bound(type(form), vars(form))
-    words = "the largest |value|" if bound is None else _BOUND_WORDS[type(form)]
+    own = form.largest()
+    if own is not None:
+        largest = own
+    bound = type(form).bound(vars(form))
+    words = _Form.WORDS if bound is None else form.WORDS
     if field.startswith(("xavier", "kaiming")):
         words = "its bound L"
     b = largest if bound is None else float(bound)
@@ -607,48 +754,7 @@ def label(init: plan_pb2.Init, shape: Sequence[int]) -> str:
     msg = getattr(init, kind.field)
     if kind.describe is not None:
         return kind.describe(msg, shape)
-    form = kind.form(msg, shape)
-    if isinstance(form, Uniform):
-        return f"uniform({_g(form.lo)}, {_g(form.hi)})"
-    if isinstance(form, Normal):
-        return f"normal({_g(form.mean)}, {_g(form.std)})"
-    if isinstance(form, TruncNormal):
-        return f"truncated_normal({_g(form.mean)}, {_g(form.std)}, {_g(form.lo)}, {_g(form.hi)})"
-    if isinstance(form, Inline):
-        return f"flat({len(form.values)} values)"
-    return kind.field
-
-
-def moments(form: ValueForm, values: Any = None) -> Moments | None:
-    """The moments a form promises; for Inline pass the values the file should hold (its region's), None for
-    references (their values are data the file alone holds).
-
-    Args:
-        form: a value form from `value_form`.
-        values: for Inline, the values to describe (default: all of them).
-
-    Returns:
-        The moments, or None when the form says nothing checkable.
-    """
-    if isinstance(form, Const):
-        return Moments(form.value, 0.0, form.value, form.value, 0.0, "point")
-    if isinstance(form, Uniform):
-        lo, hi = form.lo, form.hi
-        return Moments((lo + hi) / 2, (hi - lo) / math.sqrt(12), lo, hi, _KURTOSIS_UNIFORM, "uniform" if hi > lo else "point")
-    if isinstance(form, Normal):
-        m, s = form.mean, form.std
-        return Moments(m, s, m - Z_MAX * s, m + Z_MAX * s, _KURTOSIS_NORMAL, "normal" if s > 0 else "point")
-    if isinstance(form, TruncNormal):
-        return _truncated(form.mean, form.std, form.lo, form.hi)
-    if isinstance(form, Orthogonal):  # min(rows, cols) orthonormal vectors: the mean square is 1 / max(rows, cols)
-        g, big = abs(form.gain), max(form.rows, form.cols, 1)
-        return Moments(0.0, g / math.sqrt(big), -g, g, _KURTOSIS_NORMAL if big > 1 else 1.0, "")
-    if isinstance(form, Inline):
-        v = np.asarray(form.values if values is None else values, dtype=np.float64)
-        if v.size == 0:
-            return None
-        return Moments(float(v.mean()), float(v.std()), float(v.min()), float(v.max()), 0.0, "point" if v.min() == v.max() else "")
-    return None
+    return kind.form(msg, shape).describe() or kind.field
 
 
 def _truncated(m: float, s: float, lo: float, hi: float) -> Moments:

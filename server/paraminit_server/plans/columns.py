@@ -102,7 +102,7 @@ def of(plan: plan_pb2.Plan) -> Columns | None:
         message = type(getattr(plan_pb2.Init(), kind.field))
         forms = kind.forms(functools.partial(_field, s, message, rows), rows.shape[0])
         good = forms.ok & s.wire_ok(message)[rows]
-        bound = inits.value_bound(forms.form, forms.fields)  # 8-bit rows out of range: checked one by one
+        bound = forms.form.bound(forms.fields)  # 8-bit rows out of range: checked one by one
         if bound is not None:
             with np.errstate(invalid="ignore"):
                 good &= bound <= _MAX_FINITE[dtype[rows]]

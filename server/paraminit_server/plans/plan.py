@@ -199,17 +199,53 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: BoundSources | None = 
     kind = inits.kind_of(p.init)
     assert kind is not None, "resolve_param needs a validated plan"
     form = kind.form(getattr(p.init, kind.field), shape)
-    if not kind.flat:
-        return _resolve_form(index, p.name, shape, region, dt, kind.field, form)
+    return form.accept(_Resolver(index, p.name, shape, region, dt, kind.field, sources))
 
-    def make(
-        kernel: Kind, p0: float = 0.0, p1: float = 0.0, seed: int | None = None, values: npt.NDArray[Any] | None = None
-    ) -> ResolvedParam:
-        return ResolvedParam(index, p.name, shape, region, dt, kind.field, kernel, p0, p1, 0 if seed is None else spec.key(seed), values)
 
-    if isinstance(form, inits.Inline):
-        return make(Kind.FLAT, values=np.asarray(form.values, dtype=np.float64))
-    if isinstance(form, inits.Orthogonal):  # the whole matrix, computed on the host for every backend
+@dataclass(slots=True)
+class _Resolver:
+    """A form resolved for one parameter (inits.FormReader): a distribution's kernel arguments, or data's values
+    read from the request's snapshot (a checkpoint region reads and converts only its own values, and the
+    budget pays for those only)."""
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    region: regions.Box | None  # None: the whole tensor
+    dt: dtypes.DTypeInfo
+    initializer: str
+    sources: BoundSources | None
+
+    @property
+    def box(self) -> regions.Box:
+        return regions.whole(self.shape) if self.region is None else self.region
+
+    def distribution(self, form: inits.Distribution) -> ResolvedParam:
+        return _resolve_form(self.index, self.name, self.shape, self.region, self.dt, self.initializer, form)
+
+    def _data(self, values: npt.NDArray[Any], compact: bool = False) -> ResolvedParam:
+        return ResolvedParam(
+            self.index, self.name, self.shape, self.box, self.dt, self.initializer, Kind.FLAT, values=values, compact=compact
+        )
+
+    def inline(self, form: inits.Inline) -> ResolvedParam:
+        return self._data(np.asarray(form.values, dtype=np.float64))
+
+    def payload(self, form: inits.PayloadRef) -> ResolvedParam:
+        payload = None if self.sources is None else self.sources.payload(form.payload_id)
+        if payload is None:  # only when resolved without the validation that reads the same snapshot
+            raise errors.NotFound(f"no payload {form.payload_id[:64]!r} (payloads expire)")
+        return self._data(payload.values)
+
+    def checkpoint(self, form: inits.Checkpoint) -> ResolvedParam:
+        if self.sources is None:  # only when resolved without the validation that reads the same snapshot
+            raise errors.InvalidRequest("a checkpoint reference is resolved with the request's sources")
+        values, compact = self.sources.tensor_values(form.path, form.tensor, self.box)
+        return self._data(values, compact)
+
+    def orthogonal(self, form: inits.Orthogonal) -> ResolvedParam:
+        """The whole matrix, computed on the host for every backend."""
+        sources = self.sources
         if sources is None or sources.gaussian is None:
             raise errors.InvalidRequest(
                 "an orthogonal parameter is resolved with the request's sources (its Gaussian matrix comes from them)"
@@ -218,56 +254,32 @@ def _resolve_base(index: int, p: plan_pb2.Param, sources: BoundSources | None = 
 
         n = form.rows * form.cols
         sources.charge(16 * n)  # the Gaussian matrix and the values, binary64, held for the request
-        g = sources.gaussian(n, form.seed)
-        return make(Kind.FLAT, values=orthogonal.values(form.rows, form.cols, form.gain, g))
-    if isinstance(form, inits.PayloadRef):
-        payload = None if sources is None else sources.payload(form.payload_id)
-        if payload is None:  # only when resolved without the validation that reads the same snapshot
-            raise errors.NotFound(f"no payload {form.payload_id[:64]!r} (payloads expire)")
-        return make(Kind.FLAT, values=payload.values)
-    # a checkpoint region reads and converts only its own values (the budget pays for those only)
-    assert isinstance(form, inits.Checkpoint), "every other form is resolved above"
-    if sources is None:  # only when resolved without the validation that reads the same snapshot
-        raise errors.InvalidRequest("a checkpoint reference is resolved with the request's sources")
-    values, compact = sources.tensor_values(form.path, form.tensor, region)
-    return replace(make(Kind.FLAT, values=values), compact=compact)
+        return self._data(orthogonal.values(form.rows, form.cols, form.gain, sources.gaussian(n, form.seed)))
 
 
 def _resolve_form(
-    index: int, name: str, shape: tuple[int, ...], region: regions.Box | None, dt: dtypes.DTypeInfo, initializer: str, form: inits.ValueForm
+    index: int,
+    name: str,
+    shape: tuple[int, ...],
+    region: regions.Box | None,
+    dt: dtypes.DTypeInfo,
+    initializer: str,
+    form: inits.Distribution,
 ) -> ResolvedParam:
-    """A parameter whose values are a distribution or a constant (not data); region None: the whole tensor."""
-    # the value form decides the kernel: five kernels whatever the initializer (the table maps kinds to forms)
-    if isinstance(form, inits.Normal):
-        kind, p0, p1, key = Kind.NORMAL, form.mean, form.std, spec.key(form.seed)
-    elif isinstance(form, inits.Uniform):
-        kind, p0, p1, key = Kind.AFFINE, form.lo, form.hi - form.lo, spec.key(form.seed)
-    elif isinstance(form, inits.Const):
-        kind, p0, p1, key = Kind.CONST, form.value, 0.0, 0
-    else:
-        assert isinstance(form, inits.TruncNormal), "every data form is resolved by _resolve_base"
+    """A parameter whose values a kernel computes (a distribution or a constant); region None: the whole tensor.
+    The form names its kernel and the arguments (inits.Distribution.kernel), whatever the initializer."""
+    k = type(form).kernel(vars(form))
+    kind, p1, key = _KIND[k.name], 0.0 if k.p1 is None else k.p1, 0 if k.seed is None else spec.key(k.seed)
+    if k.lo is not None:
         if region is None:
-            return ResolvedParam.whole(
-                index, name, shape, dt, initializer, Kind.TRUNCNORM, form.mean, form.std, spec.key(form.seed), form.lo, form.hi, form.seed
-            )
-        return ResolvedParam(
-            index,
-            name,
-            shape,
-            region,
-            dt,
-            initializer,
-            Kind.TRUNCNORM,
-            form.mean,
-            form.std,
-            spec.key(form.seed),
-            lo=form.lo,
-            hi=form.hi,
-            seed=form.seed,
-        )
+            return ResolvedParam.whole(index, name, shape, dt, initializer, kind, k.p0, p1, key, k.lo, k.hi, k.seed)
+        return ResolvedParam(index, name, shape, region, dt, initializer, kind, k.p0, p1, key, lo=k.lo, hi=k.hi, seed=k.seed)
     if region is None:
-        return ResolvedParam.whole(index, name, shape, dt, initializer, kind, p0, p1, key)
-    return ResolvedParam(index, name, shape, region, dt, initializer, kind, p0, p1, key)
+        return ResolvedParam.whole(index, name, shape, dt, initializer, kind, k.p0, p1, key)
+    return ResolvedParam(index, name, shape, region, dt, initializer, kind, k.p0, p1, key)
+
+
+_KIND = {kind.name.lower(): kind for kind in Kind}  # inits.Kernel.name -> the kernel kind
 
 
 KernelColumns = tuple[
@@ -281,20 +293,15 @@ KernelColumns = tuple[
 ]
 
 
-def kernel_columns(form: type, fields: dict[str, npt.NDArray[Any]]) -> KernelColumns:
+def kernel_columns(form: type[inits.Distribution], fields: dict[str, npt.NDArray[Any]]) -> KernelColumns:
     """_resolve_form over many parameters of one value form (inits.Forms): kind, p0, p1, key, lo, hi, seed."""
     n = next(iter(fields.values())).shape[0]
     zero, zero_u = np.zeros(n), np.zeros(n, dtype=np.uint64)
-    if form is inits.Normal:
-        return Kind.NORMAL, fields["mean"], fields["std"], spec.keys(fields["seed"]), zero, zero, zero_u
-    if form is inits.Uniform:
-        lo, hi = fields["lo"], fields["hi"]
-        return Kind.AFFINE, lo, hi - lo, spec.keys(fields["seed"]), zero, zero, zero_u
-    if form is inits.Const:
-        return Kind.CONST, fields["value"], zero, zero_u, zero, zero, zero_u
-    assert form is inits.TruncNormal, "every distribution form is mapped above"
-    seed = fields["seed"]
-    return Kind.TRUNCNORM, fields["mean"], fields["std"], spec.keys(seed), fields["lo"], fields["hi"], seed
+    k = form.kernel(fields)
+    keys = zero_u if k.seed is None else spec.keys(k.seed)
+    if k.lo is None:
+        return _KIND[k.name], k.p0, zero if k.p1 is None else k.p1, keys, zero, zero, zero_u
+    return _KIND[k.name], k.p0, k.p1, keys, k.lo, k.hi, k.seed
 
 
 def resolve(plan: plan_pb2.Plan, sources: BoundSources | None = None, cols: Columns | None = None) -> Sequence[ResolvedParam]:
@@ -319,17 +326,10 @@ def resolve(plan: plan_pb2.Plan, sources: BoundSources | None = None, cols: Colu
         # the common parameter (a whole tensor, no patches, a distribution) in as few message reads as it takes
         init = p.init
         kind = kinds[init.WhichOneof("kind")]  # type: ignore[index]
-        if kind.flat:
-            out.append(resolve_param(i, p, sources))
-            continue
         shape = tuple(p.shape)
         dt = by_enum(p.dtype)
         assert dt is not None, "resolve needs a validated plan"
-        if kind.field == "normal":  # the most common kind, read without building its value form (inits.Normal)
-            m = init.normal
-            out.append(ResolvedParam.whole(i, p.name, shape, dt, "normal", Kind.NORMAL, m.mean, m.std, spec.key(m.seed)))
-            continue
-        out.append(_resolve_form(i, p.name, shape, None, dt, kind.field, kind.form(getattr(init, kind.field), shape)))
+        out.append(kind.form(getattr(init, kind.field), shape).accept(_Resolver(i, p.name, shape, None, dt, kind.field, sources)))
     return out
 
 
@@ -369,20 +369,42 @@ def digest(plan: plan_pb2.Plan, sources: BoundSources | None = None, cols: Colum
             kind = inits.kind_of(init)
             if kind is None or not kind.flat:
                 continue
-            form = kind.form(getattr(init, kind.field), shape)
-            if isinstance(form, inits.PayloadRef):
-                payload = sources.payload(form.payload_id)
-                contents.append(f"{i}:payload:{payload.sha256 if payload is not None else '-'}")
-            elif isinstance(form, inits.Checkpoint):
-                try:
-                    used = sources.content_hash(form.path, form.tensor, region)
-                except errors.InvalidRequest:  # validation reports why; the digest marks it unreadable
-                    used = "-"
-                contents.append(f"{i}:safetensors:{used}")
+            used = kind.form(getattr(init, kind.field), shape).accept(_Content(sources, region))
+            if used is not None:
+                contents.append(f"{i}:{used}")
     if not contents:
         return h.hexdigest()
     h.update("\n".join(["", *contents]).encode())
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class _Content:
+    """The content a form references, as the digest names it (inits.FormReader): a payload's or a checkpoint
+    region's hash, or None where the plan itself says what the values are."""
+
+    sources: BoundSources
+    region: regions.Box
+
+    def distribution(self, form: inits.Distribution) -> str | None:
+        return None
+
+    def inline(self, form: inits.Inline) -> str | None:
+        return None
+
+    def orthogonal(self, form: inits.Orthogonal) -> str | None:
+        return None
+
+    def payload(self, form: inits.PayloadRef) -> str | None:
+        payload = self.sources.payload(form.payload_id)
+        return f"payload:{payload.sha256 if payload is not None else '-'}"
+
+    def checkpoint(self, form: inits.Checkpoint) -> str | None:
+        try:
+            used = self.sources.content_hash(form.path, form.tensor, self.region)
+        except errors.InvalidRequest:  # validation reports why; the digest marks it unreadable
+            used = "-"
+        return f"safetensors:{used}"
 
 
 def warm_up_params() -> list[ResolvedParam]:

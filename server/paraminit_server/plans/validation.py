@@ -306,14 +306,38 @@ def _check_init(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None
     kind = inits.kind_of(init)
     if kind is None:
         return
-    form = kind.form(getattr(init, kind.field), shape) if kind.flat else None
-    largest = None  # of referenced data, once read
-    if isinstance(form, inits.PayloadRef) and sources is not None:
-        largest = _check_payload(shape, form, bad, sources)
-    elif isinstance(form, inits.Checkpoint) and sources is not None:
-        largest = _check_checkpoint(shape, form, bad, sources, dt)
-    if dt is not None and (form is None or isinstance(form, inits.Inline | inits.Orthogonal) or largest is not None):
+    judged, largest = kind.form(getattr(init, kind.field), shape).accept(_Referenced(shape, dt, bad, sources))
+    if dt is not None and judged:
         _check_range(dt, init, shape, bad, largest)
+
+
+@dataclass(frozen=True)
+class _Referenced:
+    """What a form references, checked against the request's snapshot (inits.FormReader): whether the 8-bit
+    range rule can judge its values, and the largest |value| of referenced data, once read (None: not read,
+    or the plan itself bounds the values)."""
+
+    shape: list[int]
+    dt: dtypes.DTypeInfo | None
+    bad: _Bad
+    sources: BoundSources | None
+
+    def distribution(self, form: inits.Distribution) -> tuple[bool, float | None]:
+        return True, None
+
+    def inline(self, form: inits.Inline) -> tuple[bool, float | None]:
+        return True, None
+
+    def orthogonal(self, form: inits.Orthogonal) -> tuple[bool, float | None]:
+        return True, None
+
+    def payload(self, form: inits.PayloadRef) -> tuple[bool, float | None]:
+        largest = None if self.sources is None else _check_payload(self.shape, form, self.bad, self.sources)
+        return largest is not None, largest
+
+    def checkpoint(self, form: inits.Checkpoint) -> tuple[bool, float | None]:
+        largest = None if self.sources is None else _check_checkpoint(self.shape, form, self.bad, self.sources, self.dt)
+        return largest is not None, largest
 
 
 def _check_range(dt: dtypes.DTypeInfo, init: plan_pb2.Init, shape: list[int], bad: _Bad, largest: float | None = None) -> None:
