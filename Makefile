@@ -56,10 +56,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check proto server client tests bench
 	$(VENV)/bin/ruff format --check proto server client tests bench
 	$(VENV)/bin/mypy server/paraminit_server client/paraminit_client
+	$(PY) tests/contract_compat.py
 
 # buf (npm @bufbuild/buf, pinned) on the contract: `buf lint` with proto/buf.yaml's exceptions, and `buf breaking`
 # (wire and JSON) against CONTRACT_BASE, a git ref (default: the previous commit). Needs node's npx and the npm
-# registry, so it is a target of its own rather than part of `make lint`.
+# registry, so it is a target of its own; `make lint` checks the same wire and JSON rules offline against the
+# released descriptors (tests/contract_compat.py, proto/released/).
 BUF := npx --yes @bufbuild/buf@1.75.0
 CONTRACT_BASE ?= HEAD~1
 contract:

@@ -655,3 +655,84 @@ def test_a_safetensors_path_is_read_as_the_proto_says(tmp_path: Path, monkeypatc
     assert not valid("a.safetensors", **dirs) and not valid("ck", **dirs)
     assert not valid(str(allowed / "a.safetensors"))  # no --safetensors-dirs: no file
     assert "relative to the server process's working directory" in PLAN_PROTO
+
+
+# -- compatibility with the released contract (tests/contract_compat.py, run by `make lint`) -----------------------
+
+
+def test_the_contract_keeps_what_released_clients_rely_on() -> None:
+    import contract_compat as cc
+
+    assert cc.breaks(cc.load(cc.RELEASED), cc.load(cc.CURRENT)) == []
+
+
+def test_the_compatibility_check_names_each_kind_of_break() -> None:
+    """Each kind of break is found on an edited copy of the contract; additions and reserved deletions are not."""
+    import contract_compat as cc
+    from google.protobuf import descriptor_pb2
+
+    base = cc.load(cc.CURRENT)
+    plan_file, service_file = base.file[0], base.file[1]
+    assert plan_file.name.endswith("plan.proto") and service_file.name.endswith("init_service.proto")
+
+    def edited(edit: Any) -> list[str]:
+        fds = descriptor_pb2.FileDescriptorSet()
+        fds.CopyFrom(base)
+        edit(fds.file[0], fds.file[1])
+        return cc.breaks(base, fds)
+
+    def message(f: Any, name: str) -> Any:
+        return next(m for m in f.message_type if m.name == name)
+
+    def field(m: Any, name: str) -> Any:
+        return next(x for x in m.field if x.name == name)
+
+    def delete_field(p: Any, s: Any, reserve: bool = False) -> None:
+        m = message(p, "Param")
+        f = field(m, "dtype")
+        m.field.remove(f)
+        if reserve:
+            m.reserved_range.add(start=f.number, end=f.number + 1)
+            m.reserved_name.append(f.name)
+
+    def retype(p: Any, s: Any) -> None:
+        field(message(p, "Param"), "name").type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+
+    def rename(p: Any, s: Any) -> None:
+        f = field(message(p, "Param"), "name")
+        f.name, f.json_name = "label", "label"
+
+    def drop_value(p: Any, s: Any) -> None:
+        del p.enum_type[0].value[-1]
+
+    def rename_value(p: Any, s: Any) -> None:
+        p.enum_type[0].value[-1].name = "DTYPE_RENAMED"
+
+    def unstream(p: Any, s: Any) -> None:
+        next(r for r in s.service[0].method if r.name == "Materialize").server_streaming = False
+
+    def drop_message(p: Any, s: Any) -> None:
+        p.message_type.remove(message(p, "Range"))
+
+    def add(p: Any, s: Any) -> None:
+        message(p, "Param").field.add(name="added_later", json_name="addedLater", number=999, type=9, label=1)
+        p.enum_type[0].value.add(name="DTYPE_ADDED_LATER", number=999)
+
+    found = {
+        "field": edited(delete_field),
+        "type": edited(retype),
+        "rename": edited(rename),
+        "value": edited(drop_value),
+        "value name": edited(rename_value),
+        "streaming": edited(unstream),
+        "message": edited(drop_message),
+    }
+    assert all(len(lines) == 1 for lines in found.values()), found
+    assert "Param.dtype (field 3) deleted without reserving" in found["field"][0]
+    assert "TYPE_STRING" in found["type"][0] and "TYPE_BYTES" in found["type"][0]
+    assert "'name', 'name'" in found["rename"][0] and "'label', 'label'" in found["rename"][0]
+    assert "deleted without reserving it" in found["value"][0] and "renamed DTYPE_RENAMED" in found["value name"][0]
+    assert "InitService/Materialize: types or streaming changed" in found["streaming"][0]
+    assert found["message"] == ["message .paraminit.v1.Range deleted"]
+    assert edited(lambda p, s: delete_field(p, s, reserve=True)) == []
+    assert edited(add) == []
