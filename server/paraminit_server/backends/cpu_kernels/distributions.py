@@ -230,36 +230,42 @@ def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
         k += cnt
 
 
-def trunc_fast(out: Any, d1: float, d2: float, p0: float, p1: float, lo: float, hi: float, h: Any) -> Any:
-    """(candidate 0 to store, flag) for one truncated-normal element; the flag marks an element whose candidate 0
-    may lie outside [lo, hi] or whose rounding is undecided. Vectorizable, branch-free."""
+def trunc_try(out: Any, d1: float, d2: float, p0: float, p1: float, lo: float, hi: float, h: Any) -> Any:
+    """(value, state) for one candidate of a truncated-normal element from its draws, on the fast path: state 0
+    accepts the value (inside [lo, hi], its rounding into `out`'s format decided), 1 rejects the candidate (its
+    exact value is certainly outside), 2 leaves it undecided (the exact path settles it). Vectorizable, branch-free.
+    """
     raise NotImplementedError("called only inside kernels")
 
 
-@overload(trunc_fast, inline="always")
-def _trunc_fast_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
+_TWO = np.int64(2)
+
+
+@overload(trunc_try, inline="always")
+def _trunc_try_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
     if out.dtype == types.float64:
 
         def f64(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
             lh, _, lok = log_dd(log_input(d1))
             ch, _, cok = cos_dd(cos_input(d2))
-            v = p0 + p1 * (sqrt(-2.0 * lh) * ch)
-            return v, np.int64(1) - np.int64(lok & cok & (lo <= v) & (v <= hi))
+            v = p0 + p1 * (sqrt(-2.0 * lh) * ch)  # the exact value when both are decided
+            return v, _TWO - np.int64(lok & cok) * (np.int64(1) + np.int64((lo <= v) & (v <= hi)))
 
         return f64
     if out.dtype == types.float32:
 
         def f32(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
-            va, vb = normal_bounds(d1, d2, p0, p1)
-            inside = np.int64((lo <= va) & (vb <= hi))
-            return va, np.int64(np.float32(va) != np.float32(vb)) | (np.int64(1) - inside)
+            va, vb = normal_bounds(d1, d2, p0, p1)  # the exact value lies in [va, vb]
+            accept = (lo <= va) & (vb <= hi) & (np.float32(va) == np.float32(vb))
+            return va, _TWO - _TWO * np.int64(accept) - np.int64((vb < lo) | (hi < va))
 
         return f32
 
     def half(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
         va, vb = normal_bounds(d1, d2, p0, p1)
+        open_ = np.int64((sticky32(va) != sticky32(vb)) | (abs(va) < F32_MIN_NORMAL))
         inside = np.int64((lo <= va) & (vb <= hi))
-        return va, np.int64((sticky32(va) != sticky32(vb)) | (abs(va) < F32_MIN_NORMAL)) | (np.int64(1) - inside)
+        return va, _TWO - _TWO * inside * (np.int64(1) - open_) - np.int64((vb < lo) | (hi < va))
 
     return half
 
@@ -268,16 +274,53 @@ _CANDIDATES = 64  # spec.TRUNC_CANDIDATES
 
 
 @jit
-def trunc_exact(g: Any, p0: float, p1: float, lo: float, hi: float, seed: Any) -> Any:
-    """Section 2.2 for global element g, candidate by candidate on the exact path (scalar)."""
-    v = p0
-    for j in range(_CANDIDATES):
-        x = mix(seed + np.uint64(j) * GOLDEN) + GOLDEN + U2 * g  # key(s_j) + GOLDEN + 2g, as fill_normal's x0
-        v = normal_exact(low_draw(x), low_draw(x + U1), p0, p1)
-        if lo <= v and v <= hi:
+def trunc_settle(out: Any, g: Any, p0: float, p1: float, lo: float, hi: float, keys: Any, first: int, h: Any) -> Any:
+    """Section 2.2 for global element g (scalar): the first candidate whose exact value lies in [lo, hi], each
+    candidate settled on the fast path where it can be and on the exact path where it cannot (keys[j]: candidate
+    j's key, mix(seed + j * GOLDEN)); past the last candidate, whose exact value the clamp needs, the clamp.
+    Candidates before `first` are known to be rejected."""
+    last = keys.shape[0] - 1
+    for j in range(first, last):
+        x = keys[j] + GOLDEN + U2 * g
+        d1, d2 = low_draw(x), low_draw(x + U1)
+        v, state = trunc_try(out, d1, d2, p0, p1, lo, hi, h)
+        if state == 0:
             return v
+        if state == 2:
+            v = normal_exact(d1, d2, p0, p1)
+            if lo <= v and v <= hi:
+                return v
+    x = keys[last] + GOLDEN + U2 * g
+    v = normal_exact(low_draw(x), low_draw(x + U1), p0, p1)
     c = lo if lo > v else v  # Python's min(max(v, lo), hi), as the spec writes it
     return hi if hi < c else c
+
+
+@jit
+def trunc_first(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any, h: Any) -> Any:
+    """Candidate 0 of a block of `out` in one vector pass, stored where it is accepted, and a flag per element (1:
+    rejected; 2 or 3: undecided, or a value only store() writes); returns how many are flagged. A function of its
+    own, so that its helpers stay inlined and its loop vectorized whatever else the caller holds."""
+    wide_vectors()
+    bad = 0
+    for j in range(out.shape[0]):
+        w = xl + U2 * np.uint64(j)
+        v, state = trunc_try(out, draw_seg(w, c, c1, hi32), draw_seg(w + U1, c, c1, hi32), p0, p1, lo, hi, h)
+        rare = store_fast(out, np.uint64(j), v, h)  # a value store() must write (an accepted one never is)
+        flags[j] = state | (rare << 1)
+        bad += state | rare
+    return bad
+
+
+@jit
+def trunc_candidates(out: Any, x: Any, at: Any, n: int, p0: float, p1: float, lo: float, hi: float, vals: Any, states: Any, h: Any) -> None:
+    """One candidate of elements at[:n] on the fast path, in one vector pass (x: the candidate's key + GOLDEN +
+    2 times the block's first element): vals[:n] and states[:n] as trunc_try gives them. A function of its own, so
+    the caller's main loop keeps its helpers inlined and vectorized."""
+    wide_vectors()
+    for t in range(n):
+        w = x + U2 * at[t]
+        vals[t], states[t] = trunc_try(out, low_draw(w), low_draw(w + U1), p0, p1, lo, hi, h)
 
 
 @jit
@@ -286,17 +329,24 @@ def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, 
 
     One vectorized pass computes candidate 0 as fill_normal does and flags the elements it cannot settle
     (outside the bounds, or rounding undecided) in a byte per element; only those are redone, one by one,
-    through every candidate on the exact path, so an element inside the bounds costs what a normal costs.
+    through the candidates (trunc_settle: the exact path only for a candidate the fast one cannot settle), so an
+    element inside the bounds costs what a normal costs and one outside about two more candidates.
     """
     wide_vectors()
     m = dst.shape[0]
     flags = np.empty(_NBLOCK, dtype=np.uint8)
+    again = np.empty(_NBLOCK, dtype=np.uint64)  # elements whose candidate 0 was rejected (their indices in the block)
+    vals = np.empty(_NBLOCK, dtype=np.float64)  # and their candidate 1, on the fast path
+    states = np.empty(_NBLOCK, dtype=np.int64)
+    keys = np.empty(_CANDIDATES, dtype=np.uint64)
+    for j in range(_CANDIDATES):
+        keys[j] = mix(seed + np.uint64(j) * GOLDEN)
     k = 0
     while k < m:
         x = x0 + np.uint64(2 * k)
         cnt = min(m - k, seg_room(x) // 2)  # whole pairs left
         if cnt <= 0:  # this element's pair straddles a segment boundary
-            store(dst, np.uint64(k), trunc_exact(g0 + np.uint64(k), p0, p1, lo, hi, seed), h)
+            store(dst, np.uint64(k), trunc_settle(dst, g0 + np.uint64(k), p0, p1, lo, hi, keys, 0, h), h)
             k += 1
             continue
         c, c1, hi32 = seg_consts(x)
@@ -304,18 +354,23 @@ def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, 
             nb_ = min(cnt - b0, _NBLOCK)
             xl = (x & LOW32) + U2 * np.uint64(b0)
             sub = dst[k + b0 : k + b0 + nb_]
-            bad = 0
-            for j in range(nb_):
-                w = xl + U2 * np.uint64(j)
-                v, u = trunc_fast(sub, draw_seg(w, c, c1, hi32), draw_seg(w + U1, c, c1, hi32), p0, p1, lo, hi, h)
-                rare = store_fast(sub, np.uint64(j), v, h)  # a value store() must write (u also covers these)
-                flags[j] = u | rare
-                bad += u | rare
-            if bad:
-                gb = g0 + np.uint64(k + b0)
-                for j in range(nb_):
-                    if flags[j]:
-                        store(sub, np.uint64(j), trunc_exact(gb + np.uint64(j), p0, p1, lo, hi, seed), h)
+            if not trunc_first(sub, xl, c, c1, hi32, p0, p1, lo, hi, flags, h):
+                continue
+            gb = g0 + np.uint64(k + b0)
+            for j in range(nb_):  # about one in a million: candidate 0 itself needs the exact path
+                if flags[j] > 1:
+                    store(sub, np.uint64(j), trunc_settle(sub, gb + np.uint64(j), p0, p1, lo, hi, keys, 0, h), h)
+            n = 0
+            for j in range(nb_):  # the rejected ones' indices, without a branch
+                again[n] = j
+                n += flags[j] == 1
+            trunc_candidates(sub, keys[1] + GOLDEN + U2 * gb, again, n, p0, p1, lo, hi, vals, states, h)
+            for t in range(n):
+                j = again[t]
+                if states[t] == 0:
+                    store(sub, j, vals[t], h)
+                else:  # rejected: on from candidate 2; undecided: candidate 1 again, exactly
+                    store(sub, j, trunc_settle(sub, gb + j, p0, p1, lo, hi, keys, 3 - states[t], h), h)
         k += cnt
 
 
