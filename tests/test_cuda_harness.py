@@ -654,7 +654,8 @@ def test_a_large_plan_packed_as_columns_gives_the_same_bytes(harness: Path, tmp_
         {"kaimingUniformForShape": {"seed": 4}},
     ]
     params = [
-        param(f"p{i}", [3 + i % 5, 2 + i % 3], inits[i % len(inits)], dtypes.SUPPORTED[i % 6].name) for i in range(columns.SCAN_MIN + 76)
+        param(f"p{i}", [3 + i % 5, 2 + i % 3], inits[i % len(inits)], dtypes.SUPPORTED[i % 6].name)
+        for i in range(max(columns.SCAN_MIN, 1024) + 76)
     ]
     params[5] = param("p5", [40, 30], inits[0], "bfloat16", region=[(3, 17), (4, 29)])
     params[9] = param("p9", [4], {"flat": {"values": [0.5, -1.25, 3.0, 7.0]}}, "float8_e5m2")

@@ -21,7 +21,7 @@ from paraminit_server.plans.columns import ParamTable
 from support import poisoned
 
 BACKEND = CpuBackend()
-N = columns.SCAN_MIN + 200
+N = max(columns.SCAN_MIN, 1024) + 200  # large enough that slabs cut many tensors
 INITS = [
     "normal",
     "uniform",
