@@ -133,6 +133,14 @@ class _Form:
         return None
 
 
+_INTERVAL_WORDS = "max(|lo|, |hi|)"
+
+
+def _interval_bound(f: Mapping[str, Any]) -> Any:
+    """The range rule's bound of a form whose values lie in [lo, hi] (uniform, truncated normal)."""
+    return np.maximum(np.abs(f["lo"]), np.abs(f["hi"]))
+
+
 class Distribution(_Form):
     """A form whose elements a kernel computes from the seed and the element's index alone."""
 
@@ -172,7 +180,7 @@ class Uniform(Distribution):
     lo: float
     hi: float
     seed: int
-    WORDS: ClassVar[str] = "max(|lo|, |hi|)"
+    WORDS: ClassVar[str] = _INTERVAL_WORDS
 
     @classmethod
     def kernel(cls, f: Mapping[str, Any]) -> Kernel:
@@ -180,7 +188,7 @@ class Uniform(Distribution):
 
     @classmethod
     def bound(cls, f: Mapping[str, Any]) -> Any:
-        return np.maximum(np.abs(f["lo"]), np.abs(f["hi"]))
+        return _interval_bound(f)
 
     def describe(self) -> str:
         return f"uniform({_g(self.lo)}, {_g(self.hi)})"
@@ -224,7 +232,7 @@ class TruncNormal(Distribution):
     lo: float
     hi: float
     seed: int
-    WORDS: ClassVar[str] = "max(|lo|, |hi|)"
+    WORDS: ClassVar[str] = _INTERVAL_WORDS
 
     @classmethod
     def kernel(cls, f: Mapping[str, Any]) -> Kernel:
@@ -232,7 +240,7 @@ class TruncNormal(Distribution):
 
     @classmethod
     def bound(cls, f: Mapping[str, Any]) -> Any:
-        return np.maximum(np.abs(f["lo"]), np.abs(f["hi"]))
+        return _interval_bound(f)
 
     def describe(self) -> str:
         return f"truncated_normal({_g(self.mean)}, {_g(self.std)}, {_g(self.lo)}, {_g(self.hi)})"

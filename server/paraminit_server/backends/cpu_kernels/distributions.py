@@ -263,9 +263,8 @@ def _trunc_try_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, h
 
     def half(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, hi: Any, h: Any) -> Any:
         va, vb = normal_bounds(d1, d2, p0, p1)
-        open_ = np.int64((sticky32(va) != sticky32(vb)) | (abs(va) < F32_MIN_NORMAL))
-        inside = np.int64((lo <= va) & (vb <= hi))
-        return va, _TWO - _TWO * inside * (np.int64(1) - open_) - np.int64((vb < lo) | (hi < va))
+        accept = (lo <= va) & (vb <= hi) & (sticky32(va) == sticky32(vb)) & (abs(va) >= F32_MIN_NORMAL)
+        return va, _TWO - _TWO * np.int64(accept) - np.int64((vb < lo) | (hi < va))
 
     return half
 
@@ -327,10 +326,10 @@ def trunc_candidates(out: Any, x: Any, at: Any, n: int, p0: float, p1: float, lo
 def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, hi: float, seed: Any, h: Any) -> None:
     """dst[k] = truncated normal of element g0 + k; x0 = key(seed) + GOLDEN + 2 g0 (candidate 0's draws).
 
-    One vectorized pass computes candidate 0 as fill_normal does and flags the elements it cannot settle
-    (outside the bounds, or rounding undecided) in a byte per element; only those are redone, one by one,
-    through the candidates (trunc_settle: the exact path only for a candidate the fast one cannot settle), so an
-    element inside the bounds costs what a normal costs and one outside about two more candidates.
+    One vectorized pass (trunc_first) computes candidate 0 as fill_normal does and flags the elements it cannot
+    settle in a byte per element. Those whose candidate 0 is rejected take candidate 1 in a second vector pass
+    (trunc_candidates); what is left goes through trunc_settle, exact only where the fast path cannot decide. An
+    element inside the bounds costs what a normal costs.
     """
     wide_vectors()
     m = dst.shape[0]
