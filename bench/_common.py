@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -67,20 +68,15 @@ def table(rows: list[tuple[str, float]], nbytes: int, ref_names: list[str]) -> N
         print(line)
 
 
-_WARM: list[bool] = []
-
-
+@functools.cache
 def warm_kernel_cache() -> None:
     """Compile every CPU kernel into the disk cache, once per bench process, before a server starts: a CPU server
     serves as soon as its cached kernels are loaded and compiles what the cache lacks in the background, which
     would run beside (and slow) the calls a bench times. A warm cache only loads (about a second)."""
-    if _WARM:
-        return
     from paraminit_server.backends.cpu import CpuBackend
 
     t0 = time.perf_counter()
     CpuBackend().warm_up()
-    _WARM.append(True)
     if time.perf_counter() - t0 > 5:
         print(f"kernel cache: compiled in {time.perf_counter() - t0:.0f} s before the first server")
 
