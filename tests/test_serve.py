@@ -334,6 +334,38 @@ def test_cpu_server_serves_while_uncached_kernels_compile() -> None:
         running.stop(grace=0)
 
 
+@pytest.mark.slow
+def test_calls_wait_for_a_cold_compile_outside_the_line(tmp_path: Path) -> None:
+    """On an empty kernel cache, calls queued behind one that compiles are not refused for their time in line:
+    each waits for the kernels it needs before it takes a slot (one slot and a 1 s wait in line here; the first
+    compile takes several seconds, so before, every call but one ended RESOURCE_EXHAUSTED)."""
+    env = {"NUMBA_CACHE_DIR": str(tmp_path), "PARAMINIT_MAX_CONCURRENT": "1", "PARAMINIT_MAX_QUEUE_WAIT": "1"}
+    proc, target = serve_subprocess(env)
+    plan = plan_of([param("w", [64, 64], {"uniform": {"lo": -1.0, "hi": 1.0, "seed": 9}})])
+    outcomes: list[object] = []
+
+    def call() -> None:
+        try:
+            with Client(target, timeout=240) as c:
+                outcomes.append(c.materialize(plan)["w"].copy())
+        except ParaminitError as exc:
+            outcomes.append(exc)
+
+    try:
+        threads = [threading.Thread(target=call) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert len(outcomes) == 3
+    assert all(isinstance(o, np.ndarray) for o in outcomes), [str(o) for o in outcomes]
+    first = outcomes[0]
+    assert isinstance(first, np.ndarray) and first.std() > 0.5 and all(np.array_equal(first, o) for o in outcomes)
+
+
 def test_a_unix_socket_server_serves_metrics_on_loopback(tmp_path: Path) -> None:
     """`--host unix:PATH --metrics-port -1`: the metrics endpoint needs a TCP address and takes loopback (it
     failed with "Name or service not known" and left the socket file behind)."""

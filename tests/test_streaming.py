@@ -8,6 +8,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,23 @@ def test_cancellation_stops_generation_and_frees(server: Running, client: Client
     assert wait_until(
         lambda: server.plane.admission.in_flight == 0 and not any(t.name == "paraminit-fill" for t in threading.enumerate()), 1.0
     )
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.01, 0.05])
+def test_a_call_cancelled_as_it_starts_frees_its_slot(delay: float) -> None:
+    """A client that cancels right after starting a call (grpc-js does so with RST_STREAM before or just after
+    the request) leaves no slot held: with one slot, the next call is served at once rather than after the
+    cancelled call's deadline."""
+    plan = plan_of([param("w", [64 << 20], {"uniform": {"lo": -1, "hi": 1, "seed": 1}})])  # 256 MiB
+    small = plan_of([param("x", [4, 4], {"uniform": {"lo": -1, "hi": 1, "seed": 2}})])
+    with running_server(max_concurrent=1, queue_wait_no_deadline=0.0) as r, Client(target_of(r)) as c:
+        call = c.stub.Materialize(pb.MaterializeRequest(plan=plan), timeout=300)
+        time.sleep(delay)
+        call.cancel()
+        assert wait_until(lambda: r.plane.admission.in_flight == 0, 10, 0.01)
+        time.sleep(0.2)  # a handler that started late would hold the slot now
+        assert r.plane.admission.in_flight == 0
+        assert c.materialize(small)["x"].std() > 0.1
 
 
 def test_unexpected_error_is_internal_with_id(caplog: pytest.LogCaptureFixture) -> None:

@@ -66,6 +66,10 @@ class Backend(Protocol):
     def warm_up(self) -> None:
         """Compile kernels; health reports SERVING only after this returns."""
 
+    def prepare(self, params: Sequence[ResolvedParam]) -> None:
+        """Have the kernels these parameters need ready (compiling what is missing, once per process), before
+        the call takes a concurrency slot: a slot is then never held while a compile runs."""
+
     def scratch(self, nbytes: int) -> Any:
         """A 1-D uint8 buffer for stream slabs (pooled on the GPU)."""
 

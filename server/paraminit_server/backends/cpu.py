@@ -23,7 +23,7 @@ from paraminit_server.backends.shm import ShmSegment
 from paraminit_server.errors import Cancelled
 from paraminit_server.host_limits import host_memory
 from paraminit_server.plans.columns import ParamTable
-from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, Runs, warm_up_params
+from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, Runs, kinds_of, warm_up_params
 
 _NO_VALUES = np.zeros(0, dtype=np.float64)
 _NO_INDEX = np.zeros(0, dtype=np.int64)
@@ -365,6 +365,7 @@ class CpuBackend:
     def __init__(self, threads: int | None = None) -> None:
         cores: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # the usable cores, or NUMBA_NUM_THREADS
         self._threads = max(1, min(threads, cores)) if threads else cores
+        self._ready_all = False  # every kernel of every kind and dtype loaded or compiled (warm_up, preload)
 
     @property
     def threads(self) -> int:
@@ -373,23 +374,40 @@ class CpuBackend:
 
     def warm_up(self) -> None:
         """Compile (or load) every kernel of every kind and dtype, letting fills' own compiles go first."""
-        self._warm(compile=True)
+        self._ready_all = self._ensure(warm_up_params(), compile=True, background=True)
 
     def preload(self) -> None:
         """Load the kernels already in the disk cache and compile nothing: a process then compiles only the kinds
         and dtypes it fills, on first use (a cold cache costs those specializations, not all of them)."""
-        self._warm(compile=False)
+        self._ready_all = self._ensure(warm_up_params(), compile=False, background=True)
 
-    def _warm(self, compile: bool) -> None:
-        params = warm_up_params()
+    def prepare(self, params: Sequence[ResolvedParam]) -> None:
+        """Compile (or load) the kernels of the kinds and dtypes these parameters use, as a fill would, but
+        before the call is admitted: on a cold cache, calls wait for their compile without holding a
+        concurrency slot or their place in line (each call queued behind one compiling would otherwise
+        time out in line). Nothing to do once every kernel is ready."""
+        if self._ready_all:
+            return
+        wanted = params.kinds() if isinstance(params, ParamTable) else kinds_of(params)
+        self._ensure([rp for rp in warm_up_params() if (rp.dtype.enum, rp.kind) in wanted], compile=True, background=False)
+
+    def _ensure(self, params: list[ResolvedParam], compile: bool, background: bool) -> bool:
+        """Load or compile the fill kernels of these (warm-up) parameters and the batched fill of their kinds;
+        whether all are ready."""
+        ready = True
         for rp in params:
             out = np.empty(rp.numel, dtype=rp.dtype.storage)
             kernel, args = self._entry(rp, out, 0, rp.runs(), _flat_values(rp))
-            if COMPILES.ensure(kernel, args, compile=compile, background=True):
+            if COMPILES.ensure(kernel, args, compile=compile, background=background):
                 kernel(*args)
+            else:
+                ready = False
         for group in _Batch.warm_up_groups(params):
-            if COMPILES.ensure(cpu_kernels.KERNELS[group.kind].fill_batch, group.args(), compile=compile, background=True):
+            if COMPILES.ensure(cpu_kernels.KERNELS[group.kind].fill_batch, group.args(), compile=compile, background=background):
                 group.run()
+            else:
+                ready = False
+        return ready
 
     def scratch(self, nbytes: int) -> Any:
         return host_buffer(nbytes)

@@ -458,6 +458,9 @@ class CupyBackend:
             fill_plan(params, cp.empty(len(params) * 48, dtype=cp.uint8), [48 * i for i in range(len(params))])
             cp.cuda.Device().synchronize()
 
+    def prepare(self, params: Sequence[ResolvedParam]) -> None:
+        """Nothing: the device kernels are one module, compiled by warm_up before the server says SERVING."""
+
     def _malloc(self, nbytes: int) -> Any:
         """A plain cudaMalloc (not CuPy's pool, whose blocks are carved from larger allocations);
         on OOM the pool's cached free blocks are returned to the driver once and the call retried."""

@@ -166,7 +166,7 @@ class Materializer:
             sources.release()  # the freed heap a large plan's checks leave goes back at the slot's idle trim
 
     def check(self, p: plan_pb2.Plan, caller: Caller) -> Checked:
-        """Validate the whole plan; raise with every violation, or return it resolved."""
+        """Validate the whole plan; raise with every violation, or return it resolved, its kernels ready."""
         sources = self._sources(caller, p)
         try:
             cols = columns.of(p)
@@ -176,7 +176,12 @@ class Materializer:
                 raise errors.ResourceExhausted(f"plan exceeds the limits: {worst}", report.violations)
             if not report.ok:
                 raise errors.InvalidPlan(report.violations)
-            return Checked(plan.resolve(p, sources, cols), report, plan.digest(p, sources, cols), sources)
+            checked = Checked(plan.resolve(p, sources, cols), report, plan.digest(p, sources, cols), sources)
+            # kernels a cold cache lacks compile here, before the caller takes a slot or a place in line
+            self.backend.prepare(checked.params)
+            if caller.gone():
+                raise errors.Cancelled("client cancelled or deadline passed")
+            return checked
         except BaseException:
             sources.release()
             raise

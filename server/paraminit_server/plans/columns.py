@@ -22,7 +22,7 @@ import numpy.typing as npt
 from paraminit import dtypes, inits
 from paraminit.v1 import plan_pb2
 from paraminit_server.plans import scanner
-from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns, resolve_param
+from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns, kinds_of, resolve_param
 
 if TYPE_CHECKING:
     from paraminit_server.plans.payloads import BoundSources
@@ -221,3 +221,9 @@ class ParamTable(Sequence[ResolvedParam]):
     def __iter__(self) -> Iterator[ResolvedParam]:
         for i in range(len(self)):
             yield self[i]
+
+    def kinds(self) -> set[tuple[int, Kind]]:
+        """The (dtype enum, kernel kind) pairs the table's fills use, read from the columns (plan.kinds_of)."""
+        plain = self.plain & (self.numel > 0)
+        pairs = np.unique(np.stack([self.dtype[plain], self.kernel[plain]]), axis=1).T.tolist() if plain.any() else []
+        return {(int(d), Kind(int(k))) for d, k in pairs} | kinds_of(list(self.special.values()))

@@ -407,6 +407,12 @@ class _Content:
         return f"safetensors:{used}"
 
 
+def kinds_of(params: Sequence[ResolvedParam]) -> set[tuple[int, Kind]]:
+    """The (dtype enum, kernel kind) pairs filling these parameters takes, their patches' included: which of
+    warm_up_params' kernels a fill of them needs."""
+    return {(q.dtype.enum, q.kind) for p in params if p.numel for q in (p, *(patch.param for patch in p.patches))}
+
+
 def warm_up_params() -> list[ResolvedParam]:
     """One small parameter of every kernel kind and dtype: what backends compile before SERVING."""
     params: list[ResolvedParam] = []
