@@ -370,6 +370,9 @@ class FakeDeviceBackend:
         with self._call("warm_up"):
             pass
 
+    def prepare(self, params: Sequence[ResolvedParam]) -> None:
+        pass  # the device kernels are ready once warm_up returns
+
     def scratch(self, nbytes: int) -> Any:
         with self._call("scratch"):
             return self.cp.empty(nbytes)
