@@ -1253,3 +1253,29 @@ def test_json_everywhere_has_one_envelope(target: str, tmp_path: Path, capsys: p
         code, out, _ = run_cli(capsys, *argv, "--json")
         doc = json.loads(out)
         assert code != 0 and doc["ok"] is False and doc["exit_code"] == code and doc["error"] and doc["violations"] == [], argv
+
+
+def test_every_violation_in_json_has_one_shape(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan file's syntax, a server's Validate and a refused Materialize report violations with the same keys,
+    the initializer named as the plan spells it and the file's line."""
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"params": [\n')
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"params": [\n {"name": "w", "shape": [4], "init": {"truncatedNormal": {"std": -1, "lo": -2, "hi": 2}}}\n]}\n')
+    keys = ["file", "line", "index", "name", "field", "message", "limit"]
+    shapes = {}
+    for argv in (
+        ("validate", str(broken)),
+        ("validate", str(bad), "--target", target),
+        ("materialize", str(bad), "-o", str(tmp_path / "x.safetensors"), "--target", target),
+    ):
+        code, out, _ = run_cli(capsys, *argv, "--json")
+        doc = json.loads(out)
+        assert code == cli.EXIT_INVALID and doc["ok"] is False and doc["violations"], argv
+        shapes[argv[0] + str(len(shapes))] = doc["violations"]
+        for v in doc["violations"]:
+            assert list(v) == keys and v["file"] and v["line"] == 2 and v["message"], (argv, v)
+    for got in list(shapes.values())[1:]:
+        (v,) = got
+        assert (v["index"], v["name"], v["field"], v["limit"]) == (0, "w", "params[0].init.truncatedNormal", False)
+        assert v["message"] == "initialization: truncated normal standard deviation must be nonnegative"

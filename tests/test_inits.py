@@ -111,6 +111,9 @@ def test_validation_reports_the_tables_checks_for_params_and_patches() -> None:
     assert got[3][1].endswith("(expected 3, got 2)") and "1 not finite" in got[4][1]
     assert "a patch cannot use flat values" in got[5][1]
     assert got[7][1].startswith("initializer is not set (expected one of zeros, ones, uniform")
+    # initializers named as plans spell them, like the field paths
+    assert "xavierUniform, kaimingUniform" in got[7][1] and "truncatedNormal" in got[7][1] and "_" not in got[7][1]
+    assert "(patches take zeros, ones, uniform, normal, xavierUniform," in got[5][1]
 
 
 def test_with_seed_sets_seeded_kinds_only() -> None:

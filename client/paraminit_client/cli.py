@@ -313,15 +313,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 for p, n in zip(plan.params, report.param_bytes, strict=False)
             ],
             violations=[
-                {
-                    "file": args.plan,
-                    "line": line,
-                    "index": v.index,
-                    "name": v.name,
-                    "field": v.field,
-                    "message": v.message,
-                    "limit": v.is_limit,
-                }
+                _violation_json(args.plan, line, v.field, v.message, v.index, v.name, v.is_limit)
                 for v, line in zip(report.violations, at, strict=True)
             ],
             **({"error": f"{kind}: {_plural(len(report.violations), 'violation')}"} if code else {}),
@@ -348,6 +340,15 @@ def _located(file: str, violations: Sequence[Any], at: Sequence[int | None]) -> 
     file does not write the field)."""
     shown = "<stdin>" if file == "-" else file
     return [f"  {shown}:{line}: {v}" if line else f"  {shown}: {v}" for v, line in zip(violations, at, strict=True)]
+
+
+def _violation_json(
+    file: str | None, line: int | None, field: str, message: str, index: int | None = None, name: str | None = None, limit: bool = False
+) -> dict[str, Any]:
+    """One violation in every --json answer's one shape: file and line (null where unknown), the parameter's
+    index and name (null for a plan file's syntax, -1 and "" for plan-wide problems), field path, message,
+    and whether it is a limit rather than a mistake."""
+    return {"file": file, "line": line, "index": index, "name": name, "field": field, "message": message, "limit": limit}
 
 
 def _print_json(code: int, **fields: Any) -> int:
@@ -831,7 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args))
     except PlanFileError as err:  # before ParaminitError, which it is
         message, lines, code = str(err), [], EXIT_INVALID
-        violations = [{"file": err.file, **v} for v in err.to_json()]
+        violations = [_violation_json(err.file, v["line"], v["field"], v["message"]) for v in err.to_json()]
     except UsageError as err:
         message, lines, code = str(err), [], EXIT_USAGE
     except OSError as err:  # FileAccessError too: a file, not a status, is the news
@@ -850,7 +851,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if err.omitted:
                 lines.append(f"... and {err.omitted} more (`paraminit validate` lists every one)")
             violations = [
-                {"file": plan_file, "line": line, "field": v.field, "message": str(v)} for v, line in zip(err.violations, at, strict=True)
+                _violation_json(plan_file, line, v.field, v.message, v.index, v.name, v.is_limit)
+                for v, line in zip(err.violations, at, strict=True)
             ]
             code = EXIT_INVALID
         else:

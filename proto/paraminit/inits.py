@@ -677,7 +677,8 @@ def _table() -> dict[str, InitKind]:
 
 
 KINDS: dict[str, InitKind] = _table()  # by oneof field, in field-number order
-_NOT_SET = "initializer is not set (expected one of " + ", ".join(KINDS) + ")"
+# messages name initializers as plans spell them (the JSON names), like the field paths of violations
+_NOT_SET = "initializer is not set (expected one of " + ", ".join(k.json for k in KINDS.values()) + ")"
 
 
 def kind_of(init: plan_pb2.Init) -> InitKind | None:
@@ -705,8 +706,8 @@ def check(init: plan_pb2.Init | None, shape: Sequence[int], patch: bool = False)
         return [
             (
                 f"init.{which}",
-                f"a patch cannot use {which} values (patches take "
-                f"{', '.join(k.field for k in KINDS.values() if k.patchable)} initializers)",
+                f"a patch cannot use {kind.json} values (patches take "
+                f"{', '.join(k.json for k in KINDS.values() if k.patchable)} initializers)",
             )
         ]
     if kind.checks is _none:  # most kinds of most plans: no call at all
