@@ -1279,3 +1279,22 @@ def test_every_violation_in_json_has_one_shape(target: str, tmp_path: Path, caps
         (v,) = got
         assert (v["index"], v["name"], v["field"], v["limit"]) == (0, "w", "params[0].init.truncatedNormal", False)
         assert v["message"] == "initialization: truncated normal standard deviation must be nonnegative"
+
+
+@pytest.mark.parametrize("how", ["pipe", "redirect"])
+def test_dash_reads_a_safetensors_file_from_stdin(mixed_file: Path, how: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`-` is standard input for inspect too, piped or redirected from a file; a plan from a checkpoint refers to
+    the file by path, so `plan from-safetensors -` is refused with the reason."""
+    want = subprocess.run([str(BIN / "paraminit"), "inspect", str(mixed_file), "--json"], capture_output=True, timeout=120)
+    assert want.returncode == 0, want.stderr
+    argv = [str(BIN / "paraminit"), "inspect", "-", "--json"]
+    if how == "pipe":
+        got = subprocess.run(argv, input=mixed_file.read_bytes(), capture_output=True, timeout=120)
+    else:
+        with mixed_file.open("rb") as f:
+            got = subprocess.run(argv, stdin=f, capture_output=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    doc = json.loads(got.stdout)
+    assert doc["tensors"] == json.loads(want.stdout)["tensors"] and len(doc["tensors"]) > 3 and doc["file"] == "<stdin>"
+    code, _, err = run_cli(capsys, "plan", "from-safetensors", "-")
+    assert code == cli.EXIT_USAGE and "give the path" in err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import importlib
 import json
@@ -14,7 +15,9 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -365,25 +368,46 @@ def _dtype_name(value: int) -> str:
     return dt.name if dt else str(value)
 
 
+@contextlib.contextmanager
+def _readable(file: str) -> Iterator[str]:
+    """A safetensors file given on the command line as a path readers can pread at any offset: `-` is standard
+    input, itself when it is a regular file (`< f`), else copied into an unnamed temporary file (a pipe)."""
+    if file != "-":
+        yield file
+        return
+    fd = sys.stdin.fileno()
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        yield f"/proc/self/fd/{fd}"
+        return
+    with tempfile.TemporaryFile() as copy:
+        shutil.copyfileobj(sys.stdin.buffer, copy, 1 << 20)
+        copy.flush()
+        yield f"/proc/self/fd/{copy.fileno()}"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     if args.plot:
         inspect.check_plot(args.plot)  # before any work: matplotlib and a writable directory
     plan = load_plan(args.plan) if args.plan else None
-    report = inspect.inspect_file(args.file, plan)
-    code = EXIT_FLAGGED if plan is not None and not report.ok else EXIT_OK
-    if args.json:
-        _print_json(code, **inspect.to_json(report))
-    else:
-        # names are cut (in the middle) only to fit a terminal, at its own width
-        width = shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else None
-        print(inspect.format_table(report, wide=args.wide, columns=width))
-    if args.plot:
-        written = inspect.plot(report, args.plot, log=args.plot_log)
-        print(f"wrote {len(written)} histograms to {args.plot}", file=sys.stderr)
+    with _readable(args.file) as path:
+        report = inspect.inspect_file(path, plan)
+        shown = dataclasses.replace(report, path="<stdin>") if args.file == "-" else report
+        code = EXIT_FLAGGED if plan is not None and not report.ok else EXIT_OK
+        if args.json:
+            _print_json(code, **inspect.to_json(shown))
+        else:
+            # names are cut (in the middle) only to fit a terminal, at its own width
+            width = shutil.get_terminal_size((100, 24)).columns if sys.stdout.isatty() else None
+            print(inspect.format_table(shown, wide=args.wide, columns=width))
+        if args.plot:
+            written = inspect.plot(report, args.plot, log=args.plot_log)  # reads the tensors again
+            print(f"wrote {len(written)} histograms to {args.plot}", file=sys.stderr)
     return code
 
 
 def cmd_plan_from_safetensors(args: argparse.Namespace) -> int:
+    if args.file == "-":
+        raise UsageError("a plan from a checkpoint reads its tensors from the file's path: give the path, not - (standard input)")
     if args.output and args.output != "-":
         check_output(args.output, [args.file, args.fallback])
     fallback = load_plan(args.fallback) if args.fallback else None
@@ -639,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
         "mean or std is more than 5 standard errors (plus the dtype's rounding) from the expected one, or a "
         "value lies outside the bounds; the FLAG lines below the table say why.",
     )
-    ins.add_argument("file", help="safetensors file")
+    ins.add_argument("file", help="safetensors file (- reads standard input)")
     ins.add_argument("--plan", metavar="PLAN", help="plan whose initializers the tensors should follow")
     ins.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     ins.add_argument(
@@ -671,7 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
         "references, which the server must be allowed to read: --safetensors-dirs) and "
         "initializes the other parameters of --fallback as that plan says.",
     )
-    fs.add_argument("file", help="safetensors checkpoint")
+    fs.add_argument("file", help="safetensors checkpoint (a path: the plan refers to it, so not -)")
     fs.add_argument(
         "--fallback",
         metavar="PLAN",
