@@ -459,3 +459,41 @@ def test_client_never_imports_torch_and_the_extra_is_named() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "pip install 'paraminit[torch]'" in out
+
+
+def test_a_policy_is_one_class_chosen_by_name_or_passed() -> None:
+    """Every policy, built in or new, goes through one protocol: an object with `name` and `assign(walk)`, passed
+    as itself or registered under a name; the built-in names are objects of the same protocol."""
+    from paraminit_client import policies, recipes
+
+    model = nn.Sequential(nn.Linear(8, 4), nn.LayerNorm(4), nn.Embedding(10, 4, padding_idx=0))
+
+    class Constant:
+        name = "constant"
+
+        def __init__(self, value: float) -> None:
+            self.value = value
+
+        def assign(self, walk: policies.ModuleWalk) -> None:
+            for name in walk.collect():
+                walk.inits[name] = plan_pb2.Init(normal=plan_pb2.Normal(mean=self.value, std=0.0, seed=walk.seed_of(name)))
+
+    plan = plan_from_module(model, seed=3, policy=Constant(0.5))
+    assert [p.name for p in plan.params] == list(model.state_dict()) and all(p.init.normal.mean == 0.5 for p in plan.params)
+    policies.register("constant-test", lambda: Constant(0.25))
+    with pytest.raises(ValueError, match="exists already"):
+        policies.register("constant-test", lambda: Constant(0.0))
+    by_name = plan_from_module(model, seed=3, policy="constant-test")
+    assert all(p.init.normal.mean == 0.25 for p in by_name.params)
+    # the built-in names are objects of the same protocol, and give what the name gives
+    for name in policies.BUILT_IN:
+        pol = policies.policy_of(name)
+        assert pol.name == name and callable(pol.assign), name
+    torch_plan = plan_from_module(model, seed=3, policy=policies.policy_of("torch"))
+    assert torch_plan == plan_from_module(model, seed=3, policy="torch")
+    assert next(p for p in torch_plan.params if p.name == "2.weight").patches  # the padding row, fixed by the layer
+    assert plan_from_module(model, seed=3, policy=recipes.neox(num_layers=2, d_model=4)).params[0].init.normal.std > 0
+    with pytest.raises(ValueError, match="policy must be one of"):
+        plan_from_module(model, seed=3, policy="no-such-policy")
+    with pytest.raises(ValueError, match="needs assign"):
+        plan_from_module(model, seed=3, policy=object())  # type: ignore[arg-type]

@@ -22,12 +22,15 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from paraminit.v1 import plan_pb2
 from paraminit_client.torch_rules import INIT_CALLS, init_of_call
+
+if TYPE_CHECKING:
+    from paraminit_client.policies import ModuleWalk
 
 __all__ = ["OUTPUT_LAYERS", "RECIPES", "Recipe", "Replay", "megatron", "neox", "olmo", "replay"]
 
@@ -65,6 +68,10 @@ class Recipe:
     sigma: float | None = None
     output_layers: tuple[str, ...] = OUTPUT_LAYERS
     uses_width: bool = True  # whether the standard deviations depend on d (Megatron's do not)
+
+    def assign(self, walk: ModuleWalk) -> None:
+        """The policies.Policy protocol: every tensor the walk collects, by its role."""
+        walk.inits.update(self.inits(walk.module, walk.entries()))
 
     def inits(self, module: nn.Module, tensors: dict[str, tuple[nn.Module, str, str, int]]) -> dict[str, plan_pb2.Init | str]:
         """An Init (or why none) per tensor: name -> (owning module, local key, owner's qualified name, seed).
@@ -184,6 +191,10 @@ class Replay:
     name: str
     init: Callable[[nn.Module], object]
 
+    def assign(self, walk: ModuleWalk) -> None:
+        """The policies.Policy protocol: every tensor the walk collects, from the framework's own calls."""
+        walk.inits.update(self.inits(walk.module, walk.entries()))
+
     def inits(self, module: nn.Module, tensors: dict[str, tuple[nn.Module, str, str, int]]) -> dict[str, plan_pb2.Init | str]:
         """An Init (or why none) per tensor, from the last torch.nn.init call the framework's code made on it.
 
@@ -287,5 +298,4 @@ def olmo() -> Replay:
     return replay(lambda m: m.init_weights(device=torch.device("meta")), "olmo")  # type: ignore[operator]
 
 
-Policy = Recipe | Replay  # what plan_from_module takes besides a policy name
-RECIPES: dict[str, Callable[[], Policy]] = {"megatron": megatron, "neox": neox, "olmo": olmo}
+RECIPES: dict[str, Callable[[], Recipe | Replay]] = {"megatron": megatron, "neox": neox, "olmo": olmo}  # policies registers these

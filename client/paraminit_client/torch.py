@@ -48,7 +48,6 @@ on ``meta`` that the plan does not cover.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -70,20 +69,17 @@ from paraminit.peers import is_local_target
 from paraminit.shapes import out_shape
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
-from paraminit_client import distributed, hf, recipes
+from paraminit_client import distributed, hf, policies
 from paraminit_client.client import Client
 from paraminit_client.errors import InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
+from paraminit_client.policies import BUILT_IN, ModuleWalk, Policy, module_names, param_seed, policy_of
 from paraminit_client.torch_rules import (
     _PLAN_DTYPES,
     _TORCH_DTYPES,
-    _fixed_elements,
     _NormBase,
     _numpy_to_torch,
     _numpy_view,
-    _rule_of,
-    _xavier,
-    _zeros,
 )
 
 __all__ = [
@@ -100,7 +96,7 @@ __all__ = [
 # overrides(name, tensor) or overrides(name, tensor, module, module_name): the module owning the tensor under
 # `name` and its qualified name in the model ("" for the root); None leaves the tensor to the policy.
 Override = Callable[..., "plan_pb2.Init | Mapping[str, Any] | None"]
-POLICIES = ("torch", "torchlean", "hf", "torchtitan", *recipes.RECIPES)
+POLICIES = BUILT_IN
 LEASE_ATTR = "_paraminit_lease"
 
 _SEEDED = inits.SEEDED_JSON  # JSON keys (both spellings) of the seeded kinds
@@ -118,66 +114,7 @@ class UnsupportedModuleError(InvalidArgument):
         )
 
 
-def param_seed(seed: int, name: str) -> int:
-    """The seed of one parameter: SHA-256 of "seed:name", first 8 bytes big-endian.
-
-    It depends on the name only, so adding, removing or reordering other
-    parameters never changes this parameter's values.
-
-    Args:
-        seed: the model's seed.
-        name: the parameter's state_dict name.
-
-    Returns:
-        The parameter's 64-bit seed.
-    """
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "big")
-
-
 # -- walking a module ---------------------------------------------------------------------
-
-
-def _owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """state_dict name -> (owning module, local key); a shared module appears under each of its names."""
-    out: dict[str, tuple[nn.Module, str]] = {}
-    for prefix, mod in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for key, p in mod._parameters.items():
-            if p is not None:
-                out[dot + key] = (mod, key)
-        for key, b in mod._buffers.items():
-            if b is not None and key not in mod._non_persistent_buffers_set:
-                out[dot + key] = (mod, key)
-    return out
-
-
-def _distinct_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(first name, tensor) per distinct tensor of state_dict() (by identity, so tied ones once), in its order."""
-    seen: set[int] = set()
-    for name, t in module.state_dict(keep_vars=True).items():
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            yield name, t
-
-
-def _is_plan_tensor(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
-def _container_rules(module: nn.Module, policy: str, seed: int, inits: dict[str, plan_pb2.Init | str]) -> None:
-    """Initializations a parent applies over its children's: MultiheadAttention zeroes out_proj.bias,
-    nn.Transformer re-initializes every tensor of rank > 1 with Xavier-uniform."""
-    for prefix, mod in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        if isinstance(mod, nn.MultiheadAttention) and not isinstance(_rule_of(mod), str) and f"{dot}out_proj.bias" in inits:
-            inits[f"{dot}out_proj.bias"] = _zeros()
-        if isinstance(mod, nn.Transformer) and policy == "torch":
-            redefined = type(mod)._reset_parameters is not nn.Transformer._reset_parameters
-            for name, p in mod.named_parameters(prefix=prefix):
-                if p.dim() > 1 and name in inits:
-                    inits[name] = (
-                        f"{type(mod).__name__} redefines Transformer._reset_parameters" if redefined else _xavier(param_seed(seed, name))
-                    )
 
 
 def _override_init(name: str, value: plan_pb2.Init | Mapping[str, Any], seed: int) -> plan_pb2.Init:
@@ -206,13 +143,7 @@ def _override_arity(fn: Override) -> int:
     return 4 if len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 4 else 2
 
 
-def _module_names(module: nn.Module) -> dict[int, str]:
-    return {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-
-
-def plan_from_module(
-    module: nn.Module, seed: int, policy: str | recipes.Policy = "torch", overrides: Override | None = None
-) -> plan_pb2.Plan:
+def plan_from_module(module: nn.Module, seed: int, policy: str | Policy = "torch", overrides: Override | None = None) -> plan_pb2.Plan:
     """One Param per distinct floating-point tensor of `module.state_dict()`, in its order.
 
     Names are state_dict names; a tied tensor appears once, under its first
@@ -239,10 +170,10 @@ def plan_from_module(
     Args:
         module: the model (on meta, or real: only shapes and dtypes are read).
         seed: the model's seed (each parameter's is param_seed(seed, name)).
-        policy: one of POLICIES: "torch" (PyTorch's own distributions), "torchlean", "hf" (transformers'
-            initialization), "torchtitan", or a framework's recipe: "megatron", "neox", "olmo" (paraminit_client.recipes,
-            whose functions also make one with other settings: policy=recipes.megatron(sigma=0.01), or replay any
-            framework's initialization code: policy=recipes.replay(lambda m: m.init_weights())).
+        policy: a name of paraminit_client.policies (POLICIES: "torch", PyTorch's own distributions;
+            "torchlean"; "hf", transformers' initialization; "torchtitan"; the recipes "megatron", "neox",
+            "olmo"; or one `policies.register`ed), or a Policy object: recipes.megatron(sigma=0.01),
+            recipes.replay(lambda m: m.init_weights()), or a class of one's own with `name` and `assign(walk)`.
         overrides: asked first for every tensor; returns an Init, its JSON form, or None for the policy's.
 
     Returns:
@@ -256,61 +187,14 @@ def plan_from_module(
         return _plan_from_module(module, seed, policy, overrides)
 
 
-def _plan_from_module(module: nn.Module, seed: int, policy: str | recipes.Policy, overrides: Override | None) -> plan_pb2.Plan:
-    recipe = (
-        policy if isinstance(policy, recipes.Recipe | recipes.Replay) else recipes.RECIPES[policy]() if policy in recipes.RECIPES else None
-    )
-    if recipe is None and policy not in POLICIES:
-        raise InvalidArgument(f"policy must be one of {POLICIES} or a recipes policy, got {policy!r}")
-    entries: dict[str, tuple[nn.Module, str, str, int]] = {}  # a recipe's tensors: owner, key, owner's name, seed
-    module_names = _module_names(module) if recipe is not None else {}
-    owners = _owners(module)
-    inits: dict[str, plan_pb2.Init | str] = {}
-    patches: dict[str, list[plan_pb2.Patch]] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    kinds: dict[str, str] = {}
-    if policy == "hf":
-        _hf_inits(module, seed, owners, inits, patches, tensors, kinds)
-    if policy == "torchtitan":
-        from paraminit_client import titan
-
-        ties, refused = titan.tied_owners(module), titan.refused_modules(module)
-    for name, t in [] if policy == "hf" else _distinct_tensors(module):
-        if not _is_plan_tensor(t):
-            continue  # integer/bool buffers: not expressible in the plan's float dtypes (see materialize_module)
-        tensors[name] = t
-        owner = owners.get(name)
-        kinds[name] = type(owner[0]).__name__ if owner else "?"
-        if nn.parameter.is_lazy(t):
-            inits[name] = "uninitialized lazy tensor: run a forward pass first or use the non-lazy layer"
-            continue
-        if owner is None:
-            inits[name] = "state_dict name not found among the module's parameters and persistent buffers"
-            continue
-        if recipe is not None:
-            entries[name] = (owner[0], owner[1], module_names.get(id(owner[0]), ""), param_seed(seed, name))
-            continue
-        if policy == "torchtitan":
-            why = next((f"{r} (module {m!r})" for m, r in refused.items() if not m or name.startswith(m + ".")), None)
-            got_titan = why or titan.init_for([owner, *[o for o in ties.get(id(t), []) if o != owner]], t, param_seed(seed, name))
-            inits[name] = got_titan if got_titan is not None else f"{kinds[name]} has no rule for {owner[1]!r}"
-            continue
-        rule = _rule_of(owner[0])
-        if isinstance(rule, str):
-            inits[name] = rule
-            continue
-        got = rule(owner[0], owner[1], t, param_seed(seed, name), str(policy))
-        inits[name] = got if got is not None else f"{kinds[name]} has no rule for its tensor {owner[1]!r}"
-        patches[name] = _fixed_elements(owner[0], owner[1], t)
-    if recipe is not None:
-        inits.update(recipe.inits(module, entries))
-    elif policy not in ("hf", "torchtitan"):
-        assert isinstance(policy, str)
-        _container_rules(module, policy, seed, inits)
+def _plan_from_module(module: nn.Module, seed: int, policy: str | Policy, overrides: Override | None) -> plan_pb2.Plan:
+    walk = ModuleWalk(module, seed)
+    policy_of(policy).assign(walk)
+    owners, inits, patches, tensors, kinds = walk.owners, walk.inits, walk.patches, walk.tensors, walk.kinds
     problems: list[tuple[str, str, str]] = []
     params: list[plan_pb2.Param] = []
     arity = _override_arity(overrides) if overrides is not None else 0
-    mod_names = _module_names(module) if arity == 4 else {}
+    mod_names = module_names(module) if arity == 4 else {}
     for name, t in tensors.items():
         init = inits[name]
         if overrides is not None:
@@ -329,36 +213,6 @@ def _plan_from_module(module: nn.Module, seed: int, policy: str | recipes.Policy
     if problems:
         raise UnsupportedModuleError(problems)
     return plan_pb2.Plan(params=params)
-
-
-def _hf_inits(
-    module: nn.Module,
-    seed: int,
-    owners: dict[str, tuple[nn.Module, str]],
-    inits: dict[str, plan_pb2.Init | str],
-    patches: dict[str, list[plan_pb2.Patch]],
-    tensors: dict[str, torch.Tensor],
-    kinds: dict[str, str],
-) -> None:
-    """policy="hf" (paraminit_client.hf): transformers' own _init_weights, per distinct tensor."""
-    names: dict[int, list[str]] = {}
-    first: dict[int, tuple[str, torch.Tensor]] = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        if isinstance(t, torch.Tensor) and _is_plan_tensor(t):
-            names.setdefault(id(t), []).append(name)
-            first.setdefault(id(t), (name, t))
-    for i, (got, chosen) in hf.plan_inits(module, names).items():
-        name, t = first[i]
-        tensors[name] = t
-        owner = owners.get(chosen)
-        kinds[name] = type(owner[0]).__name__ if owner else "?"
-        if nn.parameter.is_lazy(t):
-            inits[name] = "uninitialized lazy tensor: run a forward pass first or use the non-lazy layer"
-        elif isinstance(got.make, str):
-            inits[name] = got.make
-        else:
-            inits[name] = got.make(param_seed(seed, name))
-            patches[name] = got.patches
 
 
 # -- materializing ------------------------------------------------------------------------
@@ -427,7 +281,7 @@ def materialize_module(
     *,
     plan: plan_pb2.Plan | None = None,
     seed: int = 0,
-    policy: str | recipes.Policy = "torch",
+    policy: str | Policy = "torch",
     overrides: Override | None = None,
     ttl_seconds: float = 0.0,
     auto_renew: bool | None = None,
@@ -496,7 +350,7 @@ def _materialize_module(
     delivery: str,
     plan: plan_pb2.Plan | None,
     seed: int,
-    policy: str | recipes.Policy,
+    policy: str | Policy,
     overrides: Override | None,
     ttl_seconds: float,
     auto_renew: bool | None,
@@ -510,7 +364,7 @@ def _materialize_module(
     ids = {name: id(t) for name, t in state.items() if isinstance(t, torch.Tensor)}
     _check_plan(plan, state)
     planned = {ids[p.name] for p in plan.params}
-    owners = _owners(module)
+    owners = policies.owners(module)
     _compute_transient_buffers(module, dev)
     fills: dict[int, torch.Tensor] = {}
     missing = []

@@ -1,0 +1,274 @@
+"""Initialization policies: what decides each tensor's initializer in plan_from_module. One protocol, one registry.
+
+A policy is given a `ModuleWalk` (the model, its seed, the owner of every state_dict tensor) and sets the initializer
+of every distinct floating-point tensor, or the reason it has none. Built in, by name:
+
+- "torch": PyTorch's own distributions, layer by layer (`torch_rules`), with the container rules of
+  `nn.MultiheadAttention` and `nn.Transformer`;
+- "torchlean": the same layers under TorchLean's runtime semantics;
+- "hf": transformers' own `_init_weights` (`paraminit_client.hf`);
+- "torchtitan": torchtitan's `init_weights` translated (`paraminit_client.titan`);
+- "megatron", "neox", "olmo": the recipes of `paraminit_client.recipes`, whose functions also make one with other
+  settings (`recipes.megatron(sigma=0.01)`), and `recipes.replay(...)` for any framework's initialization code.
+
+A new policy is one class with a `name` and `assign(walk)`: pass an instance to plan_from_module, or `register` a
+factory under a name (the CLI's `--policy` offers the built-in names).
+
+Example:
+    >>> from paraminit_client import policies
+    >>> class AllZeros:
+    ...     name = "zeros"
+    ...     def assign(self, walk):
+    ...         for name in walk.collect():
+    ...             walk.inits[name] = policies.zeros()
+    >>> plan = plan_from_module(model, seed=0, policy=AllZeros())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from paraminit.v1 import plan_pb2
+from paraminit_client import hf, recipes
+from paraminit_client.errors import InvalidArgument
+from paraminit_client.torch_rules import _fixed_elements, _rule_of, _xavier, _zeros
+
+__all__ = ["BUILT_IN", "ModuleWalk", "Policy", "param_seed", "policy_of", "register", "zeros"]
+
+LAZY = "uninitialized lazy tensor: run a forward pass first or use the non-lazy layer"
+UNOWNED = "state_dict name not found among the module's parameters and persistent buffers"
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The seed of one parameter: SHA-256 of "seed:name", first 8 bytes big-endian.
+
+    It depends on the name only, so adding, removing or reordering other
+    parameters never changes this parameter's values.
+
+    Args:
+        seed: the model's seed.
+        name: the parameter's state_dict name.
+
+    Returns:
+        The parameter's 64-bit seed.
+    """
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "big")
+
+
+def zeros() -> plan_pb2.Init:
+    """An all-zeros initializer (for policies of one's own)."""
+    return _zeros()
+
+
+def owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """state_dict name -> (owning module, local key); a shared module appears under each of its names."""
+    out: dict[str, tuple[nn.Module, str]] = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for key, p in mod._parameters.items():
+            if p is not None:
+                out[dot + key] = (mod, key)
+        for key, b in mod._buffers.items():
+            if b is not None and key not in mod._non_persistent_buffers_set:
+                out[dot + key] = (mod, key)
+    return out
+
+
+def module_names(module: nn.Module) -> dict[int, str]:
+    """id(submodule) -> its qualified name ("" for the root)."""
+    return {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+
+
+def is_plan_tensor(t: torch.Tensor) -> bool:
+    """Whether a plan can hold it: floating point (integer and bool buffers are left to the module)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+class ModuleWalk:
+    """One plan_from_module call's model and what its policy decides: `tensors` (state_dict name -> tensor, one name
+    per distinct tensor, in plan order), `kinds` (the owning module's class name, for messages), `inits` (an Init,
+    or why there is none) and `patches` (elements a layer fixes, e.g. an Embedding's padding row)."""
+
+    def __init__(self, module: nn.Module, seed: int) -> None:
+        self.module, self.seed = module, seed
+        self.owners = owners(module)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.kinds: dict[str, str] = {}
+        self.inits: dict[str, plan_pb2.Init | str] = {}
+        self.patches: dict[str, list[plan_pb2.Patch]] = {}
+
+    def seed_of(self, name: str) -> int:
+        """The seed of the tensor `name`: param_seed(seed, name)."""
+        return param_seed(self.seed, name)
+
+    def collect(self) -> list[str]:
+        """Record every distinct floating-point tensor of state_dict() (by identity, tied ones once, under their
+        first name, in its order) and return the names a policy decides: the rest (lazy tensors, names with no
+        owning module) get their reason here."""
+        seen: set[int] = set()
+        decide = []
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.Tensor) or id(t) in seen:
+                continue
+            seen.add(id(t))
+            if not is_plan_tensor(t):
+                continue
+            self.tensors[name] = t
+            owner = self.owners.get(name)
+            self.kinds[name] = type(owner[0]).__name__ if owner else "?"
+            if nn.parameter.is_lazy(t):
+                self.inits[name] = LAZY
+            elif owner is None:
+                self.inits[name] = UNOWNED
+            else:
+                decide.append(name)
+        return decide
+
+    def entries(self) -> dict[str, tuple[nn.Module, str, str, int]]:
+        """collect(), as the recipes read it: name -> (owning module, local key, owner's qualified name, seed)."""
+        names = module_names(self.module)
+        return {n: (o, k, names.get(id(o), ""), self.seed_of(n)) for n in self.collect() for o, k in [self.owners[n]]}
+
+
+class Policy(Protocol):
+    """What plan_from_module takes as `policy` besides a registered name."""
+
+    @property
+    def name(self) -> str:
+        """What refusals call it."""
+
+    def assign(self, walk: ModuleWalk) -> None:
+        """Set walk.tensors (usually through walk.collect()), and walk.inits and walk.patches for each."""
+
+
+class LayerRules:
+    """ "torch" and "torchlean": each layer's own rule for its tensors (torch_rules), then the rules containers apply
+    over their children (MultiheadAttention zeroes out_proj.bias; nn.Transformer, under "torch", re-initializes
+    every tensor of rank > 1 with Xavier-uniform)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def assign(self, walk: ModuleWalk) -> None:
+        for name in walk.collect():
+            owner, key = walk.owners[name]
+            t = walk.tensors[name]
+            rule = _rule_of(owner)
+            if isinstance(rule, str):
+                walk.inits[name] = rule
+                continue
+            got = rule(owner, key, t, walk.seed_of(name), self.name)
+            walk.inits[name] = got if got is not None else f"{walk.kinds[name]} has no rule for its tensor {key!r}"
+            walk.patches[name] = _fixed_elements(owner, key, t)
+        for prefix, mod in walk.module.named_modules(remove_duplicate=False):
+            dot = f"{prefix}." if prefix else ""
+            if isinstance(mod, nn.MultiheadAttention) and not isinstance(_rule_of(mod), str) and f"{dot}out_proj.bias" in walk.inits:
+                walk.inits[f"{dot}out_proj.bias"] = _zeros()
+            if isinstance(mod, nn.Transformer) and self.name == "torch":
+                redefined = type(mod)._reset_parameters is not nn.Transformer._reset_parameters
+                for name, p in mod.named_parameters(prefix=prefix):
+                    if p.dim() > 1 and name in walk.inits:
+                        walk.inits[name] = (
+                            f"{type(mod).__name__} redefines Transformer._reset_parameters" if redefined else _xavier(walk.seed_of(name))
+                        )
+
+
+class HFInit:
+    """ "hf": transformers' own _init_weights per distinct tensor (paraminit_client.hf); a tied tensor takes the
+    initialization of its tie source."""
+
+    name = "hf"
+
+    def assign(self, walk: ModuleWalk) -> None:
+        names: dict[int, list[str]] = {}
+        first: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, t in walk.module.state_dict(keep_vars=True).items():
+            if isinstance(t, torch.Tensor) and is_plan_tensor(t):
+                names.setdefault(id(t), []).append(name)
+                first.setdefault(id(t), (name, t))
+        for i, (got, chosen) in hf.plan_inits(walk.module, names).items():
+            name, t = first[i]
+            walk.tensors[name] = t
+            owner = walk.owners.get(chosen)
+            walk.kinds[name] = type(owner[0]).__name__ if owner else "?"
+            if nn.parameter.is_lazy(t):
+                walk.inits[name] = LAZY
+            elif isinstance(got.make, str):
+                walk.inits[name] = got.make
+            else:
+                walk.inits[name] = got.make(walk.seed_of(name))
+                walk.patches[name] = got.patches
+
+
+class TorchtitanInit:
+    """ "torchtitan": torchtitan's init_weights translated module by module (paraminit_client.titan); a tied
+    tensor is judged by every module that owns it."""
+
+    name = "torchtitan"
+
+    def assign(self, walk: ModuleWalk) -> None:
+        from paraminit_client import titan
+
+        ties, refused = titan.tied_owners(walk.module), titan.refused_modules(walk.module)
+        for name in walk.collect():
+            owner, t = walk.owners[name], walk.tensors[name]
+            why = next((f"{r} (module {m!r})" for m, r in refused.items() if not m or name.startswith(m + ".")), None)
+            got = why or titan.init_for([owner, *[o for o in ties.get(id(t), []) if o != owner]], t, walk.seed_of(name))
+            walk.inits[name] = got if got is not None else f"{walk.kinds[name]} has no rule for {owner[1]!r}"
+
+
+_REGISTRY: dict[str, Callable[[], Policy]] = {
+    "torch": lambda: LayerRules("torch"),
+    "torchlean": lambda: LayerRules("torchlean"),
+    "hf": HFInit,
+    "torchtitan": TorchtitanInit,
+    **recipes.RECIPES,
+}
+BUILT_IN = tuple(_REGISTRY)  # the names paraminit ships (the CLI's --policy choices)
+
+
+def register(name: str, factory: Callable[[], Policy]) -> None:
+    """Make a policy available by name to plan_from_module and materialize_module.
+
+    Args:
+        name: the name callers pass as `policy`.
+        factory: makes the policy (called once per plan).
+
+    Raises:
+        InvalidArgument: (a ValueError) the name is taken.
+    """
+    if name in _REGISTRY:
+        raise InvalidArgument(f"a policy named {name!r} exists already")
+    _REGISTRY[name] = factory
+
+
+def policy_of(policy: str | Policy) -> Policy:
+    """The policy a name stands for, or the object itself.
+
+    Args:
+        policy: a registered name or a Policy.
+
+    Returns:
+        The policy.
+
+    Raises:
+        InvalidArgument: (a ValueError) an unknown name, or an object without `assign`.
+    """
+    if isinstance(policy, str):
+        factory = _REGISTRY.get(policy)
+        if factory is None:
+            raise InvalidArgument(f"policy must be one of {tuple(_REGISTRY)} or a Policy object, got {policy!r}")
+        return factory()
+    if not callable(getattr(policy, "assign", None)):
+        raise InvalidArgument(f"a policy object needs assign(walk), got {type(policy).__name__}")
+    return policy
+
+
+def registered() -> Iterator[str]:
+    """The names plan_from_module takes now (built-in and registered)."""
+    return iter(tuple(_REGISTRY))
