@@ -31,6 +31,9 @@ $(STAMP): $(BASE)
 	$(PY) -m pip install -q -e '.[torchtitan]' || echo "torchtitan not installable here: torchtitan tests will skip"
 	# megatron-core and OLMo-core (tests/test_recipes.py builds their own models), also after torch.
 	$(PY) -m pip install -q -e '.[recipes]' || echo "megatron-core or OLMo-core not installable here: their recipe tests will skip"
+	# mup (the muP recipe's test checks against it) without its requirements: they name torchvision, which would
+	# replace the CPU torch above, and seaborn and pandas, which only its plotting module imports.
+	$(PY) -m pip install -q --no-deps 'mup==1.0.0' || echo "mup not installable here: the muP recipe test will skip"
 	touch $(STAMP)
 
 venv: $(STAMP)

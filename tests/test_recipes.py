@@ -5,6 +5,7 @@ a model or refuses."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -267,3 +268,94 @@ def test_a_replay_refuses_tensors_its_code_writes_otherwise() -> None:
     assert "mul_" in problems["b.weight"] and "never sets" in problems["b.bias"]
     with pytest.raises(UnsupportedModuleError, match="olmo's initialization cannot run on this model: AttributeError"):
         plan_from_module(model, seed=0, policy="olmo")  # not an OLMo-core model: no init_weights
+
+
+# -- μP (the mup package) -------------------------------------------------------------------------------------------
+
+
+def _mup_models() -> tuple[Any, Any]:
+    """An MLP and a small transformer whose width is an argument, each ending in mup's MuReadout."""
+    mup = pytest.importorskip("mup")
+
+    class MLP(nn.Module):
+        def __init__(self, width: int, zero_readout: bool = False) -> None:
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Linear(256, width), nn.Linear(width, width), nn.Linear(width, width)
+            self.out = mup.MuReadout(width, 10, readout_zero_init=zero_readout)
+
+    class Block(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    class Transformer(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(512, d)
+            self.blocks = nn.ModuleList(Block(d) for _ in range(4))
+            self.ln = nn.LayerNorm(d)
+            self.head = mup.MuReadout(d, 512)
+
+    return MLP, Transformer
+
+
+@pytest.mark.parametrize("which", ["mlp", "mlp-zero-readout", "transformer"])
+def test_mup_recipe_is_the_mup_packages_own_initialization(which: str) -> None:
+    """policy=recipes.mup(base, delta) against `mup.set_base_shapes(model, base, delta=delta)` after PyTorch's own
+    initialization: every tensor by its law (hidden weights pooled over 1M elements), biases and readouts rescaled by
+    the square root of their width multiplier."""
+    import mup
+
+    from paraminit_client import recipes
+    from paraminit_client.torch import meta_parameters
+
+    mlp, transformer = _mup_models()
+
+    def build(width: int) -> Any:
+        return mlp(width, which == "mlp-zero-readout") if which.startswith("mlp") else transformer(width)
+
+    width, base_width, delta_width = (1024, 64, 128) if which.startswith("mlp") else (256, 32, 64)
+    torch.manual_seed(0)
+    model = build(width)
+    with meta_parameters():
+        base, delta, ours = build(base_width), build(delta_width), build(width)
+    mup.set_base_shapes(model, base, delta=delta)
+    reference = {k: v.detach() for k, v in model.state_dict().items()}
+    plan = plan_from_module(ours, seed=0, policy=recipes.mup(base, delta))
+    if which.startswith("mlp"):
+        pooled = {"hidden weights": ["fc2.weight", "fc3.weight"]}
+    else:
+        pooled = {
+            f"block {' and '.join(ws)}": [f"blocks.{i}.{w}.weight" for i in range(4) for w in ws]
+            for ws in (("qkv", "proj"), ("fc1",), ("fc2",))
+        }
+    kinds = compare(plan, reference, pooled)
+    bound = {p.name: p.init.uniform.hi for p in plan.params if kinds[p.name] == "uniform"}
+    readout = "out" if which.startswith("mlp") else "head"
+    if which == "mlp-zero-readout":
+        assert kinds["out.weight"] == kinds["out.bias"] == "zeros"
+    else:  # nn.Linear's 1/sqrt(fan_in), times sqrt(width / base width)
+        assert bound[f"{readout}.weight"] == pytest.approx(math.sqrt(width / base_width) / math.sqrt(width), rel=1e-12)
+    if which.startswith("mlp"):
+        assert bound["fc1.bias"] == pytest.approx(1 / math.sqrt(256), rel=1e-12)  # a fixed fan-in: not rescaled
+        assert bound["fc2.bias"] == pytest.approx(math.sqrt(width / base_width) / math.sqrt(width), rel=1e-12)
+        assert bound["fc2.weight"] == pytest.approx(1 / math.sqrt(width), rel=1e-12)  # weights keep PyTorch's
+
+
+def test_mup_recipe_refuses_what_it_cannot_read() -> None:
+    mup = pytest.importorskip("mup")
+    from paraminit_client import recipes
+
+    model = nn.Sequential(nn.Linear(8, 16), mup.MuReadout(16, 4))
+    with pytest.raises(ValueError, match=re.escape("no base shape of rank 2 for parameter '1.weight'")):
+        plan_from_module(model, seed=0, policy=recipes.mup({"0.weight": (8, 4), "0.bias": (4,)}))
+    narrow = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))  # mup asserts an output layer is a MuReadout
+    base = {"0.weight": (4, 8), "0.bias": (4,), "1.weight": (4, 4), "1.bias": (4,)}
+    with pytest.raises(UnsupportedModuleError, match=re.escape("1: a width fan-in and a fixed fan-out needs mup.MuReadout")):
+        plan_from_module(narrow, seed=0, policy=recipes.mup(base))
+    shared = nn.Sequential(nn.Linear(8, 16), mup.MuSharedReadout(nn.Parameter(torch.empty(4, 16))))
+    base = {n: tuple(p.shape) for n, p in shared.named_parameters()}
+    with pytest.raises(UnsupportedModuleError, match="MuSharedReadout: mup policy reads plain MuReadout layers only"):
+        plan_from_module(shared, seed=0, policy=recipes.mup(base))

@@ -9,6 +9,8 @@ own config object where it has one (Megatron's TransformerConfig, a transformers
 - `megatron`: Megatron-LM's `init_method_normal(sigma)` and, on output projections, `scaled_init_method_normal(sigma,
   num_layers)`: sigma / sqrt(2 L). sigma is the config's `init_method_std` (or `initializer_range`), else 0.02.
 - `neox`: GPT-NeoX's `small_init` (sqrt(2 / (5 d))) and, on output projections, `wang_init` (2 / (L sqrt(d))).
+- `olmo`: OLMo-core's own `init_weights`, replayed (`replay` does the same for any framework's code).
+- `mup(base, delta)`: μP as the `mup` package's `set_base_shapes` leaves PyTorch's initialization (see `mup`).
 
 Output projections are told by the qualified name of their layer (its last components: `linear_proj`,
 `linear_fc2`, `attention.dense`, `c_proj`, `o_proj`, `down_proj`, `out_proj`, `wo`, `w2`, `fc2`, ...) or by class
@@ -20,19 +22,21 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
 
 from paraminit.v1 import plan_pb2
-from paraminit_client.torch_rules import INIT_CALLS, init_of_call
+from paraminit_client.errors import InvalidArgument
+from paraminit_client.torch_rules import INIT_CALLS, _fan_in_uniform, init_of_call
 
 if TYPE_CHECKING:
     from paraminit_client.policies import ModuleWalk
 
-__all__ = ["OUTPUT_LAYERS", "RECIPES", "Recipe", "Replay", "megatron", "neox", "olmo", "replay"]
+__all__ = ["OUTPUT_LAYERS", "RECIPES", "MuP", "Recipe", "Replay", "megatron", "mup", "neox", "olmo", "replay"]
 
 OUTPUT_LAYERS = (
     "linear_proj",  # Megatron: attention output
@@ -296,6 +300,109 @@ def olmo() -> Replay:
     import torch
 
     return replay(lambda m: m.init_weights(device=torch.device("meta")), "olmo")  # type: ignore[operator]
+
+
+Shapes = Mapping[str, Sequence[int]]  # parameter name (named_parameters) -> shape
+
+
+@dataclass(frozen=True)
+class MuP:
+    """μP's initialization as the `mup` package makes it (see `mup`): PyTorch's own, then `set_base_shapes`'s rescale."""
+
+    base: Shapes
+    delta: Shapes | None = None
+    name: str = "mup"
+
+    def widths(self, shapes: Shapes) -> dict[str, list[tuple[int, int] | None]]:
+        """Per parameter and dimension, (base dim, dim) for a width dimension, None for a fixed one: a dimension is a
+        width where base and delta differ (without delta: where base and the model differ), as mup's InfShape."""
+        out: dict[str, list[tuple[int, int] | None]] = {}
+        for name, shape in shapes.items():
+            base = self.base.get(name)
+            other = self.delta.get(name) if self.delta is not None else shape
+            if base is None or other is None or len(base) != len(shape) or len(other) != len(shape):
+                raise InvalidArgument(f"mup: no base shape of rank {len(shape)} for parameter {name!r}")
+            out[name] = [None if b == o else (int(b), int(d)) for b, o, d in zip(base, other, shape, strict=True)]
+        return out
+
+    def assign(self, walk: ModuleWalk) -> None:
+        """The policies.Policy protocol: "torch" for every layer, then MuReadout layers as their reset_parameters
+        (zeros with readout_zero_init) times sqrt(width multiplier), and Linear and Conv biases times sqrt(fan-in
+        multiplier), as `set_base_shapes(model, base, delta=delta)` rescales them."""
+        from paraminit_client.policies import LayerRules
+
+        LayerRules("torch").assign(walk)
+        widths = self.widths({n: tuple(p.shape) for n, p in walk.module.named_parameters()})
+        for prefix, mod in walk.module.named_modules():
+            dot = f"{prefix}." if prefix else ""
+            weight = widths.get(f"{dot}weight")
+            readout = any(c.__name__ == "MuReadout" for c in type(mod).__mro__)
+            if weight is None or not (readout or isinstance(mod, nn.Linear | _ConvNd)):
+                continue
+            if readout and type(mod).__name__ != "MuReadout":
+                for key in ("weight", "bias"):
+                    walk.inits[f"{dot}{key}"] = f"{type(mod).__name__}: mup policy reads plain MuReadout layers only"
+                continue
+            main = next((d for d in reversed(weight) if d is not None), None)  # mup's InfShape.main: the last width
+            fan_in = weight[1] if len(weight) > 1 else None
+            if not readout and isinstance(mod, nn.Linear) and weight[0] is None and fan_in is not None:
+                for key in ("weight", "bias"):  # as mup's set_base_shapes asserts (assert_hidden_size_inf)
+                    walk.inits[f"{dot}{key}"] = f"{prefix or 'Linear'}: a width fan-in and a fixed fan-out needs mup.MuReadout"
+                continue
+            for key in ("weight", "bias") if readout else ("bias",):
+                name = f"{dot}{key}"
+                if name not in walk.tensors or getattr(mod, key, None) is None:
+                    continue
+                if readout and getattr(mod, "readout_zero_init", False):
+                    walk.inits[name] = plan_pb2.Init(zeros=plan_pb2.Zeros())
+                    continue
+                base = _fan_in_uniform(mod, key, walk.tensors[name], walk.seed_of(name), "torch") if readout else walk.inits[name]
+                dims = main if readout else fan_in
+                scale = math.sqrt(dims[1] / dims[0]) if dims is not None else 1.0
+                walk.inits[name] = _scaled(base, scale) if base is not None else f"{type(mod).__name__} has no rule for {key!r}"
+
+
+def _scaled(init: plan_pb2.Init | str, scale: float) -> plan_pb2.Init | str:
+    """An initializer whose values are `scale` times the given one's (uniform and normal; zeros stay)."""
+    if isinstance(init, str) or scale == 1.0:
+        return init
+    kind = init.WhichOneof("kind")
+    out = plan_pb2.Init()
+    out.CopyFrom(init)
+    if kind == "uniform":
+        out.uniform.lo, out.uniform.hi = init.uniform.lo * scale, init.uniform.hi * scale
+    elif kind == "normal":
+        out.normal.mean, out.normal.std = init.normal.mean * scale, init.normal.std * scale
+    elif kind != "zeros":
+        return f"mup cannot rescale a {kind} initializer"
+    return out
+
+
+def _shapes_of(x: nn.Module | Shapes) -> Shapes:
+    return {n: tuple(p.shape) for n, p in x.named_parameters()} if isinstance(x, nn.Module) else x
+
+
+def mup(base: nn.Module | Shapes, delta: nn.Module | Shapes | None = None) -> MuP:
+    """μP (Maximal Update Parametrization) as the `mup` package initializes a model: `set_base_shapes(model, base,
+    delta=delta)` after PyTorch's own initialization. Dimensions that differ between `base` and `delta` (or, without
+    `delta`, between `base` and the model) are widths; MuReadout output layers get nn.Linear's initialization (zeros
+    with readout_zero_init) times sqrt(width multiplier), and Linear and Conv biases theirs times sqrt(fan-in
+    multiplier), where a multiplier is the model's dimension over the base's. Build the base models on the meta
+    device: only shapes are read. (μP's optimizer and output multipliers are training-time, not initialization.)
+
+    Args:
+        base: the base model, or its parameter shapes by name.
+        delta: a model differing from the base in its width dimensions only, or its shapes (optional).
+
+    Returns:
+        The policy, for plan_from_module(policy=...).
+
+    Example:
+        >>> with meta_parameters():  # doctest: +SKIP
+        ...     base, delta, model = MLP(width=64), MLP(width=128), MLP(width=1024)
+        >>> plan = plan_from_module(model, seed=0, policy=recipes.mup(base, delta))  # doctest: +SKIP
+    """
+    return MuP(_shapes_of(base), _shapes_of(delta) if delta is not None else None)
 
 
 RECIPES: dict[str, Callable[[], Recipe | Replay]] = {"megatron": megatron, "neox": neox, "olmo": olmo}  # policies registers these
