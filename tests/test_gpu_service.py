@@ -157,3 +157,88 @@ def test_shm_is_refused_on_gpu(servers: tuple[Running, Running]) -> None:
     with Client(f"127.0.0.1:{gpu.port}") as g, pytest.raises(ParaminitError) as info:
         g.export(PLAN, delivery="shm")
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+# -- what only the device can show: large plans as columns, payloads in their own dtype, patches --------------------
+
+
+def _streams_match(gpu: Running, cpu: Running, build: Any, payloads: Any = (), chunk_bytes: int = 0) -> int:
+    """The same plan through both servers, each with its own upload of `payloads` (build(payload ids) makes the
+    plan): every tensor's bytes equal. Returns the number of tensors compared."""
+    with Client(f"127.0.0.1:{gpu.port}") as g, Client(f"127.0.0.1:{cpu.port}") as c:
+        plans = [build([client.upload_payload(v) for v in payloads]) for client in (g, c)]
+        a, b = g.materialize(plans[0], chunk_bytes=chunk_bytes), c.materialize(plans[1], chunk_bytes=chunk_bytes)
+    assert list(a) == list(b) and len(b) == len(plans[1].params)
+    for name in b:
+        assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
+    return len(b)
+
+
+LARGE_INITS: list[dict[str, Any]] = [
+    {"zeros": {}},
+    {"ones": {}},
+    {"uniform": {"lo": -0.5, "hi": 0.5}},
+    {"normal": {"mean": 0.1, "std": 0.02}},
+    {"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04}},
+    {"xavierUniform": {"fanIn": 16, "fanOut": 8}},
+    {"kaimingUniformForShape": {}},
+]
+
+
+def large_plan(n: int = 2400) -> Any:
+    """n parameters (a ParamTable on both servers: SCAN_MIN or more) of every dtype and value kind, with the rows
+    that leave the columns: a region, patches, flat values and an empty tensor."""
+    from paraminit import dtypes
+
+    params = []
+    for i in range(n):
+        init = {k: ({**v, "seed": i} if k not in ("zeros", "ones") else v) for k, v in LARGE_INITS[i % len(LARGE_INITS)].items()}
+        dt = dtypes.SUPPORTED[(i // len(LARGE_INITS)) % len(dtypes.SUPPORTED)].name
+        params.append(param(f"p{i}", [1 + i % 5, 3 + i % 7], init, dt))
+    params[7] = param("region", [64, 48], {"normal": {"std": 1.0, "seed": 7}}, "bfloat16", region=[(3, 40), (5, 29)])
+    params[8] = param("empty", [0, 8], {"uniform": {"lo": -1, "hi": 1, "seed": 8}})
+    params[9] = param("flat", [2, 3], {"flat": {"values": [0.5, -1.25, 3.0, 1e-3, -7.0, 2.0]}}, "float16")
+    plan = plan_of(params)
+    patched = plan.params[10]
+    box = patched.patches.add()
+    box.box.add(start=0, stop=1)
+    box.box.add(start=0, stop=3)
+    box.init.normal.std, box.init.normal.seed = 3.0, 99
+    return plan
+
+
+def test_a_large_plan_as_columns_matches_cpu(servers: tuple[Running, Running]) -> None:
+    """2,400 parameters: both servers read the plan as columns (the device packs descriptors from them)."""
+    gpu, cpu = servers
+    assert _streams_match(gpu, cpu, lambda _: large_plan()) == 2400
+    assert _streams_match(gpu, cpu, lambda _: large_plan(), chunk_bytes=64 << 10) == 2400  # many slabs
+
+
+def test_payloads_stored_in_16_bits_match_cpu(servers: tuple[Running, Running]) -> None:
+    """Uploads kept as bfloat16 and float16 (and float32), each read whole, as a region and into every dtype."""
+    import ml_dtypes
+    import numpy as np
+
+    gpu, cpu = servers
+    rng = np.random.default_rng(5)
+    values = [rng.standard_normal(24 * 40).astype(t) for t in (ml_dtypes.bfloat16, np.float16, np.float32)]
+
+    def build(ids: list[str]) -> Any:
+        params = []
+        for k, pid in enumerate(ids):
+            ref = {"flatRef": {"payloadId": pid}}
+            for dt in ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn"):
+                params.append(param(f"v{k}.{dt}", [24, 40], ref, dt))
+            params.append(param(f"v{k}.region", [24, 40], ref, "bfloat16", region=[(2, 20), (7, 33)]))
+        return plan_of(params)
+
+    assert _streams_match(gpu, cpu, build, values) == 18
+
+
+def test_patches_match_cpu(servers: tuple[Running, Running]) -> None:
+    """Fixed elements over base values (padding rows, a column, overlapping seeded blocks), whole and as regions."""
+    from test_patches import patched_plan
+
+    gpu, cpu = servers
+    assert _streams_match(gpu, cpu, lambda _: patched_plan()) > 2
+    assert _streams_match(gpu, cpu, lambda _: patched_plan(), chunk_bytes=64 << 10) > 2
