@@ -16,6 +16,7 @@ the PTX by test_nvrtc_ptx.py; the float32 store has no device branch any more.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -268,6 +269,21 @@ def run_plan(exe: Path, tmp: Path, jobs: list[cb.Job] | cb.Packed, arena_bytes: 
     arena = np.frombuffer((tmp / "arena.bin").read_bytes(), dtype=np.uint8)
     assert (arena[arena_bytes:] == 0xFF).all(), "a job wrote past the end of the arena"
     return arena[:arena_bytes]
+
+
+def run_launches(exe: Path, tmp: Path, launches: Iterator[cb.Packed], arena_bytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """fill_plan's launches one after another over one arena: each run's written windows (its descriptors' byte
+    ranges) laid over the poisoned arena in launch order."""
+    itemsize = {cb.otype(d): d.itemsize for d in dtypes.SUPPORTED}
+    arena = poisoned(arena_bytes, np.dtype(np.uint8))
+    for k, packed in enumerate(launches):
+        (tmp / str(k)).mkdir()
+        got = run_plan(exe, tmp / str(k), packed, arena_bytes)
+        for row in packed.meta[: packed.njobs * cb.DESC_WORDS].reshape(-1, cb.DESC_WORDS):
+            lo = int(row[cb.W_OUT])
+            hi = lo + int(row[cb.W_N]) * itemsize[int(row[cb.W_OTYPE])]
+            arena[lo:hi] = got[lo:hi]
+    return arena
 
 
 # ---------------------------------------------------------------------------
@@ -672,7 +688,7 @@ def test_a_large_plan_packed_as_columns_gives_the_same_bytes(harness: Path, tmp_
     for i in range(len(table)):
         offsets.append(pos)
         pos += -(-(int(table.nbytes[i]) + 8) // 64) * 64  # a poisoned gap after each tensor
-    by_columns = run_plan(harness, tmp_path, cb.pack_table(table, offsets), pos)
+    by_columns = run_launches(harness, tmp_path, cb.plan_launches(table, offsets), pos)
     (tmp_path / "rows").mkdir()
     by_rows = run_plan(harness, tmp_path / "rows", [cb.Job(table[i], offsets[i]) for i in range(len(table))], pos)
     assert by_columns.tobytes() == by_rows.tobytes()
@@ -701,3 +717,41 @@ def test_a_column_shard_of_data_uploads_only_its_own_values(harness: Path, tmp_p
     (tmp_path / "w").mkdir()
     got = run_plan(harness, tmp_path / "w", window, 300 * 4)  # the window's elements from the arena's start
     assert got.tobytes() == want[100:400].tobytes()
+
+
+def test_flat_values_go_to_the_device_a_window_at_a_time(
+    harness: Path, tmp_path: Path, cpu_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fill_plan packs flat values (a payload in its own dtype, plan values) a window at a time, so host and device
+    hold one window of binary64 values, not the whole plan's: every launch carries at most FLAT_WINDOW values, and
+    the launches together write what the CPU backend writes (a column shard gathered, an empty one skipped)."""
+    import ml_dtypes
+
+    from paraminit_client import param
+    from paraminit_server.plans.columns import SCAN_MIN
+
+    monkeypatch.setattr(cb, "FLAT_WINDOW", 1000)
+    rng = np.random.default_rng(3)
+    payload = rng.standard_normal(60 * 48).astype(ml_dtypes.bfloat16)  # kept in its own dtype, as an upload is
+    params = [
+        resolve_param(0, param("big", [5000], {"flat": {"values": rng.standard_normal(5000).tolist()}}, "float32")),
+        resolve_param(1, param("norm", [3000], {"normal": {"std": 1.0, "seed": 5}}, "bfloat16")),
+        resolve_param(2, param("small", [700], {"flat": {"values": rng.standard_normal(700).tolist()}}, "float16")),
+        resolve_param(3, param("empty", [0], {"flat": {}}, "float32")),
+    ]
+    shard = resolve_param(4, param("shard", [60, 48], {"zeros": {}}, "float8_e4m3fn", region=[(0, 60), (10, 30)]))
+    params.append(dataclasses.replace(shard, kind=Kind.FLAT, initializer="flat", values=payload))
+    offsets, pos = [], 0
+    for p in params:
+        offsets.append(pos)
+        pos += -(-(p.nbytes + 8) // 64) * 64
+    launches = list(cb.plan_launches(params, offsets))
+    assert len(launches) >= 8 and all(k.values.size <= 1000 for k in launches)
+    assert launches[0].values.size == 0 and launches[0].njobs == 1  # the rest in one launch
+    got = run_launches(harness, tmp_path, iter(launches), pos)
+    for p, off in zip(params, offsets, strict=True):
+        want = poisoned(p.numel, p.dtype.storage)
+        cpu_backend.fill(p, want)
+        assert got[off : off + p.nbytes].tobytes() == want.tobytes(), p.name
+        assert (got[off + p.nbytes : off + p.nbytes + 8] == 0xFF).all(), p.name
+    assert len(params) < SCAN_MIN  # a list here; the large-plan test above runs a ParamTable's flat rows through it

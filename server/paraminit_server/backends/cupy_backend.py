@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,7 +168,8 @@ def pack(jobs: Sequence[Job]) -> Packed:
 
 def pack_table(table: ParamTable, offsets: Offsets) -> Packed:
     """pack() of a whole large plan (parameter i at byte offsets[i]) without a Python object per plain parameter:
-    the plain rows' descriptors are written as columns, the others (regions, patches, data) go through pack().
+    the plain rows' descriptors are written as columns, the others (regions, patches) go through pack(). Flat rows
+    are left out: plan_launches packs their values a window at a time.
 
     The plain rows come first and hold no dims and no values, so the other rows' dims and value offsets are those
     pack() gives them; which job comes first never changes a byte (every job writes only its own window).
@@ -183,7 +184,8 @@ def pack_table(table: ParamTable, offsets: Offsets) -> Packed:
     plain = np.flatnonzero(table.plain & live)
     if ((offs[plain] < 0) | (offs[plain] % np.maximum(table.itemsize[plain], 1) != 0)).any():
         raise ValueError("a byte offset is not a multiple of its parameter's item size")
-    rest = pack([Job(table[int(i)], int(offs[i])) for i in np.flatnonzero(~table.plain & live).tolist()])
+    others = [i for i in np.flatnonzero(~table.plain & live).tolist() if table.special[i].kind != Kind.FLAT]
+    rest = pack([Job(table[i], int(offs[i])) for i in others])
     n = table.numel[plain]
     desc = np.zeros((plain.shape[0], DESC_WORDS), dtype=np.int64)
     desc[:, W_OUT] = offs[plain]
@@ -354,17 +356,49 @@ def _nothing() -> None:
     return None
 
 
-def fill_plan(params: Sequence[ResolvedParam], arena: Any, offsets: Offsets) -> None:
-    """Fill whole parameters into one device arena, parameter i at byte offsets[i], in one launch.
+FLAT_WINDOW = 1 << 23  # flat values one launch of fill_plan carries at most (64 MiB as binary64)
 
-    Bytes between parameters are left as they are; the caller zeroes padding it exports.
+
+def plan_launches(params: Sequence[ResolvedParam], offsets: Offsets) -> Iterator[Packed]:
+    """fill_plan's launches, packed one at a time: every parameter but the flat ones in one (a ParamTable's plain
+    rows as columns), then the flat values in windows of at most FLAT_WINDOW elements. A window's values become
+    binary64 only when it is packed, so a payload in its own dtype (a bfloat16 one is a quarter of its binary64
+    form) costs one window on the host and the device at a time, not 8 bytes an element of the whole plan.
+
+    Raises:
+        ValueError: offsets and parameters disagree in number, or an offset is not a multiple of its item size.
     """
     if len(params) != len(offsets):
         raise ValueError(f"{len(params)} parameters but {len(offsets)} offsets")
-    if isinstance(params, ParamTable):  # a large plan: its plain rows packed as columns
-        prepare_jobs(pack_table(params, offsets), arena)()
-        return
-    fill_jobs([Job(p, int(off)) for p, off in zip(params, offsets, strict=True)], arena)
+    if isinstance(params, ParamTable):  # a large plan: its plain rows packed as columns; flat rows are special
+        offs = np.asarray(offsets, dtype=np.int64)
+        flat = [(rp, int(offs[i])) for i, rp in sorted(params.special.items()) if rp.kind == Kind.FLAT]
+        yield pack_table(params, offsets)
+    else:
+        flat = [(p, int(off)) for p, off in zip(params, offsets, strict=True) if p.kind == Kind.FLAT]
+        yield pack([Job(p, int(off)) for p, off in zip(params, offsets, strict=True) if p.kind != Kind.FLAT])
+    jobs: list[Job] = []
+    held = 0
+    for p, off in flat:
+        for lo in range(0, p.numel, FLAT_WINDOW):
+            n = min(FLAT_WINDOW, p.numel - lo)
+            if jobs and held + n > FLAT_WINDOW:
+                yield pack(jobs)
+                jobs, held = [], 0
+            jobs.append(Job(p, off + lo * p.dtype.itemsize, lo, n))
+            held += n  # a window's values are at most its elements (pack gathers a sparse one)
+    if jobs:
+        yield pack(jobs)
+
+
+def fill_plan(params: Sequence[ResolvedParam], arena: Any, offsets: Offsets) -> None:
+    """Fill whole parameters into one device arena, parameter i at byte offsets[i]: one launch, and one more per
+    FLAT_WINDOW of flat values (plan_launches), all on the current stream, in order.
+
+    Bytes between parameters are left as they are; the caller zeroes padding it exports.
+    """
+    for packed in plan_launches(params, offsets):
+        prepare_jobs(packed, arena)()
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
