@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
-from paraminit_server.plans import spec
+from paraminit_server.plans import sampler
 from paraminit_server.plans.plan import Kind, ResolvedParam
 
 # fmt: (fraction bits, smallest normal exponent, largest exponent, sign bit, overflow pattern, NaN pattern)
@@ -31,9 +31,9 @@ _NARROW_FORMATS = {
 def units(key: int, g: npt.NDArray[np.uint64]) -> npt.NDArray[np.float64]:
     """unit draws for global indices g of a stream key, vectorized on uint64 (wrapping)."""
     with np.errstate(over="ignore"):
-        z = np.uint64(key) + g + np.uint64(spec.GOLDEN)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(spec.MUL1)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(spec.MUL2)
+        z = np.uint64(key) + g + np.uint64(sampler.GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(sampler.MUL1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(sampler.MUL2)
         z = z ^ (z >> np.uint64(31))
     return (z & np.uint64(0xFFFFFFFF)).astype(np.float64) / 2.0**32
 
@@ -73,8 +73,8 @@ def cr_cos(x: float) -> float:
 
 def normal_z(u1: float, u2: float) -> float:
     """The spec's z from two unit draws: clamp, correctly rounded log and cos, every other step one rounding."""
-    u1 = spec.NORMAL_U1_FLOOR if u1 <= spec.NORMAL_U1_FLOOR else u1
-    return math.sqrt(-2.0 * cr_log(u1)) * cr_cos(spec.TWO_PI * u2)
+    u1 = sampler.NORMAL_U1_FLOOR if u1 <= sampler.NORMAL_U1_FLOOR else u1
+    return math.sqrt(-2.0 * cr_log(u1)) * cr_cos(sampler.TWO_PI * u2)
 
 
 def values_f64(p: ResolvedParam, g: npt.NDArray[np.int64] | None = None) -> npt.NDArray[np.float64]:
@@ -97,11 +97,11 @@ def values_f64(p: ResolvedParam, g: npt.NDArray[np.int64] | None = None) -> npt.
 
 
 def truncated_normal(p: ResolvedParam, i: int) -> float:
-    """Section 2.2 for element i, candidate by candidate from spec.unit (scalar Python)."""
+    """Section 2.2 for element i, candidate by candidate from sampler.unit (scalar Python)."""
     v = p.p0
-    for j in range(spec.TRUNC_CANDIDATES):
-        s = spec.candidate_seed(p.seed, j)
-        v = p.p0 + p.p1 * normal_z(spec.unit(s, 2 * i), spec.unit(s, 2 * i + 1))
+    for j in range(sampler.TRUNC_CANDIDATES):
+        s = sampler.candidate_seed(p.seed, j)
+        v = p.p0 + p.p1 * normal_z(sampler.unit(s, 2 * i), sampler.unit(s, 2 * i + 1))
         if p.lo <= v <= p.hi:
             return v
     return min(max(v, p.lo), p.hi)

@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 from paraminit_server import errors
 from paraminit_server.plans import files
-from paraminit_server.plans.payloads import BoundSources, Sources
+from paraminit_server.plans.payloads import RequestSnapshot, ValueSources
 
 RENAME_EXCHANGE = 2
 AT_FDCWD = -100
@@ -55,7 +55,7 @@ def test_swapped_directories_never_lead_outside(tmp_path: Path, monkeypatch: pyt
         pytest.skip("no renameat2(RENAME_EXCHANGE) here")
     leaked = str(int.from_bytes(SECRET[:8], "little"))
     monkeypatch.setattr(files, "_openat2_missing", way == "walk")
-    sources = Sources(1 << 20, 60.0, [str(tree)])
+    sources = ValueSources(1 << 20, 60.0, [str(tree)])
     # the swapper is a process of its own, so that it swaps while this one holds the GIL between its checks
     swapper = subprocess.Popen(
         [sys.executable, "-c", SWAPPER, str(tree / "sub"), str(tree / "link")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -64,7 +64,7 @@ def test_swapped_directories_never_lead_outside(tmp_path: Path, monkeypatch: pyt
     read, refused = 0, 0
     try:
         for i in range(2000):
-            bound = BoundSources(sources, "someone")
+            bound = RequestSnapshot(sources, "someone")
             name = "w" if i % 2 else "secret"
             try:
                 values, _ = bound.tensor_values(str(tree / "sub" / f"{name}.safetensors"), "w")
@@ -86,7 +86,7 @@ def test_links_beneath_an_allowed_directory_are_refused(tmp_path: Path) -> None:
     save_file({"w": np.ones(4, np.float32)}, str(tree / "real" / "w.safetensors"))
     (tree / "alias").symlink_to(tree / "real", target_is_directory=True)
     (tree / "file_link.safetensors").symlink_to(tree / "real" / "w.safetensors")
-    bound = BoundSources(Sources(1 << 20, 60.0, [str(tree)]), "someone")
+    bound = RequestSnapshot(ValueSources(1 << 20, 60.0, [str(tree)]), "someone")
     assert bound.tensor_info(str(tree / "real" / "w.safetensors"), "w").shape == (4,)
     assert bound.tensor_info(str(tree / "real" / ".." / "real" / "w.safetensors"), "w").shape == (4,)
     for path in (tree / "alias" / "w.safetensors", tree / "file_link.safetensors"):
@@ -104,7 +104,7 @@ def test_the_component_walk_refuses_links_too(tmp_path: Path, monkeypatch: pytes
 
 def test_non_safetensors_errors_quote_no_file_bytes(tmp_path: Path) -> None:
     (tmp_path / "x.safetensors").write_bytes(SECRET)
-    bound = BoundSources(Sources(1 << 20, 60.0, [str(tmp_path)]), "someone")
+    bound = RequestSnapshot(ValueSources(1 << 20, 60.0, [str(tmp_path)]), "someone")
     with pytest.raises(errors.InvalidRequest, match="not a safetensors file") as info:
         bound.tensor_info(str(tmp_path / "x.safetensors"), "w")
     said = str(info.value).replace(str(tmp_path), "<tmp>")  # the path's own digits (pytest-64/...) are not file bytes

@@ -21,7 +21,7 @@ from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server import errors
 from paraminit_server.plans import files
 from paraminit_server.plans.files import FileChanged
-from paraminit_server.plans.payloads import BoundSources
+from paraminit_server.plans.payloads import RequestSnapshot
 from support import run_cli, running_server, serve_subprocess, target_of
 
 MiB = 1 << 20
@@ -124,7 +124,7 @@ def test_checkpoint_truncated_under_the_read_is_an_error_not_a_signal(ckpt_serve
     r, d = ckpt_server
     path = d / "shrinks.safetensors"
     save_file({"w": np.arange(1 << 16, dtype=np.float32)}, str(path))
-    sources = BoundSources(r.plane.sources, "someone")
+    sources = RequestSnapshot(r.plane.sources, "someone")
     assert sources.tensor_info(str(path), "w").shape == (1 << 16,)
     size = path.stat().st_size
     os.truncate(path, size // 2)
@@ -198,7 +198,7 @@ def test_checkpoint_region_reads_only_its_region(ckpt_server: Any) -> None:
     assert r.plane.admission.host.reserved == 0  # every reservation went back
     tracemalloc.start()
     try:
-        sources = BoundSources(r.plane.sources, "someone")
+        sources = RequestSnapshot(r.plane.sources, "someone")
         values, compact = sources.tensor_values(str(path), "w", ((7, 8), (100, 104)))
         peak = tracemalloc.get_traced_memory()[1]
     finally:

@@ -27,7 +27,7 @@ from paraminit_client import plans
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.backends.cpu_kernels import counter_rng, half_rounding
 from paraminit_server.backends.cpu_kernels.driver import PIECE
-from paraminit_server.plans import spec
+from paraminit_server.plans import sampler
 from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
 from support import poisoned
 
@@ -72,7 +72,7 @@ def make_param(
     elif init in ("xavier_uniform_for_shape", "kaiming_uniform_for_shape"):
         getattr(i, init).seed = seed
     elif init == "flat":
-        n = spec.numel(shape)
+        n = sampler.numel(shape)
         i.flat.values.extend((np.random.default_rng(seed % 2**32).standard_normal(n) * 1e3).tolist())
     else:
         getattr(i, init).SetInParent()
@@ -257,7 +257,7 @@ def test_native_cast(dt: dtypes.DTypeInfo) -> None:
 
 # Keys whose words key + GOLDEN + i cross a 2^30 (fast-path segment), 2^32 or 2^64 boundary inside the tensor,
 # at both parities (normal reads words in pairs).
-EDGE_KEYS = [((b - spec.GOLDEN - k) % 2**64) for b in (1 << 30, 1 << 32, 3 << 30, 1 << 64) for k in (5, 6, 7)]
+EDGE_KEYS = [((b - sampler.GOLDEN - k) % 2**64) for b in (1 << 30, 1 << 32, 3 << 30, 1 << 64) for k in (5, 6, 7)]
 
 
 @pytest.mark.parametrize("key", EDGE_KEYS)
@@ -269,13 +269,13 @@ def test_segment_boundaries(init: str, key: int) -> None:
 
 
 def unmix(z: int) -> int:
-    """The x with spec.mix(x) == z (each step of SplitMix64's finalizer is a bijection)."""
+    """The x with sampler.mix(x) == z (each step of SplitMix64's finalizer is a bijection)."""
     z ^= (z >> 31) ^ (z >> 62)
-    z = (z * pow(spec.MUL2, -1, 2**64)) % 2**64
+    z = (z * pow(sampler.MUL2, -1, 2**64)) % 2**64
     z ^= (z >> 27) ^ (z >> 54)
-    z = (z * pow(spec.MUL1, -1, 2**64)) % 2**64
+    z = (z * pow(sampler.MUL1, -1, 2**64)) % 2**64
     z ^= (z >> 30) ^ (z >> 60)
-    return (z - spec.GOLDEN) % 2**64
+    return (z - sampler.GOLDEN) % 2**64
 
 
 @pytest.mark.parametrize("key", EDGE_KEYS[::2])
@@ -284,7 +284,7 @@ def test_truncated_normal_segment_boundaries(key: int, dt: dtypes.DTypeInfo) -> 
     """Candidate 0 of a seed whose key puts a fast-path segment edge inside the tensor (the straddling pair
     takes the exact path), with bounds that reject about one element in three."""
     seed = unmix(key)
-    assert spec.key(seed) == key
+    assert sampler.key(seed) == key
     p = resolve_param(
         0, plans.param("w", [40], {"truncatedNormal": {"mean": 0.5, "std": 2.0, "lo": -1.0, "hi": 2.5, "seed": str(seed)}}, dt.name)
     )
@@ -324,7 +324,7 @@ def test_extreme_bounds(lo: float, hi: float, dt: dtypes.DTypeInfo) -> None:
     assert same(fill(p), want)
 
 
-@pytest.mark.parametrize("key", [((b - spec.GOLDEN - 1001) % 2**64) for b in (1 << 30, 1 << 32, 1 << 64)])
+@pytest.mark.parametrize("key", [((b - sampler.GOLDEN - 1001) % 2**64) for b in (1 << 30, 1 << 32, 1 << 64)])
 @pytest.mark.parametrize(("lo", "hi"), [(-0.5, 2.0), (-70000.0, 70000.0), (0.0, 3e-37), (-1e-40, 1e-40)])
 @pytest.mark.parametrize("dt", [dtypes.FLOAT16, dtypes.BFLOAT16, dtypes.FLOAT32], ids=lambda d: d.name)
 def test_uniform_half_segments(key: int, lo: float, hi: float, dt: dtypes.DTypeInfo) -> None:
@@ -402,8 +402,8 @@ def test_segment_draw_forms_agree() -> None:
         a = ((x & 0xFFFFFFFF) ^ c) & 0xFFFFFFFF
         z = (a * 0x1CE4E5B9 + ((a * 0xBF58476D) << 32) + c1) & m64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
-        assert (z ^ (z >> 31)) & 0xFFFFFFFF == spec.mix((x - spec.GOLDEN) & m64) & 0xFFFFFFFF
-        assert counter_rng.low_draw(np.uint64(x)) == float(spec.mix((x - spec.GOLDEN) & m64) & 0xFFFFFFFF)
+        assert (z ^ (z >> 31)) & 0xFFFFFFFF == sampler.mix((x - sampler.GOLDEN) & m64) & 0xFFFFFFFF
+        assert counter_rng.low_draw(np.uint64(x)) == float(sampler.mix((x - sampler.GOLDEN) & m64) & 0xFFFFFFFF)
 
 
 def test_fill_plan_batches_small_tensors_bit_for_bit() -> None:

@@ -2,7 +2,7 @@
 
 paraminit_kernels.cuh is all __host__ __device__, so nvcc builds a host-only
 driver around it here: scalar functions are compared with reference.py and
-spec.py, the correctly rounded log and cos with the CPU kernels' (a random
+sampler.py, the correctly rounded log and cos with the CPU kernels' (a random
 sample, the domain's edges and vectors.json's hard inputs), and whole packed
 plans (cupy_backend.pack, the kernels' tile loop and region mapping, emulated
 thread by thread) with reference.py and vectors.json. Normal values match
@@ -36,7 +36,7 @@ from paraminit import dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu_kernels import cr_math, cr_tables
-from paraminit_server.plans import spec
+from paraminit_server.plans import sampler
 from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
 from support import CASES, VECTORS, case_param, poisoned
 
@@ -315,18 +315,18 @@ def test_constants_agree(harness: Path) -> None:
         cb.W_SEED,
     ]
     assert table["KIND"] == [int(Kind.CONST), int(Kind.AFFINE), int(Kind.NORMAL), int(Kind.FLAT), int(Kind.TRUNCNORM)]
-    assert table["CANDIDATES"] == [spec.TRUNC_CANDIDATES]
+    assert table["CANDIDATES"] == [sampler.TRUNC_CANDIDATES]
     assert table["OTYPE"] == [cb.OTYPE_F32, cb.OTYPE_F64, cb.OTYPE_F16, cb.OTYPE_BF16, cb.OTYPE_F8E4M3, cb.OTYPE_F8E5M2]
     assert sorted({cb.otype(d) for d in dtypes.SUPPORTED}) == table["OTYPE"]  # one output type per dtype
     assert [cb.otype(d) for d in (dtypes.FLOAT32, dtypes.FLOAT64, dtypes.FLOAT16, dtypes.BFLOAT16)] == [0, 1, 2, 3]
 
 
 def test_known_answers_and_unit_streams(harness: Path) -> None:
-    ops: list[tuple[str, int, int, int, int]] = [("mix", 0, 0, 0, 0), ("unit", spec.key(0), 0, 0, 0)]
+    ops: list[tuple[str, int, int, int, int]] = [("mix", 0, 0, 0, 0), ("unit", sampler.key(0), 0, 0, 0)]
     want: list[int] = [0xE220A8397B1DCDAF, dbits(0.30117025575600564)]
     for seed, stream in VECTORS["unit"].items():
         for i, u in enumerate(stream):
-            ops.append(("unit", spec.key(int(seed)), i, 0, 0))
+            ops.append(("unit", sampler.key(int(seed)), i, 0, 0))
             want.append(dbits(u))
     assert run_scalar(harness, ops) == want
 
@@ -336,8 +336,8 @@ def test_random_scalars_match_reference(harness: Path) -> None:
     m64 = (1 << 64) - 1
     xs = [int(x) for x in rng.integers(0, 2**63, 300, dtype=np.int64)] + [m64, m64 - 1, 1 << 63]
     ops = [("mix", x, 0, 0, 0) for x in xs]
-    want = [spec.mix(x) for x in xs]
-    keys = [spec.key(int(s)) for s in rng.integers(0, 2**62, 40)] + [spec.key(m64)]
+    want = [sampler.mix(x) for x in xs]
+    keys = [sampler.key(int(s)) for s in rng.integers(0, 2**62, 40)] + [sampler.key(m64)]
     for key in keys:
         gs = [int(g) for g in rng.integers(0, 2**40, 8)] + [0, m64]  # the counter wraps modulo 2^64
         u = reference.units(key, np.asarray(gs, dtype=np.uint64))
@@ -380,13 +380,13 @@ def test_correctly_rounded_functions_match_the_cpu_kernels(harness: Path, fn: st
 
 def test_normal_matches_reference_including_the_floor(harness: Path) -> None:
     rng = np.random.default_rng(7)
-    key = spec.key(0)
+    key = sampler.key(0)
     u1 = reference.units(key, 2 * np.arange(1 << 22, dtype=np.uint64))
-    floored = np.flatnonzero(u1 <= spec.NORMAL_U1_FLOOR)
+    floored = np.flatnonzero(u1 <= sampler.NORMAL_U1_FLOOR)
     assert floored.size > 0  # elements whose u1 is clamped to 1e-6
     cases = [(key, int(g), 0.0, 1.0) for g in floored]
     cases += [
-        (spec.key(int(s)), int(g), float(m), float(sd))
+        (sampler.key(int(s)), int(g), float(m), float(sd))
         for s, g, m, sd in zip(
             rng.integers(0, 2**62, 400), rng.integers(0, 2**40, 400), rng.normal(0, 1, 400), rng.uniform(0, 3, 400), strict=True
         )
@@ -484,7 +484,7 @@ def random_param(rng: np.random.Generator, index: int, max_numel: int = 6000, ma
     lo_rank = 2 if init.endswith("for_shape") else 0
     while True:
         shape = [int(d) for d in rng.integers(1, max_dim + 1, int(rng.integers(lo_rank, 6)))]
-        if spec.numel(shape) <= max_numel:
+        if sampler.numel(shape) <= max_numel:
             break
     dt = dtypes.SUPPORTED[int(rng.integers(len(dtypes.SUPPORTED)))]
     p = plan_pb2.Param(name=f"p{index}", shape=shape, dtype=dt.enum)  # type: ignore[arg-type]
@@ -504,8 +504,8 @@ def random_param(rng: np.random.Generator, index: int, max_numel: int = 6000, ma
         t.mean, t.std, t.seed = float(rng.normal()), float(rng.uniform(0, 10)), seed
         t.lo, t.hi = t.mean - t.std * float(rng.uniform(0.5, 3)), t.mean + t.std * float(rng.uniform(0.5, 3))
     elif init == "flat":
-        scale = 10.0 ** rng.integers(-45, 40, spec.numel(shape))
-        i.flat.values.extend((rng.normal(0, 1, spec.numel(shape)) * scale).tolist())
+        scale = 10.0 ** rng.integers(-45, 40, sampler.numel(shape))
+        i.flat.values.extend((rng.normal(0, 1, sampler.numel(shape)) * scale).tolist())
     elif init == "xavier_uniform":
         i.xavier_uniform.fan_in, i.xavier_uniform.fan_out, i.xavier_uniform.seed = (
             int(rng.integers(0, 50)),
@@ -633,7 +633,7 @@ def test_device_branches_built_for_the_host_agree(harness: Path, device_branches
     """The header's device code paths, run on the CPU, give the bytes of its host paths (which the tests above
     check against reference.py): every scalar operation, and a packed plan through the tile loop."""
     rng = np.random.default_rng(77)
-    keys = [spec.key(int(s)) for s in rng.integers(0, 2**62, 6)]
+    keys = [sampler.key(int(s)) for s in rng.integers(0, 2**62, 6)]
     ops: list[tuple[str, int, int, int, int]] = []
     for key in keys:
         for g in [int(g) for g in rng.integers(0, 2**40, 40)]:

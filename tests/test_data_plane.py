@@ -22,7 +22,7 @@ from paraminit_server.plane import materializer
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.materializer import Materializer, StreamStart
 from paraminit_server.plans import plan as planlib
-from paraminit_server.rpc.service import Handlers
+from paraminit_server.rpc.service import InitServiceHandlers
 
 POISON = 0xAB
 SMALL_SLABS = {"slab_bytes": 64 << 10, "chunk_bytes": 8 << 10}  # 64 KiB slabs: many more slabs than the ring holds
@@ -92,7 +92,7 @@ def test_lent_slabs_come_from_a_ring_and_are_whole_until_the_next_is_asked_for(p
 def test_concurrent_encoded_streams_keep_every_message_intact(plane: Materializer) -> None:
     """Two concurrent streams through the service layer, each encoding borrowed slabs; every message kept by
     the consumer until the end decodes, carries its data's CRC32C, and equals the reference."""
-    handlers = Handlers(plane)
+    handlers = InitServiceHandlers(plane)
     plans = [uniform_plan(96 * 1024, s) for s in (7, 8)]
     kept: list[list[Any]] = [[], []]
     failed: list[BaseException] = []

@@ -11,7 +11,7 @@ from paraminit_server import errors
 from paraminit_server.ledger import Claim, Ledger, Refusal
 from paraminit_server.plane.admission import MemoryBudget
 from paraminit_server.plane.leases import LeaseTable
-from paraminit_server.plans.payloads import Sources
+from paraminit_server.plans.payloads import ValueSources
 
 
 def limit(most: int) -> Refusal:
@@ -155,7 +155,7 @@ def test_lease_slots_count_per_owner_until_the_lease_is_freed() -> None:
 
 
 def test_payload_store_gives_back_bytes_on_every_failure_and_on_expiry() -> None:
-    sources = Sources(64, ttl=3600)
+    sources = ValueSources(64, ttl=3600)
     ticket = sources.reserve(40)
     with pytest.raises(errors.ResourceExhausted, match="uploads in flight count"):
         sources.reserve(40)

@@ -13,7 +13,7 @@ from paraminit.regions import Region, Runs
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors
 from paraminit_server.plans import plan as planlib
-from paraminit_server.plans.payloads import BoundSources, Sources
+from paraminit_server.plans.payloads import RequestSnapshot, ValueSources
 
 
 def _boxes(rng: np.random.Generator, count: int) -> list[tuple[tuple[int, ...], regions.Box]]:
@@ -117,7 +117,7 @@ def test_runs_shifted_and_single() -> None:
 def test_a_region_that_does_not_fit_its_checkpoint_tensor_is_an_error_of_the_request(tmp_path: Path) -> None:
     """Digests read checkpoint regions before validation compares shapes: a misfit is INVALID_ARGUMENT, not a crash."""
     save_file({"w": np.arange(4, dtype=np.float32).reshape(2, 2) + 1}, str(tmp_path / "c.safetensors"))
-    bound = BoundSources(Sources(1 << 20, 60.0, [str(tmp_path)]), "someone")
+    bound = RequestSnapshot(ValueSources(1 << 20, 60.0, [str(tmp_path)]), "someone")
     path = str(tmp_path / "c.safetensors")
     assert Region.of((2, 2), ((0, 1), (0, 2))).fits and not Region.of((2, 2), ((0, 3), (0, 2))).fits
     for region in (((0, 2),), ((0, 3), (0, 2)), ((0, 1), (0, 1), (0, 1))):

@@ -19,7 +19,7 @@ from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server import errors
 from paraminit_server.plans import payloads
 from paraminit_server.plans import plan as planlib
-from paraminit_server.plans.payloads import BoundSources, Sources
+from paraminit_server.plans.payloads import RequestSnapshot, ValueSources
 from paraminit_server.rpc.server import Running
 from support import running_server, target_of
 
@@ -45,16 +45,16 @@ def _expire_after_first_lookup(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every payload expires the moment the store first hands it out: any second lookup in the same request
     finds nothing. Returns the ids looked up, in order."""
     looked_up: list[str] = []
-    original = Sources.payload
+    original = ValueSources.payload
 
-    def payload(self: Sources, payload_id: str, owner: str) -> payloads.Payload | None:
+    def payload(self: ValueSources, payload_id: str, owner: str) -> payloads.Payload | None:
         looked_up.append(payload_id)
         found = original(self, payload_id, owner)
         if found is not None:
             found.expires_at = 0.0  # the next lookup's _expire() drops it
         return found
 
-    monkeypatch.setattr(Sources, "payload", payload)
+    monkeypatch.setattr(ValueSources, "payload", payload)
     return looked_up
 
 
@@ -94,7 +94,7 @@ def test_digest_covers_the_payload_validation_saw(client: Client, monkeypatch: p
 
 
 class _Holding:
-    """Sources that hold one payload (or none) under every id, for digests computed here."""
+    """ValueSources that hold one payload (or none) under every id, for digests computed here."""
 
     def __init__(self, values: np.ndarray[Any, Any] | None) -> None:
         self.values = values
@@ -122,14 +122,14 @@ def test_checkpoint_rewritten_mid_request_is_refused_cleanly(
     save_file({"w": first}, str(path))
     plan = plan_of([param("w", [20], {"safetensors": {"path": str(path), "tensor": "w"}})])
     assert client.materialize(plan)["w"].tobytes() == first.tobytes()
-    original = BoundSources.tensor_info
+    original = RequestSnapshot.tensor_info
 
-    def tensor_info(self: BoundSources, p: str, tensor: str) -> Any:
+    def tensor_info(self: RequestSnapshot, p: str, tensor: str) -> Any:
         info = original(self, p, tensor)
         save_file({"w": first[::-1].copy(), "x": first}, p)  # replaced after validation read the header
         return info
 
-    monkeypatch.setattr(BoundSources, "tensor_info", tensor_info)
+    monkeypatch.setattr(RequestSnapshot, "tensor_info", tensor_info)
     with pytest.raises(ParaminitError) as exc:
         client.materialize(plan)
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -138,21 +138,21 @@ def test_checkpoint_rewritten_mid_request_is_refused_cleanly(
 
 def test_resolution_without_its_payload_is_not_found_not_an_assertion() -> None:
     """resolve() on a plan whose payload the request does not hold names the payload (NOT_FOUND)."""
-    sources = BoundSources(Sources(1 << 20, 60.0), "someone")
+    sources = RequestSnapshot(ValueSources(1 << 20, 60.0), "someone")
     p = param("w", [4], {"flatRef": {"payloadId": "cd" * 16}})
     with pytest.raises(errors.NotFound, match="no payload"):
         planlib.resolve_param(0, p, sources)
 
 
 def test_snapshot_keeps_one_answer_per_payload() -> None:
-    store = Sources(1 << 20, 60.0)
+    store = ValueSources(1 << 20, 60.0)
     data = np.frombuffer(np.arange(4, dtype=np.float32).tobytes(), dtype=np.uint8)
     pid, payload = store.store("me", 1, 4, data.copy())
-    snap = BoundSources(store, "me")
+    snap = RequestSnapshot(store, "me")
     assert snap.payload(pid) is payload
     payload.expires_at = 0.0
     assert store.payload(pid, "me") is None  # gone from the store
     assert snap.payload(pid) is payload  # still the request's
     assert hashlib.sha256(b"float32\0" + data.tobytes()).hexdigest() == payload.sha256
-    other = BoundSources(store, "me")
+    other = RequestSnapshot(store, "me")
     assert other.payload(pid) is None  # a new request sees the store as it is now

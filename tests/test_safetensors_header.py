@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from paraminit import safetensors_header as sth
 from paraminit_client import cli, inspect, plans
 from paraminit_server import errors
-from paraminit_server.plans.payloads import BoundSources, Sources
+from paraminit_server.plans.payloads import RequestSnapshot, ValueSources
 from support import run_cli
 
 SECRET = "SECRET_tensor_name_7c1f"  # a name in the file: errors the server sends must not quote it
@@ -70,7 +70,7 @@ def test_the_reader_refuses_each_hostile_file(hostile: dict[str, Path], name: st
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_the_server_refuses_each_hostile_file_without_quoting_it(hostile: dict[str, Path], name: str) -> None:
     path = hostile[name]
-    bound = BoundSources(Sources(1 << 20, 60.0, [str(path.parent)]), "someone")
+    bound = RequestSnapshot(ValueSources(1 << 20, 60.0, [str(path.parent)]), "someone")
     with pytest.raises(errors.InvalidRequest) as info:
         bound.tensor_info(str(path), "w")
     assert info.value.code == "INVALID_ARGUMENT"
@@ -129,7 +129,7 @@ def test_files_the_safetensors_library_writes_read_as_it_reads_them(tmp_path: Pa
     }
     meta, entries = inspect.read_header(path)
     assert meta == {"plan_digest": "abc"} and {e.name for e in entries} == set(tensors)
-    bound = BoundSources(Sources(1 << 20, 60.0, [str(tmp_path)]), "someone")
+    bound = RequestSnapshot(ValueSources(1 << 20, 60.0, [str(tmp_path)]), "someone")
     info = bound.tensor_info(str(path), "b")
     assert info.shape == (2, 3) and info.nbytes == 24 and info.start == header.tensors["b"].start
     with pytest.raises(errors.InvalidRequest, match="has dtype I64"):

@@ -12,7 +12,7 @@ import reference
 
 from paraminit import dtypes
 from paraminit_client import cli, plans
-from paraminit_server.plans import spec
+from paraminit_server.plans import sampler
 from paraminit_server.plans.plan import resolve_param
 from support import CASES, VECTORS, case_param, poisoned, vector_cases
 
@@ -26,15 +26,15 @@ def as_bits(arr: np.ndarray[Any, Any]) -> list[int]:
 
 
 def test_known_answers() -> None:
-    assert spec.mix(0) == 0xE220A8397B1DCDAF
-    assert spec.unit(0, 0) == 0.30117025575600564
+    assert sampler.mix(0) == 0xE220A8397B1DCDAF
+    assert sampler.unit(0, 0) == 0.30117025575600564
 
 
 @pytest.mark.parametrize("seed", list(VECTORS["unit"]))
 def test_unit_streams(seed: str) -> None:
     want = VECTORS["unit"][seed]
-    assert [spec.unit(int(seed), i) for i in range(len(want))] == want
-    got = reference.units(spec.key(int(seed)), np.arange(len(want), dtype=np.uint64))
+    assert [sampler.unit(int(seed), i) for i in range(len(want))] == want
+    got = reference.units(sampler.key(int(seed)), np.arange(len(want), dtype=np.uint64))
     assert got.tolist() == want
 
 

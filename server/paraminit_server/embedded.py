@@ -95,7 +95,7 @@ class InProcess:
             ready.set_result(plane)
             plane = ready
         self._ready = plane
-        self._handlers: service.Handlers | None = None
+        self._handlers: service.InitServiceHandlers | None = None
         self.caller = Caller(identity=f"uid:{os.getuid()}", local=True, wait=ServerConfig.admission_wait, queue_wait=IN_PROCESS_QUEUE_WAIT)
 
     @classmethod
@@ -150,7 +150,7 @@ class InProcess:
 
     def info(self) -> pb.GetInfoResponse:
         if self._handlers is None:
-            self._handlers = service.Handlers(self.plane)
+            self._handlers = service.InitServiceHandlers(self.plane)
         return self._handlers.info(pb.GetInfoRequest(), self.caller)
 
     def fill(self, plan: plan_pb2.Plan, outputs: Mapping[str, Any] | None = None) -> tuple[list[Any], str, Any]:

@@ -31,7 +31,7 @@ from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export, Exports
 from paraminit_server.plane.leases import LeaseRecord, LeaseTable
 from paraminit_server.plans import columns, plan, validation
-from paraminit_server.plans.payloads import BoundSources, Follower, Payload, Sources
+from paraminit_server.plans.payloads import Follower, Payload, RequestSnapshot, ValueSources
 
 PREFETCH = 2  # slabs generated ahead of the one being sent
 # What checking a plan costs in host memory, charged to the budget before the work: per parameter (its
@@ -56,13 +56,13 @@ def max_request_bytes(host_budget: int, max_concurrent: int) -> int:
 
 
 @dataclass(frozen=True)
-class Checked:
+class CheckedPlan:
     """A plan that validated, resolved for the kernels."""
 
     params: Sequence[plan.ResolvedParam]  # a columns.ParamTable for large plans
     report: validation.Report
     digest: str
-    sources: BoundSources | None = None  # holds the memory of checkpoint values until close()
+    sources: RequestSnapshot | None = None  # holds the memory of checkpoint values until close()
 
     def close(self) -> None:
         """Give back the memory reserved for the plan and its checkpoint values."""
@@ -104,7 +104,7 @@ class Materializer:
         self.config = config
         self.backend = backend
         self.limits = validation.Limits(config.max_param_bytes, config.max_plan_bytes)
-        self.sources = Sources(
+        self.sources = ValueSources(
             config.max_payload_bytes,
             config.payload_ttl,
             config.safetensors_dirs.split(":"),
@@ -134,10 +134,10 @@ class Materializer:
 
     # -- plans ---------------------------------------------------------------------------
 
-    def _sources(self, caller: Caller, p: plan_pb2.Plan) -> BoundSources:
+    def _sources(self, caller: Caller, p: plan_pb2.Plan) -> RequestSnapshot:
         """The request's view of payloads and checkpoints, holding the plan's own memory (plan_memory) until
         it is released; checkpoint values are host memory too, reserved before they are read."""
-        sources = BoundSources(
+        sources = RequestSnapshot(
             self.sources, caller.identity, lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"), standard_normal
         )
         size = p.ByteSize()
@@ -165,7 +165,7 @@ class Materializer:
         finally:
             sources.release()  # the freed heap a large plan's checks leave goes back at the slot's idle trim
 
-    def check(self, p: plan_pb2.Plan, caller: Caller) -> Checked:
+    def check(self, p: plan_pb2.Plan, caller: Caller) -> CheckedPlan:
         """Validate the whole plan; raise with every violation, or return it resolved, its kernels ready."""
         sources = self._sources(caller, p)
         try:
@@ -176,7 +176,7 @@ class Materializer:
                 raise errors.ResourceExhausted(f"plan exceeds the limits: {worst}", report.violations)
             if not report.ok:
                 raise errors.InvalidPlan(report.violations)
-            checked = Checked(plan.resolve(p, sources, cols), report, plan.digest(p, sources, cols), sources)
+            checked = CheckedPlan(plan.resolve(p, sources, cols), report, plan.digest(p, sources, cols), sources)
             # kernels a cold cache lacks compile here, before the caller takes a slot or a place in line
             self.backend.prepare(checked.params)
             if caller.gone():
@@ -210,7 +210,7 @@ class Materializer:
             yield from self._stream(checked, caller, chunk_bytes, lend)
 
     def _stream(
-        self, checked: Checked, caller: Caller, chunk_bytes: int, lend: bool
+        self, checked: CheckedPlan, caller: Caller, chunk_bytes: int, lend: bool
     ) -> Generator[StreamStart | tuple[int, Any], None, None]:
         lay = layout.stream_layout(checked.params, checked.digest)
         chunk = self.chunk_size(chunk_bytes)
@@ -332,7 +332,7 @@ class _Upload:
     """One payload arriving: sized and reserved by its first piece, then each piece copied (`land`), hashed and
     scanned behind it (Follower)."""
 
-    def __init__(self, sources: Sources) -> None:
+    def __init__(self, sources: ValueSources) -> None:
         self.sources = sources
         self.ticket: Claim | None = None
         self.buf: npt.NDArray[np.uint8] | None = None

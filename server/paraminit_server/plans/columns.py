@@ -25,7 +25,7 @@ from paraminit_server.plans import scanner
 from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns, kinds_of, resolve_param
 
 if TYPE_CHECKING:
-    from paraminit_server.plans.payloads import BoundSources
+    from paraminit_server.plans.payloads import RequestSnapshot
 
 SCAN_MIN = 32  # from this many parameters a plan is read as columns: the scan (about 0.1 ms) costs less than 5 us a row
 _SMALL = float(1 << 59)  # element counts below this cannot overflow 2^63 bytes at 8 bytes per element
@@ -71,7 +71,7 @@ class Columns:
         """The plan digest's canonical bytes, when the scan can write them (scanner.canonical)."""
         return scanner.canonical(self.scan)
 
-    def resolve(self, plan: plan_pb2.Plan, sources: BoundSources | None = None) -> ParamTable:
+    def resolve(self, plan: plan_pb2.Plan, sources: RequestSnapshot | None = None) -> ParamTable:
         """The validated plan resolved: plain rows stay columns, the others are resolved one by one."""
         special = {int(i): resolve_param(int(i), plan.params[int(i)], sources) for i in np.flatnonzero(~self.plain).tolist()}
         return ParamTable(self, special)

@@ -4,7 +4,7 @@ operation order of the counter-based Gaussian matrix, the sign correction, the g
 Every sum runs in increasing index order on one thread and nothing is fused (numba compiles without fast-math, so
 LLVM neither contracts a multiply and an add nor reorders a reduction): the bytes depend on (shape, gain, seed)
 alone, never on threads, chunking, regions, ranks or backend. The Gaussian matrix comes from the request's sources
-(`BoundSources.gaussian`: the CPU kernels' normal, whatever the backend), and every backend takes the result as
+(`RequestSnapshot.gaussian`: the CPU kernels' normal, whatever the backend), and every backend takes the result as
 data (the CUDA path uploads it like a payload), so the matrix is always computed on the host. A region is cut from
 the whole matrix.
 """

@@ -38,7 +38,7 @@ from paraminit_server.ledger import Claim, Ledger
 from paraminit_server.plans import files
 from paraminit_server.plans.files import FileChanged, Header, StoredTensor
 
-__all__ = ["BoundSources", "FileChanged", "Payload", "PayloadTicket", "Sources", "StoredTensor", "to_binary64"]
+__all__ = ["FileChanged", "Payload", "PayloadTicket", "RequestSnapshot", "StoredTensor", "ValueSources", "to_binary64"]
 
 CONTENT_HASHES = 4096  # remembered (file version, tensor, region) -> SHA-256, so Validate reads a file once
 
@@ -176,14 +176,14 @@ class Payload:
     max_abs: float = 0.0  # the largest finite |value|: the 8-bit range rule's bound of a flat_ref
 
 
-class Held(Protocol):
+class Reservation(Protocol):
     def release(self) -> object: ...
 
 
 PayloadTicket = Claim  # payload bytes taken from the limit: an upload in flight, then the stored payload
 
 
-class Sources:
+class ValueSources:
     """Where flat_ref and safetensors initializers get their values."""
 
     def __init__(
@@ -356,8 +356,8 @@ def _region_of(info: StoredTensor, region: tuple[tuple[int, int], ...] | None, t
     return box
 
 
-class BoundSources:
-    """Sources as one request sees them, a snapshot: payloads of its identity only, each looked up once per
+class RequestSnapshot:
+    """ValueSources as one request sees them, a snapshot: payloads of its identity only, each looked up once per
     request and kept for it (a payload that expires or is removed after validation saw it is still the one
     resolution, the digest and the fill use); each checkpoint header parsed once per request (a file that
     changes after that is refused, never half read); checkpoint values reserved against the memory budget
@@ -365,9 +365,9 @@ class BoundSources:
 
     def __init__(
         self,
-        sources: Sources,
+        sources: ValueSources,
         owner: str,
-        reserve: Callable[[int], Held] | None = None,
+        reserve: Callable[[int], Reservation] | None = None,
         gaussian: Callable[[int, int], npt.NDArray[np.float64]] | None = None,
     ) -> None:
         """Args:
@@ -382,7 +382,7 @@ class BoundSources:
         self._reserve = reserve
         self.gaussian = gaussian
         self._headers: dict[str, Header] = {}
-        self._held: list[Held] = []
+        self._held: list[Reservation] = []
         self._hashes: dict[tuple[str, str, tuple[tuple[int, int], ...]], str] = {}
         self._payloads: dict[str, Payload | None] = {}
         self._largest: dict[tuple[Any, ...], float] = {}
@@ -394,7 +394,7 @@ class BoundSources:
             self._payloads[payload_id] = self.sources.payload(payload_id, self.owner)
         return self._payloads[payload_id]
 
-    def hold(self, held: Held) -> None:
+    def hold(self, held: Reservation) -> None:
         """Keep a reservation of the request's until release()."""
         self._held.append(held)
 

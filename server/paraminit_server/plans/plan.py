@@ -6,7 +6,7 @@ draw (uniform, xavier, kaiming, their "for shape" forms), normal, truncated
 normal, and flat payloads (inline values, uploaded payloads, checkpoint tensors).
 The initializer table (paraminit.inits) maps every initializer to its value form;
 this module maps the forms to kernels, and reads payloads and checkpoints through
-the request's snapshot (payloads.BoundSources), the one validation read.
+the request's snapshot (payloads.RequestSnapshot), the one validation read.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from paraminit import dtypes, inits, regions
 from paraminit.regions import Runs as Runs  # what backends walk; defined with the regions
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors
-from paraminit_server.plans import spec
+from paraminit_server.plans import sampler
 
 if TYPE_CHECKING:
     from paraminit_server.plans.columns import Columns
-    from paraminit_server.plans.payloads import BoundSources
+    from paraminit_server.plans.payloads import RequestSnapshot
 
 # Byte offsets of parameters in a buffer, in plan order: a list, or an array for a large plan's ParamTable
 Offsets = Sequence[int] | npt.NDArray[np.int64]
@@ -79,7 +79,7 @@ class ResolvedParam:
     def __post_init__(self) -> None:
         region = self.region
         out_shape = tuple([stop - start for start, stop in region])
-        numel = spec.numel(out_shape)
+        numel = sampler.numel(out_shape)
         setattr_ = object.__setattr__
         setattr_(self, "out_shape", out_shape)
         setattr_(self, "numel", numel)
@@ -150,7 +150,7 @@ class ResolvedParam:
 @functools.lru_cache(maxsize=4096)
 def _whole(shape: tuple[int, ...]) -> tuple[regions.Box, int, Runs]:
     """The region, element count and runs of a whole tensor (immutable, so shared by every parameter of a shape)."""
-    numel = spec.numel(shape)
+    numel = sampler.numel(shape)
     return regions.whole(shape), numel, Runs.single(numel)
 
 
@@ -176,7 +176,7 @@ class Patch:
         return self.starts[first : int(np.searchsorted(self.starts, end, side="left"))]
 
 
-def resolve_param(index: int, p: plan_pb2.Param, sources: BoundSources | None = None) -> ResolvedParam:
+def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None) -> ResolvedParam:
     """Resolve one parameter; the caller guarantees the plan validated (with the same sources)."""
     rp = _resolve_base(index, p, sources)
     if not p.patches:
@@ -191,7 +191,7 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: BoundSources | None = 
     return replace(rp, patches=tuple(patches))
 
 
-def _resolve_base(index: int, p: plan_pb2.Param, sources: BoundSources | None = None) -> ResolvedParam:
+def _resolve_base(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None) -> ResolvedParam:
     shape = tuple(int(d) for d in p.shape)
     region = regions.box_of(p)
     dt = dtypes.by_enum(p.dtype)
@@ -214,7 +214,7 @@ class _Resolver:
     region: regions.Box | None  # None: the whole tensor
     dt: dtypes.DTypeInfo
     initializer: str
-    sources: BoundSources | None
+    sources: RequestSnapshot | None
 
     @property
     def box(self) -> regions.Box:
@@ -269,7 +269,7 @@ def _resolve_form(
     """A parameter whose values a kernel computes (a distribution or a constant); region None: the whole tensor.
     The form names its kernel and the arguments (inits.Distribution.kernel), whatever the initializer."""
     k = type(form).kernel(vars(form))
-    kind, p1, key = _KIND[k.name], 0.0 if k.p1 is None else k.p1, 0 if k.seed is None else spec.key(k.seed)
+    kind, p1, key = _KIND[k.name], 0.0 if k.p1 is None else k.p1, 0 if k.seed is None else sampler.key(k.seed)
     if k.lo is not None:
         if region is None:
             return ResolvedParam.whole(index, name, shape, dt, initializer, kind, k.p0, p1, key, k.lo, k.hi, k.seed)
@@ -298,18 +298,18 @@ def kernel_columns(form: type[inits.Distribution], fields: dict[str, npt.NDArray
     n = next(iter(fields.values())).shape[0]
     zero, zero_u = np.zeros(n), np.zeros(n, dtype=np.uint64)
     k = form.kernel(fields)
-    keys = zero_u if k.seed is None else spec.keys(k.seed)
+    keys = zero_u if k.seed is None else sampler.keys(k.seed)
     if k.lo is None:
         return _KIND[k.name], k.p0, zero if k.p1 is None else k.p1, keys, zero, zero, zero_u
     return _KIND[k.name], k.p0, k.p1, keys, k.lo, k.hi, k.seed
 
 
-def resolve(plan: plan_pb2.Plan, sources: BoundSources | None = None, cols: Columns | None = None) -> Sequence[ResolvedParam]:
+def resolve(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: Columns | None = None) -> Sequence[ResolvedParam]:
     """Resolve a validated plan; with its columns (plans.columns.of), as a ParamTable.
 
     Args:
         plan: a plan that validated against the same sources.
-        sources: the request's snapshot of payloads and checkpoints (payloads.BoundSources).
+        sources: the request's snapshot of payloads and checkpoints (payloads.RequestSnapshot).
         cols: the plan's columns, when it has them.
 
     Returns:
@@ -346,7 +346,7 @@ def canonical(plan: plan_pb2.Plan) -> bytes:
     return out.SerializeToString(deterministic=True)
 
 
-def digest(plan: plan_pb2.Plan, sources: BoundSources | None = None, cols: Columns | None = None) -> str:
+def digest(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: Columns | None = None) -> str:
     """Hex SHA-256 of the canonical form and, with `sources`, of the content every payload and checkpoint
     reference uses: the same digest always names the same bytes, also after a checkpoint is rewritten in
     place. A plan without references digests its canonical bytes alone (plan.proto says how to reproduce it)."""
@@ -383,7 +383,7 @@ class _Content:
     """The content a form references, as the digest names it (inits.FormReader): a payload's or a checkpoint
     region's hash, or None where the plan itself says what the values are."""
 
-    sources: BoundSources
+    sources: RequestSnapshot
     region: regions.Box
 
     def distribution(self, form: inits.Distribution) -> str | None:

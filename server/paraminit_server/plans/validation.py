@@ -16,11 +16,11 @@ from paraminit.sizes import format_size
 from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, NAME_ECHO, Violation, camel_path, clip
 from paraminit_server import errors
-from paraminit_server.plans import spec
+from paraminit_server.plans import sampler
 
 if TYPE_CHECKING:
     from paraminit_server.plans.columns import Columns
-    from paraminit_server.plans.payloads import BoundSources
+    from paraminit_server.plans.payloads import RequestSnapshot
 
 __all__ = ["INVALID", "LIMIT", "Limits", "Report", "Violation", "validate"]
 
@@ -62,13 +62,15 @@ class Report:
         return bool(self.violations) and all(v.category == LIMIT for v in self.violations)
 
 
-def validate(plan: plan_pb2.Plan, limits: Limits | None = None, sources: BoundSources | None = None, cols: Columns | None = None) -> Report:
+def validate(
+    plan: plan_pb2.Plan, limits: Limits | None = None, sources: RequestSnapshot | None = None, cols: Columns | None = None
+) -> Report:
     """Check a whole plan; returns every violation found.
 
     Args:
         plan: the plan.
         limits: byte limits (none by default).
-        sources: the request's snapshot (payloads.BoundSources): flat_ref and safetensors initializers are checked
+        sources: the request's snapshot (payloads.RequestSnapshot): flat_ref and safetensors initializers are checked
             against what the server holds; without it only their form is checked.
         cols: the plan's columns (plans.columns.of), for large plans: their plain rows are checked as arrays.
 
@@ -114,7 +116,7 @@ def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[st
     if which is None or dt is None or len(shape) > MAX_RANK or dt.max_finite is not None:
         return None
     kind = inits.KINDS[which]
-    n = spec.numel(shape)
+    n = sampler.numel(shape)
     size = n * dt.itemsize
     if (
         kind.flat
@@ -131,7 +133,7 @@ def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[st
 
 
 def _validate_columns(
-    plan: plan_pb2.Plan, limits: Limits, sources: BoundSources | None, cols: Columns, first_seen: dict[str, int], out: list[Violation]
+    plan: plan_pb2.Plan, limits: Limits, sources: RequestSnapshot | None, cols: Columns, first_seen: dict[str, int], out: list[Violation]
 ) -> list[int]:
     """validate() over columns: plain rows with a good name and size pass as arrays, every other row (and any
     repeated name) takes the full per-parameter checks, in plan order so names are first seen as before."""
@@ -157,7 +159,7 @@ def _validate_columns(
 
 
 def _check_param(
-    i: int, p: plan_pb2.Param, limits: Limits, sources: BoundSources | None, first_seen: dict[str, int], out: list[Violation]
+    i: int, p: plan_pb2.Param, limits: Limits, sources: RequestSnapshot | None, first_seen: dict[str, int], out: list[Violation]
 ) -> int:
     """Every check of one parameter; appends its violations to `out` and returns its materialized bytes."""
     found: list[Violation] = []
@@ -220,9 +222,9 @@ def _check_param(
 def _check_region(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> int | None:
     """Validate the region; returns the materialized element count, or None if unknown."""
     if not p.region:
-        return spec.numel(shape)
+        return sampler.numel(shape)
     if len(p.region) != len(shape):
-        bad("region", f"region has {len(p.region)} ranges but the shape {spec.shape_str(shape)} has rank {len(shape)}")
+        bad("region", f"region has {len(p.region)} ranges but the shape {sampler.shape_str(shape)} has rank {len(shape)}")
         return None
     ok = True
     n = 1
@@ -256,7 +258,7 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | N
             bad(f"patches[{_j}].{field}", message, category)
 
         if len(q.box) != len(shape):
-            sub("box", f"box has {len(q.box)} ranges but the shape {spec.shape_str(shape)} has rank {len(shape)}")
+            sub("box", f"box has {len(q.box)} ranges but the shape {sampler.shape_str(shape)} has rank {len(shape)}")
         else:
             # at most BOX_RANGES_SHOWN violations per box, the last counting the rest: 4,096 patches of rank 32
             # would otherwise make 131,072 violations of one parameter from a plan of a few hundred kilobytes
@@ -285,8 +287,8 @@ def _shown_name(name: str) -> str:
 def _shape_echo(shape: list[int]) -> str:
     """A shape for a message: whole up to MAX_RANK dimensions, else its first ones and its rank."""
     if len(shape) <= MAX_RANK:
-        return spec.shape_str(shape)
-    return spec.shape_str(shape[:8])[:-1] + f", ... ({len(shape)} dimensions)]"
+        return sampler.shape_str(shape)
+    return sampler.shape_str(shape[:8])[:-1] + f", ... ({len(shape)} dimensions)]"
 
 
 def _echo(text: str) -> str:
@@ -294,7 +296,9 @@ def _echo(text: str) -> str:
     return repr(text) if len(text) <= ECHO else repr(text[:ECHO]) + f"... ({len(text)} characters)"
 
 
-def _check_init(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad, sources: BoundSources | None = None) -> None:
+def _check_init(
+    shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad, sources: RequestSnapshot | None = None
+) -> None:
     """The initializer's form (the table's checks), then what it reads against the request's snapshot, then
     whether its values fit an 8-bit dtype."""
     init = p.init if p.HasField("init") else None
@@ -320,7 +324,7 @@ class _Referenced:
     shape: list[int]
     dt: dtypes.DTypeInfo | None
     bad: _Bad
-    sources: BoundSources | None
+    sources: RequestSnapshot | None
 
     def distribution(self, form: inits.Distribution) -> tuple[bool, float | None]:
         return True, None
@@ -350,15 +354,15 @@ def _check_range(dt: dtypes.DTypeInfo, init: plan_pb2.Init, shape: list[int], ba
         bad(*found)
 
 
-def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: BoundSources) -> float | None:
+def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: RequestSnapshot) -> float | None:
     """The payload's checks; returns its largest |value| when it is whole and finite (for the range rule)."""
     payload = sources.payload(ref.payload_id)
     if payload is None:
         bad("init.flat_ref.payload_id", f"no payload {_echo(ref.payload_id)} (upload it with UploadPayload; payloads expire)")
         return None
     ok = True
-    if payload.values.size != spec.numel(shape):
-        bad("init.flat_ref", inits.length_message(spec.numel(shape), payload.values.size))
+    if payload.values.size != sampler.numel(shape):
+        bad("init.flat_ref", inits.length_message(sampler.numel(shape), payload.values.size))
         ok = False
     if payload.nonfinite:
         bad("init.flat_ref", f"flat values must be finite ({payload.nonfinite} not finite, first at index {payload.first_nonfinite})")
@@ -367,7 +371,7 @@ def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: 
 
 
 def _check_checkpoint(
-    shape: list[int], ref: inits.Checkpoint, bad: _Bad, sources: BoundSources, dt: dtypes.DTypeInfo | None
+    shape: list[int], ref: inits.Checkpoint, bad: _Bad, sources: RequestSnapshot, dt: dtypes.DTypeInfo | None
 ) -> float | None:
     """The checkpoint tensor's checks; for a parameter of an 8-bit dtype whose file holds a wider one, returns
     the tensor's largest |value| (for the range rule; read from the file)."""
@@ -384,8 +388,8 @@ def _check_checkpoint(
     if tuple(shape) != info.shape:
         bad(
             "init.safetensors",
-            f"tensor {_echo(ref.tensor)} has shape {spec.shape_str(info.shape)} in the file; the "
-            f"parameter's shape is {spec.shape_str(shape)}",
+            f"tensor {_echo(ref.tensor)} has shape {sampler.shape_str(info.shape)} in the file; the "
+            f"parameter's shape is {sampler.shape_str(shape)}",
         )
         ok = False
     if not ok or dt is None or dt.max_finite is None:

@@ -38,7 +38,7 @@ DELIVERY_NAMES = {v: k for k, v in DELIVERIES.items()}
 NO_DEADLINE = 1e9  # grpc reports about 9.2e18 s remaining for calls without a deadline
 
 
-class Handlers:
+class InitServiceHandlers:
     """protobuf request -> data plane -> protobuf response, for the gRPC servicer and the in-process stub alike."""
 
     def __init__(self, plane: Materializer) -> None:
@@ -138,7 +138,7 @@ class InitServicer(pb_grpc.InitServiceServicer):
         self, plane: Materializer, tokens: TokenAuth | None = None, metrics: Metrics | None = None, stalls: StallWatch | None = None
     ) -> None:
         self.plane = plane
-        self.handlers = Handlers(plane)
+        self.handlers = InitServiceHandlers(plane)
         self.tokens = tokens
         self.metrics = metrics
         self.stalls = stalls or StallWatch(plane.config.max_stall)

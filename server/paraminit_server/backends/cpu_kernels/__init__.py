@@ -39,7 +39,7 @@ def standard_normal(n: int, seed: int) -> Any:
     import numpy as np
 
     from paraminit_server.backends.cpu_kernels.driver import KERNELS
-    from paraminit_server.plans import spec
+    from paraminit_server.plans import sampler
     from paraminit_server.plans.plan import Kind
 
     out = np.empty(n, dtype=np.float64)
@@ -50,7 +50,7 @@ def standard_normal(n: int, seed: int) -> Any:
             0,
             n,
             0,
-            np.uint64(spec.key(seed)),
+            np.uint64(sampler.key(seed)),
             0.0,
             1.0,
             0.0,
