@@ -366,6 +366,7 @@ class CpuBackend:
         cores: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # the usable cores, or NUMBA_NUM_THREADS
         self._threads = max(1, min(threads, cores)) if threads else cores
         self._ready_all = False  # every kernel of every kind and dtype loaded or compiled (warm_up, preload)
+        self._ready_kinds: set[tuple[int, Kind]] = set()  # (dtype enum, kind) pairs prepare has readied
 
     @property
     def threads(self) -> int:
@@ -388,8 +389,10 @@ class CpuBackend:
         time out in line). Nothing to do once every kernel is ready."""
         if self._ready_all:
             return
-        wanted = params.kinds() if isinstance(params, ParamTable) else kinds_of(params)
-        self._ensure([rp for rp in warm_up_params() if (rp.dtype.enum, rp.kind) in wanted], compile=True, background=False)
+        wanted = (params.kinds() if isinstance(params, ParamTable) else kinds_of(params)) - self._ready_kinds
+        if wanted:
+            self._ensure([rp for rp in warm_up_params() if (rp.dtype.enum, rp.kind) in wanted], compile=True, background=False)
+            self._ready_kinds |= wanted
 
     def _ensure(self, params: list[ResolvedParam], compile: bool, background: bool) -> bool:
         """Load or compile the fill kernels of these (warm-up) parameters and the batched fill of their kinds;

@@ -225,5 +225,5 @@ class ParamTable(Sequence[ResolvedParam]):
     def kinds(self) -> set[tuple[int, Kind]]:
         """The (dtype enum, kernel kind) pairs the table's fills use, read from the columns (plan.kinds_of)."""
         plain = self.plain & (self.numel > 0)
-        pairs = np.unique(np.stack([self.dtype[plain], self.kernel[plain]]), axis=1).T.tolist() if plain.any() else []
-        return {(int(d), Kind(int(k))) for d, k in pairs} | kinds_of(list(self.special.values()))
+        codes: list[int] = np.flatnonzero(np.bincount(self.dtype[plain] * len(Kind) + self.kernel[plain])).tolist() if plain.any() else []
+        return {(c // len(Kind), Kind(c % len(Kind))) for c in codes} | kinds_of(list(self.special.values()))
