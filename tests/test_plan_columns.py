@@ -131,7 +131,7 @@ def test_valid_plans_give_the_same_bytes_layout_and_tables(seed: int) -> None:
         (p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in listed
     ]
     # the kernels a server readies before admitting the call: read from the columns, as row by row
-    assert table.kinds() == planlib.kinds_of(listed) and len(table.kinds()) > 3
+    assert columns.kinds_of(table) == table.kinds() == planlib.kinds_of(listed) and len(table.kinds()) > 3
     (lay, got), (want_lay, want) = _stream(table, digest), _stream(listed, digest)
     assert lay.prefix == want_lay.prefix and list(np.asarray(lay.offsets)) == list(want_lay.offsets)
     assert lay.data_bytes == want_lay.data_bytes and np.array_equal(got, want)

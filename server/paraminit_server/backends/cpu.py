@@ -22,8 +22,8 @@ from paraminit_server.backends import HOST, SHM, DeviceDescription, ExportBuffer
 from paraminit_server.backends.shm import ShmSegment
 from paraminit_server.errors import Cancelled
 from paraminit_server.host_limits import host_memory
-from paraminit_server.plans.columns import ParamTable
-from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, Runs, kinds_of, warm_up_params
+from paraminit_server.plans.columns import ParamTable, kinds_of
+from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, Runs, warm_up_params
 
 _NO_VALUES = np.zeros(0, dtype=np.float64)
 _NO_INDEX = np.zeros(0, dtype=np.int64)
@@ -389,7 +389,7 @@ class CpuBackend:
         time out in line). Nothing to do once every kernel is ready."""
         if self._ready_all:
             return
-        wanted = (params.kinds() if isinstance(params, ParamTable) else kinds_of(params)) - self._ready_kinds
+        wanted = kinds_of(params) - self._ready_kinds
         if wanted:
             self._ensure([rp for rp in warm_up_params() if (rp.dtype.enum, rp.kind) in wanted], compile=True, background=False)
             self._ready_kinds |= wanted

@@ -21,8 +21,9 @@ import numpy.typing as npt
 
 from paraminit import dtypes, inits
 from paraminit.v1 import plan_pb2
+from paraminit_server.plans import plan as _plan
 from paraminit_server.plans import scanner
-from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns, kinds_of, resolve_param
+from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns, resolve_param
 
 if TYPE_CHECKING:
     from paraminit_server.plans.payloads import RequestSnapshot
@@ -226,4 +227,10 @@ class ParamTable(Sequence[ResolvedParam]):
         """The (dtype enum, kernel kind) pairs the table's fills use, read from the columns (plan.kinds_of)."""
         plain = self.plain & (self.numel > 0)
         codes: list[int] = np.flatnonzero(np.bincount(self.dtype[plain] * len(Kind) + self.kernel[plain])).tolist() if plain.any() else []
-        return {(c // len(Kind), Kind(c % len(Kind))) for c in codes} | kinds_of(list(self.special.values()))
+        return {(c // len(Kind), Kind(c % len(Kind))) for c in codes} | _plan.kinds_of(list(self.special.values()))
+
+
+def kinds_of(params: Sequence[ResolvedParam]) -> set[tuple[int, Kind]]:
+    """The (dtype enum, kernel kind) pairs filling these parameters takes (plan.kinds_of), a ParamTable's read from
+    its columns."""
+    return params.kinds() if isinstance(params, ParamTable) else _plan.kinds_of(params)
