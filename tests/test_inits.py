@@ -74,7 +74,7 @@ def test_resolution_and_inspect_read_the_same_bounds(name: str, fields: dict[str
     else:
         assert (rp.kind, rp.lo, rp.hi) == (planlib.Kind.TRUNCNORM, -0.3, 0.5)
         assert (exp.lo, exp.hi) == (pytest.approx(-0.3), pytest.approx(0.5))
-    assert rp.key == planlib.spec.key(11)
+    assert rp.key == planlib.sampler.key(11)
 
 
 def test_validation_reports_the_tables_checks_for_params_and_patches() -> None:

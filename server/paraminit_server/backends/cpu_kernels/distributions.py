@@ -269,7 +269,7 @@ def _trunc_try_overload(out: Any, d1: Any, d2: Any, p0: Any, p1: Any, lo: Any, h
     return half
 
 
-_CANDIDATES = 64  # spec.TRUNC_CANDIDATES
+_CANDIDATES = 64  # sampler.TRUNC_CANDIDATES
 
 
 @jit
