@@ -937,7 +937,7 @@ def test_quiet_prints_nothing_but_errors(tmp_path: Path) -> None:
 
 def test_quiet_asks_for_no_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     bars: list[int] = []
-    monkeypatch.setattr(cli, "_progress_bar", lambda total, name: bars.append(total))
+    monkeypatch.setattr(cli, "progress_bar", lambda total, name: bars.append(total))
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     out = tmp_path / "m.safetensors"
     code, stdout, _ = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out), "-q")

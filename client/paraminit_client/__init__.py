@@ -1,11 +1,9 @@
 """paraminit client: plans in, parameter tensors out."""
 
-from importlib import metadata as _metadata
+from typing import TYPE_CHECKING
 
-try:
-    __version__: str = _metadata.version("paraminit")
-except _metadata.PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
+if TYPE_CHECKING:
+    __version__: str
 
 from paraminit_client.client import Client, ValidationReport
 from paraminit_client.errors import (
@@ -46,3 +44,18 @@ __all__ = [
     "plan_to_json",
     "zip_plan",
 ]
+
+
+def __getattr__(name: str) -> str:
+    """`__version__`, read from the installed package's metadata when first asked: importlib.metadata costs every
+    CLI start about 50 ms, and only `--version` needs it."""
+    if name != "__version__":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import metadata
+
+    try:
+        version = metadata.version("paraminit")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        version = "0+unknown"
+    globals()["__version__"] = version
+    return version

@@ -26,9 +26,10 @@ from typing import Any, NoReturn
 
 import grpc
 
+import paraminit_client
 from paraminit import dtypes, exitcodes, sizes
-from paraminit_client import __version__, filesink, inspect
-from paraminit_client.client import Client, write_stream
+from paraminit_client import filesink
+from paraminit_client.client import Client, progress_bar, write_stream
 from paraminit_client.errors import CheckpointFormatError, InvalidArgument, ParaminitError
 from paraminit_client.plans import PlanFileError, field_lines, load_plan, plan_from_safetensors, plan_to_json
 
@@ -77,6 +78,14 @@ class UsageError(Exception):
     """An argument argparse accepted but the command cannot use (exit code EXIT_USAGE)."""
 
 
+class _Version(argparse.Action):
+    """--version, looked up only when asked (reading the package's metadata would slow every start)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None) -> None:
+        print(f"paraminit {paraminit_client.__version__}")
+        parser.exit()
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with the exit-code table in every help and EXIT_USAGE (not 2, an invalid plan) for usage errors."""
 
@@ -84,7 +93,7 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         kwargs.setdefault("epilog", EXIT_CODES_HELP)
         super().__init__(*args, **kwargs)
-        self.add_argument("--version", action="version", version=f"paraminit {__version__}")
+        self.add_argument("--version", action=_Version, nargs=0, help="show program's version number and exit")
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
@@ -221,7 +230,7 @@ def cmd_materialize(args: argparse.Namespace) -> int:
         if not data_at:
             data_at.append(time.time())
             if show_bar:
-                bar = _progress_bar(total, "stdout" if to_stdout else Path(args.output).name)
+                bar = progress_bar(total, "stdout" if to_stdout else Path(args.output).name)
                 bar.start_t = started  # elapsed and rate from the command's start, as the summary
         if bar is not None:
             bar.update(done - bar.n)
@@ -276,13 +285,6 @@ def cmd_materialize(args: argparse.Namespace) -> int:
             flush=True,
         )
     return EXIT_OK
-
-
-def _progress_bar(total: int, name: str) -> Any:
-    from tqdm import tqdm
-
-    # "iB" with unit_divisor 1024 reads KiB, MiB, GiB: the units of the summary line
-    return tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=1024, desc=name, leave=True)
 
 
 def _start_seconds() -> float:
@@ -386,6 +388,8 @@ def _readable(file: str) -> Iterator[str]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from paraminit_client import inspect  # statistics and plots: only this command needs them
+
     if args.plot:
         inspect.check_plot(args.plot)  # before any work: matplotlib and a writable directory
     plan = load_plan(args.plan) if args.plan else None

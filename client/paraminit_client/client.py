@@ -22,7 +22,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from tqdm import tqdm
 
 from paraminit.hostmem import tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
@@ -491,7 +490,7 @@ class Client:
         if existing is not None and stat.S_ISDIR(existing.st_mode):
             raise FileAccessError(IsADirectoryError(errno.EISDIR, "Is a directory", str(dest)))
         header, chunks = self.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
-        bar = _progress_bar(header.data_bytes, dest.name) if progress is True else None
+        bar = progress_bar(header.data_bytes, dest.name) if progress is True else None
         update: Callable[[int], None] | None = bar.update if bar is not None else None
         if callable(progress):
             update = _cumulative(progress, header.data_bytes)
@@ -691,6 +690,9 @@ def _cumulative(report: Callable[[int, int], None], total: int) -> Callable[[int
     return update
 
 
-def _progress_bar(total: int, name: str) -> Any:
+def progress_bar(total: int, name: str) -> Any:
+    """A terminal progress bar of `total` bytes (tqdm, imported when a bar is first drawn: it costs every start)."""
+    from tqdm import tqdm
+
     # "iB" with unit_divisor 1024 reads KiB, MiB, GiB: the units of every size paraminit prints
     return tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=1024, desc=name, leave=True)  # the finished bar stays on screen
