@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import termios
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -1298,3 +1299,24 @@ def test_dash_reads_a_safetensors_file_from_stdin(mixed_file: Path, how: str, ca
     assert doc["tensors"] == json.loads(want.stdout)["tensors"] and len(doc["tensors"]) > 3 and doc["file"] == "<stdin>"
     code, _, err = run_cli(capsys, "plan", "from-safetensors", "-")
     assert code == cli.EXIT_USAGE and "give the path" in err
+
+
+def test_version_and_the_package_load_nothing_heavy() -> None:
+    """`paraminit --version` and `import paraminit_client` load no grpc, numpy or protobuf (a CLI start stays
+    well under half a second); the package's names still come from their modules on first use."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.argv = ["paraminit", "--version"]
+        from paraminit_client.launch import main
+        assert main() == 0
+        heavy = [m for m in ("grpc", "numpy", "google.protobuf", "paraminit_client.client") if m in sys.modules]
+        import paraminit_client
+        assert paraminit_client.Client.__module__ == "paraminit_client.client" and "grpc" in sys.modules
+        print(heavy)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    version, heavy = done.stdout.splitlines()
+    assert version == f"paraminit {importlib.metadata.version('paraminit')}" and heavy == "[]"
