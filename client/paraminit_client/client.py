@@ -17,6 +17,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ __all__ = [
     "RETRY_POLICY",
     "SERVICE_CONFIG",
     "Client",
+    "Connection",
     "ValidationReport",
     "first_response",
     "land",
@@ -76,27 +78,34 @@ CHANNEL_OPTIONS = [
 DELIVERIES = ("shm", "cuda_ipc")
 
 
+@dataclass(frozen=True)
+class Connection:
+    """How a Client reaches a server: its arguments in one value, so the transport is built from what the
+    Client was given and nothing is restated on the way.
+
+    timeout: each gRPC call's deadline in seconds (None: none). credentials: channel credentials; override
+    `tls_ca`/`tls_cert`/`tls_key`. split_bytes: the size above which a parameter is cut into row regions when
+    a plan is split across targets. token: bearer token (None: $PARAMINIT_TOKEN). tls_ca: the CA bundle that
+    verifies the server; tls_cert/tls_key: a client certificate (mutual TLS).
+    """
+
+    timeout: float | None = None
+    credentials: grpc.ChannelCredentials | None = None
+    split_bytes: int = 64 << 20
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
 def make_transport(
-    target: str | Sequence[str] | None = None,
-    *,
-    timeout: float | None = None,
-    credentials: grpc.ChannelCredentials | None = None,
-    split_bytes: int = 64 << 20,
-    token: str | None = None,
-    tls_ca: str | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    safetensors_dirs: Sequence[str] | None = None,
+    target: str | Sequence[str] | None = None, connection: Connection = Connection(), safetensors_dirs: Sequence[str] | None = None
 ) -> Transport:
     """The transport a Client with these arguments uses: in process without a target, else gRPC.
 
     Args:
         target: None (in process), "host:port", a "dns:///" name, or a list of targets to split plans across.
-        timeout: each gRPC call's deadline in seconds (None: none).
-        credentials: channel credentials; overrides `tls_ca`/`tls_cert`/`tls_key`.
-        split_bytes: the size above which a parameter is cut into row regions when a plan is split.
-        token: bearer token (default: $PARAMINIT_TOKEN).
-        tls_ca: CA bundle to verify the server (TLS); tls_cert/tls_key: a client certificate (mutual TLS).
+        connection: how to reach a server (unused in process).
         safetensors_dirs: in process only, the directories whose safetensors files plans may read.
 
     Returns:
@@ -119,38 +128,29 @@ def make_transport(
         if not targets:
             raise InvalidArgument("an empty list of targets")
         if len(targets) > 1:
-            workers = [_grpc(t, timeout, credentials, split_bytes, token, tls_ca, tls_cert, tls_key) for t in targets]
+            workers = [_grpc(t, connection) for t in targets]
         target = targets[0]
     assert isinstance(target, str)
-    return _grpc(target, timeout, credentials, split_bytes, token, tls_ca, tls_cert, tls_key, workers)
+    return _grpc(target, connection, workers)
 
 
-def _grpc(
-    target: str,
-    timeout: float | None,
-    credentials: grpc.ChannelCredentials | None,
-    split_bytes: int,
-    token: str | None,
-    tls_ca: str | None,
-    tls_cert: str | None,
-    tls_key: str | None,
-    workers: Sequence[GrpcTransport] = (),
-) -> GrpcTransport:
+def _grpc(target: str, c: Connection, workers: Sequence[GrpcTransport] = ()) -> GrpcTransport:
     tune_malloc_for_streams()  # megabyte messages reuse heap memory (paraminit.hostmem); before the channel exists
     options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
     if target.startswith("dns:"):
         # client-side balancing over every address behind the name (a headless Service)
         options.append(("grpc.lb_policy_name", "round_robin"))
-    if credentials is None and (tls_ca or tls_cert):
-        credentials = tls_credentials(tls_ca or "", tls_cert or "", tls_key or "")
+    credentials = c.credentials
+    if credentials is None and (c.tls_ca or c.tls_cert):
+        credentials = tls_credentials(c.tls_ca or "", c.tls_cert or "", c.tls_key or "")
     if credentials is None:
         channel = grpc.insecure_channel(target, options=options)
     else:
         channel = grpc.secure_channel(target, credentials, options=options)
-    token = os.environ.get("PARAMINIT_TOKEN") if token is None else token
+    token = os.environ.get("PARAMINIT_TOKEN") if c.token is None else c.token
     if token:
         channel = grpc.intercept_channel(channel, _BearerToken(token))
-    return GrpcTransport(target, channel, timeout, split_bytes, workers)
+    return GrpcTransport(target, channel, c.timeout, c.split_bytes, workers)
 
 
 class Client:
@@ -191,17 +191,8 @@ class Client:
             InvalidArgument: an empty list of targets, or safetensors_dirs with a target.
             ParaminitError: FAILED_PRECONDITION without a target when the server package is not installed.
         """
-        self._transport: Transport = make_transport(
-            target,
-            timeout=timeout,
-            credentials=credentials,
-            split_bytes=split_bytes,
-            token=token,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            safetensors_dirs=safetensors_dirs,
-        )
+        connection = Connection(timeout, credentials, split_bytes, token, tls_ca, tls_cert, tls_key)
+        self._transport: Transport = make_transport(target, connection, safetensors_dirs)
         self.target = self._transport.target
         self.timeout = timeout
         self.split_bytes = split_bytes
