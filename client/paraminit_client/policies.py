@@ -20,14 +20,14 @@ Example:
     ...     name = "zeros"
     ...     def assign(self, walk):
     ...         for name in walk.collect():
-    ...             walk.inits[name] = policies.zeros()
+    ...             walk.inits[name] = plan_pb2.Init(zeros=plan_pb2.Zeros())
     >>> plan = plan_from_module(model, seed=0, policy=AllZeros())  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -38,7 +38,7 @@ from paraminit_client import hf, recipes
 from paraminit_client.errors import InvalidArgument
 from paraminit_client.torch_rules import _fixed_elements, _rule_of, _xavier, _zeros
 
-__all__ = ["BUILT_IN", "ModuleWalk", "Policy", "param_seed", "policy_of", "register", "zeros"]
+__all__ = ["BUILT_IN", "ModuleWalk", "Policy", "param_seed", "policy_of", "register"]
 
 LAZY = "uninitialized lazy tensor: run a forward pass first or use the non-lazy layer"
 UNOWNED = "state_dict name not found among the module's parameters and persistent buffers"
@@ -58,11 +58,6 @@ def param_seed(seed: int, name: str) -> int:
         The parameter's 64-bit seed.
     """
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "big")
-
-
-def zeros() -> plan_pb2.Init:
-    """An all-zeros initializer (for policies of one's own)."""
-    return _zeros()
 
 
 def owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
@@ -267,8 +262,3 @@ def policy_of(policy: str | Policy) -> Policy:
     if not callable(getattr(policy, "assign", None)):
         raise InvalidArgument(f"a policy object needs assign(walk), got {type(policy).__name__}")
     return policy
-
-
-def registered() -> Iterator[str]:
-    """The names plan_from_module takes now (built-in and registered)."""
-    return iter(tuple(_REGISTRY))

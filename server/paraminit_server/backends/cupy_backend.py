@@ -320,13 +320,8 @@ def _null() -> np.uint64:
     return np.uint64(0)
 
 
-def fill_jobs(jobs: Sequence[Job], arena: Any) -> None:
-    """Fill every job into arena (a contiguous CuPy array, its bytes addressed by Job.offset) in one launch."""
-    prepare_jobs(jobs, arena)()
-
-
 def prepare_jobs(jobs: Sequence[Job] | Packed, arena: Any) -> Callable[[], None]:
-    """Everything fill_jobs does before its launch (packing, uploading the descriptors and values), and the launch
+    """Everything one fill_plan launch does before it runs (packing, uploading the descriptors and values), and the launch
     to call: what a benchmark times apart from the host work. `jobs` may come packed already (pack_table)."""
     cp = _import_cupy()
     if not isinstance(arena, cp.ndarray) or not arena.flags.c_contiguous:
