@@ -20,13 +20,14 @@ from support import poisoned, server_fixture, target_of
 server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
 
 Box = list[tuple[int, int]]
+Part = tuple[list[int], int]  # Patch.part: (shape, start)
 
 
 def param(
     name: str,
     shape: list[int],
     init: dict[str, Any],
-    patches: list[tuple[Box, dict[str, Any]]],
+    patches: list[tuple[Box, dict[str, Any]] | tuple[Box, dict[str, Any], Part]],
     dtype: str = "float32",
     region: Box | None = None,
 ) -> plan_pb2.Param:
@@ -36,11 +37,14 @@ def param(
     json_format.ParseDict(init, p.init)
     for lo, hi in region or []:
         p.region.add(start=lo, stop=hi)
-    for box, pinit in patches:
+    for box, pinit, *part in patches:
         q = p.patches.add()
         for lo, hi in box:
             q.box.add(start=lo, stop=hi)
         json_format.ParseDict(pinit, q.init)
+        if part:
+            q.part.shape.extend(part[0][0])
+            q.part.start = part[0][1]
     return p
 
 
@@ -102,6 +106,32 @@ def patched_plan() -> plan_pb2.Plan:
                 [([(2, 5), (1, 8)], {"truncatedNormal": {"mean": 1, "std": 0.5, "lo": 0.5, "hi": 1.6, "seed": 7}})],
                 dtype="bfloat16",
             ),
+            # a fused tensor, read as a row and column shard: two parts side by side along dimension 1 (a w13
+            # holding w1 and w3), the second from an offset into its tensor, a for-shape initializer taking the
+            # part's fans, and a plain patch over both
+            param(
+                "fused",
+                [3, 8, 5],
+                {"ones": {}},
+                [
+                    ([(0, 3), (0, 4), (0, 5)], {"normal": {"std": 1, "seed": 21}}, ([3, 4, 5], 0)),
+                    ([(0, 3), (4, 8), (0, 5)], {"kaimingUniformForShape": {"seed": 22}}, ([7, 4, 5], 60)),
+                    ([(2, 3), (6, 7), (0, 2)], {"zeros": {}}),
+                ],
+                dtype="bfloat16",
+                region=[(1, 3), (1, 7), (1, 5)],
+            ),
+            # many short runs of a part (a column of a fused tensor): generated as one span of the part's values
+            param(
+                "fused_cols",
+                [64, 33],
+                {"zeros": {}},
+                [
+                    ([(0, 64), (5, 6)], {"uniform": {"lo": -1, "hi": 1, "seed": 23}}, ([80], 3)),
+                    ([(0, 64), (7, 9)], {"normal": {"std": 1, "seed": 24}}, ([64, 2], 0)),
+                ],
+                region=[(3, 61), (0, 33)],
+            ),
         ]
     )
 
@@ -116,6 +146,12 @@ def expected(p: plan_pb2.Param) -> np.ndarray[Any, Any]:
         inside = np.ones(g.shape, dtype=bool)
         for c, r in zip(coords, q.box, strict=True):
             inside &= (c >= r.start) & (c < r.stop)
+        if q.HasField("part"):  # element k of the box (row-major over the box) is element start + k of the part
+            in_box = tuple(c[inside] - r.start for c, r in zip(coords, q.box, strict=True))
+            k = np.ravel_multi_index(in_box, tuple(r.stop - r.start for r in q.box)) + q.part.start
+            part = planlib._resolve_base(0, plan_pb2.Param(name=p.name, shape=q.part.shape, dtype=p.dtype, init=q.init))
+            values[inside] = reference.values_f64(part, k.astype(np.int64))
+            continue
         own = plan_pb2.Param(name=p.name, shape=p.shape, dtype=p.dtype, init=q.init, region=p.region)
         values[inside] = reference.values_f64(planlib._resolve_base(0, own), g)[inside]
     return reference.cast(values, base.dtype).reshape(base.out_shape)
@@ -246,3 +282,65 @@ def test_embedded_client() -> None:
     plan = patched_plan()
     with Client() as c:
         _check(c.materialize(plan), plan)
+
+
+def test_a_part_has_the_values_of_its_unfused_tensor() -> None:
+    """The law parts exist for: a fused w13 [E, 2F, D] (w1 and w3 side by side) and a wqkv stored group by group
+    as torchtitan's fused attention stores it ([n_kv, heads_per_kv + 2, head_dim, dim] flattened to rows) give
+    each logical tensor the bytes the same initializer gives it unfused, whole and as a shard of the fused one."""
+    e, f, d = 4, 6, 10
+    w1 = {"normal": {"std": 0.02, "seed": 31}}
+    w3 = {"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04, "seed": 32}}
+    n_kv, per_kv, hd = 2, 2, 3  # two groups of two query heads, one key head and one value head
+    r = per_kv + 2
+    qkv = {"wq": ([n_kv * per_kv * hd, d], {"kaimingUniformForShape": {"seed": 33}}), "wk": ([n_kv * hd, d], {"normal": {"std": 1, "seed": 34}}), "wv": ([n_kv * hd, d], {"uniform": {"lo": -2, "hi": 3, "seed": 35}})}
+    parts: list[tuple[Box, dict[str, Any], Part]] = []
+    for g in range(n_kv):
+        row = g * r * hd
+        for name, first, rows in (("wq", row, per_kv * hd), ("wk", row + per_kv * hd, hd), ("wv", row + (per_kv + 1) * hd, hd)):
+            shape, init = qkv[name]
+            parts.append(([(first, first + rows), (0, d)], init, (shape, g * rows * d)))
+    for dtype in ("float32", "bfloat16"):
+        fused = [
+            param("w13", [e, 2 * f, d], {"ones": {}}, [([(0, e), (0, f), (0, d)], w1, ([e, f, d], 0)), ([(0, e), (f, 2 * f), (0, d)], w3, ([e, f, d], 0))], dtype),
+            param("wqkv", [n_kv * r * hd, d], {"ones": {}}, parts, dtype),
+            param("w13_shard", [e, 2 * f, d], {"ones": {}}, [([(0, e), (0, f), (0, d)], w1, ([e, f, d], 0))], dtype, region=[(1, 3), (2, 9), (3, 10)]),
+        ]
+        unfused = [param("w1", [e, f, d], w1, [], dtype), param("w3", [e, f, d], w3, [], dtype)]
+        unfused += [param(n, shape, init, [], dtype) for n, (shape, init) in qkv.items()]
+        with Client() as c:
+            got = {k: np.asarray(v) for k, v in c.materialize(plan_pb2.Plan(params=fused)).items()}
+            want = {k: np.asarray(v) for k, v in c.materialize(plan_pb2.Plan(params=unfused)).items()}
+        assert np.unique(want["w1"]).size > 100 and np.unique(want["w3"]).size > 100  # not constant data
+        assert got["w13"][:, :f].tobytes() == want["w1"].tobytes() and got["w13"][:, f:].tobytes() == want["w3"].tobytes()
+        assert got["w13_shard"][:, :4].tobytes() == want["w1"][1:3, 2:6, 3:10].tobytes()
+        assert (got["w13_shard"][:, 4:] == 1).all()  # rows 6..8 of the shard are w3's, which it does not patch
+        split = got["wqkv"].reshape(n_kv, r, hd, d)
+        assert split[:, :per_kv].tobytes() == want["wq"].tobytes()
+        assert split[:, per_kv].tobytes() == want["wk"].tobytes() and split[:, per_kv + 1].tobytes() == want["wv"].tobytes()
+
+
+def test_validation_reports_bad_parts() -> None:
+    """A part that cannot hold its box, or of an impossible shape, is named with every other violation, and the
+    initializer is checked over the part's shape (a for-shape one needs rank 2 there, whatever the parameter's)."""
+    p = param(
+        "w",
+        [4, 6],
+        {"zeros": {}},
+        [
+            ([(0, 2), (0, 6)], {"ones": {}}, ([11], 0)),  # 12 elements do not fit in 11
+            ([(0, 2), (0, 6)], {"ones": {}}, ([4, 6], 13)),  # nor from index 13 of 24
+            ([(0, 1), (0, 6)], {"ones": {}}, ([1] * 33, 0)),  # rank 33
+            ([(0, 2), (0, 6)], {"xavierUniformForShape": {"seed": 1}}, ([12], 0)),  # fans need rank 2 in the part
+            ([(0, 2), (0, 6)], {"xavierUniformForShape": {"seed": 1}}, ([3, 4], 0)),  # fits: valid
+            ([(0, 4), (0, 6)], {"ones": {}}, ([], 0)),  # a scalar part holds one element
+        ],
+    )
+    fields = sorted(v.field for v in validation.validate(plan_pb2.Plan(params=[p])).violations)
+    assert fields == [
+        "params[0].patches[0].part",
+        "params[0].patches[1].part",
+        "params[0].patches[2].part.shape",
+        "params[0].patches[3].init.xavierUniformForShape",
+        "params[0].patches[5].part",
+    ], fields

@@ -74,6 +74,9 @@ def _param(rng: np.random.Generator, i: int, valid: bool) -> plan_pb2.Param:
         q = p.patches.add(init=plan_pb2.Init(ones=plan_pb2.Ones()))
         for d in shape:
             q.box.add(start=0, stop=1 + d // 2)
+        if i % 34 == 0:  # the box as part of a tensor of its own
+            q.part.shape.append(math.prod(1 + d // 2 for d in shape) + 3)
+            q.part.start = 2
     if not valid and i % 11 == 3:
         breakage = (i // 11) % 8
         if breakage == 0:

@@ -254,7 +254,8 @@ def _judge_param(path: str | os.PathLike[str], e: Entry, p: plan_pb2.Param, row:
     patches = [q for q in p.patches if len(q.box) == len(p.shape)]
     if not patches:
         return judge(row.stats, row.expected, row.dtype) if row.expected is not None else []
-    wanted = [row.expected, *(expected_of(p, q.init) for q in patches)]
+    # a patch holding part of a tensor of its own (Patch.part) draws over that tensor's shape
+    wanted = [row.expected, *(expected_of(plan_pb2.Param(shape=q.part.shape) if q.HasField("part") else p, q.init) for q in patches)]
     parts = _part_stats(_values(path, e), p, patches)  # one pass over the file whatever the number of patches
     problems = []
     for owner, (exp, stats) in enumerate(zip(wanted, parts, strict=True)):

@@ -89,12 +89,22 @@ class Runs:
         return starts
 
 
-def runs(shape: Sequence[int], box: Box) -> Runs:
+def first_run_dim(shape: Sequence[int], box: Box) -> int:
+    """The first dimension of a run of `box`: every later one the box covers fully (0 for a scalar)."""
+    k = len(shape) - 1
+    while k > 0 and box[k][0] == 0 and box[k][1] == shape[k]:
+        k -= 1
+    return max(k, 0)
+
+
+def runs(shape: Sequence[int], box: Box, first_dim: int = 0) -> Runs:
     """The runs of `box` in the row-major order of a tensor of `shape` (a box of rank len(shape), not empty).
 
     Args:
         shape: the tensor's shape.
         box: (start, stop) per dimension, within the shape.
+        first_dim: runs start at this dimension or a later one (shorter runs than the box allows, so that two
+            boxes of the same extents walk alike).
 
     Returns:
         The runs; a scalar (rank 0) is one run of one element.
@@ -105,9 +115,7 @@ def runs(shape: Sequence[int], box: Box) -> Runs:
     strides = [1] * rank
     for d in range(rank - 2, -1, -1):
         strides[d] = strides[d + 1] * int(shape[d + 1])
-    k = rank - 1  # the first dimension of a run: every later one is covered fully
-    while k > 0 and box[k][0] == 0 and box[k][1] == shape[k]:
-        k -= 1
+    k = max(first_run_dim(shape, box), first_dim)  # the first dimension of a run: every later one is covered fully
     lo_k, hi_k = box[k]
     if k == 0:
         return Runs(_NO_DIMS, _NO_DIMS, _NO_DIMS, lo_k * strides[0], (hi_k - lo_k) * strides[0])
@@ -187,3 +195,16 @@ class Region:
         if part is None:
             return _NO_DIMS, 0
         return part.run_starts()
+
+    def box_runs(self, box: Sequence[tuple[int, int]]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+        """Runs of box ∩ region contiguous both in the region's row-major order and in the box's own (a patch
+        whose box is a tensor part): (local start of each run, its index within the box, run length); (no starts,
+        no starts, 0) when they do not meet."""
+        part = self.local(box)
+        if part is None:
+            return _NO_DIMS, _NO_DIMS, 0
+        ext = tuple(b - a for a, b in box)
+        in_box = tuple((lo + ra - ba, hi + ra - ba) for (lo, hi), (ra, _), (ba, _) in zip(part.box, self.box, box, strict=True))
+        k = max(first_run_dim(part.shape, part.box), first_run_dim(ext, in_box))
+        local, own = runs(part.shape, part.box, k), runs(ext, in_box, k)
+        return local.starts(), own.starts(), local.run_len

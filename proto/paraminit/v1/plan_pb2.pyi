@@ -189,8 +189,9 @@ class Param(_message.Message):
         """Fixed elements over the base initializer (padding_idx rows, a zero column, a constant diagonal block):
         each patch gives a box of the full shape its own initializer, applied after `init` and after every
         earlier patch, so later patches win where boxes overlap. Patch values are computed at the element's
-        global index, like the base's, so they are the same in every region, chunk and export. Any initializer
-        except the flat kinds (flat, flat_ref, safetensors); seeded ones use their own seed.
+        global index (or at their index in the patch's part, Patch.part), like the base's, so they are the same
+        in every region, chunk and export. Any initializer except the flat kinds (flat, flat_ref, safetensors);
+        seeded ones use their own seed.
         """
 
     def __init__(
@@ -217,25 +218,67 @@ class Patch(_message.Message):
 
     BOX_FIELD_NUMBER: _builtins.int
     INIT_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def box(self) -> _containers.RepeatedCompositeFieldContainer[Global___Range]:
         """One Range per dimension of the parameter's full shape."""
 
     @_builtins.property
     def init(self) -> Global___Init: ...
+    @_builtins.property
+    def part(self) -> Global___Part:
+        """Optional: the box holds part of a tensor of its own, as a fused parameter holds the tensors it fuses
+        (torchtitan's wqkv holds wq, wk and wv group by group; a w13 holds w1 and w3). Unset, `init` sees the
+        parameter's full shape and element (i_0, ..., i_n) of the box takes the value of that global index. Set,
+        `init` sees `part.shape` (its fans, its orthogonal matrix) and the box's k-th element in row-major order
+        over the box takes the value of flat index `part.start` + k of a tensor of that shape: the part has the
+        values the same initializer gives an unfused tensor of `part.shape`, in every region and chunk.
+        """
+
     def __init__(
         self,
         *,
         box: _abc.Iterable[Global___Range] | None = ...,
         init: Global___Init | None = ...,
+        part: Global___Part | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["init", b"init"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["init", b"init", "part", b"part"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["box", b"box", "init", b"init"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box", b"box", "init", b"init", "part", b"part"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Patch: _TypeAlias = Patch  # noqa: Y015
+
+@_typing.final
+class Part(_message.Message):
+    """A box's place in a tensor of its own: the box's elements, in row-major order over the box, are elements
+    [start, start + box elements) of a row-major tensor of `shape` (which must hold them all).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHAPE_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    """Flat index, in that tensor, of the box's first element."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tensor's shape; [] is a scalar (one element)."""
+
+    def __init__(
+        self,
+        *,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        start: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shape", b"shape", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Part: _TypeAlias = Part  # noqa: Y015
 
 @_typing.final
 class Range(_message.Message):

@@ -78,37 +78,41 @@ def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0
     end = l_begin + int(out.shape[0])
     for patch in p.patches:
         _stop_if(should_stop)
-        starts = patch.starts_in(l_begin, end)
+        starts, values = patch.runs_in(l_begin, end)
         count = int(starts.shape[0])
         if not count:
             continue
         lo, hi = max(int(starts[0]), l_begin), min(int(starts[-1]) + patch.run_len, end)
-        if backend.memory == HOST and count >= 16 and hi - lo <= count * SPAN_PER_RUN:
+        # a part's runs may lie farther apart in their own tensor than here: whole spans only where they do not
+        span = int(values[-1]) - int(values[0])
+        if backend.memory == HOST and count >= 16 and hi - lo <= count * SPAN_PER_RUN and span <= 2 * (hi - lo + patch.run_len):
             _patch_span(backend, patch, out, l_begin, lo, hi, should_stop)
             continue
-        for k, a in enumerate(starts.tolist()):
+        for k, (a, v) in enumerate(zip(starts.tolist(), values.tolist(), strict=True)):
             if k % CHECK_RUNS == CHECK_RUNS - 1:
                 _stop_if(should_stop)
             a_lo, a_hi = max(a, l_begin), min(a + patch.run_len, end)
             if a_lo < a_hi:
-                backend.fill(patch.param, out[a_lo - l_begin : a_hi - l_begin], a_lo)
+                backend.fill(patch.param, out[a_lo - l_begin : a_hi - l_begin], v + a_lo - a)
 
 
 def _patch_span(backend: Backend, patch: Patch, out: Any, l_begin: int, lo: int, hi: int, should_stop: Callable[[], bool] | None) -> None:
-    """The covered elements of local [lo, hi), from the patch's values over that span made PATCH_PIECE at a time."""
+    """The covered elements of local [lo, hi), from the patch's values over their span of value indices, made
+    PATCH_PIECE local elements at a time."""
     offsets = np.arange(patch.run_len, dtype=np.int64)
-    scratch = np.empty(min(PATCH_PIECE, hi - lo), dtype=out.dtype)
     for a in range(lo, hi, PATCH_PIECE):
         _stop_if(should_stop)
         b = min(a + PATCH_PIECE, hi)
-        idx = (patch.starts_in(a, b)[:, None] + offsets).reshape(-1)
-        idx = idx[(idx >= a) & (idx < b)]
+        starts, values = patch.runs_in(a, b)
+        idx = (starts[:, None] + offsets).reshape(-1)
+        keep = (idx >= a) & (idx < b)
+        idx, at = idx[keep], (values[:, None] + offsets).reshape(-1)[keep]
         if not idx.shape[0]:
             continue
-        first, stop = int(idx[0]), int(idx[-1]) + 1  # generate only from the first to the last covered element
-        values = scratch[: stop - first]
-        backend.fill(patch.param, values, first)
-        out[idx - l_begin] = values[idx - first]
+        first, stop = int(at[0]), int(at[-1]) + 1  # generate only from the first to the last covered element
+        made = np.empty(stop - first, dtype=out.dtype)
+        backend.fill(patch.param, made, first)
+        out[idx - l_begin] = made[at - first]
 
 
 def _stop_if(should_stop: Callable[[], bool] | None) -> None:

@@ -158,22 +158,26 @@ def _whole(shape: tuple[int, ...]) -> tuple[regions.Box, int, Runs]:
 class Patch:
     """A box of fixed elements over a parameter's base values, ready for any window of its region.
 
-    `param` is the patch's initializer resolved over the parameter's own shape and region, so a
-    backend fills local elements [a, b) of it exactly as it fills the base; `starts` (ascending) and
-    `run_len` are the local runs (of the region's row-major order) the box covers there.
+    `starts` (ascending) and `run_len` are the local runs (of the region's row-major order) the box covers
+    there; `values` holds, per run, the index `param` gives its first element. Without a part, `param` is the
+    patch's initializer resolved over the parameter's own shape and region, so a backend fills local elements
+    [a, b) of it exactly as it fills the base (`values` is `starts`). With a part (Patch.part), `param` is the
+    whole part tensor and `values` the runs' indices in it.
     """
 
     box: tuple[tuple[int, int], ...]
     param: ResolvedParam
     starts: npt.NDArray[np.int64] = field(repr=False)
     run_len: int
+    values: npt.NDArray[np.int64] = field(repr=False)
 
-    def starts_in(self, begin: int, end: int) -> npt.NDArray[np.int64]:
-        """The starts (ascending) of the local runs that overlap elements [begin, end)."""
+    def runs_in(self, begin: int, end: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The local runs that overlap elements [begin, end): their starts (ascending) and value indices."""
         if not self.run_len or begin >= end:
-            return self.starts[:0]
+            return self.starts[:0], self.values[:0]
         first = max(0, int(np.searchsorted(self.starts, begin - self.run_len, side="right")))
-        return self.starts[first : int(np.searchsorted(self.starts, end, side="left"))]
+        last = int(np.searchsorted(self.starts, end, side="left"))
+        return self.starts[first:last], self.values[first:last]
 
 
 def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None) -> ResolvedParam:
@@ -184,10 +188,17 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None
     patches = []
     for q in p.patches:
         box = tuple((int(r.start), int(r.stop)) for r in q.box)
-        starts, run_len = regions.Region(rp.shape, rp.region).local_runs(box)
-        if run_len:  # a box outside this region changes nothing here
+        area = regions.Region(rp.shape, rp.region)
+        if q.HasField("part"):  # the box is part of a tensor of its own: values at indices in that tensor
+            starts, values, run_len = area.box_runs(box)
+            values = values + int(q.part.start)
+            base = plan_pb2.Param(name=p.name, shape=q.part.shape, dtype=p.dtype, init=q.init)
+        else:
+            starts, run_len = area.local_runs(box)
+            values = starts
             base = plan_pb2.Param(name=p.name, shape=p.shape, dtype=p.dtype, init=q.init, region=p.region)
-            patches.append(Patch(box, _resolve_base(index, base, sources), starts, run_len))
+        if run_len:  # a box outside this region changes nothing here
+            patches.append(Patch(box, _resolve_base(index, base, sources), starts, run_len, values))
     return replace(rp, patches=tuple(patches))
 
 

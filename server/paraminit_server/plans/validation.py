@@ -247,7 +247,7 @@ BOX_RANGES_SHOWN = 2  # bad ranges of one patch box reported one by one; the las
 
 
 def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad) -> None:
-    """Each patch: a box inside the full shape and a valid, patchable initializer (values at global indices) whose
+    """Each patch: a box inside the full shape, its part if it has one, and a valid, patchable initializer whose
     values fit the parameter's dtype."""
     if len(p.patches) > MAX_PATCHES:
         bad("patches", f"{len(p.patches)} patches exceed the maximum of {MAX_PATCHES} per parameter")
@@ -257,6 +257,7 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | N
         def sub(field: str, message: str, category: str = INVALID, _j: int = j) -> None:
             bad(f"patches[{_j}].{field}", message, category)
 
+        box_ok = False
         if len(q.box) != len(shape):
             sub("box", f"box has {len(q.box)} ranges but the shape {sampler.shape_str(shape)} has rank {len(shape)}")
         else:
@@ -271,11 +272,40 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | N
                     sub(f"box[{d}]", f"range [{r.start}, {r.stop}) is empty{more}")
                 else:
                     sub(f"box[{d}]", f"range [{r.start}, {r.stop}) is out of bounds for dimension {d} of size {dim}{more}")
-        problems = inits.check(q.init if q.HasField("init") else None, shape, patch=True)
+            box_ok = not bad_ranges
+        seen = shape
+        if q.HasField("part"):
+            seen = [int(d) for d in q.part.shape]
+            if not _check_part(q, seen, box_ok, sub):
+                continue
+        problems = inits.check(q.init if q.HasField("init") else None, seen, patch=True)
         for field, message in problems:
             sub(field, message)
         if not problems and dt is not None:
-            _check_range(dt, q.init, shape, sub)
+            _check_range(dt, q.init, seen, sub)
+
+
+def _check_part(q: plan_pb2.Patch, part: list[int], box_ok: bool, sub: _Bad) -> bool:
+    """A patch's part: a shape of bounded size that holds the box's elements from `start`; whether it is sane
+    enough to check the initializer over it."""
+    if len(part) > MAX_RANK:
+        sub("part.shape", f"rank {len(part)} exceeds the maximum of {MAX_RANK}")
+        return False
+    numel = numel_at_most(part, MAX_ELEMENTS)
+    if numel > MAX_ELEMENTS:
+        sub("part.shape", f"the part {_shape_echo(part)} has 2^63 elements or more; flat indices must fit in 64 bits")
+        return False
+    if box_ok:
+        count = 1
+        for r in q.box:
+            count *= r.stop - r.start
+        if q.part.start + count > numel:
+            sub(
+                "part",
+                f"the box's {count} elements from index {q.part.start} do not fit in the part "
+                f"{sampler.shape_str(part)} of {numel} elements",
+            )
+    return True
 
 
 def _shown_name(name: str) -> str:
