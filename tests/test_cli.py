@@ -150,6 +150,28 @@ def test_expected_distributions_follow_the_formulas() -> None:
     assert inspect.expected_of(param("f", [2], {"flatRef": {"payloadId": "x"}})) is None
 
 
+def test_inspect_judges_a_part_by_its_own_shape(tmp_path: Path) -> None:
+    """A fused tensor's parts (Patch.part) are judged against their initializer over the part's shape: the second
+    half's Kaiming bound comes from its own fan-in of 128, twice the full [64, 512] tensor's, so judging it over
+    the full shape would flag it."""
+    p = param("w13", [64, 512], {"zeros": {}})
+    for rows, part in (((0, 32), [32, 512]), ((32, 64), [128, 128])):
+        q = p.patches.add(init=plan_pb2.Init(kaiming_uniform_for_shape=plan_pb2.KaimingUniformForShape(seed=rows[0] + 1)))
+        q.box.add(start=rows[0], stop=rows[1])
+        q.box.add(start=0, stop=512)
+        q.part.shape.extend(part)
+    plan = plan_pb2.Plan(params=[p])
+    path = tmp_path / "fused.safetensors"
+    with Client() as c:
+        c.materialize_to_file(plan, path)
+    assert np.abs(load_file(path)["w13"][32:]).max() > 1.5 * math.sqrt(6 / 512)  # beyond the full shape's bound
+    assert inspect.inspect_file(path, plan).rows[0].problems == []
+    whole = plan_pb2.Plan()
+    whole.CopyFrom(plan)
+    whole.params[0].patches[1].ClearField("part")  # the same tensor judged as if the half were drawn over [64, 512]
+    assert any("patch 1" in x for x in inspect.inspect_file(path, whole).rows[0].problems)
+
+
 def test_truncated_normal_expectation_fits_the_kernels_and_flags_a_plain_normal(cpu_backend: Any) -> None:
     """The moments of the truncated normal (asymmetric bounds) against 200000 values the CPU kernels draw, and
     the untruncated normal of the same seed is flagged (values outside the bounds, std too large)."""

@@ -293,7 +293,11 @@ def test_a_part_has_the_values_of_its_unfused_tensor() -> None:
     w3 = {"truncatedNormal": {"std": 0.02, "lo": -0.04, "hi": 0.04, "seed": 32}}
     n_kv, per_kv, hd = 2, 2, 3  # two groups of two query heads, one key head and one value head
     r = per_kv + 2
-    qkv = {"wq": ([n_kv * per_kv * hd, d], {"kaimingUniformForShape": {"seed": 33}}), "wk": ([n_kv * hd, d], {"normal": {"std": 1, "seed": 34}}), "wv": ([n_kv * hd, d], {"uniform": {"lo": -2, "hi": 3, "seed": 35}})}
+    qkv = {
+        "wq": ([n_kv * per_kv * hd, d], {"kaimingUniformForShape": {"seed": 33}}),
+        "wk": ([n_kv * hd, d], {"normal": {"std": 1, "seed": 34}}),
+        "wv": ([n_kv * hd, d], {"uniform": {"lo": -2, "hi": 3, "seed": 35}}),
+    }
     parts: list[tuple[Box, dict[str, Any], Part]] = []
     for g in range(n_kv):
         row = g * r * hd
@@ -302,9 +306,22 @@ def test_a_part_has_the_values_of_its_unfused_tensor() -> None:
             parts.append(([(first, first + rows), (0, d)], init, (shape, g * rows * d)))
     for dtype in ("float32", "bfloat16"):
         fused = [
-            param("w13", [e, 2 * f, d], {"ones": {}}, [([(0, e), (0, f), (0, d)], w1, ([e, f, d], 0)), ([(0, e), (f, 2 * f), (0, d)], w3, ([e, f, d], 0))], dtype),
+            param(
+                "w13",
+                [e, 2 * f, d],
+                {"ones": {}},
+                [([(0, e), (0, f), (0, d)], w1, ([e, f, d], 0)), ([(0, e), (f, 2 * f), (0, d)], w3, ([e, f, d], 0))],
+                dtype,
+            ),
             param("wqkv", [n_kv * r * hd, d], {"ones": {}}, parts, dtype),
-            param("w13_shard", [e, 2 * f, d], {"ones": {}}, [([(0, e), (0, f), (0, d)], w1, ([e, f, d], 0))], dtype, region=[(1, 3), (2, 9), (3, 10)]),
+            param(
+                "w13_shard",
+                [e, 2 * f, d],
+                {"ones": {}},
+                [([(0, e), (0, f), (0, d)], w1, ([e, f, d], 0))],
+                dtype,
+                region=[(1, 3), (2, 9), (3, 10)],
+            ),
         ]
         unfused = [param("w1", [e, f, d], w1, [], dtype), param("w3", [e, f, d], w3, [], dtype)]
         unfused += [param(n, shape, init, [], dtype) for n, (shape, init) in qkv.items()]

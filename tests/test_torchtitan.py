@@ -28,9 +28,10 @@ def debug_config() -> Any:
     return llama3.llama3_configs["debugmodel"](attn_backend="flex")
 
 
-def moe_config() -> Any:
+def moe_config(fuse_qkv: bool = True, num_experts: int = 16) -> Any:
     """torchtitan's Qwen3 MoE debug model cut to 2 layers of 16 experts (GroupedExperts w1/w2/w3 of 1M elements
-    each, a router gate, the expert_bias buffer), built by torchtitan's own layer builder."""
+    each, a router gate, the expert_bias buffer, attention's wq/wk/wv fused as torchtitan does by default), built
+    by torchtitan's own layer builder."""
     qwen3 = pytest.importorskip("torchtitan.models.qwen3")
     cfg = qwen3.qwen3_configs["debugmodel_moe"](attn_backend="flex")
     cfg.layers = qwen3._build_qwen3_moe_layers(
@@ -40,11 +41,12 @@ def moe_config() -> Any:
         n_kv_heads=8,
         head_dim=128,
         moe_hidden_dim=256,
-        num_experts=16,
+        num_experts=num_experts,
         top_k=2,
         attn_backend="flex",
         moe_comm_backend="standard",
         rope=cfg.layers[0].attention.rope,
+        fuse_qkv=fuse_qkv,
     )
     return cfg
 
@@ -85,7 +87,9 @@ def test_debug_model_has_torchtitans_distributions(pair: tuple[Any, Any, Any]) -
     assert mine["lm_head.weight"].abs().max().item() > 2.9 * s  # the tails reach the cut, as torchtitan's do
     wo = next(p for p in plan.params if p.name == "layers.3.attention.wo.weight").init.truncated_normal
     assert (wo.std, wo.lo, wo.hi) == (0.02 / (2 * 4) ** 0.5, -2.0, 2.0)  # depth-scaled; trunc_normal_'s a, b
-    assert kinds["tok_embeddings.weight"] == "normal" and kinds["layers.0.attention.qkv_linear.wqkv.weight"] == ("truncated_normal")
+    assert kinds["tok_embeddings.weight"] == "normal"
+    wqkv = next(p for p in plan.params if p.name == "layers.0.attention.qkv_linear.wqkv.weight")
+    assert len(wqkv.patches) == 3 * 16 and {q.init.WhichOneof("kind") for q in wqkv.patches} == {"truncated_normal"}
     for (n, x), (_, y) in zip(ours.named_buffers(), theirs.named_buffers(), strict=True):
         assert torch.equal(x, y), n  # RoPE caches: the modules' own code
 
@@ -122,6 +126,28 @@ def test_moe_layers_have_torchtitans_distributions() -> None:
         assert abs(a.double().mean().item() - b.double().mean().item()) < (0.02 if n >= 1 << 20 else 5 * (2 / n) ** 0.5) * sd, name
     w2 = next(p for p in plan.params if p.name == "layers.1.moe.routed_experts.inner_experts.w2_EDF").init.normal
     assert w2.std == 0.02 / (2 * 2) ** 0.5  # depth-scaled from the model's own layer count
+
+
+def test_fused_or_not_the_logical_tensors_have_the_same_values() -> None:
+    """torchtitan draws a fused wqkv as the separate wq, wk and wv it replaces, so that a fused model has the
+    unfused one's weights. So does the plan: the MoE model with attention fused (wqkv rows group by group: two
+    query heads, a key head, a value head) and unfused, saved through torchtitan's own state_dict hooks (which
+    split wqkv into wq/wk/wv), give every logical tensor the same bytes, experts, router and buffers included."""
+    models = {}
+    for fused in (True, False):
+        with torch.device("meta"):
+            model = moe_config(fuse_qkv=fused, num_experts=4).build()
+        plan = plan_from_module(model, seed=5, policy="torchtitan")
+        names = {p.name for p in plan.params}
+        assert any(".wqkv." in n for n in names) == fused and any(".wq." in n for n in names) != fused
+        with Client() as c:
+            materialize_module(model, c, plan=plan)
+        models[fused] = model.state_dict()
+    fused_sd, plain = models[True], models[False]
+    assert fused_sd.keys() == plain.keys() and "layers.0.attention.qkv_linear.wk.weight" in plain
+    for name, a in plain.items():
+        assert a.std() > 0 or a.abs().max() in (0, 1), name  # no tensor left unwritten
+        assert fused_sd[name].dtype == a.dtype and torch.equal(fused_sd[name].view(torch.uint8), a.view(torch.uint8)), name
 
 
 def test_unknown_initializers_are_refused() -> None:

@@ -214,6 +214,10 @@ class TorchtitanInit:
             owner, t = walk.owners[name], walk.tensors[name]
             why = next((f"{r} (module {m!r})" for m, r in refused.items() if not m or name.startswith(m + ".")), None)
             got = why or titan.init_for([owner, *[o for o in ties.get(id(t), []) if o != owner]], t, walk.seed_of(name))
+            if isinstance(got, titan.FusedQKV):  # parts drawn as the unfused tensors they are
+                laid = got.plan(name, tuple(t.shape), walk.seed_of)
+                got = laid if isinstance(laid, str) else laid[0]
+                walk.patches[name] = [] if isinstance(laid, str) else laid[1]
             walk.inits[name] = got if got is not None else f"{walk.kinds[name]} has no rule for {owner[1]!r}"
 
 

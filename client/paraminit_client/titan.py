@@ -13,9 +13,11 @@ embeddings and ``ones_`` for norms come out of the config as written.
 Translated: ``nn.init.trunc_normal_``, ``normal_``, ``uniform_``,
 ``constant_``, ``zeros_``, ``ones_``, ``orthogonal_`` (bare or as ``functools.partial``),
 the fused-QKV wrapper of ``config_utils._fused_qkv_param_init`` (it draws
-its base initializer element by element, so the fused tensor has that
-initializer's distribution), and ``skip_param_init`` on a tied tensor whose
-other owner initializes it. Anything else (an unknown callable, a custom
+``wq``, ``wk`` and ``wv`` as tensors of their own and stores them group by
+group; the plan does the same with patches whose parts are those tensors,
+seeded by their unfused names, so a fused model gets exactly the values of
+the unfused one), and ``skip_param_init`` on a tied tensor whose other owner
+initializes it. Anything else (an unknown callable, a custom
 ``generator``, a module overriding ``init_states`` or
 ``_init_self_parameters``, a plain ``nn.Module`` owner, which torchtitan
 never initializes) is refused with the reason, never guessed.
@@ -35,6 +37,7 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,8 +93,63 @@ def _closure_var(fn: Any, name: str) -> Any:
     return fn.__closure__[code.co_freevars.index(name)].cell_contents
 
 
-def translate(fn: Callable[..., Any], seed: int) -> plan_pb2.Init | str | _Skip:
-    """One torchtitan init callable as an Init, SKIP, or the reason it cannot be expressed."""
+@dataclass(frozen=True)
+class FusedQKV:
+    """torchtitan's fused ``wqkv`` (``config_utils._fused_qkv_param_init``): ``wq`` ([n_heads * head_dim, *tail]),
+    ``wk`` and ``wv`` ([n_kv_heads * head_dim, *tail]) each drawn by `base` as a tensor of its own, then stored as
+    [n_kv_heads, heads_per_kv + 2, head_dim, *tail]: per group, its query heads, its key head, its value head."""
+
+    base: Callable[..., Any]
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    def plan(self, name: str, shape: tuple[int, ...], seed_of: Callable[[str], int]) -> tuple[plan_pb2.Init, list[plan_pb2.Patch]] | str:
+        """The fused tensor `name` ("...wqkv.weight") as a plan: a patch per group and part, whose part is ``wq``,
+        ``wk`` or ``wv`` drawn by the base initializer with the seed of its unfused name ("...wq.weight"), so the
+        values are the unfused model's; or why it cannot be.
+
+        Args:
+            name: the fused tensor's state_dict name.
+            shape: its full shape, [(n_heads + 2 * n_kv_heads) * head_dim, *tail].
+            seed_of: the seed of a tensor name (the walk's).
+
+        Returns:
+            (base Init, patches covering every element), or the reason.
+        """
+        per_kv, hd, n_kv = self.n_heads // self.n_kv_heads, self.head_dim, self.n_kv_heads
+        tail = list(shape[1:])
+        row = 1
+        for d in tail:
+            row *= d
+        if not shape or shape[0] != (self.n_heads + 2 * n_kv) * hd:
+            return f"fused wqkv of shape {list(shape)} does not hold {self.n_heads} + 2 x {n_kv} heads of {hd}"
+        head, _, key = name.rpartition(".")
+        parent = head.rpartition(".")[0]
+        patches = []
+        inits: dict[str, plan_pb2.Init] = {}
+        for part in ("wq", "wk", "wv"):
+            logical = f"{parent}.{part}.{key}" if parent else f"{part}.{key}"
+            got = translate(self.base, seed_of(logical))
+            if not isinstance(got, plan_pb2.Init):
+                why = got if isinstance(got, str) else "skip_param_init" if got is SKIP else "a nested fused initializer"
+                return f"{part} of the fused wqkv: {why}"
+            inits[part] = got
+        for g in range(n_kv):
+            first = g * (per_kv + 2) * hd
+            for part, at, rows, heads in (
+                ("wq", 0, per_kv * hd, self.n_heads),
+                ("wk", per_kv * hd, hd, n_kv),
+                ("wv", (per_kv + 1) * hd, hd, n_kv),
+            ):
+                box = [plan_pb2.Range(start=first + at, stop=first + at + rows)] + [plan_pb2.Range(start=0, stop=d) for d in tail]
+                own = plan_pb2.Part(shape=[heads * hd, *tail], start=g * rows * row)
+                patches.append(plan_pb2.Patch(box=box, init=inits[part], part=own))
+        return _zeros(), patches  # every element is a part's: the base is never seen
+
+
+def translate(fn: Callable[..., Any], seed: int) -> plan_pb2.Init | str | _Skip | FusedQKV:
+    """One torchtitan init callable as an Init, SKIP, a FusedQKV layout, or the reason it cannot be expressed."""
     func: Any = fn
     args: tuple[Any, ...] = ()
     kw: dict[str, Any] = {}
@@ -100,8 +158,10 @@ def translate(fn: Callable[..., Any], seed: int) -> plan_pb2.Init | str | _Skip:
     if getattr(func, "__name__", "") == "skip_param_init" and "torchtitan" in getattr(func, "__module__", ""):
         return SKIP
     if "_fused_qkv_param_init" in getattr(func, "__qualname__", ""):
-        base = _closure_var(func, "base_init")  # q, k and v each drawn by base_init, then interleaved
-        return translate(base, seed) if base is not None else f"fused initializer {_qualified(func)} without base_init"
+        found = {v: _closure_var(func, v) for v in ("base_init", "n_heads", "n_kv_heads", "head_dim")}
+        if any(v is None for v in found.values()):
+            return f"fused initializer {_qualified(func)} without {', '.join(k for k, v in found.items() if v is None)}"
+        return FusedQKV(found["base_init"], int(found["n_heads"]), int(found["n_kv_heads"]), int(found["head_dim"]))
     name = getattr(func, "__name__", "")
     if name not in INIT_CALLS or getattr(nn.init, name) is not func:
         return f"unknown initializer {_qualified(func)}"
@@ -136,7 +196,7 @@ def buffer_init(mod: nn.Module, key: str) -> plan_pb2.Init | str:
     return plan_pb2.Init(flat=plan_pb2.Flat(values=flat.tolist()))
 
 
-def init_for(owners: list[tuple[nn.Module, str]], t: Any, seed: int) -> plan_pb2.Init | str | None:
+def init_for(owners: list[tuple[nn.Module, str]], t: Any, seed: int) -> plan_pb2.Init | FusedQKV | str | None:
     """The Init torchtitan's init_states gives a tensor, from its owners (the first, then those it is tied to)."""
     module_cls = _titan_module()
     reasons = []
