@@ -31,7 +31,6 @@ RESERVED_NAMES = frozenset({"__metadata__"})
 _EMPTY_SPAN = (1 << 60) - 1  # the other dimensions of an empty tensor: as an 8-byte tensor they fit 2^63 bytes
 MAX_NAME_BYTES = 1024  # a name is echoed in headers and errors: a 100 MB name would double into a 200 MB header
 ECHO = 64  # characters of a user string repeated in a message
-_SHORT_NAME = MAX_NAME_BYTES // 4  # characters that are within MAX_NAME_BYTES whatever their UTF-8 length
 
 
 @dataclass(frozen=True)
@@ -83,10 +82,7 @@ def validate(
     if cols is not None:
         sizes = _validate_columns(plan, limits, sources, cols, first_seen, out)
     else:
-        sizes = []
-        for i, p in enumerate(plan.params):
-            size = _check_common(i, p, limits, first_seen)
-            sizes.append(_check_param(i, p, limits, sources, first_seen, out) if size is None else size)
+        sizes = [_check_param(i, p, limits, sources, first_seen, out) for i, p in enumerate(plan.params)]
     total = sum(sizes)
     if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
         out.append(
@@ -101,35 +97,6 @@ def validate(
             )
         )
     return Report(tuple(out), tuple(sizes))
-
-
-def _check_common(i: int, p: plan_pb2.Param, limits: Limits, first_seen: dict[str, int]) -> int | None:
-    """The common parameter (a short new name, a plain shape, a known dtype, a distribution with no region or
-    patches) checked in a few lookups: its bytes, or None when it needs the full checks (which report the same
-    things as ever). A plan can hold 100,000s of parameters."""
-    name = p.name
-    if not name or len(name) > _SHORT_NAME or name in first_seen or p.region or p.patches or name in RESERVED_NAMES:
-        return None
-    shape = p.shape
-    which = p.init.WhichOneof("kind")
-    dt = dtypes.by_enum(p.dtype)
-    if which is None or dt is None or len(shape) > MAX_RANK or dt.max_finite is not None:
-        return None
-    kind = inits.KINDS[which]
-    n = sampler.numel(shape)
-    size = n * dt.itemsize
-    if (
-        kind.flat
-        or n == 0
-        or n > MAX_ELEMENTS
-        or size > MAX_BYTES
-        or (limits.max_param_bytes is not None and size > limits.max_param_bytes)
-    ):
-        return None
-    if kind.checks is not inits.no_checks and kind.checks(getattr(p.init, which), shape):
-        return None
-    first_seen[name] = i
-    return size
 
 
 def _validate_columns(
