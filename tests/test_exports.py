@@ -27,7 +27,7 @@ from paraminit_client import Client, ParaminitError, cli, param, plan_of
 from paraminit_server import errors
 from paraminit_server.backends import shm
 from paraminit_server.backends.shm import ShmSegment
-from paraminit_server.plane.admission import MemoryBudget
+from paraminit_server.plane.budget import MemoryBudget
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import BufferPool
 from paraminit_server.rpc.server import Running

@@ -9,7 +9,7 @@ import pytest
 
 from paraminit_server import errors
 from paraminit_server.ledger import Claim, Ledger, Refusal
-from paraminit_server.plane.admission import MemoryBudget
+from paraminit_server.plane.budget import MemoryBudget
 from paraminit_server.plane.leases import LeaseTable
 from paraminit_server.plans.payloads import ValueSources
 

@@ -19,7 +19,7 @@ from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_client.client import SERVICE_CONFIG
 from paraminit_server import errors
-from paraminit_server.plane.admission import SlotQueue
+from paraminit_server.plane.slots import SlotQueue
 from paraminit_server.rpc.status import PUSHBACK
 from support import running_server, target_of, wait_until
 

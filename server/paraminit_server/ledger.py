@@ -7,7 +7,7 @@ that lives on: a lease, a stored payload) and released when that goes.
 `release()` and `commit()` are idempotent and thread-safe, so every error path
 may simply release what it holds, and nothing is given back twice.
 
-The memory budget (admission.MemoryBudget), the lease table (leases.LeaseTable)
+The memory budget (budget.MemoryBudget), the lease table (leases.LeaseTable)
 and the payload store (payloads.ValueSources) each own one ledger; none of them
 touches another's lock, and no claim touches its owner's.
 """

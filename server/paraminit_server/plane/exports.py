@@ -18,7 +18,7 @@ from paraminit_server import errors
 from paraminit_server.backends import HOST, Backend, ExportBuffer, ExportHandle
 from paraminit_server.ledger import Claim
 from paraminit_server.plane import engine, layout
-from paraminit_server.plane.admission import MemoryBudget
+from paraminit_server.plane.budget import MemoryBudget
 from paraminit_server.plane.caller import REMOTE, UNIX_SHARED, Caller
 from paraminit_server.plane.leases import LeaseRecord, LeaseTable
 from paraminit_server.plans.plan import ResolvedParam
