@@ -14,7 +14,8 @@ from safetensors.numpy import save_file
 
 from paraminit_server import errors
 from paraminit_server.plans import files
-from paraminit_server.plans.payloads import RequestSnapshot, ValueSources
+from paraminit_server.plans.payloads import ValueSources
+from paraminit_server.plans.snapshot import RequestSnapshot
 
 RENAME_EXCHANGE = 2
 AT_FDCWD = -100

@@ -21,7 +21,7 @@ from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server import errors
 from paraminit_server.plans import files
 from paraminit_server.plans.files import FileChanged
-from paraminit_server.plans.payloads import RequestSnapshot
+from paraminit_server.plans.snapshot import RequestSnapshot
 from support import run_cli, running_server, serve_subprocess, target_of
 
 MiB = 1 << 20

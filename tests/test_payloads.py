@@ -245,7 +245,7 @@ def test_the_follower_hashes_and_scans_what_lands(dtype: str) -> None:
     """An upload's digest and scan, computed behind the writer a piece at a time while pieces of odd sizes land,
     equal the whole payload's: sha256, the non-finite count, the first one's index and the largest |value|,
     with non-finite values on both sides of piece boundaries."""
-    from paraminit_server.plans.payloads import Follower, _scan, payload_sha256
+    from paraminit_server.plans.payloads import Follower, payload_sha256, scan_values
 
     dt = dtypes.by_name(dtype)
     n = 3 * Follower.PIECE // dt.itemsize + 5
@@ -267,7 +267,7 @@ def test_the_follower_hashes_and_scans_what_lands(dtype: str) -> None:
     sha, scanned = follower.finish()
     assert at == raw.size
     assert sha == payload_sha256(dt, raw)
-    assert scanned == _scan(values) and scanned[0] == 3 and scanned[1] == Follower.PIECE // dt.itemsize + 1
+    assert scanned == scan_values(values) and scanned[0] == 3 and scanned[1] == Follower.PIECE // dt.itemsize + 1
     assert scanned[2] == float(np.max(np.abs(values[np.isfinite(values)].astype(np.float64))))
 
 
@@ -285,7 +285,7 @@ def test_an_abandoned_follower_stops() -> None:
 def test_the_follower_waits_for_an_element_cut_by_a_message(dtype: str) -> None:
     """A message may end inside an element (any client may send any sizes): the follower works on whole elements and
     takes the cut one with the next message, so the scan never reads an element from a misaligned start."""
-    from paraminit_server.plans.payloads import Follower, _scan, payload_sha256
+    from paraminit_server.plans.payloads import Follower, payload_sha256, scan_values
 
     dt = dtypes.by_name(dtype)
     values = np.random.default_rng(4).standard_normal(2 * Follower.PIECE // dt.itemsize).astype(dt.numpy)
@@ -301,4 +301,4 @@ def test_the_follower_waits_for_an_element_cut_by_a_message(dtype: str) -> None:
     buf[cut:] = raw[cut:]
     follower.landed(raw.size)
     sha, scanned = follower.finish()
-    assert sha == payload_sha256(dt, raw) and scanned == _scan(values) and scanned[:2] == (1, values.size - 1)
+    assert sha == payload_sha256(dt, raw) and scanned == scan_values(values) and scanned[:2] == (1, values.size - 1)

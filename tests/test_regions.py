@@ -13,7 +13,8 @@ from paraminit.regions import Region, Runs
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors
 from paraminit_server.plans import plan as planlib
-from paraminit_server.plans.payloads import RequestSnapshot, ValueSources
+from paraminit_server.plans.payloads import ValueSources
+from paraminit_server.plans.snapshot import RequestSnapshot
 
 
 def _boxes(rng: np.random.Generator, count: int) -> list[tuple[tuple[int, ...], regions.Box]]:

@@ -19,7 +19,8 @@ from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server import errors
 from paraminit_server.plans import payloads
 from paraminit_server.plans import plan as planlib
-from paraminit_server.plans.payloads import RequestSnapshot, ValueSources
+from paraminit_server.plans.payloads import ValueSources
+from paraminit_server.plans.snapshot import RequestSnapshot
 from paraminit_server.rpc.server import Running
 from support import running_server, target_of
 

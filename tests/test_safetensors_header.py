@@ -17,7 +17,8 @@ from safetensors.numpy import save_file
 from paraminit import safetensors_header as sth
 from paraminit_client import cli, inspect, plans
 from paraminit_server import errors
-from paraminit_server.plans.payloads import RequestSnapshot, ValueSources
+from paraminit_server.plans.payloads import ValueSources
+from paraminit_server.plans.snapshot import RequestSnapshot
 from support import run_cli
 
 SECRET = "SECRET_tensor_name_7c1f"  # a name in the file: errors the server sends must not quote it

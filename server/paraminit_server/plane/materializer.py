@@ -31,7 +31,8 @@ from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export, Exports
 from paraminit_server.plane.leases import LeaseRecord, LeaseTable
 from paraminit_server.plans import columns, plan, validation
-from paraminit_server.plans.payloads import Follower, Payload, RequestSnapshot, ValueSources
+from paraminit_server.plans.payloads import Follower, Payload, ValueSources
+from paraminit_server.plans.snapshot import RequestSnapshot
 
 PREFETCH = 2  # slabs generated ahead of the one being sent
 # What checking a plan costs in host memory, charged to the budget before the work: per parameter (its

@@ -26,7 +26,7 @@ from paraminit_server.plans import scanner
 from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns, resolve_param
 
 if TYPE_CHECKING:
-    from paraminit_server.plans.payloads import RequestSnapshot
+    from paraminit_server.plans.snapshot import RequestSnapshot
 
 SCAN_MIN = 32  # from this many parameters a plan is read as columns: the scan (about 0.1 ms) costs less than 5 us a row
 _SMALL = float(1 << 59)  # element counts below this cannot overflow 2^63 bytes at 8 bytes per element

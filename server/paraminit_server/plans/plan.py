@@ -6,7 +6,7 @@ draw (uniform, xavier, kaiming, their "for shape" forms), normal, truncated
 normal, and flat payloads (inline values, uploaded payloads, checkpoint tensors).
 The initializer table (paraminit.inits) maps every initializer to its value form;
 this module maps the forms to kernels, and reads payloads and checkpoints through
-the request's snapshot (payloads.RequestSnapshot), the one validation read.
+the request's snapshot (snapshot.RequestSnapshot), the one validation read.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from paraminit_server.plans import sampler
 
 if TYPE_CHECKING:
     from paraminit_server.plans.columns import Columns
-    from paraminit_server.plans.payloads import RequestSnapshot
+    from paraminit_server.plans.snapshot import RequestSnapshot
 
 # Byte offsets of parameters in a buffer, in plan order: a list, or an array for a large plan's ParamTable
 Offsets = Sequence[int] | npt.NDArray[np.int64]
@@ -320,7 +320,7 @@ def resolve(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: C
 
     Args:
         plan: a plan that validated against the same sources.
-        sources: the request's snapshot of payloads and checkpoints (payloads.RequestSnapshot).
+        sources: the request's snapshot of payloads and checkpoints (snapshot.RequestSnapshot).
         cols: the plan's columns, when it has them.
 
     Returns:

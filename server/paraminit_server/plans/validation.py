@@ -20,7 +20,7 @@ from paraminit_server.plans import sampler
 
 if TYPE_CHECKING:
     from paraminit_server.plans.columns import Columns
-    from paraminit_server.plans.payloads import RequestSnapshot
+    from paraminit_server.plans.snapshot import RequestSnapshot
 
 __all__ = ["INVALID", "LIMIT", "Limits", "Report", "Violation", "validate"]
 
@@ -69,7 +69,7 @@ def validate(
     Args:
         plan: the plan.
         limits: byte limits (none by default).
-        sources: the request's snapshot (payloads.RequestSnapshot): flat_ref and safetensors initializers are checked
+        sources: the request's snapshot (snapshot.RequestSnapshot): flat_ref and safetensors initializers are checked
             against what the server holds; without it only their form is checked.
         cols: the plan's columns (plans.columns.of), for large plans: their plain rows are checked as arrays.
 
