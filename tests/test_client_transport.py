@@ -29,7 +29,8 @@ from paraminit_client import (
     plan_of,
 )
 from paraminit_client.errors import FileAccessError, violation_from_text
-from paraminit_client.transports import GrpcTransport, LocalTransport
+from paraminit_client.grpc_transport import GrpcTransport
+from paraminit_client.local_transport import LocalTransport
 from paraminit_server.backends import shm
 from support import poisoned
 

@@ -30,18 +30,9 @@ from paraminit.v1 import plan_pb2
 from paraminit_client import filesink
 from paraminit_client.errors import ClientClosed, FileAccessError, InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
-from paraminit_client.transports import (
-    Chunk,
-    GrpcTransport,
-    LocalTransport,
-    Transport,
-    ValidationReport,
-    first_response,
-    land,
-    payload_bytes,
-    rpc_errors,
-    start_local,
-)
+from paraminit_client.grpc_transport import GrpcTransport, first_response, payload_bytes, rpc_errors
+from paraminit_client.local_transport import LocalTransport, start_local
+from paraminit_client.transports import Chunk, Transport, ValidationReport, land
 
 __all__ = [
     "CHANNEL_OPTIONS",
