@@ -259,7 +259,7 @@ def test_plan_builders_and_adapters_raise_paraminit_errors() -> None:
     with pytest.raises(ParaminitError, match="policy must be one of"):
         plan_from_module(torch.nn.Linear(2, 2, device="meta"), 0, policy=cast(Any, "bogus"))
     with Client() as c, pytest.raises(ParaminitError, match="ranges but"):
-        materialize_region(c, param("w", [4, 4], {"ones": {}}), [(0, 2)])
+        materialize_region(param("w", [4, 4], {"ones": {}}), [(0, 2)], c)
 
 
 def test_one_violation_type_from_validate_errors_and_both_transports() -> None:

@@ -497,3 +497,39 @@ def test_a_policy_is_one_class_chosen_by_name_or_passed() -> None:
         plan_from_module(model, seed=3, policy="no-such-policy")
     with pytest.raises(ValueError, match="needs assign"):
         plan_from_module(model, seed=3, policy=object())  # type: ignore[arg-type]
+
+
+def test_adapters_take_one_argument_shape() -> None:
+    """torch, JAX and distributed entry points read alike: what to materialize first, then `client=None` (an
+    in-process Client() for the call), every option by keyword; each has an Example. Without a client, a module
+    and a region materialize in process, and a delivery that leaves a lease is refused (its lease needs a client)."""
+    import inspect
+
+    from paraminit_client import distributed, param
+    from paraminit_client import jax as pjax
+    from paraminit_client import torch as ptorch
+
+    for fn, what in (
+        (ptorch.materialize_module, ["module"]),
+        (pjax.materialize, ["plan"]),
+        (distributed.materialize_region, ["param", "region"]),
+    ):
+        params = list(inspect.signature(fn).parameters.values())
+        positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        assert positional == [*what, "client"], (fn.__name__, positional)
+        assert params[len(what)].default is None
+        assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[len(what) + 1 :]), fn.__name__
+        assert "Example:" in (fn.__doc__ or ""), fn.__name__
+    with torch.device("meta"):
+        model = nn.Linear(8, 4)
+    assert ptorch.materialize_module(model, seed=3) is None
+    assert not model.weight.is_meta and model.weight.std() > 0 and model.bias.abs().max() > 0
+    w = param("w", [6, 5], {"normal": {"std": 1, "seed": 2}})
+    with Client() as c:
+        whole = c.materialize(plan_pb2.Plan(params=[w]))["w"]
+    rows = distributed.materialize_region(w, [(2, 5), slice(None)])
+    assert rows.numpy().tobytes() == whole[2:5].tobytes()
+    with torch.device("meta"):
+        again = nn.Linear(8, 4)
+    with pytest.raises(ValueError, match="lease"):
+        ptorch.materialize_module(again, delivery="shm")

@@ -44,6 +44,7 @@ __all__ = [
     "first_response",
     "land",
     "make_transport",
+    "or_in_process",
     "rpc_errors",
     "tls_credentials",
 ]
@@ -678,3 +679,21 @@ def progress_bar(total: int, name: str) -> Any:
 
     # "iB" with unit_divisor 1024 reads KiB, MiB, GiB: the units of every size paraminit prints
     return tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=1024, desc=name, leave=True)  # the finished bar stays on screen
+
+
+@contextlib.contextmanager
+def or_in_process(client: Client | None) -> Iterator[Client]:
+    """The client an adapter was given, or an in-process Client() for the call, closed after it: every adapter
+    (torch, JAX, distributed) takes `client=None` to mean the same thing.
+
+    Args:
+        client: the caller's Client, or None.
+
+    Returns:
+        A context manager giving a Client.
+    """
+    if client is not None:
+        yield client
+        return
+    with Client() as own:
+        yield own

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from paraminit.v1 import plan_pb2
-from paraminit_client.client import Client
+from paraminit_client.client import Client, or_in_process
 from paraminit_client.errors import InvalidArgument
 from paraminit_client.torch_rules import _TORCH_DTYPES, _numpy_to_torch
 
@@ -103,16 +103,16 @@ def wrap(local: torch.Tensor | None, like: Any, box: Region, device: torch.devic
 
 
 def materialize_region(
-    client: Client, param: plan_pb2.Param, region: Sequence[tuple[int, int] | slice], device: str | torch.device = "cpu"
+    param: plan_pb2.Param, region: Sequence[tuple[int, int] | slice], client: Client | None = None, *, device: str | torch.device = "cpu"
 ) -> torch.Tensor:
     """The `region` box (one (start, stop) or slice per dimension) of the global tensor `param` describes,
     as a tensor of the region's shape on `device`: the same bytes as slicing the whole tensor, with only
     the region generated and allocated. `param` is typically one of plan_from_module(model_on_meta).params.
 
     Args:
-        client: the Client to materialize with (in process, or a server).
         param: the whole tensor's Param (no region of its own).
         region: one (start, stop) pair or step-1 slice per dimension.
+        client: the Client to materialize with (in process, or a server); None: an in-process Client() for the call.
         device: where the tensor goes.
 
     Returns:
@@ -128,7 +128,7 @@ def materialize_region(
 
         w = param("w", [64, 32], {"normal": {"std": 0.02, "seed": 7}})
         with Client() as client:
-            rows = materialize_region(client, w, [(16, 32), slice(None)])  # this rank's rows only
+            rows = materialize_region(w, [(16, 32), slice(None)], client)  # this rank's rows only
             assert rows.shape == (16, 32)
     """
     shape = [int(d) for d in param.shape]
@@ -148,5 +148,6 @@ def materialize_region(
     q = plan_pb2.Param()
     q.CopyFrom(param)
     _set_region(q, box)
-    arrays = client.materialize(plan_pb2.Plan(params=[q]))
+    with or_in_process(client) as c:
+        arrays = c.materialize(plan_pb2.Plan(params=[q]))
     return _numpy_to_torch(arrays[q.name]).reshape(tuple(b - a for a, b in box)).to(device)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from paraminit.v1 import plan_pb2
-from paraminit_client.client import Client
+from paraminit_client.client import Client, or_in_process
 from paraminit_client.errors import InvalidArgument
 
 __all__ = ["materialize", "plan_boxes"]
@@ -138,13 +138,8 @@ def materialize(
             shards[device] = (requested[plan_box], box)
         wanted.append((p, sharding, perm, shards))
 
-    own = client is None
-    c = Client() if client is None else client
-    try:
+    with or_in_process(client) as c:
         arrays = c.materialize(request) if request.params else {}
-    finally:
-        if own:
-            c.close()
     out: dict[str, Any] = {}
     for p, sharding, perm, shards in wanted:
         array_shape = tuple(int(p.shape[a]) for a in perm)

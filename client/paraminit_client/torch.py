@@ -70,7 +70,7 @@ from paraminit.shapes import out_shape
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import distributed, hf, policies
-from paraminit_client.client import Client
+from paraminit_client.client import Client, or_in_process
 from paraminit_client.errors import InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
 from paraminit_client.policies import BUILT_IN, ModuleWalk, Policy, module_names, param_seed, policy_of
@@ -275,10 +275,10 @@ def _fetch(
 
 def materialize_module(
     module: nn.Module,
-    client: Client,
+    client: Client | None = None,
+    *,
     device: str | torch.device = "cpu",
     delivery: str = "auto",
-    *,
     plan: plan_pb2.Plan | None = None,
     seed: int = 0,
     policy: str | Policy = "torch",
@@ -309,7 +309,8 @@ def materialize_module(
 
     Args:
         module: the model, typically built on meta (or with meta_parameters()).
-        client: the Client to materialize with (in process, or a server).
+        client: the Client to materialize with (in process, or a server); None: an in-process Client() for the
+            call, so no delivery that leaves a lease (SHM, CUDA_IPC: the lease needs its client).
         device: where the tensors go ("cpu", "cuda", "cuda:N").
         delivery: "auto", "in_process", "stream", "shm" or "cuda_ipc".
         plan: the plan (default: plan_from_module(module, seed, policy, overrides)); it must name state_dict
@@ -339,8 +340,10 @@ def materialize_module(
             materialize_module(model, client, seed=0, policy="torch")
         assert not model[0].weight.is_meta and model[1].weight.eq(1).all()
     """
-    with _state_dict_as_parameters(module):
-        return _materialize_module(module, client, device, delivery, plan, seed, policy, overrides, ttl_seconds, auto_renew)
+    if client is None and delivery in ("shm", "cuda_ipc"):
+        raise InvalidArgument(f"delivery {delivery!r} leaves a lease, which needs a Client that outlives the call: pass client=")
+    with _state_dict_as_parameters(module), or_in_process(client) as c:
+        return _materialize_module(module, c, device, delivery, plan, seed, policy, overrides, ttl_seconds, auto_renew)
 
 
 def _materialize_module(
