@@ -74,9 +74,13 @@ RUN --mount=type=bind,from=wheels-gpu,source=/wheels,target=/wheels \
         -r /wheels/requirements.lock \
  && /opt/paraminit/bin/pip install --no-index --no-deps /wheels/paraminit-*.whl \
  && /opt/paraminit/bin/pip uninstall -q -y pip setuptools
+# The device kernels for sm_80, sm_90 and sm_100, compiled now by NVRTC (no GPU needed; backends/cubins.py), so
+# a container loads them at start and says SERVING without compiling; another device compiles at its first start.
+RUN /opt/paraminit/bin/python -m paraminit_server.prebuild /opt/paraminit/kernels
 # JIT caches must stay writable under a read-only root filesystem: compose and
 # Kubernetes mount a tmpfs / emptyDir at /var/cache/paraminit.
 ENV PATH=/opt/paraminit/bin:$PATH \
+    PARAMINIT_CUBIN_DIR=/opt/paraminit/kernels \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/var/cache/paraminit/numba \
@@ -94,7 +98,7 @@ USER 10001:10001
 WORKDIR /home/paraminit
 EXPOSE 50051 9478
 # Readiness: the InitService is SERVING (kernels compiled, not draining).
-# start-period covers the first NVRTC compilation; `|| exit 1` maps any failure
+# start-period covers a first NVRTC compilation on a device without a prebuilt cubin; `|| exit 1` maps any failure
 # to the only non-zero code Docker defines for health checks.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["sh", "-c", "paraminit health --target \"127.0.0.1:${PARAMINIT_PORT}\" --timeout 3 || exit 1"]

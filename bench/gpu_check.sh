@@ -189,9 +189,17 @@ fi
 # Compile the CUDA kernels (NVRTC; CuPy caches the binary on disk for the steps below) and, at the same time, the CPU
 # kernels into NUMBA_CACHE_DIR (cold: 40-100 s), so neither compile is paid inside a test's timeout and a kernel that
 # does not build is reported on its own.
-say "== CUDA kernels (compile and warm up) and CPU kernels (numba cache), in parallel"
-printf '%s\n' "from paraminit_server.backends.cupy_backend import CupyBackend" "b = CupyBackend(0)" "b.warm_up()" \
-    "print(b.device())" > "$TMPD/warm_gpu.py"
+say "== CUDA kernels (built ahead of time, loaded and warmed up) and CPU kernels (numba cache), in parallel"
+# As the GPU image does at its build: the cubin of this device's architecture by `python -m paraminit_server.prebuild`
+# (NVRTC), which the backend then loads instead of compiling (PARAMINIT_CUBIN_DIR, set for every later step too);
+# without NVRTC's wheel the backend compiles as before, and the log says which it did.
+export PARAMINIT_CUBIN_DIR="$TMPD/kernels"
+printf '%s\n' "import os" "import cupy" "from paraminit_server import prebuild" "from paraminit_server.backends import cubins" \
+    "from paraminit_server.backends import cupy_backend as cb" "arch = str(cupy.cuda.Device(0).compute_capability)" \
+    "print('prebuild sm_' + arch + ': exit', prebuild.main([os.environ['PARAMINIT_CUBIN_DIR'], '--arch', arch]))" \
+    "found = cubins.find(cb.kernel_source(), cb.NVRTC_OPTIONS, arch)" \
+    "print('kernels: loaded from ' + found.name if found else 'kernels: compiled by CuPy (no prebuilt cubin)')" \
+    "b = cb.CupyBackend(0)" "b.warm_up()" "print(b.device())" > "$TMPD/warm_gpu.py"
 printf '%s\n' "from paraminit_server.backends.cpu import CpuBackend" "CpuBackend().warm_up()" \
     "print('CPU kernels compiled into', __import__('os').environ['NUMBA_CACHE_DIR'])" > "$TMPD/warm_cpu.py"
 c=$(cap 150 290)
@@ -209,6 +217,7 @@ else
     wait "$cpu_pid"
     cpu_rc=$?
 fi
+grep -E '^(prebuild|kernels):' "$OUT/warm_gpu.log" | tee -a "$OUT/env.txt"
 tail -n 3 "$OUT/warm_gpu.log" | tee -a "$OUT/env.txt"
 tail -n 1 "$OUT/warm_cpu.log" | tee -a "$OUT/env.txt"
 say "   CUDA rc $rc, CPU rc $cpu_rc after ${SECONDS}s"

@@ -5,7 +5,8 @@ device run needs first: CuPy finds the CUDA headers (from the nvidia-cuda-runtim
 nvidia-cuda-nvrtc), and both paraminit's kernel source and a CuPy-header kernel (what CuPy's own elementwise
 kernels include) compile to sm_90 cubins with CuPy's full option set, its forced -ftz=true included. The one
 device query on that path (which arch to compile for) is answered with sm_90; loading a cubin needs the driver
-and is left to the device.
+and is left to the device. The cubins built at image build (PARAMINIT_CUBIN_DIR) are there for every
+architecture the image ships, named for these sources.
 """
 
 import sys
@@ -13,6 +14,7 @@ import sys
 from cupy._core import core
 from cupy.cuda import compiler
 
+from paraminit_server.backends import cubins
 from paraminit_server.backends import cupy_backend as cb
 
 ARCH = "90"
@@ -34,5 +36,12 @@ for name, source in (("paraminit_kernels.cu", cb.kernel_source()), ("cupy_header
         continue
     ok = isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
     print(f"{name}: sm_{ARCH} cubin of {len(cubin)} bytes" + ("" if ok else " (not an ELF cubin)"))
+    failed += not ok
+# The cubins the image built at its build (Dockerfile: python -m paraminit_server.prebuild): the backend loads the
+# one of its device's architecture instead of compiling, and only when it was built from these very sources.
+for arch in cubins.ARCHS:
+    prebuilt = cubins.find(cb.kernel_source(), cb.NVRTC_OPTIONS, arch)
+    ok = prebuilt is not None and prebuilt.read_bytes()[:4] == cubins.ELF_MAGIC
+    print(f"prebuilt sm_{arch}: " + (f"{prebuilt.name}, {prebuilt.stat().st_size} bytes" if ok and prebuilt else "MISSING"))
     failed += not ok
 sys.exit(1 if failed else 0)

@@ -336,6 +336,21 @@ def test_cpu_image_carries_compiled_kernels() -> None:
     assert settings and order.index(warm[0]) > max(settings)
 
 
+def test_gpu_image_carries_its_device_kernels() -> None:
+    """The GPU image builds its sm_80/sm_90/sm_100 cubins at build time, outside the runtime mounts, and points
+    the backend at them (backends/cubins.py), so a container starts SERVING without compiling."""
+    chain = _chain(_dockerfile_stages(), "gpu")
+    env = _env(chain)
+    kernels = env["PARAMINIT_CUBIN_DIR"]
+    assert kernels.startswith("/opt/paraminit/") and not kernels.startswith("/var/cache/paraminit")
+    builds = [r for r in chain[0].all("RUN") if "paraminit_server.prebuild" in r]
+    assert len(builds) == 1 and builds[0].split()[-1] == kernels
+    # after the package is installed, and as root (the cubins are read-only to the service user)
+    order = [name + " " + rest for name, rest in chain[0].instructions]
+    at = next(i for i, line in enumerate(order) if "paraminit_server.prebuild" in line)
+    assert any("paraminit-*.whl" in line for line in order[:at]) and not any(line.startswith("USER") for line in order[:at])
+
+
 def test_dockerignore_keeps_context_small() -> None:
     patterns = (ROOT / ".dockerignore").read_text().split()
     # Allowlist: everything is excluded, then only build inputs are let back in.

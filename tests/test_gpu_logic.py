@@ -14,6 +14,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -40,7 +41,7 @@ from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_client import exports as client_exports
 from paraminit_server import errors
-from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportHandle
+from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportHandle, cubins
 from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.config import ServerConfig
@@ -828,6 +829,8 @@ def test_grids_are_sized_from_four_attributes_read_in_the_device_context(monkeyp
         def attributes(self) -> dict[str, int]:
             raise AssertionError("every attribute read")
 
+        compute_capability = "90"
+
     values = {16: 132, 39: 2048, 82: 65536}
 
     def get_attribute(code: int, device: int) -> int:
@@ -846,6 +849,51 @@ def test_grids_are_sized_from_four_attributes_read_in_the_device_context(monkeyp
     # 40 registers: 40 * 32 per warp, 8 warps a block -> 65536 // 10240 = 6 blocks; 2048 // 256 = 8; default 32
     assert k.fill_grid == k.fill_plan_grid == 132 * 6 * cb.WAVES
     assert cb.kernels(5) is k and len(asked) == 4  # sized once per device
+
+
+def test_kernels_built_ahead_of_time_are_loaded_not_compiled(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With PARAMINIT_CUBIN_DIR holding the cubin of these sources for the device's architecture (what the GPU
+    image builds), the module is loaded from that file; a device of another architecture, or no directory,
+    compiles from the source as before."""
+    made: list[dict[str, Any]] = []
+
+    class Function:
+        kernel = object()
+        num_regs = 40
+
+    class Module:
+        def __init__(self, **kw: Any) -> None:
+            made.append(kw)
+
+        def get_function(self, name: str) -> Function:
+            return Function()
+
+    class Device:
+        def __init__(self, device: int) -> None:
+            self.compute_capability = {0: "90", 1: "80"}[device]
+
+        def __enter__(self) -> Device:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    fake = types.SimpleNamespace(
+        RawModule=Module, cuda=types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(deviceGetAttribute=lambda c, d: 64))
+    )
+    monkeypatch.setattr(cb, "_import_cupy", lambda: fake)
+    monkeypatch.setattr(cb, "_KERNELS", {})
+    built = tmp_path / cubins.file_name(cb.kernel_source(), cb.NVRTC_OPTIONS, "90")
+    built.write_bytes(cubins.ELF_MAGIC + b"\0" * 60)
+    (tmp_path / cubins.file_name(cb.kernel_source() + "// older", cb.NVRTC_OPTIONS, "80")).write_bytes(cubins.ELF_MAGIC)
+    monkeypatch.setenv(cubins.DIR_ENV, str(tmp_path))
+    cb.kernels(0)
+    cb.kernels(1)  # sm_80: only a cubin of other sources is there
+    assert made == [{"path": str(built)}, {"code": cb.kernel_source(), "options": cb.NVRTC_OPTIONS}]
+    monkeypatch.delenv(cubins.DIR_ENV)
+    monkeypatch.setattr(cb, "_KERNELS", {})
+    cb.kernels(0)
+    assert made[-1] == {"code": cb.kernel_source(), "options": cb.NVRTC_OPTIONS}
 
 
 def test_a_fill_is_prepared_on_the_host_and_launched_apart(monkeypatch: pytest.MonkeyPatch, world: World) -> None:

@@ -3,8 +3,8 @@ which value form it holds.
 
 Layers, lowest first: the floors (errors, the ledger, host limits, config: what every layer may use), `plans/`
 (reading, checking and resolving plans), `backends/` (kernels and buffers), `plane/` (the transport-free data
-plane), and the doors (`rpc/`, the embedded door, the command). Every import statement counts, those inside
-functions too: a lazy import is still a dependency.
+plane), and the doors (`rpc/`, the embedded door, the command, the kernel prebuild). Every import statement
+counts, those inside functions too: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 SERVER = Path(__file__).resolve().parent.parent / "server" / "paraminit_server"
 FLOORS = {"__init__", "errors", "ledger", "host_limits", "config"}
-LAYERS = {"floor": 0, "plans": 1, "backends": 2, "plane": 3, "rpc": 4, "embedded": 4, "__main__": 4}
+LAYERS = {"floor": 0, "plans": 1, "backends": 2, "plane": 3, "rpc": 4, "embedded": 4, "__main__": 4, "prebuild": 4}
 
 
 def module_name(path: Path) -> str:

@@ -16,81 +16,28 @@ ctypes: no GPU, driver or CUDA toolkit is needed. The sm_90 cubin's registers an
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
-import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from paraminit_server.backends import cubins
 from paraminit_server.backends import cupy_backend as cb
 
 ARCH = "90"  # H100 / H200
 
 
-def _nvrtc_path() -> Path | None:
-    """libnvrtc from the nvidia-cuda-nvrtc wheel (CUDA 13 layout nvidia/cu13/lib, CUDA 12 nvidia/cuda_nvrtc/lib)."""
-    explicit = os.environ.get("PARAMINIT_NVRTC")
-    if explicit:
-        return Path(explicit)
-    spec = importlib.util.find_spec("nvidia")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for root in spec.submodule_search_locations:
-        found = sorted(Path(root).glob("*/lib/libnvrtc.so.*"))
-        if found:
-            return found[-1]
-    return None
-
-
-NVRTC = _nvrtc_path()
+NVRTC = cubins.nvrtc_library()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (pip install nvidia-cuda-nvrtc)")]
 
 
 def cupy_options(arch: str) -> tuple[str, ...]:
-    """What CuPy 14.2 hands NVRTC for cp.RawModule(code=..., options=NVRTC_OPTIONS) on this arch.
-
-    core.assemble_cupy_compiler_options adds --std=c++17 (when no -std is given) and include
-    paths (which this include-free source does not need); compiler._compile_with_cache_cuda
-    appends -ftz=true; compiler._compile_using_nvrtc_no_warning appends the arch
-    (-arch=sm_XX for a cubin, -arch=compute_XX for PTX) and --device-as-default-execution-space.
-    """
-    return (*cb.NVRTC_OPTIONS, "--std=c++17", "-ftz=true", f"-arch={arch}", "--device-as-default-execution-space")
+    """What CuPy 14.2 hands NVRTC for cp.RawModule(code=..., options=NVRTC_OPTIONS) on this arch."""
+    return cubins.cupy_options(cb.NVRTC_OPTIONS, arch)
 
 
-class NvrtcError(RuntimeError):
-    pass
-
-
-def compile_source(source: str, options: tuple[str, ...], cubin: bool = False) -> tuple[bytes, str]:
-    """PTX (or, with cubin, the CUBIN) of source and the program log; NvrtcError with the log on failure."""
-    assert NVRTC is not None
-    lib = ctypes.CDLL(str(NVRTC))
-    prog = ctypes.c_void_p()
-    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"paraminit_kernels.cu", 0, None, None)
-    if rc != 0:
-        raise NvrtcError(f"nvrtcCreateProgram returned {rc}")
-    try:
-        opts = [o.encode() for o in options]
-        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        if rc != 0:
-            raise NvrtcError(f"nvrtcCompileProgram returned {rc}: {log.value.decode(errors='replace')}")
-        get_size, get = (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN) if cubin else (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)
-        if get_size(prog, ctypes.byref(size)) != 0:
-            raise NvrtcError("no output of the requested kind")
-        out = ctypes.create_string_buffer(size.value)
-        if get(prog, out) != 0:
-            raise NvrtcError("reading the output failed")
-        text = log.value.decode(errors="replace")
-        return (out.raw[: size.value] if cubin else out.raw[: size.value].rstrip(b"\0")), text
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+compile_source = cubins.nvrtc_compile
 
 
 # The header's one explicit multiply-add, moved into a function that is never inlined: then any
@@ -176,3 +123,20 @@ def test_registers_and_spills_on_sm90(ptx: dict[str, str], capsys: pytest.Captur
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", log)]
     assert len(regs) == 2 and all(0 < r <= 255 for r in regs), log
     assert len(re.findall(r"bytes spill stores", log)) == 2, log
+
+
+def test_cubins_built_ahead_of_time_are_found_only_for_their_sources(tmp_path: Path) -> None:
+    """`python -m paraminit_server.prebuild DIR` (what the GPU image runs at build, without a GPU) writes one ELF
+    cubin per architecture; the backend's look-up finds it for that architecture and these sources only, so an
+    edited kernel or another device compiles instead of loading stale code."""
+    from paraminit_server import prebuild
+
+    assert prebuild.main([str(tmp_path), "--arch", "90"]) == 0
+    (only,) = tmp_path.iterdir()
+    assert only.read_bytes()[:4] == cubins.ELF_MAGIC and only.name.startswith("paraminit_kernels.sm_90.")
+    source = cb.kernel_source()
+    assert cubins.find(source, cb.NVRTC_OPTIONS, "90", tmp_path) == only
+    assert cubins.find(source, cb.NVRTC_OPTIONS, "80", tmp_path) is None  # not built for sm_80
+    assert cubins.find(source + "\n// edited\n", cb.NVRTC_OPTIONS, "90", tmp_path) is None
+    assert cubins.find(source, (*cb.NVRTC_OPTIONS, "-G"), "90", tmp_path) is None
+    assert prebuild.main([str(tmp_path / "bad"), "--arch", "1"]) == 1  # NVRTC refuses sm_1: exit 1, its reason

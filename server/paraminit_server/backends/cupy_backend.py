@@ -2,8 +2,9 @@
 
 CuPy is imported only inside functions of this module, so importing
 paraminit_server (or this module, e.g. to pack plans in tests) never needs it.
-The kernels are compiled once per device with NVRTC (CuPy also caches the
-binary on disk) and kept in `_KERNELS`; their arithmetic lives in
+The kernels are loaded from a cubin built ahead of time (backends/cubins.py),
+or compiled once per device with NVRTC (CuPy also caches the binary on disk),
+and kept in `_KERNELS`; their arithmetic lives in
 paraminit_kernels.cuh, which a host-only harness checks without a GPU
 (tests/test_cuda_harness.py).
 
@@ -26,7 +27,7 @@ import numpy.typing as npt
 
 from paraminit import dtypes
 from paraminit.cuda import IPC_HANDLE_BYTES, device_uuid
-from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle
+from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle, cubins
 from paraminit_server.errors import BackendUnavailable, Cancelled, ResourceExhausted
 from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, Runs, warm_up_params
@@ -251,7 +252,7 @@ _KERNELS_LOCK = threading.Lock()
 
 
 def kernels(device_id: int) -> Kernels:
-    """The kernels for a device, compiled (or loaded from CuPy's disk cache) on first use."""
+    """The kernels for a device, loaded (a cubin built ahead of time) or compiled on first use."""
     k = _KERNELS.get(device_id)
     if k is not None:
         return k
@@ -259,9 +260,10 @@ def kernels(device_id: int) -> Kernels:
     with _KERNELS_LOCK:
         k = _KERNELS.get(device_id)
         if k is None:
-            with cp.cuda.Device(device_id):
+            device = cp.cuda.Device(device_id)
+            with device:
                 try:
-                    module = cp.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
+                    module = _module(cp, str(device.compute_capability))
                     fill = module.get_function(FILL_KERNEL)
                     fill_plan = module.get_function(FILL_PLAN_KERNEL)
                     _ = fill.kernel, fill_plan.kernel  # compile and load now, not at the first launch
@@ -272,6 +274,18 @@ def kernels(device_id: int) -> Kernels:
                 k = Kernels(fill, fill_plan, _wave_grid(fill, attrs), _wave_grid(fill_plan, attrs))
             _KERNELS[device_id] = k
     return k
+
+
+def _module(cp: Any, arch: str) -> Any:
+    """The kernels' module for a device of compute capability `arch` ("90"): the cubin built ahead of time for it
+    and these sources (backends/cubins.py) when there is one, else compiled now by NVRTC (or CuPy's disk cache)."""
+    source = kernel_source()
+    prebuilt = cubins.find(source, NVRTC_OPTIONS, arch)
+    if prebuilt is not None:
+        log.info("cupy backend: loading the kernels built ahead of time for sm_%s (%s)", arch, prebuilt.name)
+        return cp.RawModule(path=str(prebuilt))
+    log.info("cupy backend: compiling the kernels for sm_%s (no cubin built ahead of time for it)", arch)
+    return cp.RawModule(code=source, options=NVRTC_OPTIONS)
 
 
 # The device attributes a grid is sized with: cudaDeviceAttr codes (stable in the CUDA runtime API) and the value
