@@ -238,6 +238,9 @@ else
     rc=$?
     grep -E "PASSED|FAILED|ERROR|SKIPPED|differ|^device:|^E |[0-9]+ (passed|failed|skipped|error)" "$OUT/test_gpu.log" \
         | tail -n 60
+    # IPC into a second process (its torch tensors aliasing the mapping, where it has torch) for the summary
+    grep -E "test_(zero_byte_)?cuda_ipc_in_a_second_process.*(PASSED|FAILED|SKIPPED|ERROR)|torch zero-copy" "$OUT/test_gpu.log" \
+        | sed 's/^/   /' >> "$OUT/env.txt"
     [ $rc -eq 124 ] && say "the gpu tests timed out after ${c}s"
     [ $rc -ne 0 ] && status=1
     if grep -q "skipped" "$OUT/test_gpu.log" && ! grep -q "passed" "$OUT/test_gpu.log"; then
@@ -255,6 +258,9 @@ else
         > "$OUT/bench_gpu.log" 2>&1
     rc=$?
     cat "$OUT/bench_gpu.log"
+    # for the summary: parity per initializer and dtype, GB/s against the device copy and torch, the verdict
+    grep -E "^(parity |MISMATCH|targets|  (copy|torch|uniform|xavier|kaiming|normal) )" "$OUT/bench_gpu.log" \
+        | sed 's/^ */   /' >> "$OUT/env.txt"
     [ $rc -eq 124 ] && say "bench/gpu.py timed out after ${c}s"
     [ $rc -ne 0 ] && status=1
 fi
