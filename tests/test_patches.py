@@ -285,7 +285,8 @@ def test_embedded_client() -> None:
 
 
 def test_a_part_has_the_values_of_its_unfused_tensor() -> None:
-    """The law parts exist for: a fused w13 [E, 2F, D] (w1 and w3 side by side) and a wqkv stored group by group
+    """The law parts exist for: a fused w13 as [E, 2F, D] (w1 and w3 side by side), [E, 2, F, D] or [E, F, 2, D]
+    (gate and up interleaved row by row), and a wqkv stored group by group
     as torchtitan's fused attention stores it ([n_kv, heads_per_kv + 2, head_dim, dim] flattened to rows) give
     each logical tensor the bytes the same initializer gives it unfused, whole and as a shard of the fused one."""
     e, f, d = 4, 6, 10
@@ -323,6 +324,11 @@ def test_a_part_has_the_values_of_its_unfused_tensor() -> None:
                 region=[(1, 3), (2, 9), (3, 10)],
             ),
         ]
+        # the two fused grouped-expert layouts: gate and up as an axis of their own, [E, 2, F, D], or interleaved
+        # row by row, [E, F, 2, D]; either half is one box holding all of w1 (or w3) in its order
+        for name, shape, half in (("w13_e2fd", [e, 2, f, d], 1), ("w13_ef2d", [e, f, 2, d], 2)):
+            boxes = [[(0, n) if k != half else (h, h + 1) for k, n in enumerate(shape)] for h in (0, 1)]
+            fused.append(param(name, shape, {"ones": {}}, [(boxes[0], w1, ([e, f, d], 0)), (boxes[1], w3, ([e, f, d], 0))], dtype))
         unfused = [param("w1", [e, f, d], w1, [], dtype), param("w3", [e, f, d], w3, [], dtype)]
         unfused += [param(n, shape, init, [], dtype) for n, (shape, init) in qkv.items()]
         with Client() as c:
@@ -330,6 +336,8 @@ def test_a_part_has_the_values_of_its_unfused_tensor() -> None:
             want = {k: np.asarray(v) for k, v in c.materialize(plan_pb2.Plan(params=unfused)).items()}
         assert np.unique(want["w1"]).size > 100 and np.unique(want["w3"]).size > 100  # not constant data
         assert got["w13"][:, :f].tobytes() == want["w1"].tobytes() and got["w13"][:, f:].tobytes() == want["w3"].tobytes()
+        assert got["w13_e2fd"][:, 0].tobytes() == want["w1"].tobytes() and got["w13_e2fd"][:, 1].tobytes() == want["w3"].tobytes()
+        assert got["w13_ef2d"][:, :, 0].tobytes() == want["w1"].tobytes() and got["w13_ef2d"][:, :, 1].tobytes() == want["w3"].tobytes()
         assert got["w13_shard"][:, :4].tobytes() == want["w1"][1:3, 2:6, 3:10].tobytes()
         assert (got["w13_shard"][:, 4:] == 1).all()  # rows 6..8 of the shard are w3's, which it does not patch
         split = got["wqkv"].reshape(n_kv, r, hd, d)
