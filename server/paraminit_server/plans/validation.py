@@ -145,16 +145,11 @@ def _check_param(
     else:
         first_seen[p.name] = i
     shape = [int(d) for d in p.shape]
-    # sizes of an untrusted shape are bounded before anything multiplies them: the rank first, then a product
-    # that stops at 2^63 (a zero dimension anywhere makes it 0), so no big integer is built or printed
-    sane = len(shape) <= MAX_RANK
-    if not sane:
-        bad("shape", f"rank {len(shape)} exceeds the maximum of {MAX_RANK}")
-    numel = numel_at_most(shape, MAX_ELEMENTS)
-    if numel > MAX_ELEMENTS:
-        sane = False
-        bad("shape", f"the full tensor {_shape_echo(shape)} has 2^63 elements or more; flat indices must fit in 64 bits")
-    elif numel == 0 and numel_at_most([d for d in shape if d], _EMPTY_SPAN) > _EMPTY_SPAN:
+    numel, problems = _size_problems(shape, "the full tensor")
+    for message in problems:
+        bad("shape", message)
+    sane = not problems
+    if numel == 0 and numel_at_most([d for d in shape if d], _EMPTY_SPAN) > _EMPTY_SPAN:
         sane = False  # empty, but no array library can hold the shape (nor its fans)
         bad(
             "shape",
@@ -255,12 +250,10 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | N
 def _check_part(q: plan_pb2.Patch, part: list[int], box_ok: bool, sub: _Bad) -> bool:
     """A patch's part: a shape of bounded size that holds the box's elements from `start`; whether it is sane
     enough to check the initializer over it."""
-    if len(part) > MAX_RANK:
-        sub("part.shape", f"rank {len(part)} exceeds the maximum of {MAX_RANK}")
-        return False
-    numel = numel_at_most(part, MAX_ELEMENTS)
-    if numel > MAX_ELEMENTS:
-        sub("part.shape", f"the part {_shape_echo(part)} has 2^63 elements or more; flat indices must fit in 64 bits")
+    numel, problems = _size_problems(part, "the part")
+    for message in problems:
+        sub("part.shape", message)
+    if problems:
         return False
     if box_ok:
         count = 1
@@ -273,6 +266,16 @@ def _check_part(q: plan_pb2.Patch, part: list[int], box_ok: bool, sub: _Bad) -> 
                 f"{sampler.shape_str(part)} of {numel} elements",
             )
     return True
+
+
+def _size_problems(shape: list[int], noun: str) -> tuple[int, list[str]]:
+    """An untrusted shape's element count (capped past MAX_ELEMENTS) and what is wrong with its size: the rank is
+    bounded before anything multiplies the dimensions, the product stops at 2^63 (a zero dimension makes it 0)."""
+    problems = [f"rank {len(shape)} exceeds the maximum of {MAX_RANK}"] if len(shape) > MAX_RANK else []
+    numel = numel_at_most(shape, MAX_ELEMENTS)
+    if numel > MAX_ELEMENTS:
+        problems.append(f"{noun} {_shape_echo(shape)} has 2^63 elements or more; flat indices must fit in 64 bits")
+    return numel, problems
 
 
 def _shown_name(name: str) -> str:
