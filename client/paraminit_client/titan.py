@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paraminit.shapes import numel
 from paraminit.v1 import plan_pb2
 from paraminit_client.torch_rules import INIT_CALLS, _ones, _rule_of, _uniform, _zeros, init_of_call
 
@@ -119,9 +120,7 @@ class FusedQKV:
         """
         per_kv, hd, n_kv = self.n_heads // self.n_kv_heads, self.head_dim, self.n_kv_heads
         tail = list(shape[1:])
-        row = 1
-        for d in tail:
-            row *= d
+        row = numel(tail)
         if not shape or shape[0] != (self.n_heads + 2 * n_kv) * hd:
             return f"fused wqkv of shape {list(shape)} does not hold {self.n_heads} + 2 x {n_kv} heads of {hd}"
         head, _, key = name.rpartition(".")

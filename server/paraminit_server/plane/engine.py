@@ -65,7 +65,8 @@ CHECK_RUNS = 256  # runs filled one by one between two looks at should_stop
 
 
 def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0, should_stop: Callable[[], bool] | None = None) -> None:
-    """Overwrite the patched elements of a filled window, each from its own initializer at its global index.
+    """Overwrite the patched elements of a filled window, each from its own initializer at its global index (or,
+    for a patch holding a part, at its index in the part).
 
     Backend-neutral (only backend.fill on sub-windows), so every backend applies patches the same way and a
     patch is exact at any window, chunk, region or export. Many short runs (a column patch) are not filled one
@@ -100,6 +101,7 @@ def _patch_span(backend: Backend, patch: Patch, out: Any, l_begin: int, lo: int,
     """The covered elements of local [lo, hi), from the patch's values over their span of value indices, made
     PATCH_PIECE local elements at a time."""
     offsets = np.arange(patch.run_len, dtype=np.int64)
+    scratch = np.empty(min(PATCH_PIECE, hi - lo), dtype=out.dtype)
     for a in range(lo, hi, PATCH_PIECE):
         _stop_if(should_stop)
         b = min(a + PATCH_PIECE, hi)
@@ -110,7 +112,9 @@ def _patch_span(backend: Backend, patch: Patch, out: Any, l_begin: int, lo: int,
         if not idx.shape[0]:
             continue
         first, stop = int(at[0]), int(at[-1]) + 1  # generate only from the first to the last covered element
-        made = np.empty(stop - first, dtype=out.dtype)
+        if scratch.shape[0] < stop - first:
+            scratch = np.empty(stop - first, dtype=out.dtype)
+        made = scratch[: stop - first]
         backend.fill(patch.param, made, first)
         out[idx - l_begin] = made[at - first]
 

@@ -186,9 +186,9 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None
     if not p.patches:
         return rp
     patches = []
+    area = regions.Region(rp.shape, rp.region)
     for q in p.patches:
         box = tuple((int(r.start), int(r.stop)) for r in q.box)
-        area = regions.Region(rp.shape, rp.region)
         if q.HasField("part"):  # the box is part of a tensor of its own: values at indices in that tensor
             starts, values, run_len = area.box_runs(box)
             values = values + int(q.part.start)

@@ -256,9 +256,7 @@ def _check_part(q: plan_pb2.Patch, part: list[int], box_ok: bool, sub: _Bad) -> 
     if problems:
         return False
     if box_ok:
-        count = 1
-        for r in q.box:
-            count *= r.stop - r.start
+        count = sampler.numel([r.stop - r.start for r in q.box])
         if q.part.start + count > numel:
             sub(
                 "part",
