@@ -617,3 +617,35 @@ def test_an_expired_segment_still_mapped_stays_charged_until_unmapped() -> None:
             holder.kill()
         assert wait_until(lambda: r.plane.exports.quarantined_bytes() == 0, 15)
         assert r.plane.admission.host.reserved == base and not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_close_waits_for_a_quarantined_segment_being_freed() -> None:
+    """A quarantine watcher takes a segment off its list before it unlinks it: a close() that comes in between
+    (a server stopping, an in-process Client leaving its `with`) returns only once that segment is gone too, as
+    close() promises (it found the list empty and returned with the segment still named, now and then under load)."""
+    from types import SimpleNamespace
+
+    from paraminit_server.backends import HOST
+    from paraminit_server.plane.exports import Exports
+    from paraminit_server.plane.leases import LeaseTable
+
+    freeing, freed = threading.Event(), threading.Event()
+
+    class Segment:  # a segment nobody else maps, slow to unlink
+        def unmap(self) -> None:
+            pass
+
+        def mapped_elsewhere(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            freeing.set()
+            time.sleep(0.3)
+            freed.set()
+
+    budget = MemoryBudget(1 << 20)
+    exports = Exports(SimpleNamespace(memory=HOST), LeaseTable(1 << 20, 4, 60.0, 60.0, reap_interval=3600), budget)
+    exports._quarantine(Segment(), budget.reserve(4096))
+    assert freeing.wait(10)  # the watcher has taken it off the list and is unlinking it
+    exports.close()
+    assert freed.is_set() and budget.reserved == 0

@@ -245,6 +245,12 @@ class Exports:
         self.leases.close()
         self.pool.close()
         self._closed.set()
+        # a watcher in the middle of a settle may have taken segments off the list and not yet unlinked them:
+        # it stops at its next wait, and only then is everything gone
+        with self._quarantine_lock:
+            watcher = self._watcher
+        if watcher is not None:
+            watcher.join()
         self._settle(force=True)  # a server that stops takes its segments with it, mapped or not
 
 
