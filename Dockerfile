@@ -139,7 +139,7 @@ ENV PATH=/opt/paraminit/bin:$PATH \
 ARG PARAMINIT_NUMBA_CPU_NAME=
 ENV PARAMINIT_NUMBA_CPU_NAME=${PARAMINIT_NUMBA_CPU_NAME}
 RUN NUMBA_CACHE_DIR=${PARAMINIT_JIT_CACHE_SEED}/numba \
-    python3 -c "from paraminit_server import backends; from paraminit_server.backends import jit_cache; jit_cache.prepare_jit_cache(); backends.create('numpy').warm_up()" \
+    python3 -m paraminit_server.prebuild --cpu \
  && test -n "$(ls -A ${PARAMINIT_JIT_CACHE_SEED}/numba)"
 # paraminit_build_info{revision=...}: --build-arg PARAMINIT_REVISION=$(git rev-parse --short HEAD)
 ARG PARAMINIT_REVISION=

@@ -10,6 +10,7 @@ Building and running the image is deploy/image-check.sh (`make image-check`), wh
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import re
@@ -22,6 +23,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from paraminit_server import prebuild
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -320,11 +323,11 @@ def test_cpu_image_carries_compiled_kernels() -> None:
     env = _env(chain)
     seed = env["PARAMINIT_JIT_CACHE_SEED"]
     assert seed.startswith("/opt/paraminit/") and not seed.startswith(("/tmp", "/var/cache/paraminit"))
-    warm = [r for r in chain[0].all("RUN") if "warm_up()" in r]
+    warm = [r for r in chain[0].all("RUN") if "paraminit_server.prebuild --cpu" in r]
     assert len(warm) == 1 and "NUMBA_CACHE_DIR=${PARAMINIT_JIT_CACHE_SEED}/numba" in warm[0]
     # Numba keys its cache on the CPU model: the build applies the image's CPU-model setting the way the server
     # does at start (an empty NUMBA_CPU_NAME in the environment would mean a CPU named "").
-    assert "jit_cache.prepare_jit_cache()" in warm[0] and "NUMBA_CPU_NAME" not in env
+    assert "jit_cache.prepare_jit_cache()" in inspect.getsource(prebuild._cpu) and "NUMBA_CPU_NAME" not in env
     assert env.get("PARAMINIT_NUMBA_CPU_NAME") == "${PARAMINIT_NUMBA_CPU_NAME}"
     args = [line.split()[1] for line in _dockerfile_lines() if line.startswith("ARG ")]
     assert "PARAMINIT_NUMBA_CPU_NAME=" in args

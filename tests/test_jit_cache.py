@@ -190,3 +190,27 @@ def test_failed_warm_up_exits_non_zero_with_one_line(read_only_install: dict[str
     assert len(errors) == 1, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "out of memory" in errors[0], errors[0]
+
+
+def test_prebuild_cpu_leaves_a_process_nothing_to_compile() -> None:
+    """`prebuild --cpu` (the CPU image's build, and the suite's start under xdist) shares the kernels out between
+    processes; afterwards a new process loads every kernel and the plan scanner from the cache and compiles none."""
+    built = subprocess.run([sys.executable, "-m", "paraminit_server.prebuild", "--cpu", "--processes", "2"], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    assert "CPU kernels ready in numba's cache (2 processes" in built.stdout
+    probe = textwrap.dedent(
+        """
+        from paraminit_server.backends.cpu import CpuBackend
+        from paraminit_server.plans import scanner, scanner_kernels
+        backend = CpuBackend()
+        backend.preload()  # compiles nothing: ready only when every kernel came from the cache
+        scanner.warm_up()
+        passes = (scanner_kernels.count, scanner_kernels.fill, scanner_kernels.join_names)
+        compiled = sum(sum(f.stats.cache_misses.values()) for f in passes)
+        loaded = sum(sum(f.stats.cache_hits.values()) for f in passes)
+        print(backend._ready_all, compiled, loaded)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "0", "3"], out.stdout + out.stderr
+    assert COMPILE_LINE not in out.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -62,8 +63,7 @@ class _Compiles:
         Returns:
             Whether it is ready: False only when `compile` is False and it would have to be compiled.
         """
-        # a specialization is told apart by its arrays' dtypes and layouts (the scalars' types never vary)
-        key = (disp.__name__, *((a.dtype.str, a.flags.c_contiguous) for a in args if isinstance(a, np.ndarray)))
+        key = _key(disp, args)
         if key in self.ready:
             return True
         if background:
@@ -106,6 +106,11 @@ class _Compiles:
                 disp.compile(sig)  # loads it from the cache (nothing when already loaded)
             self.ready.add(key)
             return True
+
+
+def _key(disp: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A specialization is told apart by its arrays' dtypes and layouts (the scalars' types never vary)."""
+    return (disp.__name__, *((a.dtype.str, a.flags.c_contiguous) for a in args if isinstance(a, np.ndarray)))
 
 
 def _kernel_words(name: str, args: tuple[Any, ...]) -> str:
@@ -394,23 +399,39 @@ class CpuBackend:
             self._ensure([rp for rp in warm_up_params() if (rp.dtype.enum, rp.kind) in wanted], compile=True, background=False)
             self._ready_kinds |= wanted
 
-    def _ensure(self, params: list[ResolvedParam], compile: bool, background: bool) -> bool:
+    def compile_share(self, index: int, count: int) -> None:
+        """Compile (or load) every `count`-th kernel specialization of the warm-up, from the `index`-th: `count`
+        processes then fill a cold disk cache together, each compiling its own share once (numba compiles under
+        one lock per process, so processes, not threads, use the cores; prebuild --cpu).
+
+        Args:
+            index: this process's share, 0 <= index < count.
+            count: the number of processes sharing the work.
+        """
+        self._ensure(warm_up_params(), compile=True, background=False, share=slice(index, None, count))
+
+    def _ensure(self, params: list[ResolvedParam], compile: bool, background: bool, share: slice = slice(None)) -> bool:
         """Load or compile the fill kernels of these (warm-up) parameters and the batched fill of their kinds;
         whether all are ready."""
         ready = True
-        for rp in params:
-            out = np.empty(rp.numel, dtype=rp.dtype.storage)
-            kernel, args = self._entry(rp, out, 0, rp.runs(), _flat_values(rp))
-            if COMPILES.ensure(kernel, args, compile=compile, background=background):
-                kernel(*args)
-            else:
-                ready = False
-        for group in _Batch.warm_up_groups(params):
-            if COMPILES.ensure(cpu_kernels.KERNELS[group.kind].fill_batch, group.args(), compile=compile, background=background):
-                group.run()
+        for disp, args, run in self._specializations(params)[share]:
+            if COMPILES.ensure(disp, args, compile=compile, background=background):
+                run()
             else:
                 ready = False
         return ready
+
+    def _specializations(self, params: list[ResolvedParam]) -> list[tuple[Any, tuple[Any, ...], Callable[[], object]]]:
+        """Each kernel specialization filling these parameters takes, once: (dispatcher, arguments, a fill with them)."""
+        out: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], Callable[[], object]]] = {}
+        for rp in params:
+            buffer = np.empty(rp.numel, dtype=rp.dtype.storage)
+            kernel, args = self._entry(rp, buffer, 0, rp.runs(), _flat_values(rp))
+            out.setdefault(_key(kernel, args), (kernel, args, functools.partial(kernel, *args)))
+        for group in _Batch.warm_up_groups(params):
+            disp, args = cpu_kernels.KERNELS[group.kind].fill_batch, group.args()
+            out.setdefault(_key(disp, args), (disp, args, group.run))
+        return list(out.values())
 
     def scratch(self, nbytes: int) -> Any:
         return host_buffer(nbytes)

@@ -142,6 +142,12 @@ def declared_fields(s: Scan) -> npt.NDArray[np.bool_]:
     return ok
 
 
+def warm_up() -> None:
+    """Load (or compile) the scanner's kernels: a plan of two parameters scanned and named."""
+    two = plan_pb2.Plan(params=[plan_pb2.Param(name=name, shape=[1], dtype=plan_pb2.DTYPE_FLOAT32) for name in "ab"])
+    scan(two).names()
+
+
 class _Compiled:
     """The compiled scanner (numba is imported, and the kernels loaded or compiled, on first use)."""
 

@@ -32,6 +32,7 @@ from paraminit_server.backends import shm
 from paraminit_server.backends.jit_cache import prepare_jit_cache
 from paraminit_server.config import ServerConfig
 from paraminit_server.plane.materializer import Materializer, max_request_bytes
+from paraminit_server.plans import scanner
 from paraminit_server.rpc.auth import AuthInterceptor, Endpoint, TokenAuth, server_credentials
 from paraminit_server.rpc.metrics import Metrics
 from paraminit_server.rpc.service import InitServicer
@@ -155,6 +156,7 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
                 preload()
                 running.set_serving(True)  # unless draining began (set_serving checks under its lock)
             backend.warm_up()
+            scanner.warm_up()  # large plans are read by the compiled scanner: its first one need not compile it
         except Exception as exc:
             if not warm_up_async:
                 raise
