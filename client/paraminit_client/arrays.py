@@ -20,18 +20,17 @@ def numpy_dtype(dtype_enum: int) -> np.dtype[Any]:
     return dt.numpy
 
 
-def arrays_from_buffer(tensors: Iterable[Any], buf: Any) -> dict[str, np.ndarray[Any, Any]]:
+def arrays_from_buffer(tensors: Iterable[Any] | packed_table.Table, buf: Any) -> dict[str, np.ndarray[Any, Any]]:
     """Views of each tensor (name, dtype, shape, offset, nbytes) inside one buffer (numpy or any buffer).
 
     Consecutive tensors of one dtype and shape lying back to back (most of a plan of many small parameters) are
     viewed as one array and split along its first axis: one view each, without a slice, a cast and a reshape
-    each. A table with `runs()` (a packed stream table) gives its runs; one with `columns()` (the in-process data
-    plane's) is read as its columns.
+    each. A packed stream table gives its runs; a table with `columns()` (the in-process data plane's) is read
+    as its columns.
     """
     host = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
-    runs = getattr(tensors, "runs", None)
-    if runs is not None:
-        names, found = tensors.names, runs()  # type: ignore[attr-defined]
+    if isinstance(tensors, packed_table.Table):
+        names, found = tensors.names, tensors.runs()
     else:
         columns = getattr(tensors, "columns", None)
         if columns is not None:

@@ -23,7 +23,7 @@ from paraminit.violations import INVALID, LIMIT, ValidationReport, Violation
 from paraminit_client import scaleout
 from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
 from paraminit_client.errors import InvalidArgument, ParaminitError
-from paraminit_client.transports import CLOSE_WAIT, Arrays, CallGate, Chunk, copy_into, land
+from paraminit_client.transports import CLOSE_WAIT, Arrays, CallGate, Chunk, TensorTable, copy_into, land
 
 
 @contextlib.contextmanager
@@ -139,7 +139,7 @@ class GrpcTransport:
 
     def _open_stream(
         self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool, packed: bool = True
-    ) -> tuple[pb.StreamHeader, Any, Iterator[Chunk]]:
+    ) -> tuple[pb.StreamHeader, TensorTable, Iterator[Chunk]]:
         """The header, its tensor table (TensorInfo messages, or a packed_table.Table when `packed` was asked
         for and the server packs) and the checked chunks. The header's checksum is verified here, before anyone
         writes a byte. A `packed` stream is for arrays: it comes without the safetensors prefix."""
@@ -172,7 +172,7 @@ class GrpcTransport:
                 header.tensors.extend(part.header_part.tensors)
             prefix.append(part.header_part.safetensors_prefix)
         header.safetensors_prefix = b"".join(prefix)
-        table: Any = header.tensors
+        table: TensorTable = header.tensors
         if is_packed:
             joined = packed_table.join(groups)
             header.ClearField("packed_tensors")

@@ -76,7 +76,7 @@ class LocalTransport:
                 for item in items:
                     if isinstance(item, tuple):
                         offset, slab = item
-                        yield Slab(offset, memoryview(slab).cast("B"))
+                        yield Slab(offset, slab.data.cast("B"))
 
         return header, slabs()
 
@@ -89,7 +89,7 @@ class LocalTransport:
 
     def materialize_into(self, plan: plan_pb2.Plan, outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
         with self._call():
-            self._plane.fill(plan, outputs)
+            self._plane.fill_into(plan, outputs)
 
     def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float) -> pb.ExportInfo:
         with self._call():

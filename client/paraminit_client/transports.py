@@ -23,13 +23,14 @@ import crc32c
 import grpc
 import numpy as np
 
-from paraminit import overlap
+from paraminit import overlap, packed_table
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit.violations import ValidationReport as ValidationReport  # the client's name for it
 from paraminit_client.errors import ClientClosed, ParaminitError
 
 Arrays = dict[str, np.ndarray[Any, Any]]
+TensorTable = Iterable[pb.TensorInfo] | packed_table.Table  # a stream's tensor table: messages, or packed columns
 
 
 class Chunk(Protocol):
@@ -110,13 +111,10 @@ def land(chunks: Iterator[Chunk], put: Callable[[Chunk], None], progress: Callab
             progress(n)
 
 
-def copy_into(table: Any, chunks: Iterator[Chunk], outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
-    """Copy a stream into the caller's arrays, one chunk at a time (CRC32C checked by `land`).
-
-    `table`: the stream's tensor table, TensorInfo messages or one with `columns()` (a packed table)."""
-    columns = getattr(table, "columns", None)
-    if columns is not None:
-        names, _dtypes, _shapes, offsets, sizes = columns()
+def copy_into(table: TensorTable, chunks: Iterator[Chunk], outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
+    """Copy a stream into the caller's arrays, one chunk at a time (CRC32C checked by `land`)."""
+    if isinstance(table, packed_table.Table):
+        names, _dtypes, _shapes, offsets, sizes = table.columns()
         rows: Iterable[tuple[str, int, int]] = zip(names, offsets, sizes, strict=True)
     else:
         rows = ((t.name, t.offset, t.nbytes) for t in table)

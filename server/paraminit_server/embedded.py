@@ -19,6 +19,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy.typing as npt
+
 from paraminit import times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
@@ -27,6 +29,8 @@ from paraminit_server import backends, errors
 from paraminit_server.__main__ import main as serve_main
 from paraminit_server.config import ServerConfig
 from paraminit_server.plane.caller import Caller
+from paraminit_server.plane.engine import HostSlab
+from paraminit_server.plane.layout import TensorSpan
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
 from paraminit_server.rpc import service
 from paraminit_server.rpc.server import Running, start
@@ -153,13 +157,17 @@ class InProcess:
             self._handlers = service.InitServiceHandlers(self.plane)
         return self._handlers.info(pb.GetInfoRequest(), self.caller)
 
-    def fill(self, plan: plan_pb2.Plan, outputs: Mapping[str, Any] | None = None) -> tuple[list[Any], str, Any]:
-        """Tensor table, digest and one buffer in stream layout; or, with outputs, fill those arrays in place
-        (and return no table: the caller has its arrays)."""
-        lay, digest, buf = self.plane.fill_host(plan, self.caller, outputs)
-        return (lay.spans() if outputs is None else []), digest, buf
+    def fill(self, plan: plan_pb2.Plan) -> tuple[list[TensorSpan], str, HostSlab]:
+        """Tensor table, digest and one buffer in stream layout."""
+        lay, digest, buf = self.plane.fill_host(plan, self.caller)
+        assert buf is not None, "fill_host returns a buffer when given no outputs"
+        return lay.spans(), digest, buf
 
-    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int = 0) -> Generator[pb.StreamHeader | tuple[int, Any], None, None]:
+    def fill_into(self, plan: plan_pb2.Plan, outputs: Mapping[str, npt.NDArray[Any]]) -> None:
+        """Fill the caller's arrays in place (parameter name -> array; Materializer.fill_host says which fit)."""
+        self.plane.fill_host(plan, self.caller, outputs)
+
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int = 0) -> Generator[pb.StreamHeader | tuple[int, HostSlab], None, None]:
         """A header, then (offset, host slab) pairs: for writing files without an extra copy."""
         it = self.plane.stream(plan, self.caller, chunk_bytes)
         with contextlib.closing(it):  # frees the slabs and the admission slot when the consumer stops early
@@ -177,7 +185,7 @@ class InProcess:
     def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float = 0.0) -> pb.ExportInfo:
         return service._export_info(self.plane.export(plan, delivery, self.caller, ttl_seconds))
 
-    def upload(self, pieces: Iterable[tuple[int, int, Any]]) -> str:
+    def upload(self, pieces: Iterable[tuple[int, int, bytes | memoryview]]) -> str:
         """Store a payload from (dtype enum, value count, bytes) pieces (the first sizes it); returns its id."""
         pid, _payload = self.plane.upload((PayloadPiece(d, n, data) for d, n, data in pieces), self.caller)
         return str(pid)

@@ -16,12 +16,15 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from paraminit_server import errors
 from paraminit_server.backends import HOST, Backend
 from paraminit_server.plane.layout import SLAB_QUANTUM, Layout
 from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Offsets, Patch, ResolvedParam
+
+HostSlab = npt.NDArray[np.uint8]  # bytes of the data section in host memory, as slabs and buffers hand them out
 
 
 def fill_window(backend: Backend, layout: Layout, buf: Any, start: int, should_stop: Callable[[], bool] | None = None) -> None:
@@ -149,7 +152,7 @@ def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[
     backend.synchronize()
 
 
-class Slabs(Iterator[tuple[int, Any]]):
+class Slabs(Iterator[tuple[int, HostSlab]]):
     """(offset, host uint8 array) slabs of the data section, generated ahead on a thread (iter_slabs).
 
     The producer starts when this is made, not at the first `next`: a stream's first slabs are filled while its
@@ -264,7 +267,7 @@ class Slabs(Iterator[tuple[int, Any]]):
         self._stop = weakref.finalize(self, _stop_producer, cancel, q, worker)
         worker.start()
 
-    def __next__(self) -> tuple[int, Any]:
+    def __next__(self) -> tuple[int, HostSlab]:
         try:
             return next(self._items)
         except BaseException:

@@ -195,7 +195,7 @@ class Materializer:
 
     def stream(
         self, p: plan_pb2.Plan, caller: Caller, chunk_bytes: int = 0, lend: bool = False
-    ) -> Generator[StreamStart | tuple[int, Any], None, None]:
+    ) -> Generator[StreamStart | tuple[int, engine.HostSlab], None, None]:
         """A StreamStart, then the data section as (offset, host uint8 slab) pairs in order.
 
         Each slab is a whole number of `chunk_size(chunk_bytes)` chunks (the last may be short). With `lend`
@@ -212,7 +212,7 @@ class Materializer:
 
     def _stream(
         self, checked: CheckedPlan, caller: Caller, chunk_bytes: int, lend: bool
-    ) -> Generator[StreamStart | tuple[int, Any], None, None]:
+    ) -> Generator[StreamStart | tuple[int, engine.HostSlab], None, None]:
         lay = layout.stream_layout(checked.params, checked.digest)
         chunk = self.chunk_size(chunk_bytes)
         slab = max(chunk, self.config.slab_bytes // chunk * chunk)
@@ -239,7 +239,7 @@ class Materializer:
 
     def fill_host(
         self, p: plan_pb2.Plan, caller: Caller, outputs: Mapping[str, npt.NDArray[Any]] | None = None
-    ) -> tuple[layout.Layout, str, Any]:
+    ) -> tuple[layout.Layout, str, engine.HostSlab | None]:
         """Materialize into host memory of this process, no slabs, no encoding: for in-process callers.
 
         With `outputs` (parameter name -> C-contiguous array of the region's shape and the dtype's item
