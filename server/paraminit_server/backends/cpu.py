@@ -48,12 +48,15 @@ class _Compiles:
         self.lock = threading.Lock()
         self.ready: set[tuple[Any, ...]] = set()
         self.seconds = 0.0
+        self.load_seconds = 0.0  # readying kernels without compiling them, that calls waited for (CpuBackend.prepare)
         self.announced = False
         self.turn = threading.Condition()
         self.waiting = 0  # callers that are not background ones, waiting for the lock or holding it
         self.last = -QUIET_SECONDS  # when the last of them finished (time.monotonic)
 
-    def ensure(self, disp: Any, args: tuple[Any, ...], compile: bool = True, background: bool = False) -> bool:
+    def ensure(
+        self, disp: Any, args: tuple[Any, ...], compile: bool = True, background: bool = False, stop: Callable[[], bool] | None = None
+    ) -> bool:
         """Load or compile the specialization of kernel `disp` (one of a kind's cpu_kernels.Kernels) for `args`.
 
         A `background` caller (a server's warm-up after SERVING) lets every other caller go first, and waits
@@ -61,7 +64,8 @@ class _Compiles:
         compile already under way, not for the warm-up's whole list between its own.
 
         Returns:
-            Whether it is ready: False only when `compile` is False and it would have to be compiled.
+            Whether it is ready: False when `compile` is False and it would have to be compiled, or when `stop`
+            said so while a background caller waited for its turn.
         """
         key = _key(disp, args)
         if key in self.ready:
@@ -69,6 +73,8 @@ class _Compiles:
         if background:
             with self.turn:
                 while self.waiting or time.monotonic() - self.last < QUIET_SECONDS:
+                    if stop is not None and stop():
+                        return False
                     self.turn.wait(QUIET_SECONDS / 4)
             return self._ensure(key, disp, args, compile)
         with self.turn:
@@ -220,6 +226,13 @@ def _flat_values(p: ResolvedParam) -> Any:
 def compile_seconds() -> float:
     """Seconds this process has spent compiling CPU kernels (those loaded from the disk cache cost none)."""
     return COMPILES.seconds
+
+
+def load_seconds() -> float:
+    """Seconds calls in this process have waited for CPU kernels to be readied without compiling (importing the
+    kernel modules and numba's first load from the disk cache are most of it): a summary counts them with the
+    start of the data plane, not with the plan's checks."""
+    return COMPILES.load_seconds
 
 
 class _Batch:
@@ -382,10 +395,14 @@ class CpuBackend:
         """Compile (or load) every kernel of every kind and dtype, letting fills' own compiles go first."""
         self._ready_all = self._ensure(warm_up_params(), compile=True, background=True)
 
-    def preload(self) -> None:
+    def preload(self, stop: Callable[[], bool] = lambda: False) -> None:
         """Load the kernels already in the disk cache and compile nothing: a process then compiles only the kinds
-        and dtypes it fills, on first use (a cold cache costs those specializations, not all of them)."""
-        self._ready_all = self._ensure(warm_up_params(), compile=False, background=True)
+        and dtypes it fills, on first use (a cold cache costs those specializations, not all of them).
+
+        Args:
+            stop: asked before each kernel; True ends the preload early (the rest load when first filled).
+        """
+        self._ready_all = self._ensure(warm_up_params(), compile=False, background=True, stop=stop)
 
     def prepare(self, params: Sequence[ResolvedParam]) -> None:
         """Compile (or load) the kernels of the kinds and dtypes these parameters use, as a fill would, but
@@ -396,8 +413,10 @@ class CpuBackend:
             return
         wanted = kinds_of(params) - self._ready_kinds
         if wanted:
+            started, compiled = time.perf_counter(), COMPILES.seconds
             self._ensure([rp for rp in warm_up_params() if (rp.dtype.enum, rp.kind) in wanted], compile=True, background=False)
             self._ready_kinds |= wanted
+            COMPILES.load_seconds += time.perf_counter() - started - (COMPILES.seconds - compiled)
 
     def compile_share(self, index: int, count: int) -> None:
         """Compile (or load) every `count`-th kernel specialization of the warm-up, from the `index`-th: `count`
@@ -410,12 +429,21 @@ class CpuBackend:
         """
         self._ensure(warm_up_params(), compile=True, background=False, share=slice(index, None, count))
 
-    def _ensure(self, params: list[ResolvedParam], compile: bool, background: bool, share: slice = slice(None)) -> bool:
+    def _ensure(
+        self,
+        params: list[ResolvedParam],
+        compile: bool,
+        background: bool,
+        share: slice = slice(None),
+        stop: Callable[[], bool] | None = None,
+    ) -> bool:
         """Load or compile the fill kernels of these (warm-up) parameters and the batched fill of their kinds;
         whether all are ready."""
         ready = True
         for disp, args, run in self._specializations(params)[share]:
-            if COMPILES.ensure(disp, args, compile=compile, background=background):
+            if stop is not None and stop():
+                return False
+            if COMPILES.ensure(disp, args, compile=compile, background=background, stop=stop):
                 run()
             else:
                 ready = False

@@ -14,6 +14,7 @@ unknown field, they are the very bytes the scan read (`canonical`), and protobuf
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,9 +159,19 @@ class _Compiled:
 
 
 _COMPILED: list[_Compiled] = []
+_READIED: list[float] = []  # seconds the first use spent readying the kernels
 
 
 def _kernels() -> _Compiled:
     if not _COMPILED:
+        started = time.perf_counter()
         _COMPILED.append(_Compiled())
+        warm_up()  # loads (or compiles) every pass now, so that ready_seconds holds all of it
+        _READIED.append(time.perf_counter() - started)
     return _COMPILED[0]
+
+
+def ready_seconds() -> float:
+    """Seconds this process spent readying the scanner's kernels (importing numba and its first load from the
+    disk cache are most of it): a summary counts them with the data plane's start, not with the plan's checks."""
+    return sum(_READIED)
