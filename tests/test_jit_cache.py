@@ -135,10 +135,13 @@ def test_unwritable_numba_cache_only_slows_start(read_only_install: dict[str, st
 
 @pytest.mark.slow
 def test_cold_cli_says_it_compiles_and_reports_compiling_apart(tmp_path: Path) -> None:
-    """A first materialize with an empty kernel cache prints the compile line once and reports the compile
-    seconds apart from the time its throughput is computed over; the next process loads them and says nothing."""
+    """A first materialize with an empty kernel cache prints the compile line once (and none of numba's
+    warnings about its inliner, whichever thread imported the kernels) and reports the compile seconds apart from
+    the time its throughput is computed over; the next process loads them and says nothing. The plan is large
+    enough to be read by the compiled scanner, which compiles on the caller's thread."""
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"params": [{"name": "w", "shape": [1024, 1024], "init": {"normal": {"std": 0.02, "seed": 3}}}]}))
+    params = [{"name": f"w{i}", "shape": [128, 256], "init": {"normal": {"std": 0.02, "seed": i}}} for i in range(32)]
+    plan.write_text(json.dumps({"params": params}))
     size = 4 << 20
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
     summaries = []
@@ -154,6 +157,7 @@ def test_cold_cli_says_it_compiles_and_reports_compiling_apart(tmp_path: Path) -
         summaries.append((r.stdout, r.stderr))
     (cold, cold_err), (warm, warm_err) = summaries
     assert cold_err.count(COMPILE_LINE) == 1, cold_err
+    assert "Warning" not in cold_err + warm_err, cold_err + warm_err
     assert "for each kind of value and dtype" in cold_err and "now: normal values" in cold_err, cold_err
     m = re.search(r"in ([\d.]+) s plus ([\d.]+) s compiling CPU kernels \(([\d.]+) (\w+)/s;", cold)
     assert m and float(m.group(2)) > 0, cold
@@ -214,3 +218,37 @@ def test_prebuild_cpu_leaves_a_process_nothing_to_compile() -> None:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "0", "3"], out.stdout + out.stderr
     assert COMPILE_LINE not in out.stderr
+
+
+def test_numbas_inliner_warnings_stay_quiet_when_another_thread_drops_the_filter(tmp_path: Path) -> None:
+    """The kernels are imported on the in-process data plane's own thread; a filter added while another thread
+    is inside `warnings.catch_warnings` is dropped when that thread leaves it (a progress bar's import did so).
+    Here the drop is forced, then kernels compile with an empty cache: numba's inliner warnings stay quiet."""
+    probe = textwrap.dedent(
+        """
+        import threading, warnings
+        entered, imported = threading.Event(), threading.Event()
+
+        def other():
+            with warnings.catch_warnings():
+                entered.set()
+                imported.wait()
+
+        t = threading.Thread(target=other)
+        t.start()
+        entered.wait()
+        import paraminit_server.backends.cpu  # the kernels' filter is added inside the other thread's context
+        imported.set()
+        t.join()  # and dropped as it leaves
+        from paraminit_client import Client, param, plan_of
+
+        plan = plan_of([param(f"w{i}", [16, 16], {"normal": {"std": 0.02, "seed": i}}) for i in range(40)])
+        with Client() as c:
+            print(sum(int((a != 0).sum()) for a in c.materialize(plan).values()))
+        """
+    )
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 0.99 * 40 * 256
+    assert COMPILE_LINE in done.stderr and "Warning" not in done.stderr, done.stderr

@@ -20,6 +20,7 @@ import numpy as np
 from paraminit import dtypes
 from paraminit.hostmem import host_buffer
 from paraminit_server.backends import HOST, SHM, DeviceDescription, ExportBuffer, cpu_kernels
+from paraminit_server.backends.cpu_kernels import jit
 from paraminit_server.backends.shm import ShmSegment
 from paraminit_server.errors import Cancelled
 from paraminit_server.host_limits import host_memory
@@ -106,6 +107,7 @@ class _Compiles:
                     else:
                         print(line, file=sys.stderr, flush=True)
                 started = time.perf_counter()
+                jit.quiet_inliner_warnings()
                 disp.compile(sig)
                 self.seconds += time.perf_counter() - started
             else:

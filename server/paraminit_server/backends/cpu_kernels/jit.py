@@ -102,8 +102,18 @@ parallel = _kernel(parallel=True)
 # The log/cos helpers are too large for LLVM's inliner, and a call in the loop stops vectorization: they are
 # inlined by numba.
 inline = _kernel(inline="always")
-# numba's inliner reports phi variables of inlined helpers as out of scope; harmless for this code.
-warnings.filterwarnings("ignore", message="variable '.*' is not in scope", category=NumbaIRAssumptionWarning)
+
+
+def quiet_inliner_warnings() -> None:
+    """numba's inliner reports phi variables of inlined helpers as out of scope; harmless for this code.
+
+    Set at import and again before each compile (backends/cpu.py): a filter added while another thread is inside
+    `warnings.catch_warnings` is dropped when that thread leaves it, and the in-process data plane imports the
+    kernels on its own thread while the caller's thread goes on importing."""
+    warnings.filterwarnings("ignore", message="variable '.*' is not in scope", category=NumbaIRAssumptionWarning)
+
+
+quiet_inliner_warnings()
 
 
 def _host_feature(name: str) -> bool:
