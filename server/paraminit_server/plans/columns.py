@@ -69,13 +69,8 @@ class Columns:
         return np.flatnonzero(~self.scan.regular | np.isin(self.scan.kind, _FLAT_NUMBERS))
 
     def canonical(self) -> bytes | None:
-        """The plan digest's canonical bytes, when they are the bytes scanned (scanner.canonical)."""
+        """The plan digest's canonical bytes, when the scan can write them (scanner.canonical)."""
         return scanner.canonical(self.scan)
-
-    def dtype_rows(self) -> npt.NDArray[np.int64] | None:
-        """Rows whose dtype the canonical form may have to state; None (every row) when the scan met more than
-        parameters at the plan's top level."""
-        return scanner.needs_dtype(self.scan) if self.scan.plan_ok else None
 
     def resolve(self, plan: plan_pb2.Plan, sources: RequestSnapshot | None = None) -> ParamTable:
         """The validated plan resolved: plain rows stay columns, the others are resolved one by one."""

@@ -344,30 +344,15 @@ def resolve(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: C
     return out
 
 
-def canonical(plan: plan_pb2.Plan, cols: Columns | None = None) -> bytes:
+def canonical(plan: plan_pb2.Plan) -> bytes:
     """The plan's canonical bytes (plan.proto, above `message Plan`): aliases resolved (an unspecified
     Param.dtype is float32), unknown fields dropped, then proto3's binary encoding in field-number order with every field at
-    its default omitted; Python protobuf's deterministic serialization is exactly that encoding, and the only one
-    used: a scanned plan whose bytes already are canonical gives them as they are (scanner.canonical).
-
-    Args:
-        plan: the plan as received.
-        cols: its columns (plans.columns.of), when it has them.
-
-    Returns:
-        The bytes the plan digest hashes.
-    """
-    scanned = None if cols is None else cols.canonical()
-    if scanned is not None:
-        return scanned
+    its default omitted; Python protobuf's deterministic serialization is exactly that encoding."""
     out = plan_pb2.Plan()
     out.CopyFrom(plan)
     out.DiscardUnknownFields()
-    params = out.params
-    rows = None if cols is None else cols.dtype_rows()
-    for i in range(len(params)) if rows is None else rows.tolist():
-        p = params[i]
-        if p.dtype == plan_pb2.DTYPE_UNSPECIFIED:  # SafetensorsRef.dtype keeps 0: there it means "any"
+    for p in out.params:  # SafetensorsRef.dtype keeps 0: there it means "any", not float32
+        if p.dtype == plan_pb2.DTYPE_UNSPECIFIED:
             p.dtype = plan_pb2.DTYPE_FLOAT32
     return out.SerializeToString(deterministic=True)
 
@@ -376,7 +361,8 @@ def digest(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: Co
     """Hex SHA-256 of the canonical form and, with `sources`, of the content every payload and checkpoint
     reference uses: the same digest always names the same bytes, also after a checkpoint is rewritten in
     place. A plan without references digests its canonical bytes alone (plan.proto says how to reproduce it)."""
-    h = hashlib.sha256(canonical(plan, cols))
+    fast = None if cols is None else cols.canonical()
+    h = hashlib.sha256(canonical(plan) if fast is None else fast)
     if sources is None:
         return h.hexdigest()
     contents = []

@@ -8,8 +8,7 @@ nothing unknown. Any other parameter is marked `IRREGULAR` and is read from the 
 columns never have to say what protobuf would make of an unusual encoding.
 
 The canonical bytes of the plan digest (plan.proto) are the plan's own deterministic encoding with an omitted
-dtype written as float32 and unknown fields dropped: when every parameter is plain, states its dtype and holds no
-unknown field, they are the very bytes the scan read (`canonical`), and protobuf stays the one encoder.
+dtype written as float32; when every parameter is plain, `canonical` writes them from the scan in the same pass.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from paraminit.v1 import plan_pb2
 
 # Per-parameter flags
 IRREGULAR = 1  # read this parameter from the message (region, patches, unknown or repeated fields, ...)
-NO_DTYPE = 2  # dtype omitted (float32; the canonical form states it)
+NO_DTYPE = 2  # dtype omitted (float32; the canonical form writes it)
 FIELDS = 5  # numeric fields of an initializer message kept (the largest, TruncatedNormal, has five)
 # Wire types of protobuf
 VARINT, FIXED64, LEN = 0, 1, 2
@@ -47,6 +46,7 @@ class Scan:
     kind: npt.NDArray[np.int64]  # Init oneof field number (0: none)
     wire: npt.NDArray[np.int8]  # [n, FIELDS] wire type of the kind message's fields 1..FIELDS (ABSENT)
     raw: npt.NDArray[np.uint64]  # [n, FIELDS] their values: varints as they are, doubles as their bits
+    param_at: npt.NDArray[np.int64]  # [n, 3]: body start, body end, where an omitted dtype is inserted
     plan_ok: bool  # nothing but parameters at the top level
 
     def __len__(self) -> int:
@@ -110,23 +110,21 @@ def scan(plan: plan_pb2.Plan) -> Scan:
     kind = np.zeros(n, dtype=np.int64)
     wire = np.full((n, FIELDS), ABSENT, dtype=np.int8)
     raw = np.zeros((n, FIELDS), dtype=np.uint64)
+    param_at = np.zeros((n, 3), dtype=np.int64)
     if n:
-        _kernels().fill(buf, flags, name_at, dtype, dims, dims_at, kind, wire, raw)
-    return Scan(data, flags, name_at, dtype, dims, dims_at, kind, wire, raw, bool(plan_ok))
+        _kernels().fill(buf, flags, name_at, dtype, dims, dims_at, kind, wire, raw, param_at)
+    return Scan(data, flags, name_at, dtype, dims, dims_at, kind, wire, raw, param_at, bool(plan_ok))
 
 
 def canonical(s: Scan) -> bytes | None:
-    """The plan's canonical bytes (plan.proto) when they are the bytes scanned: every parameter plain, with its
-    dtype stated and no unknown field (which the canonical form drops). None otherwise: plan.canonical then
-    encodes them from the message."""
-    if not s.plan_ok or not bool(s.regular.all()) or np.any(s.flags & NO_DTYPE) or not bool(declared_fields(s).all()):
-        return None
-    return s.data
-
-
-def needs_dtype(s: Scan) -> npt.NDArray[np.int64]:
-    """Rows that may have their dtype omitted: the scan saw no dtype, or read the row from the message."""
-    return np.flatnonzero(s.flags != 0)
+    """The plan's canonical bytes (plan.proto), or None when some parameter is irregular (the message says)."""
+    if not s.plan_ok or not bool(s.regular.all()) or not bool(declared_fields(s).all()):
+        return None  # an unknown field is dropped by the canonical form: the message path drops it
+    missing = int(np.count_nonzero(s.flags & NO_DTYPE))
+    # each parameter's length prefix grows by at most one byte when two bytes are inserted
+    out = np.empty(len(s.data) + 3 * missing, dtype=np.uint8)
+    size = _kernels().canonical(np.frombuffer(s.data, dtype=np.uint8), s.flags, s.param_at, out)
+    return out[:size].tobytes()
 
 
 def declared_fields(s: Scan) -> npt.NDArray[np.bool_]:
@@ -153,9 +151,9 @@ class _Compiled:
     """The compiled scanner (numba is imported, and the kernels loaded or compiled, on first use)."""
 
     def __init__(self) -> None:
-        from paraminit_server.plans.scanner_kernels import count, fill, join_names
+        from paraminit_server.plans.scanner_kernels import canonical, count, fill, join_names
 
-        self.count, self.fill, self.join_names = count, fill, join_names
+        self.count, self.fill, self.canonical, self.join_names = count, fill, canonical, join_names
 
 
 _COMPILED: list[_Compiled] = []

@@ -1,6 +1,6 @@
 """The compiled passes of plans/scanner.py over a serialized plan (protobuf's wire format, plan.proto's numbers).
 
-`count` sizes the columns, `fill` writes them, `join_names` joins the names. A parameter
+`count` sizes the columns, `fill` writes them, `canonical` writes the digest's canonical bytes. A parameter
 whose encoding is anything but the plain form (see scanner.py) is flagged irregular and left to the message.
 """
 
@@ -144,12 +144,15 @@ def _param(
     kind: Any,
     wire: Any,
     raw: Any,
+    param_at: Any,
 ) -> tuple[bool, int]:
     """Read one Param body in the plain form; (regular, dims written)."""
     last = 0
     written = 0
+    param_at[i, 2] = end
     has_dtype = False
     while pos < end:
+        at = pos
         tag, pos = varint(buf, pos, end)
         if pos < 0:
             return False, written
@@ -157,6 +160,8 @@ def _param(
         w = int(tag & np.uint64(7))
         if f <= last or f > 4:  # out of order, repeated, a region (5), patches (6) or unknown
             return False, written
+        if f == 4 and last < 4:
+            param_at[i, 2] = at  # where an omitted dtype (3) goes
         last = f
         if f == 1:
             if w != 2:
@@ -203,7 +208,7 @@ def _param(
 
 
 @jit
-def fill(buf: Any, flags: Any, name_at: Any, dtype: Any, dims: Any, dims_at: Any, kind: Any, wire: Any, raw: Any) -> None:
+def fill(buf: Any, flags: Any, name_at: Any, dtype: Any, dims: Any, dims_at: Any, kind: Any, wire: Any, raw: Any, param_at: Any) -> None:
     """Write every parameter's columns (sized by `count`); irregular parameters keep only their body span."""
     pos, end = 0, buf.shape[0]
     i = 0
@@ -218,8 +223,10 @@ def fill(buf: Any, flags: Any, name_at: Any, dtype: Any, dims: Any, dims_at: Any
             continue
         size, pos = varint(buf, pos, end)
         stop = pos + int(size)
+        param_at[i, 0] = pos
+        param_at[i, 1] = stop
         dims_at[i] = nd
-        regular, written = _param(buf, pos, stop, i, flags, name_at, dtype, dims, nd, kind, wire, raw)
+        regular, written = _param(buf, pos, stop, i, flags, name_at, dtype, dims, nd, kind, wire, raw, param_at)
         if regular:
             nd += written
         else:
@@ -233,6 +240,39 @@ def fill(buf: Any, flags: Any, name_at: Any, dtype: Any, dims: Any, dims_at: Any
         pos = stop
         i += 1
     dims_at[i] = nd
+
+
+@jit
+def _put_varint(out: Any, pos: int, v: int) -> int:
+    while v >= 0x80:
+        out[pos] = (v & 0x7F) | 0x80
+        v >>= 7
+        pos += 1
+    out[pos] = v
+    return pos + 1
+
+
+@jit
+def canonical(buf: Any, flags: Any, param_at: Any, out: Any) -> int:
+    """Every parameter again in order, float32 (3: 1) written where the dtype is omitted; returns the size."""
+    pos = 0
+    for i in range(flags.shape[0]):
+        a, b, at = param_at[i, 0], param_at[i, 1], param_at[i, 2]
+        extra = 2 if flags[i] & _NO_DTYPE else 0
+        out[pos] = 0x0A
+        pos = _put_varint(out, pos + 1, b - a + extra)
+        if extra:
+            out[pos : pos + at - a] = buf[a:at]
+            pos += at - a
+            out[pos] = 0x18
+            out[pos + 1] = 1
+            pos += 2
+            out[pos : pos + b - at] = buf[at:b]
+            pos += b - at
+        else:
+            out[pos : pos + b - a] = buf[a:b]
+            pos += b - a
+    return pos
 
 
 @jit
