@@ -158,36 +158,23 @@ def test_both_doors_classify_a_failure_alike(caplog: pytest.LogCaptureFixture) -
     assert errors.classify(refused, "x") is refused
 
 
-def test_calls_do_not_wait_for_the_background_preload_and_close_stops_it(monkeypatch: pytest.MonkeyPatch, server: Running) -> None:
-    """A call waits for the data plane, not for every cached kernel: a fill readies the kernels it needs, and
-    close() ends a preload that has not run yet (a command that exits at once loads only what it filled)."""
+def test_a_call_readies_only_the_kernels_it_fills(server: Running) -> None:
+    """In process nothing loads kernels ahead of the calls: validating loads none, a fill loads (or compiles) the
+    kinds and dtypes it fills and no others, and its bytes are a server's."""
     from paraminit_server import embedded
+    from paraminit_server.plans import plan as planlib
 
-    monkeypatch.setattr(embedded, "PRELOAD_AFTER", 60.0)
-    inproc = embedded.InProcess.start("cpu")
-    assert inproc.validate(mixed_plan()).valid
-    spans, _digest, buf = inproc.fill(mixed_plan())
-    assert [s.name for s in spans] == ["w", "e", "h", "d", "s"]
-    with Client(target_of(server)) as remote:
-        want = remote.materialize(mixed_plan())
-    for s in spans:
-        assert buf[s.offset : s.offset + s.nbytes].tobytes() == want[s.name].tobytes(), s.name
-    assert not inproc.plane.backend._ready_all  # type: ignore[attr-defined]  # the preload has not run
-    builder = inproc._builder
-    assert builder is not None and builder.is_alive()
-    inproc.close()
-    assert not builder.is_alive()
-
-
-def test_a_process_that_stays_loads_every_cached_kernel_in_the_background(monkeypatch: pytest.MonkeyPatch) -> None:
-    from paraminit_server import embedded
-
-    monkeypatch.setattr(embedded, "PRELOAD_AFTER", 0.0)
     inproc = embedded.InProcess.start("cpu")
     try:
-        backend = inproc.plane.backend
-        assert inproc._builder is not None
-        inproc._builder.join(timeout=120)
-        assert backend._ready_all  # type: ignore[attr-defined]
+        assert inproc.validate(mixed_plan()).valid
+        backend: Any = inproc.plane.backend
+        assert backend._ready_kinds == set() and not backend._ready_all
+        spans, _digest, buf = inproc.fill(mixed_plan())
+        with Client(target_of(server)) as remote:
+            want = remote.materialize(mixed_plan())
+        assert [s.name for s in spans] == list(want)
+        for s in spans:
+            assert buf[s.offset : s.offset + s.nbytes].tobytes() == want[s.name].tobytes(), s.name
+        assert backend._ready_kinds == planlib.kinds_of(planlib.resolve(mixed_plan())) and not backend._ready_all
     finally:
         inproc.close()

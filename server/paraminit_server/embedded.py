@@ -9,14 +9,12 @@ violations), which the client raises as its own error.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
 import threading
 import time
-import weakref
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +32,7 @@ from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.engine import HostSlab
 from paraminit_server.plane.layout import TensorSpan
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
+from paraminit_server.plans import scanner
 from paraminit_server.rpc import service
 from paraminit_server.rpc.server import Running, start
 
@@ -44,9 +43,6 @@ log = logging.getLogger("paraminit.server")
 # for a slot (as a lock would) instead of being refused, and waits for memory as a server's deadline allows.
 IN_PROCESS_QUEUE_WAIT = 24 * 3600.0
 IN_PROCESS_MAX_QUEUED = 1 << 20
-# Seconds after its start an in-process data plane begins loading every cached CPU kernel in the background: a
-# short-lived process (one command) loads only the kernels it fills, a trainer building its model all of them.
-PRELOAD_AFTER = 1.0
 
 
 def data_plane(backend: str = "cpu", **config: Any) -> Materializer:
@@ -59,21 +55,23 @@ def data_plane(backend: str = "cpu", **config: Any) -> Materializer:
     Returns:
         The data plane, kernels loaded.
     """
-    plane, preload = _plane(backend, config)
+    plane = _plane(backend, config)
+    preload = getattr(plane.backend, "preload", None)  # CPU: load cached kernels, compile only what this process fills
     if preload is not None:
-        preload(lambda: False)
+        preload()
     return plane
 
 
-def _plane(backend: str, config: dict[str, Any]) -> tuple[Materializer, Callable[[Callable[[], bool]], None] | None]:
-    """A data plane and, for the CPU backend, its preload (load the cached kernels until told to stop; a fill
-    loads or compiles what it needs itself); another backend is warmed up first."""
+def _plane(backend: str, config: dict[str, Any]) -> Materializer:
+    """A data plane whose calls can start: a GPU backend warmed up; on the CPU, numba ready to load kernels (its
+    first load in a process, through the plan scanner), each fill then loading or compiling the kernels it needs."""
     cfg = ServerConfig.from_env(backend=backend, metrics_port=0, **config)
     b = backends.create(cfg.backend, cfg.device, cfg.threads or None)
-    preload: Callable[[Callable[[], bool]], None] | None = getattr(b, "preload", None)
-    if preload is None:
+    if getattr(b, "preload", None) is None:
         b.warm_up()
-    return Materializer(cfg, b), preload
+    else:
+        scanner.warm_up()
+    return Materializer(cfg, b)
 
 
 def loopback_server(backend: str = "cpu", **config: Any) -> Running:
@@ -92,18 +90,6 @@ class Failure:
     violations: tuple[Violation, ...] = ()
 
 
-_STARTED: weakref.WeakSet[InProcess] = weakref.WeakSet()  # whose background preload an exiting process stops
-
-
-@atexit.register
-def _stop_preloads() -> None:
-    """A process that exits without closing its client leaves no thread loading kernels through its shutdown."""
-    for inproc in list(_STARTED):
-        inproc._stop.set()
-        if inproc._builder is not None:
-            inproc._builder.join(timeout=5.0)
-
-
 _START_WAIT = 0.0  # seconds calls in this process have waited for an in-process data plane to start
 
 
@@ -118,9 +104,8 @@ class InProcess:
     messages, where the client returns them) out; every data-plane error is raised as it is (see `failure`).
 
     Starting returns at once: importing numba and building the data plane happen on a thread, while the caller
-    builds its model, and the first call waits for them. From PRELOAD_AFTER seconds on, the cached CPU kernels
-    load on that thread in the background: a call does not wait for them (a fill loads the ones it needs), and
-    close() stops them."""
+    builds its model, and the first call waits for them. Kernels are not loaded ahead: a fill loads (or compiles)
+    the ones it needs, so a call that fills nothing loads none, and no work runs in the background of calls."""
 
     def __init__(self, plane: Materializer | Future[Materializer]) -> None:
         if isinstance(plane, Materializer):
@@ -128,8 +113,6 @@ class InProcess:
             ready.set_result(plane)
             plane = ready
         self._ready = plane
-        self._stop = threading.Event()  # stops a background preload (close)
-        self._builder: threading.Thread | None = None
         self._handlers: service.InitServiceHandlers | None = None
         self.caller = Caller(identity=f"uid:{os.getuid()}", local=True, wait=ServerConfig.admission_wait, queue_wait=IN_PROCESS_QUEUE_WAIT)
 
@@ -138,22 +121,15 @@ class InProcess:
         """An InProcess whose data plane is built on a helper thread (its errors surface at the first call)."""
         config.setdefault("max_queued", IN_PROCESS_MAX_QUEUED)
         ready: Future[Materializer] = Future()
-        out = cls(ready)
 
         def build() -> None:
             try:
-                plane, preload = _plane(backend, config)
+                ready.set_result(_plane(backend, config))
             except BaseException as exc:  # surfaced by the first call
                 ready.set_exception(exc)
-                return
-            ready.set_result(plane)
-            if preload is not None and not out._stop.wait(PRELOAD_AFTER):
-                preload(out._stop.is_set)
 
-        out._builder = threading.Thread(target=build, name="paraminit-start", daemon=True)
-        out._builder.start()
-        _STARTED.add(out)
-        return out
+        threading.Thread(target=build, name="paraminit-start", daemon=True).start()
+        return cls(ready)
 
     @property
     def plane(self) -> Materializer:
@@ -245,10 +221,7 @@ class InProcess:
         ]
 
     def close(self) -> None:
-        """Stop loading kernels in the background, then free every lease and pooled buffer of this data plane."""
-        self._stop.set()
-        if self._builder is not None and self._builder is not threading.current_thread():
-            self._builder.join()
+        """Free every lease and pooled buffer of this data plane."""
         try:
             plane = self._ready.result()
         except Exception:  # it never started: nothing to free

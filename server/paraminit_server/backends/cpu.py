@@ -55,9 +55,7 @@ class _Compiles:
         self.waiting = 0  # callers that are not background ones, waiting for the lock or holding it
         self.last = -QUIET_SECONDS  # when the last of them finished (time.monotonic)
 
-    def ensure(
-        self, disp: Any, args: tuple[Any, ...], compile: bool = True, background: bool = False, stop: Callable[[], bool] | None = None
-    ) -> bool:
+    def ensure(self, disp: Any, args: tuple[Any, ...], compile: bool = True, background: bool = False) -> bool:
         """Load or compile the specialization of kernel `disp` (one of a kind's cpu_kernels.Kernels) for `args`.
 
         A `background` caller (a server's warm-up after SERVING) lets every other caller go first, and waits
@@ -65,8 +63,7 @@ class _Compiles:
         compile already under way, not for the warm-up's whole list between its own.
 
         Returns:
-            Whether it is ready: False when `compile` is False and it would have to be compiled, or when `stop`
-            said so while a background caller waited for its turn.
+            Whether it is ready: False only when `compile` is False and it would have to be compiled.
         """
         key = _key(disp, args)
         if key in self.ready:
@@ -74,8 +71,6 @@ class _Compiles:
         if background:
             with self.turn:
                 while self.waiting or time.monotonic() - self.last < QUIET_SECONDS:
-                    if stop is not None and stop():
-                        return False
                     self.turn.wait(QUIET_SECONDS / 4)
             return self._ensure(key, disp, args, compile)
         with self.turn:
@@ -397,14 +392,10 @@ class CpuBackend:
         """Compile (or load) every kernel of every kind and dtype, letting fills' own compiles go first."""
         self._ready_all = self._ensure(warm_up_params(), compile=True, background=True)
 
-    def preload(self, stop: Callable[[], bool] = lambda: False) -> None:
+    def preload(self) -> None:
         """Load the kernels already in the disk cache and compile nothing: a process then compiles only the kinds
-        and dtypes it fills, on first use (a cold cache costs those specializations, not all of them).
-
-        Args:
-            stop: asked before each kernel; True ends the preload early (the rest load when first filled).
-        """
-        self._ready_all = self._ensure(warm_up_params(), compile=False, background=True, stop=stop)
+        and dtypes it fills, on first use (a cold cache costs those specializations, not all of them)."""
+        self._ready_all = self._ensure(warm_up_params(), compile=False, background=True)
 
     def prepare(self, params: Sequence[ResolvedParam]) -> None:
         """Compile (or load) the kernels of the kinds and dtypes these parameters use, as a fill would, but
@@ -431,21 +422,12 @@ class CpuBackend:
         """
         self._ensure(warm_up_params(), compile=True, background=False, share=slice(index, None, count))
 
-    def _ensure(
-        self,
-        params: list[ResolvedParam],
-        compile: bool,
-        background: bool,
-        share: slice = slice(None),
-        stop: Callable[[], bool] | None = None,
-    ) -> bool:
+    def _ensure(self, params: list[ResolvedParam], compile: bool, background: bool, share: slice = slice(None)) -> bool:
         """Load or compile the fill kernels of these (warm-up) parameters and the batched fill of their kinds;
         whether all are ready."""
         ready = True
         for disp, args, run in self._specializations(params)[share]:
-            if stop is not None and stop():
-                return False
-            if COMPILES.ensure(disp, args, compile=compile, background=background, stop=stop):
+            if COMPILES.ensure(disp, args, compile=compile, background=background):
                 run()
             else:
                 ready = False
