@@ -209,14 +209,14 @@ def test_prebuild_cpu_leaves_a_process_nothing_to_compile() -> None:
         backend = CpuBackend()
         backend.preload()  # compiles nothing: ready only when every kernel came from the cache
         scanner.warm_up()
-        passes = (scanner_kernels.count, scanner_kernels.fill, scanner_kernels.join_names)
+        passes = (scanner_kernels.count, scanner_kernels.fill, scanner_kernels.join_names, scanner_kernels.canonical)
         compiled = sum(sum(f.stats.cache_misses.values()) for f in passes)
         loaded = sum(sum(f.stats.cache_hits.values()) for f in passes)
         print(backend._ready_all, compiled, loaded)
         """
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "0", "3"], out.stdout + out.stderr
+    assert out.stdout.split() == ["True", "0", "4"], out.stdout + out.stderr
     assert COMPILE_LINE not in out.stderr
 
 

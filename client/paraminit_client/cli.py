@@ -293,14 +293,16 @@ def _start_seconds() -> float:
     embedded, cpu = sys.modules.get("paraminit_server.embedded"), sys.modules.get("paraminit_server.backends.cpu")
     scanner = sys.modules.get("paraminit_server.plans.scanner")
     waited = float(embedded.start_wait_seconds()) if embedded is not None else 0.0
-    waited += float(scanner.ready_seconds()) if scanner is not None else 0.0
+    waited += float(scanner.ready_seconds()[0]) if scanner is not None else 0.0
     return waited + (float(cpu.load_seconds()) if cpu is not None else 0.0)
 
 
 def _compile_seconds() -> float:
-    """Seconds this process has spent compiling CPU kernels (an in-process server's; 0 when none runs here)."""
-    cpu = sys.modules.get("paraminit_server.backends.cpu")
-    return float(cpu.compile_seconds()) if cpu is not None else 0.0
+    """Seconds this process has spent compiling CPU kernels and the plan scanner (an in-process server's; 0 when
+    none runs here)."""
+    cpu, scanner = sys.modules.get("paraminit_server.backends.cpu"), sys.modules.get("paraminit_server.plans.scanner")
+    compiled = float(cpu.compile_seconds()) if cpu is not None else 0.0
+    return compiled + (float(scanner.ready_seconds()[1]) if scanner is not None else 0.0)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -32,7 +32,6 @@ from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.engine import HostSlab
 from paraminit_server.plane.layout import TensorSpan
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
-from paraminit_server.plans import scanner
 from paraminit_server.rpc import service
 from paraminit_server.rpc.server import Running, start
 
@@ -63,14 +62,12 @@ def data_plane(backend: str = "cpu", **config: Any) -> Materializer:
 
 
 def _plane(backend: str, config: dict[str, Any]) -> Materializer:
-    """A data plane whose calls can start: a GPU backend warmed up; on the CPU, numba ready to load kernels (its
-    first load in a process, through the plan scanner), each fill then loading or compiling the kernels it needs."""
+    """A data plane whose calls can start: a GPU backend warmed up; on the CPU, numba imported, each fill then
+    loading or compiling the kernels it needs."""
     cfg = ServerConfig.from_env(backend=backend, metrics_port=0, **config)
     b = backends.create(cfg.backend, cfg.device, cfg.threads or None)
     if getattr(b, "preload", None) is None:
         b.warm_up()
-    else:
-        scanner.warm_up()
     return Materializer(cfg, b)
 
 
