@@ -409,7 +409,8 @@ class CpuBackend:
             started, compiled = time.perf_counter(), COMPILES.seconds
             self._ensure([rp for rp in warm_up_params() if (rp.dtype.enum, rp.kind) in wanted], compile=True, background=False)
             self._ready_kinds |= wanted
-            COMPILES.load_seconds += time.perf_counter() - started - (COMPILES.seconds - compiled)
+            with COMPILES.turn:  # calls of several threads may prepare at once
+                COMPILES.load_seconds += time.perf_counter() - started - (COMPILES.seconds - compiled)
 
     def compile_share(self, index: int, count: int) -> None:
         """Compile (or load) every `count`-th kernel specialization of the warm-up, from the `index`-th: `count`
