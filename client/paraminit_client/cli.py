@@ -288,12 +288,10 @@ def cmd_materialize(args: argparse.Namespace) -> int:
 
 
 def _start_seconds() -> float:
-    """Seconds this process has waited for its in-process data plane to start and load the cached kernels its
-    calls fill with (0 with a server)."""
+    """Seconds this process has waited for its in-process data plane to start (numba and the plan scanner) and
+    to load the cached kernels its calls fill with (0 with a server)."""
     embedded, cpu = sys.modules.get("paraminit_server.embedded"), sys.modules.get("paraminit_server.backends.cpu")
-    scanner = sys.modules.get("paraminit_server.plans.scanner")
     waited = float(embedded.start_wait_seconds()) if embedded is not None else 0.0
-    waited += float(scanner.ready_seconds()[0]) if scanner is not None else 0.0
     return waited + (float(cpu.load_seconds()) if cpu is not None else 0.0)
 
 

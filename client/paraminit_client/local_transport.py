@@ -60,7 +60,7 @@ class LocalTransport:
 
     def health(self, service: str) -> str:
         with self._call():
-            _ = self._plane.plane  # kernels loaded: SERVING (a failed start raises here)
+            _ = self._plane.plane  # the data plane started: SERVING (a failed start raises here)
         return "SERVING"
 
     def stream(self, plan: plan_pb2.Plan, chunk_bytes: int, check_crc: bool) -> tuple[pb.StreamHeader, Iterator[Chunk]]:

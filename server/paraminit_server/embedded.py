@@ -32,6 +32,7 @@ from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.engine import HostSlab
 from paraminit_server.plane.layout import TensorSpan
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
+from paraminit_server.plans import scanner
 from paraminit_server.rpc import service
 from paraminit_server.rpc.server import Running, start
 
@@ -62,12 +63,15 @@ def data_plane(backend: str = "cpu", **config: Any) -> Materializer:
 
 
 def _plane(backend: str, config: dict[str, Any]) -> Materializer:
-    """A data plane whose calls can start: a GPU backend warmed up; on the CPU, numba imported, each fill then
-    loading or compiling the kernels it needs."""
+    """A data plane whose calls can start: a GPU backend warmed up; on the CPU, numba ready (its first load in a
+    process, through the plan scanner, which large plans use), each fill then loading or compiling the kernels it
+    needs. All of it before the plane is handed out: nothing runs on the starting thread once calls can come."""
     cfg = ServerConfig.from_env(backend=backend, metrics_port=0, **config)
     b = backends.create(cfg.backend, cfg.device, cfg.threads or None)
     if getattr(b, "preload", None) is None:
         b.warm_up()
+    else:
+        scanner.warm_up()
     return Materializer(cfg, b)
 
 

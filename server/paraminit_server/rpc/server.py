@@ -148,6 +148,9 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
 
     def warm() -> None:
         try:
+            # large plans are read by the compiled scanner: loaded (or, on a cold cache, compiled) before SERVING,
+            # so that no request waits for it and no import runs in this thread once requests, or an exit, can come
+            scanner.warm_up()
             preload = getattr(backend, "preload", None)
             if warm_up_async and preload is not None:
                 # CPU: SERVING once the cached kernels are loaded; what the cache lacks compiles below, and a
@@ -156,7 +159,6 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
                 preload()
                 running.set_serving(True)  # unless draining began (set_serving checks under its lock)
             backend.warm_up()
-            scanner.warm_up()  # large plans are read by the compiled scanner: its first one need not compile it
         except Exception as exc:
             if not warm_up_async:
                 raise
