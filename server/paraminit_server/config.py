@@ -29,7 +29,7 @@ class ServerConfig:
     max_concurrent: int = 8
     chunk_bytes: int = 1 * MiB
     max_chunk_bytes: int = 4 * MiB - 64 * 1024  # a chunk plus its framing stays under gRPC's default 4 MiB receive limit
-    slab_bytes: int = 16 * MiB  # generation granularity of STREAM deliveries
+    slab_bytes: int = 2 * MiB  # generation granularity of STREAM deliveries: a stream holds 4 slabs (engine.iter_slabs)
     lease_ttl: float = 300.0
     max_lease_ttl: float = 3600.0
     max_leased_bytes: int = 64 * GiB

@@ -31,18 +31,15 @@ def fill_window(backend: Backend, layout: Layout, buf: Any, start: int, should_s
     """Fill buf (1-D uint8, backend memory) with layout bytes [start, start + len(buf))."""
     stop = start + int(buf.shape[0])
     params = layout.params
+    rows = layout.overlapping(start, stop)
     if isinstance(params, ParamTable):  # whole plain tensors of the window from the columns, the rest below
-        offsets = np.asarray(layout.offsets, dtype=np.int64)
-        ends = offsets + params.nbytes
-        inside = params.plain & (offsets >= start) & (ends <= stop)
-        rows = np.flatnonzero(inside)
-        if rows.shape[0]:
-            backend.fill_plan(params.take(rows), buf, offsets[rows] - start)
-        for i in np.flatnonzero(~inside & (offsets < stop) & (ends > start)).tolist():
-            _fill_part(backend, params[i], int(offsets[i]), buf, start, stop, should_stop)
-        return
-    for pl in layout.placements:
-        _fill_part(backend, pl.param, pl.offset, buf, start, stop, should_stop)
+        offsets = np.asarray(layout.offsets, dtype=np.int64)[rows]
+        inside = params.plain[rows] & (offsets >= start) & (offsets + params.nbytes[rows] <= stop)
+        if inside.any():
+            backend.fill_plan(params.take(rows[inside]), buf, offsets[inside] - start)
+        rows = rows[~inside]
+    for i in rows.tolist():
+        _fill_part(backend, params[i], int(layout.offsets[i]), buf, start, stop, should_stop)
 
 
 def _fill_part(

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import NamedTuple, SupportsIndex, overload
 
 import numpy as np
+import numpy.typing as npt
 
 from paraminit import dtypes
-from paraminit_server.plans.columns import ParamTable
+from paraminit_server.plans.columns import ParamTable, nbytes_of
 from paraminit_server.plans.plan import Offsets, ResolvedParam
 
 STREAM_ALIGN = 64
@@ -58,6 +59,24 @@ class Layout:
 
     def in_offset_order(self) -> list[Placement]:
         return sorted(self.placements, key=lambda pl: pl.offset)
+
+    @functools.cached_property
+    def _by_offset(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(plan indices in offset order, their offsets, their ends): what `overlapping` searches."""
+        offsets = np.asarray(self.offsets, dtype=np.int64)
+        nbytes = nbytes_of(self.params)
+        order = np.argsort(offsets, kind="stable")
+        return order, offsets[order], offsets[order] + nbytes[order]
+
+    def overlapping(self, start: int, stop: int) -> npt.NDArray[np.int64]:
+        """Plan indices (ascending) of the parameters with bytes in [start, stop): two binary searches, so that a
+        stream of many small slabs does not look at every parameter for each one."""
+        order, begins, ends = self._by_offset
+        lo = int(np.searchsorted(ends, start, side="right"))
+        hi = int(np.searchsorted(begins, stop, side="left"))
+        rows = order[lo:hi]
+        rows = rows[ends[lo:hi] > begins[lo:hi]] if rows.shape[0] else rows  # empty tensors hold no bytes
+        return np.sort(rows)
 
     def spans(self) -> list[TensorSpan]:
         """Where each tensor lies, in plan order, as plain tuples (no protobuf for in-process callers)."""

@@ -234,3 +234,10 @@ def kinds_of(params: Sequence[ResolvedParam]) -> set[tuple[int, Kind]]:
     """The (dtype enum, kernel kind) pairs filling these parameters takes (plan.kinds_of), a ParamTable's read from
     its columns."""
     return params.kinds() if isinstance(params, ParamTable) else _plan.kinds_of(params)
+
+
+def nbytes_of(params: Sequence[ResolvedParam]) -> npt.NDArray[np.int64]:
+    """Every parameter's delivered bytes as an array, a ParamTable's read from its column."""
+    if isinstance(params, ParamTable):
+        return params.nbytes
+    return np.fromiter((p.nbytes for p in params), dtype=np.int64, count=len(params))
