@@ -143,3 +143,17 @@ def cast(values: npt.NDArray[np.float64], dt: dtypes.DTypeInfo) -> npt.NDArray[n
 def materialize(p: ResolvedParam) -> npt.NDArray[np.generic]:
     """The parameter's region in storage dtype, shaped like the region."""
     return cast(values_f64(p), p.dtype).reshape(p.out_shape)
+
+
+def canonical(plan: Any) -> bytes:
+    """plan.proto's canonical bytes as the contract states them, through the message: a copy with unknown fields
+    dropped and every unspecified Param.dtype set to float32, serialized deterministically."""
+    from paraminit.v1 import plan_pb2
+
+    out = plan_pb2.Plan()
+    out.CopyFrom(plan)
+    out.DiscardUnknownFields()
+    for p in out.params:  # SafetensorsRef.dtype keeps 0: there it means "any", not float32
+        if p.dtype == plan_pb2.DTYPE_UNSPECIFIED:
+            p.dtype = plan_pb2.DTYPE_FLOAT32
+    return out.SerializeToString(deterministic=True)

@@ -3,6 +3,7 @@ the same violations, sizes, digest, layout, header and bytes, whatever mix of pa
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
@@ -152,7 +153,7 @@ def test_valid_plans_give_the_same_bytes_layout_and_tables(seed: int) -> None:
 
 def test_unknown_fields_and_an_empty_plan() -> None:
     """A parameter or initializer carrying a field this server does not know is read from the message; the
-    canonical bytes drop it, as plan.canonical does."""
+    canonical bytes drop it, as the contract says."""
     plan = plan_pb2.Plan(params=[plan_pb2.Param(name=f"p{i}", shape=[3, 4]) for i in range(N)])
     for p in plan.params:
         p.init.normal.std = 0.5
@@ -165,7 +166,8 @@ def test_unknown_fields_and_an_empty_plan() -> None:
     cols = columns.of(plan)
     assert cols is not None
     assert not cols.plain[5] and not cols.plain[9] and bool(cols.plain[10])
-    assert cols.canonical() is None and planlib.digest(plan, None, cols) == planlib.digest(plan)
+    assert scanner.canonical(plan, cols.scan) == reference.canonical(plan) != plan.SerializeToString(deterministic=True)
+    assert planlib.digest(plan, None, cols) == planlib.digest(plan)
     table = planlib.resolve(plan, None, cols)
     assert isinstance(table, ParamTable) and sorted(table.special) == [5, 9]
     assert columns.of(plan_pb2.Plan()) is None
@@ -197,22 +199,32 @@ def test_dtype_sizes_match_the_dtype_table() -> None:
     ]
 
 
-def test_canonical_bytes_from_the_scan() -> None:
-    """A plan of plain parameters, some with their dtype omitted: the scan writes the canonical bytes itself."""
+@pytest.mark.parametrize("count", [1, 3, N], ids=["one", "three", "scanned"])
+def test_canonical_bytes_are_the_contracts(count: int) -> None:
+    """Plans of plain parameters, some with their dtype omitted, small or scanned, and with regions and patches
+    after the dtype: one compiled pass writes the canonical bytes plan.proto states, scan or no scan."""
     rng = np.random.default_rng(9)
     plan = plan_pb2.Plan(
         params=[
             plan_pb2.Param(name=f"p{i}", shape=[int(rng.integers(1, 300))] * (i % 3), dtype=int(rng.integers(0, 5)))  # type: ignore[arg-type]
-            for i in range(N)
+            for i in range(count)
         ]
     )
     for i, p in enumerate(plan.params):
         p.init.normal.std, p.init.normal.seed = 0.02, i * 1000003
+    plan.params[0].dtype = plan_pb2.DTYPE_UNSPECIFIED
+    want = reference.canonical(plan)
+    assert want != plan.SerializeToString(deterministic=True)
+    assert scanner.canonical(plan) == want and scanner.canonical(plan, scanner.scan(plan)) == want
     cols = columns.of(plan)
-    assert cols is not None and bool(cols.plain.all())
-    fast = cols.canonical()
-    assert fast is not None and fast == planlib.canonical(plan) and fast != plan.SerializeToString()
-    assert planlib.digest(plan, None, cols) == planlib.digest(plan)
+    assert cols is None or bool(cols.plain.all())
+    assert planlib.digest(plan, None, cols) == planlib.digest(plan) == hashlib.sha256(want).hexdigest()
+    # a region and patches (fields after the dtype, and after init) and no init: the dtype goes before them
+    plan.params[-1].region.add(start=0, stop=1)
+    plan.params[0].ClearField("init")
+    plan.params[0].patches.add().init.zeros.SetInParent()
+    assert scanner.canonical(plan, scanner.scan(plan)) == reference.canonical(plan)
+    assert scanner.canonical(plan_pb2.Plan()) == b""
 
 
 @pytest.mark.parametrize("slab", [8 * 97, 8 * 997])

@@ -68,10 +68,6 @@ class Columns:
         """Rows that may reference payloads or checkpoints (flat kinds, and irregular rows, which may patch)."""
         return np.flatnonzero(~self.scan.regular | np.isin(self.scan.kind, _FLAT_NUMBERS))
 
-    def canonical(self) -> bytes | None:
-        """The plan digest's canonical bytes, when the scan can write them (scanner.canonical)."""
-        return scanner.canonical(self.scan)
-
     def resolve(self, plan: plan_pb2.Plan, sources: RequestSnapshot | None = None) -> ParamTable:
         """The validated plan resolved: plain rows stay columns, the others are resolved one by one."""
         special = {int(i): resolve_param(int(i), plan.params[int(i)], sources) for i in np.flatnonzero(~self.plain).tolist()}

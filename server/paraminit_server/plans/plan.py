@@ -25,7 +25,7 @@ from paraminit import dtypes, inits, regions
 from paraminit.regions import Runs as Runs  # what backends walk; defined with the regions
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors
-from paraminit_server.plans import sampler
+from paraminit_server.plans import sampler, scanner
 
 if TYPE_CHECKING:
     from paraminit_server.plans.columns import Columns
@@ -344,25 +344,11 @@ def resolve(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: C
     return out
 
 
-def canonical(plan: plan_pb2.Plan) -> bytes:
-    """The plan's canonical bytes (plan.proto, above `message Plan`): aliases resolved (an unspecified
-    Param.dtype is float32), unknown fields dropped, then proto3's binary encoding in field-number order with every field at
-    its default omitted; Python protobuf's deterministic serialization is exactly that encoding."""
-    out = plan_pb2.Plan()
-    out.CopyFrom(plan)
-    out.DiscardUnknownFields()
-    for p in out.params:  # SafetensorsRef.dtype keeps 0: there it means "any", not float32
-        if p.dtype == plan_pb2.DTYPE_UNSPECIFIED:
-            p.dtype = plan_pb2.DTYPE_FLOAT32
-    return out.SerializeToString(deterministic=True)
-
-
 def digest(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: Columns | None = None) -> str:
     """Hex SHA-256 of the canonical form and, with `sources`, of the content every payload and checkpoint
     reference uses: the same digest always names the same bytes, also after a checkpoint is rewritten in
     place. A plan without references digests its canonical bytes alone (plan.proto says how to reproduce it)."""
-    fast = None if cols is None else cols.canonical()
-    h = hashlib.sha256(canonical(plan) if fast is None else fast)
+    h = hashlib.sha256(scanner.canonical(plan, None if cols is None else cols.scan))
     if sources is None:
         return h.hexdigest()
     contents = []

@@ -8,7 +8,8 @@ nothing unknown. Any other parameter is marked `IRREGULAR` and is read from the 
 columns never have to say what protobuf would make of an unusual encoding.
 
 The canonical bytes of the plan digest (plan.proto) are the plan's own deterministic encoding with an omitted
-dtype written as float32; when every parameter is plain, `canonical` writes them from the scan in the same pass.
+dtype written as float32: `canonical` writes them for every plan, from the scan's bytes when the scan shows
+nothing unknown in them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from paraminit.v1 import plan_pb2
 
 # Per-parameter flags
 IRREGULAR = 1  # read this parameter from the message (region, patches, unknown or repeated fields, ...)
-NO_DTYPE = 2  # dtype omitted (float32; the canonical form writes it)
 FIELDS = 5  # numeric fields of an initializer message kept (the largest, TruncatedNormal, has five)
 # Wire types of protobuf
 VARINT, FIXED64, LEN = 0, 1, 2
@@ -46,7 +46,6 @@ class Scan:
     kind: npt.NDArray[np.int64]  # Init oneof field number (0: none)
     wire: npt.NDArray[np.int8]  # [n, FIELDS] wire type of the kind message's fields 1..FIELDS (ABSENT)
     raw: npt.NDArray[np.uint64]  # [n, FIELDS] their values: varints as they are, doubles as their bits
-    param_at: npt.NDArray[np.int64]  # [n, 3]: body start, body end, where an omitted dtype is inserted
     plan_ok: bool  # nothing but parameters at the top level
 
     def __len__(self) -> int:
@@ -110,20 +109,34 @@ def scan(plan: plan_pb2.Plan) -> Scan:
     kind = np.zeros(n, dtype=np.int64)
     wire = np.full((n, FIELDS), ABSENT, dtype=np.int8)
     raw = np.zeros((n, FIELDS), dtype=np.uint64)
-    param_at = np.zeros((n, 3), dtype=np.int64)
     if n:
-        _kernels().fill(buf, flags, name_at, dtype, dims, dims_at, kind, wire, raw, param_at)
-    return Scan(data, flags, name_at, dtype, dims, dims_at, kind, wire, raw, param_at, bool(plan_ok))
+        _kernels().fill(buf, flags, name_at, dtype, dims, dims_at, kind, wire, raw)
+    return Scan(data, flags, name_at, dtype, dims, dims_at, kind, wire, raw, bool(plan_ok))
 
 
-def canonical(s: Scan) -> bytes | None:
-    """The plan's canonical bytes (plan.proto), or None when some parameter is irregular (the message says)."""
-    if not s.plan_ok or not bool(s.regular.all()) or not bool(declared_fields(s).all()):
-        return None  # an unknown field is dropped by the canonical form: the message path drops it
-    missing = int(np.count_nonzero(s.flags & NO_DTYPE))
-    # each parameter's length prefix grows by at most one byte when two bytes are inserted
-    out = np.empty(len(s.data) + 3 * missing, dtype=np.uint8)
-    size = _kernels().canonical(np.frombuffer(s.data, dtype=np.uint8), s.flags, s.param_at, out)
+def canonical(plan: plan_pb2.Plan, s: Scan | None = None) -> bytes:
+    """The plan's canonical bytes (plan.proto, above `message Plan`): aliases resolved (an unspecified Param.dtype
+    is float32), unknown fields dropped, then proto3's binary encoding in field-number order with every field at
+    its default omitted. Python protobuf's deterministic serialization is that encoding for a message without
+    unknown fields; one compiled pass writes float32 where a dtype is omitted.
+
+    Args:
+        plan: the plan.
+        s: its scan, if there is one: when it shows that nothing in the plan is unknown to plan.proto, its bytes
+            are used as they are instead of serializing a cleaned copy.
+
+    Returns:
+        The canonical bytes."""
+    if s is not None and s.plan_ok and bool(s.regular.all()) and bool(declared_fields(s).all()):
+        data = s.data
+    else:  # something protobuf keeps as unknown may be in it: the canonical form drops it
+        clean = plan_pb2.Plan()
+        clean.CopyFrom(plan)
+        clean.DiscardUnknownFields()
+        data = clean.SerializeToString(deterministic=True)
+    out = np.empty(len(data) + 3 * len(plan.params), dtype=np.uint8)  # two bytes and a longer length a param
+    size = _kernels().canonical(np.frombuffer(data, dtype=np.uint8), out)
+    assert size >= 0, "a deterministic encoding without unknown fields"
     return out[:size].tobytes()
 
 
@@ -154,7 +167,7 @@ def _exercise() -> None:
         param.init.zeros.SetInParent()
     s = scan(two)
     s.names()
-    assert canonical(s) is not None, "the warm-up plan is plain: its canonical bytes come from the compiled pass"
+    canonical(two, s)
 
 
 class _Compiled:

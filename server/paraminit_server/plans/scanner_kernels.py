@@ -17,9 +17,13 @@ from paraminit.v1 import plan_pb2
 jit = numba.njit(cache=True, nogil=True)
 
 _IRREGULAR = np.int8(1)
-_NO_DTYPE = np.int8(2)
 _KINDS = max(f.number for f in plan_pb2.Init.DESCRIPTOR.fields)  # Init's oneof fields are 1.._KINDS
 _FIELDS = 5
+# plan.proto's numbers, read from the generated descriptors (module constants: numba compiles them in)
+_PARAMS = plan_pb2.Plan.DESCRIPTOR.fields_by_name["params"].number
+_NAME, _SHAPE, _DTYPE, _INIT = (plan_pb2.Param.DESCRIPTOR.fields_by_name[f].number for f in ("name", "shape", "dtype", "init"))
+_FLOAT32 = plan_pb2.DTYPE_FLOAT32
+_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5  # protobuf's wire types
 
 
 @jit
@@ -42,14 +46,14 @@ def varint(buf: Any, pos: int, end: int) -> tuple[Any, int]:
 @jit
 def skip(buf: Any, pos: int, end: int, wire: int) -> int:
     """The position after a field's value of this wire type; -1 when it does not fit or the type is unknown."""
-    if wire == 0:
+    if wire == _VARINT:
         _, pos = varint(buf, pos, end)
         return pos
-    if wire == 1:
+    if wire == _FIXED64:
         return pos + 8 if pos + 8 <= end else -1
-    if wire == 5:
+    if wire == _FIXED32:
         return pos + 4 if pos + 4 <= end else -1
-    if wire == 2:
+    if wire == _LEN:
         n, pos = varint(buf, pos, end)
         if pos < 0 or n > np.uint64(end - pos):
             return -1
@@ -69,7 +73,7 @@ def count(buf: Any) -> tuple[int, int, bool]:
         if pos < 0:
             return n, dims, False
         wire = int(tag & np.uint64(7))
-        if tag >> np.uint64(3) == np.uint64(1) and wire == 2:
+        if tag >> np.uint64(3) == np.uint64(_PARAMS) and wire == _LEN:
             size, pos = varint(buf, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
                 return n, dims, False
@@ -93,7 +97,7 @@ def _init(buf: Any, pos: int, end: int, i: int, kind: Any, wire: Any, raw: Any) 
         if pos < 0 or seen:
             return False
         f = int(tag >> np.uint64(3))
-        if int(tag & np.uint64(7)) != 2 or f < 1 or f > _KINDS:
+        if int(tag & np.uint64(7)) != _LEN or f < 1 or f > _KINDS:
             return False
         size, pos = varint(buf, pos, end)
         if pos < 0 or size > np.uint64(end - pos):
@@ -111,12 +115,12 @@ def _init(buf: Any, pos: int, end: int, i: int, kind: Any, wire: Any, raw: Any) 
             if g <= last or g > _FIELDS:
                 return False
             last = g
-            if w == 0:
+            if w == _VARINT:
                 v, pos = varint(buf, pos, stop)
                 if pos < 0:
                     return False
                 raw[i, g - 1] = v
-            elif w == 1:
+            elif w == _FIXED64:
                 if pos + 8 > stop:
                     return False
                 v = np.uint64(0)
@@ -132,39 +136,22 @@ def _init(buf: Any, pos: int, end: int, i: int, kind: Any, wire: Any, raw: Any) 
 
 @jit
 def _param(
-    buf: Any,
-    pos: int,
-    end: int,
-    i: int,
-    flags: Any,
-    name_at: Any,
-    dtype: Any,
-    dims: Any,
-    nd: int,
-    kind: Any,
-    wire: Any,
-    raw: Any,
-    param_at: Any,
+    buf: Any, pos: int, end: int, i: int, name_at: Any, dtype: Any, dims: Any, nd: int, kind: Any, wire: Any, raw: Any
 ) -> tuple[bool, int]:
     """Read one Param body in the plain form; (regular, dims written)."""
     last = 0
     written = 0
-    param_at[i, 2] = end
-    has_dtype = False
     while pos < end:
-        at = pos
         tag, pos = varint(buf, pos, end)
         if pos < 0:
             return False, written
         f = int(tag >> np.uint64(3))
         w = int(tag & np.uint64(7))
-        if f <= last or f > 4:  # out of order, repeated, a region (5), patches (6) or unknown
+        if f <= last or f > _INIT:  # out of order, repeated, a region, patches or unknown
             return False, written
-        if f == 4 and last < 4:
-            param_at[i, 2] = at  # where an omitted dtype (3) goes
         last = f
-        if f == 1:
-            if w != 2:
+        if f == _NAME:
+            if w != _LEN:
                 return False, written
             size, pos = varint(buf, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
@@ -172,8 +159,8 @@ def _param(
             name_at[i, 0] = pos
             pos += int(size)
             name_at[i, 1] = pos
-        elif f == 2:
-            if w != 2:  # unpacked dims: legal, but not the canonical encoding
+        elif f == _SHAPE:
+            if w != _LEN:  # unpacked dims: legal, but not the canonical encoding
                 return False, written
             size, pos = varint(buf, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
@@ -185,16 +172,15 @@ def _param(
                     return False, written
                 dims[nd + written] = v
                 written += 1
-        elif f == 3:
-            if w != 0:
+        elif f == _DTYPE:
+            if w != _VARINT:
                 return False, written
             v, pos = varint(buf, pos, end)
             if pos < 0 or v == np.uint64(0) or v > np.uint64(1 << 31):  # an explicit 0 is not canonical
                 return False, written
             dtype[i] = int(v)
-            has_dtype = True
         else:
-            if w != 2:
+            if w != _LEN:
                 return False, written
             size, pos = varint(buf, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
@@ -202,31 +188,27 @@ def _param(
             if not _init(buf, pos, pos + int(size), i, kind, wire, raw):
                 return False, written
             pos += int(size)
-    if not has_dtype:
-        flags[i] |= _NO_DTYPE
     return True, written
 
 
 @jit
-def fill(buf: Any, flags: Any, name_at: Any, dtype: Any, dims: Any, dims_at: Any, kind: Any, wire: Any, raw: Any, param_at: Any) -> None:
-    """Write every parameter's columns (sized by `count`); irregular parameters keep only their body span."""
+def fill(buf: Any, flags: Any, name_at: Any, dtype: Any, dims: Any, dims_at: Any, kind: Any, wire: Any, raw: Any) -> None:
+    """Write every parameter's columns (sized by `count`); irregular parameters are flagged and left empty."""
     pos, end = 0, buf.shape[0]
     i = 0
     nd = 0
     while pos < end and i < flags.shape[0]:
         tag, pos = varint(buf, pos, end)
         wire_type = int(tag & np.uint64(7))
-        if tag >> np.uint64(3) != np.uint64(1) or wire_type != 2:
+        if tag >> np.uint64(3) != np.uint64(_PARAMS) or wire_type != _LEN:
             pos = skip(buf, pos, end, wire_type)
             if pos < 0:
                 return
             continue
         size, pos = varint(buf, pos, end)
         stop = pos + int(size)
-        param_at[i, 0] = pos
-        param_at[i, 1] = stop
         dims_at[i] = nd
-        regular, written = _param(buf, pos, stop, i, flags, name_at, dtype, dims, nd, kind, wire, raw, param_at)
+        regular, written = _param(buf, pos, stop, i, name_at, dtype, dims, nd, kind, wire, raw)
         if regular:
             nd += written
         else:
@@ -253,26 +235,46 @@ def _put_varint(out: Any, pos: int, v: int) -> int:
 
 
 @jit
-def canonical(buf: Any, flags: Any, param_at: Any, out: Any) -> int:
-    """Every parameter again in order, float32 (3: 1) written where the dtype is omitted; returns the size."""
-    pos = 0
-    for i in range(flags.shape[0]):
-        a, b, at = param_at[i, 0], param_at[i, 1], param_at[i, 2]
-        extra = 2 if flags[i] & _NO_DTYPE else 0
-        out[pos] = 0x0A
-        pos = _put_varint(out, pos + 1, b - a + extra)
+def canonical(buf: Any, out: Any) -> int:
+    """A plan's deterministic encoding (fields in number order, nothing unknown) with float32 written into every
+    Param whose dtype is omitted, before its first field numbered above dtype; returns the size written to `out`
+    (at least 3 bytes a parameter larger than `buf`), -1 when `buf` is not such an encoding."""
+    pos, end = 0, buf.shape[0]
+    o = 0
+    while pos < end:
+        tag, pos = varint(buf, pos, end)
+        if pos < 0 or tag != np.uint64(_PARAMS << 3 | _LEN):
+            return -1
+        size, pos = varint(buf, pos, end)
+        if pos < 0 or size > np.uint64(end - pos):
+            return -1
+        a, b = pos, pos + int(size)
+        at, has_dtype = b, False  # where the dtype goes: before the first field after it (fields are in order)
+        p = a
+        while p < b:
+            t, q = varint(buf, p, b)
+            if q < 0:
+                return -1
+            f = int(t >> np.uint64(3))
+            if f >= _DTYPE:
+                has_dtype = f == _DTYPE
+                at = p
+                break
+            p = skip(buf, q, b, int(t & np.uint64(7)))
+            if p < 0:
+                return -1
+        extra = 0 if has_dtype else 2
+        o = _put_varint(out, o, _PARAMS << 3 | _LEN)
+        o = _put_varint(out, o, b - a + extra)
+        out[o : o + at - a] = buf[a:at]
+        o += at - a
         if extra:
-            out[pos : pos + at - a] = buf[a:at]
-            pos += at - a
-            out[pos] = 0x18
-            out[pos + 1] = 1
-            pos += 2
-            out[pos : pos + b - at] = buf[at:b]
-            pos += b - at
-        else:
-            out[pos : pos + b - a] = buf[a:b]
-            pos += b - a
-    return pos
+            o = _put_varint(out, o, _DTYPE << 3 | _VARINT)
+            o = _put_varint(out, o, _FLOAT32)
+        out[o : o + b - at] = buf[at:b]
+        o += b - at
+        pos = b
+    return o
 
 
 @jit
