@@ -347,10 +347,14 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
     threads = backend.threads if total > cpu_kernels.PIECE else 1
     piece = max(1 << 20, min(FILL_WINDOW, -(-total // (threads * SPANS_PER_THREAD))))
     tasks: list[tuple[int, tuple[Any, ...]]] = []
-    for enum, kind in np.unique(np.stack([t.dtype[batched], t.kernel[batched]]), axis=1).T.tolist():
+    # the (dtype, kind) pairs present, by a count of their codes: np.unique over pairs sorts, once per slab
+    kinds = len(Kind)
+    codes = t.dtype * kinds + t.kernel
+    for code in np.flatnonzero(np.bincount(codes[batched])).tolist():
+        enum, kind = divmod(code, kinds)
         dt = dtypes.by_enum(enum)
         assert dt is not None, "plain rows have a known dtype"
-        rows = np.flatnonzero(batched & (t.dtype == enum) & (t.kernel == kind))
+        rows = np.flatnonzero(batched & (codes == code))
         view = arena[: arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
         window = np.cumsum(t.nbytes[rows]) // piece  # which piece each tensor's end falls in
         cuts = [0, *(np.flatnonzero(np.diff(window)) + 1).tolist(), rows.shape[0]]
