@@ -98,7 +98,7 @@ def of(plan: plan_pb2.Plan) -> Columns | None:
         rows = np.flatnonzero(plain & (s.kind == number))
         message = type(getattr(plan_pb2.Init(), kind.field))
         forms = kind.forms(functools.partial(_field, s, message, rows), rows.shape[0])
-        good = forms.ok & s.wire_ok(message)[rows]
+        good = forms.ok & s.declared[rows]
         bound = forms.form.bound(forms.fields)  # 8-bit rows out of range: checked one by one
         if bound is not None:
             with np.errstate(invalid="ignore"):

@@ -14,6 +14,7 @@ nothing unknown in them.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +93,21 @@ class Scan:
                 ok &= self.wire[:, f] == ABSENT
         return ok
 
+    @functools.cached_property
+    def declared(self) -> npt.NDArray[np.bool_]:
+        """Rows whose initializer message holds only fields its kind declares, each with its declared wire type: a
+        field protobuf would keep as unknown (another number, another wire type) makes the row's bytes not
+        canonical, and the row is read from the message. Computed once a scan: the columns and the digest ask."""
+        ok = np.ones(len(self), dtype=bool)
+        for number in np.unique(self.kind).tolist():
+            rows = np.flatnonzero(self.kind == number)
+            field = plan_pb2.Init.DESCRIPTOR.fields_by_number.get(number)
+            if field is None or field.message_type is None:
+                ok[rows] = False
+                continue
+            ok[rows] = self.wire_ok(message_factory.GetMessageClass(field.message_type))[rows]
+        return ok
+
 
 _NUMERIC = {1: FIXED64, 4: VARINT, 3: VARINT, 13: VARINT, 5: VARINT}  # double, uint64, int64, uint32, int32
 
@@ -127,7 +143,7 @@ def canonical(plan: plan_pb2.Plan, s: Scan | None = None) -> bytes:
 
     Returns:
         The canonical bytes."""
-    if s is not None and s.plan_ok and bool(s.regular.all()) and bool(declared_fields(s).all()):
+    if s is not None and s.plan_ok and bool(s.regular.all()) and bool(s.declared.all()):
         data = s.data
     else:  # something protobuf keeps as unknown may be in it: the canonical form drops it
         clean = plan_pb2.Plan()
@@ -138,20 +154,6 @@ def canonical(plan: plan_pb2.Plan, s: Scan | None = None) -> bytes:
     size = _kernels().canonical(np.frombuffer(data, dtype=np.uint8), out)
     assert size >= 0, "a deterministic encoding without unknown fields"
     return out[:size].tobytes()
-
-
-def declared_fields(s: Scan) -> npt.NDArray[np.bool_]:
-    """Rows whose initializer message holds only fields its kind declares, each with its declared wire type: a
-    field protobuf would keep as unknown (another number, another wire type) makes the row's bytes not canonical."""
-    ok = np.ones(len(s), dtype=bool)
-    for number in np.unique(s.kind).tolist():
-        rows = np.flatnonzero(s.kind == number)
-        field = plan_pb2.Init.DESCRIPTOR.fields_by_number.get(number)
-        if field is None or field.message_type is None:
-            ok[rows] = False
-            continue
-        ok[rows] = s.wire_ok(message_factory.GetMessageClass(field.message_type))[rows]
-    return ok
 
 
 def warm_up() -> None:
