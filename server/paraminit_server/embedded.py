@@ -63,15 +63,14 @@ def data_plane(backend: str = "cpu", **config: Any) -> Materializer:
 
 
 def _plane(backend: str, config: dict[str, Any]) -> Materializer:
-    """A data plane whose calls can start: a GPU backend warmed up; on the CPU, numba ready (its first load in a
-    process, through the plan scanner, which large plans use), each fill then loading or compiling the kernels it
-    needs. All of it before the plane is handed out: nothing runs on the starting thread once calls can come."""
+    """A data plane whose calls can start: the plan scanner ready (numba's first load in a process; large plans
+    use it on every backend) and a GPU backend warmed up; on the CPU each fill then loads or compiles the kernels
+    it needs. All of it before the plane is handed out: nothing runs on the starting thread once calls can come."""
     cfg = ServerConfig.from_env(backend=backend, metrics_port=0, **config)
     b = backends.create(cfg.backend, cfg.device, cfg.threads or None)
+    scanner.warm_up()
     if getattr(b, "preload", None) is None:
         b.warm_up()
-    else:
-        scanner.warm_up()
     return Materializer(cfg, b)
 
 
