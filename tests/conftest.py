@@ -38,13 +38,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         reporter.write_line(done.stdout.strip())
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests marked slow first, in their collected order, then the rest (a stable sort; every xdist worker
-    sorts the same way). Collected in file order, a 20-second test late in the alphabet could start when the
-    other worker had nothing left, and the run waited for it alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(scope="session")
 def cpu_backend() -> Any:
     from paraminit_server.backends.cpu import CpuBackend
