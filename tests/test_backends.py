@@ -15,10 +15,11 @@ PROBE = textwrap.dedent("""
     import os, threading, numba, numpy as np
     from paraminit_client import param, plan_of
     from paraminit_server.plans import plan as planlib
+    from paraminit_server.plans import columns
     from paraminit_server.backends import cpu
     from paraminit_server.backends.cpu import CpuBackend
     n = (1 << 20) + 12345  # not a whole number of spans
-    p = planlib.resolve(plan_of([param("w", [n], {"normal": {"std": 1.0, "seed": 3}})]))[0]
+    p = columns.resolve(plan_of([param("w", [n], {"normal": {"std": 1.0, "seed": 3}})]))[0]
     want = np.full(n, np.nan, np.float32); CpuBackend(threads=1).fill(p, want)
     assert not np.isnan(want).any()
     spans = []
@@ -96,10 +97,11 @@ FORK_PROBE = textwrap.dedent("""
     import os, signal, threading, time, numpy as np
     from paraminit_client import param, plan_of
     from paraminit_server.plans import plan as planlib
+    from paraminit_server.plans import columns
     from paraminit_server.backends import cpu
     from paraminit_server.backends.cpu import CpuBackend
     n = (1 << 20) + 7
-    p = planlib.resolve(plan_of([param("w", [n], {"uniform": {"lo": -1, "hi": 1, "seed": 5}})]))[0]
+    p = columns.resolve(plan_of([param("w", [n], {"uniform": {"lo": -1, "hi": 1, "seed": 5}})]))[0]
     b = CpuBackend(threads=2)
     want = np.full(n, np.nan, np.float32); b.fill(p, want)
     held, release = threading.Event(), threading.Event()
@@ -129,9 +131,10 @@ EXIT_PROBE = textwrap.dedent("""
     import atexit, numpy as np
     from paraminit_client import param, plan_of
     from paraminit_server.plans import plan as planlib
+    from paraminit_server.plans import columns
     from paraminit_server.backends.cpu import CpuBackend
     n = (1 << 21) + 3
-    p = planlib.resolve(plan_of([param("w", [n], {"normal": {"std": 1.0, "seed": 9}})]))[0]
+    p = columns.resolve(plan_of([param("w", [n], {"normal": {"std": 1.0, "seed": 9}})]))[0]
     b = CpuBackend(threads=2)
     want = np.full(n, np.nan, np.float32); CpuBackend(threads=1).fill(p, want)
     def at_exit():  # runs after concurrent.futures stopped taking work: a fill still completes, on this thread

@@ -40,6 +40,7 @@ from paraminit_client import Client, cli, inspect, load_plan, param, plan_from_d
 from paraminit_client.plans import PlanFileError, plan_to_json
 from paraminit_server import config as server_config
 from paraminit_server.backends.cpu import CpuBackend
+from paraminit_server.plans import columns
 from paraminit_server.plans import plan as planlib
 from paraminit_server.rpc.server import Running
 from support import run_cli, running_server, serve_subprocess, target_of, wait_until
@@ -999,12 +1000,12 @@ def test_inspect_fits_the_terminal_and_counts_non_finite_values(tmp_path: Path, 
     assert "non-finite" in lines[0].split() and "min" not in lines[0].split()
     bad = next(line for line in lines[:3] if line.startswith("bad "))
     assert bad.split()[-1] == "3"  # NaN, +inf, -inf: counted, not hidden behind mean 1 std 0
-    for columns in (80, 100, 140):  # a terminal of that width: names cut in the middle to fit it
-        table = inspect.format_table(inspect.inspect_file(path), columns=columns).splitlines()[:3]
-        assert all(len(line) <= columns for line in table), (columns, [len(x) for x in table])
+    for width in (80, 100, 140):  # a terminal of that width: names cut in the middle to fit it
+        table = inspect.format_table(inspect.inspect_file(path), columns=width).splitlines()[:3]
+        assert all(len(line) <= width for line in table), (width, [len(x) for x in table])
         long_row = next(line for line in table if line.startswith("transformer"))
         first = long_row.split()[0]
-        assert first == name if len(name) + 60 < columns else ("~" in first and first.endswith("e.weight"))
+        assert first == name if len(name) + 60 < width else ("~" in first and first.endswith("e.weight"))
     code, wide, _ = run_cli(capsys, "inspect", str(path), "--wide")
     head = wide.splitlines()[0].split()
     assert {"min", "max", "non-finite"} <= set(head)
@@ -1050,7 +1051,7 @@ def test_hf_extra_installs_transformers_and_info_help_speaks_of_a_server() -> No
 
 
 def expected_arrays(plan: plan_pb2.Plan) -> dict[str, np.ndarray[Any, Any]]:
-    return {p.name: reference.materialize(p) for p in planlib.resolve(plan)}
+    return {p.name: reference.materialize(p) for p in columns.resolve(plan)}
 
 
 def test_cli_against_serve_subprocess(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.backends.cpu_kernels import counter_rng, half_rounding
 from paraminit_server.backends.cpu_kernels.driver import PIECE
 from paraminit_server.plans import sampler
+from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
 from support import poisoned
 
@@ -427,7 +428,7 @@ def test_fill_plan_batches_small_tensors_bit_for_bit() -> None:
         offsets.append(pos)
         pos += p.nbytes
     got = poisoned(pos, np.dtype(np.uint8))
-    BACKEND.fill_plan(params, got, offsets)
+    BACKEND.fill_plan(ParamTable.of(params), got, offsets)
     for p, off in zip(params, offsets, strict=True):
         one = got[off : off + p.nbytes].view(p.dtype.storage)
         assert same(one, fill(p)), p.name

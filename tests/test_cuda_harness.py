@@ -660,7 +660,6 @@ def test_a_large_plan_packed_as_columns_gives_the_same_bytes(harness: Path, tmp_
     CPU backend writes, for every dtype and kind, with regions, patches and data rows among the columns."""
     from paraminit_client import param, plan_of
     from paraminit_server.plans import columns
-    from paraminit_server.plans.plan import resolve
 
     inits = [
         {"normal": {"std": 0.5, "seed": 1}},
@@ -682,7 +681,7 @@ def test_a_large_plan_packed_as_columns_gives_the_same_bytes(harness: Path, tmp_
     plan = plan_of(params)
     cols = columns.of(plan)
     assert cols is not None
-    table = resolve(plan, None, cols)
+    table = columns.resolve(plan, None, cols)
     assert isinstance(table, columns.ParamTable) and len(table) // 2 < int(table.plain.sum()) < len(table)
     offsets, pos = [], 0
     for i in range(len(table)):
@@ -728,7 +727,7 @@ def test_flat_values_go_to_the_device_a_window_at_a_time(
     import ml_dtypes
 
     from paraminit_client import param
-    from paraminit_server.plans.columns import SCAN_MIN
+    from paraminit_server.plans.columns import SCAN_MIN, ParamTable
 
     monkeypatch.setattr(cb, "FLAT_WINDOW", 1000)
     rng = np.random.default_rng(3)
@@ -745,7 +744,7 @@ def test_flat_values_go_to_the_device_a_window_at_a_time(
     for p in params:
         offsets.append(pos)
         pos += -(-(p.nbytes + 8) // 64) * 64
-    launches = list(cb.plan_launches(params, offsets))
+    launches = list(cb.plan_launches(ParamTable.of(params), offsets))
     assert len(launches) >= 8 and all(k.values.size <= 1000 for k in launches)
     assert launches[0].values.size == 0 and launches[0].njobs == 1  # the rest in one launch
     got = run_launches(harness, tmp_path, iter(launches), pos)
@@ -754,4 +753,4 @@ def test_flat_values_go_to_the_device_a_window_at_a_time(
         cpu_backend.fill(p, want)
         assert got[off : off + p.nbytes].tobytes() == want.tobytes(), p.name
         assert (got[off + p.nbytes : off + p.nbytes + 8] == 0xFF).all(), p.name
-    assert len(params) < SCAN_MIN  # a list here; the large-plan test above runs a ParamTable's flat rows through it
+    assert len(params) < SCAN_MIN  # rows resolved one by one here; the large-plan test above runs a scanned table's flat rows

@@ -21,7 +21,7 @@ from paraminit_server.config import ServerConfig
 from paraminit_server.plane import materializer
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.materializer import Materializer, StreamStart
-from paraminit_server.plans import plan as planlib
+from paraminit_server.plans import columns
 from paraminit_server.rpc.service import InitServiceHandlers
 
 POISON = 0xAB
@@ -46,7 +46,7 @@ def uniform_plan(n: int, seed: int) -> Any:
 
 def expected_data(plan: Any, start: StreamStart) -> np.ndarray[Any, Any]:
     data = np.full(start.layout.data_bytes, POISON, dtype=np.uint8)
-    for pl, rp in zip(start.layout.placements, planlib.resolve(plan), strict=True):
+    for pl, rp in zip(start.layout.placements, columns.resolve(plan), strict=True):
         data[pl.offset : pl.offset + pl.param.nbytes] = reference.materialize(rp).reshape(-1).view(np.uint8)
     return data
 

@@ -162,6 +162,7 @@ def test_a_call_readies_only_the_kernels_it_fills(server: Running) -> None:
     """In process nothing loads kernels ahead of the calls: validating loads none, a fill loads (or compiles) the
     kinds and dtypes it fills and no others, and its bytes are a server's."""
     from paraminit_server import embedded
+    from paraminit_server.plans import columns
     from paraminit_server.plans import plan as planlib
 
     inproc = embedded.InProcess.start("cpu")
@@ -175,6 +176,6 @@ def test_a_call_readies_only_the_kernels_it_fills(server: Running) -> None:
         assert [s.name for s in spans] == list(want)
         for s in spans:
             assert buf[s.offset : s.offset + s.nbytes].tobytes() == want[s.name].tobytes(), s.name
-        assert backend._ready_kinds == planlib.kinds_of(planlib.resolve(mixed_plan())) and not backend._ready_all
+        assert backend._ready_kinds == planlib.kinds_of(columns.resolve(mixed_plan())) and not backend._ready_all
     finally:
         inproc.close()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.plans import plan as planlib
+from paraminit_server.plans import columns
 from paraminit_server.plans.validation import Limits, validate
 from paraminit_server.rpc.server import Running
 from support import server_fixture
@@ -104,7 +104,7 @@ def test_fuzz_plans_against_live_server(client: Client, plan: plan_pb2.Plan) -> 
         assert len(err.violations) == len(report.violations) >= 1
         return
     assert report.ok
-    for p in planlib.resolve(plan):
+    for p in columns.resolve(plan):
         assert got[p.name].tobytes() == reference.materialize(p).tobytes()
 
 

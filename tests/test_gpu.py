@@ -17,6 +17,7 @@ from test_cuda_harness import huge_window, random_param
 from paraminit import cuda, dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors
+from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import ResolvedParam, resolve_param
 from support import CASES, case_param
 
@@ -181,7 +182,7 @@ def test_fill_plan_matches_cpu(gpu: CupyBackend, cpu_backend: Any) -> None:
         offsets.append(pos)
         pos += p.nbytes
     arena = gpu_poisoned(pos + GUARD)
-    gpu.fill_plan(params, arena, offsets)
+    gpu.fill_plan(ParamTable.of(params), arena, offsets)
     host = gpu.to_host(arena)
     covered = np.zeros(host.size, dtype=bool)
     differing = 0
@@ -196,13 +197,13 @@ def test_fill_plan_matches_cpu(gpu: CupyBackend, cpu_backend: Any) -> None:
 def test_fill_plan_module_helper_and_empty_plan(gpu: CupyBackend, cpu_backend: Any) -> None:
     p = resolve_param(0, case_param(CASES[0]))
     arena = gpu_poisoned(64)
-    fill_plan([], arena, [])
+    fill_plan(ParamTable.of([]), arena, [])
     assert (gpu.to_host(arena) == 0xFF).all()
-    fill_plan([p], arena, [16])
+    fill_plan(ParamTable.of([p]), arena, [16])
     host = gpu.to_host(arena)
     assert host[16 : 16 + p.nbytes].tobytes() == cpu_fill_window(cpu_backend, p, 0, p.numel).tobytes()
     with pytest.raises(ValueError):
-        fill_plan([p], arena, [40])  # runs past the arena
+        fill_plan(ParamTable.of([p]), arena, [40])  # runs past the arena
 
 
 @pytest.mark.parametrize("dtype", dtypes.SUPPORTED, ids=lambda d: d.name)

@@ -12,8 +12,8 @@ from paraminit import dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client
 from paraminit_server.plane import engine, layout
+from paraminit_server.plans import columns, validation
 from paraminit_server.plans import plan as planlib
-from paraminit_server.plans import validation
 from paraminit_server.rpc.server import Running
 from support import poisoned, server_fixture, target_of
 
@@ -196,7 +196,7 @@ def test_digest_covers_patches() -> None:
 def test_every_window_is_exact(cpu_backend: Any, window: int) -> None:
     """Stream-style fills: windows of any multiple of 8 bytes, split inside runs and between patches."""
     plan = patched_plan()
-    params = planlib.resolve(plan)
+    params = columns.resolve(plan)
     lay = layout.stream_layout(params, planlib.digest(plan))
     buf = poisoned(lay.data_bytes, np.dtype(np.uint8))
     for start in range(0, lay.data_bytes, window):
@@ -210,7 +210,7 @@ def test_every_window_is_exact(cpu_backend: Any, window: int) -> None:
 
 def test_whole_arena_is_exact(cpu_backend: Any) -> None:
     plan = patched_plan()
-    lay = layout.export_layout(planlib.resolve(plan))
+    lay = layout.export_layout(columns.resolve(plan))
     buf = poisoned(lay.data_bytes, np.dtype(np.uint8))
     engine.fill_all(cpu_backend, lay, buf)
     for pl, p in zip(lay.placements, plan.params, strict=True):
@@ -234,7 +234,7 @@ def test_long_patch_work_looks_at_cancellation(cpu_backend: Any) -> None:
             )
         ]
     )
-    rp = planlib.resolve(plan)[0]
+    rp = columns.resolve(plan)[0]
     out = np.zeros(rp.numel, dtype=np.float32)
     calls = []
 

@@ -30,7 +30,7 @@ from paraminit_server.__main__ import main as serve_main
 from paraminit_server.config import ServerConfig
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.engine import HostSlab
-from paraminit_server.plane.layout import TensorSpan
+from paraminit_server.plane.layout import SpanTable
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
 from paraminit_server.plans import scanner
 from paraminit_server.rpc import service
@@ -171,7 +171,7 @@ class InProcess:
             self._handlers = service.InitServiceHandlers(self.plane)
         return self._handlers.info(pb.GetInfoRequest(), self.caller)
 
-    def fill(self, plan: plan_pb2.Plan) -> tuple[list[TensorSpan], str, HostSlab]:
+    def fill(self, plan: plan_pb2.Plan) -> tuple[SpanTable, str, HostSlab]:
         """Tensor table, digest and one buffer in stream layout."""
         lay, digest, buf = self.plane.fill_host(plan, self.caller)
         assert buf is not None, "fill_host returns a buffer when given no outputs"

@@ -6,11 +6,12 @@ which backend it has. The CuPy module is imported only when that backend is chos
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from paraminit_server.errors import BackendUnavailable
+from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Offsets, ResolvedParam
 
 HOST = "host"
@@ -66,7 +67,7 @@ class Backend(Protocol):
     def warm_up(self) -> None:
         """Compile kernels; health reports SERVING only after this returns."""
 
-    def prepare(self, params: Sequence[ResolvedParam]) -> None:
+    def prepare(self, params: ParamTable) -> None:
         """Have the kernels these parameters need ready (compiling what is missing, once per process), before
         the call takes a concurrency slot: a slot is then never held while a compile runs."""
 
@@ -79,9 +80,7 @@ class Backend(Protocol):
     def fill(self, p: ResolvedParam, out: Any, l_begin: int = 0) -> None:
         """Write local elements [l_begin, l_begin + len(out)) of p into out (p.dtype.storage, 1-D)."""
 
-    def fill_plan(
-        self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None
-    ) -> None:
+    def fill_plan(self, params: ParamTable, arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None) -> None:
         """Whole parameters into one 1-D uint8 arena, parameter i at byte offsets[i]; raises errors.Cancelled
         between pieces of work once should_stop() is true."""
 

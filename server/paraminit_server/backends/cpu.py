@@ -24,7 +24,7 @@ from paraminit_server.backends.cpu_kernels import jit
 from paraminit_server.backends.shm import ShmSegment
 from paraminit_server.errors import Cancelled
 from paraminit_server.host_limits import host_memory
-from paraminit_server.plans.columns import ParamTable, kinds_of
+from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, Runs, warm_up_params
 
 _NO_VALUES = np.zeros(0, dtype=np.float64)
@@ -332,6 +332,35 @@ def _fill_batch(kind: int, args: tuple[Any, ...]) -> None:
     kernel(*args)  # on the calling thread
 
 
+def _fill_rows(
+    backend: CpuBackend, params: Sequence[ResolvedParam], arena: Any, offsets: Sequence[int], should_stop: Callable[[], bool] | None
+) -> None:
+    """fill_plan of the rows a table does not batch from its columns, one ResolvedParam each: small whole tensors
+    still go through a _Batch, larger ones and regions a FILL_WINDOW at a time."""
+    since_check = FILL_WINDOW  # ask before the first fill
+    batch = _Batch(arena)
+    for p, off in zip(params, offsets, strict=True):
+        if since_check >= FILL_WINDOW:
+            batch.run()
+            if should_stop is not None and should_stop():
+                raise Cancelled("client cancelled or deadline passed")
+            since_check = 0
+        if batch.add(p, off):
+            since_check += p.nbytes
+            continue
+        out = arena[off : off + p.nbytes].view(p.dtype.storage)
+        step = max(1, FILL_WINDOW // p.dtype.itemsize)
+        for lo in range(0, p.numel, step):
+            if since_check >= FILL_WINDOW:
+                if should_stop is not None and should_stop():
+                    raise Cancelled("client cancelled or deadline passed")
+                since_check = 0
+            piece = out[lo : lo + step]
+            backend.fill(p, piece, lo)
+            since_check += piece.nbytes
+    batch.run()
+
+
 def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None) -> None:
     """fill_plan from a ParamTable's columns: its small plain tensors by one fill_batch call per dtype and kind per
     FILL_WINDOW bytes, straight from the columns; the other rows as fill_plan fills any list."""
@@ -340,7 +369,7 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
     batched = t.plain & (t.numel > 0) & (t.numel <= cpu_kernels.PIECE) & (offs % np.maximum(t.itemsize, 1) == 0)
     rest = np.flatnonzero(~batched).tolist()
     if rest:
-        backend.fill_plan([params[i] for i in rest], arena, [int(offs[i]) for i in rest], should_stop)
+        _fill_rows(backend, [params[i] for i in rest], arena, [int(offs[i]) for i in rest], should_stop)
     # one fill_batch call per task: tensors of one dtype and kind whose bytes end in one piece of about
     # `piece` bytes (FILL_WINDOW at most, so a cancelled request stops within one window's time)
     total = int(t.nbytes[batched].sum())
@@ -401,14 +430,14 @@ class CpuBackend:
         and dtypes it fills, on first use (a cold cache costs those specializations, not all of them)."""
         self._ready_all = self._ensure(warm_up_params(), compile=False, background=True)
 
-    def prepare(self, params: Sequence[ResolvedParam]) -> None:
+    def prepare(self, params: ParamTable) -> None:
         """Compile (or load) the kernels of the kinds and dtypes these parameters use, as a fill would, but
         before the call is admitted: on a cold cache, calls wait for their compile without holding a
         concurrency slot or their place in line (each call queued behind one compiling would otherwise
         time out in line). Nothing to do once every kernel is ready."""
         if self._ready_all:
             return
-        wanted = kinds_of(params) - self._ready_kinds
+        wanted = params.kinds() - self._ready_kinds
         if wanted:
             started, compiled = time.perf_counter(), COMPILES.seconds
             self._ensure([rp for rp in warm_up_params() if (rp.dtype.enum, rp.kind) in wanted], compile=True, background=False)
@@ -513,40 +542,14 @@ class CpuBackend:
             runs.run_len,
         )
 
-    def fill_plan(
-        self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None
-    ) -> None:
+    def fill_plan(self, params: ParamTable, arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None) -> None:
         """In windows of FILL_WINDOW bytes, so a cancelled request stops within one window's time.
 
         `should_stop` is asked before each window's worth of bytes, not before each parameter: a plan of
         many small tensors would otherwise pay for the check more than for the fill. Small whole tensors of
-        the value kinds are gathered per dtype and filled by one kernel call per window (`fill_batch`): one
-        launch each would cost more than their values."""
-        if isinstance(params, ParamTable):
-            _fill_table(self, params, arena, offsets, should_stop)
-            return
-        since_check = FILL_WINDOW  # ask before the first fill
-        batch = _Batch(arena)
-        for p, off in zip(params, offsets, strict=True):
-            if since_check >= FILL_WINDOW:
-                batch.run()
-                if should_stop is not None and should_stop():
-                    raise Cancelled("client cancelled or deadline passed")
-                since_check = 0
-            if batch.add(p, off):
-                since_check += p.nbytes
-                continue
-            out = arena[off : off + p.nbytes].view(p.dtype.storage)
-            step = max(1, FILL_WINDOW // p.dtype.itemsize)
-            for lo in range(0, p.numel, step):
-                if since_check >= FILL_WINDOW:
-                    if should_stop is not None and should_stop():
-                        raise Cancelled("client cancelled or deadline passed")
-                    since_check = 0
-                piece = out[lo : lo + step]
-                self.fill(p, piece, lo)
-                since_check += piece.nbytes
-        batch.run()
+        the value kinds are gathered per dtype and kind and filled by one kernel call per window (`fill_batch`):
+        one launch each would cost more than their values."""
+        _fill_table(self, params, arena, offsets, should_stop)
 
     def zero(self, buf: Any, start: int, stop: int) -> None:
         buf[start:stop] = 0

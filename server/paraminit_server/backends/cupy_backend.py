@@ -368,9 +368,9 @@ def _nothing() -> None:
 FLAT_WINDOW = 1 << 23  # flat values one launch of fill_plan carries at most (64 MiB as binary64)
 
 
-def plan_launches(params: Sequence[ResolvedParam], offsets: Offsets) -> Iterator[Packed]:
-    """fill_plan's launches, packed one at a time: every parameter but the flat ones in one (a ParamTable's plain
-    rows as columns), then the flat values in windows of at most FLAT_WINDOW elements. A window's values become
+def plan_launches(params: ParamTable, offsets: Offsets) -> Iterator[Packed]:
+    """fill_plan's launches, packed one at a time: every parameter but the flat ones in one (the plain rows as
+    columns), then the flat values in windows of at most FLAT_WINDOW elements. A window's values become
     binary64 only when it is packed, so a payload in its own dtype (a bfloat16 one is a quarter of its binary64
     form) costs one window on the host and the device at a time, not 8 bytes an element of the whole plan.
 
@@ -379,13 +379,9 @@ def plan_launches(params: Sequence[ResolvedParam], offsets: Offsets) -> Iterator
     """
     if len(params) != len(offsets):
         raise ValueError(f"{len(params)} parameters but {len(offsets)} offsets")
-    if isinstance(params, ParamTable):  # a large plan: its plain rows packed as columns; flat rows are special
-        offs = np.asarray(offsets, dtype=np.int64)
-        flat = [(rp, int(offs[i])) for i, rp in sorted(params.special.items()) if rp.kind == Kind.FLAT]
-        yield pack_table(params, offsets)
-    else:
-        flat = [(p, int(off)) for p, off in zip(params, offsets, strict=True) if p.kind == Kind.FLAT]
-        yield pack([Job(p, int(off)) for p, off in zip(params, offsets, strict=True) if p.kind != Kind.FLAT])
+    offs = np.asarray(offsets, dtype=np.int64)
+    flat = [(rp, int(offs[i])) for i, rp in sorted(params.special.items()) if rp.kind == Kind.FLAT]  # flat rows are special
+    yield pack_table(params, offsets)
     jobs: list[Job] = []
     held = 0
     for p, off in flat:
@@ -400,7 +396,7 @@ def plan_launches(params: Sequence[ResolvedParam], offsets: Offsets) -> Iterator
         yield pack(jobs)
 
 
-def fill_plan(params: Sequence[ResolvedParam], arena: Any, offsets: Offsets) -> None:
+def fill_plan(params: ParamTable, arena: Any, offsets: Offsets) -> None:
     """Fill whole parameters into one device arena, parameter i at byte offsets[i]: one launch, and one more per
     FLAT_WINDOW of flat values (plan_launches), all on the current stream, in order.
 
@@ -498,10 +494,10 @@ class CupyBackend:
             params = warm_up_params()
             for rp in params:
                 self.fill(rp, cp.empty(rp.numel, dtype=rp.dtype.storage))
-            fill_plan(params, cp.empty(len(params) * 48, dtype=cp.uint8), [48 * i for i in range(len(params))])
+            fill_plan(ParamTable.of(params), cp.empty(len(params) * 48, dtype=cp.uint8), [48 * i for i in range(len(params))])
             cp.cuda.Device().synchronize()
 
-    def prepare(self, params: Sequence[ResolvedParam]) -> None:
+    def prepare(self, params: ParamTable) -> None:
         """Nothing: the device kernels are one module, compiled by warm_up before the server says SERVING."""
 
     def _malloc(self, nbytes: int) -> Any:
@@ -572,9 +568,7 @@ class CupyBackend:
 
         return launch
 
-    def fill_plan(
-        self, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None
-    ) -> None:
+    def fill_plan(self, params: ParamTable, arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None) -> None:
         """Whole parameters into one arena in one launch (see the module-level fill_plan)."""
         if should_stop is not None and should_stop():
             raise Cancelled("client cancelled or deadline passed")

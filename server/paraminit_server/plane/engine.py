@@ -12,7 +12,7 @@ import collections
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -32,12 +32,12 @@ def fill_window(backend: Backend, layout: Layout, buf: Any, start: int, should_s
     stop = start + int(buf.shape[0])
     params = layout.params
     rows = layout.overlapping(start, stop)
-    if isinstance(params, ParamTable):  # whole plain tensors of the window from the columns, the rest below
-        offsets = np.asarray(layout.offsets, dtype=np.int64)[rows]
-        inside = params.plain[rows] & (offsets >= start) & (offsets + params.nbytes[rows] <= stop)
-        if inside.any():
-            backend.fill_plan(params.take(rows[inside]), buf, offsets[inside] - start)
-        rows = rows[~inside]
+    # whole plain tensors of the window in one fill from the columns; the other rows, and parts, below
+    offsets = np.asarray(layout.offsets, dtype=np.int64)[rows]
+    inside = params.plain[rows] & (offsets >= start) & (offsets + params.nbytes[rows] <= stop)
+    if inside.any():
+        backend.fill_plan(params.take(rows[inside]), buf, offsets[inside] - start)
+    rows = rows[~inside]
     for i in rows.tolist():
         _fill_part(backend, params[i], int(layout.offsets[i]), buf, start, stop, should_stop)
 
@@ -124,14 +124,10 @@ def _stop_if(should_stop: Callable[[], bool] | None) -> None:
         raise errors.Cancelled("client cancelled or deadline passed")
 
 
-def fill_params(
-    backend: Backend, params: Sequence[ResolvedParam], arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None
-) -> None:
+def fill_params(backend: Backend, params: ParamTable, arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None) -> None:
     """backend.fill_plan, patches included: whole parameters into one arena, parameter i at byte offsets[i]."""
     backend.fill_plan(params, arena, offsets, should_stop)
-    # a ParamTable's plain rows have no patches: only its other rows are looked at
-    patched = params.special.items() if isinstance(params, ParamTable) else enumerate(params)
-    for i, p in patched:
+    for i, p in params.special.items():  # plain rows have no patches
         if p.patches:
             off = int(offsets[i])
             apply_patches(backend, p, arena[off : off + p.nbytes].view(p.dtype.storage), 0, should_stop)
@@ -140,11 +136,8 @@ def fill_params(
 def fill_all(backend: Backend, layout: Layout, buf: Any, should_stop: Callable[[], bool] | None = None) -> None:
     """Fill a whole arena (exports), then wait for the backend: padding between tensors is zeroed so no
     stale bytes leak, and the arena is complete before anyone else can see it."""
-    prev = 0
-    for pl in layout.in_offset_order():
-        backend.zero(buf, prev, pl.offset)
-        prev = max(prev, pl.offset + pl.param.nbytes)
-    backend.zero(buf, prev, layout.data_bytes)
+    for start, stop in layout.gaps():
+        backend.zero(buf, start, stop)
     fill_params(backend, layout.params, buf, layout.offsets, should_stop)
     backend.synchronize()
 

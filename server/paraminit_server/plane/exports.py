@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ from paraminit_server.plane import engine, layout
 from paraminit_server.plane.budget import MemoryBudget
 from paraminit_server.plane.caller import REMOTE, UNIX_SHARED, Caller
 from paraminit_server.plane.leases import LeaseRecord, LeaseTable
-from paraminit_server.plans.plan import ResolvedParam
+from paraminit_server.plans.columns import ParamTable
 
 GPU_ALIGN = 256
 QUARANTINE_CHECK = 2.0  # seconds between looks at whether an expired segment is still mapped elsewhere
@@ -105,7 +104,7 @@ class Exports:
         self._watcher: threading.Thread | None = None
         self._closed = threading.Event()
 
-    def export(self, params: Sequence[ResolvedParam], digest: str, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
+    def export(self, params: ParamTable, digest: str, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
         """Fill a new buffer with the plan and lend it; every limit is taken before anything is allocated."""
         self.check_caller(delivery, caller)
         ttl = self.leases.ttl(ttl_seconds)
@@ -228,7 +227,7 @@ class Exports:
     def list(self, caller: Caller) -> list[LeaseRecord]:
         return self.leases.list(caller.identity)  # no identity sees another's leases
 
-    def apply(self, lease_id: str, params: Sequence[ResolvedParam], digest: str, caller: Caller) -> str:
+    def apply(self, lease_id: str, params: ParamTable, digest: str, caller: Caller) -> str:
         """Re-initialize a live lease in place; the plan must have the lease's parameter list exactly."""
         rec = self.leases.get(lease_id, caller.identity)
         with rec.lock:
@@ -254,7 +253,7 @@ class Exports:
         self._settle(force=True)  # a server that stops takes its segments with it, mapped or not
 
 
-def _check_same_parameters(lay: layout.Layout, params: Sequence[ResolvedParam]) -> None:
+def _check_same_parameters(lay: layout.Layout, params: ParamTable) -> None:
     """Apply keeps the buffer: names, shapes, regions, dtypes and order must match the lease exactly."""
     old = [pl.param for pl in lay.placements]
     problems: list[str] = []

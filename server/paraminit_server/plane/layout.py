@@ -9,7 +9,6 @@ holes, so this is the alignment the format allows; exports pad to `align`.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
-from paraminit_server.plans.columns import ParamTable, nbytes_of
+from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Offsets, ResolvedParam
 
 STREAM_ALIGN = 64
@@ -36,12 +35,10 @@ class Placement:
 class Layout:
     """Where every parameter of a delivered buffer lies: parameter i (plan order) at byte offsets[i].
 
-    For a large plan (a columns.ParamTable) the placements and the stream's safetensors prefix are built only
-    when asked for: an in-process fill needs neither, only the tensor table (`spans`, from the columns)."""
+    The placements and the stream's safetensors prefix are built only when asked for: an in-process fill needs
+    neither, only the tensor table (`spans`, from the table's columns)."""
 
-    def __init__(
-        self, params: Sequence[ResolvedParam], offsets: Offsets, data_bytes: int, prefix: bytes | Callable[[], bytes] = b""
-    ) -> None:
+    def __init__(self, params: ParamTable, offsets: Offsets, data_bytes: int, prefix: bytes | Callable[[], bytes] = b"") -> None:
         self.params = params
         self.offsets = offsets
         self.data_bytes = data_bytes
@@ -57,16 +54,21 @@ class Layout:
         """safetensors 8-byte length + JSON header, for streams (b"" for exports)."""
         return self._prefix if isinstance(self._prefix, bytes) else self._prefix()
 
-    def in_offset_order(self) -> list[Placement]:
-        return sorted(self.placements, key=lambda pl: pl.offset)
-
     @functools.cached_property
     def _by_offset(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """(plan indices in offset order, their offsets, their ends): what `overlapping` searches."""
         offsets = np.asarray(self.offsets, dtype=np.int64)
-        nbytes = nbytes_of(self.params)
+        nbytes = self.params.nbytes
         order = np.argsort(offsets, kind="stable")
         return order, offsets[order], offsets[order] + nbytes[order]
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The byte ranges [start, stop) of the data section no tensor covers (an export's padding), ascending."""
+        _, begins, ends = self._by_offset
+        starts = np.concatenate([[0], np.maximum.accumulate(ends)]) if ends.shape[0] else np.zeros(1, dtype=np.int64)
+        stops = np.concatenate([begins, [self.data_bytes]])
+        keep = stops > starts
+        return list(zip(starts[keep].tolist(), stops[keep].tolist(), strict=True))
 
     def overlapping(self, start: int, stop: int) -> npt.NDArray[np.int64]:
         """Plan indices (ascending) of the parameters with bytes in [start, stop): two binary searches, so that a
@@ -78,12 +80,10 @@ class Layout:
         rows = rows[ends[lo:hi] > begins[lo:hi]] if rows.shape[0] else rows  # empty tensors hold no bytes
         return np.sort(rows)
 
-    def spans(self) -> list[TensorSpan]:
+    def spans(self) -> SpanTable:
         """Where each tensor lies, in plan order, as plain tuples (no protobuf for in-process callers)."""
-        params = self.params
-        if isinstance(params, ParamTable):  # from the columns, without a ResolvedParam each
-            return SpanTable(params.names, params.dtype.tolist(), params.shapes, np.asarray(self.offsets).tolist(), params.nbytes.tolist())
-        return [TensorSpan(pl.param.name, pl.param.dtype.enum, pl.param.out_shape, pl.offset, pl.param.nbytes) for pl in self.placements]
+        params = self.params  # from the columns, without a ResolvedParam each
+        return SpanTable(params.names, params.dtype.tolist(), params.shapes, np.asarray(self.offsets).tolist(), params.nbytes.tolist())
 
 
 class TensorSpan(NamedTuple):
@@ -96,12 +96,12 @@ class TensorSpan(NamedTuple):
     nbytes: int
 
 
-class SpanTable(list[TensorSpan]):
-    """The tensor table of a large plan, as columns: `columns()` gives them to a reader that wants them whole
-    (the client's arrays_from_buffer); iterating gives TensorSpans, made only then."""
+class SpanTable(Sequence[TensorSpan]):
+    """A delivered buffer's tensor table, as columns: `columns()` gives them to a reader that wants them whole
+    (the client's arrays_from_buffer, a packed stream header); iterating gives TensorSpans, made only then. It
+    equals any sequence of the same TensorSpans."""
 
     def __init__(self, names: list[str], dtypes: list[int], shapes: list[tuple[int, ...]], offsets: list[int], nbytes: list[int]) -> None:
-        super().__init__()
         self._columns = (names, dtypes, shapes, offsets, nbytes)
 
     def columns(self) -> tuple[list[str], list[int], list[tuple[int, ...]], list[int], list[int]]:
@@ -113,6 +113,11 @@ class SpanTable(list[TensorSpan]):
 
     def __iter__(self) -> Iterator[TensorSpan]:
         return map(TensorSpan, *self._columns)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable columns, like a list
 
     @overload
     def __getitem__(self, i: SupportsIndex) -> TensorSpan: ...
@@ -131,28 +136,9 @@ def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def stream_layout(params: Sequence[ResolvedParam], plan_digest: str) -> Layout:
-    """Contiguous safetensors layout: header padded so the data section starts 64-byte aligned."""
-    if isinstance(params, ParamTable):
-        return _table_stream_layout(params, plan_digest)
-    indices = [p.index for p in params]
-    if all(a < b for a, b in itertools.pairwise(indices)):  # plan order: a stable pass per item size, no sort
-        order = [p for size in sorted({p.dtype.itemsize for p in params}, reverse=True) for p in params if p.dtype.itemsize == size]
-    else:
-        order = sorted(params, key=lambda p: (-p.dtype.itemsize, p.index))
-    offsets: dict[int, int] = {}
-    pos = 0
-    for p in order:
-        offsets[p.index] = pos
-        pos += p.nbytes
-    in_plan_order = [offsets[p.index] for p in params]
-    names = [p.name for p in params]
-    entries = [(p.dtype.safetensors, p.out_shape, p.nbytes) for p in params]
-    return Layout(params, in_plan_order, pos, _padded(_header(names, entries, in_plan_order, plan_digest)))
-
-
-def _table_stream_layout(params: ParamTable, plan_digest: str) -> Layout:
-    """stream_layout from the columns: offsets by a stable sort on item size, the header only when asked for."""
+def stream_layout(params: ParamTable, plan_digest: str) -> Layout:
+    """Contiguous safetensors layout, by descending item size and then row order (a stable sort), the header padded
+    so the data section starts 64-byte aligned; the header is built only when asked for."""
     nbytes = params.nbytes
     order = np.argsort(-params.itemsize, kind="stable")
     ends = np.cumsum(nbytes[order])
@@ -187,12 +173,8 @@ def _header(names: Sequence[str], entries: Sequence[tuple[str, tuple[int, ...], 
     return (",".join(parts) + "}").encode()
 
 
-def export_layout(params: Sequence[ResolvedParam], align: int = EXPORT_ALIGN) -> Layout:
+def export_layout(params: ParamTable, align: int = EXPORT_ALIGN) -> Layout:
     """Plan-order arena with every tensor aligned to `align` bytes (64 on CPU, 256 on GPU)."""
-    offsets = []
-    pos = 0
-    for p in params:
-        pos = _round_up(pos, align)
-        offsets.append(pos)
-        pos += p.nbytes
-    return Layout(params, offsets, _round_up(pos, align))
+    padded = (params.nbytes + (align - 1)) // align * align
+    ends = np.cumsum(padded)
+    return Layout(params, ends - padded, int(ends[-1]) if ends.shape[0] else 0)

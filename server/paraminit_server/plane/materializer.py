@@ -9,7 +9,7 @@ behaves the same; messages and checksums are the transports'.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,7 @@ def max_request_bytes(host_budget: int, max_concurrent: int) -> int:
 class CheckedPlan:
     """A plan that validated, resolved for the kernels."""
 
-    params: Sequence[plan.ResolvedParam]  # a columns.ParamTable for large plans
+    params: columns.ParamTable
     report: validation.Report
     digest: str
     sources: RequestSnapshot | None = None  # holds the memory of checkpoint values until close()
@@ -177,7 +177,7 @@ class Materializer:
                 raise errors.ResourceExhausted(f"plan exceeds the limits: {worst}", report.violations)
             if not report.ok:
                 raise errors.InvalidPlan(report.violations)
-            checked = CheckedPlan(plan.resolve(p, sources, cols), report, plan.digest(p, sources, cols), sources)
+            checked = CheckedPlan(columns.resolve(p, sources, cols), report, plan.digest(p, sources, cols), sources)
             # kernels a cold cache lacks compile here, before the caller takes a slot or a place in line
             self.backend.prepare(checked.params)
             if caller.gone():
@@ -274,7 +274,7 @@ class Materializer:
                     )
             for rp in params:
                 flat = outputs[rp.name].reshape(-1).view(np.uint8)
-                engine.fill_params(self.backend, [rp], flat, [0], caller.gone)
+                engine.fill_params(self.backend, columns.ParamTable.of([rp]), flat, [0], caller.gone)
             return lay, checked.digest, None
 
     def export(self, p: plan_pb2.Plan, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:

@@ -5,8 +5,10 @@ step reads the message and builds objects per parameter. `of` scans the plan's w
 and, for the plain parameters (a whole tensor of a distribution or a constant: nearly all of them), computes
 their sizes, form checks (the initializer table's `forms`) and kernel values as arrays. Validation, the digest
 and resolution take these columns; everything else about a plan (regions, patches, data, any parameter that
-fails a check) goes through the per-parameter code as before, which keeps one statement of every rule and
-every message.
+fails a check) goes through the per-parameter code, which keeps one statement of every rule and every message.
+
+Every resolved plan is a `ParamTable`, whatever its size (`resolve`): a plan too small to be worth a scan is a
+table whose rows are all resolved one by one, so layouts, fills and backends read one representation.
 """
 
 from __future__ import annotations
@@ -68,11 +70,6 @@ class Columns:
         """Rows that may reference payloads or checkpoints (flat kinds, and irregular rows, which may patch)."""
         return np.flatnonzero(~self.scan.regular | np.isin(self.scan.kind, _FLAT_NUMBERS))
 
-    def resolve(self, plan: plan_pb2.Plan, sources: RequestSnapshot | None = None) -> ParamTable:
-        """The validated plan resolved: plain rows stay columns, the others are resolved one by one."""
-        special = {int(i): resolve_param(int(i), plan.params[int(i)], sources) for i in np.flatnonzero(~self.plain).tolist()}
-        return ParamTable(self, special)
-
 
 def of(plan: plan_pb2.Plan) -> Columns | None:
     """The columns of a plan of at least SCAN_MIN parameters; None for smaller plans."""
@@ -110,6 +107,25 @@ def of(plan: plan_pb2.Plan) -> Columns | None:
     return Columns(s, s.names(), s.shapes(), plain, dtype, numel, numel * itemsize, kernel, p0, p1, key, lo, hi, seed)
 
 
+def resolve(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: Columns | None = None) -> ParamTable:
+    """Resolve a validated plan: plain rows stay columns, every other row (all of a plan without columns) is resolved
+    one by one.
+
+    Args:
+        plan: a plan that validated against the same sources.
+        sources: the request's snapshot of payloads and checkpoints (snapshot.RequestSnapshot).
+        cols: the plan's columns (`of`), when it has them.
+
+    Returns:
+        The table of the plan's parameters, in plan order.
+    """
+    params = plan.params
+    if cols is None:
+        return ParamTable.of([resolve_param(i, p, sources) for i, p in enumerate(params)])
+    special = {i: resolve_param(i, params[i], sources) for i in np.flatnonzero(~cols.plain).tolist()}
+    return ParamTable(cols, special)
+
+
 def _field(s: scanner.Scan, message: Any, rows: npt.NDArray[np.int64], name: str) -> npt.NDArray[Any]:
     return s.field(message, name)[rows]
 
@@ -134,7 +150,9 @@ def _numel(s: scanner.Scan, rank: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np
 class ParamTable(Sequence[ResolvedParam]):
     """A resolved plan (or part of one) whose plain parameters are columns: indexing builds their ResolvedParam on
     demand, while the hot paths (stream layout, tensor tables, the CPU backend's batched fill) read the columns.
-    Row i is the plan's parameter plan_index[i]; `special` holds the ResolvedParam of every row that is not plain."""
+    Row i is the plan's parameter plan_index[i]; `special` holds the ResolvedParam of every row that is not plain.
+    Every row has its name, shape, dtype, numel, nbytes and itemsize in the columns; the kernel columns (kernel,
+    p0, p1, key, lo, hi, seed, init) are meaningful on plain rows only."""
 
     def __init__(self, cols: Columns, special: dict[int, ResolvedParam]) -> None:
         self.special = special
@@ -154,6 +172,33 @@ class ParamTable(Sequence[ResolvedParam]):
                 self.names[i], self.shapes[i], self.dtype[i] = rp.name, rp.out_shape, rp.dtype.enum
                 self.numel[i], self.nbytes[i] = rp.numel, rp.nbytes
         self.itemsize = _ITEMSIZE[self.dtype]
+
+    @classmethod
+    def of(cls, params: Sequence[ResolvedParam]) -> ParamTable:
+        """A table of parameters resolved one by one, every row special: a plan without columns, the warm-up's
+        parameters, one output of an in-process fill.
+
+        Args:
+            params: resolved parameters, in the order the table's rows take.
+
+        Returns:
+            Their table.
+        """
+        n = len(params)
+        out = object.__new__(cls)
+        out.special = dict(enumerate(params))
+        out.plan_index = np.fromiter((p.index for p in params), dtype=np.int64, count=n)
+        out.plain = np.zeros(n, dtype=bool)
+        out.names, out.shapes = [p.name for p in params], [p.out_shape for p in params]
+        out.dtype = np.fromiter((p.dtype.enum for p in params), dtype=np.int64, count=n)
+        out.numel = np.fromiter((p.numel for p in params), dtype=np.int64, count=n)
+        out.nbytes = np.fromiter((p.nbytes for p in params), dtype=np.int64, count=n)
+        out.itemsize = _ITEMSIZE[out.dtype]
+        zero, zero_u = np.zeros(n), np.zeros(n, dtype=np.uint64)  # read only on plain rows: none here
+        out.init = out.kernel = np.full(n, -1, dtype=np.int64)
+        out.p0 = out.p1 = out.lo = out.hi = zero
+        out.key = out.seed = zero_u
+        return out
 
     def take(self, rows: npt.NDArray[np.int64]) -> ParamTable:
         """The table of these rows only (ascending), e.g. the parameters inside one slab of a stream."""
@@ -224,16 +269,3 @@ class ParamTable(Sequence[ResolvedParam]):
         plain = self.plain & (self.numel > 0)
         codes: list[int] = np.flatnonzero(np.bincount(self.dtype[plain] * len(Kind) + self.kernel[plain])).tolist() if plain.any() else []
         return {(c // len(Kind), Kind(c % len(Kind))) for c in codes} | _plan.kinds_of(list(self.special.values()))
-
-
-def kinds_of(params: Sequence[ResolvedParam]) -> set[tuple[int, Kind]]:
-    """The (dtype enum, kernel kind) pairs filling these parameters takes (plan.kinds_of), a ParamTable's read from
-    its columns."""
-    return params.kinds() if isinstance(params, ParamTable) else _plan.kinds_of(params)
-
-
-def nbytes_of(params: Sequence[ResolvedParam]) -> npt.NDArray[np.int64]:
-    """Every parameter's delivered bytes as an array, a ParamTable's read from its column."""
-    if isinstance(params, ParamTable):
-        return params.nbytes
-    return np.fromiter((p.nbytes for p in params), dtype=np.int64, count=len(params))

@@ -315,35 +315,6 @@ def kernel_columns(form: type[inits.Distribution], fields: dict[str, npt.NDArray
     return _KIND[k.name], k.p0, k.p1, keys, k.lo, k.hi, k.seed
 
 
-def resolve(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: Columns | None = None) -> Sequence[ResolvedParam]:
-    """Resolve a validated plan; with its columns (plans.columns.of), as a ParamTable.
-
-    Args:
-        plan: a plan that validated against the same sources.
-        sources: the request's snapshot of payloads and checkpoints (snapshot.RequestSnapshot).
-        cols: the plan's columns, when it has them.
-
-    Returns:
-        One ResolvedParam per parameter, in plan order.
-    """
-    if cols is not None:
-        return cols.resolve(plan, sources)
-    out: list[ResolvedParam] = []
-    kinds, by_enum = inits.KINDS, dtypes.by_enum
-    for i, p in enumerate(plan.params):
-        if p.region or p.patches:
-            out.append(resolve_param(i, p, sources))
-            continue
-        # the common parameter (a whole tensor, no patches, a distribution) in as few message reads as it takes
-        init = p.init
-        kind = kinds[init.WhichOneof("kind")]  # type: ignore[index]
-        shape = tuple(p.shape)
-        dt = by_enum(p.dtype)
-        assert dt is not None, "resolve needs a validated plan"
-        out.append(kind.form(getattr(init, kind.field), shape).accept(_Resolver(i, p.name, shape, None, dt, kind.field, sources)))
-    return out
-
-
 def digest(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: Columns | None = None) -> str:
     """Hex SHA-256 of the canonical form and, with `sources`, of the content every payload and checkpoint
     reference uses: the same digest always names the same bytes, also after a checkpoint is rewritten in

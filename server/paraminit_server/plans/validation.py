@@ -78,11 +78,7 @@ def validate(
     """
     limits = limits or Limits()
     out: list[Violation] = []
-    first_seen: dict[str, int] = {}
-    if cols is not None:
-        sizes = _validate_columns(plan, limits, sources, cols, first_seen, out)
-    else:
-        sizes = [_check_param(i, p, limits, sources, first_seen, out) for i, p in enumerate(plan.params)]
+    sizes = _check_rows(plan, limits, sources, cols, out)
     total = sum(sizes)
     if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
         out.append(
@@ -99,24 +95,27 @@ def validate(
     return Report(tuple(out), tuple(sizes))
 
 
-def _validate_columns(
-    plan: plan_pb2.Plan, limits: Limits, sources: RequestSnapshot | None, cols: Columns, first_seen: dict[str, int], out: list[Violation]
+def _check_rows(
+    plan: plan_pb2.Plan, limits: Limits, sources: RequestSnapshot | None, cols: Columns | None, out: list[Violation]
 ) -> list[int]:
-    """validate() over columns: plain rows with a good name and size pass as arrays, every other row (and any
-    repeated name) takes the full per-parameter checks, in plan order so names are first seen as before."""
-    nbytes = cols.nbytes
+    """Every parameter's checks, in plan order (so a repeated name is reported where it repeats): a row its columns
+    vouch for (plain, with a good name and size) only records its name; every other row, a repeated name, and
+    every row of a plan without columns takes the full checks of _check_param. Returns each row's bytes."""
+    params = plan.params
+    first_seen: dict[str, int] = {}
+    if cols is None:
+        return [_check_param(i, p, limits, sources, first_seen, out) for i, p in enumerate(params)]
     name_bytes = cols.name_bytes()
-    fast = cols.plain & (name_bytes > 0) & (name_bytes <= MAX_NAME_BYTES)
+    vouched = cols.plain & (name_bytes > 0) & (name_bytes <= MAX_NAME_BYTES)
     if limits.max_param_bytes is not None:
-        fast &= nbytes <= limits.max_param_bytes
+        vouched &= cols.nbytes <= limits.max_param_bytes
     names = cols.names
     for reserved in RESERVED_NAMES.intersection(names):
-        fast[[i for i, n in enumerate(names) if n == reserved]] = False
-    if bool(fast.all()) and len(set(names)) == len(names):  # nothing to check one by one
-        return nbytes.tolist()  # type: ignore[no-any-return]
-    sizes: list[int] = nbytes.tolist()
-    params = plan.params
-    for i, ok in enumerate(fast.tolist()):
+        vouched[[i for i, n in enumerate(names) if n == reserved]] = False
+    sizes: list[int] = cols.nbytes.tolist()
+    if bool(vouched.all()) and len(set(names)) == len(names):  # nothing to check one by one
+        return sizes
+    for i, ok in enumerate(vouched.tolist()):
         name = names[i]
         if ok and name not in first_seen:
             first_seen[name] = i

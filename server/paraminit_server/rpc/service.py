@@ -24,7 +24,7 @@ from paraminit_server import errors
 from paraminit_server.backends import CUDA_IPC, SHM, ExportHandle
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export
-from paraminit_server.plane.layout import SpanTable, TensorSpan
+from paraminit_server.plane.layout import TensorSpan
 from paraminit_server.plane.leases import LeaseRecord
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
 from paraminit_server.rpc.auth import Endpoint, TokenAuth, identity
@@ -305,8 +305,7 @@ def _header(
     spans = lay.spans()
     prefix = b"" if omit_prefix else lay.prefix
     if packed:
-        columns = spans.columns() if isinstance(spans, SpanTable) else tuple(map(list, zip(*spans, strict=True)))
-        table = packed_table.pack(*(columns or ([], [], [], [], [])))
+        table = packed_table.pack(*spans.columns())
         crc = packed_table.checksum(prefix, start.digest, lay.data_bytes, table)
         header = pb.StreamHeader(plan_digest=start.digest, safetensors_prefix=prefix, data_bytes=lay.data_bytes, header_crc32c=crc)
         return header, packed_table.split(table, HEADER_PART_BYTES // 2)  # with a prefix slice: under 2 MiB
