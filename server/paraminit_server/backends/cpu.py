@@ -365,6 +365,9 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
     """fill_plan from a ParamTable's columns: its small plain tensors by one fill_batch call per dtype and kind per
     FILL_WINDOW bytes, straight from the columns; the other rows as fill_plan fills any list."""
     t = params
+    if not t.plain.any():  # a table of rows resolved one by one (a small plan)
+        _fill_rows(backend, t, arena, [int(o) for o in offsets], should_stop)
+        return
     offs = np.asarray(offsets, dtype=np.int64)
     batched = t.plain & (t.numel > 0) & (t.numel <= cpu_kernels.PIECE) & (offs % np.maximum(t.itemsize, 1) == 0)
     rest = np.flatnonzero(~batched).tolist()
