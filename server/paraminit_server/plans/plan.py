@@ -204,7 +204,7 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None
 
 def _resolve_base(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None) -> ResolvedParam:
     shape = tuple(int(d) for d in p.shape)
-    region = regions.box_of(p)
+    region = regions.box_of(p) if p.region else None  # None: the whole tensor (its region and runs are shared)
     dt = dtypes.by_enum(p.dtype)
     assert dt is not None, "resolve_param needs a validated plan"
     kind = inits.kind_of(p.init)
