@@ -174,6 +174,11 @@ def test_loopback_lookup_matches_both_ends_and_refuses_ambiguity() -> None:
                 assert peer_user._proc_uid(packed, port, ("/proc/net/tcp",), (server_port,)) == AMBIGUOUS
                 assert peer_user._proc_uid(packed, port, ("/proc/net/tcp",), (other_port,)) == NOBODY
                 assert peer_uid(peer, (other_port,)) == NOBODY
+                # exact look-ups at the addresses a server listens at: the connections ending there, and only they
+                assert peer_uid(peer, (server_port,), ("127.0.0.1",)) == os.geteuid()
+                assert peer_uid(peer, (server_port,), ("127.0.0.1", "127.0.0.2")) == AMBIGUOUS
+                assert peer_uid(peer, (other_port,), ("127.0.0.1",)) == NOBODY
+                assert peer_uid(peer, (12,), ("127.0.0.1",)) is None
                 for a in accepted:
                     a.close()
             finally:
@@ -206,6 +211,39 @@ def test_shm_for_a_user_who_could_not_open_it_is_refused_before_any_work() -> No
         assert f"uid {NOBODY}" in message and "use STREAM delivery" in message
         assert made == [] and r.plane.admission.host.reserved == 0
         assert out["stream"] == [1.0] * 4
+
+
+def test_a_server_at_known_addresses_looks_its_callers_up_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server listening at a closed set of addresses (one address, localhost) asks the kernel for the one socket
+    with each connection's four addresses, never the whole connection table: the same uid as the table gives,
+    for IPv4 and v4-mapped IPv6 clients; nothing for another address or port, or for a listening socket at the
+    peer's address and port (what the kernel answers a look-up that misses with)."""
+    assert peer_user.listening_hosts("127.0.0.1") == ("127.0.0.1",) and peer_user.listening_hosts("[::1]") == ("::1",)
+    assert peer_user.listening_hosts("localhost") == ("127.0.0.1", "::1")
+    assert all(peer_user.listening_hosts(h) == () for h in ("0.0.0.0", "::", "[::]", "paraminit.example"))
+
+    def no_table(*args: object) -> None:
+        raise AssertionError("the whole connection table was asked")
+
+    with socket.socket() as srv, socket.socket() as listening:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        sp = srv.getsockname()[1]
+        for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::ffff:127.0.0.1")):
+            with socket.socket(family) as cl:
+                cl.connect((host, sp))
+                peer = f"ipv4:127.0.0.1:{cl.getsockname()[1]}"
+                assert peer_uid(peer, (sp,)) == os.geteuid()  # the table's answer
+                with monkeypatch.context() as m:
+                    m.setattr(peer_user, "_netlink_uid", no_table)
+                    m.setattr(peer_user, "_proc_uid", no_table)
+                    assert peer_uid(peer, (sp,), ("127.0.0.1",)) == os.geteuid()
+                    assert local_identity(peer, Endpoint((sp,), "", ("127.0.0.1", "::1"))) == f"uid:{os.geteuid()}"
+                    assert peer_uid(peer, (sp,), ("127.0.0.2",)) is None
+                    assert peer_uid(peer, (listening.getsockname()[1],), ("127.0.0.1",)) is None
+                    assert peer_uid(f"ipv4:127.0.0.1:{listening.getsockname()[1]}", (sp,), ("127.0.0.1",)) is None
 
 
 def test_peer_uid_reads_the_socket_table(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,6 +106,7 @@ class Endpoint:
 
     ports: tuple[int, ...] = ()
     unix_path: str = ""
+    hosts: tuple[str, ...] = ()  # the addresses it listens at, where they are a closed set (peer_user.listening_hosts)
 
 
 def server_user() -> str:
@@ -132,7 +133,7 @@ def peer_identity(peer: str, endpoint: Endpoint = Endpoint()) -> tuple[str, int 
         return UNIX_SHARED, None
     if not peers.is_local_peer(peer):
         return REMOTE, None
-    uid = peer_uid(peer, endpoint.ports)
+    uid = peer_uid(peer, endpoint.ports, endpoint.hosts)
     if uid is None:
         return UNKNOWN_LOCAL, None
     if uid == AMBIGUOUS:

@@ -33,6 +33,7 @@ from paraminit_server.backends.jit_cache import prepare_jit_cache
 from paraminit_server.config import ServerConfig
 from paraminit_server.plane.materializer import Materializer, max_request_bytes
 from paraminit_server.plans import scanner
+from paraminit_server.rpc import peer_user
 from paraminit_server.rpc.auth import AuthInterceptor, Endpoint, TokenAuth, server_credentials
 from paraminit_server.rpc.metrics import Metrics
 from paraminit_server.rpc.service import InitServicer
@@ -131,7 +132,10 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
         raise OSError(f"cannot bind {address}")
     if address.startswith("unix:"):
         os.chmod(address[5:], 0o600)  # only the server's user connects (auth.peer_identity relies on it)
-    servicer.endpoint = Endpoint(() if address.startswith("unix:") else (port,), address[5:] if address.startswith("unix:") else "")
+    if address.startswith("unix:"):
+        servicer.endpoint = Endpoint((), address[5:])
+    else:
+        servicer.endpoint = Endpoint((port,), "", peer_user.listening_hosts(config.host))
     running = Running(server, port, plane, servicer, health_servicer, config, metrics)
     if metrics is not None:
         try:
