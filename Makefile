@@ -47,13 +47,16 @@ demo: $(BASE)
 	@echo "  . $(VENV)/bin/activate && paraminit inspect demo.safetensors"
 
 # Two workers (pytest-xdist): the suite's servers and subprocesses keep both cores of a small machine busy.
+# Bytecode caches are written even where the environment says not to (PYTHONDONTWRITEBYTECODE): the suite starts
+# hundreds of Python processes (servers, command lines, ranks), each of which would compile the project's modules
+# again, and each worker would rewrite every test module's asserts again.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2
 
 # The inner loop: everything but the tests marked slow (the README's blocks, multi-process ranks, kernel builds,
 # cold compiles). `make test` and .ci/run still run every test.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not slow"
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check proto server client tests bench
