@@ -363,7 +363,7 @@ def _fill_rows(
 
 def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None) -> None:
     """fill_plan from a ParamTable's columns: its small plain tensors by one fill_batch call per dtype and kind per
-    FILL_WINDOW bytes, straight from the columns; the other rows as fill_plan fills any list."""
+    FILL_WINDOW bytes, straight from the columns; the other rows one by one (_fill_rows)."""
     t = params
     if not t.plain.any():  # a table of rows resolved one by one (a small plan)
         _fill_rows(backend, t, arena, [int(o) for o in offsets], should_stop)
