@@ -78,9 +78,8 @@ def peer_uid(peer: str, server_ports: Collection[int] = (), server_hosts: Collec
     where = split_peer(peer)
     if where is None:
         return None
-    try:
-        packed = socket.inet_pton(socket.AF_INET6, where[0]) if ":" in where[0] else socket.inet_aton(where[0])
-    except OSError:
+    packed = _packed(where[0])
+    if packed is None:
         return None
     ends = [a for a in map(_packed, server_hosts) if a is not None and len(a) == len(packed)]
     try:
@@ -92,6 +91,7 @@ def peer_uid(peer: str, server_ports: Collection[int] = (), server_hosts: Collec
 
 
 def _packed(host: str) -> bytes | None:
+    """An address's bytes in network order (4 for IPv4, 16 for IPv6); None for what is not an address."""
     try:
         return socket.inet_pton(socket.AF_INET6, host) if ":" in host else socket.inet_aton(host)
     except OSError:
@@ -107,9 +107,8 @@ def _exact_uid(packed: bytes, port: int, ends: Collection[bytes], server_ports: 
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
         nl.settimeout(1.0)
         for seq, (dst, dport) in enumerate(((d, p) for d in ends for p in server_ports), 1):
-            body = _REQ.pack(family, socket.IPPROTO_TCP, 0, 1 << TCP_ESTABLISHED)
-            body += _EXACT_ID.pack(port, dport, packed.ljust(16, b"\0"), dst.ljust(16, b"\0"), 0, NO_COOKIE, NO_COOKIE)
-            nl.send(_NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body)
+            sockid = _EXACT_ID.pack(port, dport, packed.ljust(16, b"\0"), dst.ljust(16, b"\0"), 0, NO_COOKIE, NO_COOKIE)
+            nl.send(_request(family, sockid, NLM_F_REQUEST, seq))
             uid = _read_one(nl, port, dport)
             if uid is not None:
                 uids.add(uid)
@@ -131,11 +130,21 @@ def _read_one(nl: socket.socket, port: int, dport: int) -> int | None:
         raise OSError(code, "sock_diag refused the request")
     if len(data) < body + _MSG_UID_AT + 4:
         raise OSError("malformed sock_diag reply")
-    state = data[body + 1]
-    sport, got_dport, _src, _dst, _ifindex = _SOCKID.unpack_from(data, body + 4)
-    if state != TCP_ESTABLISHED or sport != port or got_dport != dport:
-        return None
-    return int.from_bytes(data[body + _MSG_UID_AT : body + _MSG_UID_AT + 4], sys.byteorder)
+    state, sport, got_dport, _src, uid = _socket_at(data, body)
+    return uid if state == TCP_ESTABLISHED and sport == port and got_dport == dport else None
+
+
+def _request(family: int, sockid: bytes, flags: int, seq: int, attrs: bytes = b"") -> bytes:
+    """One netlink message asking sock_diag about established TCP sockets of `family` (`sockid` packed as _SOCKID or
+    _EXACT_ID says)."""
+    body = _REQ.pack(family, socket.IPPROTO_TCP, 0, 1 << TCP_ESTABLISHED) + sockid + attrs
+    return _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, flags, seq, 0) + body
+
+
+def _socket_at(data: bytes, body: int) -> tuple[int, int, int, bytes, int]:
+    """(state, local port, remote port, local address, uid) of the inet_diag_msg starting at `body`."""
+    sport, dport, src, _dst, _ifindex = _SOCKID.unpack_from(data, body + 4)
+    return data[body + 1], sport, dport, src, int.from_bytes(data[body + _MSG_UID_AT : body + _MSG_UID_AT + 4], sys.byteorder)
 
 
 def _one(uids: set[int]) -> int | None:
@@ -168,8 +177,7 @@ def _dump_request(family: int, port: int, seq: int) -> bytes:
         + struct.pack("=BBH", 0, 0, port)
     )
     attr = struct.pack("=HH", 4 + len(bytecode), INET_DIAG_REQ_BYTECODE) + bytecode
-    body = _REQ.pack(family, socket.IPPROTO_TCP, 0, 1 << TCP_ESTABLISHED) + _SOCKID.pack(0, 0, b"", b"", 0) + attr
-    return _NLMSG.pack(_NLMSG.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
+    return _request(family, _SOCKID.pack(0, 0, b"", b"", 0), NLM_F_REQUEST | NLM_F_DUMP, seq, attr)
 
 
 def _read_dump(nl: socket.socket, port: int, wanted: set[bytes], dports: set[int]) -> set[int]:
@@ -187,10 +195,9 @@ def _read_dump(nl: socket.socket, port: int, wanted: set[bytes], dports: set[int
                 return found
             if kind == NLMSG_ERROR:
                 raise OSError("sock_diag refused the request")
-            body = pos + _NLMSG.size
-            sport, dport, src, _dst, _ifindex = _SOCKID.unpack_from(data, body + 4)
+            _state, sport, dport, src, uid = _socket_at(data, pos + _NLMSG.size)
             if sport == port and src in wanted and (not dports or dport in dports):
-                found.add(int.from_bytes(data[body + _MSG_UID_AT : body + _MSG_UID_AT + 4], sys.byteorder))
+                found.add(uid)
             pos += (length + 3) & ~3
 
 
