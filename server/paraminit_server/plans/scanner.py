@@ -30,7 +30,7 @@ from paraminit.v1 import plan_pb2
 IRREGULAR = 1  # read this parameter from the message (region, patches, unknown or repeated fields, ...)
 FIELDS = 5  # numeric fields of an initializer message kept (the largest, TruncatedNormal, has five)
 # Wire types of protobuf
-VARINT, FIXED64, LEN = 0, 1, 2
+VARINT, FIXED64, LEN, FIXED32 = 0, 1, 2, 5
 ABSENT = -1
 
 

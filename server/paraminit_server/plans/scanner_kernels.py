@@ -12,18 +12,17 @@ import numba
 import numpy as np
 
 from paraminit.v1 import plan_pb2
+from paraminit_server.plans.scanner import FIELDS, FIXED32, FIXED64, IRREGULAR, LEN, VARINT
 
 # numba's own on-disk cache keyed on this file: every compiled function these passes call lives here
 jit = numba.njit(cache=True, nogil=True)
 
-_IRREGULAR = np.int8(1)
+_IRREGULAR = np.int8(IRREGULAR)
 _KINDS = max(f.number for f in plan_pb2.Init.DESCRIPTOR.fields)  # Init's oneof fields are 1.._KINDS
-_FIELDS = 5
 # plan.proto's numbers, read from the generated descriptors (module constants: numba compiles them in)
 _PARAMS = plan_pb2.Plan.DESCRIPTOR.fields_by_name["params"].number
 _NAME, _SHAPE, _DTYPE, _INIT = (plan_pb2.Param.DESCRIPTOR.fields_by_name[f].number for f in ("name", "shape", "dtype", "init"))
 _FLOAT32 = plan_pb2.DTYPE_FLOAT32
-_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5  # protobuf's wire types
 
 
 @jit
@@ -46,14 +45,14 @@ def varint(buf: Any, pos: int, end: int) -> tuple[Any, int]:
 @jit
 def skip(buf: Any, pos: int, end: int, wire: int) -> int:
     """The position after a field's value of this wire type; -1 when it does not fit or the type is unknown."""
-    if wire == _VARINT:
+    if wire == VARINT:
         _, pos = varint(buf, pos, end)
         return pos
-    if wire == _FIXED64:
+    if wire == FIXED64:
         return pos + 8 if pos + 8 <= end else -1
-    if wire == _FIXED32:
+    if wire == FIXED32:
         return pos + 4 if pos + 4 <= end else -1
-    if wire == _LEN:
+    if wire == LEN:
         n, pos = varint(buf, pos, end)
         if pos < 0 or n > np.uint64(end - pos):
             return -1
@@ -73,7 +72,7 @@ def count(buf: Any) -> tuple[int, int, bool]:
         if pos < 0:
             return n, dims, False
         wire = int(tag & np.uint64(7))
-        if tag >> np.uint64(3) == np.uint64(_PARAMS) and wire == _LEN:
+        if tag >> np.uint64(3) == np.uint64(_PARAMS) and wire == LEN:
             size, pos = varint(buf, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
                 return n, dims, False
@@ -90,14 +89,14 @@ def count(buf: Any) -> tuple[int, int, bool]:
 
 @jit
 def _init(buf: Any, pos: int, end: int, i: int, kind: Any, wire: Any, raw: Any) -> bool:
-    """Read one Init message body: its one kind and that message's numeric fields 1.._FIELDS, in order, once."""
+    """Read one Init message body: its one kind and that message's numeric fields 1..FIELDS, in order, once."""
     seen = False
     while pos < end:
         tag, pos = varint(buf, pos, end)
         if pos < 0 or seen:
             return False
         f = int(tag >> np.uint64(3))
-        if int(tag & np.uint64(7)) != _LEN or f < 1 or f > _KINDS:
+        if int(tag & np.uint64(7)) != LEN or f < 1 or f > _KINDS:
             return False
         size, pos = varint(buf, pos, end)
         if pos < 0 or size > np.uint64(end - pos):
@@ -112,15 +111,15 @@ def _init(buf: Any, pos: int, end: int, i: int, kind: Any, wire: Any, raw: Any) 
                 return False
             g = int(tag >> np.uint64(3))
             w = int(tag & np.uint64(7))
-            if g <= last or g > _FIELDS:
+            if g <= last or g > FIELDS:
                 return False
             last = g
-            if w == _VARINT:
+            if w == VARINT:
                 v, pos = varint(buf, pos, stop)
                 if pos < 0:
                     return False
                 raw[i, g - 1] = v
-            elif w == _FIXED64:
+            elif w == FIXED64:
                 if pos + 8 > stop:
                     return False
                 v = np.uint64(0)
@@ -151,7 +150,7 @@ def _param(
             return False, written
         last = f
         if f == _NAME:
-            if w != _LEN:
+            if w != LEN:
                 return False, written
             size, pos = varint(buf, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
@@ -160,7 +159,7 @@ def _param(
             pos += int(size)
             name_at[i, 1] = pos
         elif f == _SHAPE:
-            if w != _LEN:  # unpacked dims: legal, but not the canonical encoding
+            if w != LEN:  # unpacked dims: legal, but not the canonical encoding
                 return False, written
             size, pos = varint(buf, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
@@ -173,14 +172,14 @@ def _param(
                 dims[nd + written] = v
                 written += 1
         elif f == _DTYPE:
-            if w != _VARINT:
+            if w != VARINT:
                 return False, written
             v, pos = varint(buf, pos, end)
             if pos < 0 or v == np.uint64(0) or v > np.uint64(1 << 31):  # an explicit 0 is not canonical
                 return False, written
             dtype[i] = int(v)
         else:
-            if w != _LEN:
+            if w != LEN:
                 return False, written
             size, pos = varint(buf, pos, end)
             if pos < 0 or size > np.uint64(end - pos):
@@ -200,7 +199,7 @@ def fill(buf: Any, flags: Any, name_at: Any, dtype: Any, dims: Any, dims_at: Any
     while pos < end and i < flags.shape[0]:
         tag, pos = varint(buf, pos, end)
         wire_type = int(tag & np.uint64(7))
-        if tag >> np.uint64(3) != np.uint64(_PARAMS) or wire_type != _LEN:
+        if tag >> np.uint64(3) != np.uint64(_PARAMS) or wire_type != LEN:
             pos = skip(buf, pos, end, wire_type)
             if pos < 0:
                 return
@@ -216,7 +215,7 @@ def fill(buf: Any, flags: Any, name_at: Any, dtype: Any, dims: Any, dims_at: Any
             name_at[i, 0] = name_at[i, 1] = 0
             kind[i] = 0
             dtype[i] = 0
-            for f in range(_FIELDS):
+            for f in range(FIELDS):
                 wire[i, f] = -1
                 raw[i, f] = 0
         pos = stop
@@ -243,7 +242,7 @@ def canonical(buf: Any, out: Any) -> int:
     o = 0
     while pos < end:
         tag, pos = varint(buf, pos, end)
-        if pos < 0 or tag != np.uint64(_PARAMS << 3 | _LEN):
+        if pos < 0 or tag != np.uint64(_PARAMS << 3 | LEN):
             return -1
         size, pos = varint(buf, pos, end)
         if pos < 0 or size > np.uint64(end - pos):
@@ -264,12 +263,12 @@ def canonical(buf: Any, out: Any) -> int:
             if p < 0:
                 return -1
         extra = 0 if has_dtype else 2
-        o = _put_varint(out, o, _PARAMS << 3 | _LEN)
+        o = _put_varint(out, o, _PARAMS << 3 | LEN)
         o = _put_varint(out, o, b - a + extra)
         out[o : o + at - a] = buf[a:at]
         o += at - a
         if extra:
-            o = _put_varint(out, o, _DTYPE << 3 | _VARINT)
+            o = _put_varint(out, o, _DTYPE << 3 | VARINT)
             o = _put_varint(out, o, _FLOAT32)
         out[o : o + b - at] = buf[at:b]
         o += b - at
