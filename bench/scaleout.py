@@ -2,7 +2,8 @@
 
 On a machine with fewer cores than workers the workers share CPUs, so this
 measures the splitting overhead as much as the speed-up; on separate hosts each
-worker adds its own generation and network bandwidth.
+worker adds its own generation and network bandwidth. Every worker's stream lands
+in place in the one output buffer (paraminit_client.scaleout.assemble).
 
     python bench/scaleout.py [--mib 512]
 """
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import best_of, serve, table
+from _common import best_of, host_line, serve, table
 
 
 def main() -> None:
@@ -43,6 +44,7 @@ def main() -> None:
                 rows.append((f"{n} worker(s)", best_of(lambda c=c: c.materialize(plan), 2)))
     print(f"scale-out: {args.mib} MiB plan (bf16 normal + float32 uniform family)")
     table(rows, nbytes, ["1 worker(s)"])
+    print(host_line())
 
 
 if __name__ == "__main__":

@@ -70,12 +70,39 @@ def test_materialize_into_writes_the_callers_arrays(local: Client) -> None:
         assert v.tobytes() == want[k].tobytes(), k
 
 
-def test_materialize_into_refuses_wrong_arrays(local: Client) -> None:
-    plan = plan_of([param("w", [4, 4], {"ones": {}})])
-    for bad in ({}, {"w": np.empty((4, 5), np.float32)}, {"w": np.empty((4, 4), np.float64)}, {"w": np.empty((4, 8), np.float32)[:, ::2]}):
-        with pytest.raises(ParaminitError) as info:
-            local.materialize_into(plan, bad)
-        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+def test_materialize_into_refuses_wrong_arrays_at_both_doors(local: Client, server: Running) -> None:
+    """Missing, misshapen, wrong item size, read-only or strided (writes would land in a copy): refused in process
+    and over a stream alike, with the same message, before a byte of the caller's arrays is written."""
+    plan = plan_of([param("w", [4, 4], {"ones": {}}), param("b", [3], {"ones": {}})])
+    readonly = np.zeros((4, 4), np.float32)
+    readonly.flags.writeable = False
+
+    def b() -> np.ndarray[Any, Any]:
+        return poisoned(3, np.float32)
+
+    cases = [
+        ({}, "no output array for parameter 'w'"),
+        ({"w": poisoned(16, np.float32).reshape(4, 4)}, "no output array for parameter 'b'"),
+        ({"w": poisoned(20, np.float32).reshape(4, 5), "b": b()}, "shape [4, 4] with 4-byte items, got [4, 5] float32"),
+        ({"w": poisoned(16, np.float32).reshape(2, 8), "b": b()}, "shape [4, 4] with 4-byte items, got [2, 8] float32"),
+        ({"w": poisoned(16, np.float64).reshape(4, 4), "b": b()}, "shape [4, 4] with 4-byte items, got [4, 4] float64"),
+        ({"w": poisoned(32, np.float32).reshape(4, 8)[:, ::2], "b": b()}, "C-contiguous array of shape [4, 4]"),
+        ({"w": readonly, "b": b()}, "writable C-contiguous array"),
+    ]
+    with Client(target_of(server)) as remote:
+        for outputs, words in cases:
+            before = {k: v.tobytes() for k, v in outputs.items()}
+            messages = []
+            for door in (local, remote):
+                with pytest.raises(ParaminitError) as info:
+                    door.materialize_into(plan, outputs)
+                assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                messages.append(info.value.message)
+                assert {k: v.tobytes() for k, v in outputs.items()} == before  # nothing written
+            assert messages[0] == messages[1] and words in messages[0], messages
+        good = {"w": poisoned(16, np.float32).reshape(4, 4), "b": poisoned(3, np.float32)}
+        remote.materialize_into(plan, good)
+        assert all(bool((v == 1).all()) for v in good.values())
 
 
 def test_errors_match_a_server(local: Client, server: Running) -> None:

@@ -7,11 +7,11 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
+from paraminit.regions import box_of
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, param, plan_of, scaleout
 from paraminit_client.arrays import numpy_dtype
@@ -62,21 +62,24 @@ def test_worker_killed_mid_plan_is_retried(workers: list[tuple[subprocess.Popen[
     clients = [Client(t) for _, t in workers]
     killed: list[int] = []
 
-    def fetch(c: Client, sub: plan_pb2.Plan) -> dict[str, Any]:
+    sizes = [int(np.prod([b - a for a, b in box_of(p)])) * numpy_dtype(p.dtype).itemsize for p in plan.params]
+    out, views = scaleout.assemble(plan, sizes, [numpy_dtype(p.dtype) for p in plan.params])
+    for arr in out.values():
+        arr.reshape(-1).view(np.uint8)[:] = 0xA5  # poisoned: every byte below must be written by a stream
+
+    def fetch(c: Client, part: scaleout.Part) -> None:
         if c.target == victim[1] and not killed:
-            _header, chunks = c.stream(sub)
+            _header, chunks = c.stream(part.plan)
             next(chunks)  # the stream is in flight ...
             victim[0].send_signal(signal.SIGKILL)  # ... when its worker dies
             killed.append(victim[0].wait(10))
             list(chunks)
             raise AssertionError("a dead worker's stream cannot complete")
-        return c.materialize(sub)  # one target: one stream
+        c.materialize_into(part.plan, views(part))  # one target: one stream, in place
 
     try:
-        sizes = [int(np.prod([d for d in p.shape])) * numpy_dtype(p.dtype).itemsize for p in plan.params]
         parts = scaleout.split_plan(plan, sizes, 3, split_bytes=1 << 20)
-        out, put = scaleout.assemble(plan, [numpy_dtype(p.dtype) for p in plan.params])
-        scaleout.run_parts(parts, clients, fetch, put)
+        scaleout.run_parts(parts, clients, fetch)
     finally:
         for c in clients:
             c.close()

@@ -426,8 +426,9 @@ class Client:
             outputs: parameter name -> writable C-contiguous array of the parameter's shape and item size.
 
         Raises:
-            ParaminitError: INVALID_ARGUMENT for an invalid plan or a missing or ill-shaped output, or the
-                call's failure.
+            ParaminitError: INVALID_ARGUMENT for an invalid plan, or for an output that is missing, of another shape
+                or item size, read-only or not C-contiguous (the same check and message in process and from a
+                server, before any output is written); or the call's failure.
         """
         self._transport.materialize_into(plan, outputs)
 

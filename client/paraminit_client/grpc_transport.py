@@ -194,7 +194,7 @@ class GrpcTransport:
 
     def materialize(self, plan: plan_pb2.Plan, chunk_bytes: int, progress: Callable[[int], None] | None) -> Arrays:
         if self.workers or self.target.startswith("dns:"):
-            return self._materialize_split(plan)
+            return self._materialize_split(plan, chunk_bytes, _locked(progress))
         return self._materialize_one(plan, chunk_bytes, progress)
 
     def _materialize_one(self, plan: plan_pb2.Plan, chunk_bytes: int = 0, progress: Callable[[int], None] | None = None) -> Arrays:
@@ -210,7 +210,7 @@ class GrpcTransport:
         land(chunks, put, progress)
         return arrays_from_buffer(table, buf)
 
-    def _materialize_split(self, plan: plan_pb2.Plan) -> Arrays:
+    def _materialize_split(self, plan: plan_pb2.Plan, chunk_bytes: int, progress: Callable[[int], None] | None) -> Arrays:
         report = self.validate(plan)
         if not report.ok:
             code = grpc.StatusCode.INVALID_ARGUMENT if not report.valid else grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -218,13 +218,19 @@ class GrpcTransport:
         workers = self.workers or [self]
         n_parts = len(workers) if self.workers else 4
         parts = scaleout.split_plan(plan, report.param_bytes, n_parts, self.split_bytes)
-        out, put = scaleout.assemble(plan, [numpy_dtype(p.dtype) for p in plan.params])
-        scaleout.run_parts(parts, workers, lambda w, sub: w._materialize_one(sub), put)
+        out, views = scaleout.assemble(plan, report.param_bytes, [numpy_dtype(p.dtype) for p in plan.params])
+        scaleout.run_parts(parts, workers, lambda w, part: w._land(part.plan, views(part), chunk_bytes, progress))
         return out
 
     def materialize_into(self, plan: plan_pb2.Plan, outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
-        _header, table, chunks = self._open_stream(plan, 0, check_crc=False)
-        copy_into(table, chunks, outputs)
+        self._land(plan, outputs, 0, None)
+
+    def _land(
+        self, plan: plan_pb2.Plan, outputs: Mapping[str, np.ndarray[Any, Any]], chunk_bytes: int, progress: Callable[[int], None] | None
+    ) -> None:
+        """One stream of `plan` written into `outputs` (each checked against the stream's table first)."""
+        _header, table, chunks = self._open_stream(plan, chunk_bytes, check_crc=False)
+        copy_into(table, chunks, outputs, progress)
 
     def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float) -> pb.ExportInfo:
         kinds = {"shm": pb.DELIVERY_SHM, "cuda_ipc": pb.DELIVERY_CUDA_IPC}
@@ -285,6 +291,19 @@ class GrpcTransport:
             self._finalizer.detach()
             return
         self._finalizer()
+
+
+def _locked(progress: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """`progress` called by one thread at a time (a split plan's streams land concurrently)."""
+    if progress is None:
+        return None
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        with lock:
+            progress(n)
+
+    return report
 
 
 def _close_channel(gate: CallGate, channel: grpc.Channel) -> None:

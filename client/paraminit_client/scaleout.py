@@ -1,4 +1,4 @@
-"""Splitting one plan across several workers and reassembling the bytes.
+"""Splitting one plan across several workers and reassembling the bytes in place.
 
 Values depend only on (seed, global index), so a parameter cut into row
 regions and computed on different workers reassembles into exactly the bytes
@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from paraminit.hostmem import host_buffer, prefault
 from paraminit.regions import box_of
 from paraminit.v1 import plan_pb2
 from paraminit_client.errors import ParaminitError
@@ -30,6 +31,7 @@ RETRYABLE = {
     grpc.StatusCode.DATA_LOSS,
 }
 DEFAULT_SPLIT_BYTES = 64 << 20
+_ALIGN = 64  # each output array starts on a cache line
 
 
 @dataclass(frozen=True)
@@ -78,13 +80,9 @@ def split_plan(plan: plan_pb2.Plan, param_bytes: Sequence[int], n_parts: int, sp
     return parts
 
 
-def run_parts(
-    parts: Sequence[Part],
-    workers: Sequence[Any],
-    fetch: Callable[[Any, plan_pb2.Plan], dict[str, Any]],
-    on_piece: Callable[[int, int, int, Any], None],
-) -> None:
-    """Run every part concurrently, retrying retryable failures on the other workers."""
+def run_parts(parts: Sequence[Part], workers: Sequence[Any], fetch: Callable[[Any, Part], None]) -> None:
+    """Run every part concurrently (`fetch(worker, part)` lands it in place), retrying retryable failures on the
+    other workers. A retried part is written again whole: its bytes are the same whichever worker computes them."""
     alive = list(range(len(workers)))
     lock = threading.Lock()
     tried: dict[int, set[int]] = {k: set() for k in range(len(parts))}
@@ -98,45 +96,62 @@ def run_parts(
             tried[k].add(w)
             return w
 
-    def run(k: int, w: int) -> tuple[int, int, dict[str, Any]]:
-        return k, w, fetch(workers[w], parts[k].plan)
-
     with ThreadPoolExecutor(max_workers=max(1, min(len(parts), 4 * len(workers)))) as pool:
-        submitted = {pool.submit(run, k, pick(k)): k for k in range(len(parts))}
-        pending: set[Future[tuple[int, int, dict[str, Any]]]] = set(submitted)
+        submitted: dict[Future[None], int] = {}
+        for k in range(len(parts)):
+            submitted[pool.submit(fetch, workers[pick(k)], parts[k])] = k
+        pending = set(submitted)
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for f in done:
                 try:
-                    k, _w, arrays = f.result()
+                    f.result()
                 except ParaminitError as err:
                     if err.code not in RETRYABLE:
+                        for other in pending:
+                            other.cancel()
                         raise
                     k = submitted[f]
                     with lock:
                         if len(alive) > 1:  # one balanced channel (dns:///) stays; its retries re-balance
                             for dead in [w for w in alive if w in tried[k]]:
                                 alive.remove(dead)
-                    nf = pool.submit(run, k, pick(k))
+                    nf = pool.submit(fetch, workers[pick(k)], parts[k])
                     submitted[nf] = k
                     pending.add(nf)
-                    continue
-                for (i, r0, r1), name in zip(parts[k].pieces, arrays, strict=True):
-                    on_piece(i, r0, r1, arrays[name])
 
 
 def assemble(
-    plan: plan_pb2.Plan, dtypes: Sequence[np.dtype[Any]]
-) -> tuple[dict[str, np.ndarray[Any, Any]], Callable[[int, int, int, Any], None]]:
-    """Output arrays for a plan and the callback that writes one piece into them."""
-    out = {p.name: np.empty(tuple(b - a for a, b in box_of(p)), dtype=dt) for p, dt in zip(plan.params, dtypes, strict=True)}
+    plan: plan_pb2.Plan, param_bytes: Sequence[int], dtypes: Sequence[np.dtype[Any]]
+) -> tuple[dict[str, np.ndarray[Any, Any]], Callable[[Part], dict[str, np.ndarray[Any, Any]]]]:
+    """The plan's output arrays, views of one host buffer (as a single stream's are), and for a part the views its
+    pieces land in: sub-plan name -> the rows of the output it covers, so every stream writes in place.
+
+    Args:
+        plan: the validated plan.
+        param_bytes: each parameter's materialized bytes (the validation report's).
+        dtypes: each parameter's numpy dtype.
+
+    Returns:
+        (parameter name -> array of its region's shape, part -> {sub-plan name: view}).
+    """
+    offsets, total = [], 0
+    for n in param_bytes:
+        offsets.append(total)
+        total += -(-int(n) // _ALIGN) * _ALIGN
+    buf = host_buffer(total, huge=False)  # plain pages faulted in ahead, as for one stream (GrpcTransport)
+    prefault(buf)
+    out = {
+        p.name: buf[o : o + int(n)].view(dt).reshape(tuple(b - a for a, b in box_of(p)))
+        for p, o, n, dt in zip(plan.params, offsets, param_bytes, dtypes, strict=True)
+    }
     names = [p.name for p in plan.params]
 
-    def put(i: int, r0: int, r1: int, arr: Any) -> None:
-        target = out[names[i]]
-        if target.ndim == 0:
-            target[...] = arr
-        else:
-            target[r0:r1] = arr
+    def views(part: Part) -> dict[str, np.ndarray[Any, Any]]:
+        got = {}
+        for q, (i, r0, r1) in zip(part.plan.params, part.pieces, strict=True):
+            whole = out[names[i]]
+            got[q.name] = whole[r0:r1] if whole.ndim else whole
+        return got
 
-    return out, put
+    return out, views

@@ -12,6 +12,7 @@ see the `Transport` surface.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import threading
@@ -24,10 +25,12 @@ import grpc
 import numpy as np
 
 from paraminit import overlap, packed_table
+from paraminit.shapes import output_problem
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit.violations import ValidationReport as ValidationReport  # the client's name for it
-from paraminit_client.errors import ClientClosed, ParaminitError
+from paraminit_client.arrays import numpy_dtype
+from paraminit_client.errors import ClientClosed, InvalidArgument, ParaminitError
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 TensorTable = Iterable[pb.TensorInfo] | packed_table.Table  # a stream's tensor table: messages, or packed columns
@@ -111,27 +114,49 @@ def land(chunks: Iterator[Chunk], put: Callable[[Chunk], None], progress: Callab
             progress(n)
 
 
-def copy_into(table: TensorTable, chunks: Iterator[Chunk], outputs: Mapping[str, np.ndarray[Any, Any]]) -> None:
-    """Copy a stream into the caller's arrays, one chunk at a time (CRC32C checked by `land`)."""
+def copy_into(
+    table: TensorTable, chunks: Iterator[Chunk], outputs: Mapping[str, np.ndarray[Any, Any]], progress: Callable[[int], None] | None = None
+) -> None:
+    """Copy a stream into the caller's arrays, one chunk at a time (CRC32C checked by `land`), every tensor of the
+    table into `outputs[name]`. Every array is checked against its tensor first (paraminit.shapes.output_problem,
+    the in-process door's rule): a missing or unfit one closes the stream before a byte is written.
+
+    Raises:
+        InvalidArgument: an output array missing, of another shape or item size, read-only or not C-contiguous.
+        ParaminitError: as `land`.
+    """
     if isinstance(table, packed_table.Table):
-        names, _dtypes, _shapes, offsets, sizes = table.columns()
-        rows: Iterable[tuple[str, int, int]] = zip(names, offsets, sizes, strict=True)
+        names, enums, shapes, offsets, sizes = table.columns()
     else:
-        rows = ((t.name, t.offset, t.nbytes) for t in table)
-    spans = sorted(
-        ((offset, offset + size, outputs[name].reshape(-1).view(np.uint8)) for name, offset, size in rows if name in outputs),
-        key=lambda s: s[0],
-    )
+        listed = list(table)
+        names, enums = [t.name for t in listed], [t.dtype for t in listed]
+        shapes = [tuple(t.shape) for t in listed]
+        offsets, sizes = [t.offset for t in listed], [t.nbytes for t in listed]
+    itemsizes: dict[int, int] = {}
+    spans = []
+    for name, enum, shape, offset, size in zip(names, enums, shapes, offsets, sizes, strict=True):
+        itemsize = itemsizes.get(enum) or itemsizes.setdefault(enum, numpy_dtype(enum).itemsize)
+        problem = output_problem(outputs, name, shape, itemsize)
+        if problem is not None:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()  # cancels the call: nothing more is sent
+            raise InvalidArgument(problem)
+        spans.append((offset, offset + size, outputs[name].reshape(-1).view(np.uint8)))
+    spans.sort(key=lambda s: (s[0], s[1]))  # an empty tensor before the one starting where it does
+    starts = [s[0] for s in spans]
 
     def put(c: Chunk) -> None:
         lo, hi = c.offset, c.offset + len(c.data)
         data = np.frombuffer(c.data, dtype=np.uint8)
-        for start, stop, out in spans:
-            if start < hi and stop > lo:
+        for start, stop, out in spans[max(0, bisect.bisect_right(starts, lo) - 1) :]:
+            if start >= hi:
+                break
+            if stop > lo:
                 a, b = max(start, lo), min(stop, hi)
                 out[a - start : b - start] = data[a - lo : b - lo]
 
-    land(chunks, put)
+    land(chunks, put, progress)
 
 
 class CallGate:

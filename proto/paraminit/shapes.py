@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from paraminit import regions
 from paraminit.v1 import plan_pb2
@@ -54,3 +55,38 @@ def out_shape(p: plan_pb2.Param) -> tuple[int, ...]:
 def shape_str(shape: Sequence[int]) -> str:
     """A shape printed as a Python-style list, as TorchLean's messages print it."""
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def output_problem(outputs: Mapping[str, Any], name: str, shape: Sequence[int], itemsize: int) -> str | None:
+    """Why `outputs` cannot take parameter `name` in place, or None when `outputs[name]` can: both doors of
+    `materialize_into` (in process and over a stream) write straight into the caller's memory, so an array that
+    is missing, of another shape or item size, read-only or not C-contiguous (a view whose writes would land in a
+    copy) is refused before a byte is written.
+
+    Args:
+        outputs: parameter name -> the caller's array (numpy or anything with shape, dtype and flags).
+        name: the parameter.
+        shape: the shape it materializes (its region's extents).
+        itemsize: its dtype's bytes per element.
+
+    Returns:
+        The message naming the parameter and what it needs, or None.
+    """
+    out = outputs.get(name)
+    if out is None:
+        return f"no output array for parameter {name!r}"
+    flags = getattr(out, "flags", None)
+    dtype = getattr(out, "dtype", None)
+    got_shape = getattr(out, "shape", None)
+    if (
+        got_shape is None
+        or tuple(got_shape) != tuple(int(d) for d in shape)
+        or getattr(dtype, "itemsize", None) != itemsize
+        or not getattr(flags, "c_contiguous", False)
+        or not getattr(flags, "writeable", False)
+    ):
+        got = f"{list(got_shape)} {dtype}" if got_shape is not None else type(out).__name__
+        return (
+            f"output for {name!r} must be a writable C-contiguous array of shape {shape_str(shape)} with {itemsize}-byte items, got {got}"
+        )
+    return None

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from paraminit import dtypes, overlap
 from paraminit.hostmem import host_buffer
+from paraminit.shapes import output_problem
 from paraminit.v1 import plan_pb2
 from paraminit_server import __version__, errors
 from paraminit_server.backends import HOST, Backend, DeviceDescription
@@ -258,20 +259,9 @@ class Materializer:
                 return lay, checked.digest, buf
             lay = layout.export_layout(params)
             for rp in params:
-                out = outputs.get(rp.name)
-                if out is None:
-                    raise errors.InvalidRequest(f"no output array for parameter {rp.name!r}")
-                if (
-                    tuple(out.shape) != rp.out_shape
-                    or out.dtype.itemsize != rp.dtype.itemsize
-                    or not out.flags.c_contiguous
-                    or not out.flags.writeable
-                ):
-                    raise errors.InvalidRequest(
-                        f"output for {rp.name!r} must be a writable C-contiguous array of "
-                        f"shape {list(rp.out_shape)} with {rp.dtype.itemsize}-byte items, got "
-                        f"{list(out.shape)} {out.dtype}"
-                    )
+                problem = output_problem(outputs, rp.name, rp.out_shape, rp.dtype.itemsize)
+                if problem is not None:
+                    raise errors.InvalidRequest(problem)
             for rp in params:
                 flat = outputs[rp.name].reshape(-1).view(np.uint8)
                 engine.fill_params(self.backend, columns.ParamTable.of([rp]), flat, [0], caller.gone)
