@@ -47,9 +47,12 @@ def test_split_is_byte_identical(workers: list[tuple[subprocess.Popen[str], str]
     plan = big_plan()
     with Client(workers[0][1]) as one:
         want = one.materialize(plan)
+    landed: list[int] = []
     with Client([t for _, t in workers], split_bytes=1 << 20) as many:
-        got = many.materialize(plan)
+        got = many.materialize(plan, progress=landed.append)
     assert list(got) == list(want)
+    total = sum(a.nbytes for a in want.values())
+    assert total <= sum(landed) < 2 * total and len(landed) > len(plan.params)  # every chunk (and its padding), once
     for name in want:
         assert got[name].shape == want[name].shape and got[name].tobytes() == want[name].tobytes(), name
 
