@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import subprocess
 import sys
@@ -11,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from paraminit.hostmem import HUGE, PREFAULT_BLOCK, host_buffer, prefault
+from paraminit.hostmem import HUGE, MADV_POPULATE_WRITE, PREFAULT_BLOCK, host_buffer, prefault, receive_buffer
 from paraminit_client import param, plan_of
 from paraminit_server.plane.caller import Caller
-from support import running_server
+from support import running_server, wait_until
 
 # Reads glibc's own accounting (mallinfo2) rather than page faults: which arena a new thread gets, and so
 # how many fresh pages it touches, varies from run to run; whether a message is a mapping of its own, and
@@ -84,18 +86,22 @@ def test_host_buffers() -> None:
         assert n == 0 or (buf[0] == 0xA5 and buf[-1] == 0xA5)
 
 
-def _vm_flags(buf: np.ndarray[Any, Any]) -> list[str]:
-    """The kernel's VmFlags of the mapping that holds buf (Linux /proc/self/smaps)."""
-    addr, flags, inside = buf.ctypes.data, [], False
+def _mapping(buf: np.ndarray[Any, Any]) -> dict[str, list[str]]:
+    """The kernel's smaps fields (Rss, VmFlags, ...) of the mapping that holds buf (Linux /proc/self/smaps)."""
+    addr, fields, inside = buf.ctypes.data, {}, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "VmFlags:":
-                flags = line.split()[1:]
-    return flags
+            elif inside:
+                fields[head.rstrip(":")] = line.split()[1:]
+    return fields
+
+
+def _vm_flags(buf: np.ndarray[Any, Any]) -> list[str]:
+    return _mapping(buf).get("VmFlags", [])
 
 
 @pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages")
@@ -106,6 +112,35 @@ def test_huge_pages_only_where_asked() -> None:
         buf = host_buffer(4 * HUGE, huge=huge)
         buf[:] = 7
         assert ("hg" in _vm_flags(buf)) == huge and buf[-1] == 7
+
+
+def _resident_pages(buf: np.ndarray[Any, Any]) -> int:
+    """How many of buf's pages are backed by memory now (mincore), whatever mapping the kernel merged it into."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    pages = -(-buf.nbytes // mmap.PAGESIZE)
+    vec = np.zeros(pages, dtype=np.uint8)
+    assert libc.mincore(buf.ctypes.data, buf.nbytes, vec.ctypes.data) == 0, ctypes.get_errno()
+    return int(np.count_nonzero(vec & 1))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and MADV_POPULATE_WRITE are Linux's")
+def test_a_receive_buffer_is_plain_pages_faulted_in_ahead() -> None:
+    """Bytes arriving over a connection (a client's stream, a server's upload) land in plain pages that a helper
+    faults in before the writer reaches them; a buffer without the helper stays unbacked until written."""
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+    if madvise(address, mmap.PAGESIZE, MADV_POPULATE_WRITE) != 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+): prefault() leaves pages to the writer")
+    n = 2 * PREFAULT_BLOCK
+    pages = n // mmap.PAGESIZE
+    untouched = host_buffer(n, huge=False)
+    assert _resident_pages(untouched) < pages // 2
+    buf = receive_buffer(n)
+    assert wait_until(lambda: _resident_pages(buf) == pages, timeout=30), _resident_pages(buf)
+    assert "hg" not in _vm_flags(buf) and not buf.any()  # plain pages, faulted in, never written
 
 
 def test_prefault_keeps_contents_while_a_writer_runs() -> None:

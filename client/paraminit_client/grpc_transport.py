@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from paraminit import dtypes, packed_table, times, wire
 from paraminit.header_checksum import header_crc32c
-from paraminit.hostmem import host_buffer, prefault
+from paraminit.hostmem import receive_buffer
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.v1 import plan_pb2
@@ -199,10 +199,7 @@ class GrpcTransport:
 
     def _materialize_one(self, plan: plan_pb2.Plan, chunk_bytes: int = 0, progress: Callable[[int], None] | None = None) -> Arrays:
         header, table, chunks = self._open_stream(plan, chunk_bytes, check_crc=False)
-        # plain pages, faulted in by a helper thread ahead of the copies: huge pages are faster only where the
-        # kernel has them free, and stall the stream where it must compact for them (host_buffer)
-        buf = host_buffer(header.data_bytes, huge=False)
-        prefault(buf)
+        buf = receive_buffer(header.data_bytes)
 
         def put(c: Chunk) -> None:
             buf[c.offset : c.offset + len(c.data)] = np.frombuffer(c.data, dtype=np.uint8)

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from paraminit.hostmem import host_buffer, prefault
+from paraminit.hostmem import receive_buffer
 from paraminit.regions import box_of
 from paraminit.v1 import plan_pb2
 from paraminit_client.errors import ParaminitError
@@ -139,8 +139,7 @@ def assemble(
     for n in param_bytes:
         offsets.append(total)
         total += -(-int(n) // _ALIGN) * _ALIGN
-    buf = host_buffer(total, huge=False)  # plain pages faulted in ahead, as for one stream (GrpcTransport)
-    prefault(buf)
+    buf = receive_buffer(total)  # as one stream's (GrpcTransport)
     out = {
         p.name: buf[o : o + int(n)].view(dt).reshape(tuple(b - a for a, b in box_of(p)))
         for p, o, n, dt in zip(plan.params, offsets, param_bytes, dtypes, strict=True)

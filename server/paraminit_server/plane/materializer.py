@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes, overlap
-from paraminit.hostmem import host_buffer
+from paraminit.hostmem import host_buffer, receive_buffer
 from paraminit.shapes import output_problem
 from paraminit.v1 import plan_pb2
 from paraminit_server import __version__, errors
@@ -355,7 +355,7 @@ class _Upload:
                 f"payload of {first.count} {dt.name} values needs {nbytes} bytes; the payload limit is {self.sources.max_bytes}"
             )
         self.ticket = self.sources.reserve(nbytes)
-        self.buf = host_buffer(nbytes)
+        self.buf = receive_buffer(nbytes)
         self.follower = Follower(self.buf, dt)
 
     def land(self, item: tuple[int, bytes | memoryview]) -> None:
