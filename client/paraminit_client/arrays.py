@@ -20,6 +20,28 @@ def numpy_dtype(dtype_enum: int) -> np.dtype[Any]:
     return dt.numpy
 
 
+Columns = tuple[list[str], list[int], list[tuple[int, ...]], list[int], list[int]]
+
+
+def table_columns(tensors: Iterable[Any] | packed_table.Table) -> Columns:
+    """A tensor table's names, dtype enums, shapes, offsets and byte counts, in table order: its own `columns()`
+    where it has them (a packed stream table, the in-process data plane's), else read from each row (TensorInfo
+    messages, or anything with those attributes)."""
+    if isinstance(tensors, packed_table.Table):
+        return tensors.columns()
+    columns = getattr(tensors, "columns", None)
+    if columns is not None:
+        return columns()  # type: ignore[no-any-return]
+    listed = list(tensors)
+    return (
+        [t.name for t in listed],
+        [t.dtype for t in listed],
+        [tuple(t.shape) for t in listed],
+        [t.offset for t in listed],
+        [t.nbytes for t in listed],
+    )
+
+
 def arrays_from_buffer(tensors: Iterable[Any] | packed_table.Table, buf: Any) -> dict[str, np.ndarray[Any, Any]]:
     """Views of each tensor (name, dtype, shape, offset, nbytes) inside one buffer (numpy or any buffer).
 
@@ -32,14 +54,7 @@ def arrays_from_buffer(tensors: Iterable[Any] | packed_table.Table, buf: Any) ->
     if isinstance(tensors, packed_table.Table):
         names, found = tensors.names, tensors.runs()
     else:
-        columns = getattr(tensors, "columns", None)
-        if columns is not None:
-            names, enums, shapes, offsets, sizes = columns()
-        else:
-            listed = list(tensors)
-            names, enums = [t.name for t in listed], [t.dtype for t in listed]
-            shapes = [tuple(t.shape) for t in listed]
-            offsets, sizes = [t.offset for t in listed], [t.nbytes for t in listed]
+        names, enums, shapes, offsets, sizes = table_columns(tensors)
         found = packed_table.runs(enums, shapes, offsets, sizes)
     out: dict[str, np.ndarray[Any, Any]] = {}
     kinds: dict[int, np.dtype[Any]] = {}  # one lookup per dtype, not per tensor

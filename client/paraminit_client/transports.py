@@ -29,7 +29,7 @@ from paraminit.shapes import output_problem
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit.violations import ValidationReport as ValidationReport  # the client's name for it
-from paraminit_client.arrays import numpy_dtype
+from paraminit_client.arrays import numpy_dtype, table_columns
 from paraminit_client.errors import ClientClosed, InvalidArgument, ParaminitError
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -125,18 +125,12 @@ def copy_into(
         InvalidArgument: an output array missing, of another shape or item size, read-only or not C-contiguous.
         ParaminitError: as `land`.
     """
-    if isinstance(table, packed_table.Table):
-        names, enums, shapes, offsets, sizes = table.columns()
-    else:
-        listed = list(table)
-        names, enums = [t.name for t in listed], [t.dtype for t in listed]
-        shapes = [tuple(t.shape) for t in listed]
-        offsets, sizes = [t.offset for t in listed], [t.nbytes for t in listed]
     itemsizes: dict[int, int] = {}
     spans = []
-    for name, enum, shape, offset, size in zip(names, enums, shapes, offsets, sizes, strict=True):
-        itemsize = itemsizes.get(enum) or itemsizes.setdefault(enum, numpy_dtype(enum).itemsize)
-        problem = output_problem(outputs, name, shape, itemsize)
+    for name, enum, shape, offset, size in zip(*table_columns(table), strict=True):
+        if enum not in itemsizes:
+            itemsizes[enum] = numpy_dtype(enum).itemsize
+        problem = output_problem(outputs, name, shape, itemsizes[enum])
         if problem is not None:
             close = getattr(chunks, "close", None)
             if close is not None:
