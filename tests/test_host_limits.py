@@ -91,10 +91,13 @@ def test_config_defaults_come_from_the_container(tmp_path: Path, monkeypatch: py
     assert explicit.memory_budget == 3 << 20 and explicit.threads == 0
 
 
-def test_default_budget_counts_reclaimable_cache_as_available(tmp_path: Path) -> None:
+def test_default_budget_counts_reclaimable_cache_as_available(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Half of MemAvailable, not of MemFree: page cache left by an install is memory the server can have."""
     from paraminit_server.host_limits import host_memory
 
+    # the host's free pages change from one read to the next (the suite's other worker allocates): held still here
+    real_sysconf = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: 1234567 if name == "SC_AVPHYS_PAGES" else real_sysconf(name))
     info = tmp_path / "meminfo"
     info.write_text("MemTotal:       24000000 kB\nMemFree:          250000 kB\nMemAvailable:   20000000 kB\n")
     assert host_memory(str(info))[1] == 20000000 * 1024
