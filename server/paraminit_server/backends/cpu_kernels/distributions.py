@@ -120,18 +120,40 @@ def fill_affine_f8e5m2(dst: Any, x0: Any, p0: float, sc: float, p1: float) -> No
     affine_body(dst, x0, p0, sc, p1, F8E5M2)
 
 
-@jit
 def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> None:
-    """dst[k] = p0 + unit(g + k) * p1 (affine_body), the format's kernel chosen once per call (by its rounding
-    position h[0], which differs between the formats)."""
-    if h[0] == F16[0]:
-        fill_affine_f16(dst, x0, p0, sc, p1)
-    elif h[0] == F8E4M3[0]:
-        fill_affine_f8e4m3(dst, x0, p0, sc, p1)
-    elif h[0] == F8E5M2[0]:
-        fill_affine_f8e5m2(dst, x0, p0, sc, p1)
-    else:
+    """dst[k] = p0 + unit(g + k) * p1 (affine_body), the format's kernel chosen by the output's dtype when the
+    kernel compiles, and between the two formats of one width once per call (by the rounding position h[0]).
+
+    Chosen at compile time because numba compiles every branch: a runtime choice among all four made each
+    dtype's kernel compile four copies of the affine loop (a float output ignores the format)."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(fill_affine, inline="always")
+def _fill_affine_overload(dst: Any, x0: Any, p0: Any, sc: Any, p1: Any, h: Any) -> Any:
+    if dst.dtype == types.uint16:
+
+        def half(dst: Any, x0: Any, p0: Any, sc: Any, p1: Any, h: Any) -> None:
+            if h[0] == F16[0]:
+                fill_affine_f16(dst, x0, p0, sc, p1)
+            else:
+                fill_affine_bf16(dst, x0, p0, sc, p1)
+
+        return half
+    if dst.dtype == types.uint8:
+
+        def byte(dst: Any, x0: Any, p0: Any, sc: Any, p1: Any, h: Any) -> None:
+            if h[0] == F8E4M3[0]:
+                fill_affine_f8e4m3(dst, x0, p0, sc, p1)
+            else:
+                fill_affine_f8e5m2(dst, x0, p0, sc, p1)
+
+        return byte
+
+    def native(dst: Any, x0: Any, p0: Any, sc: Any, p1: Any, h: Any) -> None:
         fill_affine_bf16(dst, x0, p0, sc, p1)
+
+    return native
 
 
 @jit
