@@ -18,6 +18,11 @@ $(BASE): pyproject.toml
 # Tests and lint add the test and lint stack, PyTorch, torchtitan and, as root with apt, Debian's promtool.
 $(STAMP): $(BASE)
 	$(PY) -m pip install -q -e '.[dev]'
+	# The CPU kernels compile into numba's cache (once per machine, 80-100 core-seconds) on the core the installs
+	# below leave idle, so the suite starts without compiling. Its own prebuild (tests/conftest.py) still checks the
+	# cache and compiles whatever this one missed (a kernel that failed here, or numba changed by a later install).
+	{ $(PY) -m paraminit_server.prebuild --cpu --processes 1; echo "prebuild exit status $$?"; } >$(VENV)/prebuild.log 2>&1 & \
+		echo $$! >$(VENV)/prebuild.pid
 	# PyTorch tests (tests/test_torch.py) run against the CPU build; they skip cleanly without torch.
 	$(PY) -m pip install -q 'torch==2.13.0' || echo "torch 2.13.0 not installable here: PyTorch tests will skip"
 	# promtool (Debian's prometheus package) for tests/test_prometheus_rules.py, where this runs as root with apt.
@@ -34,6 +39,9 @@ $(STAMP): $(BASE)
 	# mup (the muP recipe's test checks against it) without its requirements: they name torchvision, which would
 	# replace the CPU torch above, and seaborn and pandas, which only its plotting module imports.
 	$(PY) -m pip install -q --no-deps 'mup==1.0.0' || echo "mup not installable here: the muP recipe test will skip"
+	@pid=$$(cat $(VENV)/prebuild.pid); while kill -0 $$pid 2>/dev/null; do sleep 1; done; rm -f $(VENV)/prebuild.pid
+	@tail -n 2 $(VENV)/prebuild.log | grep -q "prebuild exit status 0" && tail -n 2 $(VENV)/prebuild.log | head -n 1 || \
+		echo "compiling the CPU kernels ahead failed ($(VENV)/prebuild.log); the suite's start compiles them"
 	touch $(STAMP)
 
 venv: $(STAMP)
