@@ -233,7 +233,7 @@ def load_seconds() -> float:
 
 
 class _Batch:
-    """Small whole tensors of the value kinds waiting for one `fill_batch` call per dtype and kind (see fill_plan)."""
+    """Small whole tensors of the value kinds waiting for one batch call of `fill` per dtype and kind (fill_plan)."""
 
     def __init__(self, arena: Any) -> None:
         self.arena = arena
@@ -241,7 +241,7 @@ class _Batch:
         self.piece: int = cpu_kernels.PIECE  # the largest tensor fill keeps on the calling thread
 
     def add(self, p: ResolvedParam, offset: int) -> bool:
-        """Queue p (at byte `offset` of the arena) when fill_batch can fill it; False: fill it on its own."""
+        """Queue p (at byte `offset` of the arena) when a batch can fill it; False: fill it on its own."""
         dt, n, runs = p.dtype, p.numel, p.runs()
         if (
             not 0 < n <= self.piece
@@ -265,20 +265,9 @@ class _Batch:
             group.run()
         self.groups.clear()
 
-    @staticmethod
-    def warm_up_groups(params: Sequence[ResolvedParam]) -> list[_Group]:
-        """One group per dtype and kind of the warm-up parameters (fill_batch compiles once per storage dtype)."""
-        batches: dict[tuple[int, int], _Batch] = {}
-        for p in params:
-            if p.kind != Kind.FLAT:
-                batch = batches.setdefault((p.dtype.enum, p.kind), _Batch(np.empty(p.nbytes, dtype=np.uint8)))
-                if not batch.groups:
-                    batch.add(p, 0)
-        return [g for b in batches.values() for g in b.groups.values()]
-
 
 class _Group:
-    """The queued tensors of one dtype and kind: columns of fill_batch's arguments."""
+    """The queued tensors of one dtype and kind: the columns of a batch (driver.BATCH_COLUMNS)."""
 
     def __init__(self, out: Any, fmt: int, kind: int) -> None:
         self.out, self.fmt, self.kind = out, fmt, kind
@@ -302,19 +291,10 @@ class _Group:
         self.seeds.append(p.seed)
 
     def args(self) -> tuple[Any, ...]:
-        i64, u64, f64 = np.int64, np.uint64, np.float64
-        return (
-            self.out,
-            np.array(self.starts, i64),
-            np.array(self.counts, i64),
-            np.array(self.keys, u64),
-            np.array(self.p0, f64),
-            np.array(self.p1, f64),
-            np.array(self.lo, f64),
-            np.array(self.hi, f64),
-            np.array(self.seeds, u64),
-            self.fmt,
-        )
+        u64, f64 = np.uint64, np.float64
+        floats = [np.array(c, f64) for c in (self.p0, self.p1, self.lo, self.hi)]
+        batch = [np.array(self.starts, u64), np.array(self.counts, u64), np.array(self.keys, u64), *floats, np.array(self.seeds, u64)]
+        return _batch_args(self.out, self.fmt, batch)
 
     def run(self) -> None:
         if not self.starts:
@@ -325,11 +305,20 @@ class _Group:
             column.clear()
 
 
+def _batch_args(out: Any, fmt: int, columns: Sequence[Any]) -> tuple[Any, ...]:
+    """`fill`'s arguments for a batch of whole tensors into `out` (a view of the arena in their storage dtype), from
+    the batch's columns in driver.BATCH_COLUMNS order (p0, p1, lo and hi as binary64, the rest as integers)."""
+    rows = np.empty((len(columns[0]), len(columns)), dtype=np.uint64)
+    for j, column in enumerate(columns):
+        rows[:, j] = column.view(np.uint64) if column.dtype == np.float64 else column
+    return (out, 0, 0, 0, np.uint64(0), 0.0, 0.0, 0.0, 0.0, np.uint64(0), _NO_VALUES, fmt, _NO_INDEX, _NO_INDEX, _NO_INDEX, 0, 0, rows)
+
+
 def _fill_batch(kind: int, args: tuple[Any, ...]) -> None:
-    """One fill_batch call of `kind` (out, starts, counts, keys, p0s, p1s, los, his, seeds, fmt)."""
-    kernel = cpu_kernels.KERNELS[kind].fill_batch
+    """One batch call of `kind`'s fill (_batch_args), on the calling thread."""
+    kernel = cpu_kernels.KERNELS[kind].fill
     COMPILES.ensure(kernel, args)
-    kernel(*args)  # on the calling thread
+    kernel(*args)
 
 
 def _fill_rows(
@@ -362,7 +351,7 @@ def _fill_rows(
 
 
 def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None) -> None:
-    """fill_plan from a ParamTable's columns: its small plain tensors by one fill_batch call per dtype and kind per
+    """fill_plan from a ParamTable's columns: its small plain tensors by one batch call per dtype and kind per
     FILL_WINDOW bytes, straight from the columns; the other rows one by one (_fill_rows)."""
     t = params
     if not t.plain.any():  # a table of rows resolved one by one (a small plan)
@@ -373,7 +362,7 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
     rest = np.flatnonzero(~batched).tolist()
     if rest:
         _fill_rows(backend, [params[i] for i in rest], arena, [int(offs[i]) for i in rest], should_stop)
-    # one fill_batch call per task: tensors of one dtype and kind whose bytes end in one piece of about
+    # one batch call per task: tensors of one dtype and kind whose bytes end in one piece of about
     # `piece` bytes (FILL_WINDOW at most, so a cancelled request stops within one window's time)
     total = int(t.nbytes[batched].sum())
     threads = backend.threads if total > cpu_kernels.PIECE else 1
@@ -392,9 +381,8 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
         cuts = [0, *(np.flatnonzero(np.diff(window)) + 1).tolist(), rows.shape[0]]
         for a, b in itertools.pairwise(cuts):
             r = rows[a:b]
-            tasks.append(
-                (kind, (view, offs[r] // dt.itemsize, t.numel[r], t.key[r], t.p0[r], t.p1[r], t.lo[r], t.hi[r], t.seed[r], dt.fmt))
-            )
+            batch = [offs[r] // dt.itemsize, t.numel[r], t.key[r], t.p0[r], t.p1[r], t.lo[r], t.hi[r], t.seed[r]]
+            tasks.append((kind, _batch_args(view, dt.fmt, batch)))
 
     def work(i: int) -> None:
         if should_stop is not None and should_stop():
@@ -471,15 +459,13 @@ class CpuBackend:
         return ready
 
     def _specializations(self, params: list[ResolvedParam]) -> list[tuple[Any, tuple[Any, ...], Callable[[], object]]]:
-        """Each kernel specialization filling these parameters takes, once: (dispatcher, arguments, a fill with them)."""
+        """Each kernel specialization filling these parameters takes, once: (dispatcher, arguments, a fill with them).
+        A batch of small tensors calls the same specialization as a span of one."""
         out: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...], Callable[[], object]]] = {}
         for rp in params:
             buffer = np.empty(rp.numel, dtype=rp.dtype.storage)
             kernel, args = self._entry(rp, buffer, 0, rp.runs(), _flat_values(rp))
             out.setdefault(_key(kernel, args), (kernel, args, functools.partial(kernel, *args)))
-        for group in _Batch.warm_up_groups(params):
-            disp, args = cpu_kernels.KERNELS[group.kind].fill_batch, group.args()
-            out.setdefault(_key(disp, args), (disp, args, group.run))
         return list(out.values())
 
     def scratch(self, nbytes: int) -> Any:
@@ -543,6 +529,7 @@ class CpuBackend:
             runs.outer_stride,
             runs.base,
             runs.run_len,
+            cpu_kernels.NO_BATCH,
         )
 
     def fill_plan(self, params: ParamTable, arena: Any, offsets: Offsets, should_stop: Callable[[], bool] | None = None) -> None:
@@ -550,7 +537,7 @@ class CpuBackend:
 
         `should_stop` is asked before each window's worth of bytes, not before each parameter: a plan of
         many small tensors would otherwise pay for the check more than for the fill. Small whole tensors of
-        the value kinds are gathered per dtype and kind and filled by one kernel call per window (`fill_batch`):
+        the value kinds are gathered per dtype and kind and filled by one kernel call per window (a batch):
         one launch each would cost more than their values."""
         _fill_table(self, params, arena, offsets, should_stop)
 

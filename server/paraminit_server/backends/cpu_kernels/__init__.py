@@ -8,11 +8,11 @@ Modules, by concern (each imports only those above it):
   into the CUDA header);
 - cr_math: the correctly rounded log and cos (docs/SAMPLER.md section 2.1);
 - distributions: the fill of one run per value kind (affine, normal, truncated normal, flat, constant);
-- driver: per value kind, `fill`, which maps a region's local elements to runs and spreads pieces over the threads,
-  and `fill_batch` (KERNELS).
+- driver: per value kind, `fill`, which maps a region's local elements (or a batch of small whole tensors) to runs
+  (KERNELS).
 
 Compiled lazily on first call and cached on disk (numba's cache, keyed on every module here). Importing this package
-costs nothing; `KERNELS` and `PIECE` load the kernels' modules on first access.
+costs nothing; `KERNELS`, `PIECE` and `NO_BATCH` load the kernels' modules on first access.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from paraminit_server.backends.cpu_kernels.driver import KERNELS, PIECE
+    from paraminit_server.backends.cpu_kernels.driver import KERNELS, NO_BATCH, PIECE
 
-__all__ = ["KERNELS", "PIECE", "standard_normal"]
+__all__ = ["KERNELS", "NO_BATCH", "PIECE", "standard_normal"]
 
 
 def standard_normal(n: int, seed: int) -> Any:
@@ -38,7 +38,7 @@ def standard_normal(n: int, seed: int) -> Any:
     """
     import numpy as np
 
-    from paraminit_server.backends.cpu_kernels.driver import KERNELS
+    from paraminit_server.backends.cpu_kernels.driver import KERNELS, NO_BATCH
     from paraminit_server.plans import sampler
     from paraminit_server.plans.plan import Kind
 
@@ -63,13 +63,15 @@ def standard_normal(n: int, seed: int) -> Any:
             none,
             0,
             n,
+            NO_BATCH,
         )
     return out
 
 
 def __getattr__(name: str) -> Any:
-    """The driver's `KERNELS` and `PIECE`, imported on first access (numba, the tables) rather than with the package."""
-    if name in ("KERNELS", "PIECE"):
+    """The driver's `KERNELS`, `PIECE` and `NO_BATCH`, imported on first access (numba, the tables) rather than with
+    the package."""
+    if name in ("KERNELS", "NO_BATCH", "PIECE"):
         from paraminit_server.backends.cpu_kernels import driver
 
         return getattr(driver, name)

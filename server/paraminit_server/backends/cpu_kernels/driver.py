@@ -1,5 +1,5 @@
-"""The fill driver: per value kind, `fill` writes a span of a parameter region's local elements and `fill_batch`
-many small whole tensors in one call.
+"""The fill driver: per value kind, `fill` writes a span of a parameter region's local elements, or many small
+whole tensors in one call (a batch).
 
 `fill` writes `out[k - l_begin]` for the local elements k in [l, lend) of a parameter's region: it walks the
 span's runs (Runs in plan.py) with contiguous inner loops and hands each run to its kind's fill (distributions).
@@ -24,10 +24,13 @@ from paraminit.dtypes import FMT_F8E4M3, FMT_FLOAT16
 from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, TWO_NEG_32, U2
 from paraminit_server.backends.cpu_kernels.distributions import fill_affine, fill_const, fill_flat, fill_normal, fill_truncnorm
 from paraminit_server.backends.cpu_kernels.half_rounding import BF16, F8E4M3, F8E5M2, F16
-from paraminit_server.backends.cpu_kernels.jit import jit, kernel_of
+from paraminit_server.backends.cpu_kernels.jit import bits_f64, jit, kernel_of
 from paraminit_server.plans.plan import Kind
 
 PIECE = 1 << 16  # outputs up to this many elements are filled on the calling thread; larger ones in spans of PIECEs
+# A batch row of `fill` (uint64; p0, p1, lo and hi as their binary64 bits), and the empty batch of a span's call.
+BATCH_COLUMNS = ("start", "count", "key", "p0", "p1", "lo", "hi", "seed")
+NO_BATCH = np.zeros((0, len(BATCH_COLUMNS)), dtype=np.uint64)
 
 
 @jit
@@ -86,12 +89,11 @@ def run_truncnorm(
 
 @dataclass(frozen=True)
 class Kernels:
-    """One value kind's entry points (numba dispatchers), documented in `_kernels`: `fill` of a span of a region,
-    `fill_batch` of many small tensors. Each compiles on its first call only."""
+    """One value kind's kernel (a numba dispatcher, documented in `_kernels`): `fill` of a span of a region, or of
+    a batch of small whole tensors. It compiles on its first call only."""
 
     kind: int
     fill: Any
-    fill_batch: Any
 
 
 def _kernels(kind: int, run: Any) -> Kernels:
@@ -157,9 +159,9 @@ def _kernels(kind: int, run: Any) -> Kernels:
     @kernel_of(kind)
     def fill(
         out: Any,
-        l: int,
-        lend: int,
-        l_begin: int,
+        l: Any,
+        lend: Any,
+        l_begin: Any,
         key: Any,
         p0: float,
         p1: float,
@@ -171,64 +173,47 @@ def _kernels(kind: int, run: Any) -> Kernels:
         outer_start: Any,
         outer_ext: Any,
         outer_stride: Any,
-        base: int,
-        run_len: int,
+        base: Any,
+        run_len: Any,
+        batch: Any,
     ) -> None:
-        """Local elements [l, lend) of a region into out[l - l_begin:lend - l_begin], run by run.
+        """Local elements [l, lend) of a region into out[l - l_begin:lend - l_begin], run by run; or, when `batch`
+        has rows, whole tensors instead (the scalar arguments from l to run_len are then ignored).
 
         The backend calls it from several threads at once on disjoint spans of one output (it releases the GIL);
         a parallel kernel of numba's instead would cost a second, larger compile per kind and a threading layer.
 
         lo, hi and seed are the truncated normal's bounds and raw seed (ignored by the other kinds).
+
+        batch: uint64 rows (BATCH_COLUMNS) of whole tensors of this kind, for plans of many small tensors: row j
+        fills out[start:start + count] as a whole tensor of count elements with its key, p0, p1, lo, hi (binary64
+        bits) and seed. One call instead of one per tensor, and one kernel: a second entry point of its own
+        compiled everything again (numba compiles a kernel with all it calls).
         """
-        # p1 * 2^-32 is exact unless it falls into the subnormal range; then scale the draw instead.
-        p1s = p1 * TWO_NEG_32
-        sc, p1b = (1.0, p1s) if p1s * 2.0**32 == p1 else (TWO_NEG_32, p1)
-        s = key + GOLDEN
-        while l < lend:
-            r = l // run_len
-            off = l - r * run_len
-            g = run_global(r, outer_start, outer_ext, outer_stride, base) + off
-            m = min(lend - l, run_len - off)
-            dst = out[l - l_begin : l - l_begin + m]
-            run_any(out, dst, g, s, p0, p1, sc, p1b, lo, hi, seed, values, fmt)
-            l += m
+        pieces = batch.shape[0]
+        no_dims = outer_ext[:0]
+        for j in range(max(pieces, 1)):
+            oe, os_, ost, b, rl = outer_ext, outer_start, outer_stride, base, run_len
+            a, e, begin, k, q0, q1, qlo, qhi, sd = l, lend, l_begin, key, p0, p1, lo, hi, seed
+            if pieces:
+                row = batch[j]
+                oe, os_, ost, b, rl = no_dims, no_dims, no_dims, 0, np.int64(row[1])
+                a, e, begin = 0, np.int64(row[1]), -np.int64(row[0])
+                k, q0, q1, qlo, qhi, sd = row[2], bits_f64(row[3]), bits_f64(row[4]), bits_f64(row[5]), bits_f64(row[6]), row[7]
+            # p1 * 2^-32 is exact unless it falls into the subnormal range; then scale the draw instead.
+            p1s = q1 * TWO_NEG_32
+            sc, p1b = (1.0, p1s) if p1s * 2.0**32 == q1 else (TWO_NEG_32, q1)
+            s = k + GOLDEN
+            while a < e:
+                r = a // rl
+                off = a - r * rl
+                g = run_global(r, os_, oe, ost, b) + off
+                m = min(e - a, rl - off)
+                dst = out[a - begin : a - begin + m]
+                run_any(out, dst, g, s, q0, q1, sc, p1b, qlo, qhi, sd, values, fmt)
+                a += m
 
-    @kernel_of(kind)
-    def fill_batch(out: Any, starts: Any, counts: Any, keys: Any, p0s: Any, p1s: Any, los: Any, his: Any, seeds: Any, fmt: int) -> None:
-        """Whole tensors of one dtype in one call: tensor j is out[starts[j]:starts[j] + counts[j]], valued as
-        `fill` values a whole tensor of this kind (not FLAT) with keys[j], p0s[j], ...
-
-        For plans of many small tensors: one call instead of one per tensor, on the calling thread (each tensor
-        is at most PIECE elements, what is kept on the calling thread anyway).
-        """
-        no_values = np.zeros(0, dtype=np.float64)
-        no_dims = np.zeros(0, dtype=np.int64)
-        for j in range(starts.shape[0]):
-            n = counts[j]
-            if n > 0:
-                a = starts[j]
-                fill(
-                    out[a : a + n],
-                    0,
-                    n,
-                    0,
-                    keys[j],
-                    p0s[j],
-                    p1s[j],
-                    los[j],
-                    his[j],
-                    seeds[j],
-                    no_values,
-                    fmt,
-                    no_dims,
-                    no_dims,
-                    no_dims,
-                    0,
-                    n,
-                )
-
-    return Kernels(kind, fill, fill_batch)
+    return Kernels(kind, fill)
 
 
 KERNELS: dict[int, Kernels] = {
