@@ -70,6 +70,31 @@ def test_stream_yields_a_start_then_host_slabs_that_a_keeping_consumer_owns(plan
     assert plane.admission.host.reserved == 0 and plane.admission.in_flight == 0
 
 
+def test_empty_tensors_sharing_an_offset_leave_no_tensor_unfilled(plane: Materializer) -> None:
+    """The stream layout puts wider dtypes first, so an empty float64 tensor later in the plan lies at the offset of
+    an earlier float32 one: each slab's tensors are still all found (the slab search needs ascending ends; in plan
+    order the empty tensor's end fell below the float32's, and the float32's bytes were sent unwritten). The ring
+    is dirtied by another plan first, so bytes left unwritten cannot pass for zeros."""
+    list(plane.stream(uniform_plan(4096, 9), Caller()))
+    plan = plan_of(
+        [
+            param("w", [5], {"uniform": {"lo": -1, "hi": 1, "seed": 1}}),
+            param("a", [1, 0], {"ones": {}}, "float64"),
+            param("b", [3], {"normal": {"std": 1.0, "seed": 2}}, "float16"),
+            param("c", [0], {"zeros": {}}, "float64"),
+        ]
+    )
+    start, *slabs = plane.stream(plan, Caller())
+    assert isinstance(start, StreamStart)
+    assert start.layout.offsets[0] == start.layout.offsets[1] == start.layout.offsets[3]  # w, a and c start together
+    data = np.full(start.layout.data_bytes, POISON, dtype=np.uint8)
+    for item in slabs:
+        assert isinstance(item, tuple)
+        offset, slab = item
+        data[offset : offset + len(slab)] = slab
+    np.testing.assert_array_equal(data, expected_data(plan, start))
+
+
 def test_lent_slabs_come_from_a_ring_and_are_whole_until_the_next_is_asked_for(plane: Materializer) -> None:
     plan = uniform_plan(96 * 1024, 5)
     it = plane.stream(plan, Caller(), lend=True)

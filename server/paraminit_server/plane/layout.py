@@ -56,11 +56,13 @@ class Layout:
 
     @functools.cached_property
     def _by_offset(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """(plan indices in offset order, their offsets, their ends): what `overlapping` searches."""
+        """(plan indices in offset order, their offsets, their ends): what `overlapping` searches. Both must ascend,
+        so an empty tensor goes before the tensor starting where it does (in plan order after it, it put an end
+        below the one before it, and the search missed that tensor's bytes)."""
         offsets = np.asarray(self.offsets, dtype=np.int64)
-        nbytes = self.params.nbytes
-        order = np.argsort(offsets, kind="stable")
-        return order, offsets[order], offsets[order] + nbytes[order]
+        ends = offsets + self.params.nbytes
+        order = np.lexsort((ends, offsets))  # by offset, then end; stable
+        return order, offsets[order], ends[order]
 
     def gaps(self) -> list[tuple[int, int]]:
         """The byte ranges [start, stop) of the data section no tensor covers (an export's padding), ascending."""
