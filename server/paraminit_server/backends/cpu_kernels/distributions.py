@@ -129,31 +129,25 @@ def fill_affine(dst: Any, x0: Any, p0: float, sc: float, p1: float, h: Any) -> N
     raise NotImplementedError("called only inside kernels")
 
 
+def _either(rounding: int, first: Any, second: Any) -> Any:
+    """An affine fill that calls `first` for the format whose rounding position h[0] is `rounding`, else `second`."""
+
+    def pick(dst: Any, x0: Any, p0: Any, sc: Any, p1: Any, h: Any) -> None:
+        if h[0] == rounding:
+            first(dst, x0, p0, sc, p1)
+        else:
+            second(dst, x0, p0, sc, p1)
+
+    return pick
+
+
 @overload(fill_affine, inline="always")
 def _fill_affine_overload(dst: Any, x0: Any, p0: Any, sc: Any, p1: Any, h: Any) -> Any:
     if dst.dtype == types.uint16:
-
-        def half(dst: Any, x0: Any, p0: Any, sc: Any, p1: Any, h: Any) -> None:
-            if h[0] == F16[0]:
-                fill_affine_f16(dst, x0, p0, sc, p1)
-            else:
-                fill_affine_bf16(dst, x0, p0, sc, p1)
-
-        return half
+        return _either(F16[0], fill_affine_f16, fill_affine_bf16)
     if dst.dtype == types.uint8:
-
-        def byte(dst: Any, x0: Any, p0: Any, sc: Any, p1: Any, h: Any) -> None:
-            if h[0] == F8E4M3[0]:
-                fill_affine_f8e4m3(dst, x0, p0, sc, p1)
-            else:
-                fill_affine_f8e5m2(dst, x0, p0, sc, p1)
-
-        return byte
-
-    def native(dst: Any, x0: Any, p0: Any, sc: Any, p1: Any, h: Any) -> None:
-        fill_affine_bf16(dst, x0, p0, sc, p1)
-
-    return native
+        return _either(F8E4M3[0], fill_affine_f8e4m3, fill_affine_f8e5m2)
+    return _either(BF16[0], fill_affine_bf16, fill_affine_bf16)  # a float output ignores the format: one loop
 
 
 @jit
