@@ -14,6 +14,7 @@ import pytest
 import reference
 
 from paraminit import wire
+from paraminit.spans import ByteSpans
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import param, plan_of
 from paraminit_server import backends, errors
@@ -93,6 +94,17 @@ def test_empty_tensors_sharing_an_offset_leave_no_tensor_unfilled(plane: Materia
         offset, slab = item
         data[offset : offset + len(slab)] = slab
     np.testing.assert_array_equal(data, expected_data(plan, start))
+
+
+def test_byte_spans_find_every_tensor_of_a_range_whatever_empty_tensors_share_its_offset() -> None:
+    """paraminit.spans, the search both a server's slabs and a client's chunks use: table order w, a (empty), b,
+    c (empty), with a and c at w's offset and one more empty tensor at b's end."""
+    spans = ByteSpans([0, 0, 20, 0, 26], [20, 0, 6, 0, 0])
+    assert spans.overlapping(0, 8).tolist() == [0]
+    assert spans.overlapping(16, 24).tolist() == [0, 2]
+    assert spans.overlapping(20, 26).tolist() == [2]
+    assert spans.overlapping(26, 32).tolist() == []
+    assert (np.diff(spans.begins) >= 0).all() and (np.diff(spans.ends) >= 0).all()
 
 
 def test_lent_slabs_come_from_a_ring_and_are_whole_until_the_next_is_asked_for(plane: Materializer) -> None:

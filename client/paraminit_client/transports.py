@@ -12,7 +12,6 @@ see the `Transport` surface.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import os
 import threading
@@ -26,6 +25,7 @@ import numpy as np
 
 from paraminit import overlap, packed_table
 from paraminit.shapes import output_problem
+from paraminit.spans import ByteSpans
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit.violations import ValidationReport as ValidationReport  # the client's name for it
@@ -126,8 +126,9 @@ def copy_into(
         ParaminitError: as `land`.
     """
     itemsizes: dict[int, int] = {}
-    spans = []
-    for name, enum, shape, offset, size in zip(*table_columns(table), strict=True):
+    names, enums, shapes, offsets, sizes = table_columns(table)
+    views = []
+    for name, enum, shape in zip(names, enums, shapes, strict=True):
         if enum not in itemsizes:
             itemsizes[enum] = numpy_dtype(enum).itemsize
         problem = output_problem(outputs, name, shape, itemsizes[enum])
@@ -136,19 +137,16 @@ def copy_into(
             if close is not None:
                 close()  # cancels the call: nothing more is sent
             raise InvalidArgument(problem)
-        spans.append((offset, offset + size, outputs[name].reshape(-1).view(np.uint8)))
-    spans.sort(key=lambda s: (s[0], s[1]))  # an empty tensor before the one starting where it does
-    starts = [s[0] for s in spans]
+        views.append(outputs[name].reshape(-1).view(np.uint8))
+    spans = ByteSpans(offsets, sizes)
 
     def put(c: Chunk) -> None:
         lo, hi = c.offset, c.offset + len(c.data)
         data = np.frombuffer(c.data, dtype=np.uint8)
-        for start, stop, out in spans[max(0, bisect.bisect_right(starts, lo) - 1) :]:
-            if start >= hi:
-                break
-            if stop > lo:
-                a, b = max(start, lo), min(stop, hi)
-                out[a - start : b - start] = data[a - lo : b - lo]
+        for i in spans.overlapping(lo, hi).tolist():
+            start = offsets[i]
+            a, b = max(start, lo), min(start + sizes[i], hi)
+            views[i][a - start : b - start] = data[a - lo : b - lo]
 
     land(chunks, put, progress)
 

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
+from paraminit.spans import ByteSpans
 from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Offsets, ResolvedParam
 
@@ -55,32 +56,20 @@ class Layout:
         return self._prefix if isinstance(self._prefix, bytes) else self._prefix()
 
     @functools.cached_property
-    def _by_offset(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """(plan indices in offset order, their offsets, their ends): what `overlapping` searches. Both must ascend,
-        so an empty tensor goes before the tensor starting where it does (in plan order after it, it put an end
-        below the one before it, and the search missed that tensor's bytes)."""
-        offsets = np.asarray(self.offsets, dtype=np.int64)
-        ends = offsets + self.params.nbytes
-        order = np.lexsort((ends, offsets))  # by offset, then end; stable
-        return order, offsets[order], ends[order]
+    def _spans(self) -> ByteSpans:
+        return ByteSpans(self.offsets, self.params.nbytes)
 
     def gaps(self) -> list[tuple[int, int]]:
         """The byte ranges [start, stop) of the data section no tensor covers (an export's padding), ascending."""
-        _, begins, ends = self._by_offset
+        begins, ends = self._spans.begins, self._spans.ends
         starts = np.concatenate([[0], np.maximum.accumulate(ends)]) if ends.shape[0] else np.zeros(1, dtype=np.int64)
         stops = np.concatenate([begins, [self.data_bytes]])
         keep = stops > starts
         return list(zip(starts[keep].tolist(), stops[keep].tolist(), strict=True))
 
     def overlapping(self, start: int, stop: int) -> npt.NDArray[np.int64]:
-        """Plan indices (ascending) of the parameters with bytes in [start, stop): two binary searches, so that a
-        stream of many small slabs does not look at every parameter for each one."""
-        order, begins, ends = self._by_offset
-        lo = int(np.searchsorted(ends, start, side="right"))
-        hi = int(np.searchsorted(begins, stop, side="left"))
-        rows = order[lo:hi]
-        rows = rows[ends[lo:hi] > begins[lo:hi]] if rows.shape[0] else rows  # empty tensors hold no bytes
-        return np.sort(rows)
+        """Plan indices (ascending) of the parameters with bytes in [start, stop) (paraminit.spans)."""
+        return self._spans.overlapping(start, stop)
 
     def spans(self) -> SpanTable:
         """Where each tensor lies, in plan order, as plain tuples (no protobuf for in-process callers)."""
