@@ -141,13 +141,19 @@ def _either(rounding: int, first: Any, second: Any) -> Any:
     return pick
 
 
+def _by_format(out: Any, choose: Any, f16: Any, bf16: Any, f8e4m3: Any, f8e5m2: Any) -> Any:
+    """The implementation of a per-format kernel family for an output array's type: `choose(rounding, first,
+    second)` between the two formats of its width (uint16, uint8); float outputs ignore the format: one kernel."""
+    if out.dtype == types.uint16:
+        return choose(F16[0], f16, bf16)
+    if out.dtype == types.uint8:
+        return choose(F8E4M3[0], f8e4m3, f8e5m2)
+    return choose(BF16[0], bf16, bf16)
+
+
 @overload(fill_affine, inline="always")
 def _fill_affine_overload(dst: Any, x0: Any, p0: Any, sc: Any, p1: Any, h: Any) -> Any:
-    if dst.dtype == types.uint16:
-        return _either(F16[0], fill_affine_f16, fill_affine_bf16)
-    if dst.dtype == types.uint8:
-        return _either(F8E4M3[0], fill_affine_f8e4m3, fill_affine_f8e5m2)
-    return _either(BF16[0], fill_affine_bf16, fill_affine_bf16)  # a float output ignores the format: one loop
+    return _by_format(dst, _either, fill_affine_f16, fill_affine_bf16, fill_affine_f8e4m3, fill_affine_f8e5m2)
 
 
 @jit
@@ -311,12 +317,14 @@ def trunc_settle(out: Any, g: Any, p0: float, p1: float, lo: float, hi: float, k
     return hi if hi < c else c
 
 
-@jit
-def trunc_first(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any, h: Any) -> Any:
+@inline
+def trunc_first_body(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any, h: Any) -> Any:
     """Candidate 0 of a block of `out` in one vector pass, stored where it is accepted, and a flag per element (1:
-    rejected; 2 or 3: undecided, or a value only store() writes); returns how many are flagged. A function of its
-    own, so that its helpers stay inlined and its loop vectorized whatever else the caller holds."""
-    wide_vectors()
+    rejected; 2 or 3: undecided, or a value only store() writes); returns how many are flagged.
+
+    Inlined by numba into one kernel per narrow format (trunc_first_f16, ...) with h a global constant, so the
+    format's branches fold when it compiles: passed at run time, h left both 16-bit formats' stores and a test of
+    h[0] in the vector loop (uint16 outputs ran about 8% slower)."""
     bad = 0
     for j in range(out.shape[0]):
         w = xl + U2 * np.uint64(j)
@@ -325,6 +333,58 @@ def trunc_first(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: fl
         flags[j] = state | (rare << 1)
         bad += state | rare
     return bad
+
+
+# One kernel of its own per format, so that trunc_first_body's helpers stay inlined and its loop vectorized
+# whatever else fill_truncnorm holds.
+@jit
+def trunc_first_f16(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any) -> Any:
+    """trunc_first_body for float16 outputs."""
+    wide_vectors()
+    return trunc_first_body(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, F16)
+
+
+@jit
+def trunc_first_bf16(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any) -> Any:
+    """trunc_first_body for bfloat16 outputs (and float outputs, which ignore the format)."""
+    wide_vectors()
+    return trunc_first_body(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, BF16)
+
+
+@jit
+def trunc_first_f8e4m3(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any) -> Any:
+    """trunc_first_body for float8_e4m3fn outputs."""
+    wide_vectors()
+    return trunc_first_body(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, F8E4M3)
+
+
+@jit
+def trunc_first_f8e5m2(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any) -> Any:
+    """trunc_first_body for float8_e5m2 outputs."""
+    wide_vectors()
+    return trunc_first_body(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, F8E5M2)
+
+
+def trunc_first(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any, h: Any) -> Any:
+    """trunc_first_body in the kernel of out's format: chosen by the output's dtype when the caller compiles, and
+    between the two formats of one width once per call (by the rounding position h[0]), as fill_affine chooses."""
+    raise NotImplementedError("called only inside kernels")
+
+
+def _first_of(rounding: int, first: Any, second: Any) -> Any:
+    """A trunc_first that calls `first` for the format whose rounding position h[0] is `rounding`, else `second`."""
+
+    def pick(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: Any, p1: Any, lo: Any, hi: Any, flags: Any, h: Any) -> Any:
+        if h[0] == rounding:
+            return first(out, xl, c, c1, hi32, p0, p1, lo, hi, flags)
+        return second(out, xl, c, c1, hi32, p0, p1, lo, hi, flags)
+
+    return pick
+
+
+@overload(trunc_first, inline="always")
+def _trunc_first_overload(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: Any, p1: Any, lo: Any, hi: Any, flags: Any, h: Any) -> Any:
+    return _by_format(out, _first_of, trunc_first_f16, trunc_first_bf16, trunc_first_f8e4m3, trunc_first_f8e5m2)
 
 
 @jit
@@ -372,13 +432,13 @@ def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, 
             if not trunc_first(sub, xl, c, c1, hi32, p0, p1, lo, hi, flags, h):
                 continue
             gb = g0 + np.uint64(k + b0)
-            for j in range(nb_):  # about one in a million: candidate 0 itself needs the exact path
-                if flags[j] > 1:
-                    store(sub, np.uint64(j), trunc_settle(sub, gb + np.uint64(j), p0, p1, lo, hi, keys, 0, h), h)
             n = 0
-            for j in range(nb_):  # the rejected ones' indices, without a branch
-                again[n] = j
-                n += flags[j] == 1
+            for j in range(nb_):  # one pass over the flags
+                f = flags[j]
+                if f > 1:  # about one in a million: candidate 0 itself needs the exact path
+                    store(sub, np.uint64(j), trunc_settle(sub, gb + np.uint64(j), p0, p1, lo, hi, keys, 0, h), h)
+                again[n] = j  # the rejected ones' indices, without a branch
+                n += f == 1
             trunc_candidates(sub, keys[1] + GOLDEN + U2 * gb, again, n, p0, p1, lo, hi, vals, states, h)
             for t in range(n):
                 j = again[t]
