@@ -335,34 +335,23 @@ def trunc_first_body(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p
     return bad
 
 
-# One kernel of its own per format, so that trunc_first_body's helpers stay inlined and its loop vectorized
-# whatever else fill_truncnorm holds.
-@jit
-def trunc_first_f16(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any) -> Any:
-    """trunc_first_body for float16 outputs."""
-    wide_vectors()
-    return trunc_first_body(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, F16)
+def _first_for(h: Any, fmt: str) -> Any:
+    """trunc_first_body for one narrow format (h: its constants), as a kernel of its own, so that the body's helpers
+    stay inlined and its loop vectorized whatever else fill_truncnorm holds. Named per format: numba keys a closure's
+    cache on its name (jit.KernelCache)."""
+
+    def first(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any) -> Any:
+        wide_vectors()
+        return trunc_first_body(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, h)
+
+    first.__qualname__ = first.__name__ = f"trunc_first_{fmt}"
+    return jit(first)
 
 
-@jit
-def trunc_first_bf16(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any) -> Any:
-    """trunc_first_body for bfloat16 outputs (and float outputs, which ignore the format)."""
-    wide_vectors()
-    return trunc_first_body(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, BF16)
-
-
-@jit
-def trunc_first_f8e4m3(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any) -> Any:
-    """trunc_first_body for float8_e4m3fn outputs."""
-    wide_vectors()
-    return trunc_first_body(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, F8E4M3)
-
-
-@jit
-def trunc_first_f8e5m2(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any) -> Any:
-    """trunc_first_body for float8_e5m2 outputs."""
-    wide_vectors()
-    return trunc_first_body(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, F8E5M2)
+trunc_first_f16 = _first_for(F16, "f16")
+trunc_first_bf16 = _first_for(BF16, "bf16")  # also float outputs, which ignore the format
+trunc_first_f8e4m3 = _first_for(F8E4M3, "f8e4m3")
+trunc_first_f8e5m2 = _first_for(F8E5M2, "f8e5m2")
 
 
 def trunc_first(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, flags: Any, h: Any) -> Any:
