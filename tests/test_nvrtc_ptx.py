@@ -16,9 +16,12 @@ ctypes: no GPU, driver or CUDA toolkit is needed. The sm_90 cubin's registers an
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,16 +57,31 @@ def opaque_fma_source() -> str:
 
 
 @pytest.fixture(scope="module")
-def ptx() -> dict[str, str]:
-    """Three compiles at once (NVRTC runs without the GIL): PTX, PTX with opaque FMAs, and the sm_ cubin
-    (CuPy's default method), the latter with ptxas's resource report in its log."""
+def ptx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Three compiles at once (NVRTC runs without the GIL): PTX, PTX with opaque FMAs, and the sm_ cubin (CuPy's
+    default method) as the GPU image builds it, `python -m paraminit_server.prebuild DIR --arch 90`, whose output
+    carries ptxas's resource report."""
+    from paraminit_server import prebuild
+
     source = cb.kernel_source()
+    directory = tmp_path_factory.mktemp("cubins")
+    report = io.StringIO()
+
+    def build() -> int:
+        with contextlib.redirect_stdout(report):
+            return prebuild.main([str(directory), "--arch", ARCH])
+
     with ThreadPoolExecutor(3) as pool:
         plain = pool.submit(compile_source, source, cupy_options(f"compute_{ARCH}"))
         opaque = pool.submit(compile_source, opaque_fma_source(), cupy_options(f"compute_{ARCH}"))
-        cubin = pool.submit(compile_source, source, (*cupy_options(f"sm_{ARCH}"), "--ptxas-options=-v"), True)
-        binary, log = cubin.result()
-        return {"plain": plain.result()[0].decode(), "opaque": opaque.result()[0].decode(), "cubin": str(len(binary)), "ptxas": log}
+        built = pool.submit(build)
+        return {
+            "plain": plain.result()[0].decode(),
+            "opaque": opaque.result()[0].decode(),
+            "prebuild": built.result(),
+            "directory": directory,
+            "ptxas": report.getvalue(),
+        }
 
 
 def instructions(text: str) -> list[str]:
@@ -88,14 +106,14 @@ def test_options_end_with_cupys_forced_ftz() -> None:
     assert opts.index("-ftz=true") > max(opts.index(o) for o in cb.NVRTC_OPTIONS)
 
 
-def test_both_kernels_are_in_the_ptx(ptx: dict[str, str]) -> None:
+def test_both_kernels_are_in_the_ptx(ptx: dict[str, Any]) -> None:
     for name in (cb.FILL_KERNEL, cb.FILL_PLAN_KERNEL):
         assert re.search(rf"\.entry {name}\(", ptx["plain"]), name
-    assert int(ptx["cubin"]) > 0
+    assert ptx["prebuild"] == 0 and all(p.stat().st_size > 0 for p in ptx["directory"].iterdir())
     assert len(opcodes(ptx["plain"])) > 1000  # the whole of log, cos and the tile loops
 
 
-def test_no_flush_to_zero_and_no_float32_arithmetic(ptx: dict[str, str]) -> None:
+def test_no_flush_to_zero_and_no_float32_arithmetic(ptx: dict[str, Any]) -> None:
     ops = opcodes(ptx["plain"])
     ftz = sorted({o for o in ops if ".ftz" in o})
     assert not ftz, f"flush-to-zero instructions under CuPy's -ftz=true: {ftz}"
@@ -104,7 +122,7 @@ def test_no_flush_to_zero_and_no_float32_arithmetic(ptx: dict[str, str]) -> None
     assert not f32, f"float32 instructions: {f32}"
 
 
-def test_no_contracted_multiply_add(ptx: dict[str, str]) -> None:
+def test_no_contracted_multiply_add(ptx: dict[str, Any]) -> None:
     ops = opcodes(ptx["plain"])
     fused = [o for o in ops if o.startswith(("fma.", "mad.")) and not o.startswith("mad.lo.") and ".f" in o]
     assert fused and set(fused) == {"fma.rn.f64"}, sorted(set(fused))
@@ -114,29 +132,33 @@ def test_no_contracted_multiply_add(ptx: dict[str, str]) -> None:
     assert fused == ["fma.rn.f64"], f"multiply-adds besides the explicit one: {fused}"
 
 
-def test_registers_and_spills_on_sm90(ptx: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
-    """ptxas's report for sm_90, printed for the notes (pytest -s); both kernels fit a thread's 255 registers."""
+def test_registers_and_spills_on_sm90(ptx: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    """ptxas's report for sm_90 as prebuild prints it, shown for the notes (pytest -s); both kernels fit a
+    thread's 255 registers."""
     log = ptx["ptxas"]
     lines = [ln.strip() for ln in log.splitlines() if "entry function" in ln or "registers" in ln or "spill" in ln]
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+    assert sum("entry function" in ln for ln in lines) == 2, log
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", log)]
     assert len(regs) == 2 and all(0 < r <= 255 for r in regs), log
     assert len(re.findall(r"bytes spill stores", log)) == 2, log
 
 
-def test_cubins_built_ahead_of_time_are_found_only_for_their_sources(tmp_path: Path) -> None:
-    """`python -m paraminit_server.prebuild DIR` (what the GPU image runs at build, without a GPU) writes one ELF
-    cubin per architecture; the backend's look-up finds it for that architecture and these sources only, so an
-    edited kernel or another device compiles instead of loading stale code."""
+def test_cubins_built_ahead_of_time_are_found_only_for_their_sources(ptx: dict[str, Any], tmp_path: Path) -> None:
+    """`python -m paraminit_server.prebuild DIR` (what the GPU image runs at build, without a GPU; the fixture ran
+    it) writes one ELF cubin per architecture; the backend's look-up finds it for that architecture and these
+    sources only, so an edited kernel or another device compiles instead of loading stale code."""
     from paraminit_server import prebuild
 
-    assert prebuild.main([str(tmp_path), "--arch", "90"]) == 0
-    (only,) = tmp_path.iterdir()
+    directory = ptx["directory"]
+    assert ptx["prebuild"] == 0
+    (only,) = directory.iterdir()
     assert only.read_bytes()[:4] == cubins.ELF_MAGIC and only.name.startswith("paraminit_kernels.sm_90.")
+    assert f"{only}: {only.stat().st_size} bytes" in ptx["ptxas"]
     source = cb.kernel_source()
-    assert cubins.find(source, cb.NVRTC_OPTIONS, "90", tmp_path) == only
-    assert cubins.find(source, cb.NVRTC_OPTIONS, "80", tmp_path) is None  # not built for sm_80
-    assert cubins.find(source + "\n// edited\n", cb.NVRTC_OPTIONS, "90", tmp_path) is None
-    assert cubins.find(source, (*cb.NVRTC_OPTIONS, "-G"), "90", tmp_path) is None
+    assert cubins.find(source, cb.NVRTC_OPTIONS, "90", directory) == only
+    assert cubins.find(source, cb.NVRTC_OPTIONS, "80", directory) is None  # not built for sm_80
+    assert cubins.find(source + "\n// edited\n", cb.NVRTC_OPTIONS, "90", directory) is None
+    assert cubins.find(source, (*cb.NVRTC_OPTIONS, "-G"), "90", directory) is None
     assert prebuild.main([str(tmp_path / "bad"), "--arch", "1"]) == 1  # NVRTC refuses sm_1: exit 1, its reason

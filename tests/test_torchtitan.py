@@ -187,41 +187,49 @@ class Recording(Client):
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (4,))
-if sys.argv[2] == "moe":
-    from torchtitan.models import qwen3
-    cfg = qwen3.qwen3_configs["debugmodel_moe"](attn_backend="flex")
-    cfg.layers = qwen3._build_qwen3_moe_layers(
-        n_layers=2, dim=256, n_heads=16, n_kv_heads=8, head_dim=128, moe_hidden_dim=256, num_experts=16, top_k=2,
-        attn_backend="flex", moe_comm_backend="standard", rope=cfg.layers[0].attention.rope)
-else:
-    cfg = llama3_configs["debugmodel"](attn_backend="flex")
-with torch.device("meta"):
-    model = cfg.build()
-for layer in model.layers.values():
-    fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
-plan = plan_from_module(model, seed=5, policy="torchtitan")
-client = Recording()
-materialize_module(model, client, plan=plan)
-(asked,) = client.asked
-full = {p.name: list(p.shape) for p in plan.params}
-regions = {q.name: [[r.start, r.stop] for r in q.region] for q in asked.params}
-with torch.device("meta"):
-    single = cfg.build()
-with Client() as c:
-    materialize_module(single, c, plan=plan)
-ref = dict(single.named_parameters())
-equal, local = {}, {}
-for name, p in model.named_parameters():
-    local[name] = list(p.to_local().shape)
-    equal[name] = bool(torch.equal(p.full_tensor().detach().view(torch.uint8), ref[name].detach().view(torch.uint8)))
-ref_buffers = single.state_dict()
-for name, b in model.state_dict().items():  # persistent buffers (MoE expert_bias): whole on every rank
-    if name not in equal and name in full:
-        equal[name] = bool(torch.equal(b.detach(), ref_buffers[name].detach()))
-json.dump({"regions": regions, "full": full, "local": local, "equal": equal,
-           "placements": {n: str(p.placements) for n, p in model.named_parameters()}},
-          open(sys.argv[1] + f".{rank}", "w"))
+
+
+def config(model):
+    if model == "moe":
+        from torchtitan.models import qwen3
+        cfg = qwen3.qwen3_configs["debugmodel_moe"](attn_backend="flex")
+        cfg.layers = qwen3._build_qwen3_moe_layers(
+            n_layers=2, dim=256, n_heads=16, n_kv_heads=8, head_dim=128, moe_hidden_dim=256, num_experts=16, top_k=2,
+            attn_backend="flex", moe_comm_backend="standard", rope=cfg.layers[0].attention.rope)
+        return cfg
+    return llama3_configs["debugmodel"](attn_backend="flex")
+
+
+def check(cfg):
+    with torch.device("meta"):
+        model = cfg.build()
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    plan = plan_from_module(model, seed=5, policy="torchtitan")
+    client = Recording()
+    materialize_module(model, client, plan=plan)
+    (asked,) = client.asked
+    full = {p.name: list(p.shape) for p in plan.params}
+    regions = {q.name: [[r.start, r.stop] for r in q.region] for q in asked.params}
+    with torch.device("meta"):
+        single = cfg.build()
+    with Client() as c:
+        materialize_module(single, c, plan=plan)
+    ref = dict(single.named_parameters())
+    equal, local = {}, {}
+    for name, p in model.named_parameters():
+        local[name] = list(p.to_local().shape)
+        equal[name] = bool(torch.equal(p.full_tensor().detach().view(torch.uint8), ref[name].detach().view(torch.uint8)))
+    ref_buffers = single.state_dict()
+    for name, b in model.state_dict().items():  # persistent buffers (MoE expert_bias): whole on every rank
+        if name not in equal and name in full:
+            equal[name] = bool(torch.equal(b.detach(), ref_buffers[name].detach()))
+    return {"regions": regions, "full": full, "local": local, "equal": equal,
+            "placements": {n: str(p.placements) for n, p in model.named_parameters()}}
+
+
+json.dump({model: check(config(model)) for model in sys.argv[2:]}, open(sys.argv[1] + f".{rank}", "w"))
 dist.destroy_process_group()
 """
 
@@ -233,13 +241,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama3", "moe"])
-def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path, model: str) -> None:
+def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path) -> None:
     """Each rank fills only its shards (one request) with the single-process bytes: the Llama 3 debug model, and
-    the MoE model, whose grouped expert weights shard along the experts."""
+    the MoE model, whose grouped expert weights shard along the experts (one launch of four ranks for both)."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     out = tmp_path / "result"
+    models = ["llama3", "moe"]
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -250,7 +258,7 @@ def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path, model: str
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(out), model],
+            [sys.executable, str(script), str(out), *models],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -268,19 +276,22 @@ def test_fsdp2_four_gloo_ranks_fill_only_their_shards(tmp_path: Path, model: str
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
     results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(4)]
-    for r, res in enumerate(results):
-        assert all(res["equal"].values()), [n for n, ok in res["equal"].items() if not ok]
-        assert set(res["regions"]) == set(res["full"])  # one request, every parameter, each its own shard
-        assert set(res["equal"]) == set(res["full"])
-        for name, shape in res["full"].items():
-            if name not in res["placements"]:  # a buffer: not sharded, asked for whole
-                assert res["regions"][name] in ([], [[0, d] for d in shape]), (r, name)
-                continue
-            rows = shape[0] // 4
-            assert res["placements"][name] == "(Shard(dim=0),)", name
-            assert res["regions"][name][0] == [r * rows, (r + 1) * rows], (r, name)
-            assert res["regions"][name][1:] == [[0, d] for d in shape[1:]], (r, name)
-            assert res["local"][name] == [rows, *shape[1:]], (r, name)
+    for r, by_model in enumerate(results):
+        assert sorted(by_model) == sorted(models)
+        for model, res in by_model.items():
+            assert all(res["equal"].values()), (model, [n for n, ok in res["equal"].items() if not ok])
+            assert set(res["regions"]) == set(res["full"])  # one request, every parameter, each its own shard
+            assert set(res["equal"]) == set(res["full"])
+            for name, shape in res["full"].items():
+                if name not in res["placements"]:  # a buffer: not sharded, asked for whole
+                    assert res["regions"][name] in ([], [[0, d] for d in shape]), (model, r, name)
+                    continue
+                rows = shape[0] // 4
+                assert res["placements"][name] == "(Shard(dim=0),)", (model, name)
+                assert res["regions"][name][0] == [r * rows, (r + 1) * rows], (model, r, name)
+                assert res["regions"][name][1:] == [[0, d] for d in shape[1:]], (model, r, name)
+                assert res["local"][name] == [rows, *shape[1:]], (model, r, name)
+    assert any("expert" in name for name in results[0]["moe"]["placements"])  # the MoE model's experts were sharded
 
 
 def test_tied_embedding_takes_the_lm_heads_initializer() -> None:

@@ -1,8 +1,9 @@
 """`python -m paraminit_server.prebuild`: kernels compiled ahead of time, so that a server starts without compiling.
 
 `prebuild DIR` writes the device kernels (cubins) for the GPU image's build. It needs NVRTC (the
-nvidia-cuda-nvrtc wheel) and neither CuPy, a driver nor a GPU. The image sets PARAMINIT_CUBIN_DIR to DIR, so the
-CuPy backend loads these cubins at start instead of compiling (backends/cubins.py).
+nvidia-cuda-nvrtc wheel) and neither CuPy, a driver nor a GPU, and prints each cubin with ptxas's report of its
+kernels' registers and spills. The image sets PARAMINIT_CUBIN_DIR to DIR, so the CuPy backend loads these
+cubins at start instead of compiling (backends/cubins.py).
 
 `prebuild --cpu` fills numba's disk cache (NUMBA_CACHE_DIR) with every CPU kernel and the plan scanner. Numba
 compiles under one lock per process, so the work is shared out between processes, one per usable core by
@@ -53,8 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (cubins.NvrtcError, OSError) as exc:
         print(f"{parser.prog}: error: {' '.join(str(exc).split())[:2000]}", file=sys.stderr)
         return exitcodes.ERROR
-    for path in written:
-        print(f"{path}: {path.stat().st_size} bytes")
+    for built in written:
+        print(f"{built.path}: {built.path.stat().st_size} bytes")
+        for line in built.resources:
+            print(f"  {line}")
     return 0
 
 

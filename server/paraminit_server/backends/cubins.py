@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 ARCHS = ("80", "90", "100")  # A100; H100 and H200; B200
 DIR_ENV = "PARAMINIT_CUBIN_DIR"  # where the backend looks for them (the GPU image sets it)
@@ -117,8 +118,24 @@ def nvrtc_compile(source: str, options: Sequence[str], cubin: bool = False, name
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def build(source: str, base: Sequence[str], directory: str | os.PathLike[str], archs: Sequence[str] = ARCHS) -> list[Path]:
+class Built(NamedTuple):
+    """A cubin written by `build`, and ptxas's resource report for it."""
+
+    path: Path
+    resources: list[str]  # ptxas -v lines: each kernel's registers, stack frame and spills
+
+
+def resource_lines(log: str) -> list[str]:
+    """The lines of ptxas -v output (NVRTC's log with --ptxas-options=-v) that name a kernel or its resources."""
+    return [ln.strip() for ln in log.splitlines() if "entry function" in ln or "registers" in ln or "spill" in ln]
+
+
+def build(source: str, base: Sequence[str], directory: str | os.PathLike[str], archs: Sequence[str] = ARCHS) -> list[Built]:
     """Compile `source` for each architecture into `directory` (created), each file written whole or not at all.
+
+    ptxas reports each kernel's registers and spills (--ptxas-options=-v, which changes the log and the command
+    line the cubin records, not its code, so the file's key leaves it out): a kernel that starts to spill shows
+    in the build's output.
 
     Args:
         source: the kernel source.
@@ -127,7 +144,7 @@ def build(source: str, base: Sequence[str], directory: str | os.PathLike[str], a
         archs: architectures, "90" for sm_90.
 
     Returns:
-        The files written.
+        The files written, each with its resource report.
 
     Raises:
         NvrtcError: NVRTC is missing or a compile failed.
@@ -135,15 +152,15 @@ def build(source: str, base: Sequence[str], directory: str | os.PathLike[str], a
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
 
-    def one(arch: str) -> Path:
-        binary, _log = nvrtc_compile(source, cupy_options(base, f"sm_{arch}"), cubin=True)
+    def one(arch: str) -> Built:
+        binary, log = nvrtc_compile(source, (*cupy_options(base, f"sm_{arch}"), "--ptxas-options=-v"), cubin=True)
         if binary[:4] != ELF_MAGIC:
             raise NvrtcError(f"sm_{arch}: NVRTC gave {len(binary)} bytes that are not an ELF cubin")
         path = out / file_name(source, base, arch)
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(binary)
         os.replace(tmp, path)
-        return path
+        return Built(path, resource_lines(log))
 
     # NVRTC compiles without the GIL: one architecture per core
     with ThreadPoolExecutor(max(1, min(len(archs), os.cpu_count() or 1))) as pool:
