@@ -113,6 +113,25 @@ def serve_subprocess(env: dict[str, str] | None = None, stderr: Any = None) -> t
     return proc, target
 
 
+def scanner_seed(root: Path) -> Path:
+    """A kernel-cache seed (PARAMINIT_JIT_CACHE_SEED) holding the plan scanner's compiled kernels and nothing else,
+    copied from this process's cache: a server given it and an empty NUMBA_CACHE_DIR compiles every fill kernel
+    but not the scanner (which has its own cold-compile test, test_jit_cache.py)."""
+    import shutil
+
+    from numba.core.caching import _CacheLocator
+
+    from paraminit_server.plans import scanner, scanner_kernels
+
+    scanner.warm_up()  # loads (or compiles) the scanner into this process's cache
+    source = Path(scanner_kernels.count._cache._cache_path)
+    where = root / "numba" / _CacheLocator.get_suitable_cache_subpath(scanner_kernels.__file__)
+    where.mkdir(parents=True)
+    copied = [shutil.copy2(f, where) for f in source.glob("scanner_kernels.*.nb[ic]")]
+    assert any(str(f).endswith(".nbi") for f in copied), f"no scanner kernels cached in {source}"
+    return root
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """cli.main in this process: (exit code, stdout, stderr); argparse exits become codes."""
     try:

@@ -8,10 +8,10 @@ plans (cupy_backend.pack, the kernels' tile loop and region mapping, emulated
 thread by thread) with reference.py and vectors.json. Normal values match
 exactly: log and cos are correctly rounded on both sides (docs/SAMPLER.md 2.1).
 The header's table block is written by `make kernel-tables` (tests/test_kernel_tables.py).
-The kernel source itself (as the backend inlines it for NVRTC) is compiled to a
-cubin to prove it builds. Skipped without nvcc. What plain nvcc cannot show
-(CuPy's forced -ftz=true, NVRTC's code for the device branches) is checked on
-the PTX by test_nvrtc_ptx.py; the float32 store has no device branch any more.
+Skipped without nvcc. The kernel source itself (as the backend inlines it for
+NVRTC) is compiled by test_nvrtc_ptx.py, which also checks what plain nvcc
+cannot show (CuPy's forced -ftz=true, NVRTC's code for the device branches, no
+compiler warning); the float32 store has no device branch any more.
 """
 
 from __future__ import annotations
@@ -132,11 +132,11 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Build the host driver and, concurrently, a cubin of the kernel source as NVRTC would get it."""
+    """Build the host driver (the kernel source itself is compiled for the device, warnings refused, by
+    test_nvrtc_ptx.py with NVRTC as CuPy compiles it)."""
     assert NVCC is not None
     work = tmp_path_factory.mktemp("cuda_harness")
     (work / "harness.cu").write_text(DRIVER)
-    (work / "kernels.cu").write_text(cb.kernel_source())
     exe = work / "harness"
     host = subprocess.Popen(
         [
@@ -157,27 +157,8 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    device = subprocess.Popen(
-        [
-            NVCC,
-            "-cubin",
-            "-arch=sm_90",
-            *cb.NVRTC_OPTIONS,
-            "-Werror",
-            "all-warnings",
-            str(work / "kernels.cu"),
-            "-o",
-            str(work / "kernels.cubin"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     host_log, _ = host.communicate(timeout=300)
-    dev_log, _ = device.communicate(timeout=300)
     assert host.returncode == 0, f"host harness failed to build:\n{host_log}"
-    assert device.returncode == 0, f"kernel source failed to compile:\n{dev_log}"
-    assert (work / "kernels.cubin").stat().st_size > 0
     yield exe
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from paraminit_client import Client, param, plan_of
 from paraminit_server.backends.cpu import COMPILE_LINE
-from support import serve_subprocess
+from support import scanner_seed, serve_subprocess
 
 BIN = Path(sys.executable).parent
 
@@ -117,8 +117,11 @@ def read_only_install(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str
 
 
 @pytest.mark.slow
-def test_unwritable_numba_cache_only_slows_start(read_only_install: dict[str, str]) -> None:
-    proc, target = serve_subprocess(read_only_install, stderr=subprocess.PIPE)
+def test_unwritable_numba_cache_only_slows_start(read_only_install: dict[str, str], tmp_path: Path) -> None:
+    """The server caches into a fallback directory, seeded as in the image (here with the plan scanner alone), and
+    compiles the fill kernels it lacks there."""
+    env = {**read_only_install, "PARAMINIT_JIT_CACHE_SEED": str(scanner_seed(tmp_path / "seed"))}
+    proc, target = serve_subprocess(env, stderr=subprocess.PIPE)
     try:
         with Client(target) as c:
             assert c.health() == "SERVING"
@@ -130,6 +133,8 @@ def test_unwritable_numba_cache_only_slows_start(read_only_install: dict[str, st
     assert proc.stderr is not None
     err = proc.stderr.read()
     assert "is not writable" in err and "caching into" in err, err
+    fallback = Path(err.split("caching into ", 1)[1].split()[0])
+    assert list(fallback.glob("plans_*/scanner_kernels.*.nbi")), err  # the seed was copied into the fallback
     assert err.count(COMPILE_LINE) == 1, err  # a cold cache is not silent, and says so once
 
 

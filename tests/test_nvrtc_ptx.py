@@ -5,8 +5,8 @@ it wins over anything in cupy_backend.NVRTC_OPTIONS: every float32 conversion or
 operation the compiler emits flushes subnormals to zero, where the CPU backend
 keeps them (docs/SAMPLER.md section 4). The host harness (test_cuda_harness.py)
 cannot see that: it builds with plain nvcc. This test builds the real source
-(cupy_backend.kernel_source()) with CuPy 14's option set and asserts on the PTX:
-no flush-to-zero instruction, no float32 arithmetic at all on outputs, and no
+(cupy_backend.kernel_source()) with CuPy 14's option set, refuses any compiler
+warning, and asserts on the PTX: no flush-to-zero instruction, no float32 arithmetic at all on outputs, and no
 double multiply-add beyond the header's explicit __fma_rn calls.
 
 NVRTC comes from the `nvidia-cuda-nvrtc` wheel (the dev extra), loaded with
@@ -77,6 +77,7 @@ def ptx(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         built = pool.submit(build)
         return {
             "plain": plain.result()[0].decode(),
+            "log": plain.result()[1],
             "opaque": opaque.result()[0].decode(),
             "prebuild": built.result(),
             "directory": directory,
@@ -111,6 +112,7 @@ def test_both_kernels_are_in_the_ptx(ptx: dict[str, Any]) -> None:
         assert re.search(rf"\.entry {name}\(", ptx["plain"]), name
     assert ptx["prebuild"] == 0 and all(p.stat().st_size > 0 for p in ptx["directory"].iterdir())
     assert len(opcodes(ptx["plain"])) > 1000  # the whole of log, cos and the tile loops
+    assert "warning" not in ptx["log"], ptx["log"]  # the compiler's warnings are refused, as -Werror would
 
 
 def test_no_flush_to_zero_and_no_float32_arithmetic(ptx: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.config import ServerConfig
 from paraminit_server.rpc.server import Running, start
-from support import run_cli, serve_subprocess, server_fixture, target_of, wait_until
+from support import run_cli, scanner_seed, serve_subprocess, server_fixture, target_of, wait_until
 
 BIN = Path(sys.executable).parent
 
@@ -338,8 +338,14 @@ def test_cpu_server_serves_while_uncached_kernels_compile() -> None:
 def test_calls_wait_for_a_cold_compile_outside_the_line(tmp_path: Path) -> None:
     """On an empty kernel cache, calls queued behind one that compiles are not refused for their time in line:
     each waits for the kernels it needs before it takes a slot (one slot and a 1 s wait in line here; the first
-    compile takes several seconds, so before, every call but one ended RESOURCE_EXHAUSTED)."""
-    env = {"NUMBA_CACHE_DIR": str(tmp_path), "PARAMINIT_MAX_CONCURRENT": "1", "PARAMINIT_MAX_QUEUE_WAIT": "1"}
+    compile takes several seconds, so before, every call but one ended RESOURCE_EXHAUSTED). The plan scanner, which
+    loads before SERVING, comes from a seed as in the image."""
+    env = {
+        "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+        "PARAMINIT_JIT_CACHE_SEED": str(scanner_seed(tmp_path / "seed")),
+        "PARAMINIT_MAX_CONCURRENT": "1",
+        "PARAMINIT_MAX_QUEUE_WAIT": "1",
+    }
     proc, target = serve_subprocess(env)
     plan = plan_of([param("w", [64, 64], {"uniform": {"lo": -1.0, "hi": 1.0, "seed": 9}})])
     outcomes: list[object] = []
@@ -362,6 +368,7 @@ def test_calls_wait_for_a_cold_compile_outside_the_line(tmp_path: Path) -> None:
         proc.communicate(timeout=60)
     assert len(outcomes) == 3
     assert all(isinstance(o, np.ndarray) for o in outcomes), [str(o) for o in outcomes]
+    assert list((tmp_path / "cache").glob("plans_*/scanner_kernels.*.nbi"))  # the seed was copied in
     first = outcomes[0]
     assert isinstance(first, np.ndarray) and first.std() > 0.5 and all(np.array_equal(first, o) for o in outcomes)
 
