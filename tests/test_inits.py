@@ -116,6 +116,77 @@ def test_validation_reports_the_tables_checks_for_params_and_patches() -> None:
     assert "(patches take zeros, ones, uniform, normal, xavierUniform," in got[5][1]
 
 
+# One message per row: each breaks at most the rules named with it (NaN and infinities in every position).
+_INF, _NAN = math.inf, math.nan
+RULE_ROWS: dict[str, list[tuple[dict[str, float], str | None]]] = {
+    "uniform": [
+        ({"lo": -1.0, "hi": 1.0}, None),
+        ({"lo": 2.0, "hi": 2.0}, None),
+        ({"lo": _NAN, "hi": 1.0}, "bounds must be finite"),
+        ({"lo": 0.0, "hi": _INF}, "bounds must be finite"),
+        ({"lo": 1.0, "hi": -1.0}, "lower bound must not exceed"),
+        ({"lo": -1.7e308, "hi": 1.7e308}, "overflows binary64"),
+    ],
+    "normal": [
+        ({"mean": 0.5, "std": 0.0}, None),
+        ({"mean": _INF, "std": 1.0}, "must be finite"),
+        ({"mean": 0.0, "std": _NAN}, "must be finite"),
+        ({"mean": 0.0, "std": -1e-300}, "must be nonnegative"),
+    ],
+    "truncated_normal": [
+        ({"mean": 0.0, "std": 1.0, "lo": -0.5, "hi": 0.5}, None),
+        ({"mean": 0.0, "std": 1.0, "lo": -_INF, "hi": 0.5}, "must be finite"),
+        ({"mean": 0.0, "std": -1.0, "lo": -0.5, "hi": 0.5}, "must be nonnegative"),
+        ({"mean": 0.0, "std": 1.0, "lo": -0.49, "hi": 0.5}, "too tight"),
+        ({"mean": 0.0, "std": 1.0, "lo": -0.5, "hi": 0.25}, "too tight"),
+    ],
+}
+
+
+@pytest.mark.parametrize("field", list(RULE_ROWS))
+def test_a_form_rule_rejects_the_same_rows_one_by_one_and_as_columns(field: str) -> None:
+    """A form's rules are stated once (the form class's RULES): a row's check reports the first rule it breaks, and
+    a large plan's columns pass exactly the rows whose check is empty."""
+    kind = inits.KINDS[field]
+    assert kind.forms is not None
+    rows = RULE_ROWS[field]
+    messages = []
+    for values, broken in rows:
+        msg = getattr(plan_pb2.Init(), field)
+        for k, v in values.items():
+            setattr(msg, k, v)
+        problems = kind.checks(msg, [4])
+        messages.append(problems)
+        if broken is None:
+            assert problems == [], values
+        else:
+            assert len(problems) == 1 and problems[0][0] == f"init.{field}" and broken in problems[0][1], (values, problems)
+    names = list(rows[0][0])
+    columns = {k: np.array([values[k] for values, _ in rows]) for k in names}
+    columns["seed"] = np.arange(len(rows), dtype=np.uint64)
+    forms = kind.forms(columns.__getitem__, len(rows))
+    assert forms.ok.tolist() == [not m for m in messages]
+    assert set(forms.fields) == set(columns)
+    for k, v in columns.items():
+        np.testing.assert_array_equal(forms.fields[k], v)  # NaN where NaN
+    # every rule of the form is the first one broken by some row
+    form = type(kind.form(getattr(plan_pb2.Init(), field), [4]))
+    assert len({b for _, b in rows if b}) == len(form.RULES) > 1
+
+
+def test_xavier_and_kaiming_bounds_are_one_rule_for_a_row_and_for_columns() -> None:
+    fan_in = np.array([0, 1, 3, 7, 2**53 + 1, 2**63 + 5, 2**64 - 1], dtype=np.uint64)
+    fan_out = np.array([0, 0, 5, 2**60, 2**53, 1, 2**64 - 1], dtype=np.uint64)
+    xs, ks = inits.xavier_bound(fan_in, fan_out), inits.kaiming_bound(fan_in)
+    for i in range(fan_in.shape[0]):
+        x, k = inits.xavier_bound(int(fan_in[i]), int(fan_out[i])), inits.kaiming_bound(int(fan_in[i]))
+        assert type(x) is float and type(k) is float
+        assert x == xs[i] and k == ks[i] and math.copysign(1.0, x) == 1.0
+        denom = float(int(fan_in[i])) + float(int(fan_out[i]))
+        assert x == (0.0 if denom == 0.0 else math.sqrt(6.0 / denom))
+        assert k == (0.0 if fan_in[i] == 0 else math.sqrt(6.0 / float(int(fan_in[i]))))
+
+
 def test_with_seed_sets_seeded_kinds_only() -> None:
     for name, fields in SEEDED:
         init = param("w", [4, 4], {name: fields}).init

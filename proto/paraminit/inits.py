@@ -17,10 +17,11 @@ a form's `moments` gives the mean, standard deviation and bounds it promises (wh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -68,21 +69,55 @@ _KURTOSIS_NORMAL, _KURTOSIS_UNIFORM = 3.0, 1.8
 # -- bounds (docs/SAMPLER.md section 3) ---------------------------------------------------------------------------------
 
 
-def xavier_bound(fan_in: int, fan_out: int) -> float:
-    """sqrt(6 / (fanIn + fanOut)) with fans converted to binary64 first; 0 for zero fans."""
-    denom = float(fan_in) + float(fan_out)
-    return 0.0 if denom == 0.0 else math.sqrt(6.0 / denom)
+def _finite(*xs: Any) -> Any:
+    """Whether every x is finite, for floats and arrays alike (x - x is 0 exactly where x is finite, NaN elsewhere)."""
+    out: Any = True
+    for x in xs:
+        out = out & (x - x == 0)
+    return out
 
 
-def kaiming_bound(fan_in: int) -> float:
-    """sqrt(6 / fanIn) (He-uniform for ReLU); 0 for a zero fan."""
-    return 0.0 if fan_in == 0 else math.sqrt(6.0 / float(fan_in))
+def _sqrt6_over(denom: Any) -> Any:
+    """sqrt(6 / denom), 0 where denom is 0; denom a binary64 float (a float back) or a float64 array."""
+    with np.errstate(divide="ignore"):
+        b = np.sqrt(6.0 / np.where(denom == 0.0, np.inf, denom))
+    return b if isinstance(denom, np.ndarray) else float(b)
 
 
-def trunc_bounds_ok(mean: float, std: float, lo: float, hi: float) -> bool:
-    """Section 2.2's interval rule: lo <= mean - 0.5 * std and hi >= mean + 0.5 * std (binary64 roundings)."""
+def _as_f64(x: Any) -> Any:
+    """An integer, or an integer array, in binary64 (one rounding)."""
+    return x.astype(np.float64) if isinstance(x, np.ndarray) else float(x)
+
+
+def xavier_bound(fan_in: Any, fan_out: Any) -> Any:
+    """sqrt(6 / (fanIn + fanOut)) with fans converted to binary64 first; 0 for zero fans. Of one pair of fans (a
+    float) or of arrays of them (an array): one statement for a row and for a large plan's columns."""
+    return _sqrt6_over(_as_f64(fan_in) + _as_f64(fan_out))
+
+
+def kaiming_bound(fan_in: Any) -> Any:
+    """sqrt(6 / fanIn) (He-uniform for ReLU); 0 for a zero fan. Of one fan (a float) or an array of them."""
+    return _sqrt6_over(_as_f64(fan_in))
+
+
+def trunc_bounds_ok(mean: Any, std: Any, lo: Any, hi: Any) -> Any:
+    """Section 2.2's interval rule: lo <= mean - 0.5 * std and hi >= mean + 0.5 * std (binary64 roundings); of one
+    form (a bool) or of arrays (a bool array)."""
     half = 0.5 * std
-    return lo <= mean - half and hi >= mean + half
+    return (lo <= mean - half) & (hi >= mean + half)
+
+
+class Rule(NamedTuple):
+    """One form check, stated once for a parameter and for a large plan's columns: `holds` reads the fields as
+    f["lo"] (floats of one message, or arrays of many rows) and is true where the check passes; `message` names
+    the problem of one message whose check failed. A form's rules run in order: a row reports its first failure."""
+
+    holds: Callable[[Any], Any]
+    message: Callable[[Any], str]
+
+
+def _says(text: str) -> Callable[[Any], str]:
+    return lambda _f: text
 
 
 # -- value forms ----------------------------------------------------------------------------------------------------
@@ -111,6 +146,7 @@ class _Form:
     """What every value form answers; a form overrides what it knows."""
 
     WORDS: ClassVar[str] = "the largest |value|"  # the range rule's words for bound()
+    RULES: ClassVar[tuple[Rule, ...]] = ()  # the form checks of a kind whose message holds the form as it is (_direct)
 
     @classmethod
     def bound(cls, f: Mapping[str, Any]) -> Any:
@@ -181,6 +217,11 @@ class Uniform(Distribution):
     hi: float
     seed: int
     WORDS: ClassVar[str] = _INTERVAL_WORDS
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule(lambda f: _finite(f["lo"], f["hi"]), _says("initialization: uniform bounds must be finite")),
+        Rule(lambda f: f["lo"] <= f["hi"], _says("initialization: uniform lower bound must not exceed the upper bound")),
+        Rule(lambda f: _finite(f["hi"] - f["lo"]), _says("uniform range hi - lo overflows binary64")),
+    )
 
     @classmethod
     def kernel(cls, f: Mapping[str, Any]) -> Kernel:
@@ -206,6 +247,10 @@ class Normal(Distribution):
     std: float
     seed: int
     WORDS: ClassVar[str] = "|mean| + std * 5.2566"
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule(lambda f: _finite(f["mean"], f["std"]), _says("initialization: normal mean and standard deviation must be finite")),
+        Rule(lambda f: f["std"] >= 0, _says("initialization: normal standard deviation must be nonnegative")),
+    )
 
     @classmethod
     def kernel(cls, f: Mapping[str, Any]) -> Kernel:
@@ -233,6 +278,22 @@ class TruncNormal(Distribution):
     hi: float
     seed: int
     WORDS: ClassVar[str] = _INTERVAL_WORDS
+    # finite, std >= 0, and bounds wide enough that 64 candidates practically never fail (SAMPLER.md 2.2)
+    RULES: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            lambda f: _finite(f["mean"], f["std"], f["lo"], f["hi"]),
+            _says("initialization: truncated normal mean, standard deviation and bounds must be finite"),
+        ),
+        Rule(lambda f: f["std"] >= 0, _says("initialization: truncated normal standard deviation must be nonnegative")),
+        Rule(
+            lambda f: trunc_bounds_ok(f["mean"], f["std"], f["lo"], f["hi"]),
+            lambda f: (
+                f"truncated normal bounds [{f['lo']!r}, {f['hi']!r}] are too tight: they must hold "
+                f"[mean - std / 2, mean + std / 2] = [{f['mean'] - 0.5 * f['std']!r}, {f['mean'] + 0.5 * f['std']!r}] "
+                "(lo <= mean - 0.5 * std, hi >= mean + 0.5 * std)"
+            ),
+        ),
+    )
 
     @classmethod
     def kernel(cls, f: Mapping[str, Any]) -> Kernel:
@@ -431,49 +492,6 @@ def _none(_m: Any, _s: Sequence[int]) -> list[Problem]:
 no_checks = _none  # the `checks` of kinds whose message alone cannot be wrong (callers skip the call)
 
 
-def _finite(*xs: float) -> bool:
-    return all(math.isfinite(x) for x in xs)
-
-
-def _check_uniform(u: plan_pb2.Uniform, _s: Sequence[int]) -> list[Problem]:
-    lo, hi = u.lo, u.hi
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return [("init.uniform", "initialization: uniform bounds must be finite")]
-    if lo > hi:
-        return [("init.uniform", "initialization: uniform lower bound must not exceed the upper bound")]
-    if not math.isfinite(hi - lo):
-        return [("init.uniform", "uniform range hi - lo overflows binary64")]
-    return []
-
-
-def _check_normal(n: plan_pb2.Normal, _s: Sequence[int]) -> list[Problem]:
-    mean, std = n.mean, n.std
-    if not (math.isfinite(mean) and math.isfinite(std)):
-        return [("init.normal", "initialization: normal mean and standard deviation must be finite")]
-    if std < 0:
-        return [("init.normal", "initialization: normal standard deviation must be nonnegative")]
-    return []
-
-
-def _check_truncated_normal(t: plan_pb2.TruncatedNormal, _s: Sequence[int]) -> list[Problem]:
-    """Finite, std >= 0, and bounds wide enough that 64 candidates practically never fail (SAMPLER.md 2.2)."""
-    where = "init.truncated_normal"
-    if not _finite(t.mean, t.std, t.lo, t.hi):
-        return [(where, "initialization: truncated normal mean, standard deviation and bounds must be finite")]
-    if t.std < 0:
-        return [(where, "initialization: truncated normal standard deviation must be nonnegative")]
-    if not trunc_bounds_ok(t.mean, t.std, t.lo, t.hi):
-        return [
-            (
-                where,
-                f"truncated normal bounds [{t.lo!r}, {t.hi!r}] are too tight: they must hold "
-                f"[mean - std / 2, mean + std / 2] = [{t.mean - 0.5 * t.std!r}, {t.mean + 0.5 * t.std!r}] "
-                "(lo <= mean - 0.5 * std, hi >= mean + 0.5 * std)",
-            )
-        ]
-    return []
-
-
 def length_message(expected: int, got: int) -> str:
     """TorchLean's words for a flat initializer of the wrong length (docs/SAMPLER.md section 6); an expected count
     past MAX_ELEMENTS (a shape validation refuses anyway) is written as a bound, never as a huge number."""
@@ -568,34 +586,44 @@ def _all(n: int) -> npt.NDArray[np.bool_]:
     return np.ones(n, dtype=bool)
 
 
-def _fin(*xs: npt.NDArray[np.float64]) -> npt.NDArray[np.bool_]:
-    out = np.isfinite(xs[0])
-    for x in xs[1:]:
-        out &= np.isfinite(x)
-    return out
-
-
 def _const_forms(value: float) -> Callable[[FieldColumns, int], Forms]:
     return lambda f, n: Forms(Const, {"value": np.full(n, value)}, _all(n))
 
 
-def _uniform_forms(f: FieldColumns, n: int) -> Forms:
-    lo, hi = f("lo"), f("hi")
-    with np.errstate(all="ignore"):  # the same tests as _check_uniform, row by row
-        return Forms(Uniform, {"lo": lo, "hi": hi, "seed": f("seed")}, _fin(lo, hi, hi - lo) & (lo <= hi))
+class _Fields:
+    """One message's fields as the rules read them (f["lo"])."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: Any) -> None:
+        self.message = message
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self.message, name)
 
 
-def _normal_forms(f: FieldColumns, n: int) -> Forms:
-    mean, std = f("mean"), f("std")
-    return Forms(Normal, {"mean": mean, "std": std, "seed": f("seed")}, _fin(mean, std) & (std >= 0))
+def _direct(field: str, json: str, form: type[Distribution]) -> InitKind:
+    """A kind whose message holds its form's fields as they are (uniform, normal, truncated normal): its value form,
+    its checks of one message and of a large plan's columns all come from the form class (its fields and RULES)."""
+    names = [f.name for f in dataclasses.fields(cast(Any, form))]
+    where = f"init.{field}"
 
+    def checks(m: Any, _s: Sequence[int]) -> list[Problem]:  # the first rule the message breaks
+        f = _Fields(m)
+        for rule in form.RULES:
+            if not rule.holds(f):
+                return [(where, rule.message(f))]
+        return []
 
-def _truncated_normal_forms(f: FieldColumns, n: int) -> Forms:
-    mean, std, lo, hi = f("mean"), f("std"), f("lo"), f("hi")
-    with np.errstate(all="ignore"):  # the same tests as _check_truncated_normal and trunc_bounds_ok
-        half = 0.5 * std
-        ok = _fin(mean, std, lo, hi) & (std >= 0) & (lo <= mean - half) & (hi >= mean + half)
-    return Forms(TruncNormal, {"mean": mean, "std": std, "lo": lo, "hi": hi, "seed": f("seed")}, ok)
+    def forms(f: FieldColumns, n: int) -> Forms:  # the rows that break no rule
+        fields = {name: f(name) for name in names}
+        ok = _all(n)
+        with np.errstate(all="ignore"):
+            for rule in form.RULES:
+                ok &= rule.holds(fields)
+        return Forms(form, fields, ok)
+
+    return InitKind(field, json, True, False, lambda m, s: form(*(getattr(m, name) for name in names)), checks, forms=forms)
 
 
 def _symmetric_forms(bound: npt.NDArray[np.float64], seed: npt.NDArray[np.uint64]) -> Forms:
@@ -603,23 +631,19 @@ def _symmetric_forms(bound: npt.NDArray[np.float64], seed: npt.NDArray[np.uint64
 
 
 def _xavier_forms(f: FieldColumns, n: int) -> Forms:
-    denom = f("fan_in").astype(np.float64) + f("fan_out").astype(np.float64)  # as xavier_bound: binary64 first
-    with np.errstate(divide="ignore"):
-        return _symmetric_forms(np.where(denom == 0.0, 0.0, np.sqrt(6.0 / denom)), f("seed"))
+    return _symmetric_forms(xavier_bound(f("fan_in"), f("fan_out")), f("seed"))
 
 
 def _kaiming_forms(f: FieldColumns, n: int) -> Forms:
-    fan_in = f("fan_in")
-    with np.errstate(divide="ignore"):
-        return _symmetric_forms(np.where(fan_in == 0, 0.0, np.sqrt(6.0 / fan_in.astype(np.float64))), f("seed"))
+    return _symmetric_forms(kaiming_bound(f("fan_in")), f("seed"))
 
 
 def _table() -> dict[str, InitKind]:
     kinds = [
         InitKind("zeros", "zeros", False, False, lambda m, s: Const(0.0), _none, lambda m, s: "zeros", _const_forms(0.0)),
         InitKind("ones", "ones", False, False, lambda m, s: Const(1.0), _none, lambda m, s: "ones", _const_forms(1.0)),
-        InitKind("uniform", "uniform", True, False, lambda m, s: Uniform(m.lo, m.hi, m.seed), _check_uniform, forms=_uniform_forms),
-        InitKind("normal", "normal", True, False, lambda m, s: Normal(m.mean, m.std, m.seed), _check_normal, forms=_normal_forms),
+        _direct("uniform", "uniform", Uniform),
+        _direct("normal", "normal", Normal),
         InitKind(
             "xavier_uniform",
             "xavierUniform",
@@ -661,15 +685,7 @@ def _table() -> dict[str, InitKind]:
         ),
         InitKind("flat_ref", "flatRef", False, True, lambda m, s: PayloadRef(m.payload_id), _check_flat_ref),
         InitKind("safetensors", "safetensors", False, True, lambda m, s: Checkpoint(m.path, m.tensor, m.dtype), _check_safetensors),
-        InitKind(
-            "truncated_normal",
-            "truncatedNormal",
-            True,
-            False,
-            lambda m, s: TruncNormal(m.mean, m.std, m.lo, m.hi, m.seed),
-            _check_truncated_normal,
-            forms=_truncated_normal_forms,
-        ),
+        _direct("truncated_normal", "truncatedNormal", TruncNormal),
         # computed from the whole matrix, so its values are data like a payload's (and not allowed in a patch)
         InitKind("orthogonal", "orthogonal", True, True, _orthogonal, _check_orthogonal, lambda m, s: f"orthogonal(gain={_g(m.gain)})"),
     ]
