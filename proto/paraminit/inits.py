@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
@@ -78,10 +80,12 @@ def _finite(*xs: Any) -> Any:
 
 
 def _sqrt6_over(denom: Any) -> Any:
-    """sqrt(6 / denom), 0 where denom is 0; denom a binary64 float (a float back) or a float64 array."""
-    with np.errstate(divide="ignore"):
-        b = np.sqrt(6.0 / np.where(denom == 0.0, np.inf, denom))
-    return b if isinstance(denom, np.ndarray) else float(b)
+    """sqrt(6 / denom) with 6 / 0 taken as 0 (a zero denominator read as infinite); denom a binary64 float (a float
+    back, without numpy's per-call cost) or a float64 array."""
+    if isinstance(denom, np.ndarray):
+        with np.errstate(divide="ignore"):
+            return np.sqrt(6.0 / np.where(denom == 0.0, np.inf, denom))
+    return math.sqrt(6.0 / (math.inf if denom == 0.0 else denom))
 
 
 def _as_f64(x: Any) -> Any:
@@ -109,8 +113,9 @@ def trunc_bounds_ok(mean: Any, std: Any, lo: Any, hi: Any) -> Any:
 
 class Rule(NamedTuple):
     """One form check, stated once for a parameter and for a large plan's columns: `holds` reads the fields as
-    f["lo"] (floats of one message, or arrays of many rows) and is true where the check passes; `message` names
-    the problem of one message whose check failed. A form's rules run in order: a row reports its first failure."""
+    attributes (f.lo: floats of one message, which is passed as it is, or arrays of many rows) and is true where
+    the check passes; `message` names the problem of one message whose check failed. A form's rules run in order:
+    a row reports its first failure."""
 
     holds: Callable[[Any], Any]
     message: Callable[[Any], str]
@@ -218,9 +223,9 @@ class Uniform(Distribution):
     seed: int
     WORDS: ClassVar[str] = _INTERVAL_WORDS
     RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule(lambda f: _finite(f["lo"], f["hi"]), _says("initialization: uniform bounds must be finite")),
-        Rule(lambda f: f["lo"] <= f["hi"], _says("initialization: uniform lower bound must not exceed the upper bound")),
-        Rule(lambda f: _finite(f["hi"] - f["lo"]), _says("uniform range hi - lo overflows binary64")),
+        Rule(lambda f: _finite(f.lo, f.hi), _says("initialization: uniform bounds must be finite")),
+        Rule(lambda f: f.lo <= f.hi, _says("initialization: uniform lower bound must not exceed the upper bound")),
+        Rule(lambda f: _finite(f.hi - f.lo), _says("uniform range hi - lo overflows binary64")),
     )
 
     @classmethod
@@ -248,8 +253,8 @@ class Normal(Distribution):
     seed: int
     WORDS: ClassVar[str] = "|mean| + std * 5.2566"
     RULES: ClassVar[tuple[Rule, ...]] = (
-        Rule(lambda f: _finite(f["mean"], f["std"]), _says("initialization: normal mean and standard deviation must be finite")),
-        Rule(lambda f: f["std"] >= 0, _says("initialization: normal standard deviation must be nonnegative")),
+        Rule(lambda f: _finite(f.mean, f.std), _says("initialization: normal mean and standard deviation must be finite")),
+        Rule(lambda f: f.std >= 0, _says("initialization: normal standard deviation must be nonnegative")),
     )
 
     @classmethod
@@ -281,15 +286,15 @@ class TruncNormal(Distribution):
     # finite, std >= 0, and bounds wide enough that 64 candidates practically never fail (SAMPLER.md 2.2)
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule(
-            lambda f: _finite(f["mean"], f["std"], f["lo"], f["hi"]),
+            lambda f: _finite(f.mean, f.std, f.lo, f.hi),
             _says("initialization: truncated normal mean, standard deviation and bounds must be finite"),
         ),
-        Rule(lambda f: f["std"] >= 0, _says("initialization: truncated normal standard deviation must be nonnegative")),
+        Rule(lambda f: f.std >= 0, _says("initialization: truncated normal standard deviation must be nonnegative")),
         Rule(
-            lambda f: trunc_bounds_ok(f["mean"], f["std"], f["lo"], f["hi"]),
+            lambda f: trunc_bounds_ok(f.mean, f.std, f.lo, f.hi),
             lambda f: (
-                f"truncated normal bounds [{f['lo']!r}, {f['hi']!r}] are too tight: they must hold "
-                f"[mean - std / 2, mean + std / 2] = [{f['mean'] - 0.5 * f['std']!r}, {f['mean'] + 0.5 * f['std']!r}] "
+                f"truncated normal bounds [{f.lo!r}, {f.hi!r}] are too tight: they must hold "
+                f"[mean - std / 2, mean + std / 2] = [{f.mean - 0.5 * f.std!r}, {f.mean + 0.5 * f.std!r}] "
                 "(lo <= mean - 0.5 * std, hi >= mean + 0.5 * std)"
             ),
         ),
@@ -590,40 +595,29 @@ def _const_forms(value: float) -> Callable[[FieldColumns, int], Forms]:
     return lambda f, n: Forms(Const, {"value": np.full(n, value)}, _all(n))
 
 
-class _Fields:
-    """One message's fields as the rules read them (f["lo"])."""
-
-    __slots__ = ("message",)
-
-    def __init__(self, message: Any) -> None:
-        self.message = message
-
-    def __getitem__(self, name: str) -> Any:
-        return getattr(self.message, name)
-
-
 def _direct(field: str, json: str, form: type[Distribution]) -> InitKind:
     """A kind whose message holds its form's fields as they are (uniform, normal, truncated normal): its value form,
     its checks of one message and of a large plan's columns all come from the form class (its fields and RULES)."""
     names = [f.name for f in dataclasses.fields(cast(Any, form))]
+    read = operator.attrgetter(*names)
     where = f"init.{field}"
 
     def checks(m: Any, _s: Sequence[int]) -> list[Problem]:  # the first rule the message breaks
-        f = _Fields(m)
         for rule in form.RULES:
-            if not rule.holds(f):
-                return [(where, rule.message(f))]
+            if not rule.holds(m):
+                return [(where, rule.message(m))]
         return []
 
     def forms(f: FieldColumns, n: int) -> Forms:  # the rows that break no rule
         fields = {name: f(name) for name in names}
+        columns = SimpleNamespace(**fields)
         ok = _all(n)
         with np.errstate(all="ignore"):
             for rule in form.RULES:
-                ok &= rule.holds(fields)
+                ok &= rule.holds(columns)
         return Forms(form, fields, ok)
 
-    return InitKind(field, json, True, False, lambda m, s: form(*(getattr(m, name) for name in names)), checks, forms=forms)
+    return InitKind(field, json, True, False, lambda m, s: form(*read(m)), checks, forms=forms)
 
 
 def _symmetric_forms(bound: npt.NDArray[np.float64], seed: npt.NDArray[np.uint64]) -> Forms:
