@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import Any
 
 import numpy as np
@@ -165,11 +166,13 @@ def test_validate_ends_in_the_idle_trim(monkeypatch: pytest.MonkeyPatch) -> None
     starts the same idle wait that gives the heap back (one rule, no inline trim that a timer may double)."""
     from paraminit_server.plane import admission
 
-    waits: list[int] = []
-    monkeypatch.setattr(admission.Admission, "_trim_later", lambda self: waits.append(1))
+    waits: list[tuple[Any, int]] = []
+    monkeypatch.setattr(admission.Admission, "_trim_later", lambda self: waits.append((self, threading.get_ident())))
     with running_server() as r:
         r.plane.validate(plan_of([param("w", [4], {"zeros": {}})]), Caller())
-        assert waits == [1]
+        # only this call's wait counts: the class is patched for every server in this process, and a call that ends
+        # meanwhile on another thread (a stopped server's handler winding down, a stray client on this port) is not it
+        assert [w for w in waits if w == (r.plane.admission, threading.get_ident())] == [(r.plane.admission, threading.get_ident())]
 
 
 def test_heap_is_trimmed_once_after_the_server_stays_idle(monkeypatch: pytest.MonkeyPatch) -> None:
