@@ -49,6 +49,7 @@ __all__ = [
     "Normal",
     "Orthogonal",
     "PayloadRef",
+    "Rule",
     "TruncNormal",
     "Uniform",
     "ValueForm",
