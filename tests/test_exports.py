@@ -581,6 +581,39 @@ def test_leases_of_a_closed_client_are_released_at_exit() -> None:
         assert wait_until(lambda: r.plane.leases.list() == [], 10)
 
 
+class _ViewsLiveOn:
+    """Stands in for a CUDA IPC mapping whose views outlive release() (CudaMapping.close returns False and runs
+    `then` when the last view goes): the one case where a lease is released but its Release is not yet sent."""
+
+    def __init__(self) -> None:
+        self.then: Any = None
+
+    def close(self, then: Any = None) -> bool:
+        self.then = then
+        return False
+
+
+def test_a_release_waiting_for_its_last_view_outlives_the_clients_close() -> None:
+    """`with c.export(plan, "cuda_ipc") as lease:` inside `with Client(target) as c:`, with torch views kept past
+    both: the lease owes the server its Release until the last view goes. The closed client keeps its channel open
+    for it, and for its renewals; the Release then lands (on a device the lease stayed until its TTL)."""
+    with running_server() as r:
+        c = Client(target_of(r))
+        lease = c.export(plan_of([param("w", [64], {"ones": {}})]), "shm", ttl_seconds=600)
+        views = lease._cuda = _ViewsLiveOn()  # type: ignore[assignment]
+        assert lease.release() is False and lease.released and lease.owes_release  # deferred to the last view
+        c.close()
+        with pytest.raises(ParaminitError):
+            c.validate(plan_of([]))  # closed: new calls are refused
+        before = lease.expires_at
+        time.sleep(0.01)
+        assert lease.renew(900) > before  # renewals go on until the last view goes
+        assert [x.lease_id for x in r.plane.leases.list()] == [lease.lease_id]
+        views.then()  # the last view goes: Release from a background thread, over the closed client's channel
+        assert wait_until(lambda: r.plane.leases.list() == [], 10)
+        assert not lease.owes_release
+
+
 HOLDS_MAPPING = textwrap.dedent("""
     import mmap, os, sys
     fd = os.open("/dev/shm/" + sys.argv[1], os.O_RDWR)

@@ -394,6 +394,13 @@ class Lease:
         """Whether release() was called (the server may still be told, for a CUDA_IPC view that lives on)."""
         return self._released
 
+    @property
+    def owes_release(self) -> bool:
+        """Whether the server is still to be told: not released yet, or released while a CUDA_IPC view lives on
+        (Release goes when the last view does). A closed client keeps its channel open for such a lease."""
+        with self._lock:
+            return not self._release_sent
+
     def __enter__(self) -> Lease:
         return self
 

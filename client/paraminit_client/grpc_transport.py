@@ -99,8 +99,9 @@ class GrpcTransport:
         self.workers = list(workers)
         self._channel = channel
         self._gate = CallGate(f"client of {target}")
-        # leases made through this channel and not yet released: a closed client keeps the channel open for
-        # their Release (at the latest at exit), or they would be held until their TTL
+        # leases made through this channel that still owe the server a Release (not released, or released while a
+        # CUDA_IPC view lives on): a closed client keeps the channel open for it (at the latest at exit), or they
+        # would be held until their TTL
         self._leases: weakref.WeakSet[Any] = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _close_channel, self._gate, channel)
         self.stub = pb_grpc.InitServiceStub(channel)
@@ -256,22 +257,25 @@ class GrpcTransport:
         """Keep the channel open for `lease`'s Release even after close() (until it is released)."""
         self._leases.add(lease)
 
-    def release(self, lease_id: str, timeout: float | None = None) -> bool:
-        if not self._gate.closed or self._gate.forked():  # a closed client's leases still release
-            return bool(self.call(self.stub.Release, pb.ReleaseRequest(lease_id=lease_id), timeout).released)
+    def _lease_call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        """A call about a lease this client made: through the gate while the client is open; after close() straight
+        on the channel, which stays open while any of its leases owes the server a Release."""
+        if not self._gate.closed or self._gate.forked():
+            return self.call(method, request, timeout)
         with rpc_errors():
-            released = bool(
-                self.stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self.timeout if timeout is None else timeout).released
-            )
-        self._leases = weakref.WeakSet(
-            x for x in self._leases if getattr(x, "lease_id", None) != lease_id and not getattr(x, "released", True)
-        )
-        if not self._leases:  # the last live lease of a closed client: now the channel goes
-            self._channel.close()
+            return method(request, timeout=self.timeout if timeout is None else timeout)
+
+    def release(self, lease_id: str, timeout: float | None = None) -> bool:
+        released = bool(self._lease_call(self.stub.Release, pb.ReleaseRequest(lease_id=lease_id), timeout).released)
+        if self._gate.closed and not self._gate.forked():
+            self._leases = weakref.WeakSet(x for x in self._leases if getattr(x, "lease_id", None) != lease_id and _owes_release(x))
+            if not self._leases:  # the last lease of a closed client is settled: now the channel goes
+                self._channel.close()
         return released
 
     def renew(self, lease_id: str, ttl_seconds: float) -> float:
-        resp = self.call(self.stub.Renew, pb.RenewRequest(lease_id=lease_id, ttl=times.duration(ttl_seconds)))
+        """Renew (also after close(): a lease released while a CUDA_IPC view lives on keeps renewing until it goes)."""
+        resp = self._lease_call(self.stub.Renew, pb.RenewRequest(lease_id=lease_id, ttl=times.duration(ttl_seconds)))
         return times.epoch(resp.lease.expires_at)
 
     def apply(self, lease_id: str, plan: plan_pb2.Plan) -> str:
@@ -282,12 +286,17 @@ class GrpcTransport:
         it are live, new calls are refused but the channel stays open for their Release."""
         for w in self.workers:
             w.close()
-        live = [x for x in self._leases if not getattr(x, "released", True)]
+        live = [x for x in self._leases if _owes_release(x)]
         if live and not self._gate.forked():
             self._gate.close(CLOSE_WAIT)
             self._finalizer.detach()
             return
         self._finalizer()
+
+
+def _owes_release(lease: Any) -> bool:
+    """Whether a lease of this client is still to be released on the server (exports.Lease.owes_release)."""
+    return bool(getattr(lease, "owes_release", False))
 
 
 def _locked(progress: Callable[[int], None] | None) -> Callable[[int], None] | None:
