@@ -23,7 +23,7 @@ import pytest
 from paraminit import times
 from paraminit.peers import is_local_peer
 from paraminit.v1 import init_service_pb2 as pb
-from paraminit_client import Client, ParaminitError, cli, param, plan_of
+from paraminit_client import Client, ClientClosed, ParaminitError, cli, param, plan_of
 from paraminit_server import errors
 from paraminit_server.backends import shm
 from paraminit_server.backends.shm import ShmSegment
@@ -612,6 +612,8 @@ def test_a_release_waiting_for_its_last_view_outlives_the_clients_close() -> Non
         views.then()  # the last view goes: Release from a background thread, over the closed client's channel
         assert wait_until(lambda: r.plane.leases.list() == [], 10)
         assert not lease.owes_release
+        with pytest.raises(ClientClosed):  # nothing is owed any more: the channel is gone, and so is the lease
+            lease.renew(900)
 
 
 HOLDS_MAPPING = textwrap.dedent("""

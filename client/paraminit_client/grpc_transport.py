@@ -274,8 +274,12 @@ class GrpcTransport:
         return released
 
     def renew(self, lease_id: str, ttl_seconds: float) -> float:
-        """Renew (also after close(): a lease released while a CUDA_IPC view lives on keeps renewing until it goes)."""
-        resp = self._lease_call(self.stub.Renew, pb.RenewRequest(lease_id=lease_id, ttl=times.duration(ttl_seconds)))
+        """Renew (also after close(), while a lease still owes its Release: one released while a CUDA_IPC view lives on
+        keeps renewing until the view goes; once nothing is owed the channel is gone and the gate says so)."""
+        request = pb.RenewRequest(lease_id=lease_id, ttl=times.duration(ttl_seconds))
+        if not any(_owes_release(x) for x in self._leases):
+            return times.epoch(self.call(self.stub.Renew, request).lease.expires_at)
+        resp = self._lease_call(self.stub.Renew, request)
         return times.epoch(resp.lease.expires_at)
 
     def apply(self, lease_id: str, plan: plan_pb2.Plan) -> str:
