@@ -219,3 +219,63 @@ def test_normal_large_sample(gpu: CupyBackend, cpu_backend: Any, dtype: dtypes.D
         gpu.fill(rp, out)
         total += compare(rp, gpu.to_host(out), cpu_fill_window(cpu_backend, rp, 0, n), f"normal {dtype.name}")
     assert total == 0
+
+
+# Stores round binary64 to float32, float16 and bfloat16 with one cvt.rn instruction on the device (pi_*_out) and
+# with integer arithmetic on the host harness and older devices (pi_*_bits): both, under CuPy's forced -ftz=true.
+NARROW_CHECK = r"""
+extern "C" __global__ void pi_narrow_check(const double* v, long long n, unsigned int* hw32, unsigned int* sw32,
+                                           unsigned short* hw16, unsigned short* sw16, unsigned short* hwbf,
+                                           unsigned short* swbf) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    hw32[i] = pi_f32_out(v[i]);
+    sw32[i] = pi_f32_bits(v[i]);
+    hw16[i] = pi_f16_out(v[i]);
+    sw16[i] = pi_f16_bits(v[i]);
+    hwbf[i] = pi_bf16_out(v[i]);
+    swbf[i] = pi_bf16_bits(v[i]);
+}
+"""
+
+
+def narrowing_cases() -> np.ndarray[Any, Any]:
+    """Doubles where rounding to float32, float16 or bfloat16 can go wrong, both signs: for every binary exponent
+    from below half the smallest subnormal to past the largest finite value, points of each format's grid, the ties
+    between them, the doubles either side of a tie, and random doubles; plus zeros, infinities and NaN."""
+    rng = np.random.default_rng(20261204)
+    out = [np.array([0.0, np.inf, np.nan])]
+    for mant, emin, emax in ((23, -126, 127), (10, -14, 15), (7, -126, 127)):
+        for e in range(emin - mant - 3, emax + 2):
+            step = np.ldexp(1.0, max(e, emin) - mant)  # the format's spacing within [2^e, 2^(e+1))
+            per = max(1, int(np.ldexp(1.0, e) // step))
+            k = np.unique(np.concatenate([[0, per - 1], rng.integers(0, per, 6)]))
+            grid = np.ldexp(1.0, e) + k * step
+            ties = grid + step / 2
+            out += [grid, ties, np.nextafter(ties, -np.inf), np.nextafter(ties, np.inf)]
+            out.append(np.ldexp(1.0, e) * (1.0 + rng.random(8)))
+    v = np.concatenate(out)
+    return np.concatenate([v, -v])
+
+
+def test_hardware_narrowing_is_the_integer_rounding(gpu: CupyBackend) -> None:
+    from paraminit_server.backends import cupy_backend as cb
+
+    module = cp.RawModule(code=cb.kernel_source() + NARROW_CHECK, options=cb.NVRTC_OPTIONS)
+    host = narrowing_cases()
+    v = cp.asarray(host)
+    n = host.size
+    outs = [cp.full(n, 0xA5A5A5A5, dtype=cp.uint32) for _ in range(2)]
+    outs += [cp.full(n, 0xA5A5, dtype=cp.uint16) for _ in range(4)]
+    module.get_function("pi_narrow_check")(((n + 255) // 256,), (256,), (v, np.int64(n), *outs))
+    hw32, sw32, hw16, sw16, hwbf, swbf = (cp.asnumpy(o) for o in outs)
+    for name, hw, sw in (("float32", hw32, sw32), ("float16", hw16, sw16), ("bfloat16", hwbf, swbf)):
+        bad = np.flatnonzero(hw != sw)
+        assert bad.size == 0, f"{name}: {bad.size} of {n} differ, first {host[bad[0]]!r}: {hw[bad[0]]:#x} != {sw[bad[0]]:#x}"
+    # and both are IEEE's: NumPy rounds binary64 to float32 and float16 once, subnormals kept
+    finite = ~np.isnan(host)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(hw32[finite], host[finite].astype(np.float32).view(np.uint32))
+        assert np.array_equal(hw16[finite], host[finite].astype(np.float16).view(np.uint16))
+    sub32 = (hw32 & 0x7F800000 == 0) & (hw32 & 0x7FFFFF != 0)
+    assert sub32.sum() > 100, "the cases must reach float32's subnormals"

@@ -11,10 +11,11 @@
 // cos_dd, decided, the FIX tables), with fused multiply-adds exactly where it has
 // them (__fma_rn on the device, std::fma on the host), so CPU and GPU bytes agree.
 //
-// Output rounding (float32 included) is integer arithmetic on the binary64 bits
-// (pi_narrow_bits), identical on host and device and immune to CuPy's forced
-// -ftz=true; tests/test_nvrtc_ptx.py compiles this source as CuPy does and
-// checks the PTX for flush-to-zero and contracted instructions.
+// Output rounding is integer arithmetic on the binary64 bits (pi_narrow_bits) on
+// the host, and one inline-PTX cvt.rn from binary64 on the device (pi_f32_out and
+// its siblings), both immune to CuPy's forced -ftz=true; tests/test_nvrtc_ptx.py
+// compiles this source as CuPy does and checks the PTX for flush-to-zero and
+// contracted instructions, and tests/test_gpu.py checks both roundings agree.
 //
 // No system header is needed under NVRTC (__CUDACC_RTC__): the math functions
 // and intrinsics are built in there.
@@ -843,18 +844,34 @@ PI_HD double pi_truncnorm(pi_u64 key, pi_u64 seed, pi_u64 g, double mean, double
 // every kernel with -ftz=true (appended after the caller's options, so it cannot
 // be overridden), under which a float32 conversion or operation flushes
 // subnormals to zero, and the CPU keeps them. New stores of narrow floats must
-// go through these functions, never through a float32 instruction.
+// go through these functions or the pi_*_out below, never through a conversion
+// the compiler emits.
 
 // The bit pattern of v rounded to a binary format with `mant` fraction bits,
 // smallest normal exponent `emin`, infinity pattern `inf_bits` and sign bit
 // `sign_bit`. Carries into the exponent field, and on to infinity, fall out of
 // the integer addition; NaN keeps its sign and becomes the quiet NaN.
+// The formats as pi_narrow_bits takes them: fraction bits, smallest normal exponent, infinity pattern, sign bit.
+#define PI_FMT_F32 23, -126, 0x7F800000u, 31
+#define PI_FMT_F16 10, -14, 0x7C00u, 15
+#define PI_FMT_BF16 7, -126, 0x7F80u, 15
+// float8_e4m3fn has no infinity: 0x7F (S.1111.111) is its NaN and where the clamp puts anything beyond 464; a
+// valid plan's values stay within 448 (the range rule of docs/SAMPLER.md 4.1), so that never happens.
+#define PI_FMT_F8E4M3 3, -6, 0x7Fu, 7
+#define PI_FMT_F8E5M2 2, -14, 0x7Cu, 7
+
+// What a NaN with sign bit b >> 63 becomes: the quiet NaN of that sign (a flat payload may hold NaN).
+PI_HD pi_u32 pi_quiet_nan(pi_u64 b, int mant, int emin, pi_u32 inf_bits, int sign_bit) {
+    (void)emin;
+    return ((pi_u32)(b >> 63) << sign_bit) | inf_bits | (1u << (mant - 1));
+}
+
 PI_HD pi_u32 pi_narrow_bits(double v, int mant, int emin, pi_u32 inf_bits, int sign_bit) {
     const pi_u64 b = pi_bits(v);
     const pi_u32 sign = (pi_u32)(b >> 63) << sign_bit;
     const int big_e = (int)((b >> 52) & 0x7FF);
     const pi_u64 frac = b & 0xFFFFFFFFFFFFFULL;
-    if (big_e == 0x7FF) return sign | inf_bits | (frac != 0 ? (1u << (mant - 1)) : 0u);
+    if (big_e == 0x7FF) return frac != 0 ? pi_quiet_nan(b, mant, emin, inf_bits, sign_bit) : sign | inf_bits;
     const int e = big_e - 1023;
     if (e < emin - mant - 1) return sign;  // below half the smallest subnormal
     const pi_u64 sig = frac | (1ULL << 52);
@@ -873,13 +890,11 @@ PI_HD pi_u32 pi_narrow_bits(double v, int mant, int emin, pi_u32 inf_bits, int s
     return sign | (pi_u32)out;
 }
 
-PI_HD pi_u32 pi_f32_bits(double v) { return pi_narrow_bits(v, 23, -126, 0x7F800000u, 31); }
-PI_HD unsigned short pi_f16_bits(double v) { return (unsigned short)pi_narrow_bits(v, 10, -14, 0x7C00u, 15); }
-PI_HD unsigned short pi_bf16_bits(double v) { return (unsigned short)pi_narrow_bits(v, 7, -126, 0x7F80u, 15); }
-// float8_e4m3fn has no infinity: 0x7F (S.1111.111) is its NaN and where the clamp puts anything beyond 464; a
-// valid plan's values stay within 448 (the range rule of docs/SAMPLER.md 4.1), so that never happens.
-PI_HD unsigned char pi_f8e4m3_bits(double v) { return (unsigned char)pi_narrow_bits(v, 3, -6, 0x7Fu, 7); }
-PI_HD unsigned char pi_f8e5m2_bits(double v) { return (unsigned char)pi_narrow_bits(v, 2, -14, 0x7Cu, 7); }
+PI_HD pi_u32 pi_f32_bits(double v) { return pi_narrow_bits(v, PI_FMT_F32); }
+PI_HD unsigned short pi_f16_bits(double v) { return (unsigned short)pi_narrow_bits(v, PI_FMT_F16); }
+PI_HD unsigned short pi_bf16_bits(double v) { return (unsigned short)pi_narrow_bits(v, PI_FMT_BF16); }
+PI_HD unsigned char pi_f8e4m3_bits(double v) { return (unsigned char)pi_narrow_bits(v, PI_FMT_F8E4M3); }
+PI_HD unsigned char pi_f8e5m2_bits(double v) { return (unsigned char)pi_narrow_bits(v, PI_FMT_F8E5M2); }
 
 // ---------------------------------------------------------------------------
 // Regions (section 5) as plan.Runs: local element l lies in run l / run_len;
@@ -954,21 +969,63 @@ PI_HD double pi_value(const PiJob& j, const double* values, pi_i64 g) {
     return j.p0;
 }
 
+// What a store writes for float32, float16 and bfloat16. On the device, one conversion instruction: cvt.rn from
+// binary64 is the same single round-to-nearest-even as pi_narrow_bits, subnormals included, at a fraction of its
+// cost. It is inline PTX because the assembler takes that text as written: a conversion the compiler emitted would
+// carry CuPy's forced -ftz=true (cvt.rn.ftz.f32.f64, which flushes subnormal results). A NaN is selected, not
+// branched to (the instruction gives the canonical NaN, the integer routine keeps the sign). bfloat16 from binary64
+// is an sm_90 instruction; older devices and the host harness keep the integer routine. tests/test_gpu.py checks
+// both ways agree on the device.
+PI_HD pi_u32 pi_f32_out(double v) {
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(v));
+    return v == v ? __float_as_uint(r) : pi_quiet_nan(pi_bits(v), PI_FMT_F32);
+#else
+    return pi_f32_bits(v);
+#endif
+}
+
+PI_HD unsigned short pi_f16_out(double v) {
+#if defined(__CUDA_ARCH__)
+    unsigned short h;
+    asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(v));
+    return v == v ? h : (unsigned short)pi_quiet_nan(pi_bits(v), PI_FMT_F16);
+#else
+    return pi_f16_bits(v);
+#endif
+}
+
+PI_HD unsigned short pi_bf16_out(double v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned short h;
+    asm("cvt.rn.bf16.f64 %0, %1;" : "=h"(h) : "d"(v));
+    return v == v ? h : (unsigned short)pi_quiet_nan(pi_bits(v), PI_FMT_BF16);
+#else
+    return pi_bf16_bits(v);
+#endif
+}
+
+// The word an output type stores, and what it stores for v.
+template <int OTYPE> struct PiWord { typedef unsigned char T; };  // the 8-bit floats
+template <> struct PiWord<PI_F32> { typedef pi_u32 T; };  // the float32 bits
+template <> struct PiWord<PI_F64> { typedef double T; };
+template <> struct PiWord<PI_F16> { typedef unsigned short T; };
+template <> struct PiWord<PI_BF16> { typedef unsigned short T; };
+
+template <int OTYPE>
+PI_HD typename PiWord<OTYPE>::T pi_word(double v) {
+    if (OTYPE == PI_F32) return (typename PiWord<OTYPE>::T)pi_f32_out(v);
+    if (OTYPE == PI_F64) return (typename PiWord<OTYPE>::T)v;
+    if (OTYPE == PI_F16) return (typename PiWord<OTYPE>::T)pi_f16_out(v);
+    if (OTYPE == PI_BF16) return (typename PiWord<OTYPE>::T)pi_bf16_out(v);
+    if (OTYPE == PI_F8E4M3) return (typename PiWord<OTYPE>::T)pi_f8e4m3_bits(v);
+    return (typename PiWord<OTYPE>::T)pi_f8e5m2_bits(v);
+}
+
 template <int OTYPE>
 PI_HD void pi_store(unsigned char* out, pi_i64 k, double v) {
-    if (OTYPE == PI_F32) {
-        reinterpret_cast<pi_u32*>(out)[k] = pi_f32_bits(v);  // the float32 bits
-    } else if (OTYPE == PI_F64) {
-        reinterpret_cast<double*>(out)[k] = v;
-    } else if (OTYPE == PI_F16) {
-        reinterpret_cast<unsigned short*>(out)[k] = pi_f16_bits(v);
-    } else if (OTYPE == PI_BF16) {
-        reinterpret_cast<unsigned short*>(out)[k] = pi_bf16_bits(v);
-    } else if (OTYPE == PI_F8E4M3) {
-        out[k] = pi_f8e4m3_bits(v);
-    } else {
-        out[k] = pi_f8e5m2_bits(v);
-    }
+    reinterpret_cast<typename PiWord<OTYPE>::T*>(out)[k] = pi_word<OTYPE>(v);
 }
 
 PI_HD void pi_store_rt(int otype, unsigned char* out, pi_i64 k, double v) {
@@ -1003,6 +1060,15 @@ PI_HD void pi_tile(const PiJob& j, const pi_i64* dims, const double* values, uns
             for (int e = 0; e < PI_EPT; ++e) {
                 const pi_i64 k = k0 + (pi_i64)e * PI_BLOCK;
                 if (k < j.n) pi_store_rt(j.otype, out, k, pi_value<KIND>(j, values, g0 + k));
+            }
+        } else if (KIND == PI_CONST) {  // one word, rounded once
+            const typename PiWord<OTYPE>::T w = pi_word<OTYPE>(j.p0);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+            for (int e = 0; e < PI_EPT; ++e) {
+                const pi_i64 k = k0 + (pi_i64)e * PI_BLOCK;
+                if (k < j.n) reinterpret_cast<typename PiWord<OTYPE>::T*>(out)[k] = w;
             }
         } else {
 #if defined(__CUDA_ARCH__)
