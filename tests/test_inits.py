@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import collections
 import math
-from collections.abc import Iterator
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from paraminit import inits
+from paraminit import inits, regions
 from paraminit.shapes import fan_in_out
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, cli, inspect, param, plan_of
@@ -289,3 +292,59 @@ def test_part_statistics_over_chunks_match_numpy() -> None:
         assert got.std == pytest.approx(finite.std(), rel=1e-12)
         assert (got.min, got.max) == (finite.min(), finite.max())
     assert [parts[1].count, parts[2].count] == [5 * 4, 15 * 8]
+
+
+# -- one reading of each initializer --------------------------------------------------------------------------------
+
+
+class _Entries:
+    """Counts calls into paraminit.inits and paraminit.regions from code outside them, in every thread started
+    after it is installed, while `on`: how often a materialization goes back to the table."""
+
+    def __init__(self) -> None:
+        self.files = {inits.__file__, regions.__file__}
+        self.on = False
+        self.seen: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if not self.on or event != "call" or frame.f_code.co_filename not in self.files:
+            return
+        if frame.f_back is not None and frame.f_back.f_code.co_filename in self.files:
+            return  # a call inside the module
+        with self.lock:
+            self.seen[f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}"] += 1
+
+    def count(self, call: Callable[[], object]) -> collections.Counter[str]:
+        call()  # warm: kernels, caches
+        self.seen.clear()
+        self.on = True
+        try:
+            call()
+        finally:
+            self.on = False
+        return collections.Counter(self.seen)
+
+
+def test_a_materialization_reads_each_initializer_once() -> None:
+    """Validation reads an initializer once (inits.read) and resolution takes that reading; a large plan's plain rows
+    are read once per kind, as columns (inits.Forms carries their bound and kernel arguments). In process and
+    through a server's stream alike."""
+    from paraminit_server.plans import columns
+
+    kinds = [{"normal": {"std": 0.02, "seed": 1}}, {"uniform": {"lo": -0.1, "hi": 0.1, "seed": 2}}, {"zeros": {}}]
+    small = plan_of(param(f"p{i}", [8, 8], kinds[i]) for i in range(3))
+    large = plan_of(param(f"p{i}", [8, 8], kinds[i % 3]) for i in range(2 * columns.SCAN_MIN))
+    entries = _Entries()
+    sys.setprofile(entries)
+    threading.setprofile(entries)  # the server's threads start after this
+    try:
+        with Client() as local, running_server() as r, Client(target_of(r)) as remote:
+            for c in (local, remote):
+                got = entries.count(lambda: c.materialize(small))  # noqa: B023 (called at once)
+                assert got == {"inits.read": 3}, got  # once a parameter
+                got = entries.count(lambda: c.materialize(large))  # noqa: B023
+                assert got.total() == 3 and set(got) <= {"inits.forms", "inits.<lambda>"}, got  # once a kind
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)

@@ -49,6 +49,7 @@ __all__ = [
     "Normal",
     "Orthogonal",
     "PayloadRef",
+    "Reading",
     "Rule",
     "TruncNormal",
     "Uniform",
@@ -58,6 +59,7 @@ __all__ = [
     "kind_of",
     "label",
     "range_problem",
+    "read",
     "trunc_bounds_ok",
     "value_form",
     "with_seed",
@@ -164,6 +166,10 @@ class _Form:
         """The largest |value| where the form itself holds its values (inline data), else None."""
         return None
 
+    def own_kernel(self) -> Kernel | None:
+        """The kernel's arguments of this one form; None for data, which no kernel computes."""
+        return None
+
     def describe(self) -> str | None:
         """A short label such as "normal(0, 0.02)"; None: the initializer's field name says it."""
         return None
@@ -194,6 +200,9 @@ class Distribution(_Form):
     def kernel(cls, f: Mapping[str, Any]) -> Kernel:
         """The kernel's arguments from the form's fields (floats or arrays)."""
         raise NotImplementedError
+
+    def own_kernel(self) -> Kernel:
+        return type(self).kernel(vars(self))
 
 
 @dataclass(frozen=True)
@@ -418,12 +427,21 @@ ValueForm = Distribution | Data
 @dataclass(frozen=True)
 class Forms:
     """The value forms of many parameters of one kind at once: the form's class and one array per field of it
-    (what `InitKind.form` gives row by row), and the rows whose form checks pass. Rows that fail are checked
-    one by one, which names the problem."""
+    (what `InitKind.form` gives row by row), the rows whose form checks pass, and, for every row, the range rule's
+    bound and the kernel's arguments (meaningless where `ok` is false). Rows that fail are checked one by one,
+    which names the problem."""
 
     form: type[Distribution]
     fields: dict[str, npt.NDArray[Any]]
     ok: npt.NDArray[np.bool_]
+    bound: npt.NDArray[np.float64] | None
+    kernel: Kernel
+
+    @classmethod
+    def of(cls, form: type[Distribution], fields: dict[str, npt.NDArray[Any]], ok: npt.NDArray[np.bool_]) -> Forms:
+        """The forms with their bound and kernel, so a caller reads all it needs from the table in one call."""
+        with np.errstate(all="ignore"):  # rows that fail their checks (inf, nan) compute garbage, never read
+            return cls(form, fields, ok, form.bound(fields), form.kernel(fields))
 
 
 # A numeric field of the kind's message for every row (float64 for doubles, uint64 for integers), and the row count.
@@ -593,7 +611,7 @@ def _all(n: int) -> npt.NDArray[np.bool_]:
 
 
 def _const_forms(value: float) -> Callable[[FieldColumns, int], Forms]:
-    return lambda f, n: Forms(Const, {"value": np.full(n, value)}, _all(n))
+    return lambda f, n: Forms.of(Const, {"value": np.full(n, value)}, _all(n))
 
 
 def _direct(field: str, json: str, form: type[Distribution]) -> InitKind:
@@ -616,13 +634,13 @@ def _direct(field: str, json: str, form: type[Distribution]) -> InitKind:
         with np.errstate(all="ignore"):
             for rule in form.RULES:
                 ok &= rule.holds(columns)
-        return Forms(form, fields, ok)
+        return Forms.of(form, fields, ok)
 
     return InitKind(field, json, True, False, lambda m, s: form(*read(m)), checks, forms=forms)
 
 
 def _symmetric_forms(bound: npt.NDArray[np.float64], seed: npt.NDArray[np.uint64]) -> Forms:
-    return Forms(Uniform, {"lo": -bound, "hi": bound, "seed": seed}, _all(bound.shape[0]))
+    return Forms.of(Uniform, {"lo": -bound, "hi": bound, "seed": seed}, _all(bound.shape[0]))
 
 
 def _xavier_forms(f: FieldColumns, n: int) -> Forms:
@@ -724,6 +742,41 @@ def check(init: plan_pb2.Init | None, shape: Sequence[int], patch: bool = False)
     if kind.checks is _none:  # most kinds of most plans: no call at all
         return []
     return kind.checks(getattr(init, which), shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """An initializer read once, for a parameter or patch of a shape and dtype: all that validation and resolution
+    take from the table, so neither enters it again. With problems, nothing past them is set."""
+
+    kind: InitKind | None  # None: no initializer set
+    problems: list[Problem]
+    form: ValueForm | None = None
+    kernel: Kernel | None = None  # a distribution's kernel arguments (None for data)
+    range_problem: Problem | None = None  # the 8-bit range rule's verdict where the plan bounds the values
+
+
+def read(init: plan_pb2.Init | None, shape: Sequence[int], dt: dtypes.DTypeInfo | None = None, patch: bool = False) -> Reading:
+    """An initializer's form problems (`check`) and, when it has none, its value form, kernel arguments and the range
+    rule's verdict for `dt` (referenced data, whose largest |value| only its holder knows, is judged with
+    `range_problem` once read).
+
+    Args:
+        init: the Init (None or unset: a problem).
+        shape: the full shape its values cover (a patch's part, if it has one).
+        dt: the parameter's dtype, for the range rule (None: not judged).
+        patch: the Init belongs to a patch.
+
+    Returns:
+        The reading.
+    """
+    problems = check(init, shape, patch)
+    kind = None if init is None else kind_of(init)
+    if problems or init is None or kind is None:
+        return Reading(kind, problems)
+    form = kind.form(getattr(init, kind.field), shape)
+    verdict = None if dt is None else range_problem(dt, form, kind.field)
+    return Reading(kind, problems, form, form.own_kernel(), verdict)
 
 
 def value_form(init: plan_pb2.Init, shape: Sequence[int]) -> ValueForm:

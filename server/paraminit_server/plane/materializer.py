@@ -178,7 +178,7 @@ class Materializer:
                 raise errors.ResourceExhausted(f"plan exceeds the limits: {worst}", report.violations)
             if not report.ok:
                 raise errors.InvalidPlan(report.violations)
-            checked = CheckedPlan(columns.resolve(p, sources, cols), report, plan.digest(p, sources, cols), sources)
+            checked = CheckedPlan(columns.resolve(p, sources, cols, report.readings), report, plan.digest(p, sources, cols), sources)
             # kernels a cold cache lacks compile here, before the caller takes a slot or a place in line
             self.backend.prepare(checked.params)
             if caller.gone():

@@ -14,7 +14,7 @@ table whose rows are all resolved one by one, so layouts, fills and backends rea
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
@@ -94,35 +94,42 @@ def of(plan: plan_pb2.Plan) -> Columns | None:
             continue
         rows = np.flatnonzero(plain & (s.kind == number))
         message = type(getattr(plan_pb2.Init(), kind.field))
-        forms = kind.forms(functools.partial(_field, s, message, rows), rows.shape[0])
+        forms = kind.forms(functools.partial(_field, s, message, rows), rows.shape[0])  # all the table says of them
         good = forms.ok & s.declared[rows]
-        bound = forms.form.bound(forms.fields)  # 8-bit rows out of range: checked one by one
-        if bound is not None:
+        if forms.bound is not None:  # 8-bit rows out of range: checked one by one
             with np.errstate(invalid="ignore"):
-                good &= bound <= _MAX_FINITE[dtype[rows]]
+                good &= forms.bound <= _MAX_FINITE[dtype[rows]]
         at = rows[good]
-        code, a, b, k, low, high, sd = kernel_columns(forms.form, {f: v[good] for f, v in forms.fields.items()})
+        code, a, b, k, low, high, sd = kernel_columns(forms.kernel, good)
         kernel[at], p0[at], p1[at], key[at], lo[at], hi[at], seed[at] = code, a, b, k, low, high, sd
     plain &= kernel >= 0
     return Columns(s, s.names(), s.shapes(), plain, dtype, numel, numel * itemsize, kernel, p0, p1, key, lo, hi, seed)
 
 
-def resolve(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: Columns | None = None) -> ParamTable:
+def resolve(
+    plan: plan_pb2.Plan,
+    sources: RequestSnapshot | None = None,
+    cols: Columns | None = None,
+    readings: Mapping[int, _plan.Readings] | None = None,
+) -> ParamTable:
     """Resolve a validated plan: plain rows stay columns, every other row (all of a plan without columns) is resolved
-    one by one.
+    one by one, from what validation read of it.
 
     Args:
         plan: a plan that validated against the same sources.
         sources: the request's snapshot of payloads and checkpoints (snapshot.RequestSnapshot).
         cols: the plan's columns (`of`), when it has them.
+        readings: validation's readings of the rows it checked one by one (validation.Report.readings); a row
+            without one is read again.
 
     Returns:
         The table of the plan's parameters, in plan order.
     """
     params = plan.params
+    read = readings or {}
     if cols is None:
-        return ParamTable.of([resolve_param(i, p, sources) for i, p in enumerate(params)])
-    special = {i: resolve_param(i, params[i], sources) for i in np.flatnonzero(~cols.plain).tolist()}
+        return ParamTable.of([resolve_param(i, p, sources, read.get(i, ())) for i, p in enumerate(params)])
+    special = {i: resolve_param(i, params[i], sources, read.get(i, ())) for i in np.flatnonzero(~cols.plain).tolist()}
     return ParamTable(cols, special)
 
 

@@ -180,14 +180,29 @@ class Patch:
         return self.starts[first:last], self.values[first:last]
 
 
-def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None) -> ResolvedParam:
-    """Resolve one parameter; the caller guarantees the plan validated (with the same sources)."""
-    rp = _resolve_base(index, p, sources)
+# What validation read of a parameter's initializer and of each of its patches' (inits.read), in that order.
+Readings = tuple[inits.Reading | None, ...]
+
+
+def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None, readings: Readings = ()) -> ResolvedParam:
+    """Resolve one parameter; the caller guarantees the plan validated (with the same sources).
+
+    Args:
+        index: its index in the plan.
+        p: the parameter.
+        sources: the request's snapshot (payloads, checkpoints).
+        readings: what validation read of its initializers (validation.Report.readings), so that resolution does
+            not read them again; an initializer without one is read here.
+
+    Returns:
+        The resolved parameter.
+    """
+    rp = _resolve_base(index, p, sources, readings[0] if readings else None)
     if not p.patches:
         return rp
     patches = []
     area = regions.Region(rp.shape, rp.region)
-    for q in p.patches:
+    for j, q in enumerate(p.patches):
         box = tuple((int(r.start), int(r.stop)) for r in q.box)
         if q.HasField("part"):  # the box is part of a tensor of its own: values at indices in that tensor
             starts, values, run_len = area.box_runs(box)
@@ -198,18 +213,23 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None
             values = starts
             base = plan_pb2.Param(name=p.name, shape=p.shape, dtype=p.dtype, init=q.init, region=p.region)
         if run_len:  # a box outside this region changes nothing here
-            patches.append(Patch(box, _resolve_base(index, base, sources), starts, run_len, values))
+            reading = readings[1 + j] if len(readings) > 1 + j else None
+            patches.append(Patch(box, _resolve_base(index, base, sources, reading), starts, run_len, values))
     return replace(rp, patches=tuple(patches))
 
 
-def _resolve_base(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None) -> ResolvedParam:
+def _resolve_base(
+    index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None, reading: inits.Reading | None = None
+) -> ResolvedParam:
     shape = tuple(int(d) for d in p.shape)
     region = regions.box_of(p) if p.region else None  # None: the whole tensor (its region and runs are shared)
     dt = dtypes.by_enum(p.dtype)
-    assert dt is not None, "resolve_param needs a validated plan"
-    kind = inits.kind_of(p.init)
-    assert kind is not None, "resolve_param needs a validated plan"
-    form = kind.form(getattr(p.init, kind.field), shape)
+    if reading is None:
+        reading = inits.read(p.init, shape)
+    kind, form = reading.kind, reading.form
+    assert dt is not None and kind is not None and form is not None, "resolve_param needs a validated plan"
+    if reading.kernel is not None:  # a distribution: its kernel arguments were read with it
+        return _resolve_kernel(index, p.name, shape, region, dt, kind.field, reading.kernel)
     return form.accept(_Resolver(index, p.name, shape, region, dt, kind.field, sources))
 
 
@@ -232,7 +252,7 @@ class _Resolver:
         return regions.whole(self.shape) if self.region is None else self.region
 
     def distribution(self, form: inits.Distribution) -> ResolvedParam:
-        return _resolve_form(self.index, self.name, self.shape, self.region, self.dt, self.initializer, form)
+        return _resolve_kernel(self.index, self.name, self.shape, self.region, self.dt, self.initializer, form.own_kernel())
 
     def _data(self, values: npt.NDArray[Any], compact: bool = False) -> ResolvedParam:
         return ResolvedParam(
@@ -268,18 +288,17 @@ class _Resolver:
         return self._data(orthogonal.values(form.rows, form.cols, form.gain, sources.gaussian(n, form.seed)))
 
 
-def _resolve_form(
+def _resolve_kernel(
     index: int,
     name: str,
     shape: tuple[int, ...],
     region: regions.Box | None,
     dt: dtypes.DTypeInfo,
     initializer: str,
-    form: inits.Distribution,
+    k: inits.Kernel,
 ) -> ResolvedParam:
     """A parameter whose values a kernel computes (a distribution or a constant); region None: the whole tensor.
-    The form names its kernel and the arguments (inits.Distribution.kernel), whatever the initializer."""
-    k = type(form).kernel(vars(form))
+    Its form named the kernel and the arguments (inits.Distribution.kernel), whatever the initializer."""
     kind, p1, key = _KIND[k.name], 0.0 if k.p1 is None else k.p1, 0 if k.seed is None else sampler.key(k.seed)
     if k.lo is not None:
         if region is None:
@@ -304,15 +323,16 @@ KernelColumns = tuple[
 ]
 
 
-def kernel_columns(form: type[inits.Distribution], fields: dict[str, npt.NDArray[Any]]) -> KernelColumns:
-    """_resolve_form over many parameters of one value form (inits.Forms): kind, p0, p1, key, lo, hi, seed."""
-    n = next(iter(fields.values())).shape[0]
+def kernel_columns(k: inits.Kernel, rows: npt.NDArray[np.bool_]) -> KernelColumns:
+    """_resolve_kernel over the `rows` of many parameters of one value form (inits.Forms.kernel): kind, p0, p1, key,
+    lo, hi, seed."""
+    n = int(np.count_nonzero(rows))
     zero, zero_u = np.zeros(n), np.zeros(n, dtype=np.uint64)
-    k = form.kernel(fields)
-    keys = zero_u if k.seed is None else sampler.keys(k.seed)
+    keys = zero_u if k.seed is None else sampler.keys(k.seed[rows])
+    p1 = zero if k.p1 is None else k.p1[rows]
     if k.lo is None:
-        return _KIND[k.name], k.p0, zero if k.p1 is None else k.p1, keys, zero, zero, zero_u
-    return _KIND[k.name], k.p0, k.p1, keys, k.lo, k.hi, k.seed
+        return _KIND[k.name], k.p0[rows], p1, keys, zero, zero, zero_u
+    return _KIND[k.name], k.p0[rows], p1, keys, k.lo[rows], k.hi[rows], k.seed[rows]
 
 
 def digest(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: Columns | None = None) -> str:

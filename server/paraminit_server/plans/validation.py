@@ -7,6 +7,8 @@ its name and the field, so a user fixes a plan in one round trip.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -17,6 +19,7 @@ from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, NAME_ECHO, Violation, camel_path, clip
 from paraminit_server import errors
 from paraminit_server.plans import sampler
+from paraminit_server.plans.plan import Readings
 
 if TYPE_CHECKING:
     from paraminit_server.plans.columns import Columns
@@ -43,10 +46,13 @@ class Limits:
 
 @dataclass(frozen=True)
 class Report:
-    """What validation found: violations and per-parameter materialized bytes (0 when unknown)."""
+    """What validation found: violations and per-parameter materialized bytes (0 when unknown), and what it read
+    of the initializers of the rows it checked one by one (by row: the parameter's, then each patch's), which
+    resolution takes instead of reading them again."""
 
     violations: tuple[Violation, ...]
     param_bytes: tuple[int, ...]
+    readings: Mapping[int, Readings] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -78,7 +84,8 @@ def validate(
     """
     limits = limits or Limits()
     out: list[Violation] = []
-    sizes = _check_rows(plan, limits, sources, cols, out)
+    readings: dict[int, Readings] = {}
+    sizes = _check_rows(plan, limits, sources, cols, out, readings)
     total = sum(sizes)
     if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
         out.append(
@@ -92,11 +99,16 @@ def validate(
                 LIMIT,
             )
         )
-    return Report(tuple(out), tuple(sizes))
+    return Report(tuple(out), tuple(sizes), readings)
 
 
 def _check_rows(
-    plan: plan_pb2.Plan, limits: Limits, sources: RequestSnapshot | None, cols: Columns | None, out: list[Violation]
+    plan: plan_pb2.Plan,
+    limits: Limits,
+    sources: RequestSnapshot | None,
+    cols: Columns | None,
+    out: list[Violation],
+    readings: dict[int, Readings],
 ) -> list[int]:
     """Every parameter's checks, in plan order (so a repeated name is reported where it repeats): a row its columns
     vouch for (plain, with a good name and size) only records its name; every other row, a repeated name, and
@@ -104,7 +116,7 @@ def _check_rows(
     params = plan.params
     first_seen: dict[str, int] = {}
     if cols is None:
-        return [_check_param(i, p, limits, sources, first_seen, out) for i, p in enumerate(params)]
+        return [_check_param(i, p, limits, sources, first_seen, out, readings) for i, p in enumerate(params)]
     name_bytes = cols.name_bytes()
     vouched = cols.plain & (name_bytes > 0) & (name_bytes <= MAX_NAME_BYTES)
     if limits.max_param_bytes is not None:
@@ -120,14 +132,21 @@ def _check_rows(
         if ok and name not in first_seen:
             first_seen[name] = i
         else:
-            sizes[i] = _check_param(i, params[i], limits, sources, first_seen, out)
+            sizes[i] = _check_param(i, params[i], limits, sources, first_seen, out, readings)
     return sizes
 
 
 def _check_param(
-    i: int, p: plan_pb2.Param, limits: Limits, sources: RequestSnapshot | None, first_seen: dict[str, int], out: list[Violation]
+    i: int,
+    p: plan_pb2.Param,
+    limits: Limits,
+    sources: RequestSnapshot | None,
+    first_seen: dict[str, int],
+    out: list[Violation],
+    readings: dict[int, Readings],
 ) -> int:
-    """Every check of one parameter; appends its violations to `out` and returns its materialized bytes."""
+    """Every check of one parameter; appends its violations to `out`, records what it read of its initializers in
+    `readings`, and returns its materialized bytes."""
     found: list[Violation] = []
 
     def bad(field: str, message: str, category: str = INVALID) -> None:
@@ -159,9 +178,8 @@ def _check_param(
     if dt is None:
         bad("dtype", f"unknown dtype enum value {p.dtype}")
     region_numel = (_check_region(shape, p, bad) if p.region else numel) if sane else None
-    _check_init(shape, p, dt, bad, sources if sane else None)
-    if p.patches and sane:
-        _check_patches(shape, p, dt, bad)
+    read = _check_init(shape, p, dt, bad, sources if sane else None)
+    readings[i] = (read, *_check_patches(shape, p, dt, bad)) if p.patches and sane else (read,)
     size = 0
     if dt is not None and region_numel is not None:
         size = region_numel * dt.itemsize
@@ -207,12 +225,13 @@ MAX_PATCHES = 4096
 BOX_RANGES_SHOWN = 2  # bad ranges of one patch box reported one by one; the last says how many more
 
 
-def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad) -> None:
+def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad) -> list[inits.Reading | None]:
     """Each patch: a box inside the full shape, its part if it has one, and a valid, patchable initializer whose
-    values fit the parameter's dtype."""
+    values fit the parameter's dtype. Returns what it read of each patch's initializer (None: not read)."""
+    read: list[inits.Reading | None] = [None] * len(p.patches)
     if len(p.patches) > MAX_PATCHES:
         bad("patches", f"{len(p.patches)} patches exceed the maximum of {MAX_PATCHES} per parameter")
-        return
+        return read
     for j, q in enumerate(p.patches):
 
         def sub(field: str, message: str, category: str = INVALID, _j: int = j) -> None:
@@ -239,11 +258,12 @@ def _check_patches(shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | N
             seen = [int(d) for d in q.part.shape]
             if not _check_part(q, seen, box_ok, sub):
                 continue
-        problems = inits.check(q.init if q.HasField("init") else None, seen, patch=True)
-        for field, message in problems:
-            sub(field, message)
-        if not problems and dt is not None:
-            _check_range(dt, q.init, seen, sub)
+        got = read[j] = inits.read(q.init if q.HasField("init") else None, seen, dt, patch=True)
+        for where, message in got.problems:
+            sub(where, message)
+        if got.range_problem is not None:  # a patch's values are a distribution's: the plan bounds them
+            sub(*got.range_problem)
+    return read
 
 
 def _check_part(q: plan_pb2.Patch, part: list[int], box_ok: bool, sub: _Bad) -> bool:
@@ -295,21 +315,23 @@ def _echo(text: str) -> str:
 
 def _check_init(
     shape: list[int], p: plan_pb2.Param, dt: dtypes.DTypeInfo | None, bad: _Bad, sources: RequestSnapshot | None = None
-) -> None:
+) -> inits.Reading:
     """The initializer's form (the table's checks), then what it reads against the request's snapshot, then
-    whether its values fit an 8-bit dtype."""
-    init = p.init if p.HasField("init") else None
-    problems = inits.check(init, shape)
-    for field, message in problems:
-        bad(field, message)
-    if problems or init is None:
-        return
-    kind = inits.kind_of(init)
-    if kind is None:
-        return
-    judged, largest = kind.form(getattr(init, kind.field), shape).accept(_Referenced(shape, dt, bad, sources))
-    if dt is not None and judged:
-        _check_range(dt, init, shape, bad, largest)
+    whether its values fit an 8-bit dtype. Returns what it read of the initializer."""
+    r = inits.read(p.init if p.HasField("init") else None, shape, dt)
+    for where, message in r.problems:
+        bad(where, message)
+    if r.kind is None or r.form is None:
+        return r
+    if r.kind.flat:  # data: what it references, against the snapshot, and the range rule once its values are known
+        judged, largest = r.form.accept(_Referenced(shape, dt, bad, sources))
+        if dt is not None and judged and largest is not None:
+            found = inits.range_problem(dt, r.form, r.kind.field, largest)
+            if found is not None:
+                bad(*found)
+    if r.range_problem is not None:
+        bad(*r.range_problem)
+    return r
 
 
 @dataclass(frozen=True)
@@ -339,16 +361,6 @@ class _Referenced:
     def checkpoint(self, form: inits.Checkpoint) -> tuple[bool, float | None]:
         largest = None if self.sources is None else _check_checkpoint(self.shape, form, self.bad, self.sources, self.dt)
         return largest is not None, largest
-
-
-def _check_range(dt: dtypes.DTypeInfo, init: plan_pb2.Init, shape: list[int], bad: _Bad, largest: float | None = None) -> None:
-    """The 8-bit range rule (docs/SAMPLER.md 4.1) for a valid initializer; `largest` for referenced data."""
-    kind = inits.kind_of(init)
-    if dt.max_finite is None or kind is None:
-        return
-    found = inits.range_problem(dt, kind.form(getattr(init, kind.field), shape), kind.field, largest)
-    if found is not None:
-        bad(*found)
 
 
 def _check_payload(shape: list[int], ref: inits.PayloadRef, bad: _Bad, sources: RequestSnapshot) -> float | None:
