@@ -224,8 +224,9 @@ def _resolve_base(
     shape = tuple(int(d) for d in p.shape)
     region = regions.box_of(p) if p.region else None  # None: the whole tensor (its region and runs are shared)
     dt = dtypes.by_enum(p.dtype)
-    if reading is None:
-        reading = inits.read(p.init, shape)
+    if reading is None:  # resolved on its own (tools, kernel tests): the form as the plan states it, unchecked
+        stated = inits.value_form(p.init, shape)
+        reading = inits.Reading(inits.kind_of(p.init), [], stated, stated.own_kernel())
     kind, form = reading.kind, reading.form
     assert dt is not None and kind is not None and form is not None, "resolve_param needs a validated plan"
     if reading.kernel is not None:  # a distribution: its kernel arguments were read with it
