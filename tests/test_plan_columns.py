@@ -79,7 +79,7 @@ def _param(rng: np.random.Generator, i: int, valid: bool) -> plan_pb2.Param:
             q.part.shape.append(math.prod(1 + d // 2 for d in shape) + 3)
             q.part.start = 2
     if not valid and i % 11 == 3:
-        breakage = (i // 11) % 8
+        breakage = (i // 11) % 9
         if breakage == 0:
             p.name = ""
         elif breakage == 1:
@@ -94,8 +94,10 @@ def _param(rng: np.random.Generator, i: int, valid: bool) -> plan_pb2.Param:
             p.init.truncated_normal.std, p.init.truncated_normal.lo = float("nan"), 0.0
         elif breakage == 6:
             p.ClearField("init")
-        else:
+        elif breakage == 7:
             p.name = "n" * 2000
+        else:
+            p.name = "__metadata__"  # reserved
     return p
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from paraminit import dtypes, inits
 from paraminit.shapes import MAX_ELEMENTS, numel_at_most
@@ -34,6 +37,23 @@ RESERVED_NAMES = frozenset({"__metadata__"})
 _EMPTY_SPAN = (1 << 60) - 1  # the other dimensions of an empty tensor: as an 8-byte tensor they fit 2^63 bytes
 MAX_NAME_BYTES = 1024  # a name is echoed in headers and errors: a 100 MB name would double into a 200 MB header
 ECHO = 64  # characters of a user string repeated in a message
+
+
+# A parameter name's rules, stated once for one parameter (its facts as plain values: text, size in UTF-8 bytes,
+# free = not reserved) and for a large plan's columns (arrays of them): a name reports the first rule it breaks.
+# A repeated name is found in plan order, one row at a time.
+NAME_RULES: tuple[inits.Rule, ...] = (
+    inits.Rule(lambda n: n.size > 0, lambda n: "parameter name must not be empty"),
+    inits.Rule(lambda n: n.size <= MAX_NAME_BYTES, lambda n: f"parameter name is {n.size} bytes long; the limit is {MAX_NAME_BYTES}"),
+    inits.Rule(
+        lambda n: n.free, lambda n: f"parameter name {n.text!r} is reserved (a safetensors header keeps it for the file's metadata)"
+    ),
+)
+
+
+def _fits(size: Any, limit: int | None) -> Any:
+    """Whether a parameter's bytes (an int, or an array of them) are within the per-parameter limit."""
+    return True if limit is None else size <= limit
 
 
 @dataclass(frozen=True)
@@ -117,13 +137,13 @@ def _check_rows(
     first_seen: dict[str, int] = {}
     if cols is None:
         return [_check_param(i, p, limits, sources, first_seen, out, readings) for i, p in enumerate(params)]
-    name_bytes = cols.name_bytes()
-    vouched = cols.plain & (name_bytes > 0) & (name_bytes <= MAX_NAME_BYTES)
-    if limits.max_param_bytes is not None:
-        vouched &= cols.nbytes <= limits.max_param_bytes
     names = cols.names
+    free = np.ones(len(names), dtype=bool)
     for reserved in RESERVED_NAMES.intersection(names):
-        vouched[[i for i, n in enumerate(names) if n == reserved]] = False
+        free[[i for i, n in enumerate(names) if n == reserved]] = False
+    vouched = cols.plain & _fits(cols.nbytes, limits.max_param_bytes)
+    for rule in NAME_RULES:  # the names' facts as columns
+        vouched &= rule.holds(SimpleNamespace(text=names, size=cols.name_bytes(), free=free))
     sizes: list[int] = cols.nbytes.tolist()
     if bool(vouched.all()) and len(set(names)) == len(names):  # nothing to check one by one
         return sizes
@@ -152,12 +172,10 @@ def _check_param(
     def bad(field: str, message: str, category: str = INVALID) -> None:
         found.append(Violation(i, _shown_name(p.name), f"params[{i}].{camel_path(field)}", message, category))
 
-    if not p.name:
-        bad("name", "parameter name must not be empty")
-    elif len(p.name.encode()) > MAX_NAME_BYTES:
-        bad("name", f"parameter name is {len(p.name.encode())} bytes long; the limit is {MAX_NAME_BYTES}")
-    elif p.name in RESERVED_NAMES:
-        bad("name", f"parameter name {p.name!r} is reserved (a safetensors header keeps it for the file's metadata)")
+    facts = SimpleNamespace(text=p.name, size=len(p.name.encode()), free=p.name not in RESERVED_NAMES)
+    broken = next((rule for rule in NAME_RULES if not rule.holds(facts)), None)
+    if broken is not None:
+        bad("name", broken.message(facts))
     elif p.name in first_seen:
         bad("name", f"duplicate parameter name {_echo(p.name)} (first at params[{first_seen[p.name]}])")
     else:
@@ -186,7 +204,7 @@ def _check_param(
         if size > MAX_BYTES:
             bad("shape", f"size overflows: {region_numel} elements of {dt.name} exceed 2^63 bytes")
             size = 0
-        elif limits.max_param_bytes is not None and size > limits.max_param_bytes:
+        elif limits.max_param_bytes is not None and not _fits(size, limits.max_param_bytes):
             bad(
                 "shape",
                 f"parameter needs {size} bytes ({format_size(size)}), over the per-parameter limit "
