@@ -91,6 +91,13 @@ static int scalar() {
         else if (!std::strcmp(op, "f8e4m3")) r = pi_f8e4m3_bits(pi_double(a));
         else if (!std::strcmp(op, "f8e5m2")) r = pi_f8e5m2_bits(pi_double(a));
         else if (!std::strcmp(op, "f32")) r = pi_f32_bits(pi_double(a));
+        else if (!std::strcmp(op, "logplain")) r = pi_bits(pi_log_plain((pi_u32)a));
+        else if (!std::strcmp(op, "cosplain")) r = pi_bits(pi_cos_plain((pi_u32)a));
+        else if (!std::strncmp(op, "nw", 2)) {  // the word the normal store writes for output type nw<otype>
+            unsigned char word[8] = {0};
+            pi_normal_out(std::atoi(op + 2), word, 0, a, b, pi_double(c), pi_double(d));
+            std::memcpy(&r, word, sizeof word);
+        }
         else { std::fprintf(stderr, "unknown op %s\n", op); return 2; }
         std::printf("%llx\n", r);
     }
@@ -357,6 +364,48 @@ def test_correctly_rounded_functions_match_the_cpu_kernels(harness: Path, fn: st
     assert got == want
     hard = {c["k"]: int(c["cr"], 16) for c in VECTORS["hard_inputs"][fn]}
     assert all(g == hard[k] for k, g in zip(ks, got, strict=True) if k in hard)
+
+
+@pytest.mark.parametrize("fn", ["log", "cos"])
+def test_plain_functions_are_the_cpu_kernels(harness: Path, device_branches: Path, fn: str) -> None:
+    """The plain log and cos the device's normal store bounds its values with are the CPU kernels' (the same
+    operations give the same values), so the distance bench/verify_cr.py checks on all 2^32 inputs holds for them."""
+    from test_cr_math import _evaluate
+
+    ks = _cr_draws()
+    _, plain, _, _, _ = _evaluate(np.asarray(ks, dtype=np.float64), 0 if fn == "log" else 1)
+    want = [dbits(x) for x in plain.tolist()]
+    assert len(set(want)) > len(ks) // 2
+    ops = [(f"{fn}plain", k, 0, 0, 0) for k in ks]
+    assert run_scalar(harness, ops) == want
+    assert run_scalar(device_branches, ops) == want
+
+
+# A rounding boundary of each narrow output type near 1 (the midpoint after 1): a value straddled there by the
+# plain interval makes the normal store take its exact path.
+_MIDPOINTS = {dtypes.FLOAT32: 1 + 2.0**-24, dtypes.FLOAT16: 1 + 2.0**-11, dtypes.BFLOAT16: 1 + 2.0**-8}
+_MIDPOINTS |= {dtypes.FLOAT8_E4M3FN: 1 + 2.0**-4, dtypes.FLOAT8_E5M2: 1 + 2.0**-3}
+
+
+@pytest.mark.parametrize("dt", list(_MIDPOINTS), ids=lambda d: d.name)
+def test_the_normal_store_takes_the_exact_path_when_undecided(harness: Path, device_branches: Path, dt: dtypes.DTypeInfo) -> None:
+    """Narrow normal outputs are stored from a plain interval when both its ends round alike, else from the exact
+    value: random elements (nearly all decided), and elements whose mean puts the value on a rounding boundary
+    (undecided by construction), give reference.py's words."""
+    rng = np.random.default_rng(dt.enum)
+    seeds, gs, means, stds = rng.integers(0, 2**62, 300), rng.integers(0, 2**40, 300), rng.normal(0, 1, 300), rng.uniform(0, 3, 300)
+    cases = [(sampler.key(int(s)), int(g), float(m), float(sd)) for s, g, m, sd in zip(seeds, gs, means, stds, strict=True)]
+    boundary = _MIDPOINTS[dt]
+    for s, g in zip(rng.integers(0, 2**62, 200), rng.integers(0, 2**40, 200), strict=True):
+        key = sampler.key(int(s))
+        cases.append((key, int(g), boundary - normal_ref(key, int(g), 0.0, 1.0), 1.0))  # mean + z lands on it
+    values = np.asarray([normal_ref(*c) for c in cases])
+    want = [int(w) for w in reference.cast(values, dt).view(f"u{dt.itemsize}").tolist()]
+    on_boundary = want[300:]
+    assert len(set(on_boundary)) == 2  # both sides of the boundary occur: the exact value decides
+    ops = [(f"nw{cb.otype(dt)}", k, g, dbits(m), dbits(sd)) for k, g, m, sd in cases]
+    assert run_scalar(harness, ops) == want
+    assert run_scalar(device_branches, ops) == want
 
 
 def test_normal_matches_reference_including_the_floor(harness: Path) -> None:

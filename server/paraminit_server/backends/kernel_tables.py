@@ -62,9 +62,11 @@ def block() -> str:
         "LOG_FLOOR": t["log_floor"],
         "LOG_BOUND": cr_tables.LOG_BOUND,
         "COS_BOUND": cr_tables.COS_BOUND,
+        "LN2": t["ln2h"] + t["ln2l"],  # the plain log's ln 2 (cr_math._LN2)
     }
     out = [BEGIN]
     out += [f"#define PI_C_{k} {_hex(v)}" for k, v in consts.items()]
+    out.append(f"#define PI_Z_PLAIN_STEPS {cr_tables.Z_PLAIN_STEPS}LL")
     for name, key in _ARRAYS:
         vals = t[key].tolist()
         rows = [", ".join(_hex(v) for v in vals[i : i + 4]) for i in range(0, len(vals), 4)]

@@ -20,8 +20,6 @@ from numba.extending import overload
 
 from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, LOW32, U1, U2, draw_seg, low_draw, mix, seg_consts, seg_room
 from paraminit_server.backends.cpu_kernels.cr_math import (
-    COS_PLAIN_ULPS,
-    LOG_PLAIN_ULPS,
     cos_dd,
     cos_input,
     cos_plain,
@@ -32,6 +30,7 @@ from paraminit_server.backends.cpu_kernels.cr_math import (
     log_plain,
     sqrt,
 )
+from paraminit_server.backends.cpu_kernels.cr_tables import Z_PLAIN_STEPS
 from paraminit_server.backends.cpu_kernels.half_rounding import (
     BF16,
     F8E4M3,
@@ -162,10 +161,7 @@ def normal_exact(d1: float, d2: float, p0: float, p1: float) -> Any:
     return p0 + p1 * (math.sqrt(-2.0 * cr_log(d1)) * cr_cos(d2))
 
 
-# Distances in units in the last place (steps of the bit pattern), doubled where a binade boundary may halve
-# the step: sqrt(-2 L) moves at most 2 * LOG_PLAIN_ULPS + 2 steps when L moves LOG_PLAIN_ULPS, and their
-# product at most 4 * (S + C) + 8 steps.
-_Z_ULPS = np.int64(4 * ((2 * LOG_PLAIN_ULPS + 2) + COS_PLAIN_ULPS) + 8)
+_Z_ULPS = np.int64(Z_PLAIN_STEPS)
 
 
 @inline
