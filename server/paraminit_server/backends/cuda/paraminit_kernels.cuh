@@ -1026,11 +1026,17 @@ PI_HD pi_u32 pi_f32_out(double v) {
 #endif
 }
 
+// The body of a 16-bit store's device conversion: `insn` (a string literal) from binary64 into a 16-bit register.
+#define PI_CVT16_RETURN(insn, v, fmt)                                              \
+    do {                                                                           \
+        unsigned short h_;                                                         \
+        asm(insn " %0, %1;" : "=h"(h_) : "d"(v));                                  \
+        return (v) == (v) ? h_ : (unsigned short)pi_quiet_nan(pi_bits(v), fmt);    \
+    } while (0)
+
 PI_HD unsigned short pi_f16_out(double v) {
 #if defined(__CUDA_ARCH__)
-    unsigned short h;
-    asm("cvt.rn.f16.f64 %0, %1;" : "=h"(h) : "d"(v));
-    return v == v ? h : (unsigned short)pi_quiet_nan(pi_bits(v), PI_FMT_F16);
+    PI_CVT16_RETURN("cvt.rn.f16.f64", v, PI_FMT_F16);
 #else
     return pi_f16_bits(v);
 #endif
@@ -1038,9 +1044,7 @@ PI_HD unsigned short pi_f16_out(double v) {
 
 PI_HD unsigned short pi_bf16_out(double v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned short h;
-    asm("cvt.rn.bf16.f64 %0, %1;" : "=h"(h) : "d"(v));
-    return v == v ? h : (unsigned short)pi_quiet_nan(pi_bits(v), PI_FMT_BF16);
+    PI_CVT16_RETURN("cvt.rn.bf16.f64", v, PI_FMT_BF16);
 #else
     return pi_bf16_bits(v);
 #endif
