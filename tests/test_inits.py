@@ -348,3 +348,20 @@ def test_a_materialization_reads_each_initializer_once() -> None:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
+
+
+def test_readings_are_kept_only_for_the_resolution_that_takes_them() -> None:
+    """Validation alone keeps no reading (about 600 bytes a row a large irregular plan would hold); kept for
+    resolution, each is taken out as its row resolves, so none is held beside the resolved rows."""
+    from paraminit_server.plans import columns
+
+    plan = plan_of(param(f"w{i}", [6, 4], {"normal": {"std": 0.1, "seed": i}}, region=[(0, 3), (0, 4)]) for i in range(20))
+    cols = columns.of(plan)
+    assert cols is not None and not cols.plain.any()  # regions: every row is checked and resolved one by one
+    assert validation.validate(plan, None, None, cols).readings == {}
+    report = validation.validate(plan, None, None, cols, keep_readings=True)
+    assert sorted(report.readings) == list(range(20)) and all(r[0] is not None and r[0].kernel for r in report.readings.values())
+    table = columns.resolve(plan, None, cols, report.readings)
+    assert report.readings == {}
+    again = columns.resolve(plan, None, cols)  # read again: the same resolved rows
+    assert [table[i].p1 for i in range(20)] == [again[i].p1 for i in range(20)] == [0.1] * 20

@@ -172,7 +172,7 @@ class Materializer:
         sources = self._sources(caller, p)
         try:
             cols = columns.of(p)
-            report = validation.validate(p, self.limits, sources, cols)
+            report = validation.validate(p, self.limits, sources, cols, keep_readings=True)
             if report.only_limits:
                 worst = "; ".join(v.message for v in report.violations)
                 raise errors.ResourceExhausted(f"plan exceeds the limits: {worst}", report.violations)

@@ -14,7 +14,7 @@ table whose rows are all resolved one by one, so layouts, fills and backends rea
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
@@ -110,7 +110,7 @@ def resolve(
     plan: plan_pb2.Plan,
     sources: RequestSnapshot | None = None,
     cols: Columns | None = None,
-    readings: Mapping[int, _plan.Readings] | None = None,
+    readings: MutableMapping[int, _plan.Readings] | None = None,
 ) -> ParamTable:
     """Resolve a validated plan: plain rows stay columns, every other row (all of a plan without columns) is resolved
     one by one, from what validation read of it.
@@ -119,17 +119,18 @@ def resolve(
         plan: a plan that validated against the same sources.
         sources: the request's snapshot of payloads and checkpoints (snapshot.RequestSnapshot).
         cols: the plan's columns (`of`), when it has them.
-        readings: validation's readings of the rows it checked one by one (validation.Report.readings); a row
-            without one is read again.
+        readings: validation's readings of the rows it checked one by one (validation.Report.readings, kept);
+            each is taken out as its row is resolved, so they are not held beside the resolved rows. A row without
+            one is read again.
 
     Returns:
         The table of the plan's parameters, in plan order.
     """
     params = plan.params
-    read = readings or {}
+    take = (readings if readings is not None else {}).pop
     if cols is None:
-        return ParamTable.of([resolve_param(i, p, sources, read.get(i, ())) for i, p in enumerate(params)])
-    special = {i: resolve_param(i, params[i], sources, read.get(i, ())) for i in np.flatnonzero(~cols.plain).tolist()}
+        return ParamTable.of([resolve_param(i, p, sources, take(i, ())) for i, p in enumerate(params)])
+    special = {i: resolve_param(i, params[i], sources, take(i, ())) for i in np.flatnonzero(~cols.plain).tolist()}
     return ParamTable(cols, special)
 
 

@@ -8,7 +8,6 @@ its name and the field, so a user fixes a plan in one round trip.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -72,7 +71,7 @@ class Report:
 
     violations: tuple[Violation, ...]
     param_bytes: tuple[int, ...]
-    readings: Mapping[int, Readings] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    readings: dict[int, Readings] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -88,7 +87,11 @@ class Report:
 
 
 def validate(
-    plan: plan_pb2.Plan, limits: Limits | None = None, sources: RequestSnapshot | None = None, cols: Columns | None = None
+    plan: plan_pb2.Plan,
+    limits: Limits | None = None,
+    sources: RequestSnapshot | None = None,
+    cols: Columns | None = None,
+    keep_readings: bool = False,
 ) -> Report:
     """Check a whole plan; returns every violation found.
 
@@ -98,6 +101,8 @@ def validate(
         sources: the request's snapshot (snapshot.RequestSnapshot): flat_ref and safetensors initializers are checked
             against what the server holds; without it only their form is checked.
         cols: the plan's columns (plans.columns.of), for large plans: their plain rows are checked as arrays.
+        keep_readings: keep what was read of the initializers (Report.readings, about 600 bytes a row checked one
+            by one) for the resolution that follows, which takes them out; a check alone keeps none.
 
     Returns:
         The report: every violation and each parameter's materialized bytes.
@@ -105,7 +110,7 @@ def validate(
     limits = limits or Limits()
     out: list[Violation] = []
     readings: dict[int, Readings] = {}
-    sizes = _check_rows(plan, limits, sources, cols, out, readings)
+    sizes = _check_rows(plan, limits, sources, cols, out, readings if keep_readings else None)
     total = sum(sizes)
     if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
         out.append(
@@ -128,7 +133,7 @@ def _check_rows(
     sources: RequestSnapshot | None,
     cols: Columns | None,
     out: list[Violation],
-    readings: dict[int, Readings],
+    readings: dict[int, Readings] | None,
 ) -> list[int]:
     """Every parameter's checks, in plan order (so a repeated name is reported where it repeats): a row its columns
     vouch for (plain, with a good name and size) only records its name; every other row, a repeated name, and
@@ -163,10 +168,10 @@ def _check_param(
     sources: RequestSnapshot | None,
     first_seen: dict[str, int],
     out: list[Violation],
-    readings: dict[int, Readings],
+    readings: dict[int, Readings] | None,
 ) -> int:
     """Every check of one parameter; appends its violations to `out`, records what it read of its initializers in
-    `readings`, and returns its materialized bytes."""
+    `readings` (None: not kept), and returns its materialized bytes."""
     found: list[Violation] = []
 
     def bad(field: str, message: str, category: str = INVALID) -> None:
@@ -197,7 +202,9 @@ def _check_param(
         bad("dtype", f"unknown dtype enum value {p.dtype}")
     region_numel = (_check_region(shape, p, bad) if p.region else numel) if sane else None
     read = _check_init(shape, p, dt, bad, sources if sane else None)
-    readings[i] = (read, *_check_patches(shape, p, dt, bad)) if p.patches and sane else (read,)
+    patched = _check_patches(shape, p, dt, bad) if p.patches and sane else []
+    if readings is not None:
+        readings[i] = (read, *patched)
     size = 0
     if dt is not None and region_numel is not None:
         size = region_numel * dt.itemsize
