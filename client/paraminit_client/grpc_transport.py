@@ -277,10 +277,8 @@ class GrpcTransport:
         """Renew (also after close(), while a lease still owes its Release: one released while a CUDA_IPC view lives on
         keeps renewing until the view goes; once nothing is owed the channel is gone and the gate says so)."""
         request = pb.RenewRequest(lease_id=lease_id, ttl=times.duration(ttl_seconds))
-        if not any(_owes_release(x) for x in self._leases):
-            return times.epoch(self.call(self.stub.Renew, request).lease.expires_at)
-        resp = self._lease_call(self.stub.Renew, request)
-        return times.epoch(resp.lease.expires_at)
+        call = self._lease_call if any(_owes_release(x) for x in self._leases) else self.call
+        return times.epoch(call(self.stub.Renew, request).lease.expires_at)
 
     def apply(self, lease_id: str, plan: plan_pb2.Plan) -> str:
         return str(self.call(self.stub.Apply, pb.ApplyRequest(lease_id=lease_id, plan=plan)).plan_digest)

@@ -54,7 +54,6 @@ __all__ = [
     "TruncNormal",
     "Uniform",
     "ValueForm",
-    "check",
     "kaiming_bound",
     "kind_of",
     "label",
@@ -716,20 +715,9 @@ def kind_of(init: plan_pb2.Init) -> InitKind | None:
     return None if which is None else KINDS[which]
 
 
-def check(init: plan_pb2.Init | None, shape: Sequence[int], patch: bool = False) -> list[Problem]:
-    """Form problems of an initializer (references to payloads and files are checked where they are held).
-
-    Args:
-        init: the Init (None or unset: a problem).
-        shape: the parameter's full shape.
-        patch: the Init belongs to a patch, where flat kinds are not allowed.
-
-    Returns:
-        (field path, message) per problem; empty when the form is valid.
-    """
-    kind = None if init is None else kind_of(init)
-    if kind is None:
-        return [("init", _NOT_SET)]
+def _problems(kind: InitKind, init: plan_pb2.Init, shape: Sequence[int], patch: bool) -> list[Problem]:
+    """Form problems of an initializer of `kind` (references to payloads and files are checked where they are held);
+    empty when the form is valid. A patch may not use flat kinds."""
     which = kind.field
     if patch and kind.flat:
         return [
@@ -757,7 +745,7 @@ class Reading:
 
 
 def read(init: plan_pb2.Init | None, shape: Sequence[int], dt: dtypes.DTypeInfo | None = None, patch: bool = False) -> Reading:
-    """An initializer's form problems (`check`) and, when it has none, its value form, kernel arguments and the range
+    """An initializer's form problems (a patch may not use flat kinds) and, when it has none, its value form, kernel arguments and the range
     rule's verdict for `dt` (referenced data, whose largest |value| only its holder knows, is judged with
     `range_problem` once read).
 
@@ -770,9 +758,11 @@ def read(init: plan_pb2.Init | None, shape: Sequence[int], dt: dtypes.DTypeInfo 
     Returns:
         The reading.
     """
-    problems = check(init, shape, patch)
     kind = None if init is None else kind_of(init)
-    if problems or init is None or kind is None:
+    if init is None or kind is None:
+        return Reading(kind, [("init", _NOT_SET)])
+    problems = _problems(kind, init, shape, patch)
+    if problems:
         return Reading(kind, problems)
     form = kind.form(getattr(init, kind.field), shape)
     verdict = None if dt is None else range_problem(dt, form, kind.field)

@@ -147,8 +147,9 @@ def _check_rows(
     for reserved in RESERVED_NAMES.intersection(names):
         free[[i for i, n in enumerate(names) if n == reserved]] = False
     vouched = cols.plain & _fits(cols.nbytes, limits.max_param_bytes)
-    for rule in NAME_RULES:  # the names' facts as columns
-        vouched &= rule.holds(SimpleNamespace(text=names, size=cols.name_bytes(), free=free))
+    facts = SimpleNamespace(text=names, size=cols.name_bytes(), free=free)  # the names' facts as columns
+    for rule in NAME_RULES:
+        vouched &= rule.holds(facts)
     sizes: list[int] = cols.nbytes.tolist()
     if bool(vouched.all()) and len(set(names)) == len(names):  # nothing to check one by one
         return sizes
