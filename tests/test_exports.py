@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -20,7 +22,7 @@ import grpc
 import numpy as np
 import pytest
 
-from paraminit import times
+from paraminit import hostmem, times
 from paraminit.peers import is_local_peer
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import Client, ClientClosed, ParaminitError, cli, param, plan_of
@@ -684,3 +686,32 @@ def test_close_waits_for_a_quarantined_segment_being_freed() -> None:
     assert freeing.wait(10)  # the watcher has taken it off the list and is unlinking it
     exports.close()
     assert freed.is_set() and budget.reserved == 0
+
+
+def test_a_segment_takes_its_memory_before_any_fill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment's pages are populated (or, where the kernel cannot, reserved by fallocate) when it is made, so a
+    full /dev/shm is RESOURCE_EXHAUSTED then, with no segment left behind, never SIGBUS in the middle of a fill."""
+    fallocated: list[int] = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (fallocated.append(n), real(fd, off, n))[1])
+    seg = ShmSegment(3 << 20)
+    assert os.stat(seg.path).st_blocks * 512 >= 3 << 20  # tmpfs holds every page already
+    assert fallocated in ([], [3 << 20])
+    seg.close()
+
+    def madvise_says(code: int) -> Any:
+        def madvise(addr: int, n: int, advice: int) -> int:
+            ctypes.set_errno(code)
+            return -1
+
+        return madvise
+
+    monkeypatch.setattr(hostmem, "_madvise", lambda: madvise_says(errno.EINVAL))  # an older kernel
+    fallocated.clear()
+    ShmSegment(1 << 20).close()
+    assert fallocated == [1 << 20]
+    monkeypatch.setattr(hostmem, "_madvise", lambda: madvise_says(errno.EFAULT))  # tmpfs is full
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(errors.ResourceExhausted, match="1048576-byte shared-memory segment: no memory left"):
+        ShmSegment(1 << 20)
+    assert set(os.listdir("/dev/shm")) == before

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from paraminit.hostmem import HUGE, MADV_POPULATE_WRITE, PREFAULT_BLOCK, host_buffer, prefault, receive_buffer
+from paraminit import hostmem
+from paraminit.hostmem import HUGE, MADV_POPULATE_WRITE, POPULATE_SPLIT, PREFAULT_BLOCK, host_buffer, populate, prefault, receive_buffer
 from paraminit_client import param, plan_of
 from paraminit_server.plane.caller import Caller
 from support import running_server, wait_until
@@ -125,15 +126,18 @@ def _resident_pages(buf: np.ndarray[Any, Any]) -> int:
     return int(np.count_nonzero(vec & 1))
 
 
+def _has_populate() -> bool:
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(ctypes.addressof(ctypes.c_char.from_buffer(probe)), mmap.PAGESIZE, MADV_POPULATE_WRITE) == 0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and MADV_POPULATE_WRITE are Linux's")
 def test_a_receive_buffer_is_plain_pages_faulted_in_ahead() -> None:
     """Bytes arriving over a connection (a client's stream, a server's upload) land in plain pages that a helper
     faults in before the writer reaches them; a buffer without the helper stays unbacked until written."""
-    probe = mmap.mmap(-1, mmap.PAGESIZE)
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
-    if madvise(address, mmap.PAGESIZE, MADV_POPULATE_WRITE) != 0:
+    if not _has_populate():
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+): prefault() leaves pages to the writer")
     n = 2 * PREFAULT_BLOCK
     pages = n // mmap.PAGESIZE
@@ -159,6 +163,61 @@ def test_prefault_keeps_contents_while_a_writer_runs() -> None:
     assert np.array_equal(buf[:HUGE], head)
     assert (buf[n - HUGE :] == 0xA5).all()
     assert not buf[HUGE : n - HUGE].any()  # never-written pages read as zeros, as fresh anonymous memory does
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and MADV_POPULATE_WRITE are Linux's")
+def test_populate_backs_every_page_from_several_threads_and_keeps_contents() -> None:
+    if not _has_populate():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    n = 3 * POPULATE_SPLIT + 5 * mmap.PAGESIZE + 123  # uneven thirds, a partial last page
+    buf = host_buffer(n, huge=False)
+    mark = np.arange(4 * mmap.PAGESIZE, dtype=np.uint8)
+    buf[POPULATE_SPLIT : POPULATE_SPLIT + mark.size] = mark  # written before: stays
+    before = _resident_pages(buf)
+    names: set[str] = set()
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        names.add(self.name)
+        real(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(threading.Thread, "start", start)
+        assert populate(buf, threads=3) is True
+    pages = -(-n // mmap.PAGESIZE)
+    assert before < pages // 2 and _resident_pages(buf) == pages
+    assert names == {"paraminit-populate"}  # the caller and two helpers
+    assert np.array_equal(buf[POPULATE_SPLIT : POPULATE_SPLIT + mark.size], mark)
+    assert not buf[:POPULATE_SPLIT].any() and not buf[POPULATE_SPLIT + mark.size :].any()
+
+
+def test_populate_says_what_the_kernel_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EINVAL (no MADV_POPULATE_WRITE) is "not done" for the caller to reserve another way; EFAULT/ENOMEM (no
+    memory left for the pages) is ENOSPC; an unaligned view is never advised."""
+    import errno
+
+    calls: list[int] = []
+
+    def fake(code: int) -> Any:
+        def madvise(addr: int, n: int, advice: int) -> int:
+            calls.append(n)
+            ctypes.set_errno(code)
+            return -1 if code else 0
+
+        return madvise
+
+    buf = host_buffer(2 * POPULATE_SPLIT, huge=False)
+    monkeypatch.setattr(hostmem, "_madvise", lambda: fake(errno.EINVAL))
+    assert populate(buf, threads=2) is False and len(calls) == 2
+    assert populate(buf[1:], threads=2) is False and len(calls) == 2
+    for code in (errno.EFAULT, errno.ENOMEM):
+        monkeypatch.setattr(hostmem, "_madvise", lambda code=code: fake(code))
+        with pytest.raises(OSError) as info:
+            populate(buf, threads=2)
+        assert info.value.errno == errno.ENOSPC and str(2 * POPULATE_SPLIT) in str(info.value)
+    monkeypatch.setattr(hostmem, "_madvise", lambda: fake(0))
+    calls.clear()
+    assert populate(buf, threads=8) is True and sorted(calls) == [POPULATE_SPLIT, POPULATE_SPLIT]
 
 
 def test_validate_ends_in_the_idle_trim(monkeypatch: pytest.MonkeyPatch) -> None:

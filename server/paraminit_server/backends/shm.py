@@ -27,10 +27,12 @@ import threading
 
 import numpy as np
 
+from paraminit import hostmem
 from paraminit_server import errors
 from paraminit_server.backends import SHM, ExportHandle
 
 SHM_DIR = "/dev/shm"
+POPULATE_THREADS = 4  # at most: population scales to two threads on a 2-core host (0.28 -> 0.18 s for 498 MB)
 SHM_PREFIX = "paraminit-"
 log = logging.getLogger("paraminit.server")
 _instance: tuple[str, int, int] | None = None  # (tag, fd of the held lock, pid of the process that took it)
@@ -165,19 +167,28 @@ class ShmSegment:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as exc:
             raise errors.ResourceExhausted(f"cannot create a {size}-byte shared-memory segment: {exc}") from None
+        mapped: mmap.mmap | None = None
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
             os.ftruncate(fd, max(size, 1))
-            os.posix_fallocate(fd, 0, max(size, 1))
-            self._map = mmap.mmap(fd, max(size, 1))
+            mapped = mmap.mmap(fd, max(size, 1))
+            # tmpfs space is taken now, not at a fill's first touch: populated from several threads where the
+            # kernel can (faster than fallocate and the fill's own faults), else reserved by fallocate
+            if not hostmem.populate(np.frombuffer(mapped, dtype=np.uint8), min(POPULATE_THREADS, os.cpu_count() or 1)):
+                os.posix_fallocate(fd, 0, max(size, 1))
         except OSError as exc:
+            if mapped is not None:
+                mapped.close()
             os.unlink(self.path)
-            raise errors.ResourceExhausted(f"cannot create a {size}-byte shared-memory segment: {exc}") from None
+            raise errors.ResourceExhausted(f"cannot create a {size}-byte shared-memory segment: {exc.strerror}") from None
         except BaseException:
+            if mapped is not None:
+                mapped.close()
             os.unlink(self.path)
             raise
         finally:
             os.close(fd)
+        self._map = mapped
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=size)
 
     def handle(self) -> ExportHandle:
