@@ -4,6 +4,7 @@ servers in process and in subprocesses, the CLI in process. Fixtures and hooks s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -140,3 +141,16 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
         code = done.code if isinstance(done.code, int) else 1
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def fake_madvise(code: int, calls: list[int] | None = None) -> Callable[[int, int, int], int]:
+    """A stand-in for libc's madvise (paraminit.hostmem._madvise's result) that fails with errno `code`, or
+    succeeds doing nothing when `code` is 0; each call's length goes into `calls`."""
+
+    def madvise(addr: int, n: int, advice: int) -> int:
+        if calls is not None:
+            calls.append(n)
+        ctypes.set_errno(code)
+        return -1 if code else 0
+
+    return madvise

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
@@ -33,7 +32,7 @@ from paraminit_server.plane.budget import MemoryBudget
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import BufferPool
 from paraminit_server.rpc.server import Running
-from support import run_cli, running_server, serve_subprocess, server_fixture, target_of, wait_until
+from support import fake_madvise, run_cli, running_server, serve_subprocess, server_fixture, target_of, wait_until
 
 
 def segments() -> set[str]:
@@ -699,18 +698,11 @@ def test_a_segment_takes_its_memory_before_any_fill(monkeypatch: pytest.MonkeyPa
     assert fallocated in ([], [3 << 20])
     seg.close()
 
-    def madvise_says(code: int) -> Any:
-        def madvise(addr: int, n: int, advice: int) -> int:
-            ctypes.set_errno(code)
-            return -1
-
-        return madvise
-
-    monkeypatch.setattr(hostmem, "_madvise", lambda: madvise_says(errno.EINVAL))  # an older kernel
+    monkeypatch.setattr(hostmem, "_madvise", lambda: fake_madvise(errno.EINVAL))  # an older kernel
     fallocated.clear()
     ShmSegment(1 << 20).close()
     assert fallocated == [1 << 20]
-    monkeypatch.setattr(hostmem, "_madvise", lambda: madvise_says(errno.EFAULT))  # tmpfs is full
+    monkeypatch.setattr(hostmem, "_madvise", lambda: fake_madvise(errno.EFAULT))  # tmpfs is full
     before = set(os.listdir("/dev/shm"))
     with pytest.raises(errors.ResourceExhausted, match="1048576-byte shared-memory segment: no memory left"):
         ShmSegment(1 << 20)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import subprocess
@@ -18,7 +19,7 @@ from paraminit import hostmem
 from paraminit.hostmem import HUGE, MADV_POPULATE_WRITE, POPULATE_SPLIT, PREFAULT_BLOCK, host_buffer, populate, prefault, receive_buffer
 from paraminit_client import param, plan_of
 from paraminit_server.plane.caller import Caller
-from support import running_server, wait_until
+from support import fake_madvise, running_server, wait_until
 
 # Reads glibc's own accounting (mallinfo2) rather than page faults: which arena a new thread gets, and so
 # how many fresh pages it touches, varies from run to run; whether a message is a mapping of its own, and
@@ -128,9 +129,8 @@ def _resident_pages(buf: np.ndarray[Any, Any]) -> int:
 
 def _has_populate() -> bool:
     probe = mmap.mmap(-1, mmap.PAGESIZE)
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return madvise(ctypes.addressof(ctypes.c_char.from_buffer(probe)), mmap.PAGESIZE, MADV_POPULATE_WRITE) == 0
+    madvise = hostmem._madvise()
+    return madvise is not None and madvise(ctypes.addressof(ctypes.c_char.from_buffer(probe)), mmap.PAGESIZE, MADV_POPULATE_WRITE) == 0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and MADV_POPULATE_WRITE are Linux's")
@@ -194,28 +194,17 @@ def test_populate_backs_every_page_from_several_threads_and_keeps_contents() -> 
 def test_populate_says_what_the_kernel_said(monkeypatch: pytest.MonkeyPatch) -> None:
     """EINVAL (no MADV_POPULATE_WRITE) is "not done" for the caller to reserve another way; EFAULT/ENOMEM (no
     memory left for the pages) is ENOSPC; an unaligned view is never advised."""
-    import errno
-
     calls: list[int] = []
-
-    def fake(code: int) -> Any:
-        def madvise(addr: int, n: int, advice: int) -> int:
-            calls.append(n)
-            ctypes.set_errno(code)
-            return -1 if code else 0
-
-        return madvise
-
     buf = host_buffer(2 * POPULATE_SPLIT, huge=False)
-    monkeypatch.setattr(hostmem, "_madvise", lambda: fake(errno.EINVAL))
+    monkeypatch.setattr(hostmem, "_madvise", lambda: fake_madvise(errno.EINVAL, calls))
     assert populate(buf, threads=2) is False and len(calls) == 2
     assert populate(buf[1:], threads=2) is False and len(calls) == 2
     for code in (errno.EFAULT, errno.ENOMEM):
-        monkeypatch.setattr(hostmem, "_madvise", lambda code=code: fake(code))
+        monkeypatch.setattr(hostmem, "_madvise", lambda code=code: fake_madvise(code, calls))
         with pytest.raises(OSError) as info:
             populate(buf, threads=2)
         assert info.value.errno == errno.ENOSPC and str(2 * POPULATE_SPLIT) in str(info.value)
-    monkeypatch.setattr(hostmem, "_madvise", lambda: fake(0))
+    monkeypatch.setattr(hostmem, "_madvise", lambda: fake_madvise(0, calls))
     calls.clear()
     assert populate(buf, threads=8) is True and sorted(calls) == [POPULATE_SPLIT, POPULATE_SPLIT]
 

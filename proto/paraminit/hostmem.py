@@ -103,11 +103,11 @@ def populate(buf: npt.NDArray[np.uint8], threads: int = 1) -> bool:
     run(0)
     for t in helpers:
         t.join()
-    if any(e == errno.EINVAL for e in errs) and not any(e not in (0, errno.EINVAL) for e in errs):
-        return False
-    failed = next((e for e in errs if e), 0)
+    failed = [e for e in errs if e]
+    if failed and all(e == errno.EINVAL for e in failed):
+        return False  # no such advice here
     if failed:
-        raise OSError(errno.ENOSPC, f"no memory left for {n} bytes ({os.strerror(failed)} from MADV_POPULATE_WRITE)")
+        raise OSError(errno.ENOSPC, f"no memory left for {n} bytes ({os.strerror(failed[0])} from MADV_POPULATE_WRITE)")
     return True
 
 

@@ -176,15 +176,12 @@ class ShmSegment:
             # kernel can (faster than fallocate and the fill's own faults), else reserved by fallocate
             if not hostmem.populate(np.frombuffer(mapped, dtype=np.uint8), min(POPULATE_THREADS, os.cpu_count() or 1)):
                 os.posix_fallocate(fd, 0, max(size, 1))
-        except OSError as exc:
+        except BaseException as exc:
             if mapped is not None:
                 mapped.close()
             os.unlink(self.path)
-            raise errors.ResourceExhausted(f"cannot create a {size}-byte shared-memory segment: {exc.strerror}") from None
-        except BaseException:
-            if mapped is not None:
-                mapped.close()
-            os.unlink(self.path)
+            if isinstance(exc, OSError):
+                raise errors.ResourceExhausted(f"cannot create a {size}-byte shared-memory segment: {exc.strerror}") from None
             raise
         finally:
             os.close(fd)
