@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from paraminit.v1 import plan_pb2
-from paraminit_client import hf, recipes
+from paraminit_client import hf, recipes, replay
 from paraminit_client.errors import InvalidArgument
 from paraminit_client.torch_rules import _fixed_elements, _rule_of, _xavier, _zeros
 
@@ -221,7 +221,88 @@ class TorchtitanInit:
             walk.inits[name] = got if got is not None else f"{walk.kinds[name]} has no rule for {owner[1]!r}"
 
 
+class OwnInit:
+    """ "own" (the default): the model's own initialization code, replayed (paraminit_client.replay). A model built
+    under torch.meta_parameters() carries what its constructor did; otherwise each module's reset_parameters and the
+    framework's entry point (transformers' initialize_weights, a root init_weights()) are run again on the model,
+    and a constructor that initializes in its own code is refused with its file:line. Non-parameter tensors that are
+    real (buffers under meta_parameters) keep the values the model's code computed."""
+
+    name = "own"
+
+    def assign(self, walk: ModuleWalk) -> None:
+        names = walk.collect()
+        roots: dict[str, replay.Root] = {}
+        pending = []
+        for name in names:
+            t = walk.tensors[name]
+            rec = replay.record_of(t)
+            if rec is not None:
+                roots[name] = rec
+            elif t.is_meta or isinstance(t, nn.Parameter):
+                pending.append(name)
+        failures: dict[int, str] = {}
+        if pending:
+            rec_, failures = replay.replay(walk.module, [walk.tensors[n] for n in pending])
+            for name in pending:
+                roots[name] = rec_.add_root(walk.tensors[name])
+        by_tensor = {id(root.tensor): name for name, root in roots.items()}
+        by_tensor.update({id(t): name for name, t in walk.tensors.items()})
+
+        def seed_of(root: replay.Root) -> int | str:
+            name = by_tensor.get(id(root.tensor))
+            return walk.seed_of(name) if name is not None else "copies the values of a tensor that is not in the plan"
+
+        modules = dict(walk.module.named_modules(remove_duplicate=False))
+        replayed = replay.replayed_names(walk.module)
+        pending_set = set(pending)
+        for name in names:
+            t, kind = walk.tensors[name], walk.kinds[name]
+            key = walk.owners[name][1]
+            if name not in roots:  # a real buffer: the values the model's code computed
+                got = replay.emit(replay.Root(t, tuple(t.shape), replay.Write(replay.initial_value(replay.Recorder(), t), None, None, "")), seed_of)
+                walk.inits[name] = got[0]
+                continue
+            if name in pending_set:
+                why = _not_replayable(name, modules, failures, replayed)
+                if why is not None:
+                    walk.inits[name] = why
+                    continue
+            init, patches = replay.emit(roots[name], seed_of)
+            if init == "":
+                init = (
+                    f"{kind}.{key} is never written by the initialization code paraminit can replay (reset_parameters, "
+                    "transformers' initialize_weights, init_weights); build the model under "
+                    "paraminit_client.torch.meta_parameters() so its constructor is recorded"
+                    if name in pending_set
+                    else f"{kind}.{key} is made on meta and never written by the model's constructor"
+                )
+            walk.inits[name] = init
+            walk.patches[name] = patches
+
+
+def _not_replayable(name: str, modules: dict[str, nn.Module], failures: dict[int, str], replayed: frozenset[str]) -> str | None:
+    """Why a tensor's initialization cannot be replayed after construction: a module above it whose constructor
+    initializes in its own code, or whose replayed code failed."""
+    parts = name.split(".")[:-1]
+    for i in range(len(parts) + 1):
+        mod = modules.get(".".join(parts[:i]))
+        if mod is None:
+            continue
+        if id(mod) in failures:
+            return failures[id(mod)]
+        where = replay.constructor_inits(type(mod), replayed)
+        if where is not None:
+            return (
+                f"{type(mod).__name__}'s constructor initializes tensors in its own code ({where}), which runs only "
+                "when the model is built: build it under paraminit_client.torch.meta_parameters() (or with "
+                "plan_from_constructor) so that code is recorded"
+            )
+    return None
+
+
 _REGISTRY: dict[str, Callable[[], Policy]] = {
+    "own": OwnInit,
     "torch": lambda: LayerRules("torch"),
     "torchlean": lambda: LayerRules("torchlean"),
     "hf": HFInit,

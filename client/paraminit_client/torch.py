@@ -50,6 +50,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -69,7 +71,7 @@ from paraminit.peers import is_local_target
 from paraminit.shapes import out_shape
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
-from paraminit_client import distributed, hf, policies
+from paraminit_client import distributed, hf, policies, replay
 from paraminit_client.client import Client, or_in_process
 from paraminit_client.errors import InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
@@ -90,6 +92,7 @@ __all__ = [
     "materialize_module",
     "meta_parameters",
     "param_seed",
+    "plan_from_constructor",
     "plan_from_module",
 ]
 
@@ -143,7 +146,7 @@ def _override_arity(fn: Override) -> int:
     return 4 if len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 4 else 2
 
 
-def plan_from_module(module: nn.Module, seed: int, policy: str | Policy = "torch", overrides: Override | None = None) -> plan_pb2.Plan:
+def plan_from_module(module: nn.Module, seed: int = 0, policy: str | Policy = "own", overrides: Override | None = None) -> plan_pb2.Plan:
     """One Param per distinct floating-point tensor of `module.state_dict()`, in its order.
 
     Names are state_dict names; a tied tensor appears once, under its first
@@ -281,7 +284,7 @@ def materialize_module(
     delivery: str = "auto",
     plan: plan_pb2.Plan | None = None,
     seed: int = 0,
-    policy: str | Policy = "torch",
+    policy: str | Policy = "own",
     overrides: Override | None = None,
     ttl_seconds: float = 0.0,
     auto_renew: bool | None = None,
@@ -412,9 +415,13 @@ def _materialize_module(
                 new = distributed.wrap(new, old, boxes[p.name], dev)
             assert new is not None
             fills[id(old)] = nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else new
-        module.load_state_dict(
-            {name: fills.get(id(t), t) if isinstance(t, torch.Tensor) else t for name, t in state.items()}, strict=True, assign=True
+        filled: OrderedDict[str, Any] = OrderedDict(
+            (name, fills.get(id(t), t) if isinstance(t, torch.Tensor) else t) for name, t in state.items()
         )
+        metadata = getattr(state, "_metadata", None)  # module versions, which versioned _load_from_state_dict read
+        if metadata is not None:
+            filled._metadata = metadata  # type: ignore[attr-defined]
+        module.load_state_dict(filled, strict=True, assign=True)
     except BaseException:
         if lease is not None:
             lease.release()
@@ -501,21 +508,60 @@ def meta_parameters() -> Iterator[None]:
     (rotary frequencies, masks, position ids) as usual, and no parameter memory or initialization is spent
     before materialize_module. Like torch.device("meta") for parameters only.
 
+    The constructor's own initialization is recorded as it runs (paraminit_client.replay): every parameter
+    carries what the model's code did to it (torchvision's and timm's loops over their modules, transformers'
+    post_init, each layer's reset_parameters), so the default policy ("own") gives the model its own
+    initialization with the plan's values. Only this thread's construction is recorded.
+
     Returns:
         A context manager: modules built inside it get meta parameters.
     """
     register = nn.Module.register_parameter
+    owner = threading.get_ident()
+    with replay.capture() as rec:
 
-    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and type(param) is nn.Parameter and not param.is_meta:
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        register(self, name, param)
+        def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            if param is not None and type(param) is nn.Parameter and threading.get_ident() == owner:
+                if not param.is_meta:
+                    initial = replay.initial_value(rec, param)
+                    param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+                    root = rec.add_root(param, initial)
+                else:
+                    root = rec.add_root(param)
+                param.__dict__[replay.RECORD_ATTR] = root
+            elif param is not None and type(param) is nn.Parameter and not param.is_meta:
+                param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            register(self, name, param)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def plan_from_constructor(build: Callable[[], nn.Module], seed: int = 0, policy: str | Policy = "own", overrides: Override | None = None) -> plan_pb2.Plan:
+    """The plan of the model `build()` returns, built under meta_parameters() so its constructor's own
+    initialization is recorded (no parameter memory is allocated).
+
+    Args:
+        build: makes the model, e.g. `lambda: torchvision.models.resnet50()`.
+        seed: the model's seed (each parameter's is param_seed(seed, name)).
+        policy: as for plan_from_module (default "own": the model's own initialization).
+        overrides: as for plan_from_module.
+
+    Returns:
+        The plan, one Param per distinct floating-point tensor, in state_dict order.
+
+    Raises:
+        UnsupportedModuleError: tensors whose initialization has no plan form, each with the call and file:line.
+        InvalidArgument: `build` returned something other than a torch.nn.Module.
+    """
+    with meta_parameters():
+        model = build()
+    if not isinstance(model, nn.Module):
+        raise InvalidArgument(f"the constructor returned {type(model).__name__}, not a torch.nn.Module")
+    return plan_from_module(model, seed, policy, overrides)
 
 
 def lease_of(module: nn.Module) -> Lease | None:
