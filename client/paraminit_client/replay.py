@@ -256,6 +256,8 @@ class Root:
     base: Write | None = None
     patches: list[Write] = field(default_factory=list)
     touched: bool = False  # written at all (even if refused)
+    shadow: bool = False  # a real tensor the model's code made (its operations run too): what its values are drawn as
+    written: np.ndarray[Any, np.dtype[np.bool_]] | None = None  # a shadow from torch.empty: elements written since
 
     @property
     def numel(self) -> int:
@@ -363,20 +365,36 @@ class Recorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.roots: dict[int, Root] = {}  # storage identity -> root
+        self.shadows: dict[int, Root] = {}  # storage identity of a real tensor drawn by torch's generator -> its draws
         self._taint: dict[int, str] = {}  # storage identity of a real tensor -> why its values are not the model's
         self._keep: list[object] = []  # keeps the storages behind those identities alive while recording
 
     # roots and views
 
-    def add_root(self, t: torch.Tensor, initial: Value | None = None) -> Root:
+    def add_root(self, t: torch.Tensor, initial: Value | Root | None = None) -> Root:
         key = self._key(t)
         root = self.roots.get(key)
         if root is None:
             root = Root(t, tuple(t.shape))
             self.roots[key] = root
             self._keep.append(t)
-        if initial is not None:
+        if isinstance(initial, Root):
+            root.base, root.patches, root.touched = initial.base, list(initial.patches), True
+        elif initial is not None:
             root.base, root.patches, root.touched = Write(initial, None, None, _where()), [], True
+        return root
+
+    def shadow_of(self, t: torch.Tensor) -> Root | None:
+        """The distribution a real tensor of the model's code was drawn from, when it is one of the whole tensor."""
+        found = self.locate(t)
+        if found is None or not found[0].shadow or found[1] is not None:
+            return None
+        return found[0]
+
+    def _new_shadow(self, t: torch.Tensor, value: Value, origin: Root | None = None) -> Root:
+        root = Root(t, tuple(t.shape), Write(value, None, origin, _where()), shadow=True)
+        self.shadows[self._key(t)] = root
+        self._keep.append(t)
         return root
 
     @staticmethod
@@ -389,9 +407,10 @@ class Recorder(TorchFunctionMode):
         if not isinstance(t, torch.Tensor):
             return None
         try:
-            root = self.roots.get(self._key(t))
+            key = self._key(t)
         except (RuntimeError, NotImplementedError):
             return None
+        root = self.roots.get(key) or self.shadows.get(key)
         if root is None:
             return None
         shape, strides = root.shape, root.strides()
@@ -438,6 +457,12 @@ class Recorder(TorchFunctionMode):
                 current[_slices(box)] = value.value if isinstance(value, Const) else value.values.reshape(_box_shape(box))
                 root.base, root.patches = Write(_const_or_data(current), None, None, where), []
                 return
+        if root.shadow and isinstance(value, Const | Data) and isinstance(root.base.value if root.base else None, Refused):
+            if root.written is None and root.numel <= DATA_LIMIT:  # torch.empty filled part by part: settled once whole
+                root.written = np.zeros(root.shape, dtype=np.bool_)
+            if root.written is not None:
+                root.written[_slices(box)] = True
+                return
         if isinstance(value, Data):
             flat = value.values.reshape(-1)
             if not (flat.size and np.all(flat == flat[0])):
@@ -477,7 +502,7 @@ class Recorder(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         name = getattr(func, "__name__", "")
         module = getattr(func, "__module__", None)
-        if module == "torch.nn.init" and name in _NN_INIT_DISPATCHED:
+        if module is not None and name in _NN_INIT_DISPATCHED and module != "torch._tensor":  # nn.init's, or a wrapper of it
             target = args[0] if args else kwargs.get("tensor")
             found = self.locate(target)
             if found is not None:
@@ -494,12 +519,55 @@ class Recorder(TorchFunctionMode):
             if found is not None:
                 self._out(func, name, found, args, kwargs)
                 return out_target
+        if found is None and writes and args and name in _RANDOM_INPLACE and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
+            base = args[0]._base if args[0]._base is not None else args[0]
+            if self._safe_key(base) != -1:  # a real tensor drawn in place: its draws are what it holds
+                why = self.taint_of(base)
+                self._new_shadow(base, Refused(f"holds {why}") if why else initial_value(self, base))
+                found = self.locate(args[0])
         if found is not None:
             self._inplace(func, name, found, args, kwargs)
-            return None if name in ("__setitem__", "__set__") else args[0]
+            if not found[0].shadow:
+                return None if name in ("__setitem__", "__set__") else args[0]
         result = func(*args, **kwargs)
+        if found is not None and found[0].written is not None and found[0].written.all():
+            shadow = found[0]  # every element written with computed values: the tensor holds them now
+            shadow.base, shadow.patches, shadow.written = Write(initial_value(Recorder(), shadow.tensor), None, None, _where()), [], None  # type: ignore[arg-type]
         self._mark(name, args, kwargs, result)
+        self._draws(name, args, kwargs, result)
         return result
+
+    def _draws(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any], result: Any) -> None:
+        """Real tensors whose values are draws the plan can state: torch.randn/rand, and scales, shifts and copies of
+        whole drawn tensors (nn.Parameter(torch.randn(n, d) * 0.02))."""
+        if not isinstance(result, torch.Tensor) or not result.is_floating_point():
+            return
+        if name in ("randn", "rand", "empty", "empty_like", "new_empty", "randn_like", "rand_like"):
+            value: Value = {"randn": Normal(0.0, 1.0), "rand": Uniform(0.0, 1.0)}.get(name.removesuffix("_like"), Refused(f"holds {_EMPTY}"))
+            self._new_shadow(result, value)
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if len(tensors) != 1:
+            return
+        located = self.locate(tensors[0])
+        source = located[0] if located is not None and located[1] is None else None
+        if source is None or source.base is None or source.patches or source.tensor.shape != result.shape:
+            return
+        v = source.base.value
+        origin = source.base.origin if source.shadow else source.base.origin or source
+        pad = args[1] if name == "pad" and len(args) > 1 else kwargs.get("pad")
+        if name in _SAME_VALUES or (name == "pad" and pad is not None and not any(pad)):
+            self._new_shadow(result, v, origin)
+            return
+        if isinstance(v, _RANDOM_VALUES) and origin is not None:
+            return  # a scaled copy of a parameter's draws: another tensor's random values
+        other = next((a for a in args if not isinstance(a, torch.Tensor)), kwargs.get("other"))
+        x = _scalar(other) if other is not None else None
+        if name in ("neg", "__neg__"):
+            self._new_shadow(result, affine(v, -1.0, 0.0), origin)
+        elif x is not None and name in _AFFINE_OPS:
+            c, d = _AFFINE_OPS[name](x, float(_scalar(kwargs.get("alpha", 1.0)) or 1.0))
+            self._new_shadow(result, affine(v, c, d), origin)
 
     def _mark(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any], result: Any) -> None:
         """Which real tensors hold torch's random values or uninitialized memory (so copying them is refused)."""
@@ -537,7 +605,7 @@ class Recorder(TorchFunctionMode):
 
     def _nn_init(self, func: Any, name: str, found: tuple[Root, Box | None, tuple[int, ...]], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         root, box, _ = found
-        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound = inspect.signature(getattr(nn.init, name)).bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
         if box == ():
@@ -574,7 +642,7 @@ class Recorder(TorchFunctionMode):
                 part = values if obox is None else values[_slices(obox)]
                 return Data(_arranged(part, obox, order, inverse=True).reshape(tuple(src.shape))), None
             if obox is None and other.base is not None and not other.patches:
-                return other.base.value, other.base.origin or other
+                return other.base.value, (other.base.origin if other.shadow else other.base.origin or other)
             return f"{what} from a part of another tensor's random values ({values})"
         if src.is_meta:
             return f"{what} from a tensor computed from others, which no initializer states"
@@ -744,6 +812,22 @@ class Recorder(TorchFunctionMode):
         self._write_from(root, box, order, tuple(target.shape), got.reshape(target.shape), f"{name}(out=...)")
 
 
+_SAME_VALUES = frozenset(("clone", "to", "float", "double", "half", "bfloat16", "contiguous", "detach", "type_as"))
+_AFFINE_OPS: dict[str, Callable[[float, float], tuple[float, float]]] = {
+    "mul": lambda x, a: (x, 0.0),
+    "__mul__": lambda x, a: (x, 0.0),
+    "__rmul__": lambda x, a: (x, 0.0),
+    "div": lambda x, a: (1.0 / x, 0.0),
+    "__truediv__": lambda x, a: (1.0 / x, 0.0),
+    "add": lambda x, a: (1.0, x * a),
+    "__add__": lambda x, a: (1.0, x),
+    "__radd__": lambda x, a: (1.0, x),
+    "sub": lambda x, a: (1.0, -x * a),
+    "__sub__": lambda x, a: (1.0, -x),
+    "__rsub__": lambda x, a: (-1.0, x),
+}
+
+
 def _divided(v: Value, x: float) -> Value:
     if isinstance(v, Const):
         return Const(v.value / x)
@@ -894,8 +978,11 @@ def capture() -> Iterator[Recorder]:
         yield rec
 
 
-def initial_value(rec: Recorder, real: torch.Tensor) -> Value:
+def initial_value(rec: Recorder, real: torch.Tensor) -> Value | Root:
     """What a parameter made from real values (moved to meta at registration) starts as."""
+    shadow = rec.shadow_of(real)
+    if shadow is not None and shadow.base is not None:
+        return shadow if shadow.patches else shadow.base.value
     why = rec.taint_of(real)
     if why is not None:
         return Refused(f"holds {why} that the model's code never overwrites")

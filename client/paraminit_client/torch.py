@@ -374,8 +374,9 @@ def _materialize_module(
     _compute_transient_buffers(module, dev)
     fills: dict[int, torch.Tensor] = {}
     missing = []
+    later = _buffers_computed_later(module)
     for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        if id(t) in planned or id(t) in fills or not t.is_meta:
+        if id(t) in planned or id(t) in fills or not t.is_meta or id(t) in later:
             continue
         owner = owners.get(name)
         if owner is not None and isinstance(owner[0], _NormBase) and owner[1] == "num_batches_tracked":
@@ -422,6 +423,8 @@ def _materialize_module(
         if metadata is not None:
             filled._metadata = metadata  # type: ignore[attr-defined]
         module.load_state_dict(filled, strict=True, assign=True)
+        for mod in dict.fromkeys(later.values()):  # their parameters are real now: the buffers follow them
+            mod.init_non_persistent_buffers()
     except BaseException:
         if lease is not None:
             lease.release()
@@ -500,6 +503,20 @@ def _compute_transient_buffers(module: nn.Module, device: torch.device) -> None:
         from paraminit_client import titan
 
         titan.fill_buffers(module, device)
+
+
+def _buffers_computed_later(module: nn.Module) -> dict[int, Any]:
+    """Non-persistent buffers still on meta whose module computes them from its parameters' device and dtype
+    (timm's init_non_persistent_buffers): id(buffer) -> the module, asked again once its parameters are real."""
+    out: dict[int, Any] = {}
+    for mod in module.modules():
+        if not callable(getattr(mod, "init_non_persistent_buffers", None)):
+            continue
+        for key in mod._non_persistent_buffers_set:
+            b = mod._buffers.get(key)
+            if b is not None and b.is_meta:
+                out[id(b)] = mod
+    return out
 
 
 @contextlib.contextmanager
