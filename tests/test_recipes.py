@@ -18,7 +18,7 @@ from torch import nn  # noqa: E402
 
 from paraminit_client import Client  # noqa: E402
 from paraminit_client.recipes import megatron, neox  # noqa: E402
-from paraminit_client.torch import UnsupportedModuleError, plan_from_module  # noqa: E402
+from paraminit_client.torch import UnsupportedModuleError, param_seed, plan_from_module  # noqa: E402
 
 
 def same_law(ours: np.ndarray[Any, Any], theirs: np.ndarray[Any, Any], what: str) -> None:
@@ -249,23 +249,29 @@ def test_olmo_recipe_is_olmo_cores_own_initialization(method: str) -> None:
     assert set(kinds.values()) >= {"truncated_normal", "ones"}
 
 
-def test_a_replay_refuses_tensors_its_code_writes_otherwise() -> None:
+def test_a_replay_composes_rescales_and_refuses_what_no_initializer_states() -> None:
     from paraminit_client.recipes import replay
 
     def init(m: nn.Module) -> None:
         nn.init.normal_(m.a.weight, std=0.5)
         nn.init.zeros_(m.a.bias)
         nn.init.normal_(m.b.weight, std=0.5)
+        nn.init.normal_(m.c.weight, std=0.5)
         with torch.no_grad():
-            m.b.weight.mul_(2.0)  # a rescale after the call: the call alone would be wrong
+            m.b.weight.mul_(2.0)  # a rescale after the call composes: normal(0, 1)
+            m.c.weight.clamp_(-0.1, 0.1)  # piles values on the bounds: no initializer states that
 
     with torch.device("meta"):
-        model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+        model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4), "c": nn.Linear(4, 4)})
     with pytest.raises(UnsupportedModuleError) as err:
         plan_from_module(model, seed=0, policy=replay(init, "mine"))
     problems = {name: why for name, _, why in err.value.problems}
-    assert set(problems) == {"b.weight", "b.bias"}
-    assert "mul_" in problems["b.weight"] and "never sets" in problems["b.bias"]
+    assert set(problems) == {"b.bias", "c.weight", "c.bias"}
+    assert "clamps a normal" in problems["c.weight"] and "test_recipes.py:" in problems["c.weight"]
+    assert "never sets" in problems["b.bias"]
+    plan = plan_from_module(model, seed=0, policy=replay(init, "mine"), overrides=lambda n, t: {"zeros": {}} if n in problems else None)
+    b = next(p for p in plan.params if p.name == "b.weight")
+    assert b.init.WhichOneof("kind") == "normal" and b.init.normal.std == 1.0 and b.init.normal.seed == param_seed(0, "b.weight")
     with pytest.raises(UnsupportedModuleError, match="olmo's initialization cannot run on this model: AttributeError"):
         plan_from_module(model, seed=0, policy="olmo")  # not an OLMo-core model: no init_weights
 

@@ -109,7 +109,7 @@ def test_gpt2_small_materializes_and_runs(client: Client) -> None:
     torch.manual_seed(0)
     model = meta(GPT)
     t0 = time.perf_counter()
-    lease = materialize_module(model, client, seed=1)
+    lease = materialize_module(model, client, seed=1, policy="torch")
     elapsed = time.perf_counter() - t0
     assert isinstance(lease, Lease) and lease_of(model) is lease  # local server: zero-copy SHM
     assert model.lm_head.weight is model.wte.weight
@@ -141,7 +141,7 @@ def check_uniform(t: torch.Tensor, bound: float, name: str) -> None:
 
 def test_torch_policy_statistics(client: Client) -> None:
     model = meta(GPT, **SMALL)
-    materialize_module(model, client, seed=3, delivery="stream")
+    materialize_module(model, client, seed=3, delivery="stream", policy="torch")
     w = model.wte.weight.detach().double()
     assert abs(float(w.mean())) < 5 / math.sqrt(w.numel()) and abs(float(w.std()) - 1) < 0.01
     p = model.wpe.weight.detach().double()
@@ -201,7 +201,7 @@ def test_distributions_match_pytorch_own_init(client: Client) -> None:
     torch.manual_seed(0)
     reference = zoo()
     ours = meta(zoo)
-    plan = plan_from_module(ours, 11)
+    plan = plan_from_module(ours, 11, policy="torch")
     kinds = {p.name: p.init.WhichOneof("kind") for p in plan.params}
     assert kinds["mha.in_proj_weight"] == "xavier_uniform_for_shape" and kinds["mha.out_proj.bias"] == "zeros"
     assert kinds["mha.bias_k"] == "normal" and kinds["tf.encoder.layers.0.linear1.weight"] == "xavier_uniform_for_shape"
@@ -330,7 +330,7 @@ def test_unknown_layers_are_reported_not_guessed(client: Client) -> None:
         return nn.Sequential(nn.Linear(8, 8), Scale(8), MyLinear(8, 4), nn.Embedding(10, 8, padding_idx=0))
 
     with pytest.raises(UnsupportedModuleError) as info:
-        plan_from_module(meta(build), 0)
+        plan_from_module(meta(build), 0, policy="torch")
     names = [p[0] for p in info.value.problems]
     assert names == ["1.gain", "2.weight", "2.bias"]  # padding_idx is supported: a zero-row plan patch
     text = str(info.value)
@@ -346,7 +346,7 @@ def test_unknown_layers_are_reported_not_guessed(client: Client) -> None:
         return None
 
     model = meta(build)
-    plan = plan_from_module(model, 0, overrides=overrides)
+    plan = plan_from_module(model, 0, policy="torch", overrides=overrides)
     assert plan.params[-1].init.normal.seed == param_seed(0, "3.weight")
     materialize_module(model, client, plan=plan)
     assert not model[3].weight[0].any() and model[3].weight[1:].all()  # the override keeps the padding row zero

@@ -71,7 +71,7 @@ _CODE_WORDS = {
 
 # paraminit_client.torch.POLICIES, written here so that the CLI starts without importing torch (a test holds
 # the two equal)
-POLICIES = ("torch", "torchlean", "hf", "torchtitan", "megatron", "neox", "olmo")
+POLICIES = ("own", "torch", "torchlean", "hf", "torchtitan", "megatron", "neox", "olmo")
 
 
 class UsageError(Exception):
@@ -444,6 +444,17 @@ def _factory(spec: str) -> Any:
     return obj
 
 
+def _factory_argument(text: str) -> tuple[str, Any]:
+    """--arg NAME=VALUE: the value as JSON where it parses (10, 0.5, true, [1, 2], "x"), else as the string."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise UsageError(f"--arg takes NAME=VALUE (a keyword argument of the factory), got {text!r}")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
 def cmd_plan_from_module(args: argparse.Namespace) -> int:
     factory = _factory(args.factory)
     try:
@@ -452,8 +463,14 @@ def cmd_plan_from_module(args: argparse.Namespace) -> int:
         from paraminit_client.torch import plan_from_module
     except ImportError:
         raise ValueError("plan from-module needs PyTorch: pip install 'paraminit[torch]'") from None
-    with torch.device("meta"):
-        module = factory()
+    from paraminit_client.torch import meta_parameters
+
+    kwargs = dict(_factory_argument(a) for a in args.arg or [])
+    with meta_parameters():  # the constructor's own initialization is recorded as it runs
+        try:
+            module = factory(**kwargs)
+        except TypeError as exc:
+            raise ValueError(f"{args.factory}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) failed: {exc}") from None
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"{args.factory} returned {type(module).__name__}, not a torch.nn.Module")
     overrides = _factory(args.overrides) if args.overrides else None
@@ -714,12 +731,20 @@ def build_parser() -> argparse.ArgumentParser:
     fm = plan_sub.add_parser(
         "from-module",
         help="the plan of a PyTorch module, built on the meta device",
-        description="Import package.module, call factory() under torch.device('meta') (no "
-        "memory is allocated) and print the plan of the module it returns: one parameter per "
-        "distinct floating-point tensor of its state_dict. Needs PyTorch.",
+        description="Import package.module, call factory(**args) with its parameters on the meta device (no "
+        "parameter memory is allocated; its own initialization code is recorded as it runs) and print the plan of "
+        "the module it returns: one parameter per distinct floating-point tensor of its state_dict, each with the "
+        "initialization the model's own code gives it (policy own), e.g. `plan from-module "
+        "torchvision.models:resnet50 --arg num_classes=10`. Needs PyTorch.",
     )
     fm.add_argument(
         "factory", metavar="package.module:factory", help="callable returning a torch.nn.Module; the current directory is importable"
+    )
+    fm.add_argument(
+        "--arg",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a keyword argument of the factory (repeatable); VALUE is read as JSON where it parses (10, 0.5, true), else as a string",
     )
     fm.add_argument(
         "--seed", type=int, default=0, help="plan seed; each parameter's seed derives from it and the parameter name (default: 0)"
@@ -727,14 +752,15 @@ def build_parser() -> argparse.ArgumentParser:
     fm.add_argument(
         "--policy",
         choices=POLICIES,
-        default="torch",
-        help="torch: PyTorch's own default distributions; torchlean: kaiming/xavier uniform, as "
+        default="own",
+        help="own: the model's own initialization code, replayed (its constructor, each layer's reset_parameters, "
+        "transformers' _init_weights, timm's init_weights); torch: PyTorch's own default distributions per layer; torchlean: kaiming/xavier uniform, as "
         "TorchLean (the Lean runtime whose sampler paraminit reproduces) initializes; hf: Hugging Face "
         "transformers' own _init_weights (pip install 'paraminit[hf]'); torchtitan: torchtitan's own "
         "init_weights, read from the module (pip install 'paraminit[torchtitan]'); megatron: Megatron-LM's "
         "normal(0, sigma) with sigma / sqrt(2 L) on output projections; neox: GPT-NeoX's small_init with wang_init on "
         "output projections (both read depth and width from the model); olmo: OLMo-core's own init_weights, replayed "
-        "(pip install ai2-olmo-core) (default: torch)",
+        "(pip install ai2-olmo-core) (default: own)",
     )
     fm.add_argument(
         "--overrides",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -31,7 +31,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from paraminit.v1 import plan_pb2
 from paraminit_client.errors import InvalidArgument
-from paraminit_client.torch_rules import INIT_CALLS, _fan_in_uniform, init_of_call
+from paraminit_client.torch_rules import _fan_in_uniform
 
 if TYPE_CHECKING:
     from paraminit_client.policies import ModuleWalk
@@ -194,13 +194,15 @@ class Replay:
 
     name: str
     init: Callable[[nn.Module], object]
+    _patches: dict[str, list[plan_pb2.Patch]] = field(default_factory=dict, compare=False, repr=False)  # of the last inits()
 
     def assign(self, walk: ModuleWalk) -> None:
         """The policies.Policy protocol: every tensor the walk collects, from the framework's own calls."""
         walk.inits.update(self.inits(walk.module, walk.entries()))
+        walk.patches.update(self._patches)
 
     def inits(self, module: nn.Module, tensors: dict[str, tuple[nn.Module, str, str, int]]) -> dict[str, plan_pb2.Init | str]:
-        """An Init (or why none) per tensor, from the last torch.nn.init call the framework's code made on it.
+        """An Init (or why none) per tensor, from what the framework's code wrote to it (paraminit_client.replay).
 
         Args:
             module: the model, on the meta device.
@@ -209,77 +211,33 @@ class Replay:
         Returns:
             name -> Init, or the reason it has none.
         """
-        import torch
+        from paraminit_client import replay as recorder
 
-        params = {id(mod._parameters.get(key)): name for name, (mod, key, _, _) in tensors.items() if key in mod._parameters}
-        calls: dict[str, tuple[str, dict[str, object]]] = {}  # name -> (nn.init function, its arguments)
-        other: dict[str, str] = {}  # name -> an in-place operation on it that no recorded call came after
-
-        def recorder(fname: str) -> Callable[..., object]:
-            real = getattr(torch.nn.init, fname)
-            signature = inspect.signature(real)
-
-            def record(tensor: object, *args: object, **kwargs: object) -> object:
-                name = params.get(id(tensor))
-                if name is None:
-                    return real(tensor, *args, **kwargs)
-                bound = signature.bind(tensor, *args, **kwargs)
-                bound.apply_defaults()
-                calls[name] = (fname, dict(bound.arguments))
-                other.pop(name, None)
-                return tensor  # nothing to fill on meta
-
-            return record
-
-        class Watch(torch.overrides.TorchFunctionMode):
-            """Flags any other in-place operation on a parameter (a rescale, a copy): its effect is not in a call."""
-
-            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                fname = getattr(func, "__name__", "")
-                if args and fname.endswith("_") and not fname.startswith("__"):
-                    name = params.get(id(args[0]))
-                    if name is not None:
-                        other[name] = fname
-                return func(*args, **(kwargs or {}))
-
-        real_generator = torch.Generator
-
-        class MetaSafeGenerator(real_generator):  # type: ignore[misc, valid-type]
-            """torch.Generator("meta") fails; a framework's seeded generator only feeds calls that are recorded."""
-
-            def __new__(cls, device: Any = "cpu") -> Any:
-                return real_generator("cpu" if str(device) == "meta" else device)
-
-        saved = {f: getattr(torch.nn.init, f) for f in INIT_CALLS}
-        try:
-            for f in INIT_CALLS:
-                setattr(torch.nn.init, f, recorder(f))
-            torch.Generator = MetaSafeGenerator  # type: ignore[misc]
-            with Watch():
-                self.init(module)
-        except Exception as exc:  # the framework's code cannot run on this model: every tensor says why
-            why = f"{self.name}'s initialization cannot run on this model: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        owned = {name: mod._parameters.get(key, mod._buffers.get(key)) for name, (mod, key, _, _) in tensors.items()}
+        rec, failures = recorder.replay(module, [t for t in owned.values() if t is not None], init=self.init)
+        if failures:  # the framework's code cannot run on this model: every tensor says why
+            why = f"{self.name}'s initialization cannot run on this model: {next(iter(failures.values()))}"
             return dict.fromkeys(tensors, why)
-        finally:
-            for f, fn in saved.items():
-                setattr(torch.nn.init, f, fn)
-            torch.Generator = real_generator  # type: ignore[misc]
+        seeds = {id(t): seed for name, (_, _, _, seed) in tensors.items() if (t := owned[name]) is not None}
+
+        def seed_of(root: recorder.Root) -> int | str:
+            return seeds.get(id(root.tensor), "copies the values of a tensor that is not in the plan")
+
+        self._patches.clear()
         out: dict[str, plan_pb2.Init | str] = {}
-        for name, (mod, key, _, seed) in tensors.items():
-            if name in other:
-                out[name] = f"{self.name}'s initialization also writes {name} with {other[name]}, which no initializer states"
-            elif name not in calls:
-                out[name] = f"{self.name}'s initialization never sets {type(mod).__name__}.{key} through torch.nn.init"
-            else:
-                out[name] = init_of_call(*calls[name], seed)
+        for name, (mod, key, _, _) in tensors.items():
+            t = owned[name]
+            init, patches = recorder.emit(rec.add_root(t), seed_of) if t is not None else ("", [])
+            out[name] = init or f"{self.name}'s initialization never sets {type(mod).__name__}.{key}"
+            self._patches[name] = patches
         return out
 
 
 def replay(init: Callable[[nn.Module], object], name: str = "replay") -> Replay:
-    """A policy that runs a framework's own initialization code on the meta model, each torch.nn.init call
-    (normal_, trunc_normal_, uniform_, zeros_, ones_, constant_, orthogonal_) recording its distribution for the
-    tensor instead of filling it. A tensor the code never sets that way, or also writes otherwise (a rescale, a
-    copy), is refused. The framework's own random generator is not used: the plan's seeds make the values.
+    """A policy that runs a framework's own initialization code on the meta model, every write it makes to a
+    tensor (torch.nn.init's functions, tensor methods, their compositions: paraminit_client.replay) recorded as the
+    distribution it gives instead of filling it. A tensor the code never sets, or sets in a way no initializer
+    states, is refused. The framework's own random generator is not used: the plan's seeds make the values.
 
     Args:
         init: runs the framework's initialization on the module, e.g. `lambda m: m.init_weights()`.

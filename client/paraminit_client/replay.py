@@ -364,8 +364,9 @@ class Recorder(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.roots: dict[int, Root] = {}  # storage identity -> root
-        self.shadows: dict[int, Root] = {}  # storage identity of a real tensor drawn by torch's generator -> its draws
+        self.roots: dict[int, list[Root]] = {}  # storage identity -> the roots in it (one, unless views of one buffer)
+        self.shadows: dict[int, list[Root]] = {}  # likewise, real tensors drawn by torch's generator -> their draws
+        self.frozen: set[int] = set()  # roots whose writes are ignored for now (see replay)
         self._taint: dict[int, str] = {}  # storage identity of a real tensor -> why its values are not the model's
         self._keep: list[object] = []  # keeps the storages behind those identities alive while recording
 
@@ -373,10 +374,10 @@ class Recorder(TorchFunctionMode):
 
     def add_root(self, t: torch.Tensor, initial: Value | Root | None = None) -> Root:
         key = self._key(t)
-        root = self.roots.get(key)
+        root = next((r for r in self.roots.get(key, []) if r.tensor.storage_offset() == t.storage_offset() and r.shape == tuple(t.shape)), None)
         if root is None:
             root = Root(t, tuple(t.shape))
-            self.roots[key] = root
+            self.roots.setdefault(key, []).append(root)
             self._keep.append(t)
         if isinstance(initial, Root):
             root.base, root.patches, root.touched = initial.base, list(initial.patches), True
@@ -393,7 +394,8 @@ class Recorder(TorchFunctionMode):
 
     def _new_shadow(self, t: torch.Tensor, value: Value, origin: Root | None = None) -> Root:
         root = Root(t, tuple(t.shape), Write(value, None, origin, _where()), shadow=True)
-        self.shadows[self._key(t)] = root
+        key = self._key(t)
+        self.shadows[key] = [r for r in self.shadows.get(key, []) if r.tensor.storage_offset() != t.storage_offset()] + [root]
         self._keep.append(t)
         return root
 
@@ -410,7 +412,11 @@ class Recorder(TorchFunctionMode):
             key = self._key(t)
         except (RuntimeError, NotImplementedError):
             return None
-        root = self.roots.get(key) or self.shadows.get(key)
+        start = t.storage_offset()
+        root = next(
+            (r for r in [*self.roots.get(key, []), *self.shadows.get(key, [])] if 0 <= start - r.tensor.storage_offset() < max(r.numel, 1)),
+            None,
+        )
         if root is None:
             return None
         shape, strides = root.shape, root.strides()
@@ -472,7 +478,13 @@ class Recorder(TorchFunctionMode):
         root.patches = [p for p in root.patches if p.box is not None and not _covers(box, p.box)]
         root.patches.append(Write(value, box, origin, where))
 
-    def _transform(self, root: Root, box: Box | None, fn: Callable[[Value], Value], what: str) -> None:
+    def _transform(self, root: Root, box: Box | None, step: Callable[[Value], Value], what: str) -> None:
+        where = _where()
+
+        def fn(v: Value) -> Value:  # a refusal this step makes names the model's line
+            out = step(v)
+            return Refused(f"{what}: {out.why} ({where})") if isinstance(out, Refused) and not isinstance(v, Refused) else out
+
         if root.base is None:
             self._refuse(root, box, f"{what} on a tensor nothing wrote before")
             return
@@ -506,7 +518,8 @@ class Recorder(TorchFunctionMode):
             target = args[0] if args else kwargs.get("tensor")
             found = self.locate(target)
             if found is not None:
-                self._nn_init(func, name, found, args, kwargs)
+                if self._safe_key(found[0].tensor) not in self.frozen:
+                    self._nn_init(func, name, found, args, kwargs)
                 return target
             return func(*args, **kwargs)
         out_target = kwargs.get("out")
@@ -525,6 +538,8 @@ class Recorder(TorchFunctionMode):
                 why = self.taint_of(base)
                 self._new_shadow(base, Refused(f"holds {why}") if why else initial_value(self, base))
                 found = self.locate(args[0])
+        if found is not None and not found[0].shadow and self._safe_key(found[0].tensor) in self.frozen:
+            return None if name in ("__setitem__", "__set__") else args[0]
         if found is not None:
             self._inplace(func, name, found, args, kwargs)
             if not found[0].shadow:
@@ -715,6 +730,8 @@ class Recorder(TorchFunctionMode):
             pass
         elif name == "erfinv_":
             self._transform(root, box, erfinv, name)
+        elif name in _RANDOM_INPLACE:
+            self._refuse(root, box, f"{name} draws a distribution no initializer states")
         else:
             self._evaluate(func, name, root, box, order, args, kwargs)
 
@@ -1108,7 +1125,7 @@ def replay(module: nn.Module, tensors: Sequence[torch.Tensor], init: Callable[[n
     """
     rec = Recorder()
     for t in [*module.parameters(), *module.buffers(), *tensors]:
-        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not nn.parameter.is_lazy(t):
             rec.add_root(t)
     failures: dict[int, str] = {}
     with recording(rec), torch.no_grad():
@@ -1118,14 +1135,19 @@ def replay(module: nn.Module, tensors: Sequence[torch.Tensor], init: Callable[[n
             except Exception as exc:  # noqa: BLE001 - the framework's code cannot run here: every tensor says why
                 failures[id(module)] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
             return rec, failures
+        first = _first_owners(module)
         for mod in _post_order(module):
             fn = getattr(type(mod), "reset_parameters", None) or getattr(type(mod), "_reset_parameters", None)
             if fn is None:
                 continue
+            # a tensor tied after construction (lm_head.weight = wte.weight) keeps its first owner's initialization
+            rec.frozen = {rec._safe_key(t) for t in [*mod._parameters.values(), *mod._buffers.values()] if t is not None and first.get(id(t), mod) is not mod}
             try:
                 fn(mod)
             except Exception as exc:  # noqa: BLE001
                 failures[id(mod)] = f"{type(mod).__name__}.reset_parameters() failed: {type(exc).__name__}: {str(exc)[:200]}"
+            finally:
+                rec.frozen = set()
         models = _hf_models(module)
         for model in models:
             with _hf_flags_cleared(model):
@@ -1139,6 +1161,16 @@ def replay(module: nn.Module, tensors: Sequence[torch.Tensor], init: Callable[[n
             except Exception as exc:  # noqa: BLE001
                 failures[id(module)] = f"{type(module).__name__}.init_weights() failed: {type(exc).__name__}: {str(exc)[:200]}"
     return rec, failures
+
+
+def _first_owners(module: nn.Module) -> dict[int, nn.Module]:
+    """id(tensor) -> the module owning it under its first state_dict name (a tied tensor's initialization is its)."""
+    out: dict[int, nn.Module] = {}
+    for _, mod in module.named_modules(remove_duplicate=False):
+        for t in [*mod._parameters.values(), *mod._buffers.values()]:
+            if t is not None:
+                out.setdefault(id(t), mod)
+    return out
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:
