@@ -219,11 +219,14 @@ def same_distribution(ours: np.ndarray[Any, Any], theirs: np.ndarray[Any, Any]) 
     d = float(np.max(np.abs(np.searchsorted(a, both, side="right") / a.size - np.searchsorted(b, both, side="right") / b.size)))
     critical = math.sqrt(-math.log(1e-6 / 2) / 2) * math.sqrt((a.size + b.size) / (a.size * b.size))
     if d > critical:
-        return f"KS D={d:.3f} > {critical:.3f} (ours mean {ours.mean():.4g} std {ours.std():.4g}, theirs {theirs.mean():.4g} {theirs.std():.4g})"
+        stats = f"ours mean {ours.mean():.4g} std {ours.std():.4g}, theirs {theirs.mean():.4g} {theirs.std():.4g}"
+        return f"KS D={d:.3f} > {critical:.3f} ({stats})"
     if ours.size >= 10_000:  # 3%, beyond what two samples of these sizes differ by (three standard errors)
         s = float(theirs.std())
         noise = 3 * math.sqrt(1 / ours.size + 1 / theirs.size)
-        if abs(float(ours.mean()) - float(theirs.mean())) > (0.03 + noise) * s or abs(float(ours.std()) / s - 1) > 0.03 + noise / math.sqrt(2):
+        if abs(float(ours.mean()) - float(theirs.mean())) > (0.03 + noise) * s or abs(float(ours.std()) / s - 1) > 0.03 + noise / math.sqrt(
+            2
+        ):
             return f"mean/std {ours.mean():.4g}/{ours.std():.4g} vs {theirs.mean():.4g}/{s:.4g}"
     return None
 
@@ -274,6 +277,6 @@ def check(name: str, build: Build, seed: int = 0) -> Verdict:
         with Client() as client:
             materialize_module(model, client, plan=plan)
         verdict.differ = compare(dict(model.state_dict()), first, second, third)
-    except Exception as exc:  # noqa: BLE001 - a harness: the model's outcome records what went wrong
+    except Exception as exc:  # a harness: the model's outcome records what went wrong
         verdict.error = f"{type(exc).__name__}: {str(exc)[:300]}"
     return verdict

@@ -754,8 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=POLICIES,
         default="own",
         help="own: the model's own initialization code, replayed (its constructor, each layer's reset_parameters, "
-        "transformers' _init_weights, timm's init_weights); torch: PyTorch's own default distributions per layer; torchlean: kaiming/xavier uniform, as "
-        "TorchLean (the Lean runtime whose sampler paraminit reproduces) initializes; hf: Hugging Face "
+        "transformers' _init_weights, timm's init_weights); torch: PyTorch's own default distributions per layer; "
+        "torchlean: kaiming/xavier uniform, as TorchLean (the Lean runtime whose sampler paraminit reproduces) "
+        "initializes; hf: Hugging Face "
         "transformers' own _init_weights (pip install 'paraminit[hf]'); torchtitan: torchtitan's own "
         "init_weights, read from the module (pip install 'paraminit[torchtitan]'); megatron: Megatron-LM's "
         "normal(0, sigma) with sigma / sqrt(2 L) on output projections; neox: GPT-NeoX's small_init with wang_init on "

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -260,7 +260,7 @@ class OwnInit:
             t, kind = walk.tensors[name], walk.kinds[name]
             key = walk.owners[name][1]
             if name not in roots:  # a real buffer: the values the model's code computed
-                got = replay.emit(replay.Root(t, tuple(t.shape), replay.Write(replay.initial_value(replay.Recorder(), t), None, None, "")), seed_of)
+                got = replay.emit(replay.Root(t, tuple(t.shape), replay.Write(replay.real_value(t), None, None, "")), seed_of)
                 walk.inits[name] = got[0]
                 continue
             if name in pending_set:
@@ -291,7 +291,7 @@ def _not_replayable(name: str, modules: dict[str, nn.Module], failures: dict[int
             continue
         if id(mod) in failures:
             return failures[id(mod)]
-        where = replay.constructor_inits(type(mod), replayed)
+        where = replay.constructor_inits(cast(Any, type(mod)), replayed)
         if where is not None:
             return (
                 f"{type(mod).__name__}'s constructor initializes tensors in its own code ({where}), which runs only "

@@ -20,11 +20,10 @@ bias nor a norm's, a buffer) is refused with the reason, never guessed.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.nn.modules.conv import _ConvNd

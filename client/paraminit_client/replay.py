@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from paraminit.v1 import plan_pb2
 
-__all__ = ["RECORD_ATTR", "Recorder", "Root", "capture", "emit", "record_of", "replay"]
+__all__ = ["RECORD_ATTR", "Recorder", "Root", "capture", "emit", "initial_value", "real_value", "record_of", "replay"]
 
 RECORD_ATTR = "_paraminit_record"  # a parameter built under capture() carries its Root here
 DATA_LIMIT = 1 << 24  # elements of deterministic values evaluated for one tensor (128 MiB as binary64)
@@ -324,16 +324,31 @@ def _const_or_data(values: np.ndarray[Any, Any]) -> Const | Data:
 # -- the recorder ---------------------------------------------------------------------------------------------------
 
 _RANDOM_FACTORIES = frozenset(
-    "rand randn randint randperm rand_like randn_like randint_like normal bernoulli multinomial poisson".split()
+    ["rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal", "bernoulli", "multinomial", "poisson"]
 )
-_RANDOM_INPLACE = frozenset("normal_ uniform_ random_ bernoulli_ exponential_ cauchy_ log_normal_ geometric_".split())
-_EMPTY_FACTORIES = frozenset("empty empty_like new_empty empty_strided".split())
+_RANDOM_INPLACE = frozenset(["normal_", "uniform_", "random_", "bernoulli_", "exponential_", "cauchy_", "log_normal_", "geometric_"])
+_EMPTY_FACTORIES = frozenset(["empty", "empty_like", "new_empty", "empty_strided"])
 _RANDOM, _EMPTY = "values of torch's random generator", "uninitialized memory (torch.empty)"
 _NN_INIT_DISPATCHED = frozenset(("uniform_", "normal_", "constant_", "kaiming_uniform_"))  # via __torch_function__
 # in-place methods that change no element's value (a flag, the view's own layout, memory placement)
 _NOT_VALUES = frozenset(
-    "requires_grad_ share_memory_ detach_ t_ transpose_ squeeze_ unsqueeze_ swapdims_ swapaxes_ as_strided_ resize_ "
-    "resize_as_ set_ retain_grad record_stream".split()
+    [
+        "requires_grad_",
+        "share_memory_",
+        "detach_",
+        "t_",
+        "transpose_",
+        "squeeze_",
+        "unsqueeze_",
+        "swapdims_",
+        "swapaxes_",
+        "as_strided_",
+        "resize_",
+        "resize_as_",
+        "set_",
+        "retain_grad",
+        "record_stream",
+    ]
 )
 
 
@@ -374,7 +389,9 @@ class Recorder(TorchFunctionMode):
 
     def add_root(self, t: torch.Tensor, initial: Value | Root | None = None) -> Root:
         key = self._key(t)
-        root = next((r for r in self.roots.get(key, []) if r.tensor.storage_offset() == t.storage_offset() and r.shape == tuple(t.shape)), None)
+        root = next(
+            (r for r in self.roots.get(key, []) if r.tensor.storage_offset() == t.storage_offset() and r.shape == tuple(t.shape)), None
+        )
         if root is None:
             root = Root(t, tuple(t.shape))
             self.roots.setdefault(key, []).append(root)
@@ -456,8 +473,9 @@ class Recorder(TorchFunctionMode):
         if box is None or all(a == 0 and b == n for (a, b), n in zip(box, root.shape, strict=True)):
             root.base, root.patches = Write(value, None, origin, where), []
             return
-        deterministic = root.base is not None and isinstance(root.base.value, Const | Data) and isinstance(value, Const | Data)
-        if deterministic and (isinstance(value, Data) or any(isinstance(w.value, Data) for w in [root.base, *root.patches] if w)):
+        deterministic = root.base is not None and isinstance(root.base.value, Const | Data)
+        has_data = isinstance(value, Data) or any(isinstance(w.value, Data) for w in [root.base, *root.patches] if w)
+        if deterministic and isinstance(value, Const | Data) and has_data:
             current = _values(root)
             if isinstance(current, np.ndarray):
                 current[_slices(box)] = value.value if isinstance(value, Const) else value.values.reshape(_box_shape(box))
@@ -536,7 +554,7 @@ class Recorder(TorchFunctionMode):
             base = args[0]._base if args[0]._base is not None else args[0]
             if self._safe_key(base) != -1:  # a real tensor drawn in place: its draws are what it holds
                 why = self.taint_of(base)
-                self._new_shadow(base, Refused(f"holds {why}") if why else initial_value(self, base))
+                self._new_shadow(base, Refused(f"holds {why}") if why else real_value(base))
                 found = self.locate(args[0])
         if found is not None and not found[0].shadow and self._safe_key(found[0].tensor) in self.frozen:
             return None if name in ("__setitem__", "__set__") else args[0]
@@ -547,7 +565,7 @@ class Recorder(TorchFunctionMode):
         result = func(*args, **kwargs)
         if found is not None and found[0].written is not None and found[0].written.all():
             shadow = found[0]  # every element written with computed values: the tensor holds them now
-            shadow.base, shadow.patches, shadow.written = Write(initial_value(Recorder(), shadow.tensor), None, None, _where()), [], None  # type: ignore[arg-type]
+            shadow.base, shadow.patches, shadow.written = Write(real_value(shadow.tensor), None, None, _where()), [], None
         self._mark(name, args, kwargs, result)
         self._draws(name, args, kwargs, result)
         return result
@@ -558,7 +576,8 @@ class Recorder(TorchFunctionMode):
         if not isinstance(result, torch.Tensor) or not result.is_floating_point():
             return
         if name in ("randn", "rand", "empty", "empty_like", "new_empty", "randn_like", "rand_like"):
-            value: Value = {"randn": Normal(0.0, 1.0), "rand": Uniform(0.0, 1.0)}.get(name.removesuffix("_like"), Refused(f"holds {_EMPTY}"))
+            drawn: dict[str, Value] = {"randn": Normal(0.0, 1.0), "rand": Uniform(0.0, 1.0)}
+            value = drawn.get(name.removesuffix("_like"), Refused(f"holds {_EMPTY}"))
             self._new_shadow(result, value)
             return
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -618,7 +637,9 @@ class Recorder(TorchFunctionMode):
     def taint_of(self, t: torch.Tensor) -> str | None:
         return None if t.is_meta else self._taint.get(self._safe_key(t))
 
-    def _nn_init(self, func: Any, name: str, found: tuple[Root, Box | None, tuple[int, ...]], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    def _nn_init(
+        self, func: Any, name: str, found: tuple[Root, Box | None, tuple[int, ...]], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> None:
         root, box, _ = found
         bound = inspect.signature(getattr(nn.init, name)).bind(*args, **kwargs)
         bound.apply_defaults()
@@ -684,7 +705,9 @@ class Recorder(TorchFunctionMode):
             value = Refused(f"{what}: copies random values of a {list(origin.shape)} tensor into a {list(root.shape)} one")
         self._set(root, box, value, origin if isinstance(value, _RANDOM_VALUES) else None)
 
-    def _inplace(self, func: Any, name: str, found: tuple[Root, Box | None, tuple[int, ...]], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    def _inplace(
+        self, func: Any, name: str, found: tuple[Root, Box | None, tuple[int, ...]], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> None:
         root, box, order = found
         target = args[0]
         if box == ():
@@ -706,15 +729,14 @@ class Recorder(TorchFunctionMode):
         if name == "__set__":  # param.data = other
             self._write_from(root, box, order, tuple(target.shape), args[1], ".data assignment")
             return
-        gen = kwargs.get("generator")
-        del gen  # the framework's generator is never used: the plan's seeds make the values
+        # the framework's generator (kwargs["generator"]) is never used: the plan's seeds make the values
         if name == "normal_":
-            mean, std = (list(args[1:3]) + [None, None])[:2]
+            mean, std = [*args[1:3], None, None][:2]
             mean = kwargs.get("mean", 0.0 if mean is None else mean)
             std = kwargs.get("std", 1.0 if std is None else std)
             self._set(root, box, Normal(float(mean), float(std)), None)
         elif name == "uniform_":
-            lo, hi = (list(args[1:3]) + [None, None])[:2]
+            lo, hi = [*args[1:3], None, None][:2]
             lo = kwargs.get("from", 0.0 if lo is None else lo)
             hi = kwargs.get("to", 1.0 if hi is None else hi)
             self._set(root, box, Uniform(float(lo), float(hi)), None)
@@ -724,9 +746,9 @@ class Recorder(TorchFunctionMode):
             self._write_from(root, box, order, tuple(target.shape), args[1] if len(args) > 1 else kwargs["value"], "fill_")
         elif name == "copy_":
             self._write_from(root, box, order, tuple(target.shape), args[1] if len(args) > 1 else kwargs["src"], "copy_")
-        elif name in ("mul_", "div_", "add_", "sub_", "neg_") and self._affine(name, root, box, args, kwargs):
-            pass
-        elif name in ("clamp_", "clip_", "clamp_min_", "clamp_max_") and self._clamp(name, root, box, args, kwargs):
+        elif (name in ("mul_", "div_", "add_", "sub_", "neg_") and self._affine(name, root, box, args, kwargs)) or (
+            name in ("clamp_", "clip_", "clamp_min_", "clamp_max_") and self._clamp(name, root, box, args, kwargs)
+        ):
             pass
         elif name == "erfinv_":
             self._transform(root, box, erfinv, name)
@@ -807,7 +829,9 @@ class Recorder(TorchFunctionMode):
         values[region] = _arranged(target.numpy(), box, order, inverse=False).reshape(values[region].shape)
         root.base, root.patches, root.touched = Write(_const_or_data(values), None, None, _where()), [], True
 
-    def _out(self, func: Any, name: str, found: tuple[Root, Box | None, tuple[int, ...]], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    def _out(
+        self, func: Any, name: str, found: tuple[Root, Box | None, tuple[int, ...]], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> None:
         """func(..., out=root): evaluated for real on CPU when its inputs are deterministic (torch.eye(n, out=w))."""
         root, box, order = found
         target = kwargs.pop("out")
@@ -818,12 +842,12 @@ class Recorder(TorchFunctionMode):
         if any(t.is_meta for t in _tensors((args, kwargs))):
             self._refuse(root, box, f"{name}(out=...) from tensors computed from others")
             return
-        kwargs["device"] = "cpu" if "device" in kwargs else kwargs.get("device", None)
+        kwargs["device"] = "cpu" if "device" in kwargs else kwargs.get("device")
         if kwargs["device"] is None:
             kwargs.pop("device")
         try:
             got = func(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - the model's call, refused with what it said
+        except Exception as exc:  # the model's call, refused with what it said
             self._refuse(root, box, f"{name}(out=...) cannot be evaluated: {exc}")
             return
         self._write_from(root, box, order, tuple(target.shape), got.reshape(target.shape), f"{name}(out=...)")
@@ -1003,6 +1027,11 @@ def initial_value(rec: Recorder, real: torch.Tensor) -> Value | Root:
     why = rec.taint_of(real)
     if why is not None:
         return Refused(f"holds {why} that the model's code never overwrites")
+    return real_value(real)
+
+
+def real_value(real: torch.Tensor) -> Value:
+    """The values a real tensor holds: a constant, or data for a tensor small enough to carry them."""
     flat = real.detach().reshape(-1)
     if flat.numel() and bool((flat == flat[0]).all()) and bool((flat.signbit() == flat[0].signbit()).all()):
         return Const(float(flat[0]))
@@ -1035,7 +1064,7 @@ _INIT_NAMES = frozenset(
 
 
 @functools.lru_cache(maxsize=512)
-def constructor_inits(cls: type, replayed: frozenset[str]) -> str | None:
+def constructor_inits(cls: Any, replayed: frozenset[str]) -> str | None:
     """file:line of the first initialization call a class's constructor makes in its own code (following its own
     methods it calls on self), other than the methods replayed after the fact; None when it makes none."""
     seen: set[str] = set()
@@ -1059,7 +1088,12 @@ def constructor_inits(cls: type, replayed: frozenset[str]) -> str | None:
                 continue
             if called in _INIT_NAMES:
                 return f"{code.co_filename.split('site-packages' + os.sep, 1)[-1]}:{code.co_firstlineno + node.lineno - 1}"
-            if isinstance(callee, ast.Attribute) and isinstance(callee.value, ast.Name) and callee.value.id == "self" and called not in seen:
+            if (
+                isinstance(callee, ast.Attribute)
+                and isinstance(callee.value, ast.Name)
+                and callee.value.id == "self"
+                and called not in seen
+            ):
                 seen.add(called)
                 method = getattr(cls, called, None)
                 if method is not None and callable(method) and not isinstance(method, type):
@@ -1111,7 +1145,9 @@ def _hf_flags_cleared(module: nn.Module) -> Iterator[None]:
             obj.__dict__["_is_hf_initialized"] = value
 
 
-def replay(module: nn.Module, tensors: Sequence[torch.Tensor], init: Callable[[nn.Module], object] | None = None) -> tuple[Recorder, dict[int, str]]:
+def replay(
+    module: nn.Module, tensors: Sequence[torch.Tensor], init: Callable[[nn.Module], object] | None = None
+) -> tuple[Recorder, dict[int, str]]:
     """Run a model's initialization code with every tensor of `module` (and `tensors`) a root.
 
     Args:
@@ -1132,7 +1168,7 @@ def replay(module: nn.Module, tensors: Sequence[torch.Tensor], init: Callable[[n
         if init is not None:
             try:
                 init(module)
-            except Exception as exc:  # noqa: BLE001 - the framework's code cannot run here: every tensor says why
+            except Exception as exc:  # the framework's code cannot run here: every tensor says why
                 failures[id(module)] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
             return rec, failures
         first = _first_owners(module)
@@ -1141,10 +1177,14 @@ def replay(module: nn.Module, tensors: Sequence[torch.Tensor], init: Callable[[n
             if fn is None:
                 continue
             # a tensor tied after construction (lm_head.weight = wte.weight) keeps its first owner's initialization
-            rec.frozen = {rec._safe_key(t) for t in [*mod._parameters.values(), *mod._buffers.values()] if t is not None and first.get(id(t), mod) is not mod}
+            rec.frozen = {
+                rec._safe_key(t)
+                for t in [*mod._parameters.values(), *mod._buffers.values()]
+                if t is not None and first.get(id(t), mod) is not mod
+            }
             try:
                 fn(mod)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 failures[id(mod)] = f"{type(mod).__name__}.reset_parameters() failed: {type(exc).__name__}: {str(exc)[:200]}"
             finally:
                 rec.frozen = set()
@@ -1153,12 +1193,12 @@ def replay(module: nn.Module, tensors: Sequence[torch.Tensor], init: Callable[[n
             with _hf_flags_cleared(model):
                 try:
                     model.initialize_weights()  # type: ignore[operator]
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     failures[id(model)] = f"{type(model).__name__}.initialize_weights() failed: {type(exc).__name__}: {str(exc)[:200]}"
         if not models and callable(getattr(module, "init_weights", None)):
             try:
                 module.init_weights()  # type: ignore[operator]
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 failures[id(module)] = f"{type(module).__name__}.init_weights() failed: {type(exc).__name__}: {str(exc)[:200]}"
     return rec, failures
 
@@ -1232,6 +1272,7 @@ def _init(value: Value, seed: int) -> plan_pb2.Init | str:
         return plan_pb2.Init(truncated_normal=plan_pb2.TruncatedNormal(mean=value.mean, std=value.std, lo=value.lo, hi=value.hi, seed=seed))
     if isinstance(value, Orthogonal):
         return plan_pb2.Init(orthogonal=plan_pb2.Orthogonal(gain=value.gain, seed=seed))
+    assert isinstance(value, Data)  # ErfUniform became Trunc or Normal above
     if not np.all(np.isfinite(value.values)):
         return "computed values that are not all finite"
     return plan_pb2.Init(flat=plan_pb2.Flat(values=value.values.reshape(-1).tolist()))

@@ -557,7 +557,9 @@ def meta_parameters() -> Iterator[None]:
             nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def plan_from_constructor(build: Callable[[], nn.Module], seed: int = 0, policy: str | Policy = "own", overrides: Override | None = None) -> plan_pb2.Plan:
+def plan_from_constructor(
+    build: Callable[[], nn.Module], seed: int = 0, policy: str | Policy = "own", overrides: Override | None = None
+) -> plan_pb2.Plan:
     """The plan of the model `build()` returns, built under meta_parameters() so its constructor's own
     initialization is recorded (no parameter memory is allocated).
 
