@@ -6,7 +6,7 @@ BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/paraminit/v1/*.proto)
 
-.PHONY: venv demo test test-fast lint contract proto kernel-tables bench gpu-wheels image-check clean
+.PHONY: venv vision demo test test-fast lint contract proto kernel-tables bench gpu-wheels image-check clean
 
 # The demo needs the package alone (numpy, numba, grpc, ...): a small venv in well under a minute.
 $(BASE): pyproject.toml
@@ -36,6 +36,8 @@ $(STAMP): $(BASE)
 	$(PY) -m pip install -q -e '.[torchtitan]' || echo "torchtitan not installable here: torchtitan tests will skip"
 	# megatron-core and OLMo-core (tests/test_recipes.py builds their own models), also after torch.
 	$(PY) -m pip install -q -e '.[recipes]' || echo "megatron-core or OLMo-core not installable here: their recipe tests will skip"
+	# torchvision and timm (the own-initialization zoo, tests/test_own_init.py), after torch: see the vision target.
+	$(MAKE) --no-print-directory vision || echo "torchvision or timm not installable here: the zoo's models of theirs will skip"
 	# mup (the muP recipe's test checks against it) without its requirements: they name torchvision, which would
 	# replace the CPU torch above, and seaborn and pandas, which only its plotting module imports.
 	$(PY) -m pip install -q --no-deps 'mup==1.0.0' || echo "mup not installable here: the muP recipe test will skip"
@@ -45,6 +47,19 @@ $(STAMP): $(BASE)
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# torchvision and timm beside the pinned CPU PyTorch: the torchvision release made for it (its requirement is that torch,
+# which the CPU build satisfies) and timm. PyPI's torchvision is built against PyTorch's CUDA build, so its compiled
+# operators do not load beside the CPU build; deploy/torchvision-cpu's import hook (a .pth in the venv) declares their
+# two schemas when, and only when, that library did not load, so `import torchvision` completes (model code needs none
+# of its operators). With PyTorch's CPU wheel index reachable, its torchvision needs no hook.
+TORCHVISION := torchvision==0.28.0
+vision: $(BASE)
+	$(PY) -m pip install -q '$(TORCHVISION)' 'timm>=1.0'
+	$(PY) -c "import shutil, sysconfig; d = sysconfig.get_paths()['purelib']; \
+		shutil.copy('deploy/torchvision-cpu/paraminit_torchvision_ops.py', d); \
+		open(d + '/paraminit-torchvision-ops.pth', 'w').write('import paraminit_torchvision_ops\n')"
+	$(PY) -c "import torchvision, timm; print('torchvision', torchvision.__version__, 'and timm', timm.__version__, 'import')"
 
 demo: $(BASE)
 	$(VENV)/bin/paraminit materialize examples/gpt2_small.json -o demo.safetensors

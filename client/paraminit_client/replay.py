@@ -62,163 +62,274 @@ Box = tuple[tuple[int, int], ...]
 
 
 # -- values -------------------------------------------------------------------------------------------------------
+# What a write leaves in a tensor's elements, each kind answering for itself: how a scale and shift, a clamp and
+# erfinv change it, whether it is computed (deterministic) or drawn, and the plan initializer that states it.
+
+_PILED = 1e-9  # the most probability a clamp may move onto its bounds and still be the truncated normal
+
+
+class Value:
+    """The common answers; a kind overrides what it can state."""
+
+    drawn = False  # random values under a seed (a copy of them is a tie)
+
+    def affine(self, c: float, d: float) -> Value:
+        """The value c * x + d of every element x."""
+        return Refused(f"scales or shifts {self.label()}, which no initializer states")
+
+    def divide(self, x: float) -> Value:
+        """The value x / c: a scale by 1 / c for draws, the exact quotient for computed values."""
+        return self.affine(1.0 / x, 0.0)
+
+    def clamp(self, lo: float, hi: float) -> Value:
+        return Refused(f"clamps {self.label()} to [{lo}, {hi}], which no initializer states")
+
+    def erfinv(self) -> Value:
+        return Refused(f"applies erfinv_ to {self.label()}, which is not uniform on [-1, 1]")
+
+    def computed(self) -> np.ndarray[Any, np.dtype[np.float64]] | float | str:
+        """The values when they are computed without randomness (an array, or a constant), else why not."""
+        return f"reads {self.label()}"
+
+    def init(self, seed: int) -> plan_pb2.Init | str:
+        return f"{self.label()} has no initializer"
+
+    def label(self) -> str:
+        return type(self).__name__.lower()
 
 
 @dataclass(frozen=True)
-class Const:
+class Fixed(Value):
+    """One constant everywhere."""
+
     value: float
 
+    def affine(self, c: float, d: float) -> Value:
+        return Fixed(c * self.value + d)
+
+    def divide(self, x: float) -> Value:
+        return Fixed(self.value / x)
+
+    def clamp(self, lo: float, hi: float) -> Value:
+        return Fixed(min(max(self.value, lo), hi))
+
+    def erfinv(self) -> Value:
+        return Fixed(_erfinv(self.value))
+
+    def computed(self) -> float:
+        return self.value
+
+    def init(self, seed: int) -> plan_pb2.Init | str:
+        if self.value == 0.0 and math.copysign(1.0, self.value) > 0:
+            return plan_pb2.Init(zeros=plan_pb2.Zeros())
+        if self.value == 1.0:
+            return plan_pb2.Init(ones=plan_pb2.Ones())
+        if not math.isfinite(self.value):
+            return f"a constant {self.value}, which no initializer states"
+        return plan_pb2.Init(uniform=plan_pb2.Uniform(lo=self.value, hi=self.value, seed=seed))  # lo == hi: exact
+
+
+@dataclass(frozen=True, eq=False)
+class Values(Value):
+    """Computed values of the whole tensor (row-major, binary64), carried as data."""
+
+    values: np.ndarray[Any, np.dtype[np.float64]]
+
+    def affine(self, c: float, d: float) -> Value:
+        return Values(self.values * c + d)
+
+    def divide(self, x: float) -> Value:
+        return Values(self.values / x)
+
+    def clamp(self, lo: float, hi: float) -> Value:
+        return Values(np.clip(self.values, lo, hi))
+
+    def erfinv(self) -> Value:
+        return Values(torch.erfinv(torch.from_numpy(np.array(self.values))).numpy())
+
+    def computed(self) -> np.ndarray[Any, np.dtype[np.float64]]:
+        return self.values
+
+    def init(self, seed: int) -> plan_pb2.Init | str:
+        if not np.all(np.isfinite(self.values)):
+            return "computed values that are not all finite"
+        return plan_pb2.Init(flat=plan_pb2.Flat(values=self.values.reshape(-1).tolist()))
+
 
 @dataclass(frozen=True)
-class Uniform:
+class UniformDraw(Value):
     lo: float
     hi: float
+    drawn = True
+
+    def affine(self, c: float, d: float) -> Value:
+        if c == 0.0:
+            return Fixed(d)
+        return UniformDraw(c * self.lo + d, c * self.hi + d) if c > 0 else UniformDraw(c * self.hi + d, c * self.lo + d)
+
+    def clamp(self, lo: float, hi: float) -> Value:
+        return self if lo <= self.lo and self.hi <= hi else super().clamp(lo, hi)
+
+    def erfinv(self) -> Value:
+        return ErfDraw(self.lo, self.hi) if -1.0 <= self.lo < self.hi <= 1.0 else super().erfinv()
+
+    def init(self, seed: int) -> plan_pb2.Init | str:
+        if self.lo == self.hi:
+            return Fixed(self.lo).init(seed)
+        if self.lo > self.hi:
+            return f"uniform_({self.lo}, {self.hi}) with its bounds reversed"
+        return plan_pb2.Init(uniform=plan_pb2.Uniform(lo=self.lo, hi=self.hi, seed=seed))
+
+    def label(self) -> str:
+        return f"uniform({self.lo}, {self.hi})"
 
 
 @dataclass(frozen=True)
-class Normal:
+class NormalDraw(Value):
     mean: float
     std: float
+    drawn = True
+
+    def affine(self, c: float, d: float) -> Value:
+        return NormalDraw(c * self.mean + d, abs(c) * self.std) if c else Fixed(d)
+
+    def clamp(self, lo: float, hi: float) -> Value:
+        return _clamped_normal(self.mean, self.std, -math.inf, math.inf, lo, hi)
+
+    def init(self, seed: int) -> plan_pb2.Init | str:
+        if self.std == 0.0:
+            return Fixed(self.mean).init(seed)
+        return plan_pb2.Init(normal=plan_pb2.Normal(mean=self.mean, std=self.std, seed=seed))
+
+    def label(self) -> str:
+        return f"normal({self.mean}, {self.std})"
 
 
 @dataclass(frozen=True)
-class Trunc:
+class TruncDraw(Value):
     mean: float
     std: float
     lo: float
     hi: float
+    drawn = True
+
+    def affine(self, c: float, d: float) -> Value:
+        if c == 0.0:
+            return Fixed(d)
+        lo, hi = (c * self.lo + d, c * self.hi + d) if c > 0 else (c * self.hi + d, c * self.lo + d)
+        return TruncDraw(c * self.mean + d, abs(c) * self.std, lo, hi)
+
+    def clamp(self, lo: float, hi: float) -> Value:
+        return self if lo <= self.lo and self.hi <= hi else super().clamp(lo, hi)
+
+    def init(self, seed: int) -> plan_pb2.Init | str:
+        tn = plan_pb2.TruncatedNormal(mean=self.mean, std=self.std, lo=self.lo, hi=self.hi, seed=seed)
+        return plan_pb2.Init(truncated_normal=tn)
+
+    def label(self) -> str:
+        return f"normal({self.mean}, {self.std}) truncated to [{self.lo}, {self.hi}]"
 
 
 @dataclass(frozen=True)
-class ErfUniform:
+class ErfDraw(Value):
     """scale * erfinv(U[lo, hi)) + shift: a normal truncated to the image of [lo, hi] (the inverse-CDF method)."""
 
     lo: float
     hi: float
     scale: float = 1.0
     shift: float = 0.0
+    drawn = True
+
+    def bounds(self) -> tuple[float, float]:
+        a = self.shift + self.scale * _erfinv(self.lo) if self.lo > -1.0 else -math.inf
+        b = self.shift + self.scale * _erfinv(self.hi) if self.hi < 1.0 else math.inf
+        return (a, b) if self.scale > 0 else (b, a)
+
+    def affine(self, c: float, d: float) -> Value:
+        return ErfDraw(self.lo, self.hi, c * self.scale, c * self.shift + d)
+
+    def clamp(self, lo: float, hi: float) -> Value:
+        return _clamped_normal(self.shift, abs(self.scale) / math.sqrt(2.0), *self.bounds(), lo, hi)
+
+    def init(self, seed: int) -> plan_pb2.Init | str:
+        return truncated(self.shift, abs(self.scale) / math.sqrt(2.0), *self.bounds()).init(seed)
 
 
 @dataclass(frozen=True)
-class Orthogonal:
+class OrthogonalDraw(Value):
     gain: float
+    drawn = True
 
+    def affine(self, c: float, d: float) -> Value:
+        return OrthogonalDraw(self.gain * c) if d == 0.0 else Refused("shifts an orthogonal matrix, which no initializer states")
 
-@dataclass(frozen=True, eq=False)
-class Data:
-    """Deterministic values of the whole tensor (row-major, binary64)."""
+    def clamp(self, lo: float, hi: float) -> Value:
+        return self if lo <= -abs(self.gain) and abs(self.gain) <= hi else super().clamp(lo, hi)
 
-    values: np.ndarray[Any, np.dtype[np.float64]]
+    def init(self, seed: int) -> plan_pb2.Init | str:
+        return plan_pb2.Init(orthogonal=plan_pb2.Orthogonal(gain=self.gain, seed=seed))
 
 
 @dataclass(frozen=True)
-class Refused:
+class Refused(Value):
+    """Values no initializer states, and why: every later step keeps the refusal until a whole write replaces it."""
+
     why: str
 
+    def affine(self, c: float, d: float) -> Value:
+        return self
 
-Value = Const | Uniform | Normal | Trunc | ErfUniform | Orthogonal | Data | Refused
-_RANDOM_VALUES = (Uniform, Normal, Trunc, ErfUniform, Orthogonal)
+    def clamp(self, lo: float, hi: float) -> Value:
+        return self
+
+    def erfinv(self) -> Value:
+        return self
+
+    def computed(self) -> str:
+        return self.why
+
+    def init(self, seed: int) -> str:
+        return self.why
 
 
 def _erfinv(x: float) -> float:
     return float(torch.erfinv(torch.tensor(x, dtype=torch.float64)))
 
 
-def affine(v: Value, c: float, d: float) -> Value:
-    """The value c * x + d of every element x of `v`."""
-    if isinstance(v, Refused):
-        return v
-    if isinstance(v, Const):
-        return Const(c * v.value + d)
-    if isinstance(v, Data):
-        return Data(v.values * c + d)
-    if c == 0.0 and not isinstance(v, ErfUniform):
-        return Const(d)
-    if isinstance(v, Uniform):
-        return Uniform(c * v.lo + d, c * v.hi + d) if c > 0 else Uniform(c * v.hi + d, c * v.lo + d)
-    if isinstance(v, Normal):
-        return Normal(c * v.mean + d, abs(c) * v.std)
-    if isinstance(v, Trunc):
-        lo, hi = (c * v.lo + d, c * v.hi + d) if c > 0 else (c * v.hi + d, c * v.lo + d)
-        return Trunc(c * v.mean + d, abs(c) * v.std, lo, hi)
-    if isinstance(v, ErfUniform):
-        return ErfUniform(v.lo, v.hi, c * v.scale, c * v.shift + d)
-    if d == 0.0:
-        return Orthogonal(v.gain * c)
-    return Refused("shifts an orthogonal matrix, which no initializer states")
+def truncated(mean: float, std: float, lo: float, hi: float) -> Value:
+    """normal(mean, std) cut to [lo, hi], as the plan's truncated normal states it (or a normal when unbounded)."""
+    if math.isinf(lo) and math.isinf(hi):
+        return NormalDraw(mean, std)
+    if math.isinf(lo) or math.isinf(hi):
+        return Refused(f"a normal truncated on one side only ([{lo}, {hi}]), which no initializer states")
+    if lo > mean - 0.5 * std or hi < mean + 0.5 * std:
+        return Refused(f"a normal({mean}, {std}) truncated to [{lo}, {hi}], narrower than the truncated normal allows")
+    return TruncDraw(mean, std, lo, hi)
 
 
-def _erf_bounds(v: ErfUniform) -> tuple[float, float]:
-    a = v.shift + v.scale * _erfinv(v.lo) if v.lo > -1.0 else -math.inf
-    b = v.shift + v.scale * _erfinv(v.hi) if v.hi < 1.0 else math.inf
-    return (a, b) if v.scale > 0 else (b, a)
-
-
-def clamp(v: Value, lo: float | None, hi: float | None) -> Value:
-    """The value of clamp(x, lo, hi): unchanged where the bounds hold the support, a truncated normal where they
-    close an inverse-CDF chain, refused where they would pile mass on a bound."""
-    a = -math.inf if lo is None else float(lo)
-    b = math.inf if hi is None else float(hi)
-    if isinstance(v, Refused):
-        return v
-    if isinstance(v, Const):
-        return Const(min(max(v.value, a), b))
-    if isinstance(v, Data):
-        return Data(np.clip(v.values, a, b))
-    if isinstance(v, ErfUniform | Normal):
-        mean, std = (v.shift, abs(v.scale) / math.sqrt(2.0)) if isinstance(v, ErfUniform) else (v.mean, v.std)
-        na, nb = _erf_bounds(v) if isinstance(v, ErfUniform) else (-math.inf, math.inf)
-        if std == 0.0:
-            return Const(min(max(mean, a), b))
-        if _mass(mean, std, na, nb, a, b) > _PILED:
-            return Refused(f"clamps a normal({mean}, {std}) on [{na}, {nb}] to [{a}, {b}], piling values on a bound")
-        return _trunc(mean, std, max(a, na), min(b, nb))
-    if isinstance(v, Uniform):
-        return v if a <= v.lo and v.hi <= b else Refused(f"clamps uniform({v.lo}, {v.hi}) to [{a}, {b}]")
-    if isinstance(v, Trunc):
-        return v if a <= v.lo and v.hi <= b else Refused(f"clamps a truncated normal on [{v.lo}, {v.hi}] to [{a}, {b}]")
-    if isinstance(v, Orthogonal):
-        return v if a <= -abs(v.gain) and abs(v.gain) <= b else Refused("clamps an orthogonal matrix")
-    return v
-
-
-_PILED = 1e-9  # the most probability a clamp may move onto its bounds and still be the truncated normal
-
-
-def _mass(mean: float, std: float, na: float, nb: float, a: float, b: float) -> float:
-    """The probability a normal(mean, std) on [na, nb] puts outside [a, b] (what a clamp would pile on a bound)."""
+def _clamped_normal(mean: float, std: float, na: float, nb: float, lo: float, hi: float) -> Value:
+    """clamp(x, lo, hi) of a normal on [na, nb]: the truncated normal where the clamp moves (almost) no probability
+    onto its bounds, refused where it would pile values there."""
+    if std == 0.0:
+        return Fixed(min(max(mean, lo), hi))
 
     def cdf(x: float) -> float:
         return 0.5 * math.erfc(-(x - mean) / (std * math.sqrt(2.0)))
 
     total = cdf(nb) - cdf(na)
-    if total <= 0.0:
-        return 1.0
-    below = max(0.0, cdf(min(a, nb)) - cdf(na))
-    above = max(0.0, cdf(nb) - cdf(max(b, na)))
-    return (below + above) / total
+    piled = (max(0.0, cdf(min(lo, nb)) - cdf(na)) + max(0.0, cdf(nb) - cdf(max(hi, na)))) / total if total > 0 else 1.0
+    if piled > _PILED:
+        return Refused(f"clamps a normal({mean}, {std}) on [{na}, {nb}] to [{lo}, {hi}], piling values on a bound")
+    return truncated(mean, std, max(lo, na), min(hi, nb))
 
 
-def _trunc(mean: float, std: float, lo: float, hi: float) -> Value:
-    if math.isinf(lo) and math.isinf(hi):
-        return Normal(mean, std)
-    if math.isinf(lo) or math.isinf(hi):
-        return Refused(f"a normal truncated on one side only ([{lo}, {hi}]), which no initializer states")
-    if lo > mean - 0.5 * std or hi < mean + 0.5 * std:
-        return Refused(f"a normal({mean}, {std}) truncated to [{lo}, {hi}], narrower than the truncated normal allows")
-    return Trunc(mean, std, lo, hi)
-
-
-def erfinv(v: Value) -> Value:
-    if isinstance(v, Uniform) and -1.0 <= v.lo < v.hi <= 1.0:
-        return ErfUniform(v.lo, v.hi)
-    if isinstance(v, Const | Data):
-        values = np.asarray(v.values if isinstance(v, Data) else v.value, dtype=np.float64)
-        out = torch.erfinv(torch.from_numpy(np.array(values))).numpy()
-        return Data(out) if isinstance(v, Data) else Const(float(out))
-    if isinstance(v, Refused):
-        return v
-    return Refused("applies erfinv_ to a value that is not uniform on [-1, 1]")
+def as_value(values: np.ndarray[Any, Any]) -> Fixed | Values:
+    """Computed values: a constant where they are one (the same sign of zero too), else data."""
+    flat = np.asarray(values, dtype=np.float64)
+    first = flat.reshape(-1)[0] if flat.size else 0.0
+    if flat.size and np.all(flat == first) and np.all(np.signbit(flat) == np.signbit(first)):
+        return Fixed(float(first))
+    return Values(flat)
 
 
 # -- where the model's code is --------------------------------------------------------------------------------------
@@ -300,25 +411,14 @@ def _values(root: Root) -> np.ndarray[Any, np.dtype[np.float64]] | str:
     base = root.base
     if base is None:
         return "reads values before anything wrote them"
-    out: np.ndarray[Any, np.dtype[np.float64]]
-    for w in [base, *root.patches]:
-        if isinstance(w.value, Refused):
-            return w.value.why
-        if not isinstance(w.value, Const | Data):
-            return f"reads random values ({type(w.value).__name__.lower()})"
     out = np.empty(root.shape, dtype=np.float64)
     for w in [base, *root.patches]:
+        got = w.value.computed()
+        if isinstance(got, str):
+            return got
         region = _slices(w.box) if w.box is not None else ...
-        out[region] = w.value.value if isinstance(w.value, Const) else w.value.values.reshape(out[region].shape)  # type: ignore[union-attr]
+        out[region] = got if isinstance(got, float) else got.reshape(out[region].shape)
     return out
-
-
-def _const_or_data(values: np.ndarray[Any, Any]) -> Const | Data:
-    flat = np.asarray(values, dtype=np.float64)
-    first = flat.reshape(-1)[0] if flat.size else 0.0
-    if flat.size and np.all(flat == first) and np.all(np.signbit(flat) == np.signbit(first)):
-        return Const(float(first))
-    return Data(flat)
 
 
 # -- the recorder ---------------------------------------------------------------------------------------------------
@@ -468,31 +568,28 @@ class Recorder(TorchFunctionMode):
     def _set(self, root: Root, box: Box | None, value: Value, origin: Root | None) -> None:
         root.touched = True
         where = _where()
-        if isinstance(value, Refused):
+        if isinstance(value, Refused):  # a refusal names the model's line
             value = Refused(f"{value.why} ({where})")
         if box is None or all(a == 0 and b == n for (a, b), n in zip(box, root.shape, strict=True)):
             root.base, root.patches = Write(value, None, origin, where), []
             return
-        deterministic = root.base is not None and isinstance(root.base.value, Const | Data)
-        has_data = isinstance(value, Data) or any(isinstance(w.value, Data) for w in [root.base, *root.patches] if w)
-        if deterministic and isinstance(value, Const | Data) and has_data:
+        part = value.computed()
+        computed = not isinstance(part, str)
+        carried = isinstance(value, Values) or any(isinstance(w.value, Values) for w in [root.base, *root.patches] if w)
+        if computed and carried and root.base is not None and not isinstance(root.base.value.computed(), str):
             current = _values(root)
-            if isinstance(current, np.ndarray):
-                current[_slices(box)] = value.value if isinstance(value, Const) else value.values.reshape(_box_shape(box))
-                root.base, root.patches = Write(_const_or_data(current), None, None, where), []
+            if isinstance(current, np.ndarray):  # data stays data: the part is written into it
+                current[_slices(box)] = part if isinstance(part, float) else np.asarray(part).reshape(_box_shape(box))
+                root.base, root.patches = Write(as_value(current), None, None, where), []
                 return
-        if root.shadow and isinstance(value, Const | Data) and isinstance(root.base.value if root.base else None, Refused):
+        if root.shadow and computed and isinstance(root.base.value if root.base else None, Refused):
             if root.written is None and root.numel <= DATA_LIMIT:  # torch.empty filled part by part: settled once whole
                 root.written = np.zeros(root.shape, dtype=np.bool_)
             if root.written is not None:
                 root.written[_slices(box)] = True
                 return
-        if isinstance(value, Data):
-            flat = value.values.reshape(-1)
-            if not (flat.size and np.all(flat == flat[0])):
-                value = Refused("writes computed values into part of a random tensor, which no patch states")
-            else:
-                value = Const(float(flat[0]))
+        if isinstance(value, Values):  # (a constant is a Fixed already)
+            value = Refused("writes computed values into part of a random tensor, which no patch states")
         root.patches = [p for p in root.patches if p.box is not None and not _covers(box, p.box)]
         root.patches.append(Write(value, box, origin, where))
 
@@ -523,7 +620,7 @@ class Recorder(TorchFunctionMode):
         if isinstance(current, str):
             self._refuse(root, box, f"{what} on part of a tensor written in overlapping parts ({current})")
             return
-        part = fn(Data(current[_slices(box)].copy()))
+        part = fn(Values(current[_slices(box)].copy()))
         self._set(root, box, part, None)
 
     # the mode
@@ -576,7 +673,7 @@ class Recorder(TorchFunctionMode):
         if not isinstance(result, torch.Tensor) or not result.is_floating_point():
             return
         if name in ("randn", "rand", "empty", "empty_like", "new_empty", "randn_like", "rand_like"):
-            drawn: dict[str, Value] = {"randn": Normal(0.0, 1.0), "rand": Uniform(0.0, 1.0)}
+            drawn: dict[str, Value] = {"randn": NormalDraw(0.0, 1.0), "rand": UniformDraw(0.0, 1.0)}
             value = drawn.get(name.removesuffix("_like"), Refused(f"holds {_EMPTY}"))
             self._new_shadow(result, value)
             return
@@ -593,15 +690,15 @@ class Recorder(TorchFunctionMode):
         if name in _SAME_VALUES or (name == "pad" and pad is not None and not any(pad)):
             self._new_shadow(result, v, origin)
             return
-        if isinstance(v, _RANDOM_VALUES) and origin is not None:
+        if v.drawn and origin is not None:
             return  # a scaled copy of a parameter's draws: another tensor's random values
         other = next((a for a in args if not isinstance(a, torch.Tensor)), kwargs.get("other"))
         x = _scalar(other) if other is not None else None
         if name in ("neg", "__neg__"):
-            self._new_shadow(result, affine(v, -1.0, 0.0), origin)
+            self._new_shadow(result, v.affine(-1.0, 0.0), origin)
         elif x is not None and name in _AFFINE_OPS:
             c, d = _AFFINE_OPS[name](x, float(_scalar(kwargs.get("alpha", 1.0)) or 1.0))
-            self._new_shadow(result, affine(v, c, d), origin)
+            self._new_shadow(result, v.affine(c, d), origin)
 
     def _mark(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any], result: Any) -> None:
         """Which real tensors hold torch's random values or uninitialized memory (so copying them is refused)."""
@@ -650,22 +747,22 @@ class Recorder(TorchFunctionMode):
         if a["tensor"].numel() == 0:
             return
         if name == "uniform_":
-            self._set(root, box, Uniform(float(a["a"]), float(a["b"])), None)
+            self._set(root, box, UniformDraw(float(a["a"]), float(a["b"])), None)
         elif name == "normal_":
-            self._set(root, box, Normal(float(a["mean"]), float(a["std"])), None)
+            self._set(root, box, NormalDraw(float(a["mean"]), float(a["std"])), None)
         elif name == "constant_":
-            self._set(root, box, Const(float(a["val"])), None)
+            self._set(root, box, Fixed(float(a["val"])), None)
         else:  # kaiming_uniform_: PyTorch's own arithmetic for the bound
             fan = nn.init._calculate_correct_fan(a["tensor"], a["mode"])
             gain = nn.init.calculate_gain(a["nonlinearity"], a["a"])
             bound_ = math.sqrt(3.0) * (gain / math.sqrt(fan))
-            self._set(root, box, Uniform(-bound_, bound_), None)
+            self._set(root, box, UniformDraw(-bound_, bound_), None)
 
     def _source(self, src: Any, what: str) -> tuple[Value, Root | None] | str:
         """The value a write copies from `src`, with the root whose seed it keeps, or why it cannot be stated."""
         s = _scalar(src)
         if s is not None and not (isinstance(src, torch.Tensor) and self.taint_of(src)):
-            return Const(s), None
+            return Fixed(s), None
         if not isinstance(src, torch.Tensor):
             return f"{what} with a {type(src).__name__}"
         located = self.locate(src)
@@ -676,7 +773,7 @@ class Recorder(TorchFunctionMode):
             values = _values(other)
             if isinstance(values, np.ndarray):
                 part = values if obox is None else values[_slices(obox)]
-                return Data(_arranged(part, obox, order, inverse=True).reshape(tuple(src.shape))), None
+                return Values(_arranged(part, obox, order, inverse=True).reshape(tuple(src.shape))), None
             if obox is None and other.base is not None and not other.patches:
                 return other.base.value, (other.base.origin if other.shadow else other.base.origin or other)
             return f"{what} from a part of another tensor's random values ({values})"
@@ -687,7 +784,7 @@ class Recorder(TorchFunctionMode):
             return f"{what} from {why}"
         if src.numel() > DATA_LIMIT:
             return f"{what} from a tensor of {src.numel()} elements, too large to carry as data"
-        return Data(src.detach().to("cpu", torch.float64).numpy().copy()), None
+        return Values(src.detach().to("cpu", torch.float64).numpy().copy()), None
 
     def _write_from(self, root: Root, box: Box | None, order: tuple[int, ...], view_shape: tuple[int, ...], src: Any, what: str) -> None:
         got = self._source(src, what)
@@ -695,15 +792,14 @@ class Recorder(TorchFunctionMode):
             self._refuse(root, box, got)
             return
         value, origin = got
-        if isinstance(value, Data):
-            full = np.broadcast_to(value.values.reshape(value.values.shape), view_shape)
-            value = _const_or_data(_arranged(np.ascontiguousarray(full), box, order, inverse=False))
-        elif origin is not None and box is not None:
-            if isinstance(value, _RANDOM_VALUES):
-                value = Refused(f"{what}: copies another tensor's random values into part of this one")
+        if isinstance(value, Values):
+            full = np.broadcast_to(value.values, view_shape)
+            value = as_value(_arranged(np.ascontiguousarray(full), box, order, inverse=False))
+        elif origin is not None and box is not None and value.drawn:
+            value = Refused(f"{what}: copies another tensor's random values into part of this one")
         elif origin is not None and origin.shape != root.shape:
             value = Refused(f"{what}: copies random values of a {list(origin.shape)} tensor into a {list(root.shape)} one")
-        self._set(root, box, value, origin if isinstance(value, _RANDOM_VALUES) else None)
+        self._set(root, box, value, origin if value.drawn else None)
 
     def _inplace(
         self, func: Any, name: str, found: tuple[Root, Box | None, tuple[int, ...]], args: Sequence[Any], kwargs: dict[str, Any]
@@ -734,14 +830,14 @@ class Recorder(TorchFunctionMode):
             mean, std = [*args[1:3], None, None][:2]
             mean = kwargs.get("mean", 0.0 if mean is None else mean)
             std = kwargs.get("std", 1.0 if std is None else std)
-            self._set(root, box, Normal(float(mean), float(std)), None)
+            self._set(root, box, NormalDraw(float(mean), float(std)), None)
         elif name == "uniform_":
             lo, hi = [*args[1:3], None, None][:2]
             lo = kwargs.get("from", 0.0 if lo is None else lo)
             hi = kwargs.get("to", 1.0 if hi is None else hi)
-            self._set(root, box, Uniform(float(lo), float(hi)), None)
+            self._set(root, box, UniformDraw(float(lo), float(hi)), None)
         elif name == "zero_":
-            self._set(root, box, Const(0.0), None)
+            self._set(root, box, Fixed(0.0), None)
         elif name == "fill_":
             self._write_from(root, box, order, tuple(target.shape), args[1] if len(args) > 1 else kwargs["value"], "fill_")
         elif name == "copy_":
@@ -751,7 +847,7 @@ class Recorder(TorchFunctionMode):
         ):
             pass
         elif name == "erfinv_":
-            self._transform(root, box, erfinv, name)
+            self._transform(root, box, lambda v: v.erfinv(), name)
         elif name in _RANDOM_INPLACE:
             self._refuse(root, box, f"{name} draws a distribution no initializer states")
         else:
@@ -775,9 +871,9 @@ class Recorder(TorchFunctionMode):
                 "sub_": (1.0, -x * (alpha or 1.0)),
             }[name]
             if name == "div_":
-                self._transform(root, box, lambda v: _divided(v, x), name)
+                self._transform(root, box, lambda v: v.divide(x), name)
                 return True
-        self._transform(root, box, lambda v: affine(v, c, d), name)
+        self._transform(root, box, lambda v: v.affine(c, d), name)
         return True
 
     def _clamp(self, name: str, root: Root, box: Box | None, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
@@ -792,7 +888,7 @@ class Recorder(TorchFunctionMode):
         los, his = _scalar(lo) if lo is not None else None, _scalar(hi) if hi is not None else None
         if (lo is not None and los is None) or (hi is not None and his is None):
             return False
-        self._transform(root, box, lambda v: clamp(v, los, his), name)
+        self._transform(root, box, lambda v: v.clamp(-math.inf if los is None else los, math.inf if his is None else his), name)
         return True
 
     def _evaluate(
@@ -814,11 +910,11 @@ class Recorder(TorchFunctionMode):
                     return
             elif isinstance(a, torch.Tensor):
                 src = self._source(a, name)
-                if isinstance(src, str) or not isinstance(src[0], Const | Data):
-                    self._refuse(root, None, src if isinstance(src, str) else f"{name} with another tensor's random values")
+                got = src if isinstance(src, str) else src[0].computed()
+                if isinstance(got, str):
+                    self._refuse(root, None, f"{name} with {got}")
                     return
-                v = src[0]
-                a = torch.tensor(v.value, dtype=torch.float64) if isinstance(v, Const) else torch.from_numpy(v.values)
+                a = torch.tensor(got, dtype=torch.float64) if isinstance(got, float) else torch.from_numpy(got)
             rest.append(a)
         with torch.no_grad():
             getattr(torch.Tensor, name)(target, *rest, **{k: v for k, v in kwargs.items() if k != "generator"})
@@ -827,7 +923,7 @@ class Recorder(TorchFunctionMode):
             return
         region = _slices(box) if box is not None else ...
         values[region] = _arranged(target.numpy(), box, order, inverse=False).reshape(values[region].shape)
-        root.base, root.patches, root.touched = Write(_const_or_data(values), None, None, _where()), [], True
+        root.base, root.patches, root.touched = Write(as_value(values), None, None, _where()), [], True
 
     def _out(
         self, func: Any, name: str, found: tuple[Root, Box | None, tuple[int, ...]], args: Sequence[Any], kwargs: dict[str, Any]
@@ -867,14 +963,6 @@ _AFFINE_OPS: dict[str, Callable[[float, float], tuple[float, float]]] = {
     "__sub__": lambda x, a: (1.0, -x),
     "__rsub__": lambda x, a: (-1.0, x),
 }
-
-
-def _divided(v: Value, x: float) -> Value:
-    if isinstance(v, Const):
-        return Const(v.value / x)
-    if isinstance(v, Data):
-        return Data(v.values / x)
-    return affine(v, 1.0 / x, 0.0)
 
 
 def _arranged(a: np.ndarray[Any, Any], box: Box | None, order: tuple[int, ...], *, inverse: bool) -> np.ndarray[Any, Any]:
@@ -929,9 +1017,9 @@ def _recorded(fname: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if tensor.numel() == 0:
             return tensor
         if fname == "trunc_normal_":
-            rec._set(root, box, _trunc(float(a["mean"]), float(a["std"]), float(a["a"]), float(a["b"])), None)
+            rec._set(root, box, truncated(float(a["mean"]), float(a["std"]), float(a["a"]), float(a["b"])), None)
         elif fname == "orthogonal_":
-            rec._set(root, box, Orthogonal(float(a["gain"])) if box is None else Refused("orthogonal_ on part of a tensor"), None)
+            rec._set(root, box, OrthogonalDraw(float(a["gain"])) if box is None else Refused("orthogonal_ on part of a tensor"), None)
         elif fname == "sparse_":
             rec._refuse(root, box, "sparse_ has no plan form")
         else:  # eye_, dirac_: deterministic, evaluated for this tensor alone
@@ -1034,10 +1122,10 @@ def real_value(real: torch.Tensor) -> Value:
     """The values a real tensor holds: a constant, or data for a tensor small enough to carry them."""
     flat = real.detach().reshape(-1)
     if flat.numel() and bool((flat == flat[0]).all()) and bool((flat.signbit() == flat[0].signbit()).all()):
-        return Const(float(flat[0]))
+        return Fixed(float(flat[0]))
     if real.numel() > DATA_LIMIT:
         return Refused(f"starts from computed values of {real.numel()} elements, too large to carry as data")
-    return _const_or_data(real.detach().to("cpu", torch.float64).numpy())
+    return as_value(real.detach().to("cpu", torch.float64).numpy())
 
 
 # -- replay after the fact -----------------------------------------------------------------------------------------
@@ -1242,42 +1330,6 @@ def replayed_names(module: nn.Module) -> frozenset[str]:
 # -- plan initializers ---------------------------------------------------------------------------------------------
 
 
-def _init(value: Value, seed: int) -> plan_pb2.Init | str:
-    if isinstance(value, Refused):
-        return value.why
-    if isinstance(value, ErfUniform):
-        na, nb = _erf_bounds(value)
-        value = _trunc(value.shift, abs(value.scale) / math.sqrt(2.0), na, nb)
-        if isinstance(value, Refused):
-            return value.why
-    if isinstance(value, Normal) and value.std == 0.0:
-        value = Const(value.mean)
-    if isinstance(value, Uniform) and value.lo == value.hi:
-        value = Const(value.lo)
-    if isinstance(value, Const):
-        if value.value == 0.0 and not math.copysign(1.0, value.value) < 0:
-            return plan_pb2.Init(zeros=plan_pb2.Zeros())
-        if value.value == 1.0:
-            return plan_pb2.Init(ones=plan_pb2.Ones())
-        if not math.isfinite(value.value):
-            return f"a constant {value.value}, which no initializer states"
-        return plan_pb2.Init(uniform=plan_pb2.Uniform(lo=value.value, hi=value.value, seed=seed))
-    if isinstance(value, Uniform):
-        if value.lo > value.hi:
-            return f"uniform_({value.lo}, {value.hi}) with its bounds reversed"
-        return plan_pb2.Init(uniform=plan_pb2.Uniform(lo=value.lo, hi=value.hi, seed=seed))
-    if isinstance(value, Normal):
-        return plan_pb2.Init(normal=plan_pb2.Normal(mean=value.mean, std=value.std, seed=seed))
-    if isinstance(value, Trunc):
-        return plan_pb2.Init(truncated_normal=plan_pb2.TruncatedNormal(mean=value.mean, std=value.std, lo=value.lo, hi=value.hi, seed=seed))
-    if isinstance(value, Orthogonal):
-        return plan_pb2.Init(orthogonal=plan_pb2.Orthogonal(gain=value.gain, seed=seed))
-    assert isinstance(value, Data)  # ErfUniform became Trunc or Normal above
-    if not np.all(np.isfinite(value.values)):
-        return "computed values that are not all finite"
-    return plan_pb2.Init(flat=plan_pb2.Flat(values=value.values.reshape(-1).tolist()))
-
-
 def emit(root: Root, seed_of: Callable[[Root], int | str]) -> tuple[plan_pb2.Init | str, list[plan_pb2.Patch]]:
     """A root's plan initializer and patches (or why it has none).
 
@@ -1299,7 +1351,7 @@ def emit(root: Root, seed_of: Callable[[Root], int | str]) -> tuple[plan_pb2.Ini
     s = seed(root.base)
     if isinstance(s, str):
         return s, []
-    base = _init(root.base.value, s)
+    base = root.base.value.init(s)
     if isinstance(base, str):
         return base, []
     patches = []
@@ -1307,7 +1359,7 @@ def emit(root: Root, seed_of: Callable[[Root], int | str]) -> tuple[plan_pb2.Ini
         ps = seed(w)
         if isinstance(ps, str):
             return ps, []
-        got = _init(w.value, ps)
+        got = w.value.init(ps)
         if isinstance(got, str):
             return got, []
         if got.WhichOneof("kind") in ("flat", "orthogonal"):
