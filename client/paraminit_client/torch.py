@@ -12,6 +12,12 @@ bytes the plan alone determines (same plan, same tensors, on any backend)::
 
 Policies:
 
+- ``"own"`` (the default): the model's own initialization code, replayed
+  (paraminit_client.replay): every write its code makes to a tensor is recorded
+  as the distribution it gives. Build the model under ``meta_parameters()`` and
+  its constructor's initialization is recorded as it runs; on ``torch.device("meta")``
+  each layer's ``reset_parameters`` and transformers' ``initialize_weights`` are
+  replayed, and a constructor that initializes in its own code is refused.
 - ``"torch"`` reproduces the distributions of PyTorch's own ``reset_parameters``
   for the layers it knows (Linear, Bilinear, Conv/ConvTranspose 1-3d, Embedding,
   EmbeddingBag, LayerNorm, RMSNorm, GroupNorm, BatchNorm/InstanceNorm,
@@ -173,7 +179,8 @@ def plan_from_module(module: nn.Module, seed: int = 0, policy: str | Policy = "o
     Args:
         module: the model (on meta, or real: only shapes and dtypes are read).
         seed: the model's seed (each parameter's is param_seed(seed, name)).
-        policy: a name of paraminit_client.policies (POLICIES: "torch", PyTorch's own distributions;
+        policy: a name of paraminit_client.policies (POLICIES: "own", the default, the model's own initialization
+            code replayed; "torch", PyTorch's per-layer default distributions;
             "torchlean"; "hf", transformers' initialization; "torchtitan"; the recipes "megatron", "neox",
             "olmo"; or one `policies.register`ed), or a Policy object: recipes.megatron(sigma=0.01),
             recipes.replay(lambda m: m.init_weights()), or a class of one's own with `name` and `assign(walk)`.
