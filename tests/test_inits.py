@@ -34,7 +34,7 @@ def test_the_table_names_every_kind_of_the_contract() -> None:
         assert kind.json == f.json_name
         assert kind.seeded == ("seed" in f.message_type.fields_by_name), f.name
         assert kind.patchable == (not kind.flat)
-    assert {k.field for k in inits.KINDS.values() if k.flat} == {"flat", "flat_ref", "safetensors", "orthogonal"}
+    assert {k.field for k in inits.KINDS.values() if k.flat} == {"flat", "flat_ref", "safetensors", "orthogonal", "eye", "dirac", "sparse"}
     assert {"truncatedNormal", "truncated_normal", "kaimingUniformForShape"} <= inits.SEEDED_JSON
     assert not inits.SEEDED_JSON & {"zeros", "ones", "flat", "flatRef", "safetensors"}
 

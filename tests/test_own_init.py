@@ -77,6 +77,7 @@ def test_every_init_function_gives_pytorchs_own_distribution() -> None:
         "const": (10, 3),
         "eye": (5, 7),
         "dirac": (8, 4, 3, 3),
+        "sparse": (200, 50),
     }
     gain = nn.init.calculate_gain("tanh")
 
@@ -90,6 +91,7 @@ def test_every_init_function_gives_pytorchs_own_distribution() -> None:
         nn.init.constant_(m.const, 0.25)
         nn.init.eye_(m.eye)
         nn.init.dirac_(m.dirac, groups=2)
+        nn.init.sparse_(m.sparse, sparsity=0.3, std=0.05)
 
     model, plan = _replayed(shapes, init)
     got = _inits(plan)
@@ -102,6 +104,8 @@ def test_every_init_function_gives_pytorchs_own_distribution() -> None:
     tn = got["tn"].truncated_normal
     assert (tn.mean, tn.std, tn.lo, tn.hi) == (0.1, 0.02, 0.07, 0.13)
     assert got["orth"].orthogonal.gain == 2.0 and got["const"].uniform.lo == got["const"].uniform.hi == 0.25
+    assert got["eye"].WhichOneof("kind") == "eye" and got["dirac"].dirac.groups == 2  # the plan's own forms (spec 5)
+    assert (got["sparse"].sparse.sparsity, got["sparse"].sparse.std) == (0.3, 0.05)
     assert {k: v.seed for k, v in [("xu", got["xu"].uniform), ("kn", got["kn"].normal)]} == {
         "xu": param_seed(0, "xu"),
         "kn": param_seed(0, "kn"),
@@ -116,6 +120,10 @@ def test_every_init_function_gives_pytorchs_own_distribution() -> None:
         want = getattr(ref, name).detach().double().numpy()
         if name in ("const", "eye", "dirac"):
             assert np.array_equal(values[name], want), name
+        elif name == "sparse":  # ceil(0.3 * 200) zeros in every column, the rest normal(0, 0.05)
+            zeros = values[name] == 0
+            assert (zeros.sum(axis=0) == 60).all() and (want == 0).sum(axis=0).tolist() == [60] * 50
+            assert zoo.same_distribution(values[name][~zeros], want[want != 0]) is None
         elif name == "orth":
             m = values[name].reshape(64, 128)
             assert np.allclose(m @ m.T, 4.0 * np.eye(64), atol=1e-4)
@@ -138,11 +146,12 @@ class _Reference:
     const = staticmethod(lambda t: nn.init.constant_(t, 0.25))
     eye = staticmethod(nn.init.eye_)
     dirac = staticmethod(lambda t: nn.init.dirac_(t, groups=2))
+    sparse = staticmethod(lambda t: nn.init.sparse_(t, sparsity=0.3, std=0.05))
 
 
 def test_what_has_no_plan_form_is_refused_with_the_models_line() -> None:
     def init(m: nn.Module) -> None:
-        nn.init.sparse_(m.sparse, sparsity=0.5)
+        nn.init.sparse_(m.sparse[:3], sparsity=0.5)
         m.drawn.data.exponential_()
         nn.init.normal_(m.mixed)
         with torch.no_grad():
@@ -154,7 +163,7 @@ def test_what_has_no_plan_form_is_refused_with_the_models_line() -> None:
     problems = {name: why for name, _, why in err.value.problems}
     assert set(problems) == {"sparse", "drawn", "mixed", "product", "never"}
     line = init.__code__.co_firstlineno
-    assert "sparse_ has no plan form" in problems["sparse"] and f"test_own_init.py:{line + 1}" in problems["sparse"]
+    assert "sparse_ on part of a tensor" in problems["sparse"] and f"test_own_init.py:{line + 1}" in problems["sparse"]
     assert "exponential_" in problems["drawn"] and f"test_own_init.py:{line + 2}" in problems["drawn"]
     assert "mul_" in problems["mixed"] and f"test_own_init.py:{line + 5}" in problems["mixed"]
     assert "random generator" in problems["product"] and "never sets" in problems["never"]

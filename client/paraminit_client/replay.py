@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from paraminit import inits
 from paraminit.v1 import plan_pb2
 
 __all__ = ["RECORD_ATTR", "Recorder", "Root", "capture", "emit", "initial_value", "real_value", "record_of", "replay"]
@@ -268,6 +269,62 @@ class OrthogonalDraw(Value):
 
     def init(self, seed: int) -> plan_pb2.Init | str:
         return plan_pb2.Init(orthogonal=plan_pb2.Orthogonal(gain=self.gain, seed=seed))
+
+
+@dataclass(frozen=True)
+class Identity(Value):
+    """eye_ (groups 0) or dirac_(groups): the plan's eye and dirac forms; its values where a later step needs them."""
+
+    shape: tuple[int, ...]
+    groups: int
+    fill: Callable[..., Any] = field(compare=False, repr=False)  # torch.nn.init's own eye_ or dirac_
+
+    def computed(self) -> np.ndarray[Any, np.dtype[np.float64]] | str:
+        if math.prod(self.shape) > DATA_LIMIT:
+            return f"{self.describe()} of {math.prod(self.shape)} elements, too large to evaluate"
+        real = torch.zeros(self.shape, dtype=torch.float64)
+        with torch.no_grad():
+            self.fill(real) if self.groups == 0 else self.fill(real, groups=self.groups)
+        return real.numpy().reshape(-1)
+
+    def _as_values(self) -> Value:
+        got = self.computed()
+        return Refused(got) if isinstance(got, str) else Values(got)
+
+    def affine(self, c: float, d: float) -> Value:
+        return self._as_values().affine(c, d)
+
+    def divide(self, x: float) -> Value:
+        return self._as_values().divide(x)
+
+    def clamp(self, lo: float, hi: float) -> Value:
+        return self if lo <= 0.0 and hi >= 1.0 else self._as_values().clamp(lo, hi)
+
+    def erfinv(self) -> Value:
+        return self._as_values().erfinv()
+
+    def init(self, seed: int) -> plan_pb2.Init | str:
+        if self.groups == 0:
+            return plan_pb2.Init(eye=plan_pb2.Eye())
+        return plan_pb2.Init(dirac=plan_pb2.Dirac(groups=self.groups))
+
+    def describe(self) -> str:
+        return "eye_" if self.groups == 0 else f"dirac_(groups={self.groups})"
+
+
+@dataclass(frozen=True)
+class SparseDraw(Value):
+    """sparse_(sparsity, std): the plan's counter-based sparse form (docs/SAMPLER.md 2.6)."""
+
+    sparsity: float
+    std: float
+    drawn = True
+
+    def affine(self, c: float, d: float) -> Value:
+        return SparseDraw(self.sparsity, abs(c) * self.std) if d == 0.0 else super().affine(c, d)
+
+    def init(self, seed: int) -> plan_pb2.Init | str:
+        return plan_pb2.Init(sparse=plan_pb2.Sparse(sparsity=self.sparsity, std=self.std, seed=seed))
 
 
 @dataclass(frozen=True)
@@ -1021,8 +1078,14 @@ def _recorded(fname: str, original: Callable[..., Any]) -> Callable[..., Any]:
         elif fname == "orthogonal_":
             rec._set(root, box, OrthogonalDraw(float(a["gain"])) if box is None else Refused("orthogonal_ on part of a tensor"), None)
         elif fname == "sparse_":
-            rec._refuse(root, box, "sparse_ has no plan form")
-        else:  # eye_, dirac_: deterministic, evaluated for this tensor alone
+            if box is None and tensor.dim() == 2:
+                rec._set(root, None, SparseDraw(float(a["sparsity"]), float(a["std"])), None)
+            else:
+                rec._refuse(root, box, "sparse_ on part of a tensor, which no patch states")
+        elif box is None and ((fname == "eye_" and tensor.dim() == 2) or (fname == "dirac_" and 3 <= tensor.dim() <= 5)):
+            groups = int(a.get("groups", 1))
+            rec._set(root, None, Identity(tuple(tensor.shape), 0 if fname == "eye_" else groups, original), None)
+        else:  # eye_, dirac_ into a part: deterministic, evaluated for this tensor alone
             if tensor.numel() > DATA_LIMIT:
                 rec._refuse(root, box, f"{fname} of {tensor.numel()} elements is too large to carry as data")
                 return tensor
@@ -1342,7 +1405,8 @@ def emit(root: Root, seed_of: Callable[[Root], int | str]) -> tuple[plan_pb2.Ini
     """
     if root.base is None:
         if root.patches:
-            return f"its initialization writes only part of it ({root.patches[0].where})", []
+            why = next((p.value.init(0) for p in root.patches if isinstance(p.value, Refused)), None)
+            return (why if isinstance(why, str) else f"its initialization writes only part of it ({root.patches[0].where})"), []
         return "", []
 
     def seed(w: Write) -> int | str:
@@ -1362,7 +1426,7 @@ def emit(root: Root, seed_of: Callable[[Root], int | str]) -> tuple[plan_pb2.Ini
         got = w.value.init(ps)
         if isinstance(got, str):
             return got, []
-        if got.WhichOneof("kind") in ("flat", "orthogonal"):
+        if not inits.KINDS[str(got.WhichOneof("kind"))].patchable:
             return f"a {got.WhichOneof('kind')} value in part of the tensor ({w.where}), which no patch states", []
         patch = plan_pb2.Patch(init=got)
         assert w.box is not None

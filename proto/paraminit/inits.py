@@ -47,8 +47,13 @@ __all__ = [
     "Kernel",
     "Moments",
     "Normal",
+    "Computed",
+    "Dirac",
+    "Draws",
+    "Eye",
     "Orthogonal",
     "PayloadRef",
+    "Sparse",
     "Reading",
     "Rule",
     "TruncNormal",
@@ -339,6 +344,8 @@ class FormReader(Protocol[_T_co]):
 
     def orthogonal(self, form: Orthogonal) -> _T_co: ...
 
+    def computed(self, form: Computed) -> _T_co: ...
+
 
 class _DataForm(_Form):
     """A form whose values are data: in the plan, uploaded, in a checkpoint, or computed whole."""
@@ -419,7 +426,116 @@ class Orthogonal(_DataForm):
         return Moments(0.0, g / math.sqrt(big), -g, g, _KURTOSIS_NORMAL if big > 1 else 1.0, "")
 
 
-Data = Inline | PayloadRef | Checkpoint | Orthogonal
+# Counter-based draws a computed form needs, from the data plane's own kernels: (n, seed) -> the first n values of
+# normal(0, 1, seed) (`gaussian`), or the sparse form's zero keys, the unit draws of its seed's stream
+# SPARSE_ZERO_STREAM (`zero_keys`), binary64.
+Draws = Callable[[int, int], npt.NDArray[np.float64]]
+
+
+class Computed(_DataForm):
+    """A form whose values the data plane computes whole from the form and the shape (eye, dirac, sparse:
+    docs/SAMPLER.md 2.4-2.6), as data for every backend."""
+
+    def accept(self, reader: FormReader[_T]) -> _T:
+        return reader.computed(self)
+
+    def values(self, shape: Sequence[int], gaussian: Draws, zero_keys: Draws) -> npt.NDArray[np.float64]:
+        """The whole parameter's binary64 values, row-major."""
+        raise NotImplementedError
+
+    def held_bytes(self, shape: Sequence[int]) -> int:
+        """The host memory computing the values holds (the values, binary64)."""
+        return 8 * numel(shape)
+
+
+@dataclass(frozen=True)
+class Eye(Computed):
+    """The identity matrix: 1 where row == col (docs/SAMPLER.md 2.4)."""
+
+    WORDS: ClassVar[str] = "1"
+
+    @classmethod
+    def bound(cls, f: Mapping[str, Any]) -> Any:
+        return 1.0
+
+    def describe(self) -> str:
+        return "eye"
+
+    def values(self, shape: Sequence[int], gaussian: Draws, zero_keys: Draws) -> npt.NDArray[np.float64]:
+        return np.eye(int(shape[0]), int(shape[1]), dtype=np.float64).reshape(-1)
+
+    def moments(self, shape: Sequence[int] = (), region: Sequence[tuple[int, int]] = ()) -> Moments | None:
+        return None  # 0/1 values placed by index: inspect checks data, not a distribution
+
+
+@dataclass(frozen=True)
+class Dirac(Computed):
+    """dirac_(groups): each group's first min(out / groups, in) output channels pass their input through at the
+    kernel's centre (docs/SAMPLER.md 2.5)."""
+
+    groups: int
+    WORDS: ClassVar[str] = "1"
+
+    @classmethod
+    def bound(cls, f: Mapping[str, Any]) -> Any:
+        return 1.0
+
+    def describe(self) -> str:
+        return f"dirac(groups={self.groups})"
+
+    def values(self, shape: Sequence[int], gaussian: Draws, zero_keys: Draws) -> npt.NDArray[np.float64]:
+        out = np.zeros(tuple(int(d) for d in shape), dtype=np.float64)
+        per_group = int(shape[0]) // self.groups
+        centre = tuple(int(k) // 2 for k in shape[2:])
+        for g in range(self.groups):
+            for d in range(min(per_group, int(shape[1]))):
+                out[(g * per_group + d, d, *centre)] = 1.0
+        return out.reshape(-1)
+
+
+SPARSE_ZERO_STREAM = 64  # the zeros' keys: stream 64 of the seed, which no truncated normal draws (it stops at 63)
+
+
+@dataclass(frozen=True)
+class Sparse(Computed):
+    """sparse_(sparsity, std), counter-based: ceil(sparsity * rows) zeros per column at the rows with the smallest
+    keys, the rest normal(0, std, seed) at their own index (docs/SAMPLER.md 2.6)."""
+
+    sparsity: float
+    std: float
+    seed: int
+    WORDS: ClassVar[str] = "std * 5.2566"
+
+    @classmethod
+    def bound(cls, f: Mapping[str, Any]) -> Any:
+        return f["std"] * Z_BOUND
+
+    def describe(self) -> str:
+        return f"sparse({_g(self.sparsity)}, {_g(self.std)})"
+
+    def held_bytes(self, shape: Sequence[int]) -> int:
+        return 32 * numel(shape)  # the normal draws, the keys, their order and the values
+
+    def values(self, shape: Sequence[int], gaussian: Draws, zero_keys: Draws) -> npt.NDArray[np.float64]:
+        rows, cols = int(shape[0]), int(shape[1])
+        n = rows * cols
+        out = 0.0 + self.std * gaussian(n, self.seed)  # Normal(0, std, seed) exactly: mean + std * z
+        zeros = math.ceil(self.sparsity * rows)
+        if zeros and n:
+            keys = zero_keys(n, self.seed).reshape(rows, cols)
+            chosen = np.argsort(keys, axis=0, kind="stable")[:zeros]  # ties: the smaller row first
+            out.reshape(rows, cols)[chosen, np.arange(cols)] = 0.0
+        return out
+
+    def moments(self, shape: Sequence[int] = (), region: Sequence[tuple[int, int]] = ()) -> Moments | None:
+        if len(shape) != 2 or not shape[0]:
+            return None
+        kept = 1.0 - math.ceil(self.sparsity * int(shape[0])) / int(shape[0])
+        s = self.std * math.sqrt(kept)
+        return Moments(0.0, s, -Z_MAX * self.std, Z_MAX * self.std, _KURTOSIS_NORMAL / kept if kept else 1.0, "")
+
+
+Data = Inline | PayloadRef | Checkpoint | Orthogonal | Computed
 ValueForm = Distribution | Data
 
 
@@ -570,6 +686,35 @@ def _check_orthogonal(o: plan_pb2.Orthogonal, shape: Sequence[int]) -> list[Prob
     return out
 
 
+def _exact_rank(what: str, field: str, shape: Sequence[int], ranks: tuple[int, ...]) -> list[Problem]:
+    if len(shape) in ranks:
+        return []
+    want = f"{ranks[0]} dimensions" if len(ranks) == 1 else f"{ranks[0]} to {ranks[-1]} dimensions"
+    return [(f"init.{field}", f"{what} expects {want}, got {shape_str(shape)}")]
+
+
+def _check_eye(m: plan_pb2.Eye, shape: Sequence[int]) -> list[Problem]:
+    return _exact_rank("eye", "eye", shape, (2,))
+
+
+def _check_dirac(m: plan_pb2.Dirac, shape: Sequence[int]) -> list[Problem]:
+    out = _exact_rank("dirac", "dirac", shape, (3, 4, 5))
+    if m.groups < 1:  # proto3 omits a zero: an unset groups reads 0, never PyTorch's 1
+        out.append(("init.dirac.groups", 'dirac groups must be at least 1 (an omitted groups is 0: write "groups": 1)'))
+    elif not out and shape[0] % m.groups:
+        out.append(("init.dirac.groups", f"dirac groups ({m.groups}) must divide the output channels ({shape[0]})"))
+    return out
+
+
+def _check_sparse(m: plan_pb2.Sparse, shape: Sequence[int]) -> list[Problem]:
+    out = _exact_rank("sparse", "sparse", shape, (2,))
+    if not 0.0 <= m.sparsity <= 1.0:  # NaN fails too
+        out.append(("init.sparse.sparsity", f"sparse sparsity must be in [0, 1], got {m.sparsity}"))
+    if not (math.isfinite(m.std) and m.std >= 0.0):
+        out.append(("init.sparse.std", f"sparse std must be finite and >= 0, got {m.std}"))
+    return out
+
+
 def _check_flat_ref(r: plan_pb2.FlatRef, _s: Sequence[int]) -> list[Problem]:
     return [] if r.payload_id else [("init.flat_ref.payload_id", "payload id must not be empty")]
 
@@ -700,6 +845,10 @@ def _table() -> dict[str, InitKind]:
         _direct("truncated_normal", "truncatedNormal", TruncNormal),
         # computed from the whole matrix, so its values are data like a payload's (and not allowed in a patch)
         InitKind("orthogonal", "orthogonal", True, True, _orthogonal, _check_orthogonal, lambda m, s: f"orthogonal(gain={_g(m.gain)})"),
+        # sampler spec version 5: computed whole for every backend, like the orthogonal matrix
+        InitKind("eye", "eye", False, True, lambda m, s: Eye(), _check_eye),
+        InitKind("dirac", "dirac", False, True, lambda m, s: Dirac(int(m.groups)), _check_dirac),
+        InitKind("sparse", "sparse", True, True, lambda m, s: Sparse(m.sparsity, m.std, m.seed), _check_sparse),
     ]
     return {k.field: k for k in kinds}
 

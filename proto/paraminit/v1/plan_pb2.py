@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17paraminit/v1/plan.proto\x12\x0cparaminit.v1\"+\n\x04Plan\x12#\n\x06params\x18\x01 \x03(\x0b\x32\x13.paraminit.v1.Param\"\xb5\x01\n\x05Param\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.paraminit.v1.DType\x12 \n\x04init\x18\x04 \x01(\x0b\x32\x12.paraminit.v1.Init\x12#\n\x06region\x18\x05 \x03(\x0b\x32\x13.paraminit.v1.Range\x12$\n\x07patches\x18\x06 \x03(\x0b\x32\x13.paraminit.v1.Patch\"m\n\x05Patch\x12 \n\x03\x62ox\x18\x01 \x03(\x0b\x32\x13.paraminit.v1.Range\x12 \n\x04init\x18\x02 \x01(\x0b\x32\x12.paraminit.v1.Init\x12 \n\x04part\x18\x03 \x01(\x0b\x32\x12.paraminit.v1.Part\"$\n\x04Part\x12\r\n\x05shape\x18\x01 \x03(\x04\x12\r\n\x05start\x18\x02 \x01(\x04\"$\n\x05Range\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0c\n\x04stop\x18\x02 \x01(\x04\"\x9d\x05\n\x04Init\x12$\n\x05zeros\x18\x01 \x01(\x0b\x32\x13.paraminit.v1.ZerosH\x00\x12\"\n\x04ones\x18\x02 \x01(\x0b\x32\x12.paraminit.v1.OnesH\x00\x12(\n\x07uniform\x18\x03 \x01(\x0b\x32\x15.paraminit.v1.UniformH\x00\x12&\n\x06normal\x18\x04 \x01(\x0b\x32\x14.paraminit.v1.NormalH\x00\x12\x35\n\x0exavier_uniform\x18\x05 \x01(\x0b\x32\x1b.paraminit.v1.XavierUniformH\x00\x12\x37\n\x0fkaiming_uniform\x18\x06 \x01(\x0b\x32\x1c.paraminit.v1.KaimingUniformH\x00\x12\"\n\x04\x66lat\x18\x07 \x01(\x0b\x32\x12.paraminit.v1.FlatH\x00\x12G\n\x18xavier_uniform_for_shape\x18\x08 \x01(\x0b\x32#.paraminit.v1.XavierUniformForShapeH\x00\x12I\n\x19kaiming_uniform_for_shape\x18\t \x01(\x0b\x32$.paraminit.v1.KaimingUniformForShapeH\x00\x12)\n\x08\x66lat_ref\x18\n \x01(\x0b\x32\x15.paraminit.v1.FlatRefH\x00\x12\x33\n\x0bsafetensors\x18\x0b \x01(\x0b\x32\x1c.paraminit.v1.SafetensorsRefH\x00\x12\x39\n\x10truncated_normal\x18\x0c \x01(\x0b\x32\x1d.paraminit.v1.TruncatedNormalH\x00\x12.\n\northogonal\x18\r \x01(\x0b\x32\x18.paraminit.v1.OrthogonalH\x00\x42\x06\n\x04kind\"\x07\n\x05Zeros\"\x06\n\x04Ones\"/\n\x07Uniform\x12\n\n\x02lo\x18\x01 \x01(\x01\x12\n\n\x02hi\x18\x02 \x01(\x01\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"1\n\x06Normal\x12\x0c\n\x04mean\x18\x01 \x01(\x01\x12\x0b\n\x03std\x18\x02 \x01(\x01\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"R\n\x0fTruncatedNormal\x12\x0c\n\x04mean\x18\x01 \x01(\x01\x12\x0b\n\x03std\x18\x02 \x01(\x01\x12\n\n\x02lo\x18\x03 \x01(\x01\x12\n\n\x02hi\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"(\n\nOrthogonal\x12\x0c\n\x04gain\x18\x01 \x01(\x01\x12\x0c\n\x04seed\x18\x02 \x01(\x04\">\n\rXavierUniform\x12\x0e\n\x06\x66\x61n_in\x18\x01 \x01(\x04\x12\x0f\n\x07\x66\x61n_out\x18\x02 \x01(\x04\x12\x0c\n\x04seed\x18\x03 \x01(\x04\".\n\x0eKaimingUniform\x12\x0e\n\x06\x66\x61n_in\x18\x01 \x01(\x04\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"%\n\x15XavierUniformForShape\x12\x0c\n\x04seed\x18\x01 \x01(\x04\"&\n\x16KaimingUniformForShape\x12\x0c\n\x04seed\x18\x01 \x01(\x04\"\x16\n\x04\x46lat\x12\x0e\n\x06values\x18\x01 \x03(\x01\"\x1d\n\x07\x46latRef\x12\x12\n\npayload_id\x18\x01 \x01(\t\"R\n\x0eSafetensorsRef\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06tensor\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.paraminit.v1.DType*\x9b\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x05\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17paraminit/v1/plan.proto\x12\x0cparaminit.v1\"+\n\x04Plan\x12#\n\x06params\x18\x01 \x03(\x0b\x32\x13.paraminit.v1.Param\"\xb5\x01\n\x05Param\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.paraminit.v1.DType\x12 \n\x04init\x18\x04 \x01(\x0b\x32\x12.paraminit.v1.Init\x12#\n\x06region\x18\x05 \x03(\x0b\x32\x13.paraminit.v1.Range\x12$\n\x07patches\x18\x06 \x03(\x0b\x32\x13.paraminit.v1.Patch\"m\n\x05Patch\x12 \n\x03\x62ox\x18\x01 \x03(\x0b\x32\x13.paraminit.v1.Range\x12 \n\x04init\x18\x02 \x01(\x0b\x32\x12.paraminit.v1.Init\x12 \n\x04part\x18\x03 \x01(\x0b\x32\x12.paraminit.v1.Part\"$\n\x04Part\x12\r\n\x05shape\x18\x01 \x03(\x04\x12\r\n\x05start\x18\x02 \x01(\x04\"$\n\x05Range\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0c\n\x04stop\x18\x02 \x01(\x04\"\x8d\x06\n\x04Init\x12$\n\x05zeros\x18\x01 \x01(\x0b\x32\x13.paraminit.v1.ZerosH\x00\x12\"\n\x04ones\x18\x02 \x01(\x0b\x32\x12.paraminit.v1.OnesH\x00\x12(\n\x07uniform\x18\x03 \x01(\x0b\x32\x15.paraminit.v1.UniformH\x00\x12&\n\x06normal\x18\x04 \x01(\x0b\x32\x14.paraminit.v1.NormalH\x00\x12\x35\n\x0exavier_uniform\x18\x05 \x01(\x0b\x32\x1b.paraminit.v1.XavierUniformH\x00\x12\x37\n\x0fkaiming_uniform\x18\x06 \x01(\x0b\x32\x1c.paraminit.v1.KaimingUniformH\x00\x12\"\n\x04\x66lat\x18\x07 \x01(\x0b\x32\x12.paraminit.v1.FlatH\x00\x12G\n\x18xavier_uniform_for_shape\x18\x08 \x01(\x0b\x32#.paraminit.v1.XavierUniformForShapeH\x00\x12I\n\x19kaiming_uniform_for_shape\x18\t \x01(\x0b\x32$.paraminit.v1.KaimingUniformForShapeH\x00\x12)\n\x08\x66lat_ref\x18\n \x01(\x0b\x32\x15.paraminit.v1.FlatRefH\x00\x12\x33\n\x0bsafetensors\x18\x0b \x01(\x0b\x32\x1c.paraminit.v1.SafetensorsRefH\x00\x12\x39\n\x10truncated_normal\x18\x0c \x01(\x0b\x32\x1d.paraminit.v1.TruncatedNormalH\x00\x12.\n\northogonal\x18\r \x01(\x0b\x32\x18.paraminit.v1.OrthogonalH\x00\x12 \n\x03\x65ye\x18\x0e \x01(\x0b\x32\x11.paraminit.v1.EyeH\x00\x12$\n\x05\x64irac\x18\x0f \x01(\x0b\x32\x13.paraminit.v1.DiracH\x00\x12&\n\x06sparse\x18\x10 \x01(\x0b\x32\x14.paraminit.v1.SparseH\x00\x42\x06\n\x04kind\"\x07\n\x05Zeros\"\x06\n\x04Ones\"/\n\x07Uniform\x12\n\n\x02lo\x18\x01 \x01(\x01\x12\n\n\x02hi\x18\x02 \x01(\x01\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"1\n\x06Normal\x12\x0c\n\x04mean\x18\x01 \x01(\x01\x12\x0b\n\x03std\x18\x02 \x01(\x01\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"R\n\x0fTruncatedNormal\x12\x0c\n\x04mean\x18\x01 \x01(\x01\x12\x0b\n\x03std\x18\x02 \x01(\x01\x12\n\n\x02lo\x18\x03 \x01(\x01\x12\n\n\x02hi\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"(\n\nOrthogonal\x12\x0c\n\x04gain\x18\x01 \x01(\x01\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"\x05\n\x03\x45ye\"\x17\n\x05\x44irac\x12\x0e\n\x06groups\x18\x01 \x01(\x04\"5\n\x06Sparse\x12\x10\n\x08sparsity\x18\x01 \x01(\x01\x12\x0b\n\x03std\x18\x02 \x01(\x01\x12\x0c\n\x04seed\x18\x03 \x01(\x04\">\n\rXavierUniform\x12\x0e\n\x06\x66\x61n_in\x18\x01 \x01(\x04\x12\x0f\n\x07\x66\x61n_out\x18\x02 \x01(\x04\x12\x0c\n\x04seed\x18\x03 \x01(\x04\".\n\x0eKaimingUniform\x12\x0e\n\x06\x66\x61n_in\x18\x01 \x01(\x04\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"%\n\x15XavierUniformForShape\x12\x0c\n\x04seed\x18\x01 \x01(\x04\"&\n\x16KaimingUniformForShape\x12\x0c\n\x04seed\x18\x01 \x01(\x04\"\x16\n\x04\x46lat\x12\x0e\n\x06values\x18\x01 \x03(\x01\"\x1d\n\x07\x46latRef\x12\x12\n\npayload_id\x18\x01 \x01(\t\"R\n\x0eSafetensorsRef\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06tensor\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.paraminit.v1.DType*\x9b\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x05\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'paraminit.v1.plan_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1703
-  _globals['_DTYPE']._serialized_end=1858
+  _globals['_DTYPE']._serialized_start=1902
+  _globals['_DTYPE']._serialized_end=2057
   _globals['_PLAN']._serialized_start=41
   _globals['_PLAN']._serialized_end=84
   _globals['_PARAM']._serialized_start=87
@@ -44,31 +44,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANGE']._serialized_start=419
   _globals['_RANGE']._serialized_end=455
   _globals['_INIT']._serialized_start=458
-  _globals['_INIT']._serialized_end=1127
-  _globals['_ZEROS']._serialized_start=1129
-  _globals['_ZEROS']._serialized_end=1136
-  _globals['_ONES']._serialized_start=1138
-  _globals['_ONES']._serialized_end=1144
-  _globals['_UNIFORM']._serialized_start=1146
-  _globals['_UNIFORM']._serialized_end=1193
-  _globals['_NORMAL']._serialized_start=1195
-  _globals['_NORMAL']._serialized_end=1244
-  _globals['_TRUNCATEDNORMAL']._serialized_start=1246
-  _globals['_TRUNCATEDNORMAL']._serialized_end=1328
-  _globals['_ORTHOGONAL']._serialized_start=1330
-  _globals['_ORTHOGONAL']._serialized_end=1370
-  _globals['_XAVIERUNIFORM']._serialized_start=1372
-  _globals['_XAVIERUNIFORM']._serialized_end=1434
-  _globals['_KAIMINGUNIFORM']._serialized_start=1436
-  _globals['_KAIMINGUNIFORM']._serialized_end=1482
-  _globals['_XAVIERUNIFORMFORSHAPE']._serialized_start=1484
-  _globals['_XAVIERUNIFORMFORSHAPE']._serialized_end=1521
-  _globals['_KAIMINGUNIFORMFORSHAPE']._serialized_start=1523
-  _globals['_KAIMINGUNIFORMFORSHAPE']._serialized_end=1561
-  _globals['_FLAT']._serialized_start=1563
-  _globals['_FLAT']._serialized_end=1585
-  _globals['_FLATREF']._serialized_start=1587
-  _globals['_FLATREF']._serialized_end=1616
-  _globals['_SAFETENSORSREF']._serialized_start=1618
-  _globals['_SAFETENSORSREF']._serialized_end=1700
+  _globals['_INIT']._serialized_end=1239
+  _globals['_ZEROS']._serialized_start=1241
+  _globals['_ZEROS']._serialized_end=1248
+  _globals['_ONES']._serialized_start=1250
+  _globals['_ONES']._serialized_end=1256
+  _globals['_UNIFORM']._serialized_start=1258
+  _globals['_UNIFORM']._serialized_end=1305
+  _globals['_NORMAL']._serialized_start=1307
+  _globals['_NORMAL']._serialized_end=1356
+  _globals['_TRUNCATEDNORMAL']._serialized_start=1358
+  _globals['_TRUNCATEDNORMAL']._serialized_end=1440
+  _globals['_ORTHOGONAL']._serialized_start=1442
+  _globals['_ORTHOGONAL']._serialized_end=1482
+  _globals['_EYE']._serialized_start=1484
+  _globals['_EYE']._serialized_end=1489
+  _globals['_DIRAC']._serialized_start=1491
+  _globals['_DIRAC']._serialized_end=1514
+  _globals['_SPARSE']._serialized_start=1516
+  _globals['_SPARSE']._serialized_end=1569
+  _globals['_XAVIERUNIFORM']._serialized_start=1571
+  _globals['_XAVIERUNIFORM']._serialized_end=1633
+  _globals['_KAIMINGUNIFORM']._serialized_start=1635
+  _globals['_KAIMINGUNIFORM']._serialized_end=1681
+  _globals['_XAVIERUNIFORMFORSHAPE']._serialized_start=1683
+  _globals['_XAVIERUNIFORMFORSHAPE']._serialized_end=1720
+  _globals['_KAIMINGUNIFORMFORSHAPE']._serialized_start=1722
+  _globals['_KAIMINGUNIFORMFORSHAPE']._serialized_end=1760
+  _globals['_FLAT']._serialized_start=1762
+  _globals['_FLAT']._serialized_end=1784
+  _globals['_FLATREF']._serialized_start=1786
+  _globals['_FLATREF']._serialized_end=1815
+  _globals['_SAFETENSORSREF']._serialized_start=1817
+  _globals['_SAFETENSORSREF']._serialized_end=1899
 # @@protoc_insertion_point(module_scope)

@@ -327,6 +327,9 @@ class Init(_message.Message):
     SAFETENSORS_FIELD_NUMBER: _builtins.int
     TRUNCATED_NORMAL_FIELD_NUMBER: _builtins.int
     ORTHOGONAL_FIELD_NUMBER: _builtins.int
+    EYE_FIELD_NUMBER: _builtins.int
+    DIRAC_FIELD_NUMBER: _builtins.int
+    SPARSE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def zeros(self) -> Global___Zeros: ...
     @_builtins.property
@@ -357,6 +360,14 @@ class Init(_message.Message):
     def truncated_normal(self) -> Global___TruncatedNormal: ...
     @_builtins.property
     def orthogonal(self) -> Global___Orthogonal: ...
+    @_builtins.property
+    def eye(self) -> Global___Eye:
+        """Sampler spec version 5 (docs/SAMPLER.md 2.4-2.6): PyTorch's eye_, dirac_ and sparse_."""
+
+    @_builtins.property
+    def dirac(self) -> Global___Dirac: ...
+    @_builtins.property
+    def sparse(self) -> Global___Sparse: ...
     def __init__(
         self,
         *,
@@ -373,12 +384,15 @@ class Init(_message.Message):
         safetensors: Global___SafetensorsRef | None = ...,
         truncated_normal: Global___TruncatedNormal | None = ...,
         orthogonal: Global___Orthogonal | None = ...,
+        eye: Global___Eye | None = ...,
+        dirac: Global___Dirac | None = ...,
+        sparse: Global___Sparse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "orthogonal", b"orthogonal", "safetensors", b"safetensors", "truncated_normal", b"truncated_normal", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dirac", b"dirac", "eye", b"eye", "flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "orthogonal", b"orthogonal", "safetensors", b"safetensors", "sparse", b"sparse", "truncated_normal", b"truncated_normal", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "orthogonal", b"orthogonal", "safetensors", b"safetensors", "truncated_normal", b"truncated_normal", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dirac", b"dirac", "eye", b"eye", "flat", b"flat", "flat_ref", b"flat_ref", "kaiming_uniform", b"kaiming_uniform", "kaiming_uniform_for_shape", b"kaiming_uniform_for_shape", "kind", b"kind", "normal", b"normal", "ones", b"ones", "orthogonal", b"orthogonal", "safetensors", b"safetensors", "sparse", b"sparse", "truncated_normal", b"truncated_normal", "uniform", b"uniform", "xavier_uniform", b"xavier_uniform", "xavier_uniform_for_shape", b"xavier_uniform_for_shape", "zeros", b"zeros"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat", "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "flat_ref", "safetensors", "truncated_normal", "orthogonal"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["zeros", "ones", "uniform", "normal", "xavier_uniform", "kaiming_uniform", "flat", "xavier_uniform_for_shape", "kaiming_uniform_for_shape", "flat_ref", "safetensors", "truncated_normal", "orthogonal", "eye", "dirac", "sparse"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -569,6 +583,88 @@ class Orthogonal(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Orthogonal: _TypeAlias = Orthogonal  # noqa: Y015
+
+@_typing.final
+class Eye(_message.Message):
+    """The identity matrix, as PyTorch's eye_: for a shape [rows, cols] (exactly 2
+    dimensions), value 1 where row == col, else 0. Deterministic: no seed. Not
+    allowed in a patch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Eye: _TypeAlias = Eye  # noqa: Y015
+
+@_typing.final
+class Dirac(_message.Message):
+    """PyTorch's dirac_(groups): for a shape [out, in, k1, ..., kd] (3 to 5
+    dimensions), with out divisible by groups and g = out / groups, value 1 where
+    in == out mod g and every k_j == size_j / 2 (the kernel's centre, integer
+    division), else 0; so each group's first min(g, in) output channels pass their
+    input through. groups >= 1 (an omitted groups reads 0, never PyTorch's 1, so
+    it is refused). Deterministic: no seed. Not allowed in a patch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUPS_FIELD_NUMBER: _builtins.int
+    groups: _builtins.int
+    def __init__(
+        self,
+        *,
+        groups: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Dirac: _TypeAlias = Dirac  # noqa: Y015
+
+@_typing.final
+class Sparse(_message.Message):
+    """PyTorch's sparse_(sparsity, std), made counter-based (docs/SAMPLER.md 2.6):
+    for a shape [rows, cols] (exactly 2 dimensions), z = ceil(sparsity * rows)
+    elements of each column are 0 and the others are Normal(0, std, seed) at their
+    own index. Column c's zeros are the z rows r with the smallest keys
+    unit(zseed, r * cols + c), ties to the smaller r, where zseed = (seed +
+    64 * 0x9E3779B97F4A7C15) mod 2^64 and unit is the uniform draw of a Uniform
+    (lo 0, hi 1): every element depends on its seed and its column alone.
+    0 <= sparsity <= 1, std finite and >= 0. Not allowed in a patch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPARSITY_FIELD_NUMBER: _builtins.int
+    STD_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    sparsity: _builtins.float
+    std: _builtins.float
+    seed: _builtins.int
+    def __init__(
+        self,
+        *,
+        sparsity: _builtins.float = ...,
+        std: _builtins.float = ...,
+        seed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seed", b"seed", "sparsity", b"sparsity", "std", b"std"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Sparse: _TypeAlias = Sparse  # noqa: Y015
 
 @_typing.final
 class XavierUniform(_message.Message):

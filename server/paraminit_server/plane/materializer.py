@@ -22,7 +22,7 @@ from paraminit.shapes import output_problem
 from paraminit.v1 import plan_pb2
 from paraminit_server import __version__, errors
 from paraminit_server.backends import HOST, Backend, DeviceDescription
-from paraminit_server.backends.cpu_kernels import standard_normal
+from paraminit_server.backends.cpu_kernels import sparse_zero_keys, standard_normal
 from paraminit_server.config import ServerConfig
 from paraminit_server.host_limits import host_memory
 from paraminit_server.ledger import Claim
@@ -140,7 +140,11 @@ class Materializer:
         """The request's view of payloads and checkpoints, holding the plan's own memory (plan_memory) until
         it is released; checkpoint values are host memory too, reserved before they are read."""
         sources = RequestSnapshot(
-            self.sources, caller.identity, lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"), standard_normal
+            self.sources,
+            caller.identity,
+            lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"),
+            standard_normal,
+            sparse_zero_keys,
         )
         size = p.ByteSize()
         sources.hold(

@@ -288,6 +288,14 @@ class _Resolver:
         sources.charge(16 * n)  # the Gaussian matrix and the values, binary64, held for the request
         return self._data(orthogonal.values(form.rows, form.cols, form.gain, sources.gaussian(n, form.seed)))
 
+    def computed(self, form: inits.Computed) -> ResolvedParam:
+        """The whole parameter's values (eye, dirac, sparse), computed on the host for every backend."""
+        sources = self.sources
+        if sources is None or sources.gaussian is None or sources.zero_keys is None:
+            raise errors.InvalidRequest(f"a {form.describe()} parameter is resolved with the request's sources (its draws come from them)")
+        sources.charge(form.held_bytes(self.shape))  # held for the request, binary64
+        return self._data(form.values(self.shape, sources.gaussian, sources.zero_keys))
+
 
 def _resolve_kernel(
     index: int,
@@ -382,6 +390,9 @@ class _Content:
         return None
 
     def orthogonal(self, form: inits.Orthogonal) -> str | None:
+        return None
+
+    def computed(self, form: inits.Computed) -> str | None:
         return None
 
     def payload(self, form: inits.PayloadRef) -> str | None:

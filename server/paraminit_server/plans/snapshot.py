@@ -50,18 +50,21 @@ class RequestSnapshot:
         owner: str,
         reserve: Callable[[int], Reservation] | None = None,
         gaussian: Callable[[int, int], npt.NDArray[np.float64]] | None = None,
+        zero_keys: Callable[[int, int], npt.NDArray[np.float64]] | None = None,
     ) -> None:
         """Args:
         sources: the server's payloads and allowed files.
         owner: the caller's identity (whose payloads it sees).
         reserve: takes bytes from the memory budget (checkpoint values, computed values) until release().
         gaussian: (n, seed) -> the first n normal(0, 1, seed) values, binary64: what an orthogonal
-            parameter factorizes (the data plane passes the CPU kernels' normal).
+            parameter factorizes and a sparse one keeps (the data plane passes the CPU kernels' normal).
+        zero_keys: (n, seed) -> the keys choosing a sparse parameter's zeros (docs/SAMPLER.md 2.6).
         """
         self.sources = sources
         self.owner = owner
         self._reserve = reserve
         self.gaussian = gaussian
+        self.zero_keys = zero_keys
         self._headers: dict[str, Header] = {}
         self._held: list[Reservation] = []
         self._hashes: dict[tuple[str, str, tuple[tuple[int, int], ...]], str] = {}

@@ -380,6 +380,9 @@ class _Referenced:
     def orthogonal(self, form: inits.Orthogonal) -> tuple[bool, float | None]:
         return True, None
 
+    def computed(self, form: inits.Computed) -> tuple[bool, float | None]:
+        return True, None
+
     def payload(self, form: inits.PayloadRef) -> tuple[bool, float | None]:
         largest = None if self.sources is None else _check_payload(self.shape, form, self.bad, self.sources)
         return largest is not None, largest

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from paraminit_server.backends.cpu_kernels.driver import KERNELS, NO_BATCH, PIECE
 
-__all__ = ["KERNELS", "NO_BATCH", "PIECE", "standard_normal"]
+__all__ = ["KERNELS", "NO_BATCH", "PIECE", "sparse_zero_keys", "standard_normal"]
 
 
 def standard_normal(n: int, seed: int) -> Any:
     """The first n values of normal(0, 1, seed) in binary64 (docs/SAMPLER.md section 2), on the calling thread: the
-    Gaussian matrix of an orthogonal parameter, the same on every backend.
+    Gaussian matrix of an orthogonal parameter and a sparse one's draws, the same on every backend.
 
     Args:
         n: how many values (flat indices 0 .. n-1).
@@ -36,16 +36,40 @@ def standard_normal(n: int, seed: int) -> Any:
     Returns:
         A float64 array of n values.
     """
+    from paraminit_server.plans.plan import Kind
+
+    return _draws(Kind.NORMAL, n, seed)
+
+
+def sparse_zero_keys(n: int, seed: int) -> Any:
+    """The keys choosing a sparse parameter's zeros (docs/SAMPLER.md 2.6): the first n unit draws of its seed's stream
+    SPARSE_ZERO_STREAM, in binary64, on the calling thread.
+
+    Args:
+        n: how many keys (flat indices 0 .. n-1).
+        seed: the sparse parameter's seed.
+
+    Returns:
+        A float64 array of n values in [0, 1).
+    """
+    from paraminit import inits
+    from paraminit_server.plans import sampler
+    from paraminit_server.plans.plan import Kind
+
+    return _draws(Kind.AFFINE, n, sampler.candidate_seed(seed, inits.SPARSE_ZERO_STREAM))  # 0 + unit * 1: the unit draw
+
+
+def _draws(kind: Any, n: int, seed: int) -> Any:
+    """n values of a kernel kind with p0 = 0 and p1 = 1 (normal: z; affine: the unit draw) under a seed."""
     import numpy as np
 
     from paraminit_server.backends.cpu_kernels.driver import KERNELS, NO_BATCH
     from paraminit_server.plans import sampler
-    from paraminit_server.plans.plan import Kind
 
     out = np.empty(n, dtype=np.float64)
     if n:
         none = np.zeros(0, dtype=np.int64)
-        KERNELS[Kind.NORMAL].fill(
+        KERNELS[kind].fill(
             out,
             0,
             n,
@@ -66,7 +90,6 @@ def standard_normal(n: int, seed: int) -> Any:
             NO_BATCH,
         )
     return out
-
 
 def __getattr__(name: str) -> Any:
     """The driver's `KERNELS`, `PIECE` and `NO_BATCH`, imported on first access (numba, the tables) rather than with
