@@ -273,6 +273,32 @@ def test_a_constructor_is_recorded_under_meta_parameters_and_refused_after_the_f
         plan_from_module(unrecorded, 3)
 
 
+class LateInit(nn.Module):
+    """A constructor that leaves a tensor to the trainer's init_weights() (as torchtitan's models do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(8, 8))
+        self.lin = nn.Linear(8, 8)
+
+    def init_weights(self) -> None:
+        nn.init.trunc_normal_(self.w, std=0.02)
+        nn.init.zeros_(self.lin.bias)
+
+
+def test_a_later_init_weights_runs_over_what_the_constructor_did() -> None:
+    got = _inits(plan_from_constructor(LateInit))
+    assert got["w"].truncated_normal.std == 0.02 and got["lin.bias"].WhichOneof("kind") == "zeros"
+    assert got["lin.weight"].uniform.hi == pytest.approx(1 / math.sqrt(8))  # the constructor's reset_parameters
+
+    class Broken(LateInit):
+        def init_weights(self) -> None:
+            raise RuntimeError("needs a device mesh")
+
+    with pytest.raises(UnsupportedModuleError, match=r"w \(Broken\): holds uninitialized memory .* needs a device mesh"):
+        plan_from_constructor(Broken)
+
+
 def test_plain_layers_on_meta_replay_their_reset_parameters_and_keep_ties() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 50, bias=False))

@@ -242,7 +242,13 @@ class OwnInit:
             elif t.is_meta or isinstance(t, nn.Parameter):
                 pending.append(name)
         failures: dict[int, str] = {}
-        if pending:
+        late = replay.late_init(walk.module) if roots and pending else None
+        if late is not None:  # a constructor that left tensors to a later init_weights: that, over what it did
+            held = [(walk.tensors[n], r) for n in names if (r := replay.record_of(walk.tensors[n], unwritten=True)) is not None]
+            rec_, failures = replay.replay(walk.module, [], init=late, start=held)
+            roots = {name: rec_.add_root(walk.tensors[name]) for name in [*roots, *pending]}
+            pending = []
+        elif pending:
             rec_, failures = replay.replay(walk.module, [walk.tensors[n] for n in pending])
             for name in pending:
                 roots[name] = rec_.add_root(walk.tensors[name])
@@ -269,6 +275,8 @@ class OwnInit:
                     walk.inits[name] = why
                     continue
             init, patches = replay.emit(roots[name], seed_of)
+            if isinstance(init, str) and init and late is not None and failures:  # why the later code did not write it
+                init = f"{init}; {type(walk.module).__name__}.init_weights() failed: {next(iter(failures.values()))}"
             if init == "":
                 init = (
                     f"{kind}.{key} is never written by the initialization code paraminit can replay (reset_parameters, "

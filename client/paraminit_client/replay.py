@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from paraminit import inits
 from paraminit.v1 import plan_pb2
 
-__all__ = ["RECORD_ATTR", "Recorder", "Root", "capture", "emit", "initial_value", "real_value", "record_of", "replay"]
+__all__ = ["RECORD_ATTR", "Recorder", "Root", "Unwritten", "capture", "emit", "initial_value", "real_value", "record_of", "replay"]
 
 RECORD_ATTR = "_paraminit_record"  # a parameter built under capture() carries its Root here
 DATA_LIMIT = 1 << 24  # elements of deterministic values evaluated for one tensor (128 MiB as binary64)
@@ -349,6 +349,11 @@ class Refused(Value):
         return self.why
 
 
+class Unwritten(Refused):
+    """What a parameter made from torch.empty holds until the model's code writes it: code that runs later (a
+    framework's init_weights) may still, so the default policy replays that for it."""
+
+
 def _erfinv(x: float) -> float:
     return float(torch.erfinv(torch.tensor(x, dtype=torch.float64)))
 
@@ -439,10 +444,15 @@ class Root:
         return tuple(reversed(out))
 
 
-def record_of(t: torch.Tensor) -> Root | None:
-    """The construction record a parameter built under capture() carries, or None."""
+def record_of(t: torch.Tensor, unwritten: bool = False) -> Root | None:
+    """The construction record a parameter built under capture() carries, or None (also when its constructor left
+    it unwritten, unless `unwritten`: code that runs after construction, replayed, may write it)."""
     rec = t.__dict__.get(RECORD_ATTR) if hasattr(t, "__dict__") else None
-    return rec if isinstance(rec, Root) else None
+    if not isinstance(rec, Root):
+        return None
+    if not unwritten and rec.base is not None and isinstance(rec.base.value, Unwritten) and not rec.patches:
+        return None
+    return rec
 
 
 def _box_shape(box: Box) -> tuple[int, ...]:
@@ -731,7 +741,7 @@ class Recorder(TorchFunctionMode):
             return
         if name in ("randn", "rand", "empty", "empty_like", "new_empty", "randn_like", "rand_like"):
             drawn: dict[str, Value] = {"randn": NormalDraw(0.0, 1.0), "rand": UniformDraw(0.0, 1.0)}
-            value = drawn.get(name.removesuffix("_like"), Refused(f"holds {_EMPTY}"))
+            value = drawn.get(name.removesuffix("_like"), Unwritten(f"holds {_EMPTY}"))
             self._new_shadow(result, value)
             return
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -1176,6 +1186,8 @@ def initial_value(rec: Recorder, real: torch.Tensor) -> Value | Root:
     if shadow is not None and shadow.base is not None:
         return shadow if shadow.patches else shadow.base.value
     why = rec.taint_of(real)
+    if why == _EMPTY:
+        return Unwritten(f"holds {why} that the model's code never overwrites")
     if why is not None:
         return Refused(f"holds {why} that the model's code never overwrites")
     return real_value(real)
@@ -1296,8 +1308,19 @@ def _hf_flags_cleared(module: nn.Module) -> Iterator[None]:
             obj.__dict__["_is_hf_initialized"] = value
 
 
+def late_init(module: nn.Module) -> Callable[[nn.Module], object] | None:
+    """The initialization a framework runs after construction (a root init_weights(), as torchtitan's models have),
+    where the model has one and is not a transformers model (whose post_init runs inside its constructor)."""
+    if _hf_models(module) or not callable(getattr(module, "init_weights", None)):
+        return None
+    return lambda m: m.init_weights()  # type: ignore[operator]
+
+
 def replay(
-    module: nn.Module, tensors: Sequence[torch.Tensor], init: Callable[[nn.Module], object] | None = None
+    module: nn.Module,
+    tensors: Sequence[torch.Tensor],
+    init: Callable[[nn.Module], object] | None = None,
+    start: Sequence[tuple[torch.Tensor, Root]] = (),
 ) -> tuple[Recorder, dict[int, str]]:
     """Run a model's initialization code with every tensor of `module` (and `tensors`) a root.
 
@@ -1306,6 +1329,7 @@ def replay(
         tensors: tensors to track besides the module's (normally its state_dict's).
         init: the code to run; None: each module's reset_parameters (children first), then transformers'
             initialize_weights for its models, else the root's init_weights().
+        start: tensors with what they hold before the code runs (their construction records).
 
     Returns:
         The recorder (its roots hold what was written) and, per module id, why its code could not run.
@@ -1314,6 +1338,8 @@ def replay(
     for t in [*module.parameters(), *module.buffers(), *tensors]:
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not nn.parameter.is_lazy(t):
             rec.add_root(t)
+    for t, record in start:
+        rec.add_root(t, record)
     failures: dict[int, str] = {}
     with recording(rec), torch.no_grad():
         if init is not None:

@@ -91,6 +91,7 @@ def _draws(kind: Any, n: int, seed: int) -> Any:
         )
     return out
 
+
 def __getattr__(name: str) -> Any:
     """The driver's `KERNELS`, `PIECE` and `NO_BATCH`, imported on first access (numba, the tables) rather than with
     the package."""
