@@ -55,7 +55,7 @@ venv: $(STAMP)
 # of its operators). With PyTorch's CPU wheel index reachable, its torchvision needs no hook.
 TORCHVISION := torchvision==0.28.0
 vision: $(BASE)
-	$(PY) -m pip install -q '$(TORCHVISION)' 'timm>=1.0'
+	$(PY) -m pip install -q -e '.[vision]' '$(TORCHVISION)'
 	$(PY) -c "import shutil, sysconfig; d = sysconfig.get_paths()['purelib']; \
 		shutil.copy('deploy/torchvision-cpu/paraminit_torchvision_ops.py', d); \
 		open(d + '/paraminit-torchvision-ops.pth', 'w').write('import paraminit_torchvision_ops\n')"

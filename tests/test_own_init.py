@@ -347,10 +347,10 @@ def test_zoo_model_gets_its_own_initialization(name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tv.googlenet", "timm.vit_tiny_patch16_224", "hf.t5", "hf.pegasus"])
+@pytest.mark.parametrize("name", [n for n, _ in zoo.ZOO + zoo.HELD_OUT])
 def test_zoo_model_has_the_same_bytes_over_a_server(server: Any, name: str) -> None:
     _zoo_ready()
-    build = dict(zoo.ZOO)[name]
+    build = dict(zoo.ZOO + zoo.HELD_OUT)[name]
     with meta_parameters():
         model = build()
     plan = plan_from_module(model, seed=9)

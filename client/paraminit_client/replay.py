@@ -968,7 +968,7 @@ class Recorder(TorchFunctionMode):
             return
         whole = torch.from_numpy(values)
         view = whole if box is None else whole[_slices(box)]
-        target = _arranged_tensor(view, box, order, tuple(args[0].shape)).clone()
+        target = torch.from_numpy(np.ascontiguousarray(_arranged(view.numpy(), box, order, inverse=True)).reshape(tuple(args[0].shape)))
         rest = []
         for i, a in enumerate(args[1:]):
             if name == "__setitem__" and i == 0:  # the index: plain, or a tensor of indices (not random ones)
@@ -1043,15 +1043,6 @@ def _arranged(a: np.ndarray[Any, Any], box: Box | None, order: tuple[int, ...], 
         squeezed = a.reshape([bshape[d] for d in sorted(order)])
         return np.transpose(squeezed, [sorted(order).index(d) for d in order])
     return np.transpose(a.reshape(sizes), rank).reshape(-1)
-
-
-def _arranged_tensor(view: torch.Tensor, box: Box | None, order: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    """The view of the root's values that the model's view is (same element order)."""
-    if box is None or not order or list(order) == sorted(order):
-        return view.reshape(shape)
-    bshape = _box_shape(box)
-    squeezed = view.reshape([bshape[d] for d in sorted(order)])
-    return squeezed.permute([sorted(order).index(d) for d in order]).reshape(shape)
 
 
 # -- torch.nn.init functions whose meta path records nothing ------------------------------------------------------
