@@ -1233,17 +1233,28 @@ def test_an_in_process_limit_names_the_variable_that_raises_it(tmp_path: Path) -
     assert r.returncode == 0, r.stderr
 
 
-def test_a_reader_that_stops_early_is_no_error(tmp_path: Path) -> None:
-    """`paraminit materialize plan -o - | head -c 10`: the reader closing the pipe early ends the command quietly
-    with exit 0, as `inspect | head` does, not with "Broken pipe" on stderr and exit 1."""
-    plan = write_plan(tmp_path / "p.json", plan_of([param("w", [1 << 20], {"normal": {"std": 1.0, "seed": 1}})]))
+def test_a_reader_that_stops_early_fails_the_file_and_not_a_report(tmp_path: Path) -> None:
+    """`paraminit materialize plan -o - | head -c 10`: a safetensors file cut short is no file, so the command fails
+    (exit 1) saying how many bytes went out, with no traceback; `paraminit inspect file | head -n 1` stays quiet
+    (exit 0): a report's first lines are what its reader wanted."""
+    plan = write_plan(tmp_path / "p.json", plan_of([param(f"w{i}", [1 << 16], {"normal": {"std": 1.0, "seed": i}}) for i in range(64)]))
     proc = subprocess.Popen([str(BIN / "paraminit"), "materialize", str(plan), "-o", "-"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
-    assert len(proc.stdout.read(10)) == 10  # the 4 MiB file is far larger than a pipe holds
+    assert len(proc.stdout.read(10)) == 10  # the 16 MiB file is far larger than a pipe holds
     proc.stdout.close()
     err = proc.stderr.read().decode()
-    assert proc.wait(120) == 0, err
+    assert proc.wait(120) == cli.EXIT_ERROR, err
+    found = re.search(r"standard output was closed when at least (\d+) of the file's (\d+) bytes were written", err)
+    assert found and int(found.group(1)) < int(found.group(2)) and int(found.group(2)) > 16 << 20 and "incomplete" in err, err
     assert "Broken pipe" not in err and "Traceback" not in err
+    out_file = tmp_path / "w.safetensors"
+    assert subprocess.run([str(BIN / "paraminit"), "materialize", str(plan), "-o", str(out_file)], capture_output=True).returncode == 0
+    proc = subprocess.Popen([str(BIN / "paraminit"), "inspect", str(out_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 0 and err == "", err
 
 
 def test_json_everywhere_has_one_envelope(target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -78,6 +78,11 @@ class UsageError(Exception):
     """An argument argparse accepted but the command cannot use (exit code EXIT_USAGE)."""
 
 
+class IncompleteOutput(Exception):
+    """The reader of standard output closed it before the whole file was written (exit code EXIT_ERROR): a
+    safetensors file cut short is no file, unlike the lines of a report cut by `| head`."""
+
+
 class _Version(argparse.Action):
     """--version, looked up only when asked (reading the package's metadata would slow every start)."""
 
@@ -247,7 +252,17 @@ def cmd_materialize(args: argparse.Namespace) -> int:
                     progress(done[0], header.data_bytes)
 
                 sys.stdout.flush()
-                write_stream(sys.stdout.fileno(), header.safetensors_prefix, chunks, advance)
+                try:
+                    write_stream(sys.stdout.fileno(), header.safetensors_prefix, chunks, advance)
+                except OSError as exc:
+                    if exc.errno != errno.EPIPE:
+                        raise
+                    total = len(header.safetensors_prefix) + header.data_bytes
+                    written = len(header.safetensors_prefix) + done[0] if done[0] else 0
+                    raise IncompleteOutput(
+                        f"standard output was closed when at least {written} of the file's {total} bytes were written: "
+                        "the safetensors file written there is incomplete"
+                    ) from None
             else:
                 header = c.materialize_to_file(plan, args.output, progress=progress, chunk_bytes=args.chunk_bytes)
     finally:
@@ -894,6 +909,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         violations = [_violation_json(err.file, v["line"], v["field"], v["message"]) for v in err.to_json()]
     except UsageError as err:
         message, lines, code = str(err), [], EXIT_USAGE
+    except IncompleteOutput as err:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more goes to the closed pipe
+        message, lines, code = str(err), [], EXIT_ERROR
     except OSError as err:  # FileAccessError too: a file, not a status, is the news
         if err.errno == errno.EPIPE:  # `paraminit inspect f | head`: the reader has all it wants (a BrokenPipeError,
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # or one wrapped on the way by a sink)
