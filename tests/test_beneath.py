@@ -95,6 +95,12 @@ def test_links_beneath_an_allowed_directory_are_refused(tmp_path: Path) -> None:
             bound.tensor_info(str(path), "w")
     with pytest.raises(errors.InvalidRequest, match="not under an allowed directory"):
         bound.tensor_info(str(tree / ".." / "elsewhere.safetensors"), "w")
+    # a hard link made inside the allowed directory to a file outside it (any file with a second link) is refused
+    outside = tmp_path / "outside.safetensors"
+    save_file({"w": np.ones(4, np.float32)}, str(outside))
+    os.link(outside, tree / "hard.safetensors")
+    with pytest.raises(errors.InvalidRequest, match="has 2 hard links"):
+        bound.tensor_info(str(tree / "hard.safetensors"), "w")
 
 
 def test_the_component_walk_refuses_links_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

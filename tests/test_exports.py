@@ -461,8 +461,8 @@ def test_the_lock_directory_must_be_this_users_and_private(tmp_path: Path, monke
     monkeypatch.setattr(shm, "lock_dir", lambda: str(tmp_path / "elsewhere-link"))
     (tmp_path / "elsewhere-link").symlink_to(tmp_path / "elsewhere")
     monkeypatch.setattr(shm, "_instance", None)
-    with pytest.raises(errors.ResourceExhausted, match="shared memory is unavailable"):
-        shm.instance_tag()
+    with pytest.raises(errors.FailedPrecondition, match=r"shared memory is unavailable: the lock directory .*elsewhere-link exists"):
+        shm.instance_tag()  # a permanent state: FAILED_PRECONDITION naming the path, not a retryable RESOURCE_EXHAUSTED
     assert shm.sweep() == []
 
 

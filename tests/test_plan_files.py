@@ -94,6 +94,14 @@ def test_yaml_errors_name_the_file_and_line(tmp_path: Path) -> None:
     assert [(q.where, q.line) for q in err.problems] == [("params[0].init", "4")]
 
 
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path: Path) -> None:
+    """Nested aliases make a few hundred bytes expand to gigabytes ("billion laughs"): a plan file may hold none."""
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]  # 10^9 leaves if expanded
+    err = problems(tmp_path, "\n".join([*levels, "params: *a8", ""]), "bomb.yaml")
+    assert [(q.message, q.line) for q in err.problems] == [("YAML syntax: aliases (*name) are not allowed in plan files", "2:10")]
+
+
 def test_duplicate_keys_are_a_problem(tmp_path: Path) -> None:
     err = problems(tmp_path, '{"params": [{"name": "w", "shape": [4], "shape": [5], "init": {"zeros": {}}}]}')
     assert "duplicate key 'shape'" in str(err)

@@ -553,7 +553,7 @@ def _write_atomically(
                 sink.close()
             if durable:
                 os.fsync(fd)
-            os.fchmod(fd, 0o644 & ~_umask())
+            os.fchmod(fd, _mode_for(dest))
             if named is None:
                 named = _link_unnamed(fd, dest)
                 filesink.track_partial(named)
@@ -572,6 +572,16 @@ def _write_atomically(
     finally:
         if named is not None:
             filesink.forget_partial(named)
+
+
+def _mode_for(dest: Path) -> int:
+    """The new file's permissions: those of the file it replaces (a 0600 file stays private), else 0644 less the
+    umask, as a new file gets."""
+    try:
+        st = os.stat(dest)
+    except OSError:
+        return 0o644 & ~_umask()
+    return stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else 0o644 & ~_umask()
 
 
 def _open_unnamed(dest: Path) -> tuple[int, str | None]:

@@ -52,7 +52,7 @@ def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
         raise PlanFileError(str(p), [PlanProblem((), f"not UTF-8 text ({exc.reason} at byte {exc.start})")]) from None
     is_yaml = p.suffix.lower() in (".yaml", ".yml")
     try:
-        data = yaml.safe_load(text) if is_yaml else json.loads(text, object_pairs_hook=_no_duplicates)
+        data = yaml.load(text, Loader=_NoAliases) if is_yaml else json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
         raise PlanFileError(str(p), [_json_syntax(text, exc)]) from None
     except yaml.MarkedYAMLError as exc:
@@ -212,10 +212,21 @@ def _fold(key: str | int) -> str | int:
     return key.replace("_", "").lower() if isinstance(key, str) else key
 
 
+class _NoAliases(yaml.SafeLoader):
+    """YAML's safe loader without aliases: a plan never needs one, and nested aliases make a few hundred bytes
+    expand to gigabytes (a "billion laughs")."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in plan files", mark)
+        return super().compose_node(parent, index)
+
+
 def _key_lines(text: str) -> dict[tuple[str | int, ...], int]:
     """Line of every key and list item of a JSON or YAML document, by path (empty when it does not compose)."""
     try:
-        root = yaml.compose(text)
+        root = yaml.compose(text, Loader=_NoAliases)
     except Exception:  # JSON that PyYAML reads differently: no lines, the paths still say where
         return {}
     out: dict[tuple[str | int, ...], int] = {}

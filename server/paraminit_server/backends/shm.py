@@ -65,6 +65,10 @@ def instance_tag() -> str:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp)
                     raise
+            except UnsafeLockDir as exc:  # a permanent state another user made: retrying never helps
+                raise errors.FailedPrecondition(
+                    f"shared memory is unavailable: the lock directory {d} {exc.strerror}; remove it or have its owner do so"
+                ) from None
             except OSError as exc:  # a full or inode-less /dev/shm: no segments here, nothing else is affected
                 raise errors.ResourceExhausted(
                     f"shared memory is unavailable: cannot take an instance lock in {d}: {exc.strerror or exc}"

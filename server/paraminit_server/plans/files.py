@@ -138,7 +138,8 @@ def open_beneath(root: str, rel: str, shown: str) -> tuple[int, os.stat_result]:
     while the request runs cannot lead the read outside `root`.
 
     Raises:
-        errors.InvalidRequest: the file cannot be opened that way, or is not a regular file.
+        errors.InvalidRequest: the file cannot be opened that way, is not a regular file, or has more than one hard
+            link (one made inside an allowed directory could reach a file outside it).
     """
     global _openat2_seen_working
     parts = rel.split("/")
@@ -167,6 +168,8 @@ def open_beneath(root: str, rel: str, shown: str) -> tuple[int, os.stat_result]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise errors.InvalidRequest(f"{shown} is not a regular file")
+        if st.st_nlink > 1:  # a hard link under an allowed directory may name a file outside it
+            raise errors.InvalidRequest(f"{shown} has {st.st_nlink} hard links (a file read under an allowed directory must have one)")
     except BaseException:
         os.close(fd)
         raise
