@@ -217,3 +217,23 @@ def test_a_killed_writer_leaves_no_partial_file(tmp_path: Path) -> None:
         proc.kill()
         proc.wait()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_replaced_file_keeps_its_mode(tmp_path: Path) -> None:
+    """-o over an existing private file leaves it private (its mode, not a new file's 0644 less the umask)."""
+    plan = plan_of([param("w", [4, 4], {"normal": {"std": 1.0, "seed": 1}})])
+    out = tmp_path / "w.safetensors"
+    out.write_bytes(b"old")
+    os.chmod(out, 0o600)
+    fresh = tmp_path / "fresh.safetensors"
+    with Client() as c:
+        c.materialize_to_file(plan, str(out))
+        c.materialize_to_file(plan, str(fresh))
+    assert os.stat(out).st_mode & 0o777 == 0o600 and out.read_bytes() == fresh.read_bytes()
+    assert os.stat(fresh).st_mode & 0o777 == 0o644 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
