@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 
+from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
+from paraminit.violations import MAX_ANSWER_VIOLATIONS
 from paraminit_client import Client, ParaminitError, param, plan_of, zip_plan
 from paraminit_server.plans.validation import Limits, validate
 from support import running_server, server_fixture, target_of
@@ -277,3 +281,24 @@ def test_a_box_reports_at_most_two_violations_whatever_its_rank() -> None:
         "params[0].patches[0].box[1] ('w'): range [0, 5) is out of bounds for dimension 1 of size 2 (30 more ranges "
         "of this box are bad too)",
     ]
+
+
+def test_an_answer_lists_at_most_a_thousand_violations_and_counts_the_rest(server: Any) -> None:
+    """24 parameters with 1,000-byte names and 512 empty patches each: 12,288 violations, but an answer lists the
+    first 1,000 and counts the rest, so its size stays bounded whatever the plan (in process and over a server)."""
+    params = []
+    for i in range(24):
+        p = param(f"{i:04d}" + "n" * 996, [4, 4], {"zeros": {}})
+        for _ in range(512):
+            p.patches.add(init=plan_pb2.Init(zeros=plan_pb2.Zeros()))  # no box: one violation each
+        params.append(p)
+    plan = plan_of(params)
+    with Client() as here, Client(target_of(server)) as remote:
+        for report in (here.validate(plan), remote.validate(plan)):
+            assert not report.valid and len(report.violations) == MAX_ANSWER_VIOLATIONS
+            assert report.omitted == 24 * 512 - MAX_ANSWER_VIOLATIONS  # every one found, the rest counted
+            assert report.violations[0].index == 0 and report.violations[-1].index == MAX_ANSWER_VIOLATIONS // 512
+        with grpc.insecure_channel(target_of(server)) as ch:
+            raw = ch.unary_unary("/paraminit.v1.InitService/Validate", request_serializer=bytes, response_deserializer=bytes)
+            answer = raw(pb.ValidateRequest(plan=plan).SerializeToString(), timeout=60)
+    assert len(answer) < 2 << 20  # 12,288 violations with their 1,000-byte names would be over 12 MB

@@ -340,12 +340,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 _violation_json(args.plan, line, v.field, v.message, v.index, v.name, v.is_limit)
                 for v, line in zip(report.violations, at, strict=True)
             ],
-            **({"error": f"{kind}: {_plural(len(report.violations), 'violation')}"} if code else {}),
+            omitted_violations=report.omitted,
+            **({"error": f"{kind}: {_plural(len(report.violations) + report.omitted, 'violation')}"} if code else {}),
         )
     if report.violations:
-        print(f"paraminit: {kind}: {_plural(len(report.violations), 'violation')}", file=sys.stderr)
+        print(f"paraminit: {kind}: {_plural(len(report.violations) + report.omitted, 'violation')}", file=sys.stderr)
         for line in _located(args.plan, report.violations, at):
             print(line, file=sys.stderr)
+        if report.omitted:
+            print(f"  ... and {report.omitted} more (an answer lists the first {len(report.violations)})", file=sys.stderr)
         return code
     by_dtype: dict[str, list[int]] = {}
     for p, nbytes in zip(plan.params, report.param_bytes, strict=True):

@@ -125,7 +125,9 @@ class GrpcTransport:
     def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
         r = self.call(self.stub.Validate, pb.ValidateRequest(plan=plan))
         violations = tuple(Violation(v.index, v.name, v.field, v.message, LIMIT if v.limit else INVALID) for v in r.violations)
-        return ValidationReport(r.valid, r.fits_limits, violations, tuple(r.param_bytes), r.total_bytes, r.plan_digest)
+        return ValidationReport(
+            r.valid, r.fits_limits, violations, tuple(r.param_bytes), r.total_bytes, r.plan_digest, r.omitted_violations
+        )
 
     def info(self) -> pb.GetInfoResponse:
         return self.call(self.stub.GetInfo, pb.GetInfoRequest())  # type: ignore[no-any-return]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 INVALID = "invalid"
 LIMIT = "limit"
 NAME_ECHO = 48  # UTF-8 bytes of a parameter name a violation repeats; a longer one is clipped (clip)
+MAX_ANSWER_VIOLATIONS = 1000  # violations a Validate answer lists (the rest are counted): about 1.2 MB at most
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class ValidationReport:
     param_bytes: tuple[int, ...]
     total_bytes: int
     plan_digest: str
+    omitted: int = 0  # violations found beyond those listed (at most MAX_ANSWER_VIOLATIONS are)
 
     @property
     def ok(self) -> bool:
@@ -74,3 +76,8 @@ class ValidationReport:
     def lines(self) -> list[str]:
         """One line per violation: `FIELD ('NAME'): MESSAGE`."""
         return [str(v) for v in self.violations]
+
+
+def listed(violations: tuple[Violation, ...] | list[Violation]) -> tuple[tuple[Violation, ...], int]:
+    """The violations an answer lists (the first MAX_ANSWER_VIOLATIONS, in plan order) and how many it omits."""
+    return tuple(violations[:MAX_ANSWER_VIOLATIONS]), max(0, len(violations) - MAX_ANSWER_VIOLATIONS)

@@ -24,7 +24,7 @@ import numpy.typing as npt
 from paraminit import times
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
-from paraminit.violations import ValidationReport, Violation
+from paraminit.violations import ValidationReport, Violation, listed
 from paraminit_server import backends, errors
 from paraminit_server.__main__ import main as serve_main
 from paraminit_server.config import ServerConfig
@@ -157,13 +157,15 @@ class InProcess:
     def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
         report, digest = self.plane.validate(plan, self.caller)
         violations = tuple(report.violations)
+        shown, omitted = listed(violations)
         return ValidationReport(
             not any(not v.is_limit for v in violations),
             not any(v.is_limit for v in violations),
-            violations,
+            shown,
             tuple(report.param_bytes),
             int(report.total_bytes),
             digest,
+            omitted,
         )
 
     def info(self) -> pb.GetInfoResponse:

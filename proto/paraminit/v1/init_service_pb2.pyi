@@ -669,6 +669,7 @@ class ValidateResponse(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     FITS_LIMITS_FIELD_NUMBER: _builtins.int
     PLAN_DIGEST_FIELD_NUMBER: _builtins.int
+    OMITTED_VIOLATIONS_FIELD_NUMBER: _builtins.int
     valid: _builtins.bool
     """no violation other than a limit"""
     total_bytes: _builtins.int
@@ -678,6 +679,11 @@ class ValidateResponse(_message.Message):
     plan_digest: _builtins.str
     """The plan's digest (see Plan in plan.proto), also for an invalid plan: a
     reference whose content cannot be read contributes "-" (plan.proto).
+    """
+    omitted_violations: _builtins.int
+    """Violations found beyond those listed: an answer lists at most the first
+    1000 (so its size stays within about 1.2 MB whatever the plan), counting
+    the rest here; fix those listed and validate again to see more.
     """
     @_builtins.property
     def violations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Violation]:
@@ -699,10 +705,11 @@ class ValidateResponse(_message.Message):
         total_bytes: _builtins.int = ...,
         fits_limits: _builtins.bool = ...,
         plan_digest: _builtins.str = ...,
+        omitted_violations: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fits_limits", b"fits_limits", "param_bytes", b"param_bytes", "plan_digest", b"plan_digest", "total_bytes", b"total_bytes", "valid", b"valid", "violations", b"violations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fits_limits", b"fits_limits", "omitted_violations", b"omitted_violations", "param_bytes", b"param_bytes", "plan_digest", b"plan_digest", "total_bytes", b"total_bytes", "valid", b"valid", "violations", b"violations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

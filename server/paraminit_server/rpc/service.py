@@ -20,6 +20,7 @@ from paraminit import dtypes, packed_table, peers, times, wire
 from paraminit.header_checksum import checksum
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
+from paraminit.violations import listed
 from paraminit_server import errors
 from paraminit_server.backends import CUDA_IPC, SHM, ExportHandle
 from paraminit_server.plane.caller import Caller
@@ -81,7 +82,8 @@ class InitServiceHandlers:
             fits_limits=not any(v.is_limit for v in report.violations),
             plan_digest=digest,
         )
-        for v in report.violations:
+        shown, resp.omitted_violations = listed(report.violations)  # an answer's size does not grow with the plan
+        for v in shown:
             resp.violations.add(index=v.index, name=v.name, field=v.field, message=v.message, limit=v.is_limit)
         return resp
 
