@@ -3,6 +3,10 @@ the same Gaussian draws, the same bytes at any thread count, region or rank, and
 
 from __future__ import annotations
 
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -10,7 +14,7 @@ import numpy as np
 import pytest
 
 from paraminit_client import Client, ParaminitError, param, plan_of
-from support import running_server, target_of
+from support import running_server, serve_subprocess, target_of, wait_until
 
 SHAPES = [[300, 200], [200, 300], [257, 257], [16, 4, 8], [1, 64], [64, 1]]
 
@@ -123,3 +127,38 @@ def test_torchtitan_style_orthogonal_init_is_translated() -> None:
     assert not isinstance(init, str) and init.WhichOneof("kind") == "orthogonal"
     assert init.orthogonal.gain == 2.0 and init.orthogonal.seed == 9
     assert translate(nn.init.orthogonal_, seed=1).orthogonal.gain == 1.0  # type: ignore[union-attr]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_a_large_matrix_is_computed_inside_a_slot_and_stops_at_the_deadline() -> None:
+    """A 60-byte plan asks for a 2048 x 2048 factorization (a 1 x 1 region of it): the work runs inside a concurrency
+    slot (with --max-concurrent 1 a second such call waits for the first), and the deadline stops it between blocks
+    of the factorization, not after it."""
+    proc, target = serve_subprocess({"PARAMINIT_MAX_CONCURRENT": "1", "PARAMINIT_MAX_QUEUED": "0"})
+    try:
+        bomb = plan_of([orth("w", [2048, 2048], region=[(0, 1), (0, 1)])])
+        with Client(target, timeout=4.0) as first, Client(target, timeout=30.0) as second:
+            idle = _cpu_seconds(proc.pid)
+            started = time.monotonic()
+            with ThreadPoolExecutor(1) as pool:
+                running = pool.submit(first.materialize, bomb)
+                assert wait_until(lambda: _cpu_seconds(proc.pid) > idle + 0.3, timeout=20)  # factorizing, in the only slot
+                assert not running.done()
+                with pytest.raises(ParaminitError) as queued:  # the one slot is taken by the first call's checks
+                    second.materialize(plan_of([orth("small", [4, 4])]))
+                assert queued.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                with pytest.raises(ParaminitError) as late:
+                    running.result()
+            assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started < 10
+            time.sleep(0.5)  # the server notices the deadline at its next block (about 0.1 s of work)
+            spent = _cpu_seconds(proc.pid)
+            time.sleep(1.5)
+            assert _cpu_seconds(proc.pid) - spent < 0.5  # the factorization stopped, not run to its end
+            assert second.materialize(plan_of([orth("small", [4, 4])]))["small"].shape == (4, 4)  # the slot is free again
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -145,6 +145,7 @@ class Materializer:
             lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"),
             standard_normal,
             sparse_zero_keys,
+            lambda: caller.gone() or self.admission.draining.is_set(),
         )
         size = p.ByteSize()
         sources.hold(
@@ -172,7 +173,14 @@ class Materializer:
             sources.release()  # the freed heap a large plan's checks leave goes back at the slot's idle trim
 
     def check(self, p: plan_pb2.Plan, caller: Caller) -> CheckedPlan:
-        """Validate the whole plan; raise with every violation, or return it resolved, its kernels ready."""
+        """Validate the whole plan; raise with every violation, or return it resolved, its kernels ready.
+
+        Checking and resolving are work a caller causes (a small plan can ask for a large orthogonal matrix): they
+        run inside a concurrency slot, as validate does, released before the materialization takes its own."""
+        with self.admission.admit(0, caller):
+            return self._check(p, caller)
+
+    def _check(self, p: plan_pb2.Plan, caller: Caller) -> CheckedPlan:
         sources = self._sources(caller, p)
         try:
             cols = columns.of(p)

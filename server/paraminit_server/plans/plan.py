@@ -285,8 +285,8 @@ class _Resolver:
         from paraminit_server.plans import orthogonal  # numba, compiled on first use (after the cache is set up)
 
         n = form.rows * form.cols
-        sources.charge(16 * n)  # the Gaussian matrix and the values, binary64, held for the request
-        return self._data(orthogonal.values(form.rows, form.cols, form.gain, sources.gaussian(n, form.seed)))
+        sources.charge(orthogonal.HELD_PER_ELEMENT * n)  # what the factorization holds at its peak, before it allocates
+        return self._data(orthogonal.values(form.rows, form.cols, form.gain, sources.gaussian(n, form.seed), sources.stop))
 
     def computed(self, form: inits.Computed) -> ResolvedParam:
         """The whole parameter's values (eye, dirac, sparse), computed on the host for every backend."""

@@ -51,6 +51,7 @@ class RequestSnapshot:
         reserve: Callable[[int], Reservation] | None = None,
         gaussian: Callable[[int, int], npt.NDArray[np.float64]] | None = None,
         zero_keys: Callable[[int, int], npt.NDArray[np.float64]] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         """Args:
         sources: the server's payloads and allowed files.
@@ -59,12 +60,15 @@ class RequestSnapshot:
         gaussian: (n, seed) -> the first n normal(0, 1, seed) values, binary64: what an orthogonal
             parameter factorizes and a sparse one keeps (the data plane passes the CPU kernels' normal).
         zero_keys: (n, seed) -> the keys choosing a sparse parameter's zeros (docs/SAMPLER.md 2.6).
+        stop: whether the request is over (deadline, cancellation, drain): long computations (an orthogonal
+            matrix) ask it as they go.
         """
         self.sources = sources
         self.owner = owner
         self._reserve = reserve
         self.gaussian = gaussian
         self.zero_keys = zero_keys
+        self.stop = stop
         self._headers: dict[str, Header] = {}
         self._held: list[Reservation] = []
         self._hashes: dict[tuple[str, str, tuple[tuple[int, int], ...]], str] = {}
