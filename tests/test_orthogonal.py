@@ -162,3 +162,19 @@ def test_a_large_matrix_is_computed_inside_a_slot_and_stops_at_the_deadline() ->
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_factorization_work_is_capped_per_plan() -> None:
+    """Three 3000 x 3000 matrices are each under the per-parameter cap (4096^3) but not together: a limit of the
+    plan (RESOURCE_EXHAUSTED), whatever their regions, since each is computed whole."""
+    three = plan_of([orth(f"w{i}", [3000, 3000], region=[(0, 1), (0, 1)]) for i in range(3)])
+    two = plan_of([orth(f"w{i}", [3000, 3000], region=[(0, 1), (0, 1)]) for i in range(2)])
+    with Client() as c:
+        report = c.validate(three)
+        assert report.valid and not report.fits_limits
+        (v,) = report.violations
+        assert v.index == -1 and "orthogonal matrices need 81000000000 steps" in v.message and "4096^3" in v.message
+        assert c.validate(two).ok
+        with pytest.raises(ParaminitError) as info:
+            c.materialize(three)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED

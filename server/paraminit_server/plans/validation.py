@@ -8,6 +8,7 @@ its name and the field, so a user fixes a plan in one round trip.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -124,7 +125,33 @@ def validate(
                 LIMIT,
             )
         )
+    work = _orthogonal_work(plan, cols)
+    if work > inits.ORTHOGONAL_MAX_WORK:
+        out.append(
+            Violation(
+                -1,
+                "",
+                "params",
+                f"the plan's orthogonal matrices need {work} steps of factorization (rows * cols * min(rows, cols), "
+                f"summed), over the per-plan limit of 4096^3 ({inits.ORTHOGONAL_MAX_WORK})",
+                LIMIT,
+            )
+        )
     return Report(tuple(out), tuple(sizes), readings)
+
+
+def _orthogonal_work(plan: plan_pb2.Plan, cols: Columns | None) -> int:
+    """The factorization work of every orthogonal parameter together (each is computed whole, whatever its region):
+    a cap per plan, so that many matrices each under the per-parameter cap cannot add up to hours of work."""
+    rows = range(len(plan.params)) if cols is None else np.flatnonzero(~cols.plain).tolist()  # plain rows are not
+    work = 0
+    for i in rows:
+        p = plan.params[i]
+        if p.init.WhichOneof("kind") == "orthogonal" and len(p.shape) >= 2:
+            m, n = int(p.shape[0]), math.prod(int(d) for d in p.shape[1:])
+            if m * n * min(m, n) <= inits.ORTHOGONAL_MAX_WORK:  # one over the cap is that parameter's violation
+                work += m * n * min(m, n)
+    return work
 
 
 def _check_rows(
