@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -241,6 +242,42 @@ def test_segment_pool_reuses_released_segments() -> None:
         assert not segments() and running.plane.admission.host.reserved == 0
 
 
+def test_a_view_kept_past_release_never_aliases_the_next_export() -> None:
+    """With a pool, a numpy view kept past release() once wrote into the next export (a zeros export read 7.0):
+    the client now sends Release only when its last view is gone, and the server recycles a segment only when no
+    other process maps or holds it (a client that sends Release while mapping it anyway is quarantined)."""
+    proc, target = serve_subprocess({"PARAMINIT_SHM_POOL_BYTES": str(1 << 20)})
+    try:
+        plan = plan_of([param("w", [256], {"zeros": {}})])
+        with Client(target) as c:
+            first = c.export(plan, "shm")
+            view = first.arrays["w"]
+            first.release()  # the view lives on: Release waits for it
+            second = c.export(plan, "shm")
+            view[:] = 7.0  # writes only into the first segment, which nobody else is lent
+            assert not second.arrays["w"].any() and first.lease_id in {s.lease.lease_id for s in c.leases()}
+            del view
+            assert wait_until(lambda: first.lease_id not in {s.lease.lease_id for s in c.leases()}, timeout=10)
+            second.release()
+            # a holder that sends Release while still mapping the segment: the server looks, and does not pool it
+            third = c.export(plan, "shm")
+            name = third.info.shm.segment_name
+            fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
+            kept = mmap.mmap(fd, 0)
+            os.close(fd)
+            c._transport.release(third.lease_id, None)
+            fourth = c.export(plan, "shm")
+            assert fourth.info.shm.segment_name != name
+            kept[:8] = b"\x07" * 8
+            assert not fourth.arrays["w"].any()
+            kept.close()
+            fourth.release()
+            third.release()  # its own mapping (Release again is a no-op on the server)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_segment_pool_never_crosses_identities() -> None:
     pool = BufferPool(1 << 20, MemoryBudget(1 << 20))
     seg = ShmSegment(4096)
@@ -306,6 +343,7 @@ def test_expired_lease_memory_is_never_lent_again() -> None:
             assert np.array_equal(theirs, before)  # B does not see it
             assert other.info.shm.segment_name != held.info.shm.segment_name
         finally:
+            theirs = np.empty(0)  # no view of B's segment outlives its release (one would hold the Release back)
             other.release()
         # an explicit Release does pool the buffer (the optimisation still works)
         assert wait_until(lambda: r.plane.exports.pool.nbytes == other.info.shm.size)

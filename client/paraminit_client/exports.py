@@ -28,6 +28,7 @@ from paraminit_client.errors import InvalidArgument, ParaminitError
 
 SHM_DIR = "/dev/shm"
 log = logging.getLogger(__name__)
+UNMAP_POLL = 0.2  # seconds between looks at an SHM mapping whose views outlived release()
 
 
 def _map_shm(name: str, size: int) -> mmap.mmap:
@@ -331,9 +332,9 @@ class Lease:
         client still held at interpreter exit are released then.
 
         The mapping is closed first and Release sent after, so the server never frees memory this
-        process still maps. When views of a CUDA_IPC lease are still alive (arrays or torch tensors kept
-        past the release), the mapping stays open and the lease keeps renewing until the last of them is
-        gone; Release is sent then, from a background thread. In a forked child only the child's mapping is
+        process still maps. When views of the lease are still alive (arrays or torch tensors kept past the
+        release), the mapping stays open (and a CUDA_IPC lease keeps renewing) until the last of them is gone;
+        Release is sent then, from a background thread. In a forked child only the child's mapping is
         closed: the lease is its parent's.
 
         Args:
@@ -356,8 +357,12 @@ class Lease:
         mine = self.pid == os.getpid()
         try:
             if self._map is not None:
-                with contextlib.suppress(BufferError):  # caller still holds a view; unmapped when it goes
+                try:
                     self._map.close()
+                except BufferError:  # a view lives on: Release waits until it is gone (the server would free it)
+                    if mine:
+                        deferred = True
+                        threading.Thread(target=self._release_when_unmapped, daemon=True, name="paraminit-release").start()
             if self._cuda is not None:
                 deferred = not self._cuda.close(then=self._release_in_background if mine else None)
         finally:
@@ -368,6 +373,18 @@ class Lease:
                 self._stop.set()
                 released = self._send_once() and self._transport.release(self.lease_id, timeout)
         return released
+
+    def _release_when_unmapped(self) -> None:
+        """Close an SHM mapping whose views outlived release() once the last of them is gone (looked at every
+        UNMAP_POLL seconds), then send Release: the server never recycles memory this process still maps."""
+        assert self._map is not None
+        while True:
+            try:
+                self._map.close()
+                break
+            except BufferError:
+                time.sleep(UNMAP_POLL)
+        self._send_release()
 
     def _release_in_background(self) -> None:
         """Called once the last view of a released CUDA_IPC lease is gone and the memory unmapped."""

@@ -223,8 +223,9 @@ class ShmSegment:
 
 
 def mapped_by_others(path: str) -> bool:
-    """Whether any process but this one maps `path` (read from /proc/PID/maps; processes whose maps cannot be
-    read, another user's, cannot have opened a 0600 segment of ours)."""
+    """Whether any process but this one maps `path` or holds it open (read from /proc/PID/maps and /proc/PID/fd: a
+    descriptor kept without a mapping keeps the pages too; processes whose entries cannot be read, another user's,
+    cannot have opened a 0600 segment of ours)."""
     me = str(os.getpid())
     needle = f" {path}\n".encode()
     try:
@@ -236,6 +237,11 @@ def mapped_by_others(path: str) -> bool:
             with open(f"/proc/{pid}/maps", "rb") as f:
                 if needle in f.read():
                     return True
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                    return True
     return False

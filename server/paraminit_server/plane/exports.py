@@ -131,13 +131,15 @@ class Exports:
         owner = caller.identity
 
         def release(explicit: bool) -> None:
-            # Only an explicit Release proves the holder is done with the memory; an expired or
-            # abandoned buffer may still be mapped, so it is never lent to anyone again, and its bytes stay
-            # charged to the budget for as long as another process maps it (its pages stay with it).
-            if explicit:
+            # An explicit Release says the holder is done, but a view it kept past release() may still map the
+            # memory: a buffer another process maps or holds open is never lent again (a pooled one would alias
+            # the next export) and its bytes stay charged for as long as that lasts (its pages stay with it). An
+            # expired or abandoned buffer is treated so without looking.
+            elsewhere = getattr(buf, "mapped_elsewhere", None)
+            if explicit and (elsewhere is None or not elsewhere()):
                 self.pool.give(owner, buf)
                 reservation.release()
-            elif getattr(buf, "mapped_elsewhere", None) is not None:
+            elif elsewhere is not None:
                 self._quarantine(buf, reservation)
             else:
                 buf.close()
