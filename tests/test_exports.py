@@ -745,3 +745,28 @@ def test_a_segment_takes_its_memory_before_any_fill(monkeypatch: pytest.MonkeyPa
     with pytest.raises(errors.ResourceExhausted, match="1048576-byte shared-memory segment: no memory left"):
         ShmSegment(1 << 20)
     assert set(os.listdir("/dev/shm")) == before
+
+
+def test_apply_stops_at_the_requests_end() -> None:
+    """Apply fills a live lease in place, asking the request's stop as an export does: a request that ended (a
+    deadline, a cancellation, the server's drain) stops the fill and says the lease holds partly new values."""
+    from paraminit_server.plane.caller import Caller
+
+    plan = plan_of([param(f"w{i}", [1 << 16], {"normal": {"std": 1.0, "seed": i}}) for i in range(16)])
+    again = plan_of([param(f"w{i}", [1 << 16], {"normal": {"std": 2.0, "seed": i}}) for i in range(16)])
+    with running_server() as r:
+        caller = Caller()
+        first = r.plane.check(plan, caller)
+        export = r.plane.exports.export(first.params, first.digest, "shm", caller)
+        second = r.plane.check(again, caller)
+        asked: list[int] = []
+        with pytest.raises(errors.Cancelled, match="partly new values"):
+            r.plane.exports.apply(
+                export.lease.lease_id, second.params, second.digest, caller, lambda: bool(asked.append(1)) or len(asked) > 2
+            )
+        assert len(asked) > 2  # asked while filling, not only at the end
+        assert export.lease.plan_digest == first.digest  # the lease is not said to hold the new plan
+        r.plane.exports.apply(export.lease.lease_id, second.params, second.digest, caller)
+        assert export.lease.plan_digest == second.digest
+        for c in (first, second):
+            c.close()

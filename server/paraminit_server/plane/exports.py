@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,8 +230,12 @@ class Exports:
     def list(self, caller: Caller) -> list[LeaseRecord]:
         return self.leases.list(caller.identity)  # no identity sees another's leases
 
-    def apply(self, lease_id: str, params: ParamTable, digest: str, caller: Caller) -> str:
-        """Re-initialize a live lease in place; the plan must have the lease's parameter list exactly."""
+    def apply(self, lease_id: str, params: ParamTable, digest: str, caller: Caller, stop: Callable[[], bool] | None = None) -> str:
+        """Re-initialize a live lease in place; the plan must have the lease's parameter list exactly. The fill asks
+        `stop` (deadline, cancellation, drain) as it goes, as an export's does.
+
+        Raises:
+            Cancelled: `stop` ended the fill; the lease holds partly new values (Apply again)."""
         rec = self.leases.get(lease_id, caller.identity)
         with rec.lock:
             if rec.payload is None:
@@ -238,7 +243,13 @@ class Exports:
             lay, buf = rec.payload
             _check_same_parameters(lay, params)
             new = layout.Layout(params, lay.offsets, lay.data_bytes)
-            engine.fill_all(self.backend, new, buf.array)
+            ended = errors.Cancelled("the request ended during Apply: the lease holds partly new values (Apply again)")
+            try:
+                engine.fill_all(self.backend, new, buf.array, stop)
+            except errors.Cancelled:
+                raise ended from None
+            if stop is not None and stop():
+                raise ended
             rec.plan_digest = digest
         return digest
 

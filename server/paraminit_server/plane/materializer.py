@@ -300,7 +300,9 @@ class Materializer:
     def apply(self, lease_id: str, p: plan_pb2.Plan, caller: Caller) -> str:
         checked = self.check(p, caller)
         with contextlib.closing(checked), self.admission.admit(0, caller):
-            return self.exports.apply(lease_id, checked.params, checked.digest, caller)
+            return self.exports.apply(
+                lease_id, checked.params, checked.digest, caller, lambda: caller.gone() or self.admission.draining.is_set()
+            )
 
     # -- payloads ------------------------------------------------------------------------
 
