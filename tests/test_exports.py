@@ -770,3 +770,42 @@ def test_apply_stops_at_the_requests_end() -> None:
         assert export.lease.plan_digest == second.digest
         for c in (first, second):
             c.close()
+
+
+def test_segments_held_elsewhere_are_found_in_one_pass(tmp_path: Path) -> None:
+    """A segment another process maps, and one it only holds open (a descriptor keeps the pages as a mapping
+    does), are both held; the quarantine's settle round looks them all up in one pass over /proc."""
+    paths = []
+    for i in range(3):
+        p = f"/dev/shm/paraminit-test-held-{os.getpid()}-{i}"
+        with open(p, "wb") as f:
+            f.write(b"\0" * 4096)
+        paths.append(p)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import mmap, os, sys
+                fd = os.open({paths[0]!r}, os.O_RDWR)
+                m = mmap.mmap(fd, 4096)
+                os.close(fd)
+                held = os.open({paths[1]!r}, os.O_RDONLY)
+                print("ready", flush=True)
+                sys.stdin.read()
+                """
+            ),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        assert shm.held_by_others(set(paths)) == {paths[0], paths[1]}
+        assert shm.mapped_by_others(paths[1]) and not shm.mapped_by_others(paths[2])
+    finally:
+        holder.communicate("", timeout=30)
+        for p in paths:
+            os.unlink(p)

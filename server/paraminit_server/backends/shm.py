@@ -213,8 +213,14 @@ class ShmSegment:
             self._map.close()
 
     def mapped_elsewhere(self) -> bool:
-        """Whether another process (of this user, who alone can open the segment) still maps it."""
+        """Whether another process (of this user, who alone can open the segment) still maps it or holds it open."""
         return mapped_by_others(self.path)
+
+    @staticmethod
+    def held_elsewhere(buffers: list[ShmSegment]) -> set[int]:
+        """The ids of those of `buffers` another process maps or holds open, in one pass over /proc."""
+        by_path = {b.path: id(b) for b in buffers}
+        return {by_path[p] for p in held_by_others(set(by_path))}
 
     def close(self) -> None:
         self.unmap()
@@ -223,25 +229,35 @@ class ShmSegment:
 
 
 def mapped_by_others(path: str) -> bool:
-    """Whether any process but this one maps `path` or holds it open (read from /proc/PID/maps and /proc/PID/fd: a
+    """Whether any process but this one maps `path` or holds it open (see held_by_others)."""
+    return bool(held_by_others({path}))
+
+
+def held_by_others(paths: set[str]) -> set[str]:
+    """Which of `paths` any process but this one maps or holds open, in one pass over /proc (its maps and fds: a
     descriptor kept without a mapping keeps the pages too; processes whose entries cannot be read, another user's,
     cannot have opened a 0600 segment of ours)."""
     me = str(os.getpid())
-    needle = f" {path}\n".encode()
+    found: set[str] = set()
     try:
         pids = [p for p in os.listdir("/proc") if p.isdigit() and p != me]
     except OSError:
-        return False
+        return found
     for pid in pids:
+        if found == paths:
+            break
         try:
             with open(f"/proc/{pid}/maps", "rb") as f:
-                if needle in f.read():
-                    return True
+                for line in f.read().decode(errors="replace").splitlines():
+                    fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path (if any)
+                    if len(fields) == 6 and fields[5] in paths:
+                        found.add(fields[5])
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
         for fd in fds:
             with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
-                    return True
-    return False
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target in paths:
+                    found.add(target)
+    return found

@@ -173,7 +173,11 @@ class Exports:
         """Free the quarantined segments nobody maps any more (all of them with `force`, at shutdown)."""
         with self._quarantine_lock:
             items = list(self._quarantined)
-        free = [(b, r) for b, r in items if force or not b.mapped_elsewhere()]
+        held: set[int] = set()
+        if not force and items:  # one pass over /proc for every segment of the round
+            check = getattr(type(items[0][0]), "held_elsewhere", None)
+            held = check([b for b, _ in items]) if check is not None else {id(b) for b, _ in items if b.mapped_elsewhere()}
+        free = [(b, r) for b, r in items if force or id(b) not in held]
         with self._quarantine_lock:
             self._quarantined = [x for x in self._quarantined if x not in free]
         for b, r in free:
