@@ -302,3 +302,22 @@ def test_the_follower_waits_for_an_element_cut_by_a_message(dtype: str) -> None:
     follower.landed(raw.size)
     sha, scanned = follower.finish()
     assert sha == payload_sha256(dt, raw) and scanned == scan_values(values) and scanned[:2] == (1, values.size - 1)
+
+
+def test_one_identity_leaves_the_others_a_quarter_of_the_payload_bytes() -> None:
+    """One identity's payloads (stored and in flight) hold at most three quarters of --max-payload-bytes, so its big
+    uploads never refuse every other identity's for the payload TTL."""
+    from paraminit_server.errors import ResourceExhausted
+    from paraminit_server.plans.payloads import ValueSources
+
+    store = ValueSources(1 << 20, 60.0)
+    assert store.share() == 768 << 10
+    alice = store.reserve(700 << 10, "token:alice")
+    with pytest.raises(ResourceExhausted, match="this identity holds 716800 of its 786432 payload bytes"):
+        store.reserve(100 << 10, "token:alice")
+    bob = store.reserve(300 << 10, "token:bob")  # the quarter alice cannot take
+    with pytest.raises(ResourceExhausted, match="payload bytes are free"):
+        store.reserve(100 << 10, "token:carol")  # the limit itself still holds
+    alice.release()
+    store.reserve(100 << 10, "token:alice").release()
+    bob.release()

@@ -145,7 +145,7 @@ HELP: dict[str, str] = {
     "tls_ca": "CA certificate (PEM): clients must present a certificate it signed (mutual TLS)",
     "auth_tokens_file": "file of identity:token lines; set: every call needs 'authorization: Bearer TOKEN'",
     "auth_tokens": "comma-separated identity:token pairs (prefer the file: variables show up in process listings)",
-    "max_payload_bytes": "uploaded flat payloads in total, held as binary64",
+    "max_payload_bytes": "uploaded flat payloads in total, held as binary64; one identity holds at most three quarters of it",
     "payload_ttl": "seconds an uploaded payload lives",
     "safetensors_dirs": "colon-separated directories whose safetensors files plans may name; empty = none",
     "log_level": "DEBUG, INFO, WARNING or ERROR",

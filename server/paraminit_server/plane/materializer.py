@@ -314,7 +314,7 @@ class Materializer:
         # an upload is work like a materialization: it takes a concurrency slot (so stalled uploads cannot hold
         # every worker thread) and, within it, the payload's bytes
         with self.admission.admit(0, caller), self.sources.uploading():
-            receiving = _Upload(self.sources)
+            receiving = _Upload(self.sources, caller.identity)
             try:
                 for _ in overlap.behind(receiving.located(pieces), receiving.land):
                     pass
@@ -337,8 +337,9 @@ class _Upload:
     """One payload arriving: sized and reserved by its first piece, then each piece copied (`land`), hashed and
     scanned behind it (Follower)."""
 
-    def __init__(self, sources: ValueSources) -> None:
+    def __init__(self, sources: ValueSources, owner: str) -> None:
         self.sources = sources
+        self.owner = owner
         self.ticket: Claim | None = None
         self.buf: npt.NDArray[np.uint8] | None = None
         self.follower: Follower | None = None
@@ -368,7 +369,7 @@ class _Upload:
             raise errors.ResourceExhausted(
                 f"payload of {first.count} {dt.name} values needs {nbytes} bytes; the payload limit is {self.sources.max_bytes}"
             )
-        self.ticket = self.sources.reserve(nbytes)
+        self.ticket = self.sources.reserve(nbytes, self.owner)
         self.buf = receive_buffer(nbytes)
         self.follower = Follower(self.buf, dt)
 

@@ -219,23 +219,35 @@ class ValueSources:
         """Stored and in-flight payload bytes."""
         return self.ledger.total
 
-    def reserve(self, nbytes: int) -> Claim:
-        """Take an upload's bytes from the limit now, before anything is received.
+    def share(self) -> int:
+        """The payload bytes one identity may hold (stored and in flight): three quarters of the limit, so one
+        identity's uploads always leave the others a quarter of it for their payload TTL."""
+        return self.max_bytes - self.max_bytes // 4
+
+    def reserve(self, nbytes: int, owner: str = "") -> Claim:
+        """Take an upload's bytes from the limit and from its owner's share (see share) now, before anything is
+        received; an empty owner (the server's own use, tests) is held to the limit alone.
 
         Raises:
-            ResourceExhausted: stored payloads and uploads in flight leave too few bytes."""
+            ResourceExhausted: stored payloads and uploads in flight leave too few bytes, in all or in the owner's share."""
         self._expire()
 
         def refusal(ledger: Ledger, n: int, holder: str) -> errors.ResourceExhausted | None:
             used = ledger.total
-            if used + n <= self.max_bytes:
-                return None
-            return errors.ResourceExhausted(
-                f"payload needs {n} bytes; {max(0, self.max_bytes - used)} of "
-                f"{self.max_bytes} payload bytes are free (uploads in flight count)"
-            )
+            if used + n > self.max_bytes:
+                return errors.ResourceExhausted(
+                    f"payload needs {n} bytes; {max(0, self.max_bytes - used)} of "
+                    f"{self.max_bytes} payload bytes are free (uploads in flight count)"
+                )
+            mine, share = ledger.held_bytes(holder), self.share()
+            if holder and mine + n > share:
+                return errors.ResourceExhausted(
+                    f"payload needs {n} bytes; this identity holds {mine} of its {share} payload bytes (three quarters "
+                    f"of --max-payload-bytes {self.max_bytes}, so others keep the rest; uploads in flight count)"
+                )
+            return None
 
-        ticket = self.ledger.claim(nbytes, "", refusal)
+        ticket = self.ledger.claim(nbytes, owner, refusal)
         if self._charge is not None:
             try:
                 ticket.also = self._charge(nbytes)
@@ -280,7 +292,7 @@ class ValueSources:
         nbytes = count * dt.itemsize
         if len(data) != nbytes:
             raise errors.InvalidRequest(f"payload declared {count} {dt.name} values ({nbytes} bytes) but {len(data)} bytes arrived")
-        ticket = ticket or self.reserve(nbytes)
+        ticket = ticket or self.reserve(nbytes, owner)
         with ticket:  # given back unless it becomes the payload
             if ticket.nbytes < nbytes:
                 raise errors.InvalidRequest(f"payload of {count} values is larger than reserved")
