@@ -369,3 +369,28 @@ def test_validation_reports_bad_parts() -> None:
         "params[0].patches[3].init.xavierUniformForShape",
         "params[0].patches[5].part",
     ], fields
+
+
+def test_a_patchs_runs_are_charged_before_they_are_built() -> None:
+    """256 single-column patches of a [65536, 256] tensor (a plan of a few KB) build 65,536 runs each: 256 MiB of
+    run arrays, charged to the memory budget before any is built, so a 64 MiB budget refuses the plan
+    (RESOURCE_EXHAUSTED) instead of growing the server by them."""
+    import grpc
+
+    from paraminit_client import ParaminitError
+    from support import running_server
+
+    p = plan_pb2.Param(name="w", shape=[65536, 256], dtype=plan_pb2.DTYPE_FLOAT32, init=plan_pb2.Init(zeros=plan_pb2.Zeros()))
+    for c in range(256):
+        q = p.patches.add(init=plan_pb2.Init(ones=plan_pb2.Ones()))
+        q.box.add(start=0, stop=65536)
+        q.box.add(start=c, stop=c + 1)
+    plan = plan_pb2.Plan(params=[p])
+    assert plan.ByteSize() < 8 << 10
+    with running_server(memory_budget=64 << 20) as r, Client(target_of(r)) as c:
+        with pytest.raises(ParaminitError) as info:
+            next(iter(c.stream(plan)[1]))
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes" in info.value.message
+        small = plan_pb2.Plan(params=[plan_pb2.Param(name="w", shape=[64, 4], init=p.init, patches=p.patches[:2])])
+        small.params[0].patches[0].box[0].stop = small.params[0].patches[1].box[0].stop = 64
+        assert c.materialize(small)["w"][:, :2].all()  # a plan within the budget is served

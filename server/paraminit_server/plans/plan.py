@@ -202,6 +202,8 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None
         return rp
     patches = []
     area = regions.Region(rp.shape, rp.region)
+    if sources is not None:  # the run arrays, charged before they are built (a small plan can ask for many)
+        sources.charge(sum(RUN_BYTES * _runs_at_most(rp.region, tuple((int(r.start), int(r.stop)) for r in q.box)) for q in p.patches))
     for j, q in enumerate(p.patches):
         box = tuple((int(r.start), int(r.stop)) for r in q.box)
         if q.HasField("part"):  # the box is part of a tensor of its own: values at indices in that tensor
@@ -216,6 +218,17 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None
             reading = readings[1 + j] if len(readings) > 1 + j else None
             patches.append(Patch(box, _resolve_base(index, base, sources, reading), starts, run_len, values))
     return replace(rp, patches=tuple(patches))
+
+
+RUN_BYTES = 16  # a patch's run: its local start and its value index, int64 each
+
+
+def _runs_at_most(region: regions.Box, box: tuple[tuple[int, int], ...]) -> int:
+    """An upper bound on the runs of a patch's box within a region: one per row of its last dimension at most."""
+    count = 1
+    for (a, b), (lo, hi) in zip(box[:-1], region[:-1], strict=True):
+        count *= max(0, min(b, hi) - max(a, lo))
+    return count
 
 
 def _resolve_base(
