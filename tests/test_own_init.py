@@ -8,6 +8,7 @@ are data; what has no plan form is refused with the model's file:line; the frame
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from typing import Any
@@ -211,6 +212,30 @@ def test_tensor_methods_through_data_detach_and_views_compose() -> None:
     torch.manual_seed(0)
     ref = torch.empty(200, 100).normal_(1.0, 2.0).mul_(-0.5).add_(3.0)
     assert zoo.same_distribution(values["scaled"].reshape(-1), ref.double().numpy().reshape(-1)) is None
+
+
+CAPTURED = functools.partial(nn.init.trunc_normal_, std=0.02, a=-0.04, b=0.04)  # held before any recording
+
+
+def test_init_functions_are_recorded_however_the_code_holds_them() -> None:
+    """A functools.partial made at import time (as torchtitan's configs hold trunc_normal_), a name imported from
+    torch.nn.init, a table of them: all reach the recorder, since the functions' own code forwards to it."""
+    from torch.nn.init import orthogonal_
+
+    table = {"eye": nn.init.eye_}
+
+    def init(m: nn.Module) -> None:
+        CAPTURED(m.a)
+        orthogonal_(m.b, gain=3.0)
+        table["eye"](m.c)
+
+    _, plan = _replayed({"a": (32, 32), "b": (8, 8), "c": (4, 4)}, init)
+    got = _inits(plan)
+    assert (got["a"].truncated_normal.std, got["a"].truncated_normal.hi) == (0.02, 0.04)
+    assert got["b"].orthogonal.gain == 3.0 and got["c"].WhichOneof("kind") == "eye"
+    real = torch.empty(16, 16)
+    CAPTURED(real)  # outside a recording the functions are their own again
+    assert 0 < float(real.abs().max()) <= 0.04
 
 
 def test_the_frameworks_generator_is_never_used() -> None:

@@ -114,6 +114,24 @@ def test_megatron_recipe_is_megatrons_own_initialization(megatron_gpt: Any) -> N
     assert kinds["decoder.layers.0.mlp.linear_fc2.bias"] == "zeros" and kinds["decoder.final_layernorm.weight"] == "ones"
 
 
+def test_megatrons_own_constructor_replayed_is_its_recipe(megatron_gpt: Any) -> None:
+    """The default policy records megatron-core's own initialization as its constructor runs (a CPU master weight
+    drawn by init_method, split and copied into the parameter): the same plan as the hand-written recipe."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from paraminit_client.torch import meta_parameters
+
+    with warnings.catch_warnings(), meta_parameters():
+        warnings.simplefilter("ignore")
+        model = GPTModel(
+            config=megatron_gpt.config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=4096, max_sequence_length=256
+        )
+    own, recipe = plan_from_module(model, seed=0), plan_from_module(model, seed=0, policy="megatron")
+    assert [p.name for p in own.params] == [p.name for p in recipe.params] and len(own.params) == 53
+    assert own == recipe
+
+
 # -- GPT-NeoX -------------------------------------------------------------------------------------------------------
 
 

@@ -306,3 +306,24 @@ def test_tied_embedding_takes_the_lm_heads_initializer() -> None:
     t = by["tok_embeddings.weight"].init.truncated_normal
     s = 2048**-0.5
     assert (t.std, t.lo, t.hi) == (s, -3 * s, 3 * s) and list(by["tok_embeddings.weight"].shape) == [128256, 2048]
+
+
+def test_the_default_replays_torchtitans_init_weights_after_construction() -> None:
+    """Built under meta_parameters(), a torchtitan model's own initialization is its init_weights(), which its
+    trainer calls after construction: the default policy replays it over the constructor's record and gives the
+    plan of policy="torchtitan" (whose param_init holds trunc_normal_ in functools.partials). The fused wqkv, a
+    concatenation of separately drawn q, k and v, is refused by name (the torchtitan policy states it)."""
+    from paraminit_client.torch import meta_parameters
+
+    with meta_parameters():
+        model = debug_config().build()
+    with pytest.raises(UnsupportedModuleError) as err:
+        plan_from_module(model, seed=0)
+    assert {name for name, _, _ in err.value.problems} == {f"layers.{i}.attention.qkv_linear.wqkv.weight" for i in range(6)}
+
+    def fused(name: str, t: Any) -> Any:
+        return {"zeros": {}} if name.endswith("wqkv.weight") else None
+
+    own, titan = plan_from_module(model, 0, overrides=fused), plan_from_module(model, 0, policy="torchtitan", overrides=fused)
+    rest = [(a, b) for a, b in zip(own.params, titan.params, strict=True) if not a.name.endswith("wqkv.weight")]
+    assert len(rest) == 39 and all(a == b for a, b in rest)  # (the torchtitan policy keeps its wqkv parts as patches)

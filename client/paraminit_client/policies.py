@@ -242,8 +242,10 @@ class OwnInit:
             elif t.is_meta or isinstance(t, nn.Parameter):
                 pending.append(name)
         failures: dict[int, str] = {}
-        late = replay.late_init(walk.module) if roots and pending else None
-        if late is not None:  # a constructor that left tensors to a later init_weights: that, over what it did
+        # what a framework runs after construction (torchtitan's and OLMo-core's init_weights, or any root
+        # init_weights when the constructor left tensors unwritten), over what the constructor did
+        late = replay.late_init(walk.module, unwritten=bool(pending)) if roots else None
+        if late is not None:
             held = [(walk.tensors[n], r) for n in names if (r := replay.record_of(walk.tensors[n], unwritten=True)) is not None]
             rec_, failures = replay.replay(walk.module, [], init=late, start=held)
             roots = {name: rec_.add_root(walk.tensors[name]) for name in [*roots, *pending]}
@@ -275,8 +277,11 @@ class OwnInit:
                     walk.inits[name] = why
                     continue
             init, patches = replay.emit(roots[name], seed_of)
-            if isinstance(init, str) and init and late is not None and failures:  # why the later code did not write it
-                init = f"{init}; {type(walk.module).__name__}.init_weights() failed: {next(iter(failures.values()))}"
+            if late is not None and failures:  # the model's own last step cannot be replayed: never guess past it
+                init = (
+                    f"{init + '; ' if isinstance(init, str) and init else ''}{type(walk.module).__name__}.init_weights() "
+                    f"failed when replayed: {next(iter(failures.values()))}; name the framework's policy or pass overrides"
+                )
             if init == "":
                 init = (
                     f"{kind}.{key} is never written by the initialization code paraminit can replay (reset_parameters, "

@@ -40,6 +40,7 @@ import os
 import sys
 import textwrap
 import threading
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -402,7 +403,7 @@ def _where() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not (path.startswith(_TORCH_DIR) or path.startswith(_HERE) or path.endswith("contextlib.py")):
+        if not (path.startswith((_TORCH_DIR, _HERE, "<paraminit recorder")) or path.endswith("contextlib.py")):
             short = path.split("site-packages" + os.sep, 1)[-1]
             return f"{short}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
@@ -639,6 +640,8 @@ class Recorder(TorchFunctionMode):
             value = Refused(f"{value.why} ({where})")
         if box is None or all(a == 0 and b == n for (a, b), n in zip(box, root.shape, strict=True)):
             root.base, root.patches = Write(value, None, origin, where), []
+            if root.shadow:  # its values are what the shadow says now, not the memory it was made from
+                self._taint.pop(self._safe_key(root.tensor), None)
             return
         part = value.computed()
         computed = not isinstance(part, str)
@@ -745,6 +748,8 @@ class Recorder(TorchFunctionMode):
             self._new_shadow(result, value)
             return
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if name == "cat" and args and isinstance(args[0], list | tuple) and len(args[0]) == 1:
+            tensors, name = list(args[0]), "clone"  # the concatenation of one tensor is a copy of it
         if len(tensors) != 1:
             return
         located = self.locate(tensors[0])
@@ -1016,7 +1021,7 @@ class Recorder(TorchFunctionMode):
         self._write_from(root, box, order, tuple(target.shape), got.reshape(target.shape), f"{name}(out=...)")
 
 
-_SAME_VALUES = frozenset(("clone", "to", "float", "double", "half", "bfloat16", "contiguous", "detach", "type_as"))
+_SAME_VALUES = frozenset(("clone", "to", "float", "double", "half", "bfloat16", "contiguous", "detach", "type_as", "to_dense"))
 _AFFINE_OPS: dict[str, Callable[[float, float], tuple[float, float]]] = {
     "mul": lambda x, a: (x, 0.0),
     "__mul__": lambda x, a: (x, 0.0),
@@ -1055,79 +1060,87 @@ def _active() -> Recorder | None:
     return stack[-1] if stack else None
 
 
-def _recorded(fname: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        rec = _active()
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        tensor = a["tensor"]
-        found = rec.locate(tensor) if rec is not None else None
-        if rec is None or found is None:
-            return original(*args, **kwargs)
-        root, box, order = found
-        if box == ():
-            rec._refuse(root, None, f"torch.nn.init.{fname} on a view that is not a box of the tensor")
-            return tensor
-        if tensor.numel() == 0:
-            return tensor
-        if fname == "trunc_normal_":
-            rec._set(root, box, truncated(float(a["mean"]), float(a["std"]), float(a["a"]), float(a["b"])), None)
-        elif fname == "orthogonal_":
-            rec._set(root, box, OrthogonalDraw(float(a["gain"])) if box is None else Refused("orthogonal_ on part of a tensor"), None)
-        elif fname == "sparse_":
-            if box is None and tensor.dim() == 2:
-                rec._set(root, None, SparseDraw(float(a["sparsity"]), float(a["std"])), None)
-            else:
-                rec._refuse(root, box, "sparse_ on part of a tensor, which no patch states")
-        elif box is None and ((fname == "eye_" and tensor.dim() == 2) or (fname == "dirac_" and 3 <= tensor.dim() <= 5)):
-            groups = int(a.get("groups", 1))
-            rec._set(root, None, Identity(tuple(tensor.shape), 0 if fname == "eye_" else groups, original), None)
-        else:  # eye_, dirac_ into a part: deterministic, evaluated for this tensor alone
-            if tensor.numel() > DATA_LIMIT:
-                rec._refuse(root, box, f"{fname} of {tensor.numel()} elements is too large to carry as data")
-                return tensor
-            real = torch.zeros(tuple(tensor.shape), dtype=torch.float64)
-            with torch.no_grad():
-                original(real, **{k: v for k, v in a.items() if k != "tensor"})
-            rec._write_from(root, box, order, tuple(tensor.shape), real, fname)
+def _record_call(fname: str, original: Callable[..., Any], a: dict[str, Any]) -> Any:
+    """One call of torch.nn.init's `fname` with its bound arguments `a`: recorded when a recorder is active on this
+    thread and the tensor is one of its roots, else run by the function's own code (`original`)."""
+    rec = _active()
+    tensor = a["tensor"]
+    found = rec.locate(tensor) if rec is not None else None
+    if rec is None or found is None:
+        return original(**a)
+    root, box, order = found
+    if box == ():
+        rec._refuse(root, None, f"torch.nn.init.{fname} on a view that is not a box of the tensor")
         return tensor
-
-    call.__paraminit_original__ = original  # type: ignore[attr-defined]
-    return call
+    if tensor.numel() == 0:
+        return tensor
+    if fname == "trunc_normal_":
+        rec._set(root, box, truncated(float(a["mean"]), float(a["std"]), float(a["a"]), float(a["b"])), None)
+    elif fname == "orthogonal_":
+        rec._set(root, box, OrthogonalDraw(float(a["gain"])) if box is None else Refused("orthogonal_ on part of a tensor"), None)
+    elif fname == "sparse_":
+        if box is None and tensor.dim() == 2:
+            rec._set(root, None, SparseDraw(float(a["sparsity"]), float(a["std"])), None)
+        else:
+            rec._refuse(root, box, "sparse_ on part of a tensor, which no patch states")
+    elif box is None and ((fname == "eye_" and tensor.dim() == 2) or (fname == "dirac_" and 3 <= tensor.dim() <= 5)):
+        groups = int(a.get("groups", 1))
+        rec._set(root, None, Identity(tuple(tensor.shape), 0 if fname == "eye_" else groups, original), None)
+    else:  # eye_, dirac_ into a part: deterministic, evaluated for this tensor alone
+        if tensor.numel() > DATA_LIMIT:
+            rec._refuse(root, box, f"{fname} of {tensor.numel()} elements is too large to carry as data")
+            return tensor
+        real = torch.zeros(tuple(tensor.shape), dtype=torch.float64)
+        with torch.no_grad():
+            original(real, **{k: v for k, v in a.items() if k != "tensor"})
+        rec._write_from(root, box, order, tuple(tensor.shape), real, fname)
+    return tensor
 
 
 _HIGH_LEVEL = ("trunc_normal_", "orthogonal_", "sparse_", "eye_", "dirac_")
+_HOOK = "__paraminit_record_call__"  # the name the swapped code calls, in torch.nn.init's globals
 _patch_lock = threading.Lock()
 _patch_depth = 0
-_patched: list[tuple[dict[str, Any], str, Any]] = []
+_saved: list[tuple[Any, Any]] = []  # (function, its own code) while swapped; (torch, Generator)
+
+
+def _forwarding_code(fname: str, fn: Any) -> Any:
+    """A code object with `fn`'s parameters (its defaults stay on the function) whose body hands them, bound by name,
+    to _record_call through torch.nn.init's global _HOOK."""
+    params, names, star = [], [], False
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise TypeError(f"torch.nn.init.{fname} takes *args or **kwargs: cannot be recorded by its code")
+        if p.kind == p.KEYWORD_ONLY and not star:
+            params.append("*")
+            star = True
+        params.append(p.name if p.default is p.empty else f"{p.name}=None")
+        names.append(p.name)
+    text = f"def {fname}({', '.join(params)}):\n    return {_HOOK}({fname!r}, {{{', '.join(f'{n!r}: {n}' for n in names)}}})\n"
+    space: dict[str, Any] = {}
+    exec(compile(text, f"<paraminit recorder of torch.nn.init.{fname}>", "exec"), space)
+    return space[fname].__code__
 
 
 @contextlib.contextmanager
 def _init_functions() -> Iterator[None]:
-    """torch.nn.init's functions whose meta path records nothing, recorded as calls wherever model code holds them
-    (torch.nn.init, `from torch.nn.init import ...` in a loaded module, a module-level table of them)."""
+    """torch.nn.init's functions whose meta path records nothing, recorded as calls however model code holds them
+    (torch.nn.init.f, `from torch.nn.init import f`, a table of them, a functools.partial of one): the functions'
+    own code is swapped for one that forwards to _record_call (which runs the original code for anything that is
+    not a recorder's root) for as long as any recording runs, and put back after."""
     global _patch_depth
     with _patch_lock:
         if _patch_depth == 0:
-            originals = {id(getattr(nn.init, f)): (f, getattr(nn.init, f)) for f in _HIGH_LEVEL}
-            wrappers = {i: _recorded(f, fn) for i, (f, fn) in originals.items()}
-            for mod in list(sys.modules.values()):
-                space = getattr(mod, "__dict__", None)
-                if not isinstance(space, dict):
-                    continue
-                for key, value in list(space.items()):
-                    if id(value) in wrappers:
-                        _patched.append((space, key, value))
-                        space[key] = wrappers[id(value)]
-                    elif type(value) is dict and len(value) < 64 and not key.startswith("__"):
-                        for k, v in list(value.items()):
-                            if id(v) in wrappers:
-                                _patched.append((value, k, v))
-                                value[k] = wrappers[id(v)]
+            own: dict[str, Callable[..., Any]] = {}
+            for fname in _HIGH_LEVEL:
+                fn = getattr(nn.init, fname)
+                original = types.FunctionType(fn.__code__, fn.__globals__, fname, fn.__defaults__, fn.__closure__)
+                original.__kwdefaults__ = fn.__kwdefaults__
+                own[fname] = original
+                code = _forwarding_code(fname, fn)
+                _saved.append((fn, fn.__code__))
+                fn.__code__ = code
+            vars(nn.init)[_HOOK] = lambda fname, a: _record_call(fname, own[fname], a)
             real_generator = torch.Generator
 
             class MetaSafeGenerator(real_generator):  # type: ignore[misc, valid-type]
@@ -1136,7 +1149,7 @@ def _init_functions() -> Iterator[None]:
                 def __new__(cls, device: Any = "cpu") -> Any:
                     return real_generator("cpu" if str(device) == "meta" else device)
 
-            _patched.append((torch.__dict__, "Generator", real_generator))
+            _saved.append((torch, real_generator))
             torch.Generator = MetaSafeGenerator  # type: ignore[misc]
         _patch_depth += 1
     try:
@@ -1145,9 +1158,13 @@ def _init_functions() -> Iterator[None]:
         with _patch_lock:
             _patch_depth -= 1
             if _patch_depth == 0:
-                for space, key, value in reversed(_patched):
-                    space[key] = value
-                _patched.clear()
+                for fn, code in reversed(_saved):
+                    if fn is torch:
+                        torch.Generator = code  # type: ignore[misc]
+                    else:
+                        fn.__code__ = code
+                _saved.clear()
+                vars(nn.init).pop(_HOOK, None)
 
 
 @contextlib.contextmanager
@@ -1299,12 +1316,24 @@ def _hf_flags_cleared(module: nn.Module) -> Iterator[None]:
             obj.__dict__["_is_hf_initialized"] = value
 
 
-def late_init(module: nn.Module) -> Callable[[nn.Module], object] | None:
-    """The initialization a framework runs after construction (a root init_weights(), as torchtitan's models have),
-    where the model has one and is not a transformers model (whose post_init runs inside its constructor)."""
+# frameworks whose models are initialized after construction by a call of the trainer's, and that call
+_AFTER_CONSTRUCTION: dict[str, Callable[[nn.Module], object]] = {
+    "torchtitan": lambda m: m.init_weights(),  # type: ignore[operator]
+    "olmo_core": lambda m: m.init_weights(device=torch.device("meta")),  # type: ignore[operator]
+}
+
+
+def late_init(module: nn.Module, unwritten: bool = False) -> Callable[[nn.Module], object] | None:
+    """The initialization run after construction: torchtitan's and OLMo-core's init_weights (their trainers call it),
+    or, when the constructor left tensors `unwritten`, a root init_weights(); None for transformers models (whose
+    post_init runs inside the constructor) and for models whose constructor is their whole initialization (timm's
+    call their init_weights themselves)."""
     if _hf_models(module) or not callable(getattr(module, "init_weights", None)):
         return None
-    return lambda m: m.init_weights()  # type: ignore[operator]
+    framework = (type(module).__module__ or "").split(".")[0]
+    if framework in _AFTER_CONSTRUCTION:
+        return _AFTER_CONSTRUCTION[framework]
+    return (lambda m: m.init_weights()) if unwritten else None  # type: ignore[operator]
 
 
 def replay(
