@@ -254,6 +254,7 @@ def test_olmo_recipe_is_olmo_cores_own_initialization(method: str) -> None:
     ours = cfg.build(init_device="meta")
     plan = plan_from_module(ours, seed=3, policy="olmo")
     assert ours.embeddings.weight.is_meta  # replaying fills nothing
+    assert plan_from_module(ours, seed=3) == plan  # the default replays the init_weights OLMo-core's trainer calls
     reference = {k: v.detach() for k, v in theirs.state_dict().items() if v.is_floating_point()}
     kinds = compare(plan, reference, {"w1, w3": [f"blocks.{i}.feed_forward.{w}.weight" for i in range(4) for w in ("w1", "w3")]})
     with Client() as c:
