@@ -1202,13 +1202,14 @@ def initial_value(rec: Recorder, real: torch.Tensor) -> Value | Root:
 
 
 def real_value(real: torch.Tensor) -> Value:
-    """The values a real tensor holds: a constant, or data for a tensor small enough to carry them."""
+    """The values a real tensor holds: a constant, or data for a tensor small enough to carry them (as_value's
+    rule; a larger one is looked at in its own dtype, without a binary64 copy)."""
+    if real.numel() <= DATA_LIMIT:
+        return as_value(real.detach().to("cpu", torch.float64).numpy())
     flat = real.detach().reshape(-1)
-    if flat.numel() and bool((flat == flat[0]).all()) and bool((flat.signbit() == flat[0].signbit()).all()):
+    if bool((flat == flat[0]).all()) and bool((flat.signbit() == flat[0].signbit()).all()):
         return Fixed(float(flat[0]))
-    if real.numel() > DATA_LIMIT:
-        return Refused(f"starts from computed values of {real.numel()} elements, too large to carry as data")
-    return as_value(real.detach().to("cpu", torch.float64).numpy())
+    return Refused(f"starts from computed values of {real.numel()} elements, too large to carry as data")
 
 
 # -- replay after the fact -----------------------------------------------------------------------------------------
