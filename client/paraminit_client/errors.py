@@ -41,7 +41,7 @@ class ParaminitError(Exception):
         message: what happened, in words.
         violations: every problem of an invalid plan (or those that fit a server's trailers).
         omitted: violations a server left out of the status details to keep its trailers within the default
-            8 KiB metadata limit (google.rpc.ErrorInfo VIOLATIONS_TRUNCATED); `validate` returns every one.
+            8 KiB metadata limit (google.rpc.ErrorInfo VIOLATIONS_TRUNCATED); `validate` finds every one and lists the first 1000.
         """
         super().__init__(message)
         self.code = code

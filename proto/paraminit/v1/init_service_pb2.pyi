@@ -22,8 +22,8 @@ metadata limit of stock clients), in plan order; when some are left out, a
 google.rpc.ErrorInfo (reason "VIOLATIONS_TRUNCATED", domain "paraminit.v1")
 follows with metadata "total_violations", "included_violations" and
 "omitted_violations" (decimal strings) and "every_violation" (a sentence
-pointing at Validate, for people reading it). Validate returns every
-violation.
+pointing at Validate, for people reading it). Validate finds every
+violation and lists the first 1000 of them.
 The status message repeats the first ones as text, up to 400 bytes.
 Resource limits are RESOURCE_EXHAUSTED
 (with a BadRequest when a plan-size limit is the reason); zero-copy delivery
@@ -655,8 +655,8 @@ Global___Violation: _TypeAlias = Violation  # noqa: Y015
 class ValidateResponse(_message.Message):
     """What Materialize would say of a plan, without materializing it. A plan can
     break rules (an invalid plan) and exceed this server's limits (a valid plan
-    too large here) at once; every violation of both kinds is listed, each
-    marked by `limit`. Materialize answers such a plan INVALID_ARGUMENT with
+    too large here) at once; every violation of both kinds is found, and the
+    first 1000 are listed (the rest counted), each marked by `limit`. Materialize answers such a plan INVALID_ARGUMENT with
     every violation (the invalid plan wins), and a plan whose violations are all
     limits RESOURCE_EXHAUSTED.
     """
@@ -687,7 +687,7 @@ class ValidateResponse(_message.Message):
     """
     @_builtins.property
     def violations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Violation]:
-        """every violation, in plan order, plan-wide ones last"""
+        """the first 1000 violations, in plan order, plan-wide ones last"""
 
     @_builtins.property
     def param_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

@@ -22,8 +22,8 @@ metadata limit of stock clients), in plan order; when some are left out, a
 google.rpc.ErrorInfo (reason "VIOLATIONS_TRUNCATED", domain "paraminit.v1")
 follows with metadata "total_violations", "included_violations" and
 "omitted_violations" (decimal strings) and "every_violation" (a sentence
-pointing at Validate, for people reading it). Validate returns every
-violation.
+pointing at Validate, for people reading it). Validate finds every
+violation and lists the first 1000 of them.
 The status message repeats the first ones as text, up to 400 bytes.
 Resource limits are RESOURCE_EXHAUSTED
 (with a BadRequest when a plan-size limit is the reason); zero-copy delivery

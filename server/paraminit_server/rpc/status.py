@@ -68,7 +68,7 @@ def truncation_info(total: int, included: int) -> error_details_pb2.ErrorInfo:
             "total_violations": str(total),
             "included_violations": str(included),
             "omitted_violations": str(total - included),
-            "every_violation": "Validate returns every one",
+            "every_violation": "Validate finds every one and lists the first 1000",
         },
     )
 
