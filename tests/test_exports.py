@@ -816,3 +816,31 @@ def test_segments_held_elsewhere_are_found_in_one_pass(tmp_path: Path) -> None:
         holder.communicate("", timeout=30)
         for p in paths:
             os.unlink(p)
+
+
+def test_segments_another_process_still_maps_count_among_the_owners_leases() -> None:
+    """Segments released (or expired) while another process still maps them stay charged and quarantined; they
+    also count among their owner's leases, so an owner cannot pile up more of them than --max-leases-per-client."""
+    plan = plan_of([param("w", [1024], {"ones": {}})])
+    with running_server(max_leases_per_client=2) as r, Client(target_of(r)) as c:
+        holders = []
+        try:
+            for _ in range(2):
+                lease = c.export(plan, ttl_seconds=0.3)
+                name, size = lease.info.shm.segment_name, lease.info.shm.size
+                holder = subprocess.Popen(
+                    [sys.executable, "-c", HOLDS_MAPPING, name, str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+                )
+                assert holder.stdout is not None and holder.stdout.readline().strip() == "0000803f"
+                holders.append(holder)
+                lease.stop_renewing()
+                lease.release()  # ours goes; the holder's mapping stays
+            assert wait_until(lambda: not r.plane.leases.list() and r.plane.exports.quarantined_bytes() > 0, 10)
+            with pytest.raises(ParaminitError, match=r"client holds 2 leases \(expired ones whose memory it still maps count\)"):
+                c.export(plan)
+        finally:
+            for holder in holders:
+                holder.communicate("\n", timeout=30)
+        assert wait_until(lambda: r.plane.exports.quarantined_bytes() == 0, 15)
+        with c.export(plan) as again:  # their slots came back with their segments
+            assert again.arrays["w"].tolist() == [1.0] * 1024

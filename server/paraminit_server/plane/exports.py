@@ -36,6 +36,22 @@ class Export:
     handle: ExportHandle
 
 
+@dataclass(frozen=True)
+class _Charges:
+    """What a quarantined segment holds: its bytes in the memory budget and a slot among its owner's leases."""
+
+    reservation: Claim
+    slot: Claim
+
+    @property
+    def nbytes(self) -> int:
+        return self.reservation.nbytes
+
+    def release(self) -> None:
+        self.reservation.release()
+        self.slot.release()
+
+
 class BufferPool:
     """Explicitly released buffers kept for the same identity's next export of the same size.
 
@@ -100,7 +116,7 @@ class Exports:
         self.pool = BufferPool(pool_bytes, budget)
         self.align = layout.EXPORT_ALIGN if backend.memory == HOST else GPU_ALIGN
         # expired segments another process still maps, with the budget they keep holding
-        self._quarantined: list[tuple[Any, Claim]] = []
+        self._quarantined: list[tuple[Any, _Charges]] = []
         self._quarantine_lock = threading.Lock()
         self._watcher: threading.Thread | None = None
         self._closed = threading.Event()
@@ -141,7 +157,7 @@ class Exports:
                 self.pool.give(owner, buf)
                 reservation.release()
             elif elsewhere is not None:
-                self._quarantine(buf, reservation)
+                self._quarantine(buf, reservation, owner)
             else:
                 buf.close()
                 reservation.release()
@@ -149,12 +165,14 @@ class Exports:
         rec = self.leases.add(slot, delivery, ttl, digest, release, (lay, buf))
         return Export(rec, lay, handle)
 
-    def _quarantine(self, buf: Any, reservation: Claim) -> None:
-        """Keep an expired segment's bytes charged until no other process maps it (looked at every
-        QUARANTINE_CHECK seconds), then unlink it and give the bytes back."""
+    def _quarantine(self, buf: Any, reservation: Claim, owner: str) -> None:
+        """Keep an expired segment's bytes charged, and counted among its owner's leases (so segments kept mapped
+        past expiry cannot pile up beyond --max-leases-per-client), until no other process maps or holds it
+        (looked at every QUARANTINE_CHECK seconds), then unlink it and give both back."""
         buf.unmap()
+        held = _Charges(reservation, self.leases.ledger.claim(0, owner))  # a lease slot without bytes: always taken
         with self._quarantine_lock:
-            self._quarantined.append((buf, reservation))
+            self._quarantined.append((buf, held))
             if self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch, name="paraminit-quarantine", daemon=True)
                 self._watcher.start()

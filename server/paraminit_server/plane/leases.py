@@ -81,7 +81,10 @@ class LeaseTable:
         def refusal(ledger: Ledger, n: int, holder: str) -> errors.ResourceExhausted | None:
             held = ledger.claims(holder)
             if held >= self.max_per_owner:
-                return errors.ResourceExhausted(f"client holds {held} leases, the limit is {self.max_per_owner}; release some first")
+                return errors.ResourceExhausted(
+                    f"client holds {held} leases (expired ones whose memory it still maps count), the limit is "
+                    f"{self.max_per_owner}; release some first"
+                )
             own = ledger.held_bytes(holder)
             if own + n > self.max_bytes_per_owner:
                 return errors.ResourceExhausted(
