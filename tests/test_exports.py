@@ -726,10 +726,10 @@ def test_close_waits_for_a_quarantined_segment_being_freed() -> None:
 
     budget = MemoryBudget(1 << 20)
     exports = Exports(SimpleNamespace(memory=HOST), LeaseTable(1 << 20, 4, 60.0, 60.0, reap_interval=3600), budget)
-    exports._quarantine(Segment(), budget.reserve(4096))
+    exports._quarantine(Segment(), budget.reserve(4096), "someone")
     assert freeing.wait(10)  # the watcher has taken it off the list and is unlinking it
     exports.close()
-    assert freed.is_set() and budget.reserved == 0
+    assert freed.is_set() and budget.reserved == 0 and exports.leases.ledger.claims("someone") == 0
 
 
 def test_a_segment_takes_its_memory_before_any_fill(monkeypatch: pytest.MonkeyPatch) -> None:
