@@ -254,8 +254,7 @@ class OwnInit:
             rec_, failures = replay.replay(walk.module, [walk.tensors[n] for n in pending])
             for name in pending:
                 roots[name] = rec_.add_root(walk.tensors[name])
-        by_tensor = {id(root.tensor): name for name, root in roots.items()}
-        by_tensor.update({id(t): name for name, t in walk.tensors.items()})
+        by_tensor = {id(t): name for name, t in walk.tensors.items()}  # every root's tensor is one of the walk's
 
         def seed_of(root: replay.Root) -> int | str:
             name = by_tensor.get(id(root.tensor))
@@ -268,8 +267,7 @@ class OwnInit:
             t, kind = walk.tensors[name], walk.kinds[name]
             key = walk.owners[name][1]
             if name not in roots:  # a real buffer: the values the model's code computed
-                got = replay.emit(replay.Root(t, tuple(t.shape), replay.Write(replay.real_value(t), None, None, "")), seed_of)
-                walk.inits[name] = got[0]
+                walk.inits[name] = replay.real_value(t).init(walk.seed_of(name))
                 continue
             if name in pending_set:
                 why = _not_replayable(name, modules, failures, replayed)

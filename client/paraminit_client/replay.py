@@ -429,7 +429,6 @@ class Root:
     shape: tuple[int, ...]
     base: Write | None = None
     patches: list[Write] = field(default_factory=list)
-    touched: bool = False  # written at all (even if refused)
     shadow: bool = False  # a real tensor the model's code made (its operations run too): what its values are drawn as
     written: np.ndarray[Any, np.dtype[np.bool_]] | None = None  # a shadow from torch.empty: elements written since
 
@@ -565,9 +564,9 @@ class Recorder(TorchFunctionMode):
             self.roots.setdefault(key, []).append(root)
             self._keep.append(t)
         if isinstance(initial, Root):
-            root.base, root.patches, root.touched = initial.base, list(initial.patches), True
+            root.base, root.patches = initial.base, list(initial.patches)
         elif initial is not None:
-            root.base, root.patches, root.touched = Write(initial, None, None, _where()), [], True
+            root.base, root.patches = Write(initial, None, None, _where()), []
         return root
 
     def shadow_of(self, t: torch.Tensor) -> Root | None:
@@ -634,7 +633,6 @@ class Recorder(TorchFunctionMode):
         self._set(root, box, Refused(why), None)
 
     def _set(self, root: Root, box: Box | None, value: Value, origin: Root | None) -> None:
-        root.touched = True
         where = _where()
         if isinstance(value, Refused):  # a refusal names the model's line
             value = Refused(f"{value.why} ({where})")
@@ -676,7 +674,6 @@ class Recorder(TorchFunctionMode):
         if box is None or all(a == 0 and b == n for (a, b), n in zip(box, root.shape, strict=True)):
             root.base = dataclasses.replace(root.base, value=fn(root.base.value))
             root.patches = [dataclasses.replace(p, value=fn(p.value)) for p in root.patches]
-            root.touched = True
             return
         same = [i for i, p in enumerate(root.patches) if p.box == box]
         if same and not any(p.box is not None and _intersects(p.box, box) for p in root.patches[same[-1] + 1 :]):
@@ -995,7 +992,7 @@ class Recorder(TorchFunctionMode):
             return
         region = _slices(box) if box is not None else ...
         values[region] = _arranged(target.numpy(), box, order, inverse=False).reshape(values[region].shape)
-        root.base, root.patches, root.touched = Write(as_value(values), None, None, _where()), [], True
+        root.base, root.patches = Write(as_value(values), None, None, _where()), []
 
     def _out(
         self, func: Any, name: str, found: tuple[Root, Box | None, tuple[int, ...]], args: Sequence[Any], kwargs: dict[str, Any]

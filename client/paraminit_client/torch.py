@@ -545,16 +545,13 @@ def meta_parameters() -> Iterator[None]:
     with replay.capture() as rec:
 
         def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-            if param is not None and type(param) is nn.Parameter and threading.get_ident() == owner:
+            if param is not None and type(param) is nn.Parameter:
+                mine = threading.get_ident() == owner  # another thread's parameters go to meta unrecorded
+                initial = replay.initial_value(rec, param) if mine and not param.is_meta else None
                 if not param.is_meta:
-                    initial = replay.initial_value(rec, param)
                     param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-                    root = rec.add_root(param, initial)
-                else:
-                    root = rec.add_root(param)
-                param.__dict__[replay.RECORD_ATTR] = root
-            elif param is not None and type(param) is nn.Parameter and not param.is_meta:
-                param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+                if mine:
+                    param.__dict__[replay.RECORD_ATTR] = rec.add_root(param, initial)
             register(self, name, param)
 
         nn.Module.register_parameter = on_meta  # type: ignore[method-assign]

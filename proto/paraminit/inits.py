@@ -62,6 +62,7 @@ __all__ = [
     "kaiming_bound",
     "kind_of",
     "label",
+    "orthogonal_work",
     "range_problem",
     "read",
     "trunc_bounds_ok",
@@ -448,15 +449,19 @@ class Computed(_DataForm):
         return 8 * numel(shape)
 
 
-@dataclass(frozen=True)
-class Eye(Computed):
-    """The identity matrix: 1 where row == col (docs/SAMPLER.md 2.4)."""
+class _Indicator(Computed):
+    """A computed form of zeros and ones (eye, dirac)."""
 
     WORDS: ClassVar[str] = "1"
 
     @classmethod
     def bound(cls, f: Mapping[str, Any]) -> Any:
         return 1.0
+
+
+@dataclass(frozen=True)
+class Eye(_Indicator):
+    """The identity matrix: 1 where row == col (docs/SAMPLER.md 2.4)."""
 
     def describe(self) -> str:
         return "eye"
@@ -469,16 +474,11 @@ class Eye(Computed):
 
 
 @dataclass(frozen=True)
-class Dirac(Computed):
+class Dirac(_Indicator):
     """dirac_(groups): each group's first min(out / groups, in) output channels pass their input through at the
     kernel's centre (docs/SAMPLER.md 2.5)."""
 
     groups: int
-    WORDS: ClassVar[str] = "1"
-
-    @classmethod
-    def bound(cls, f: Mapping[str, Any]) -> Any:
-        return 1.0
 
     def describe(self) -> str:
         return f"dirac(groups={self.groups})"
@@ -663,6 +663,13 @@ def _orthogonal(o: plan_pb2.Orthogonal, shape: Sequence[int]) -> Orthogonal:
     return Orthogonal(o.gain, o.seed, rows, cols)
 
 
+def orthogonal_work(shape: Sequence[int]) -> int:
+    """The factorization work of an orthogonal parameter of `shape` (rank >= 2): rows * cols * min(rows, cols),
+    what ORTHOGONAL_MAX_WORK caps per parameter and per plan."""
+    rows, cols = _matrix(shape)
+    return rows * cols * min(rows, cols)
+
+
 def _check_orthogonal(o: plan_pb2.Orthogonal, shape: Sequence[int]) -> list[Problem]:
     out = _rank2_problems("orthogonal", "orthogonal", shape)
     if out:
@@ -674,8 +681,8 @@ def _check_orthogonal(o: plan_pb2.Orthogonal, shape: Sequence[int]) -> list[Prob
                 'orthogonal gain must be finite and not 0 (an omitted gain is 0: write "gain": 1 for PyTorch\'s default)',
             )
         )
-    rows, cols = _matrix(shape)
-    if min(rows, cols) and rows * cols > ORTHOGONAL_MAX_WORK // min(rows, cols):
+    if orthogonal_work(shape) > ORTHOGONAL_MAX_WORK:
+        rows, cols = _matrix(shape)
         out.append(
             (
                 "init.orthogonal",

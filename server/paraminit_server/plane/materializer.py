@@ -9,7 +9,7 @@ behaves the same; messages and checksums are the transports'.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,7 +145,7 @@ class Materializer:
             lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"),
             standard_normal,
             sparse_zero_keys,
-            lambda: caller.gone() or self.admission.draining.is_set(),
+            self._over(caller),
         )
         size = p.ByteSize()
         sources.hold(
@@ -171,6 +171,10 @@ class Materializer:
             return validation.validate(p, self.limits, sources, cols), plan.digest(p, sources, cols)
         finally:
             sources.release()  # the freed heap a large plan's checks leave goes back at the slot's idle trim
+
+    def _over(self, caller: Caller) -> Callable[[], bool]:
+        """Whether a request's work should stop: its caller went (deadline, cancellation) or the server drains."""
+        return lambda: caller.gone() or self.admission.draining.is_set()
 
     def check(self, p: plan_pb2.Plan, caller: Caller) -> CheckedPlan:
         """Validate the whole plan; raise with every violation, or return it resolved, its kernels ready.
@@ -300,9 +304,7 @@ class Materializer:
     def apply(self, lease_id: str, p: plan_pb2.Plan, caller: Caller) -> str:
         checked = self.check(p, caller)
         with contextlib.closing(checked), self.admission.admit(0, caller):
-            return self.exports.apply(
-                lease_id, checked.params, checked.digest, caller, lambda: caller.gone() or self.admission.draining.is_set()
-            )
+            return self.exports.apply(lease_id, checked.params, checked.digest, caller, self._over(caller))
 
     # -- payloads ------------------------------------------------------------------------
 

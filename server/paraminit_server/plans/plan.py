@@ -202,10 +202,10 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None
         return rp
     patches = []
     area = regions.Region(rp.shape, rp.region)
+    boxes = [tuple((int(r.start), int(r.stop)) for r in q.box) for q in p.patches]
     if sources is not None:  # the run arrays, charged before they are built (a small plan can ask for many)
-        sources.charge(sum(RUN_BYTES * _runs_at_most(rp.region, tuple((int(r.start), int(r.stop)) for r in q.box)) for q in p.patches))
-    for j, q in enumerate(p.patches):
-        box = tuple((int(r.start), int(r.stop)) for r in q.box)
+        sources.charge(sum(RUN_BYTES * _runs_at_most(rp.region, box) for box in boxes))
+    for j, (q, box) in enumerate(zip(p.patches, boxes, strict=True)):
         if q.HasField("part"):  # the box is part of a tensor of its own: values at indices in that tensor
             starts, values, run_len = area.box_runs(box)
             values = values + int(q.part.start)

@@ -8,7 +8,6 @@ its name and the field, so a user fixes a plan in one round trip.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -148,9 +147,9 @@ def _orthogonal_work(plan: plan_pb2.Plan, cols: Columns | None) -> int:
     for i in rows:
         p = plan.params[i]
         if p.init.WhichOneof("kind") == "orthogonal" and len(p.shape) >= 2:
-            m, n = int(p.shape[0]), math.prod(int(d) for d in p.shape[1:])
-            if m * n * min(m, n) <= inits.ORTHOGONAL_MAX_WORK:  # one over the cap is that parameter's violation
-                work += m * n * min(m, n)
+            one = inits.orthogonal_work(p.shape)
+            if one <= inits.ORTHOGONAL_MAX_WORK:  # one over the cap is that parameter's violation
+                work += one
     return work
 
 
