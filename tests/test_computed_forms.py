@@ -115,3 +115,21 @@ def test_rules_are_reported_with_the_rest() -> None:
     assert found[5][0] == "params[5].init.sparse.sparsity" and found[6][0] == "params[6].init.sparse.std"
     assert "std * 5.2566" in found[7][1]
     assert found[9][0] == "params[9].patches[0].init.eye" and "a patch cannot use eye" in found[9][1]
+
+
+def test_computing_values_looks_at_the_requests_end_first() -> None:
+    """Each computed parameter's values are made whole in resolution: a request that ended (deadline, cancellation,
+    drain) is not computed for."""
+    from paraminit_server import errors
+    from paraminit_server.backends.cpu_kernels import sparse_zero_keys, standard_normal
+    from paraminit_server.plans.payloads import ValueSources
+    from paraminit_server.plans.plan import resolve_param
+    from paraminit_server.plans.snapshot import RequestSnapshot
+
+    p = sparse("s", [64, 8])
+    over = [False]
+    sources = RequestSnapshot(ValueSources(1 << 20, 60.0), "someone", None, standard_normal, sparse_zero_keys, lambda: over[0])
+    assert resolve_param(0, p, sources).values is not None
+    over[0] = True
+    with pytest.raises(errors.Cancelled, match="before its sparse"):
+        resolve_param(0, p, sources)

@@ -306,6 +306,8 @@ class _Resolver:
         sources = self.sources
         if sources is None or sources.gaussian is None or sources.zero_keys is None:
             raise errors.InvalidRequest(f"a {form.describe()} parameter is resolved with the request's sources (its draws come from them)")
+        if sources.stop is not None and sources.stop():  # each parameter's values are computed whole: look first
+            raise errors.Cancelled(f"the request ended before its {form.describe()} values were computed")
         sources.charge(form.held_bytes(self.shape))  # held for the request, binary64
         return self._data(form.values(self.shape, sources.gaussian, sources.zero_keys))
 
