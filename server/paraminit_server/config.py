@@ -23,7 +23,8 @@ class ServerConfig:
     backend: str = "auto"  # auto | cpu | cupy (numpy = cpu)
     device: int = 0
     threads: int = field(default_factory=host_limits.default_threads)  # CPU kernel threads; default: the cgroup's CPU quota; 0 = all cores
-    workers: int = 48  # gRPC worker threads: running + queued calls + control calls (health, Release, ...)
+    workers: int = 48  # threads that run calls whose request has arrived: running + queued + control calls (Release, ...)
+    max_rpcs: int = 1024  # calls in flight (receiving their request, queued or running); health is never counted
     max_plan_bytes: int = 16 * GiB
     max_param_bytes: int = 16 * GiB
     max_concurrent: int = 8
@@ -108,8 +109,10 @@ HELP: dict[str, str] = {
     "backend": "auto (CuPy when it imports and a GPU is present, else cpu), cpu (alias numpy) or cupy",
     "device": "CUDA device ordinal for the cupy backend",
     "threads": "CPU kernel threads; 0 = every core; the default is the container's CPU quota (0 without one)",
-    "workers": "gRPC worker threads: calls the server answers at once, queued ones included (keep it above "
-    "--max-concurrent + --max-queued, with room for health checks and lease calls)",
+    "workers": "threads that run calls once their request has arrived, queued ones included (keep it above "
+    "--max-concurrent + --max-queued, with room for lease calls); health and reflection need none",
+    "max_rpcs": "calls in flight at once, whether still receiving their request, queued or running (one caller "
+    "at most three quarters of them); beyond it RESOURCE_EXHAUSTED on the headers; health is never counted; 0 = no bound",
     "max_plan_bytes": "largest plan (all its parameters' bytes) a call may materialize",
     "max_param_bytes": "largest single parameter",
     "max_concurrent": "materializations running at once; beyond it calls wait in line (--max-queued)",

@@ -15,7 +15,7 @@ import hashlib
 import hmac
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -158,26 +158,28 @@ def identity(context: grpc.ServicerContext, tokens: TokenAuth | None, endpoint: 
     return certificate_identity(auth) or peer_ident, uid
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
+class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Rejects every call but health without a valid bearer token, on its metadata alone.
 
-    The decision is made when the call's headers arrive. A denied call gets a request-streaming
-    handler that never reads the request: grpc would otherwise hold a worker thread until a unary
-    request arrived in full, so calls that never send their body could starve every worker, and
-    large bodies would be buffered for nothing."""
+    The decision is made on the loop when the call's headers arrive: a denied call gets a request-streaming
+    handler that never reads the request, so large bodies are not buffered for nothing."""
 
     def __init__(self, tokens: TokenAuth) -> None:
         self.tokens = tokens
 
-        def deny(requests: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        async def deny(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
         self._deny: grpc.RpcMethodHandler[Any, Any] = grpc.stream_stream_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = details.method
         if method.startswith(HEALTH_PREFIX) or self.tokens.identify(details.invocation_metadata) is not None:
-            return continuation(details)
+            return await continuation(details)
         return self._deny
 
 

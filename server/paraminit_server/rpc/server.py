@@ -12,8 +12,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -22,6 +21,7 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import _async as reflection_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from paraminit import wire
@@ -35,6 +35,7 @@ from paraminit_server.plane.materializer import Materializer, max_request_bytes
 from paraminit_server.plans import scanner
 from paraminit_server.rpc import peer_user
 from paraminit_server.rpc.auth import AuthInterceptor, Endpoint, TokenAuth, server_credentials
+from paraminit_server.rpc.edge import Edge
 from paraminit_server.rpc.metrics import Metrics
 from paraminit_server.rpc.service import InitServicer
 from paraminit_server.rpc.status import MalformedRequest
@@ -52,11 +53,12 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.so_reusep
 class Running:
     """A started server: the port it bound and the pieces shutdown needs."""
 
-    server: grpc.Server
+    server: grpc.aio.Server
+    edge: Edge
     port: int
     plane: Materializer
     servicer: InitServicer
-    health: health.HealthServicer
+    health: health.aio.HealthServicer
     config: ServerConfig
     metrics: Metrics | None = None
     metrics_port: int = 0
@@ -70,10 +72,10 @@ class Running:
         thread asks (warm-up finishing while a drain starts), since both steps hold one lock."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         with self._health_lock:
-            if serving and self.plane.admission.draining.is_set():
+            if (serving and self.plane.admission.draining.is_set()) or self.edge.closed:
                 return
             for name in ("", SERVICE_NAME):
-                self.health.set(name, status)
+                self.edge.call(self.health.set(name, status))
             if self.metrics is not None:
                 self.metrics.serving.set(1 if serving else 0)
 
@@ -88,8 +90,11 @@ class Running:
         self.plane.sources.wait_uploads(deadline - time.monotonic())  # uploads drain too
         # drained: every status NOT_SERVING (liveness too: the process is leaving) and frozen, as grpc_health's
         # graceful shutdown intends, so nothing that finishes late can report SERVING again
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace=1.0).wait()
+        with self._health_lock:
+            if not self.edge.closed:
+                self.edge.call(self.health.enter_graceful_shutdown())
+                self.edge.call(self.server.stop(1.0))
+                self.edge.close()
         self.servicer.stalls.close()
         self.plane.close()
         if self.metrics is not None:
@@ -110,45 +115,35 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     plane = Materializer(config, backend)
     metrics = Metrics() if config.metrics_port else None
     servicer = InitServicer(plane, tokens, metrics)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="paraminit-rpc"),
-        options=_grpc_options(plane),
-        interceptors=[AuthInterceptor(tokens)] if tokens else [],
-    )
-    server.add_generic_rpc_handlers((_service_handler(servicer),))
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server)
     address = bind_address(config.host, config.port)
     check_port_free(config.host, config.port)
     if (config.tls_cert or config.tls_key) and not (config.tls_cert and config.tls_key):
         raise ValueError("TLS needs both --tls-cert and --tls-key")
-    with _private_umask(address.startswith("unix:")):  # a Unix socket is 0600 from its bind on, never wider
-        if config.tls_cert or config.tls_key:
-            port = server.add_secure_port(address, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
-        else:
-            port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {address}")
-    if address.startswith("unix:"):
-        os.chmod(address[5:], 0o600)  # only the server's user connects (auth.peer_identity relies on it)
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
+    edge = Edge(config.workers, config.max_rpcs, config.max_stall, caller_key(tokens), servicer.refused)
+    try:
+        server, health_servicer, port = edge.call(_build(edge, servicer, tokens, address, credentials, _grpc_options(plane)))
+    except BaseException:
+        edge.close()
+        raise
     if address.startswith("unix:"):
         servicer.endpoint = Endpoint((), address[5:])
     else:
         servicer.endpoint = Endpoint((port,), "", peer_user.listening_hosts(config.host))
-    running = Running(server, port, plane, servicer, health_servicer, config, metrics)
+    running = Running(server, edge, port, plane, servicer, health_servicer, config, metrics)
     if metrics is not None:
         try:
             running.metrics_port = _serve_metrics(config, plane, metrics)
         except BaseException:  # nothing of a server that did not start stays behind (its Unix socket file)
-            server.stop(None)
+            edge.call(server.stop(None))
+            edge.close()
             if address.startswith("unix:"):
                 with contextlib.suppress(OSError):
                     os.unlink(address[5:])
             raise
     running.set_serving(False)
-    health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    server.start()
+    edge.call(health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING))
+    edge.call(server.start())
 
     def warm() -> None:
         try:
@@ -178,6 +173,40 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     else:
         warm()
     return running
+
+
+async def _build(
+    edge: Edge,
+    servicer: InitServicer,
+    tokens: TokenAuth | None,
+    address: str,
+    credentials: grpc.ServerCredentials | None,
+    options: list[tuple[str, Any]],
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """The aio server with every service, bound (on the loop: grpc.aio objects belong to it)."""
+    server = grpc.aio.server(options=options, interceptors=[AuthInterceptor(tokens)] if tokens else [])
+    server.add_generic_rpc_handlers((_service_handler(servicer, edge),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    enable_reflection((SERVICE_NAME, health.SERVICE_NAME), server, edge)
+    with _private_umask(address.startswith("unix:")):  # a Unix socket is 0600 from its bind on, never wider
+        port = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    if address.startswith("unix:"):
+        os.chmod(address[5:], 0o600)  # only the server's user connects (auth.peer_identity relies on it)
+    return server, health_servicer, port
+
+
+def caller_key(tokens: TokenAuth | None) -> Callable[[tuple[Any, ...], str], str]:
+    """Who a call is for the edge's per-caller share of --max-rpcs, from what its headers say at no cost: its
+    token's identity, else its peer's host (the port differs per connection)."""
+
+    def key(metadata: tuple[Any, ...], peer: str) -> str:
+        ident = tokens.identify(metadata) if tokens is not None else None
+        return f"token:{ident}" if ident is not None else peer.rpartition(":")[0] or peer
+
+    return key
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
@@ -219,26 +248,29 @@ def documented_files() -> dict[str, bytes]:
     return {f.name: f.SerializeToString() for f in files}
 
 
-class DocumentedReflection(reflection.ReflectionServicer):  # type: ignore[misc]
+class DocumentedReflection(reflection_aio.ReflectionServicer):  # type: ignore[misc]
     """Reflection whose paraminit files carry the .proto comments (formulas, checksum layout, size rules), so a
-    client generated from reflection alone sees the whole contract; other files as the pool has them."""
+    client generated from reflection alone sees the whole contract; other files as the pool has them. Each
+    stream counts against --max-rpcs like any other call."""
 
-    def __init__(self, service_names: tuple[str, ...]) -> None:
+    def __init__(self, service_names: tuple[str, ...], edge: Edge) -> None:
         super().__init__(service_names)
         self._documented = documented_files()
+        self._edge = edge
 
-    def ServerReflectionInfo(self, request_iterator: Any, context: Any) -> Iterator[Any]:
-        for response in super().ServerReflectionInfo(request_iterator, context):
-            if response.HasField("file_descriptor_response"):
-                files = response.file_descriptor_response.file_descriptor_proto
-                for k, raw in enumerate(files):
-                    name = descriptor_pb2.FileDescriptorProto.FromString(raw).name
-                    if name in self._documented:
-                        files[k] = self._documented[name]
-            yield response
+    async def ServerReflectionInfo(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+        async with self._edge.admitted("ServerReflectionInfo", context):
+            async for response in super().ServerReflectionInfo(request_iterator, context):
+                if response.HasField("file_descriptor_response"):
+                    files = response.file_descriptor_response.file_descriptor_proto
+                    for k, raw in enumerate(files):
+                        name = descriptor_pb2.FileDescriptorProto.FromString(raw).name
+                        if name in self._documented:
+                            files[k] = self._documented[name]
+                yield response
 
 
-def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> None:
+def enable_reflection(service_names: tuple[str, ...], server: grpc.aio.Server, edge: Edge) -> None:
     """Server reflection as grpc.reflection.v1 (what newer clients such as grpcurl ask first) and v1alpha.
 
     grpcio-reflection implements v1alpha only; v1 has the same messages (same fields and numbers) under
@@ -246,7 +278,7 @@ def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> No
     """
     _register_reflection_v1_descriptor()
     names = (*service_names, REFLECTION_V1, reflection.SERVICE_NAME)
-    servicer = DocumentedReflection(names)
+    servicer = DocumentedReflection(names, edge)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
     handler = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo,
@@ -325,27 +357,23 @@ def _lenient_parser(cls: Any, decode: Callable[[bytes], Any] | None = None) -> A
 HAND_DECODED: dict[str, Callable[[bytes], Any]] = {"UploadPayload": wire.decode_payload_chunk}
 
 
-def _service_handler(servicer: InitServicer) -> grpc.GenericRpcHandler:
-    """The generated handlers, except that Materialize also sends pre-encoded chunk bytes (paraminit.wire)."""
+def _service_handler(servicer: InitServicer, edge: Edge) -> grpc.GenericRpcHandler:
+    """The InitService methods on the edge (every one request-streaming there, see edge.py); Materialize also
+    sends pre-encoded chunk bytes (paraminit.wire)."""
     handlers = {}
     methods = servicer.methods()
     for method in pb.DESCRIPTOR.services_by_name["InitService"].methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
-        fn = methods[method.name]
-        parse = _lenient_parser(request_cls, HAND_DECODED.get(method.name))
-        if method.client_streaming:
-            handlers[method.name] = grpc.stream_unary_rpc_method_handler(
-                fn, request_deserializer=parse, response_serializer=response_cls.SerializeToString
-            )
-        elif method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                fn, request_deserializer=parse, response_serializer=wire.serialize_response
-            )
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=parse, response_serializer=response_cls.SerializeToString
-            )
+        serialize = wire.serialize_response if method.server_streaming else response_cls.SerializeToString
+        handlers[method.name] = edge.handler(
+            method.name,
+            methods[method.name],
+            _lenient_parser(request_cls, HAND_DECODED.get(method.name)),
+            serialize,
+            method.client_streaming,
+            method.server_streaming,
+        )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 

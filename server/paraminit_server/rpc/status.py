@@ -22,6 +22,7 @@ from grpc_status import rpc_status
 from paraminit.violations import NAME_ECHO, Violation, clip, describe
 from paraminit_server import errors
 from paraminit_server.plane.admission import DRAIN_RETRY_AFTER
+from paraminit_server.rpc.edge import AbortCall
 
 log = logging.getLogger("paraminit.server")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -195,8 +196,8 @@ def _abort(owner: Servicer, context: grpc.ServicerContext, exc: BaseException, m
 
 
 def _is_abort(exc: BaseException) -> bool:
-    # context.abort raises a bare Exception subclass that grpc recognises; let it through untouched.
-    return type(exc).__name__ == "_AbortException" or isinstance(exc, grpc.RpcError)
+    # an abort (the edge's, or grpc's own bare Exception subclass) goes through untouched
+    return isinstance(exc, AbortCall) or type(exc).__name__ == "_AbortException" or isinstance(exc, grpc.RpcError)
 
 
 def boundary(fn: F) -> F:
