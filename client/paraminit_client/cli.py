@@ -28,8 +28,9 @@ import grpc
 
 import paraminit_client
 from paraminit import dtypes, exitcodes, sizes
-from paraminit_client import filesink
-from paraminit_client.client import Client, progress_bar, write_stream
+from paraminit_client import checkpoints, filesink
+from paraminit_client.checkpoints import progress_bar, write_stream
+from paraminit_client.client import Client
 from paraminit_client.errors import CheckpointFormatError, InvalidArgument, ParaminitError
 from paraminit_client.plans import PlanFileError, field_lines, load_plan, plan_from_safetensors, plan_to_json
 
@@ -192,12 +193,14 @@ def _same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
         return Path(a).resolve() == Path(b).resolve()
 
 
-def check_output(output: str, inputs: Sequence[str | None]) -> Path:
-    """The -o file, refused before any work when it is one of the inputs, a directory, or in a missing directory.
+def check_output(output: str, inputs: Sequence[str | None], directory: bool = False) -> Path:
+    """The -o file, refused before any work when it is one of the inputs, a directory (a file, for a format
+    that writes a directory), or in a missing directory.
 
     Args:
         output: the path given to -o.
         inputs: the files the command reads (None entries are ignored).
+        directory: the output is a directory (sharded safetensors, DCP): made if missing.
 
     Returns:
         The output path.
@@ -210,8 +213,11 @@ def check_output(output: str, inputs: Sequence[str | None]) -> Path:
     for given in inputs:
         if given is not None and _same_file(given, dest):
             raise UsageError(f"-o {output} is the input file {given}: writing it would replace the input")
-    if dest.is_dir():
-        raise IsADirectoryError(errno.EISDIR, "is a directory; -o takes a file name", output)
+    if directory:
+        if dest.exists() and not dest.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "is not a directory; sharded and DCP checkpoints are directories", output)
+    elif dest.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory; -o takes a file name (or give --max-shard-size or --format dcp)", output)
     if not dest.parent.is_dir():
         raise FileNotFoundError(errno.ENOENT, f"directory {str(dest.parent)!r} does not exist", output)
     return dest
@@ -222,8 +228,15 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     to_stdout = args.output == "-"  # the data to standard output, everything said to standard error
     if to_stdout and args.json:
         raise UsageError("--json prints the summary on standard output, where -o - writes the file: use one of them")
+    try:
+        writer = checkpoints.format_for(args.format, args.max_shard_size)
+    except InvalidArgument as exc:
+        raise UsageError(exc.message) from None
+    multi_file = not isinstance(writer, checkpoints.SafetensorsFile)
+    if to_stdout and multi_file:
+        raise UsageError("-o - writes one safetensors file: sharded and DCP checkpoints are directories")
     if not to_stdout:
-        check_output(args.output, [args.plan])
+        check_output(args.output, [args.plan], directory=multi_file)
     plan = load_plan(args.plan)
     compiled, starting = _compile_seconds(), _start_seconds()
     show_bar = args.progress and not args.quiet and sys.stderr.isatty()
@@ -264,7 +277,15 @@ def cmd_materialize(args: argparse.Namespace) -> int:
                         "the safetensors file written there is incomplete"
                     ) from None
             else:
-                header = c.materialize_to_file(plan, args.output, progress=progress, chunk_bytes=args.chunk_bytes)
+                with checkpoints.process_group(writer):
+                    header = c.materialize_to_file(
+                        plan,
+                        args.output,
+                        progress=progress,
+                        chunk_bytes=args.chunk_bytes,
+                        format=args.format,
+                        max_shard_size=args.max_shard_size,
+                    )
     finally:
         if bar is not None:
             bar.close()
@@ -657,18 +678,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = add(
         "materialize",
-        "materialize a plan into a safetensors file",
+        "materialize a plan into a checkpoint: safetensors (one file or shards) or DCP",
         "Materialize a plan into a safetensors file, written atomically (a temporary file renamed into place "
-        "when complete). On a terminal a progress bar shows on stderr; on success one line on stdout says what "
-        "was written: parameters, bytes, time, throughput and the plan digest.",
+        "when complete); with --max-shard-size into a directory of shards and model.safetensors.index.json, "
+        "as transformers' save_pretrained writes them; with --format dcp into a torch.distributed.checkpoint "
+        "directory (under torchrun each rank writes its part). On a terminal a progress bar shows on stderr; on "
+        "success one line on stdout says what was written: parameters, bytes, time, throughput and the plan digest.",
     )
     m.add_argument("plan", help="plan file: JSON or YAML form of paraminit.v1.Plan")
     m.add_argument(
         "-o",
         "--output",
         required=True,
-        metavar="FILE",
-        help="safetensors file to write; - writes it to standard output (the summary then goes to stderr)",
+        metavar="PATH",
+        help="safetensors file to write (a directory with --max-shard-size or --format dcp); - writes the file to "
+        "standard output (the summary then goes to stderr)",
+    )
+    m.add_argument(
+        "--format",
+        default="safetensors",
+        metavar="FORMAT",
+        help=f"checkpoint format: {' or '.join(checkpoints.FORMATS)} (default: safetensors)",
+    )
+    m.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="write safetensors shards of at most SIZE (5GB, 500MB, 2GiB; a larger tensor alone in its shard) "
+        "and their index into the -o directory",
     )
     m.add_argument(
         "--chunk-bytes",
@@ -706,7 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
         "mean or std is more than 5 standard errors (plus the dtype's rounding) from the expected one, or a "
         "value lies outside the bounds; the FLAG lines below the table say why.",
     )
-    ins.add_argument("file", help="safetensors file (- reads standard input)")
+    ins.add_argument("file", help="safetensors file, or a directory of shards and their index (- reads standard input)")
     ins.add_argument("--plan", metavar="PLAN", help="plan whose initializers the tensors should follow")
     ins.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     ins.add_argument(

@@ -9,11 +9,8 @@ same either way.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import stat
-import tempfile
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -27,8 +24,8 @@ import numpy as np
 from paraminit.hostmem import tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
-from paraminit_client import filesink
-from paraminit_client.errors import ClientClosed, FileAccessError, InvalidArgument, ParaminitError
+from paraminit_client import checkpoints
+from paraminit_client.errors import ClientClosed, InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
 from paraminit_client.grpc_transport import GrpcTransport, first_response, payload_bytes, rpc_errors
 from paraminit_client.local_transport import LocalTransport, start_local
@@ -440,191 +437,39 @@ class Client:
         progress: bool | Callable[[int, int], None] = False,
         chunk_bytes: int = 0,
         durable: bool = True,
+        format: str = "safetensors",
+        max_shard_size: int | str | None = None,
     ) -> pb.StreamHeader:
-        """Write a safetensors file atomically: a temporary file renamed into place only when complete.
+        """Write a checkpoint atomically: each file under a hidden name, given its name only when complete.
 
-        The file is sized up front (a full disk fails before any transfer) and each chunk is written as
-        it arrives (paraminit_client.filesink). `durable` (the default) writes the data with direct I/O
-        where the file system allows and flushes it and the directory entry to disk before returning,
-        so the file survives a crash once this returns; without it the page cache decides (faster where
-        the disk is slower than the network).
+        `safetensors` (the default) writes one file at `path`; with `max_shard_size` it writes a directory of
+        shards and their index, as transformers' `save_pretrained` does (paraminit_client.checkpoints).
+        `dcp` writes a torch.distributed.checkpoint directory; under an initialized process group every rank
+        calls this with the same plan and writes its own part. Files are sized up front (a full disk fails
+        before any transfer) and each chunk is written as it arrives (paraminit_client.filesink). `durable`
+        (the default) writes data with direct I/O where the file system allows and flushes it and the
+        directory entries to disk before returning; without it the page cache decides.
 
         Args:
             plan: the plan.
-            path: the file to write.
+            path: the file to write (a directory for shards or DCP).
             progress: True for a bar on stderr, or a callable given (bytes written, total bytes): once with 0
                 when the header arrives, then after each chunk.
             chunk_bytes: the chunk size asked of a server (0: its default).
-            durable: flush data and directory entry before returning.
+            durable: flush data and directory entries before returning.
+            format: "safetensors" or "dcp".
+            max_shard_size: the largest safetensors shard, in bytes or as a size ("5GB", "500MB"); unset: one file.
 
         Returns:
-            The stream's header (tensor table, digest).
+            The plan's header (tensor table, total bytes, digest).
 
         Raises:
-            FileAccessError: the file cannot be created or written (a missing directory, a full disk).
-            ParaminitError: as for `stream`.
+            InvalidArgument: an unknown format or a bad shard size.
+            FileAccessError: a file cannot be created or written (a missing directory, a full disk).
+            ParaminitError: as for `stream`; an invalid plan before anything is written.
         """
-        dest = Path(path)
-        try:
-            existing = os.stat(dest)  # follows links: a link is written through, never replaced
-        except FileNotFoundError:
-            existing = None
-        except OSError as exc:
-            raise FileAccessError(exc) from None
-        if existing is not None and stat.S_ISDIR(existing.st_mode):
-            raise FileAccessError(IsADirectoryError(errno.EISDIR, "Is a directory", str(dest)))
-        header, chunks = self.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
-        bar = progress_bar(header.data_bytes, dest.name) if progress is True else None
-        update: Callable[[int], None] | None = bar.update if bar is not None else None
-        if callable(progress):
-            update = _cumulative(progress, header.data_bytes)
-        try:
-            if existing is not None and not stat.S_ISREG(existing.st_mode):
-                _write_in_place(dest, header.safetensors_prefix, chunks, update)  # a device, a FIFO: never renamed over
-            else:
-                _write_atomically(dest.resolve() if dest.is_symlink() else dest, header, chunks, update, durable)
-        finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                close()
-            if bar is not None:
-                bar.close()
-        return header
-
-
-def _write_in_place(dest: Path, prefix: bytes, chunks: Iterator[Chunk], update: Callable[[int], None] | None) -> None:
-    """Write the stream in order into an existing file that is not a regular file (a device such as /dev/null,
-    a FIFO, a terminal): opened for writing as it is, no temporary file, nothing renamed over it."""
-    try:
-        fd = os.open(dest, os.O_WRONLY | os.O_NOCTTY)
-    except OSError as exc:
-        raise FileAccessError(exc) from None
-    try:
-        write_stream(fd, prefix, chunks, update)
-    finally:
-        os.close(fd)
-
-
-def write_stream(fd: int, prefix: bytes, chunks: Iterator[Chunk], update: Callable[[int], None] | None = None) -> None:
-    """The safetensors prefix then every chunk, in order, to an open descriptor (a pipe, standard output).
-
-    Raises:
-        FileAccessError: a write failed (a closed pipe, a full disk).
-        ParaminitError: as for `Client.stream`.
-    """
-    try:
-        _write_all(fd, prefix)
-        land(chunks, lambda c: _write_all(fd, c.data), update)
-    except OSError as exc:
-        if isinstance(exc, ParaminitError):
-            raise
-        raise FileAccessError(exc) from exc
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:  # a short write is legal (a pipe): write the rest
-        view = view[os.write(fd, view) :]
-
-
-def _write_atomically(
-    dest: Path, header: pb.StreamHeader, chunks: Iterator[Chunk], update: Callable[[int], None] | None, durable: bool
-) -> None:
-    """A regular file: written under no name (O_TMPFILE, so a killed process leaves nothing behind) or a hidden
-    temporary one where the file system has no O_TMPFILE, then given its name only when complete."""
-    fd, tmp = _open_unnamed(dest)
-    base = len(header.safetensors_prefix)
-    if tmp is not None:
-        filesink.track_partial(tmp)
-    named: str | None = tmp
-    try:
-        try:
-            if base + header.data_bytes:
-                try:
-                    os.posix_fallocate(fd, 0, base + header.data_bytes)
-                except OSError as exc:  # a full disk: say which file, and how much it needed
-                    raise OSError(exc.errno, f"{exc.strerror} (the file needs {base + header.data_bytes} bytes)", str(dest)) from None
-            # an unnamed file is reopened (for O_DIRECT) through its descriptor's /proc link
-            sink = filesink.open_sink(fd, tmp or f"/proc/self/fd/{fd}", header.safetensors_prefix, header.data_bytes, durable)
-            try:
-                land(chunks, sink.put, update)
-                sink.finish()
-            finally:
-                sink.close()
-            if durable:
-                os.fsync(fd)
-            os.fchmod(fd, _mode_for(dest))
-            if named is None:
-                named = _link_unnamed(fd, dest)
-                filesink.track_partial(named)
-        finally:
-            os.close(fd)
-        os.replace(named, dest)
-        if durable:
-            _fsync_dir(dest.parent)
-    except BaseException as exc:
-        if named is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(named)
-        if isinstance(exc, OSError) and not isinstance(exc, ParaminitError):
-            raise FileAccessError(exc) from exc
-        raise
-    finally:
-        if named is not None:
-            filesink.forget_partial(named)
-
-
-def _mode_for(dest: Path) -> int:
-    """The new file's permissions: those of the file it replaces (a 0600 file stays private), else 0644 less the
-    umask, as a new file gets."""
-    try:
-        st = os.stat(dest)
-    except OSError:
-        return 0o644 & ~_umask()
-    return stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else 0o644 & ~_umask()
-
-
-def _open_unnamed(dest: Path) -> tuple[int, str | None]:
-    """(fd, None) for an O_TMPFILE file in dest's directory, else (fd, path) of a hidden temporary file there."""
-    directory = str(dest.parent or ".")
-    flag = getattr(os, "O_TMPFILE", 0)
-    try:
-        if flag and os.path.isdir("/proc/self/fd"):
-            try:
-                return os.open(directory, flag | os.O_WRONLY, 0o600), None
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                    raise
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=directory)
-        return fd, tmp
-    except OSError as exc:
-        raise FileAccessError(exc) from None
-
-
-def _link_unnamed(fd: int, dest: Path) -> str:
-    """Give a complete O_TMPFILE file a hidden name beside dest (renamed over dest next)."""
-    # linkat(AT_SYMLINK_FOLLOW) through the descriptor's /proc link: os.link takes linkat only with a dir_fd
-    dfd = os.open(dest.parent or ".", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(100):
-            name = f".{dest.name}.{os.urandom(6).hex()}.part"
-            try:
-                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dfd, follow_symlinks=True)
-                return str(dest.parent / name)
-            except FileExistsError:
-                continue
-    finally:
-        os.close(dfd)
-    raise FileExistsError(errno.EEXIST, "no free temporary name", str(dest.parent))
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable."""
-    dfd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        writer = checkpoints.format_for(format, max_shard_size)
+        return writer.write(self, plan, Path(path), progress=progress, chunk_bytes=chunk_bytes, durable=durable)
 
 
 def tls_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
@@ -663,33 +508,6 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
 
     def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return continuation(self._details(details), request_iterator)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _cumulative(report: Callable[[int, int], None], total: int) -> Callable[[int], None]:
-    """A per-chunk byte counter that calls `report(bytes so far, total)`; reports (0, total) at once."""
-    done = 0
-
-    def update(n: int) -> None:
-        nonlocal done
-        done += n
-        report(done, total)
-
-    report(0, total)
-    return update
-
-
-def progress_bar(total: int, name: str) -> Any:
-    """A terminal progress bar of `total` bytes (tqdm, imported when a bar is first drawn: it costs every start)."""
-    from tqdm import tqdm
-
-    # "iB" with unit_divisor 1024 reads KiB, MiB, GiB: the units of every size paraminit prints
-    return tqdm(total=total, unit="iB", unit_scale=True, unit_divisor=1024, desc=name, leave=True)  # the finished bar stays on screen
 
 
 @contextlib.contextmanager

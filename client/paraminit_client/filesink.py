@@ -31,8 +31,9 @@ class Sink(Protocol):
     def put(self, c: Chunk) -> None:
         """Write a chunk at its place (chunks come in order)."""
 
-    def finish(self) -> None:
-        """Everything put is in the file (on disk for a direct sink); the caller still fsyncs."""
+    def finish(self, total: int | None = None) -> None:
+        """Everything put is in the file (on disk for a direct sink); the caller still fsyncs. `total`: the
+        file's size, where it was not known when the sink was opened."""
 
     def close(self) -> None:
         """Stop helper threads, on success or failure."""
@@ -104,7 +105,9 @@ class DirectSink:
         if n != length:  # a short direct write leaves the rest unaligned: report it, the caller fails the file
             raise OSError(f"direct write of {length} bytes at {offset} wrote {n}")
 
-    def finish(self) -> None:
+    def finish(self, total: int | None = None) -> None:
+        if total is not None:
+            self._total = total
         tail = self._total - self._block * self.BLOCK
         if tail > 0:
             self._submit(-(-tail // ALIGN) * ALIGN)  # padded past the end, then cut off below
@@ -182,7 +185,7 @@ class BufferedSink:
             with contextlib.suppress(OSError):  # the final fsync reports any error
                 os.fdatasync(self._fd)
 
-    def finish(self) -> None:
+    def finish(self, total: int | None = None) -> None:
         pass
 
     def close(self) -> None:

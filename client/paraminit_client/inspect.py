@@ -8,6 +8,8 @@ dtype's rounding), and every value lies within the bounds.
 
 from __future__ import annotations
 
+import errno
+import json
 import math
 import os
 import re
@@ -153,6 +155,7 @@ class Row:
     expected: Expected | None = None
     in_plan: bool = False
     problems: list[str] = field(default_factory=list)
+    file: str = ""  # the file that holds it (a shard of a sharded checkpoint)
 
     @property
     def status(self) -> str:
@@ -221,13 +224,57 @@ def inspect_file(path: str | os.PathLike[str], plan: plan_pb2.Plan | None = None
         return _inspect_file(path, plan)
 
 
+def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
+    """The safetensors files of a checkpoint: the file itself, or in a directory the shards its
+    model.safetensors.index.json names (in order), else its model.safetensors.
+
+    Raises:
+        FileNotFoundError: a directory with neither.
+        CheckpointFormatError: (a ValueError) an index that is not JSON with a weight_map of file names.
+    """
+    if not os.path.isdir(path):
+        return [os.fspath(path)]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, "rb") as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise SafetensorsError("not a JSON object with a weight_map of tensor names to shard files", "").in_file(index) from None
+        if any(not isinstance(n, str) or os.path.basename(n) != n for n in names):
+            raise SafetensorsError("the weight_map names a file outside the directory", "").in_file(index)
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(errno.ENOENT, "no model.safetensors or model.safetensors.index.json in the directory", os.fspath(path))
+
+
+def _entries(path: str | os.PathLike[str]) -> tuple[dict[str, str], list[tuple[str, Entry]]]:
+    """The metadata and every (file, tensor) of a checkpoint, file by file: a single file's own metadata; for
+    shards, the plan digest their index records (each shard's own is that of its part of the plan)."""
+    files = checkpoint_files(path)
+    meta: dict[str, str] = {}
+    out = []
+    for file in files:
+        m, entries = read_header(file)
+        meta = m if len(files) == 1 else meta
+        out += [(file, e) for e in entries]
+    if len(files) > 1:
+        with open(os.path.join(path, "model.safetensors.index.json"), "rb") as f:
+            digest = json.load(f).get("metadata", {}).get("plan_digest")
+        meta = {"plan_digest": digest} if isinstance(digest, str) else {}
+    return meta, out
+
+
 def _inspect_file(path: str | os.PathLike[str], plan: plan_pb2.Plan | None) -> Report:
-    meta, entries = read_header(path)
+    meta, entries = _entries(path)
     params = {p.name: p for p in plan.params} if plan is not None else {}
     rows = []
-    for e in entries:
+    for file, e in entries:
         dt = e.dtype
-        row = Row(e.name, dt.name if dt else e.code, e.shape, e.nbytes, tensor_stats(_values(path, e)) if dt else None)
+        row = Row(e.name, dt.name if dt else e.code, e.shape, e.nbytes, tensor_stats(_values(file, e)) if dt else None, file=file)
         p = params.get(e.name)
         if plan is not None and p is None:
             row.problems.append("not in the plan")
@@ -240,9 +287,9 @@ def _inspect_file(path: str | os.PathLike[str], plan: plan_pb2.Plan | None) -> R
                 row.problems.append(f"shape {list(e.shape)}, the plan says {list(shapes.out_shape(p))}")
             row.expected = expected_of(p)
             if row.stats is not None and not row.problems:
-                row.problems += _judge_param(path, e, p, row)
+                row.problems += _judge_param(file, e, p, row)
         rows.append(row)
-    present = {e.name for e in entries}
+    present = {e.name for _, e in entries}
     missing = [p.name for p in plan.params if p.name not in present] if plan is not None else []
     return Report(str(path), meta, rows, missing, plan is not None)
 
@@ -468,17 +515,16 @@ def plot(report: Report, out_dir: str | os.PathLike[str], bins: int = 100, log: 
     target = check_plot(out_dir)
     import matplotlib.pyplot as plt
 
-    _, entries = read_header(report.path)
-    by_name = {e.name: e for e in entries}
+    by_name = {e.name: (file, e) for file, e in _entries(report.path)[1]}
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     try:
         for r in report.rows:
-            e = by_name[r.name]
+            file, e = by_name[r.name]
             if r.stats is None or r.stats.count == 0:
                 continue
             ax.clear()
-            _draw(ax, r, _values(report.path, e), bins, log)
+            _draw(ax, r, _values(file, e), bins, log)
             path = target / _file_name(r.name)
             fig.tight_layout()
             fig.savefig(path)
