@@ -346,3 +346,39 @@ def test_dcp_written_by_1_2_and_4_ranks_loads_to_the_same_tensors(client: Client
     )
     loaded = torch.load(result)
     assert same(want["emb"], loaded["emb"]) and same(want["wide"], loaded["wide"])
+
+
+def test_torchtitan_takes_the_dcp_checkpoint_as_its_initial_load(client: Client, tmp_path: Path) -> None:
+    """torchtitan's Llama 3 debug model (2 layers, q/k/v unfused: a fused wqkv is one parameter that the state
+    dict splits into three keys), its own initialization as a plan, written as DCP and read back by
+    torchtitan's CheckpointManager.dcp_load the way an initial, model-only load reads a seed checkpoint: every
+    tensor of its state dict the plan's bytes."""
+    pytest.importorskip("torchtitan")
+    from types import SimpleNamespace
+
+    from torchtitan.components.checkpointer import MODEL, ModelWrapper
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+    from torchtitan.models import llama3
+
+    cfg = llama3.llama3_configs["debugmodel"](attn_backend="flex")
+    hidden = llama3.compute_ffn_hidden_dim(256, multiple_of=256)
+    rope = cfg.layers[0].attention.rope
+    cfg.layers = llama3._build_llama3_layers(
+        n_layers=2, dim=256, n_heads=16, hidden_dim=hidden, rope=rope, fuse_qkv=False, attn_backend="flex"
+    )
+    with torch.device("meta"):
+        model = cfg.build()
+    plan = plan_from_module(model, seed=3)  # its own init_weights, replayed
+    client.materialize_to_file(plan, tmp_path / "seed", format="dcp")
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.fill_(7.0)  # poisoned: what the load does not write stays 7
+    wrapper = ModelWrapper(model)
+    manager = SimpleNamespace(states={MODEL: wrapper}, sd_adapter=None)
+    CheckpointManager.dcp_load(manager, wrapper.state_dict(), checkpoint_id=str(tmp_path / "seed"), from_hf=False, from_quantized=False)  # type: ignore[arg-type]
+    want = client.materialize(plan)
+    state = model.state_dict()
+    assert set(want) == set(state)
+    for name, values in want.items():
+        assert same(values, state[name]), name
