@@ -9,6 +9,7 @@ what a transport makes of them (messages, checksums) is the transport's.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 import weakref
@@ -89,6 +90,9 @@ def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0
         if backend.memory == HOST and count >= 16 and hi - lo <= count * SPAN_PER_RUN and span <= 2 * (hi - lo + patch.run_len):
             _patch_span(backend, patch, out, l_begin, lo, hi, should_stop)
             continue
+        if backend.memory == HOST and count >= 16 and _box_fillable(p, patch):
+            _patch_box(backend, p, patch, out, l_begin, should_stop)
+            continue
         for k, (a, v) in enumerate(zip(starts.tolist(), values.tolist(), strict=True)):
             if k % CHECK_RUNS == CHECK_RUNS - 1:
                 _stop_if(should_stop)
@@ -117,6 +121,42 @@ def _patch_span(backend: Backend, patch: Patch, out: Any, l_begin: int, lo: int,
         made = scratch[: stop - first]
         backend.fill(patch.param, made, first)
         out[idx - l_begin] = made[at - first]
+
+
+def _box_fillable(p: ResolvedParam, patch: Patch) -> bool:
+    """A patch whose initializer is resolved over the parameter's own shape and region (no part, values indexed
+    by global index): its box, as a region of its own, gives the covered elements in their local order."""
+    q = patch.param
+    return q.shape == p.shape and q.region == p.region and not q.compact and len(patch.box) == len(p.shape)
+
+
+def _patch_box(backend: Backend, p: ResolvedParam, patch: Patch, out: Any, l_begin: int, should_stop: Callable[[], bool] | None) -> None:
+    """Many runs far apart (a column patch of a wide tensor): the covered elements of the window made by one
+    fill of the patch's initializer over its box (a region: the kernel walks its runs), PATCH_PIECE at a time,
+    and put in place in one array operation, instead of one fill call per run.
+
+    The k-th element of the box in row-major order is the k-th covered element in local order (both ascend),
+    so piece [k, k + n) of the box is local elements starts[k // run_len] + k % run_len."""
+    box = tuple((max(a, ra), min(b, rb)) for (a, b), (ra, rb) in zip(patch.box, p.region, strict=True))
+    if any(a >= b for a, b in box):
+        return
+    over_box = dataclasses.replace(patch.param, region=box, patches=())
+    end = l_begin + int(out.shape[0])
+    starts, run_len = patch.starts, patch.run_len
+    covered = int(starts.shape[0]) * run_len
+    # box elements whose local place falls in [l_begin, end): one contiguous range of k
+    first = int(np.searchsorted(starts, l_begin - run_len, side="right"))
+    last = int(np.searchsorted(starts, end, side="left"))
+    k_lo = min(first * run_len + max(0, l_begin - int(starts[first])), covered) if first < starts.shape[0] else covered
+    k_hi = max((last - 1) * run_len + min(run_len, end - int(starts[last - 1])), k_lo) if last > 0 else k_lo
+    scratch = np.empty(min(PATCH_PIECE, max(k_hi - k_lo, 0)), dtype=out.dtype)
+    for k in range(k_lo, k_hi, PATCH_PIECE):
+        _stop_if(should_stop)
+        n = min(PATCH_PIECE, k_hi - k)
+        made = scratch[:n]
+        backend.fill(over_box, made, k)
+        idx = np.arange(k, k + n, dtype=np.int64)
+        out[starts[idx // run_len] + idx % run_len - l_begin] = made
 
 
 def _stop_if(should_stop: Callable[[], bool] | None) -> None:
