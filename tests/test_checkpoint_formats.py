@@ -382,3 +382,22 @@ def test_torchtitan_takes_the_dcp_checkpoint_as_its_initial_load(client: Client,
     assert set(want) == set(state)
     for name, values in want.items():
         assert same(values, state[name]), name
+
+
+def test_a_plan_over_the_per_plan_limit_is_written_a_shard_at_a_time(tmp_path: Path) -> None:
+    """Sharded and DCP writes read the plan a part at a time: the per-plan limit binds each part, not the
+    whole (a model larger than one call may hold is written whole); a parameter over the per-parameter limit
+    is still refused before anything is written."""
+    plan = plan_of([param(f"w{k}", [4096], {"normal": {"std": 1.0, "seed": k}}) for k in range(8)])
+    with running_server(max_plan_bytes=40_000) as r, Client(f"127.0.0.1:{r.port}", timeout=60) as c:
+        assert not c.validate(plan).fits_limits
+        with pytest.raises(ParaminitError) as info:
+            c.materialize_to_file(plan, tmp_path / "one.safetensors")
+        assert info.value.code.name == "RESOURCE_EXHAUSTED"
+        c.materialize_to_file(plan, tmp_path / "shards", max_shard_size=40_000)
+        c.materialize_to_file(plan, tmp_path / "dcp", format="dcp")
+        assert len(os.listdir(tmp_path / "shards")) == 5
+        big = plan_of([param("huge", [20_000], {"zeros": {}})])
+        with pytest.raises(ParaminitError) as info:
+            c.materialize_to_file(big, tmp_path / "big", max_shard_size=40_000)
+        assert info.value.code.name == "RESOURCE_EXHAUSTED" and not (tmp_path / "big").exists()

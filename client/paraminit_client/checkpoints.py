@@ -120,15 +120,17 @@ class SafetensorsFile:
         return header
 
 
-def _ensure_ok(report: ValidationReport) -> None:
-    """Raise the plan's violations (every one) before anything is written."""
-    if report.ok:
+def _ensure_ok(report: ValidationReport, in_parts: bool = False) -> None:
+    """Raise the plan's violations (every one) before anything is written. `in_parts`: the plan is read a
+    part at a time (a shard, a DCP item), so a limit on the whole plan does not apply; each part's own call
+    is held to the limits.
+    """
+    problems = [v for v in report.violations if not (in_parts and v.is_limit and v.index < 0)]
+    if not problems:
         return
     code = grpc.StatusCode.INVALID_ARGUMENT if not report.valid else grpc.StatusCode.RESOURCE_EXHAUSTED
-    first = report.violations[0] if report.violations else None
-    raise ParaminitError(
-        code, f"the plan cannot be written: {first}" if first else "the plan cannot be written", report.violations, report.omitted
-    )
+    first = f": {problems[0]}" if problems else ""
+    raise ParaminitError(code, f"the plan cannot be written{first}", problems, report.omitted)
 
 
 def _directory(dest: Path) -> Path:
@@ -206,9 +208,12 @@ class ShardedSafetensors:
         self, source: Source, plan: plan_pb2.Plan, dest: Path, *, progress: Progress = False, chunk_bytes: int = 0, durable: bool = True
     ) -> pb.StreamHeader:
         report = source.validate(plan)
-        _ensure_ok(report)
-        directory = _directory(dest)
+        _ensure_ok(report, in_parts=True)
         groups = shard_groups(report.param_bytes, self.max_shard_bytes)
+        if not report.fits_limits:  # the whole is over a limit: each shard, the call that reads it, must fit
+            for group in groups:
+                _ensure_ok(source.validate(_sub_plan(plan, group)))
+        directory = _directory(dest)
         n = len(groups)
         names = [SINGLE_NAME] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
         counter = _Counter(progress, report.total_bytes, directory.name)
@@ -336,7 +341,7 @@ class DistributedCheckpoint:
         group = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
         report = source.validate(plan)
-        _ensure_ok(report)
+        _ensure_ok(report, in_parts=True)
         directory = _directory(dest) if rank == 0 else dest
         if rank == 0:
             with contextlib.suppress(FileNotFoundError):
