@@ -6,7 +6,15 @@ BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/paraminit/v1/*.proto)
 
-.PHONY: venv vision demo test test-fast lint contract proto kernel-tables bench gpu-wheels image-check clean
+.PHONY: venv vision demo test test-fast lint contract proto kernel-tables bench gpu-wheels image-check clean \
+	extra-torch extra-hf extra-plot extra-jax extra-torchtitan extra-recipes extra-vision
+
+# PyTorch's CPU build, pinned: from PyTorch's CPU wheel index where it is reachable, else the same release from the
+# configured index (PyPI's Linux wheel of this name is the CUDA build, several GB, where no CPU file is provided).
+TORCH_CPU := torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+install_torch_cpu = $(PY) -m pip install -q --retries 0 --timeout 10 '$(TORCH_CPU)' --index-url $(TORCH_CPU_INDEX) 2>/dev/null || \
+	$(PY) -m pip install -q '$(TORCH_CPU)'
 
 # The demo needs the package alone (numpy, numba, grpc, ...): a small venv in well under a minute.
 $(BASE): pyproject.toml
@@ -24,7 +32,7 @@ $(STAMP): $(BASE)
 	{ $(PY) -m paraminit_server.prebuild --cpu --processes 1; echo "prebuild exit status $$?"; } >$(VENV)/prebuild.log 2>&1 & \
 		echo $$! >$(VENV)/prebuild.pid
 	# PyTorch tests (tests/test_torch.py) run against the CPU build; they skip cleanly without torch.
-	$(PY) -m pip install -q 'torch==2.13.0' || echo "torch 2.13.0 not installable here: PyTorch tests will skip"
+	$(install_torch_cpu) || echo "$(TORCH_CPU) not installable here: PyTorch tests will skip"
 	# promtool (Debian's prometheus package) for tests/test_prometheus_rules.py, where this runs as root with apt.
 	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		echo "installing Debian's prometheus system-wide (promtool, for the alert rule tests)"; } || true
@@ -60,6 +68,16 @@ vision: $(BASE)
 		shutil.copy('deploy/torchvision-cpu/paraminit_torchvision_ops.py', d); \
 		open(d + '/paraminit-torchvision-ops.pth', 'w').write('import paraminit_torchvision_ops\n')"
 	$(PY) -c "import torchvision, timm; print('torchvision', torchvision.__version__, 'and timm', timm.__version__, 'import')"
+
+# One way to add each extra to the demo's environment (the README's): the package stays installed in editable mode, so
+# edits keep applying and the CPU kernels compiled for it stay valid, and PyTorch is its CPU build, installed first so
+# that no extra's requirement takes the CUDA build.
+extra-torch extra-hf extra-torchtitan extra-recipes: $(BASE)
+	$(install_torch_cpu)
+	$(PY) -m pip install -q -e '.[$(@:extra-%=%)]' '$(TORCH_CPU)'
+extra-plot extra-jax: $(BASE)
+	$(PY) -m pip install -q -e '.[$(@:extra-%=%)]'
+extra-vision: vision
 
 demo: $(BASE)
 	$(VENV)/bin/paraminit materialize examples/gpt2_small.json -o demo.safetensors

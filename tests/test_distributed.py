@@ -142,6 +142,7 @@ def worker(rank: int, store: str) -> None:
             part = materialize_region(plan["a"], [(2, 9), slice(3, None)], client)
             assert same_bits(part, reference(Shapes, client, overrides=shapes_overrides)["a"][2:9, 3:])
             assert isinstance(plan["a"], plan_pb2.Param)
+        dist.barrier()  # every rank done with the group before any tears it down (gloo can abort otherwise)
     finally:
         dist.destroy_process_group()
 

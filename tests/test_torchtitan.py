@@ -230,6 +230,7 @@ def check(cfg):
 
 
 json.dump({model: check(config(model)) for model in sys.argv[2:]}, open(sys.argv[1] + f".{rank}", "w"))
+dist.barrier()  # every rank done with the group before any tears it down (gloo can abort otherwise)
 dist.destroy_process_group()
 """
 

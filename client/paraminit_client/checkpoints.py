@@ -37,7 +37,7 @@ from paraminit import sizes
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import filesink
-from paraminit_client.errors import FileAccessError, InvalidArgument, ParaminitError
+from paraminit_client.errors import FileAccessError, InvalidArgument, ParaminitError, require
 from paraminit_client.transports import Chunk, Slab, ValidationReport, land
 
 if TYPE_CHECKING:
@@ -335,9 +335,8 @@ class DistributedCheckpoint:
     def write(
         self, source: Source, plan: plan_pb2.Plan, dest: Path, *, progress: Progress = False, chunk_bytes: int = 0, durable: bool = True
     ) -> pb.StreamHeader:
-        import torch
-        import torch.distributed as dist
-
+        torch = require("torch", "a DCP checkpoint")
+        dist = torch.distributed
         group = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
         report = source.validate(plan)
@@ -536,7 +535,7 @@ def process_group(writer: Format) -> Iterator[None]:
     if not isinstance(writer, DistributedCheckpoint) or world <= 1:
         yield
         return
-    import torch.distributed as dist
+    dist = require("torch.distributed", "a DCP checkpoint")
 
     if dist.is_initialized():
         yield

@@ -31,7 +31,7 @@ from paraminit import dtypes, exitcodes, sizes
 from paraminit_client import checkpoints, filesink
 from paraminit_client.checkpoints import progress_bar, write_stream
 from paraminit_client.client import Client
-from paraminit_client.errors import CheckpointFormatError, InvalidArgument, ParaminitError
+from paraminit_client.errors import CheckpointFormatError, InvalidArgument, MissingPackage, ParaminitError, require
 from paraminit_client.plans import PlanFileError, field_lines, load_plan, plan_from_safetensors, plan_to_json
 
 EXIT_OK, EXIT_ERROR, EXIT_INVALID, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = (
@@ -45,7 +45,8 @@ EXIT_OK, EXIT_ERROR, EXIT_INVALID, EXIT_FLAGGED, EXIT_USAGE, EXIT_INTERRUPTED = 
 DEFAULT_HEALTH_TARGET = "127.0.0.1:50051"
 EXIT_CODES_HELP = f"""exit codes:
   {EXIT_OK:<4} success
-  {EXIT_ERROR:<4} error: server unreachable or failing, a file that cannot be read or written
+  {EXIT_ERROR:<4} error: server unreachable or failing, a file that cannot be read or written, a missing optional
+       package (the line names it and the command that installs it), a limit (RESOURCE_EXHAUSTED)
   {EXIT_INVALID:<4} invalid plan: every violation is on stderr and no output file is written
   {EXIT_FLAGGED:<4} inspect --plan: a tensor does not match the plan (FLAG lines say why)
   {EXIT_USAGE:<4} usage error: unknown command or flag, a missing or malformed argument
@@ -495,14 +496,11 @@ def _factory_argument(text: str) -> tuple[str, Any]:
 
 
 def cmd_plan_from_module(args: argparse.Namespace) -> int:
+    require("torch", "plan from-module")  # before the factory's module, which imports it too
     factory = _factory(args.factory)
-    try:
-        import torch
+    import torch
 
-        from paraminit_client.torch import plan_from_module
-    except ImportError:
-        raise ValueError("plan from-module needs PyTorch: pip install 'paraminit[torch]'") from None
-    from paraminit_client.torch import meta_parameters
+    from paraminit_client.torch import meta_parameters, plan_from_module
 
     kwargs = dict(_factory_argument(a) for a in args.arg or [])
     with meta_parameters():  # the constructor's own initialization is recorded as it runs
@@ -513,7 +511,21 @@ def cmd_plan_from_module(args: argparse.Namespace) -> int:
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"{args.factory} returned {type(module).__name__}, not a torch.nn.Module")
     overrides = _factory(args.overrides) if args.overrides else None
-    _write(plan_to_json(plan_from_module(module, seed=args.seed, policy=args.policy, overrides=overrides)), args.output)
+    policy: Any = args.policy
+    settings = {"num_layers": args.num_layers, "d_model": args.d_model, "sigma": args.sigma}
+    given = {k: v for k, v in settings.items() if v is not None}
+    if given:
+        from paraminit_client import recipes
+
+        allowed = {"megatron": ("num_layers", "sigma"), "neox": ("num_layers", "d_model")}.get(policy, ())
+        extra = [k for k in given if k not in allowed]
+        if extra:
+            flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+            raise UsageError(
+                f"{flags}: not a setting of policy {policy!r} (megatron takes --num-layers and --sigma, neox --num-layers and --d-model)"
+            )
+        policy = getattr(recipes, policy)(**given)
+    _write(plan_to_json(plan_from_module(module, seed=args.seed, policy=policy, overrides=overrides)), args.output)
     return EXIT_OK
 
 
@@ -812,12 +824,15 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers' _init_weights, timm's init_weights); torch: PyTorch's own default distributions per layer; "
         "torchlean: kaiming/xavier uniform, as TorchLean (the Lean runtime whose sampler paraminit reproduces) "
         "initializes; hf: Hugging Face "
-        "transformers' own _init_weights (pip install 'paraminit[hf]'); torchtitan: torchtitan's own "
-        "init_weights, read from the module (pip install 'paraminit[torchtitan]'); megatron: Megatron-LM's "
+        "transformers' own _init_weights (make extra-hf); torchtitan: torchtitan's own "
+        "init_weights, read from the module (make extra-torchtitan); megatron: Megatron-LM's "
         "normal(0, sigma) with sigma / sqrt(2 L) on output projections; neox: GPT-NeoX's small_init with wang_init on "
-        "output projections (both read depth and width from the model); olmo: OLMo-core's own init_weights, replayed "
-        "(pip install ai2-olmo-core) (default: own)",
+        "output projections (both read depth and width from the model's config, or take --num-layers, --d-model, "
+        "--sigma); olmo: OLMo-core's own init_weights, replayed (make extra-recipes) (default: own)",
     )
+    fm.add_argument("--num-layers", type=int, metavar="L", help="megatron, neox: the model's depth, where its config does not say")
+    fm.add_argument("--d-model", type=int, metavar="D", help="neox: the model's width, where its config does not say")
+    fm.add_argument("--sigma", type=float, metavar="S", help="megatron: the standard deviation (default: the config's, else 0.02)")
     fm.add_argument(
         "--overrides",
         metavar="package.module:callable",
@@ -957,7 +972,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # or one wrapped on the way by a sink)
             return EXIT_OK
         message, lines, code = _os_line(err), [], EXIT_ERROR
-    except (InvalidArgument, CheckpointFormatError) as err:  # refused before any call: an argument, a local file
+    except (InvalidArgument, CheckpointFormatError, MissingPackage) as err:  # before any call: an argument, a file, a package
         message, lines, code = err.message, [], EXIT_ERROR
     except ParaminitError as err:
         if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.violations:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import errno
+import importlib
 import re
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2
@@ -21,7 +23,16 @@ from grpc_status import rpc_status
 from paraminit.safetensors_header import HeaderError
 from paraminit.violations import INVALID, LIMIT, Violation
 
-__all__ = ["ClientClosed", "FileAccessError", "InvalidArgument", "ParaminitError", "Violation", "violation_from_text"]
+__all__ = [
+    "ClientClosed",
+    "FileAccessError",
+    "InvalidArgument",
+    "MissingPackage",
+    "ParaminitError",
+    "Violation",
+    "require",
+    "violation_from_text",
+]
 
 _PARAM_FIELD = re.compile(r"params\[(\d+)\]")
 _FILE_CODES = {
@@ -93,6 +104,54 @@ class InvalidArgument(ParaminitError, ValueError):
 
     def __str__(self) -> str:
         return self.message  # a ValueError's text, as callers that catch ValueError expect
+
+
+# The extra (pyproject.toml, and its `make extra-NAME` target) that installs each optional package.
+EXTRA_OF = {
+    "torch": "torch",
+    "transformers": "hf",
+    "torchtitan": "torchtitan",
+    "megatron": "recipes",
+    "olmo_core": "recipes",
+    "jax": "jax",
+    "flax": "jax",
+    "matplotlib": "plot",
+    "torchvision": "vision",
+    "timm": "vision",
+}
+
+
+class MissingPackage(ParaminitError, ImportError):
+    """An optional package a feature needs is not installed: FAILED_PRECONDITION, and still an ImportError.
+    The message names the package and the command that installs it."""
+
+    def __init__(self, package: str, feature: str) -> None:
+        top = package.split(".")[0]
+        extra = EXTRA_OF.get(top)
+        how = f"make extra-{extra} in a checkout, or pip install 'paraminit[{extra}]'" if extra else f"pip install {top}"
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, f"{feature} needs {top}, which is not installed: {how}")
+        self.package = top
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def require(module: str, feature: str) -> Any:
+    """The module, imported; MissingPackage naming its package and how to install it when it is not there.
+
+    Args:
+        module: the dotted module name.
+        feature: what needs it, for the message ("policy 'torchtitan'").
+
+    Raises:
+        MissingPackage: the module's package is not installed (or cannot be imported).
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if isinstance(exc, MissingPackage):
+            raise
+        raise MissingPackage(module, feature) from exc
 
 
 class ClientClosed(ParaminitError):

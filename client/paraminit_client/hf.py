@@ -48,6 +48,7 @@ from torch import nn
 
 from paraminit import inits
 from paraminit.v1 import plan_pb2
+from paraminit_client.errors import MissingPackage
 from paraminit_client.torch_rules import _mha
 
 __all__ = ["KNOWN", "fill_buffers", "fingerprint", "plan_inits"]
@@ -243,8 +244,7 @@ def plan_inits(module: nn.Module, names: dict[int, list[str]]) -> dict[int, tupl
     and under which of its names (the tie source, else the first)."""
     tf = _transformers()
     if tf is None:
-        why = Assigned("policy 'hf' needs transformers (pip install 'transformers>=5')")
-        return {i: (why, ns[0]) for i, ns in names.items()}
+        raise MissingPackage("transformers", "policy 'hf'")
     pretrained = tf.PreTrainedModel
     owner0 = module if isinstance(module, pretrained) else None
     by_name: dict[str, Assigned] = {}

@@ -23,7 +23,7 @@ import numpy as np
 from paraminit import dtypes, inits, safetensors_header, shapes
 from paraminit.sizes import format_size
 from paraminit.v1 import plan_pb2
-from paraminit_client.errors import file_errors
+from paraminit_client.errors import MissingPackage, file_errors
 
 FLAG_SIGMAS = 5.0  # a deviation of 5 standard errors flags a tensor (about 1 in 1.7 million by chance, per test)
 Z_MAX = inits.Z_MAX  # the sampler raises u1 to 1e-6, so |z| <= 5.2565
@@ -500,7 +500,7 @@ def check_plot(out_dir: str | os.PathLike[str]) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'paraminit[plot]'") from None
+        raise MissingPackage("matplotlib", "--plot") from None
     target = Path(out_dir)
     target.mkdir(parents=True, exist_ok=True)
     if not os.access(target, os.W_OK | os.X_OK):

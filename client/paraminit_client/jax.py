@@ -26,7 +26,7 @@ import numpy as np
 
 from paraminit.v1 import plan_pb2
 from paraminit_client.client import Client, or_in_process
-from paraminit_client.errors import InvalidArgument
+from paraminit_client.errors import InvalidArgument, require
 
 __all__ = ["materialize", "plan_boxes"]
 
@@ -86,6 +86,7 @@ def materialize(
         ValueError: a region in the plan, a sharding or layout for a name the plan lacks, a layout that is
             not a permutation, a shard that is not a box, or float64 without ``jax_enable_x64``.
         ParaminitError: the server refused the plan (every violation named) or failed.
+        MissingPackage: JAX is not installed (the message says how to install it).
 
     Example:
         from paraminit_client import param, plan_of
@@ -95,7 +96,7 @@ def materialize(
         arrays = materialize(plan)  # an in-process Client(); pass client= for a server, shardings= to shard
         assert arrays["w"].shape == (4, 8) and str(arrays["w"].dtype) == "bfloat16"
     """
-    import jax
+    jax = require("jax", "paraminit_client.jax")
 
     names = [p.name for p in plan.params]
     known = set(names)

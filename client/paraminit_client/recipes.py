@@ -92,7 +92,11 @@ class Recipe:
         out: dict[str, plan_pb2.Init | str] = {}
         for name, (mod, key, qualified, seed) in tensors.items():
             if not layers or (self.uses_width and not width):
-                need = "depth and width: pass num_layers= and d_model=" if self.uses_width else "depth: pass num_layers="
+                need = (
+                    "depth and width: pass num_layers= and d_model= (--num-layers, --d-model)"
+                    if self.uses_width
+                    else "depth: pass num_layers= (--num-layers)"
+                )
                 out[name] = f"recipe {self.name!r} needs the model's {need} (found {layers or 'no'} layers" + (
                     f", width {width or 'unknown'})" if self.uses_width else ")"
                 )

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from torch import nn
 
 from paraminit.shapes import numel
 from paraminit.v1 import plan_pb2
+from paraminit_client.errors import require
 from paraminit_client.torch_rules import INIT_CALLS, _ones, _rule_of, _uniform, _zeros, init_of_call
 
 __all__ = ["fill_buffers", "init_for", "refused_modules"]
@@ -61,7 +61,7 @@ def _qualified(fn: Any) -> str:
 
 def _titan_module() -> Any:
     """torchtitan's Module base class (imported here: torchtitan is optional and ships no type information)."""
-    return importlib.import_module("torchtitan.protocols.module").Module
+    return require("torchtitan.protocols.module", "policy 'torchtitan'").Module
 
 
 def refused_modules(root: nn.Module) -> dict[str, str]:

@@ -66,7 +66,9 @@ try:
     import torch.utils.dlpack
     from torch import nn
 except ImportError as _exc:  # torch is an optional extra: the rest of the client never imports it
-    raise ImportError("paraminit_client.torch needs PyTorch: pip install 'paraminit[torch]'") from _exc
+    from paraminit_client.errors import MissingPackage
+
+    raise MissingPackage("torch", "paraminit_client.torch") from _exc
 
 import grpc
 import numpy as np
