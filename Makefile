@@ -153,8 +153,9 @@ gpu-wheels: $(BASE)
 		-d .whl -r .whl/pins.txt
 
 # Builds the CPU image without a registry and runs it hardened (root, Docker, mmdebstrap); not part of `make test`.
+# The CPU image (what docker-compose.yml runs); GPU=1 also builds the GPU image and compiles its kernels without a GPU.
 image-check:
-	deploy/image-check.sh
+	$(if $(GPU),TARGETS="cpu gpu" )deploy/image-check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo.safetensors

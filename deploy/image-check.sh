@@ -22,14 +22,14 @@
 #
 # Needs root, a Docker daemon (started here from `dockerd` when none answers), for the base mmdebstrap, and Compose:
 #   apt-get install -y docker.io mmdebstrap docker-compose
-# Environment: IMAGE (default paraminit:check), GPU_IMAGE (default paraminit:check-gpu), TARGETS ("cpu gpu", or
-# "cpu" / "gpu" alone), BASE_REBUILD=1 rebuilds the base, MAX_READY_S (default 3).
+# Environment: IMAGE (default paraminit:check), GPU_IMAGE (default paraminit:check-gpu), TARGETS ("cpu", the
+# default; "cpu gpu" or "gpu" add the 881 MB GPU image: `make image-check GPU=1`), BASE_REBUILD=1 rebuilds the base, MAX_READY_S (default 3).
 set -eu
 
 cd "$(dirname "$0")/.."
 IMAGE=${IMAGE:-paraminit:check}
 GPU_IMAGE=${GPU_IMAGE:-paraminit:check-gpu}
-TARGETS=${TARGETS:-cpu gpu}
+TARGETS=${TARGETS:-cpu}
 BASE=docker.io/library/python:3.11-slim-bookworm
 MAX_READY_S=${MAX_READY_S:-3}
 NAME=paraminit-check-$$

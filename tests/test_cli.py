@@ -1000,12 +1000,23 @@ def test_inspect_fits_the_terminal_and_counts_non_finite_values(tmp_path: Path, 
     assert "non-finite" in lines[0].split() and "min" not in lines[0].split()
     bad = next(line for line in lines[:3] if line.startswith("bad "))
     assert bad.split()[-1] == "3"  # NaN, +inf, -inf: counted, not hidden behind mean 1 std 0
-    for width in (80, 100, 140):  # a terminal of that width: names cut in the middle to fit it
-        table = inspect.format_table(inspect.inspect_file(path), columns=width).splitlines()[:3]
+    report = inspect.inspect_file(path)
+    full = inspect.format_table(report).splitlines()
+    assert max(len(line) for line in full) > 100  # the whole table is wider than the narrow terminals below
+    for width in (40, 80, 100, 140):  # a terminal of that width: whole names, other columns give way first
+        table = inspect.format_table(report, columns=width).splitlines()
         assert all(len(line) <= width for line in table), (width, [len(x) for x in table])
-        long_row = next(line for line in table if line.startswith("transformer"))
-        first = long_row.split()[0]
-        assert first == name if len(name) + 60 < width else ("~" in first and first.endswith("e.weight"))
+        if len(name) <= width:  # whole on one line; longer than the terminal: on lines of its own, not cut
+            assert any(line.split() and line.split()[0] == name for line in table), (width, table)
+        else:
+            at = next(i for i, line in enumerate(table) if line.startswith("transformer"))
+            assert table[at] + table[at + 1] == name, table[at : at + 2]
+        assert {"bad", "mean"} & set(" ".join(table).split()), table  # rows and cells still there
+        left_out = [line for line in table if line.startswith("(left out to fit")]
+        assert bool(left_out) == (max(len(line) for line in full[:4]) > width), (width, left_out)
+    narrow = inspect.format_table(report, columns=70).splitlines()
+    at = narrow.index(name)
+    assert narrow[at + 1].startswith("  ") and narrow[at + 1].split()[-1] in ("-", "3", "0")  # its cells, indented
     code, wide, _ = run_cli(capsys, "inspect", str(path), "--wide")
     head = wide.splitlines()[0].split()
     assert {"min", "max", "non-finite"} <= set(head)

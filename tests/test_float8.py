@@ -291,3 +291,10 @@ def test_a_float8_module_built_on_meta_is_materialized() -> None:
     w = want["0.weight"].astype(np.float64)
     assert np.abs(w).max() <= bound and w.std() > bound / 3
     assert (want["1.weight"].astype(np.float64) == 1).all()
+
+
+def test_the_range_message_prints_the_bound_as_written(client: Client) -> None:
+    """|mean| + std * 5.2566 for std 1000 is 5256.599999999999 in binary64: the message says 5256.6."""
+    report = client.validate(plan_of([param("w", [4], {"normal": {"std": 1000}}, E4M3)]))
+    (v,) = report.violations
+    assert "could reach 5256.6 (" in v.message and "5256.59999" not in v.message, v.message

@@ -229,6 +229,8 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     to_stdout = args.output == "-"  # the data to standard output, everything said to standard error
     if to_stdout and args.json:
         raise UsageError("--json prints the summary on standard output, where -o - writes the file: use one of them")
+    if to_stdout and sys.stdout.isatty():
+        raise UsageError("-o - writes a binary file to standard output, which is a terminal here: redirect it (> file, | cmd)")
     try:
         writer = checkpoints.format_for(args.format, args.max_shard_size)
     except InvalidArgument as exc:
@@ -345,7 +347,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     with _client(args) as c:
         report = c.validate(plan)
     code = EXIT_OK if not report.violations else EXIT_INVALID if not report.valid else EXIT_ERROR
-    kind = "invalid plan" if not report.valid else "plan over the server's limits"
+    where = "the server's limits" if getattr(args, "target", None) else "the limits of this process (PARAMINIT_* variables raise them)"
+    kind = "invalid plan" if not report.valid else f"plan over {where}"
     at = field_lines(args.plan, [v.field for v in report.violations]) if report.violations else []
     if args.json:
         return _print_json(

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import textwrap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,6 +290,9 @@ def _inspect_file(path: str | os.PathLike[str], plan: plan_pb2.Plan | None) -> R
             if row.stats is not None and not row.problems:
                 row.problems += _judge_param(file, e, p, row)
         rows.append(row)
+    if plan is not None:  # in the plan's order (the file's order is the writer's); tensors not in it last
+        order = {p.name: k for k, p in enumerate(plan.params)}
+        rows.sort(key=lambda r: order.get(r.name, len(order)))
     present = {e.name for _, e in entries}
     missing = [p.name for p in plan.params if p.name not in present] if plan is not None else []
     return Report(str(path), meta, rows, missing, plan is not None)
@@ -362,14 +366,6 @@ def _shape(shape: Sequence[int]) -> str:
     return "x".join(str(d) for d in shape) if shape else "scalar"
 
 
-def _fit(text: str, width: int) -> str:
-    """`text` cut in the middle to `width` characters (names differ most at both ends)."""
-    if len(text) <= width:
-        return text
-    keep = width - 1
-    return text[: keep - keep // 2] + "~" + text[len(text) - keep // 2 :]
-
-
 def format_table(report: Report, wide: bool = False, columns: int | None = None) -> str:
     """The human table: one line per tensor, a verdict per tensor with a plan, and a total line.
 
@@ -378,8 +374,10 @@ def format_table(report: Report, wide: bool = False, columns: int | None = None)
         wide: every column (min, max, the plan's expected statistics); the default is a compact table: name, dtype,
             shape, bytes, mean, std, non-finite count (when any), and with a plan the expected initializer and
             the check.
-        columns: the width to fit (a terminal's): long names are cut in the middle to fit it, never to less
-            than 12 characters; None (output that is not a terminal) and `wide` never cut a name.
+        columns: the width to fit (a terminal's): names stay whole; other columns are left out first (bytes,
+            expected, dtype, std, mean, shape, in that order, and a line says which), then, where a name is still
+            too long, each row puts its name on a line of its own (wrapped at the width) and its cells indented
+            below; no line is wider than `columns`. None (output that is not a terminal) fits nothing.
 
     Returns:
         The table, the FLAG lines and a summary line.
@@ -416,15 +414,8 @@ def format_table(report: Report, wide: bool = False, columns: int | None = None)
             "check": r.status,
         }
         lines.append([cell[c] for c, _ in cols])
-    widths = [max(len(row[i]) for row in lines) for i in range(len(cols))]
-    if not wide and columns is not None:
-        others = sum(widths[1:]) + 2 * (len(cols) - 1)
-        widths[0] = max(min(widths[0], columns - others), 12)
-        for row in lines:
-            row[0] = _fit(row[0], widths[0])
-    out = [
-        "  ".join(c.rjust(w) if right else c.ljust(w) for c, w, (_, right) in zip(row, widths, cols, strict=True)).rstrip() for row in lines
-    ]
+    table, dropped = _lay_out(lines, cols, columns if not wide else None)
+    out = list(table)
     for r in report.rows:
         for problem in r.problems:
             out.append(f"FLAG {r.name}: {problem}")
@@ -439,7 +430,50 @@ def format_table(report: Report, wide: bool = False, columns: int | None = None)
         flagged = sum(1 for r in report.rows if r.problems) + len(report.missing)
         summary += "; every tensor matches the plan" if not flagged else f"; {flagged} flagged"
     out.append(summary)
+    if dropped:
+        out.append(f"(left out to fit {columns} columns: {', '.join(dropped)}; --wide or a wider terminal shows them)")
+    if columns is not None and not wide:  # FLAG lines, the summary and the note wrap too: no line is wider
+        notes = [piece for line in out[len(table) :] for piece in textwrap.wrap(line, columns, subsequent_indent="  ") or [""]]
+        out = table + notes
     return "\n".join(out)
+
+
+DROP_FIRST = ("bytes", "expected", "dtype", "std", "mean", "shape")  # what a narrow terminal loses first
+
+
+def _lay_out(lines: list[list[str]], cols: list[tuple[str, bool]], columns: int | None) -> tuple[list[str], list[str]]:
+    """The table's lines within `columns` (None: as wide as it is): whole names, columns left out in DROP_FIRST
+    order while the rows are too wide, then names on lines of their own. Returns (lines, columns left out)."""
+    widths = [max(len(row[i]) for row in lines) for i in range(len(cols))]
+    keep = list(range(len(cols)))
+
+    def width(indices: list[int]) -> int:
+        return sum(widths[i] for i in indices) + 2 * (len(indices) - 1)
+
+    dropped: list[str] = []
+    if columns is not None:
+        for name in DROP_FIRST:
+            if width(keep) <= columns:
+                break
+            k = next((i for i in keep if cols[i][0] == name), None)
+            if k is not None:
+                keep.remove(k)
+                dropped.append(name)
+
+    def row_text(row: list[str], indices: list[int]) -> str:
+        return "  ".join(row[i].rjust(widths[i]) if cols[i][1] else row[i].ljust(widths[i]) for i in indices).rstrip()
+
+    if columns is None or width(keep) <= columns:
+        return [row_text(row, keep) for row in lines], dropped
+    # a name too long for the width: the name on its own line(s), its cells below it, indented
+    rest = keep[1:]
+    out = []
+    for row in lines:
+        name = row[0]
+        out += [name[i : i + columns] for i in range(0, max(len(name), 1), columns)]
+        cells = row_text(row, rest)
+        out.append(("  " + cells)[:columns])
+    return out, dropped
 
 
 def _finite(x: float) -> float | None:

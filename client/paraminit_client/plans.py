@@ -33,7 +33,8 @@ def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
     """Read a JSON or YAML plan file into a Plan, reporting every mistake in the file at once.
 
     Args:
-        path: a `.json` file (proto3 JSON form of paraminit.v1.Plan) or a `.yaml`/`.yml` file of the same structure.
+        path: a `.json` file (proto3 JSON form of paraminit.v1.Plan) or a `.yaml`/`.yml` file of the same structure;
+            `-` (standard input) or any other name is JSON when it opens with `{`, else YAML.
 
     Returns:
         The plan.
@@ -50,7 +51,9 @@ def load_plan(path: str | os.PathLike[str]) -> plan_pb2.Plan:
         raise FileAccessError(exc) from None
     except UnicodeDecodeError as exc:
         raise PlanFileError(str(p), [PlanProblem((), f"not UTF-8 text ({exc.reason} at byte {exc.start})")]) from None
-    is_yaml = p.suffix.lower() in (".yaml", ".yml")
+    # by its name; without a .json/.yaml name (standard input, a pipe) by its first character: JSON opens with {
+    suffix = p.suffix.lower()
+    is_yaml = suffix in (".yaml", ".yml") or (suffix != ".json" and not text.lstrip().startswith(("{", "[")))
     try:
         data = yaml.load(text, Loader=_NoAliases) if is_yaml else json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
@@ -437,7 +440,24 @@ def _clean(message: str) -> str:
 
 
 def plan_to_json(plan: plan_pb2.Plan) -> str:
-    return json_format.MessageToJson(plan, indent=1)
+    """The plan's proto3 JSON form, with its 64-bit integers (shapes, ranges, seeds) as JSON numbers where a JSON
+    number holds them exactly (up to 2^53 - 1, what JavaScript's numbers hold); a larger seed stays a string, as
+    proto3 JSON writes every 64-bit integer. Both forms read back the same (load_plan, any proto3 JSON parser)."""
+    return json.dumps(_numbers(json_format.MessageToDict(plan)), indent=1) + "\n"
+
+
+_INTEGER_KEYS = frozenset({"shape", "start", "stop", "seed", "groups", "fanIn", "fanOut"})  # plan.proto's 64-bit fields
+
+
+def _numbers(node: Any, integer: bool = False) -> Any:
+    """MessageToDict's 64-bit integer strings (the values of _INTEGER_KEYS) as numbers where exact."""
+    if isinstance(node, dict):
+        return {k: _numbers(v, k in _INTEGER_KEYS) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_numbers(v, integer) for v in node]
+    if integer and isinstance(node, str) and node.isdigit() and int(node) < 1 << 53:
+        return int(node)
+    return node
 
 
 def param(

@@ -597,7 +597,7 @@ def range_problem(dt: dtypes.DTypeInfo, form: ValueForm, field: str, largest: fl
         return None
     return (
         f"init.{field}",
-        f"values could reach {b!r} ({words}), beyond {dt.max_finite:g}, the largest finite "
+        f"values could reach {float(f'{b:.12g}')!r} ({words}), beyond {dt.max_finite:g}, the largest finite "
         f"{dt.name} value: an 8-bit parameter's values must stay within it",
     )
 
