@@ -79,7 +79,10 @@ extra-plot extra-jax: $(BASE)
 	$(PY) -m pip install -q -e '.[$(@:extra-%=%)]'
 extra-vision: vision
 
+# Every CPU kernel (each kind of value and dtype) is compiled into numba's cache first, about 30 s on two cores and a
+# second once cached, so that no later command compiles in front of the user; then the demo loads them.
 demo: $(BASE)
+	$(PY) -m paraminit_server.prebuild --cpu
 	$(VENV)/bin/paraminit materialize examples/gpt2_small.json -o demo.safetensors
 	@echo
 	@echo "paraminit is installed in $(VENV)/bin, which is not on your PATH. Run it as"
