@@ -13,6 +13,9 @@ PROTOS := $(wildcard proto/paraminit/v1/*.proto)
 # configured index (PyPI's Linux wheel of this name is the CUDA build, several GB, where no CPU file is provided).
 TORCH_CPU := torch==2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+# pip install -e, its output (setuptools warns about every editable install of this multi-directory layout) shown
+# only when it fails
+install_editable = $(PY) -m pip install -q -e $(1) >$(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 install_torch_cpu = $(PY) -m pip install -q --retries 0 --timeout 10 '$(TORCH_CPU)' --index-url $(TORCH_CPU_INDEX) 2>/dev/null || \
 	$(PY) -m pip install -q '$(TORCH_CPU)'
 
@@ -20,7 +23,7 @@ install_torch_cpu = $(PY) -m pip install -q --retries 0 --timeout 10 '$(TORCH_CP
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(call install_editable,.)
 	touch $(BASE)
 
 # Tests and lint add the test and lint stack, PyTorch, torchtitan and, as root with apt, Debian's promtool.
@@ -74,9 +77,9 @@ vision: $(BASE)
 # that no extra's requirement takes the CUDA build.
 extra-torch extra-hf extra-torchtitan extra-recipes: $(BASE)
 	$(install_torch_cpu)
-	$(PY) -m pip install -q -e '.[$(@:extra-%=%)]' '$(TORCH_CPU)'
+	$(call install_editable,'.[$(@:extra-%=%)]' '$(TORCH_CPU)')
 extra-plot extra-jax: $(BASE)
-	$(PY) -m pip install -q -e '.[$(@:extra-%=%)]'
+	$(call install_editable,'.[$(@:extra-%=%)]')
 extra-vision: vision
 
 # Every CPU kernel (each kind of value and dtype) is compiled into numba's cache first, about 30 s on two cores and a
