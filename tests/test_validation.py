@@ -274,13 +274,40 @@ def test_a_box_reports_at_most_two_violations_whatever_its_rank() -> None:
         q.init.ones.SetInParent()
         for _d in range(32):
             q.box.add(start=0, stop=5)
-    found = validate(plan_pb2.Plan(params=[p])).violations
-    assert len(found) == 2 * 4096
+    report = validate(plan_pb2.Plan(params=[p]))
+    found = report.violations
+    assert len(found) + report.omitted == 2 * 4096 and len(found) == 1000  # the first 1000 kept, the rest counted
     assert [str(v) for v in found[:2]] == [
         "params[0].patches[0].box[0] ('w'): range [0, 5) is out of bounds for dimension 0 of size 2",
         "params[0].patches[0].box[1] ('w'): range [0, 5) is out of bounds for dimension 1 of size 2 (30 more ranges "
         "of this box are bad too)",
     ]
+
+
+def test_validation_keeps_the_first_thousand_violations_and_counts_the_rest() -> None:
+    """A plan of 98,304 violations (24 parameters of 4,096 empty patches, 1,005-character names) keeps 1,000
+    Violations and a count: what it holds no longer grows with its mistakes (117 MiB of messages before), and
+    the categories of those only counted still decide valid and fits_limits."""
+    import tracemalloc
+
+    params = []
+    for k in range(24):
+        p = param(f"{k:05d}" + "n" * 1000, [8, 8], {"zeros": {}})
+        for _ in range(4096):
+            q = p.patches.add(init=plan_pb2.Init(ones=plan_pb2.Ones()))
+            q.box.add(start=3, stop=3)
+            q.box.add(start=0, stop=8)
+        params.append(p)
+    params.append(param("big", [1 << 20], {"zeros": {}}))  # over the per-parameter limit, after 98,304 others
+    tracemalloc.start()
+    try:
+        report = validate(plan_pb2.Plan(params=params), Limits(max_param_bytes=1 << 10))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(report.violations) == 1000 and report.omitted == 24 * 4096 + 1 - 1000
+    assert not report.valid and not report.fits_limits  # the limit violation was only counted, and still counts
+    assert peak < 32 << 20, peak
 
 
 def test_an_answer_lists_at_most_a_thousand_violations_and_counts_the_rest(server: Any) -> None:

@@ -156,16 +156,15 @@ class InProcess:
 
     def validate(self, plan: plan_pb2.Plan) -> ValidationReport:
         report, digest = self.plane.validate(plan, self.caller)
-        violations = tuple(report.violations)
-        shown, omitted = listed(violations)
+        shown, beyond = listed(tuple(report.violations))
         return ValidationReport(
-            not any(not v.is_limit for v in violations),
-            not any(v.is_limit for v in violations),
+            report.valid,
+            report.fits_limits,
             shown,
             tuple(report.param_bytes),
             int(report.total_bytes),
             digest,
-            omitted,
+            beyond + report.omitted,
         )
 
     def info(self) -> pb.GetInfoResponse:

@@ -25,14 +25,16 @@ class ParaminitServerError(Exception):
 
 
 class InvalidPlan(ParaminitServerError):
-    """The plan has violations; all of them are attached."""
+    """The plan has violations: those validation kept (the first MAX_ANSWER_VIOLATIONS), and how many more it
+    found (`omitted`)."""
 
     code: ClassVar[str] = "INVALID_ARGUMENT"
 
-    def __init__(self, violations: Sequence[Violation]) -> None:
+    def __init__(self, violations: Sequence[Violation], omitted: int = 0) -> None:
         self.violations = tuple(violations)
+        self.omitted = omitted
         lines = "\n".join(f"  {v}" for v in self.violations)
-        super().__init__(f"invalid plan: {len(self.violations)} violation(s)\n{lines}")
+        super().__init__(f"invalid plan: {len(self.violations) + omitted} violation(s)\n{lines}")
 
 
 class InvalidRequest(ParaminitServerError):

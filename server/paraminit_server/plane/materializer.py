@@ -193,7 +193,7 @@ class Materializer:
                 worst = "; ".join(v.message for v in report.violations)
                 raise errors.ResourceExhausted(f"plan exceeds the limits: {worst}", report.violations)
             if not report.ok:
-                raise errors.InvalidPlan(report.violations)
+                raise errors.InvalidPlan(report.violations, report.omitted)
             checked = CheckedPlan(columns.resolve(p, sources, cols, report.readings), report, plan.digest(p, sources, cols), sources)
             # kernels a cold cache lacks compile here, before the caller takes a slot or a place in line
             self.backend.prepare(checked.params)

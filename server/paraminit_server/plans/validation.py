@@ -18,7 +18,7 @@ from paraminit import dtypes, inits
 from paraminit.shapes import MAX_ELEMENTS, numel_at_most
 from paraminit.sizes import format_size
 from paraminit.v1 import plan_pb2
-from paraminit.violations import INVALID, LIMIT, NAME_ECHO, Violation, camel_path, clip
+from paraminit.violations import INVALID, LIMIT, MAX_ANSWER_VIOLATIONS, NAME_ECHO, Violation, camel_path, clip
 from paraminit_server import errors
 from paraminit_server.plans import sampler
 from paraminit_server.plans.plan import Readings
@@ -67,15 +67,20 @@ class Limits:
 class Report:
     """What validation found: violations and per-parameter materialized bytes (0 when unknown), and what it read
     of the initializers of the rows it checked one by one (by row: the parameter's, then each patch's), which
-    resolution takes instead of reading them again."""
+    resolution takes instead of reading them again.
+
+    At most MAX_ANSWER_VIOLATIONS violations of parameters are kept (a few plan-wide ones after them); the rest
+    are counted in `omitted`, and `categories` holds the category of every violation found, kept or not."""
 
     violations: tuple[Violation, ...]
     param_bytes: tuple[int, ...]
     readings: dict[int, Readings] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    omitted: int = 0
+    categories: frozenset[str] = frozenset()
 
     @property
     def ok(self) -> bool:
-        return not self.violations
+        return not self.violations and not self.omitted
 
     @property
     def total_bytes(self) -> int:
@@ -83,7 +88,44 @@ class Report:
 
     @property
     def only_limits(self) -> bool:
-        return bool(self.violations) and all(v.category == LIMIT for v in self.violations)
+        return self.categories == {LIMIT}
+
+    @property
+    def valid(self) -> bool:
+        """No violation but limits."""
+        return INVALID not in self.categories
+
+    @property
+    def fits_limits(self) -> bool:
+        return LIMIT not in self.categories
+
+
+class Found:
+    """Violations as they are found, up to MAX_ANSWER_VIOLATIONS (the first, in plan order: what an answer
+    lists); beyond it each is only counted, with its category. A plan of a hundred thousand mistakes then costs a
+    counter, not a hundred thousand messages (about 1.2 KB each with a long name: 117 MiB held for one call)."""
+
+    def __init__(self) -> None:
+        self.kept: list[Violation] = []
+        self.omitted = 0
+        self.categories: set[str] = set()
+
+    @property
+    def full(self) -> bool:
+        return len(self.kept) >= MAX_ANSWER_VIOLATIONS
+
+    def tally(self, category: str) -> None:
+        """One more violation not kept."""
+        self.categories.add(category)
+        self.omitted += 1
+
+    def add(self, v: Violation, plan_wide: bool = False) -> None:
+        """Keep v, or count it once full (a plan-wide violation is always kept: there are at most a few)."""
+        if self.full and not plan_wide:
+            self.tally(v.category)
+            return
+        self.categories.add(v.category)
+        self.kept.append(v)
 
 
 def validate(
@@ -108,12 +150,12 @@ def validate(
         The report: every violation and each parameter's materialized bytes.
     """
     limits = limits or Limits()
-    out: list[Violation] = []
+    out = Found()
     readings: dict[int, Readings] = {}
     sizes = _check_rows(plan, limits, sources, cols, out, readings if keep_readings else None)
     total = sum(sizes)
     if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
-        out.append(
+        out.add(
             Violation(
                 -1,
                 "",
@@ -122,11 +164,12 @@ def validate(
                 f"per-plan limit of {limits.max_plan_bytes} ({format_size(limits.max_plan_bytes)}; "
                 "--max-plan-bytes, PARAMINIT_MAX_PLAN_BYTES)",
                 LIMIT,
-            )
+            ),
+            plan_wide=True,
         )
     work = _orthogonal_work(plan, cols)
     if work > inits.ORTHOGONAL_MAX_WORK:
-        out.append(
+        out.add(
             Violation(
                 -1,
                 "",
@@ -134,9 +177,10 @@ def validate(
                 f"the plan's orthogonal matrices need {work} steps of factorization (rows * cols * min(rows, cols), "
                 f"summed), over the per-plan limit of 4096^3 ({inits.ORTHOGONAL_MAX_WORK})",
                 LIMIT,
-            )
+            ),
+            plan_wide=True,
         )
-    return Report(tuple(out), tuple(sizes), readings)
+    return Report(tuple(out.kept), tuple(sizes), readings, out.omitted, frozenset(out.categories))
 
 
 def _orthogonal_work(plan: plan_pb2.Plan, cols: Columns | None) -> int:
@@ -158,7 +202,7 @@ def _check_rows(
     limits: Limits,
     sources: RequestSnapshot | None,
     cols: Columns | None,
-    out: list[Violation],
+    out: Found,
     readings: dict[int, Readings] | None,
 ) -> list[int]:
     """Every parameter's checks, in plan order (so a repeated name is reported where it repeats): a row its columns
@@ -194,15 +238,17 @@ def _check_param(
     limits: Limits,
     sources: RequestSnapshot | None,
     first_seen: dict[str, int],
-    out: list[Violation],
+    out: Found,
     readings: dict[int, Readings] | None,
 ) -> int:
     """Every check of one parameter; appends its violations to `out`, records what it read of its initializers in
     `readings` (None: not kept), and returns its materialized bytes."""
-    found: list[Violation] = []
 
     def bad(field: str, message: str, category: str = INVALID) -> None:
-        found.append(Violation(i, _shown_name(p.name), f"params[{i}].{camel_path(field)}", message, category))
+        if out.full:  # counted only: no message is kept beyond what an answer lists
+            out.tally(category)
+        else:
+            out.add(Violation(i, _shown_name(p.name), f"params[{i}].{camel_path(field)}", message, category))
 
     facts = SimpleNamespace(text=p.name, size=len(p.name.encode()), free=p.name not in RESERVED_NAMES)
     broken = next((rule for rule in NAME_RULES if not rule.holds(facts)), None)
@@ -246,7 +292,6 @@ def _check_param(
                 "--max-param-bytes, PARAMINIT_MAX_PARAM_BYTES)",
                 LIMIT,
             )
-    out.extend(found)
     return size
 
 

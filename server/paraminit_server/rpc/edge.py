@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import grpc
 
 T = TypeVar("T")
-OUTGOING_DEPTH = 4  # serialized messages a stream may have queued for the loop beyond the one being written
+OUTGOING_DEPTH = 2  # serialized messages a stream may have queued for the loop: each is a copy of a chunk outside the budget
 CALLER_SHARE = 0.75  # of --max-rpcs, what one caller may hold
 
 

@@ -76,13 +76,14 @@ class InitServiceHandlers:
     def validate(self, request: pb.ValidateRequest, caller: Caller) -> pb.ValidateResponse:
         report, digest = self.plane.validate(request.plan, caller)
         resp = pb.ValidateResponse(
-            valid=not any(not v.is_limit for v in report.violations),
+            valid=report.valid,
             param_bytes=report.param_bytes,
             total_bytes=report.total_bytes,
-            fits_limits=not any(v.is_limit for v in report.violations),
+            fits_limits=report.fits_limits,
             plan_digest=digest,
         )
-        shown, resp.omitted_violations = listed(report.violations)  # an answer's size does not grow with the plan
+        shown, beyond = listed(report.violations)  # an answer's size does not grow with the plan
+        resp.omitted_violations = beyond + report.omitted
         for v in shown:
             resp.violations.add(index=v.index, name=v.name, field=v.field, message=v.message, limit=v.is_limit)
         return resp

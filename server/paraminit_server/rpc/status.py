@@ -74,9 +74,12 @@ def truncation_info(total: int, included: int) -> error_details_pb2.ErrorInfo:
     )
 
 
-def with_violations(st: status_pb2.Status, violations: Sequence[Violation], budget: int = TRAILER_BUDGET) -> status_pb2.Status:
+def with_violations(
+    st: status_pb2.Status, violations: Sequence[Violation], budget: int = TRAILER_BUDGET, omitted: int = 0
+) -> status_pb2.Status:
     """`st` with a BadRequest of the first violations whose trailers fit `budget`, one FieldViolation per
-    violation (never a made-up one), and, when some do not fit, an ErrorInfo counting them."""
+    violation (never a made-up one), and, when some do not fit (or `omitted` more were found and not kept), an
+    ErrorInfo counting them."""
     fvs = [error_details_pb2.BadRequest.FieldViolation(field=clip(v.field, MAX_FIELD_ECHO), description=short(v)) for v in violations]
 
     def build(n: int) -> status_pb2.Status:
@@ -84,8 +87,8 @@ def with_violations(st: status_pb2.Status, violations: Sequence[Violation], budg
         out.CopyFrom(st)
         br = error_details_pb2.BadRequest(field_violations=fvs[:n])
         out.details.add().Pack(br)
-        if n < len(fvs):
-            out.details.add().Pack(truncation_info(len(fvs), n))
+        if n < len(fvs) or omitted:
+            out.details.add().Pack(truncation_info(len(fvs) + omitted, n))
         return out
 
     lo, hi = 0, len(fvs)  # the largest n that fits: sizes grow with n
@@ -110,12 +113,13 @@ def _message(err: errors.ParaminitServerError) -> str:
     violations = getattr(err, "violations", ())
     if not isinstance(err, errors.InvalidPlan) or not violations:
         return clip(str(err), MAX_MESSAGE_BYTES)
-    lines = [f"invalid plan: {len(violations)} violation(s)"]
+    total = len(violations) + getattr(err, "omitted", 0)
+    lines = [f"invalid plan: {total} violation(s)"]
     size = len(lines[0])
     for k, v in enumerate(violations):
         line = f"  {short(v)}"
         if size + len(line.encode()) + 1 > MAX_MESSAGE_BYTES - 48:
-            lines.append(f"  ... and {len(violations) - k} more")
+            lines.append(f"  ... and {total - k} more")
             break
         lines.append(line)
         size += len(line.encode()) + 1
@@ -143,7 +147,7 @@ def to_status(err: errors.ParaminitServerError) -> grpc.Status:
     st = status_pb2.Status(code=getattr(code_pb2, err.code), message=_message(err))
     violations = err.violations if isinstance(err, (errors.InvalidPlan, errors.ResourceExhausted)) else ()
     if violations:
-        st = with_violations(st, violations)
+        st = with_violations(st, violations, omitted=getattr(err, "omitted", 0))
     status: grpc.Status = rpc_status.to_status(st)
     pushback = pushback_ms(err)
     if pushback is None:
