@@ -12,7 +12,9 @@ and writes 7.0 into after releasing them. Identity "good" makes STREAM calls, Va
 exports of zeros (each checked: every element 0.0) all the while, and a prober checks health every 0.2 s.
 At the end SIGTERM goes to the server while all of that still runs, and the time to its exit is measured.
 Targets: every good call served (exports read only zeros), health within 1 s throughout, no INTERNAL
-anywhere, peak RSS within the budget plus the server's idle RSS, exit within the drain time plus 5 s.
+anywhere, peak RSS within the budget plus the server's idle RSS plus a stated margin (MARGIN), the memory the
+calls made (anonymous and shared, over idle) within the budget plus that margin, exit within the drain time
+plus 5 s.
 
     python bench/hostile.py [--seconds 40]
 """
@@ -45,7 +47,8 @@ BUDGET = 256 << 20
 STALL = 3.0
 DRAIN = 2.0
 # What the budget does not count: gRPC's buffers of messages in flight (a stalled reader's window, uploads being
-# received), the Python objects of hundreds of calls, glibc's arenas of 48 worker threads.
+# received), the Python objects of hundreds of calls, glibc's arenas of 48 worker threads, and the code pages
+# (kernels, LLVM) first touched after the idle reading.
 MARGIN = 64 << 20
 GOOD = "good-token-0123456789"
 BAD = "bad-token-0123456789"
@@ -327,7 +330,7 @@ def main() -> None:
     goods = [k for k in codes if k.startswith("good")]
     served = all(codes[k]["OK"] == sum(codes[k].values()) > 0 for k in goods)
     longest = max(waits) if waits else float("inf")
-    within = peak <= BUDGET + idle_rss
+    within = peak <= BUDGET + idle_rss + MARGIN
     print(
         f"good calls: {good['OK']} of {sum(good.values())} served; longest {longest:.2f} s "
         f"(a slot held by a stalled reader comes back within --max-stall + its check: {STALL * 1.25:.2f} s)"
@@ -348,7 +351,7 @@ def main() -> None:
         ("exit within the drain time plus 5 s", exit_seconds is not None and exit_seconds <= DRAIN + 5.0),
         ("no INTERNAL or UNKNOWN anywhere", internal == 0),
         ("good calls wait at most the stall limit and one call", longest <= STALL * 1.25 + 5.0),
-        ("peak RSS within budget + idle RSS", within),
+        (f"peak RSS within budget + idle RSS + {MARGIN >> 20} MiB", within),
         (
             f"memory the calls made (anonymous + shared, over idle) within budget + {MARGIN >> 20} MiB",
             anon_growth + (parts_at_peak[1] << 10) <= BUDGET + MARGIN,
