@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 import torch.distributed as dist  # noqa: E402
+from test_hf import gpt2_config, llama_config  # noqa: E402  (the same small configurations)
 
 from paraminit_client.torch import meta_parameters, plan_from_module  # noqa: E402
 
@@ -42,22 +43,11 @@ def client() -> Iterator[Client]:
 
 
 def gpt2() -> Any:
-    return transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0)
+    return gpt2_config(n_embd=64, n_layer=3)
 
 
 def llama() -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return llama_config()
 
 
 def model_plan(config: Any) -> plan_pb2.Plan:

@@ -196,16 +196,22 @@ def test_digest_covers_patches() -> None:
 def test_every_window_is_exact(cpu_backend: Any, window: int) -> None:
     """Stream-style fills: windows of any multiple of 8 bytes, split inside runs and between patches."""
     plan = patched_plan()
-    params = columns.resolve(plan)
-    lay = layout.stream_layout(params, planlib.digest(plan))
+    lay = layout.stream_layout(columns.resolve(plan), planlib.digest(plan))
+    got = filled_in_windows(cpu_backend, lay, plan, window)
+    for p in plan.params:
+        assert got[p.name] == expected(p).tobytes(), p.name
+
+
+def filled_in_windows(backend: Any, lay: Any, plan: plan_pb2.Plan, window: int) -> dict[str, bytes]:
+    """Each parameter's bytes from a poisoned stream buffer filled `window` bytes at a time."""
     buf = poisoned(lay.data_bytes, np.dtype(np.uint8))
     for start in range(0, lay.data_bytes, window):
-        engine.fill_window(cpu_backend, lay, buf[start : start + window], start)
+        engine.fill_window(backend, lay, buf[start : start + window], start)
+    out = {}
     for pl, p in zip(lay.placements, plan.params, strict=True):
         rp = pl.param
-        got = buf[pl.offset : pl.offset + rp.nbytes].view(rp.dtype.storage).reshape(rp.out_shape)
-        want = expected(p)
-        assert got.tobytes() == want.tobytes(), p.name
+        out[p.name] = buf[pl.offset : pl.offset + rp.nbytes].view(rp.dtype.storage).reshape(rp.out_shape).tobytes()
+    return out
 
 
 def test_whole_arena_is_exact(cpu_backend: Any) -> None:
@@ -440,12 +446,6 @@ def test_runs_far_apart_are_exact_in_every_window(cpu_backend: Any, monkeypatch:
     monkeypatch.setattr(cpu_backend, "fill", counted)  # this backend object only
     for window in (4000, 12296, 1 << 23):
         calls.clear()
-        buf = poisoned(lay.data_bytes, np.dtype(np.uint8))
-        for start in range(0, lay.data_bytes, window):
-            engine.fill_window(cpu_backend, lay, buf[start : start + window], start)
-        for pl, p in zip(lay.placements, plan.params, strict=True):
-            rp = pl.param
-            got = buf[pl.offset : pl.offset + rp.nbytes].view(rp.dtype.storage).reshape(rp.out_shape)
-            assert got.tobytes() == want[p.name], (window, p.name)
+        assert filled_in_windows(cpu_backend, lay, plan, window) == want, window
     # the last window holds every parameter whole: a base fill and one per patch (6 patches of 16 to 22 short runs)
     assert len(calls) <= 3 + 6, calls
