@@ -23,7 +23,6 @@ import os
 import pickle
 import re
 import stat
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -289,8 +288,7 @@ def _commit_shards(
 
 def _write_small(dest: Path, data: bytes, durable: bool) -> None:
     """A small file (an index, DCP metadata) written whole under a hidden name, then renamed into place."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    filesink.track_partial(tmp)
+    fd, tmp = filesink.make_partial(dest, _create)
     try:
         try:
             _write_all(fd, data)
@@ -427,8 +425,7 @@ def _write_dcp_file(
                 one.region.add(start=a, stop=b)
         return _numpy_to_torch(source.materialize(_with_params(plan, [one]))[p.name]).reshape([b - a for a, b in item.box])
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    filesink.track_partial(tmp)
+    fd, tmp = filesink.make_partial(dest, _create)
     placed = []
     try:
         try:
@@ -643,8 +640,6 @@ def _write_hidden(dest: Path, header: pb.StreamHeader, chunks: Iterator[Chunk], 
     removes it); nothing is left behind on failure."""
     fd, tmp = _open_unnamed(dest)
     base = len(header.safetensors_prefix)
-    if tmp is not None:
-        filesink.track_partial(tmp)
     named: str | None = tmp
     try:
         try:
@@ -665,7 +660,6 @@ def _write_hidden(dest: Path, header: pb.StreamHeader, chunks: Iterator[Chunk], 
             os.fchmod(fd, _mode_for(dest))
             if named is None:
                 named = _link_unnamed(fd, dest)
-                filesink.track_partial(named)
         finally:
             os.close(fd)
         return named
@@ -700,27 +694,27 @@ def _open_unnamed(dest: Path) -> tuple[int, str | None]:
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                     raise
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=directory)
-        return fd, tmp
+        return filesink.make_partial(dest, _create)
     except OSError as exc:
         raise FileAccessError(exc) from None
 
 
+def _create(path: str) -> int:
+    """A new file at path, private until it is complete (FileExistsError when the name is taken)."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+
 def _link_unnamed(fd: int, dest: Path) -> str:
-    """Give a complete O_TMPFILE file a hidden name beside dest (renamed over dest next)."""
+    """Give a complete O_TMPFILE file a hidden name beside dest (renamed over dest next), tracked as partial."""
     # linkat(AT_SYMLINK_FOLLOW) through the descriptor's /proc link: os.link takes linkat only with a dir_fd
     dfd = os.open(dest.parent or ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for _ in range(100):
-            name = f".{dest.name}.{os.urandom(6).hex()}.part"
-            try:
-                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dfd, follow_symlinks=True)
-                return str(dest.parent / name)
-            except FileExistsError:
-                continue
+        _, named = filesink.make_partial(
+            dest, lambda path: os.link(f"/proc/self/fd/{fd}", os.path.basename(path), dst_dir_fd=dfd, follow_symlinks=True)
+        )
+        return named
     finally:
         os.close(dfd)
-    raise FileExistsError(errno.EEXIST, "no free temporary name", str(dest.parent))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from paraminit_client.transports import Chunk
 
+T = TypeVar("T")
 ALIGN = 4096  # O_DIRECT offsets, lengths and buffers: a multiple of the largest logical block size in use
 
 
@@ -198,24 +201,65 @@ class BufferedSink:
 
 # Files being written right now (their temporary names): what a process that must end at once removes first.
 _PARTIAL: set[str] = set()
+# Held while a temporary name is tracked and made, and while remove_partial works: a process ending on a signal
+# (whose handler runs remove_partial, then exits) either removes a file or sees it never made, whichever thread
+# makes it. Reentrant: the handler runs on the main thread, which may itself be making one.
+_PARTIAL_LOCK = threading.RLock()
+_ENDING = False
 
 
 def track_partial(path: str) -> None:
     """Remember a temporary file until forget_partial(path): remove_partial() deletes it if the process must end."""
-    _PARTIAL.add(path)
+    with _PARTIAL_LOCK:
+        _PARTIAL.add(path)
 
 
 def forget_partial(path: str) -> None:
     """The file was renamed into place or already removed."""
-    _PARTIAL.discard(path)
+    with _PARTIAL_LOCK:
+        _PARTIAL.discard(path)
+
+
+def hidden_name(dest: str | os.PathLike[str]) -> str:
+    """A fresh hidden name beside dest for its temporary file: `.NAME.RANDOM.part`."""
+    dest = os.fspath(dest)
+    return os.path.join(os.path.dirname(dest), f".{os.path.basename(dest)}.{os.urandom(6).hex()}.part")
+
+
+def make_partial(dest: str | os.PathLike[str], make: Callable[[str], T]) -> tuple[T, str]:
+    """Make a temporary file beside dest with `make(path)` (which must create path exclusively, raising
+    FileExistsError when it exists), tracked from before it exists: a signal's remove_partial, on any thread,
+    removes it or finds it never made. A name already taken is tried again with another.
+
+    Raises:
+        OSError: what `make` raised; EINTR once the process is ending.
+    """
+    for _ in range(100):
+        path = hidden_name(dest)
+        with _PARTIAL_LOCK:
+            if _ENDING:
+                raise OSError(errno.EINTR, "the process is ending", path)
+            _PARTIAL.add(path)
+            try:
+                return make(path), path
+            except FileExistsError:
+                _PARTIAL.discard(path)
+            except BaseException:
+                _PARTIAL.discard(path)
+                raise
+    raise FileExistsError(errno.EEXIST, "no free temporary name", os.path.dirname(os.fspath(dest)))
 
 
 def remove_partial() -> list[str]:
-    """Delete every file still being written (for a process ending on a signal); returns their names."""
+    """Delete every file still being written (for a process ending on a signal) and refuse new ones; returns their
+    names."""
+    global _ENDING
     removed = []
-    for path in list(_PARTIAL):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-            removed.append(path)
-        _PARTIAL.discard(path)
+    with _PARTIAL_LOCK:
+        _ENDING = True
+        for path in list(_PARTIAL):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+            _PARTIAL.discard(path)
     return removed
