@@ -9,25 +9,33 @@ same either way.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
-from paraminit.hostmem import tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import checkpoints
 from paraminit_client.errors import ClientClosed, InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
-from paraminit_client.grpc_transport import GrpcTransport, first_response, payload_bytes, rpc_errors
+from paraminit_client.grpc_transport import (
+    CHANNEL_OPTIONS,
+    RETRY_POLICY,
+    SERVICE_CONFIG,
+    Connection,
+    GrpcTransport,
+    connect,
+    first_response,
+    payload_bytes,
+    rpc_errors,
+    tls_credentials,
+)
 from paraminit_client.local_transport import LocalTransport, start_local
 from paraminit_client.transports import Chunk, Transport, ValidationReport, land
 
@@ -46,55 +54,17 @@ __all__ = [
     "tls_credentials",
 ]
 
-# gRPC's own retries (gRFC A6), for every InitService method: a call refused before any response (a busy or
-# draining server: RESOURCE_EXHAUSTED, UNAVAILABLE) is sent again after an exponential backoff with jitter, or
-# after the server's grpc-retry-pushback-ms (a negative pushback, sent for limits no retry can fix, stops it);
-# the call's deadline bounds every attempt together. Any gRPC client can use this JSON as its service config.
-RETRY_POLICY: dict[str, Any] = {
-    "maxAttempts": 5,
-    "initialBackoff": "0.2s",
-    "maxBackoff": "5s",
-    "backoffMultiplier": 2,
-    "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"],
-}
-SERVICE_CONFIG: dict[str, Any] = {"methodConfig": [{"name": [{"service": "paraminit.v1.InitService"}], "retryPolicy": RETRY_POLICY}]}
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
-    ("grpc.enable_retries", 1),
-    ("grpc.service_config", json.dumps(SERVICE_CONFIG)),
-]
 DELIVERIES = ("shm", "cuda_ipc")
 
 
-@dataclass(frozen=True)
-class Connection:
-    """How a Client reaches a server: its arguments in one value, so the transport is built from what the
-    Client was given and nothing is restated on the way.
-
-    timeout: each gRPC call's deadline in seconds (None: none). credentials: channel credentials; override
-    `tls_ca`/`tls_cert`/`tls_key`. split_bytes: the size above which a parameter is cut into row regions when
-    a plan is split across targets. token: bearer token (None: $PARAMINIT_TOKEN). tls_ca: the CA bundle that
-    verifies the server; tls_cert/tls_key: a client certificate (mutual TLS).
-    """
-
-    timeout: float | None = None
-    credentials: grpc.ChannelCredentials | None = None
-    split_bytes: int = 64 << 20
-    token: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-
-
 def make_transport(
-    target: str | Sequence[str] | None = None, connection: Connection = Connection(), safetensors_dirs: Sequence[str] | None = None
+    target: str | Sequence[str] | None = None, connection: Connection | None = None, safetensors_dirs: Sequence[str] | None = None
 ) -> Transport:
     """The transport a Client with these arguments uses: in process without a target, else gRPC.
 
     Args:
         target: None (in process), "host:port", a "dns:///" name, or a list of targets to split plans across.
-        connection: how to reach a server (unused in process).
+        connection: how to reach a server (unused in process; default Connection()).
         safetensors_dirs: in process only, the directories whose safetensors files plans may read.
 
     Returns:
@@ -107,6 +77,7 @@ def make_transport(
     if target is None:
         dirs = "/" if safetensors_dirs is None else ":".join(os.fspath(d) for d in safetensors_dirs)
         return start_local(dirs)
+    connection = connection or Connection()
     if safetensors_dirs is not None:
         raise InvalidArgument(
             "safetensors_dirs applies in process only; a server's --safetensors-dirs decides which files its plans may read"
@@ -117,29 +88,10 @@ def make_transport(
         if not targets:
             raise InvalidArgument("an empty list of targets")
         if len(targets) > 1:
-            workers = [_grpc(t, connection) for t in targets]
+            workers = [connect(t, connection) for t in targets]
         target = targets[0]
     assert isinstance(target, str)
-    return _grpc(target, connection, workers)
-
-
-def _grpc(target: str, c: Connection, workers: Sequence[GrpcTransport] = ()) -> GrpcTransport:
-    tune_malloc_for_streams()  # megabyte messages reuse heap memory (paraminit.hostmem); before the channel exists
-    options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
-    if target.startswith("dns:"):
-        # client-side balancing over every address behind the name (a headless Service)
-        options.append(("grpc.lb_policy_name", "round_robin"))
-    credentials = c.credentials
-    if credentials is None and (c.tls_ca or c.tls_cert):
-        credentials = tls_credentials(c.tls_ca or "", c.tls_cert or "", c.tls_key or "")
-    if credentials is None:
-        channel = grpc.insecure_channel(target, options=options)
-    else:
-        channel = grpc.secure_channel(target, credentials, options=options)
-    token = os.environ.get("PARAMINIT_TOKEN") if c.token is None else c.token
-    if token:
-        channel = grpc.intercept_channel(channel, _BearerToken(token))
-    return GrpcTransport(target, channel, c.timeout, c.split_bytes, workers)
+    return connect(target, connection, workers)
 
 
 class Client:
@@ -470,44 +422,6 @@ class Client:
         """
         writer = checkpoints.format_for(format, max_shard_size)
         return writer.write(self, plan, Path(path), progress=progress, chunk_bytes=chunk_bytes, durable=durable)
-
-
-def tls_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
-    """TLS verifying the server against `ca` (system roots when empty), with an optional client certificate."""
-    return grpc.ssl_channel_credentials(
-        root_certificates=Path(ca).read_bytes() if ca else None,
-        private_key=Path(key).read_bytes() if key else None,
-        certificate_chain=Path(cert).read_bytes() if cert else None,
-    )
-
-
-class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, base: Any, metadata: list[tuple[str, str | bytes]]) -> None:
-        self.method = base.method
-        self.timeout = base.timeout
-        self.metadata = tuple(metadata)
-        self.credentials = base.credentials
-        self.wait_for_ready = base.wait_for_ready
-        self.compression = base.compression
-
-
-class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor):
-    """Adds `authorization: Bearer <token>` to every call (works on plaintext loopback channels too)."""
-
-    def __init__(self, token: str) -> None:
-        self._header = ("authorization", f"Bearer {token}")
-
-    def _details(self, details: Any) -> Any:
-        return _CallDetails(details, [*(details.metadata or ()), self._header])
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return continuation(self._details(details), request_iterator)
 
 
 @contextlib.contextmanager
