@@ -37,6 +37,7 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import filesink
 from paraminit_client.errors import FileAccessError, InvalidArgument, ParaminitError, require
+from paraminit_client.plans import set_region
 from paraminit_client.transports import Chunk, Slab, ValidationReport, land
 
 if TYPE_CHECKING:
@@ -101,10 +102,8 @@ class SafetensorsFile:
         if existing is not None and stat.S_ISDIR(existing.st_mode):
             raise FileAccessError(IsADirectoryError(errno.EISDIR, "Is a directory", str(dest)))
         header, chunks = source.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
-        bar = progress_bar(header.data_bytes, dest.name) if progress is True else None
-        update: Callable[[int], None] | None = bar.update if bar is not None else None
-        if callable(progress):
-            update = _cumulative(progress, header.data_bytes)
+        counter = _Counter(progress, header.data_bytes, dest.name)
+        update = counter.update if progress else None
         try:
             if existing is not None and not stat.S_ISREG(existing.st_mode):
                 _write_in_place(dest, header.safetensors_prefix, chunks, update)  # a device, a FIFO: never renamed over
@@ -114,8 +113,7 @@ class SafetensorsFile:
             close = getattr(chunks, "close", None)
             if close is not None:
                 close()
-            if bar is not None:
-                bar.close()
+            counter.close()
         return header
 
 
@@ -169,7 +167,8 @@ def shard_groups(param_bytes: Sequence[int], max_shard_bytes: int) -> list[list[
 
 
 class _Counter:
-    """One progress report over several concurrent writers."""
+    """One progress report (a bar, or a callable given (bytes so far, total) once with 0 at once, then after each
+    chunk), over one writer or several concurrent ones."""
 
     def __init__(self, progress: Progress, total: int, name: str) -> None:
         self._lock = threading.Lock()
@@ -419,10 +418,7 @@ def _write_dcp_file(
         p = plan.params[item.param]
         one = plan_pb2.Param()
         one.CopyFrom(p)
-        del one.region[:]
-        if item.box != tuple((0, int(d)) for d in p.shape):
-            for a, b in item.box:
-                one.region.add(start=a, stop=b)
+        set_region(one, item.box)
         return _numpy_to_torch(source.materialize(_with_params(plan, [one]))[p.name]).reshape([b - a for a, b in item.box])
 
     fd, tmp = filesink.make_partial(dest, _create)
@@ -730,19 +726,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _cumulative(report: Callable[[int, int], None], total: int) -> Callable[[int], None]:
-    """A per-chunk byte counter that calls `report(bytes so far, total)`; reports (0, total) at once."""
-    done = 0
-
-    def update(n: int) -> None:
-        nonlocal done
-        done += n
-        report(done, total)
-
-    report(0, total)
-    return update
 
 
 def progress_bar(total: int, name: str) -> Any:

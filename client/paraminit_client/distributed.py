@@ -26,6 +26,7 @@ import torch
 from paraminit.v1 import plan_pb2
 from paraminit_client.client import Client, or_in_process
 from paraminit_client.errors import InvalidArgument
+from paraminit_client.plans import set_region
 from paraminit_client.torch_rules import _TORCH_DTYPES, _numpy_to_torch
 
 __all__ = ["is_dtensor", "local_region", "localize", "materialize_region", "wrap"]
@@ -67,13 +68,6 @@ def local_region(shape: Sequence[int], mesh: Any, placements: Sequence[Any]) -> 
     return tuple((int(o), int(o) + int(n)) for o, n in zip(offset, local, strict=True))
 
 
-def _set_region(p: plan_pb2.Param, region: Sequence[tuple[int, int]]) -> None:
-    del p.region[:]
-    if tuple(region) != tuple((0, int(d)) for d in p.shape):
-        for a, b in region:
-            p.region.add(start=a, stop=b)
-
-
 def localize(plan: plan_pb2.Plan, state: Mapping[str, Any]) -> tuple[plan_pb2.Plan, dict[str, Region]]:
     """The plan this rank asks for: each DTensor's Param restricted to the rank's box, empty shards left
     out; returns it with {name: box} of every DTensor parameter (the shape wrap() needs)."""
@@ -89,7 +83,7 @@ def localize(plan: plan_pb2.Plan, state: Mapping[str, Any]) -> tuple[plan_pb2.Pl
         if all(b > a for a, b in box):
             q = out.params.add()
             q.CopyFrom(p)
-            _set_region(q, box)
+            set_region(q, box)
     return out, boxes
 
 
@@ -147,7 +141,7 @@ def materialize_region(
         return torch.empty(tuple(max(0, b - a) for a, b in box), dtype=_TORCH_DTYPES[param.dtype], device=device)
     q = plan_pb2.Param()
     q.CopyFrom(param)
-    _set_region(q, box)
+    set_region(q, box)
     with or_in_process(client) as c:
         arrays = c.materialize(plan_pb2.Plan(params=[q]))
     return _numpy_to_torch(arrays[q.name]).reshape(tuple(b - a for a, b in box)).to(device)

@@ -478,6 +478,14 @@ def param(
     return p
 
 
+def set_region(p: plan_pb2.Param, region: Sequence[tuple[int, int]]) -> None:
+    """Make `region` (one (start, stop) per dimension) p's region in place; the whole tensor is no region."""
+    del p.region[:]
+    if tuple(region) != tuple((0, int(d)) for d in p.shape):
+        for a, b in region:
+            p.region.add(start=a, stop=b)
+
+
 def plan_of(params: Iterable[plan_pb2.Param]) -> plan_pb2.Plan:
     return plan_pb2.Plan(params=list(params))
 

@@ -63,6 +63,9 @@ def fill_param(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0, s
 PATCH_PIECE = 1 << 20  # elements of a patch's span generated at a time when its runs are short and many
 SPAN_PER_RUN = 4096  # a span up to this many elements per run costs less to generate whole than run by run
 CHECK_RUNS = 256  # runs filled one by one between two looks at should_stop
+# covered elements a box fill makes at a time: its index arithmetic holds about 40 bytes an element (2.5 MiB), outside
+# the memory budget like the rest of a fill's scratch
+BOX_PIECE = 1 << 16
 
 
 def apply_patches(backend: Backend, p: ResolvedParam, out: Any, l_begin: int = 0, should_stop: Callable[[], bool] | None = None) -> None:
@@ -132,7 +135,7 @@ def _box_fillable(p: ResolvedParam, patch: Patch) -> bool:
 
 def _patch_box(backend: Backend, p: ResolvedParam, patch: Patch, out: Any, l_begin: int, should_stop: Callable[[], bool] | None) -> None:
     """Many runs far apart (a column patch of a wide tensor): the covered elements of the window made by one
-    fill of the patch's initializer over its box (a region: the kernel walks its runs), PATCH_PIECE at a time,
+    fill of the patch's initializer over its box (a region: the kernel walks its runs), BOX_PIECE at a time,
     and put in place in one array operation, instead of one fill call per run.
 
     The k-th element of the box in row-major order is the k-th covered element in local order (both ascend),
@@ -149,10 +152,10 @@ def _patch_box(backend: Backend, p: ResolvedParam, patch: Patch, out: Any, l_beg
     last = int(np.searchsorted(starts, end, side="left"))
     k_lo = min(first * run_len + max(0, l_begin - int(starts[first])), covered) if first < starts.shape[0] else covered
     k_hi = max((last - 1) * run_len + min(run_len, end - int(starts[last - 1])), k_lo) if last > 0 else k_lo
-    scratch = np.empty(min(PATCH_PIECE, max(k_hi - k_lo, 0)), dtype=out.dtype)
-    for k in range(k_lo, k_hi, PATCH_PIECE):
+    scratch = np.empty(min(BOX_PIECE, max(k_hi - k_lo, 0)), dtype=out.dtype)
+    for k in range(k_lo, k_hi, BOX_PIECE):
         _stop_if(should_stop)
-        n = min(PATCH_PIECE, k_hi - k)
+        n = min(BOX_PIECE, k_hi - k)
         made = scratch[:n]
         backend.fill(over_box, made, k)
         idx = np.arange(k, k + n, dtype=np.int64)
