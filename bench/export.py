@@ -30,12 +30,12 @@ def main() -> None:
     from paraminit_client import Client, param, plan_of
     from paraminit_server.backends.cpu import CpuBackend
     from paraminit_server.plane import engine, layout
-    from paraminit_server.plans import columns
+    from paraminit_server.plans.validation import check
 
     p = plan_of([param("w", [nbytes // 4], {"uniform": {"lo": -1, "hi": 1, "seed": 1}})])
     backend = CpuBackend()
     backend.warm_up()
-    lay = layout.export_layout(columns.resolve(p))
+    lay = layout.export_layout(check(p).params)
 
     def generate() -> None:
         engine.fill_all(backend, lay, np.empty(lay.data_bytes, np.uint8))

@@ -23,10 +23,24 @@ from paraminit import dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, cli
 from paraminit_server.config import ServerConfig
+from paraminit_server.plans import validation
+from paraminit_server.plans.columns import ParamTable
 from paraminit_server.rpc.server import Running, start
 
 VECTORS = json.loads((Path(__file__).parent / "vectors.json").read_text())
 CASES: list[dict[str, Any]] = VECTORS["cases"]
+
+
+def resolved(plan: plan_pb2.Plan, sources: Any = None) -> ParamTable:
+    """A valid plan's resolved table, from the check's one sweep (validation.check)."""
+    got = validation.check(plan, None, sources)
+    assert got.params is not None, [str(v) for v in got.report.violations]
+    return got.params
+
+
+def digest_of(plan: plan_pb2.Plan, sources: Any = None) -> str:
+    """A plan's digest, as the check's sweep gives it (with `sources`: the content its references use)."""
+    return validation.check(plan, None, sources, resolve=False).digest
 
 
 def vector_cases() -> list[Any]:

@@ -14,12 +14,11 @@ import pytest
 PROBE = textwrap.dedent("""
     import os, threading, numba, numpy as np
     from paraminit_client import param, plan_of
-    from paraminit_server.plans import plan as planlib
-    from paraminit_server.plans import columns
+    from paraminit_server.plans.validation import check
     from paraminit_server.backends import cpu
     from paraminit_server.backends.cpu import CpuBackend
     n = (1 << 20) + 12345  # not a whole number of spans
-    p = columns.resolve(plan_of([param("w", [n], {"normal": {"std": 1.0, "seed": 3}})]))[0]
+    p = check(plan_of([param("w", [n], {"normal": {"std": 1.0, "seed": 3}})])).params[0]
     want = np.full(n, np.nan, np.float32); CpuBackend(threads=1).fill(p, want)
     assert not np.isnan(want).any()
     spans = []
@@ -97,12 +96,11 @@ def test_background_compiles_let_fills_go_first(monkeypatch: pytest.MonkeyPatch)
 FORK_PROBE = textwrap.dedent("""
     import os, signal, threading, time, numpy as np
     from paraminit_client import param, plan_of
-    from paraminit_server.plans import plan as planlib
-    from paraminit_server.plans import columns
+    from paraminit_server.plans.validation import check
     from paraminit_server.backends import cpu
     from paraminit_server.backends.cpu import CpuBackend
     n = (1 << 20) + 7
-    p = columns.resolve(plan_of([param("w", [n], {"uniform": {"lo": -1, "hi": 1, "seed": 5}})]))[0]
+    p = check(plan_of([param("w", [n], {"uniform": {"lo": -1, "hi": 1, "seed": 5}})])).params[0]
     b = CpuBackend(threads=2)
     want = np.full(n, np.nan, np.float32); b.fill(p, want)
     held, release = threading.Event(), threading.Event()
@@ -131,11 +129,10 @@ def test_a_fork_during_a_fill_leaves_the_child_usable() -> None:
 EXIT_PROBE = textwrap.dedent("""
     import atexit, numpy as np
     from paraminit_client import param, plan_of
-    from paraminit_server.plans import plan as planlib
-    from paraminit_server.plans import columns
+    from paraminit_server.plans.validation import check
     from paraminit_server.backends.cpu import CpuBackend
     n = (1 << 21) + 3
-    p = columns.resolve(plan_of([param("w", [n], {"normal": {"std": 1.0, "seed": 9}})]))[0]
+    p = check(plan_of([param("w", [n], {"normal": {"std": 1.0, "seed": 9}})])).params[0]
     b = CpuBackend(threads=2)
     want = np.full(n, np.nan, np.float32); CpuBackend(threads=1).fill(p, want)
     def at_exit():  # runs after concurrent.futures stopped taking work: a fill still completes, on this thread

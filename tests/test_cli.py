@@ -40,10 +40,9 @@ from paraminit_client import Client, cli, inspect, load_plan, param, plan_from_d
 from paraminit_client.plans import PlanFileError, plan_to_json
 from paraminit_server import config as server_config
 from paraminit_server.backends.cpu import CpuBackend
-from paraminit_server.plans import columns
 from paraminit_server.plans import plan as planlib
 from paraminit_server.rpc.server import Running
-from support import run_cli, running_server, serve_subprocess, target_of, wait_until
+from support import resolved, run_cli, running_server, serve_subprocess, target_of, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -1062,7 +1061,7 @@ def test_hf_extra_installs_transformers_and_info_help_speaks_of_a_server() -> No
 
 
 def expected_arrays(plan: plan_pb2.Plan) -> dict[str, np.ndarray[Any, Any]]:
-    return {p.name: reference.materialize(p) for p in columns.resolve(plan)}
+    return {p.name: reference.materialize(p) for p in resolved(plan)}
 
 
 def test_cli_against_serve_subprocess(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit_client import Client, param, plan_from_dict, plan_of
 from paraminit_server.rpc.server import Running
-from support import running_server, target_of
+from support import digest_of, running_server, target_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTO = " ".join((ROOT / "proto/paraminit/v1/init_service.proto").read_text().replace("//", " ").split())
@@ -387,11 +387,10 @@ def test_an_omitted_dtype_and_float32_have_one_digest() -> None:
 
 
 def test_a_safetensors_reference_digest_is_reproduced_and_any_dtype_kept(tmp_path: Path) -> None:
-    from paraminit_server.plans import plan as planlib
 
     ref = {"path": str(tmp_path / "a.safetensors"), "tensor": "w"}
     refs = [{"params": [{"name": "w", "shape": [2], "init": {"safetensors": r}}]} for r in (ref, {**ref, "dtype": "float32"})]
-    got = [planlib.digest(plan_from_dict(r)) for r in refs]  # without sources: the canonical bytes alone
+    got = [digest_of(plan_from_dict(r)) for r in refs]  # without sources: the canonical bytes alone
     assert got == [hashlib.sha256(encode("Plan", r)).hexdigest() for r in refs] and got[0] != got[1]
 
 

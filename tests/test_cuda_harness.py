@@ -38,7 +38,7 @@ from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu_kernels import cr_math, cr_tables
 from paraminit_server.plans import sampler
 from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
-from support import CASES, VECTORS, case_param, poisoned
+from support import CASES, VECTORS, case_param, poisoned, resolved
 
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or put it on PATH)")]
@@ -711,7 +711,7 @@ def test_a_large_plan_packed_as_columns_gives_the_same_bytes(harness: Path, tmp_
     plan = plan_of(params)
     cols = columns.of(plan)
     assert cols is not None
-    table = columns.resolve(plan, None, cols)
+    table = resolved(plan)
     assert isinstance(table, columns.ParamTable) and len(table) // 2 < int(table.plain.sum()) < len(table)
     offsets, pos = [], 0
     for i in range(len(table)):

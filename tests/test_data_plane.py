@@ -22,8 +22,8 @@ from paraminit_server.config import ServerConfig
 from paraminit_server.plane import materializer
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.materializer import Materializer, StreamStart
-from paraminit_server.plans import columns
 from paraminit_server.rpc.service import InitServiceHandlers
+from support import resolved
 
 POISON = 0xAB
 SMALL_SLABS = {"slab_bytes": 64 << 10, "chunk_bytes": 8 << 10}  # 64 KiB slabs: many more slabs than the ring holds
@@ -47,7 +47,7 @@ def uniform_plan(n: int, seed: int) -> Any:
 
 def expected_data(plan: Any, start: StreamStart) -> np.ndarray[Any, Any]:
     data = np.full(start.layout.data_bytes, POISON, dtype=np.uint8)
-    for pl, rp in zip(start.layout.placements, columns.resolve(plan), strict=True):
+    for pl, rp in zip(start.layout.placements, resolved(plan), strict=True):
         data[pl.offset : pl.offset + pl.param.nbytes] = reference.materialize(rp).reshape(-1).view(np.uint8)
     return data
 

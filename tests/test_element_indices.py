@@ -9,8 +9,7 @@ import reference
 
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.plans import columns
-from support import running_server, target_of
+from support import resolved, running_server, target_of
 
 
 def _region_param(shape: list[int], region: list[tuple[int, int]], seed: int = 9) -> plan_pb2.Param:
@@ -50,9 +49,9 @@ def test_rows_near_2_63_get_their_own_global_index(shape: list[int], rows: list[
             plan = plan_of([p])
             assert c.validate(plan).ok
             out = c.materialize(plan)["w"]
-            want = reference.materialize(columns.resolve(plan)[0])
+            want = reference.materialize(resolved(plan)[0])
             assert out.tobytes() == want.tobytes(), row
-            g = reference.global_indices(columns.resolve(plan)[0])
+            g = reference.global_indices(resolved(plan)[0])
             assert int(g[0]) == row * shape[1] + shape[1] - 5  # exact, no wrap
             got[row] = out.tobytes()
         assert len(set(got.values())) == len(rows)  # no two rows repeat each other

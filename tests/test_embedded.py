@@ -17,7 +17,7 @@ import pytest
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server.rpc.server import Running
-from support import poisoned, server_fixture, target_of
+from support import poisoned, resolved, server_fixture, target_of
 
 server = server_fixture()
 
@@ -189,7 +189,6 @@ def test_a_call_readies_only_the_kernels_it_fills(server: Running) -> None:
     """In process nothing loads kernels ahead of the calls: validating loads none, a fill loads (or compiles) the
     kinds and dtypes it fills and no others, and its bytes are a server's."""
     from paraminit_server import embedded
-    from paraminit_server.plans import columns
     from paraminit_server.plans import plan as planlib
 
     inproc = embedded.InProcess.start("cpu")
@@ -203,6 +202,6 @@ def test_a_call_readies_only_the_kernels_it_fills(server: Running) -> None:
         assert [s.name for s in spans] == list(want)
         for s in spans:
             assert buf[s.offset : s.offset + s.nbytes].tobytes() == want[s.name].tobytes(), s.name
-        assert backend._ready_kinds == planlib.kinds_of(columns.resolve(mixed_plan())) and not backend._ready_all
+        assert backend._ready_kinds == planlib.kinds_of(resolved(mixed_plan())) and not backend._ready_all
     finally:
         inproc.close()

@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.plans import columns
-from paraminit_server.plans.validation import Limits, validate
+from paraminit_server.plans.validation import Limits, check
 from paraminit_server.rpc.server import Running
-from support import server_fixture
+from support import resolved, server_fixture
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -96,7 +95,7 @@ plans = st.lists(params(st.sampled_from(["a", "b", "c", "", "w.weight"])), min_s
 @FUZZ
 @given(plan=plans)
 def test_fuzz_plans_against_live_server(client: Client, plan: plan_pb2.Plan) -> None:
-    report = validate(plan, Limits(max_param_bytes=4 << 20, max_plan_bytes=8 << 20))
+    report = check(plan, Limits(max_param_bytes=4 << 20, max_plan_bytes=8 << 20), resolve=False).report
     try:
         got = client.materialize(plan)
     except ParaminitError as err:
@@ -104,7 +103,7 @@ def test_fuzz_plans_against_live_server(client: Client, plan: plan_pb2.Plan) -> 
         assert len(err.violations) == len(report.violations) >= 1
         return
     assert report.ok
-    for p in columns.resolve(plan):
+    for p in resolved(plan):
         assert got[p.name].tobytes() == reference.materialize(p).tobytes()
 
 

@@ -98,7 +98,7 @@ def test_validation_reports_the_tables_checks_for_params_and_patches() -> None:
             bad_patch,
         ]
     )
-    got = [(v.field, v.message) for v in validation.validate(plan).violations]
+    got = [(v.field, v.message) for v in validation.check(plan, resolve=False).report.violations]
     fields = [f for f, _ in got]
     assert fields == [
         "params[0].init.uniform",
@@ -350,18 +350,29 @@ def test_a_materialization_reads_each_initializer_once() -> None:
         threading.setprofile(None)
 
 
-def test_readings_are_kept_only_for_the_resolution_that_takes_them() -> None:
-    """Validation alone keeps no reading (about 600 bytes a row a large irregular plan would hold); kept for
-    resolution, each is taken out as its row resolves, so none is held beside the resolved rows."""
+def test_one_sweep_reads_each_initializer_once() -> None:
+    """Checking, digesting and resolving a plan read every initializer once (inits.read): rows with regions,
+    inline data and patches, none read again to resolve them or to name their content."""
+    from unittest import mock
+
     from paraminit_server.plans import columns
 
-    plan = plan_of(param(f"w{i}", [6, 4], {"normal": {"std": 0.1, "seed": i}}, region=[(0, 3), (0, 4)]) for i in range(20))
-    cols = columns.of(plan)
-    assert cols is not None and not cols.plain.any()  # regions: every row is checked and resolved one by one
-    assert validation.validate(plan, None, None, cols).readings == {}
-    report = validation.validate(plan, None, None, cols, keep_readings=True)
-    assert sorted(report.readings) == list(range(20)) and all(r[0] is not None and r[0].kernel for r in report.readings.values())
-    table = columns.resolve(plan, None, cols, report.readings)
-    assert report.readings == {}
-    again = columns.resolve(plan, None, cols)  # read again: the same resolved rows
-    assert [table[i].p1 for i in range(20)] == [again[i].p1 for i in range(20)] == [0.1] * 20
+    rows = [param(f"w{i}", [6, 4], {"normal": {"std": 0.1, "seed": i}}, region=[(0, 3), (0, 4)]) for i in range(20)]
+    rows.append(param("flat", [2], {"flat": {"values": [0.5, -1.0]}}))
+    patched = param("patched", [4, 4], {"uniform": {"lo": -1.0, "hi": 1.0, "seed": 3}})
+    q = patched.patches.add(init=plan_pb2.Init(ones=plan_pb2.Ones()))
+    q.box.add(start=0, stop=2)
+    q.box.add(start=1, stop=3)
+    rows.append(patched)
+    plan = plan_of(rows)
+    assert not columns.of(plan).plain.any()  # regions, data, patches: every row is read one by one
+    with (
+        mock.patch.object(inits, "read", wraps=inits.read) as reads,
+        mock.patch.object(inits, "value_form", side_effect=AssertionError("read again")),
+    ):
+        got = validation.check(plan)
+    assert got.report.ok and got.params is not None
+    assert reads.call_count == len(rows) + 1  # each row's initializer and the patch's
+    assert [got.params[i].p1 for i in range(20)] == [0.1] * 20
+    assert got.params[21].patches and got.params[20].values is not None
+    assert got.digest == validation.check(plan, resolve=False).digest

@@ -15,8 +15,7 @@ import pytest
 from paraminit import overlap
 from paraminit.header_checksum import header_crc32c
 from paraminit_client import Client, ParaminitError, param, plan_of
-from paraminit_server.plans import plan as planlib
-from support import running_server, target_of
+from support import digest_of, running_server, target_of
 
 # -- the stream header's checksum ------------------------------------------------------
 
@@ -69,7 +68,7 @@ HEADER_PLAN = plan_of([param("weight_one", [8, 8], {"uniform": {"lo": -1, "hi": 
 
 @pytest.mark.parametrize("where", ["prefix", "name", "digest", "offset"])
 def test_corrupted_stream_header_is_data_loss_before_anything_is_written(where: str, tmp_path: Path) -> None:
-    digest = planlib.digest(HEADER_PLAN)
+    digest = digest_of(HEADER_PLAN)
     patterns = {
         "prefix": (b'"__metadata__"', 3),  # still JSON, a renamed key
         "name": (b"weight_one", 0),  # the first occurrence is the tensor table's

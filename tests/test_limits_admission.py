@@ -13,9 +13,8 @@ import pytest
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.plane.materializer import plan_memory
-from paraminit_server.plans import columns
 from paraminit_server.rpc.server import Running
-from support import running_server, server_fixture, target_of
+from support import resolved, running_server, server_fixture, target_of
 
 server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
 
@@ -83,7 +82,7 @@ def test_allocation_failure_mid_plan_frees_everything(where: str, fail_at: int) 
             assert r.plane.admission.in_flight == 0 and r.plane.admission.host.reserved == 0
             got = c.materialize(plan)["w"]
             want = np.empty(1 << 20, np.float32)
-            CpuBackend().fill(columns.resolve(plan)[0], want)
+            CpuBackend().fill(resolved(plan)[0], want)
             assert got.tobytes() == want.tobytes()
 
 

@@ -12,10 +12,10 @@ from paraminit import dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client
 from paraminit_server.plane import engine, layout
-from paraminit_server.plans import columns, validation
 from paraminit_server.plans import plan as planlib
+from paraminit_server.plans import validation
 from paraminit_server.rpc.server import Running
-from support import poisoned, server_fixture, target_of
+from support import digest_of, poisoned, resolved, server_fixture, target_of
 
 server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
 
@@ -171,7 +171,7 @@ def test_validation_reports_every_bad_patch() -> None:
             ([(0, 1), (0, 5)], {"truncatedNormal": {"std": 1, "lo": -0.4, "hi": 1}}),  # bounds too tight
         ],
     )
-    report = validation.validate(plan_pb2.Plan(params=[p]))
+    report = validation.check(plan_pb2.Plan(params=[p]), resolve=False).report
     fields = sorted(v.field for v in report.violations)
     assert fields == [
         "params[0].patches[0].box",
@@ -182,21 +182,21 @@ def test_validation_reports_every_bad_patch() -> None:
         "params[0].patches[4].init",
         "params[0].patches[5].init.truncatedNormal",
     ], fields
-    assert validation.validate(patched_plan()).ok
+    assert validation.check(patched_plan(), resolve=False).report.ok
 
 
 def test_digest_covers_patches() -> None:
     a = patched_plan()
     b = patched_plan()
     b.params[0].patches[1].box[0].start = 4
-    assert planlib.digest(a) != planlib.digest(b)
+    assert digest_of(a) != digest_of(b)
 
 
 @pytest.mark.parametrize("window", [8, 16, 24, 40, 1000, 1 << 20])
 def test_every_window_is_exact(cpu_backend: Any, window: int) -> None:
     """Stream-style fills: windows of any multiple of 8 bytes, split inside runs and between patches."""
     plan = patched_plan()
-    lay = layout.stream_layout(columns.resolve(plan), planlib.digest(plan))
+    lay = layout.stream_layout(resolved(plan), digest_of(plan))
     got = filled_in_windows(cpu_backend, lay, plan, window)
     for p in plan.params:
         assert got[p.name] == expected(p).tobytes(), p.name
@@ -216,7 +216,7 @@ def filled_in_windows(backend: Any, lay: Any, plan: plan_pb2.Plan, window: int) 
 
 def test_whole_arena_is_exact(cpu_backend: Any) -> None:
     plan = patched_plan()
-    lay = layout.export_layout(columns.resolve(plan))
+    lay = layout.export_layout(resolved(plan))
     buf = poisoned(lay.data_bytes, np.dtype(np.uint8))
     engine.fill_all(cpu_backend, lay, buf)
     for pl, p in zip(lay.placements, plan.params, strict=True):
@@ -240,7 +240,7 @@ def test_long_patch_work_looks_at_cancellation(cpu_backend: Any) -> None:
             )
         ]
     )
-    rp = columns.resolve(plan)[0]
+    rp = resolved(plan)[0]
     out = np.zeros(rp.numel, dtype=np.float32)
     calls = []
 
@@ -367,7 +367,7 @@ def test_validation_reports_bad_parts() -> None:
             ([(0, 4), (0, 6)], {"ones": {}}, ([], 0)),  # a scalar part holds one element
         ],
     )
-    fields = sorted(v.field for v in validation.validate(plan_pb2.Plan(params=[p])).violations)
+    fields = sorted(v.field for v in validation.check(plan_pb2.Plan(params=[p]), resolve=False).report.violations)
     assert fields == [
         "params[0].patches[0].part",
         "params[0].patches[1].part",
@@ -434,7 +434,7 @@ def test_runs_far_apart_are_exact_in_every_window(cpu_backend: Any, monkeypatch:
     """Runs thousands of elements apart: the same bytes as the oracle at any window, each patch filled by a few
     calls whatever its number of runs (before: one call per run, 3 s of CPU for 64 column patches)."""
     plan = far_apart_plan()
-    lay = layout.stream_layout(columns.resolve(plan), planlib.digest(plan))
+    lay = layout.stream_layout(resolved(plan), digest_of(plan))
     want = {p.name: expected(p).tobytes() for p in plan.params}
     calls: list[int] = []
     real = cpu_backend.fill

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -101,6 +102,19 @@ def _param(rng: np.random.Generator, i: int, valid: bool) -> plan_pb2.Param:
     return p
 
 
+def _row_by_row(plan: plan_pb2.Plan, limits: validation.Limits | None = None) -> validation.Checked:
+    """The sweep with every row read from the message, as a plan too small to scan is."""
+    with mock.patch.object(columns, "SCAN_MIN", 1 << 62):
+        got = validation.check(plan, limits)
+    assert got.params is None or not bool(got.params.plain.any())
+    return got
+
+
+def _table(got: validation.Checked) -> ParamTable:
+    assert got.params is not None
+    return got.params
+
+
 def _plan(seed: int, valid: bool) -> plan_pb2.Plan:
     rng = np.random.default_rng(seed)
     return plan_pb2.Plan(params=[_param(rng, i, valid) for i in range(N)])
@@ -112,9 +126,9 @@ def test_invalid_plans_report_the_same_violations(seed: int) -> None:
     cols = columns.of(plan)
     assert cols is not None and 0 < int(cols.plain.sum()) < len(plan.params)
     limits = validation.Limits(max_param_bytes=600)
-    got, want = validation.validate(plan, limits, None, cols), validation.validate(plan, limits)
+    got, want = validation.check(plan, limits, resolve=False).report, _row_by_row(plan, limits).report
     assert len(want.violations) > 20 and got == want
-    assert planlib.digest(plan, None, cols) == planlib.digest(plan)
+    assert validation.check(plan, resolve=False).digest == _row_by_row(plan).digest
 
 
 def _stream(params: Any, digest: str) -> tuple[layout.Layout, np.ndarray[Any, Any]]:
@@ -128,10 +142,10 @@ def _stream(params: Any, digest: str) -> tuple[layout.Layout, np.ndarray[Any, An
 def test_valid_plans_give_the_same_bytes_layout_and_tables(seed: int) -> None:
     plan = _plan(seed, valid=True)
     cols = columns.of(plan)
-    assert cols is not None and validation.validate(plan, None, None, cols) == validation.validate(plan)
-    digest = planlib.digest(plan, None, cols)
-    assert digest == planlib.digest(plan)
-    table, listed = columns.resolve(plan, None, cols), columns.resolve(plan)
+    assert cols is not None and validation.check(plan, resolve=False).report == _row_by_row(plan).report
+    digest = validation.check(plan, resolve=False).digest
+    assert digest == _row_by_row(plan).digest
+    table, listed = _table(validation.check(plan)), _table(_row_by_row(plan))
     assert isinstance(table, ParamTable) and len(table.special) < len(plan.params) // 3
     assert [(p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in table] == [
         (p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in listed
@@ -169,10 +183,10 @@ def test_unknown_fields_and_an_empty_plan() -> None:
     assert cols is not None
     assert not cols.plain[5] and not cols.plain[9] and bool(cols.plain[10])
     assert scanner.canonical(plan, cols.scan) == reference.canonical(plan) != plan.SerializeToString(deterministic=True)
-    assert planlib.digest(plan, None, cols) == planlib.digest(plan)
-    table = columns.resolve(plan, None, cols)
+    assert validation.check(plan, resolve=False).digest == _row_by_row(plan).digest
+    table = _table(validation.check(plan))
     assert isinstance(table, ParamTable) and sorted(table.special) == [5, 9]
-    assert columns.of(plan_pb2.Plan()) is None
+    assert columns.of(plan_pb2.Plan()).scan is None
 
 
 def test_scan_reads_names_with_nul_and_non_ascii() -> None:
@@ -219,8 +233,8 @@ def test_canonical_bytes_are_the_contracts(count: int) -> None:
     assert want != plan.SerializeToString(deterministic=True)
     assert scanner.canonical(plan) == want and scanner.canonical(plan, scanner.scan(plan)) == want
     cols = columns.of(plan)
-    assert cols is None or bool(cols.plain.all())
-    assert planlib.digest(plan, None, cols) == planlib.digest(plan) == hashlib.sha256(want).hexdigest()
+    assert cols.scan is None or bool(cols.plain.all())
+    assert validation.check(plan, resolve=False).digest == _row_by_row(plan).digest == hashlib.sha256(want).hexdigest()
     # a region and patches (fields after the dtype, and after init) and no init: the dtype goes before them
     plan.params[-1].region.add(start=0, stop=1)
     plan.params[0].ClearField("init")
@@ -234,9 +248,8 @@ def test_streamed_slabs_match_the_per_parameter_path(slab: int) -> None:
     """Slabs cut tensors anywhere: the whole plain tensors of a slab come from the columns, the cut ones (and
     regions, patches, data) from their ResolvedParam; the bytes are the per-parameter path's."""
     plan = _plan(5, valid=True)
-    cols = columns.of(plan)
-    digest = planlib.digest(plan)
-    table, listed = columns.resolve(plan, None, cols), columns.resolve(plan)
+    digest = _row_by_row(plan).digest
+    table, listed = _table(validation.check(plan)), _table(_row_by_row(plan))
     assert isinstance(table, ParamTable)
 
     def streamed(params: Any) -> bytes:
@@ -259,10 +272,10 @@ def test_unknown_initializer_fields_leave_the_digest_alone(extra: bytes) -> None
             for i in range(columns.SCAN_MIN + 8)
         ]
     )
-    plain_digest = planlib.digest(plan)
+    plain_digest = _row_by_row(plan).digest
     odd = plan.params[5].init.normal
     odd.MergeFromString(extra)
     assert extra in odd.SerializeToString()  # kept as an unknown field, and sent on
     cols = columns.of(plan)
     assert cols is not None
-    assert planlib.digest(plan, None, cols) == planlib.digest(plan) == plain_digest
+    assert validation.check(plan, resolve=False).digest == _row_by_row(plan).digest == plain_digest

@@ -12,9 +12,9 @@ from paraminit import regions, shapes
 from paraminit.regions import Region, Runs
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors
-from paraminit_server.plans import plan as planlib
 from paraminit_server.plans.payloads import ValueSources
 from paraminit_server.plans.snapshot import RequestSnapshot
+from support import digest_of
 
 
 def _boxes(rng: np.random.Generator, count: int) -> list[tuple[tuple[int, ...], regions.Box]]:
@@ -130,4 +130,4 @@ def test_a_region_that_does_not_fit_its_checkpoint_tensor_is_an_error_of_the_req
     assert compact and values.tolist() == [3.0, 4.0]
     p = plan_pb2.Param(name="w", shape=[4], init=plan_pb2.Init(safetensors=plan_pb2.SafetensorsRef(path=path, tensor="w")))
     p.region.add(start=0, stop=2)
-    assert planlib.digest(plan_pb2.Plan(params=[p]), bound)  # the digest marks it unreadable; validation says why
+    assert digest_of(plan_pb2.Plan(params=[p]), bound)  # the digest marks it unreadable; validation says why

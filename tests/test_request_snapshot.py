@@ -22,7 +22,7 @@ from paraminit_server.plans import plan as planlib
 from paraminit_server.plans.payloads import ValueSources
 from paraminit_server.plans.snapshot import RequestSnapshot
 from paraminit_server.rpc.server import Running
-from support import running_server, target_of
+from support import digest_of, running_server, target_of
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,8 @@ def test_digest_covers_the_payload_validation_saw(client: Client, monkeypatch: p
     plan2 = plan_of([param("w", [12], {"flatRef": {"payloadId": pid2}})])
     report = client.validate(plan2)  # the payload expires after validation's lookup, before the digest's
     assert report.valid
-    assert report.plan_digest == planlib.digest(plan2, _Holding(values))  # the digest saw the payload's bytes
-    assert report.plan_digest != planlib.digest(plan2, _Holding(None))
+    assert report.plan_digest == digest_of(plan2, _Holding(values))  # the digest saw the payload's bytes
+    assert report.plan_digest != digest_of(plan2, _Holding(None))
 
 
 class _Holding:
@@ -103,7 +103,9 @@ class _Holding:
     def payload(self, payload_id: str) -> Any:
         if self.values is None:
             return None
-        return SimpleNamespace(sha256=payloads.payload_sha256(dtypes.by_name("float32"), self.values.view(np.uint8)))
+        sha256 = payloads.payload_sha256(dtypes.by_name("float32"), self.values.view(np.uint8))
+        largest = float(np.abs(self.values).max())
+        return SimpleNamespace(sha256=sha256, values=self.values, nonfinite=0, first_nonfinite=-1, max_abs=largest)
 
 
 def test_payload_gone_before_the_request_is_invalid_argument(client: Client) -> None:

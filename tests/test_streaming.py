@@ -23,10 +23,8 @@ from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.config import ServerConfig
-from paraminit_server.plans import columns
-from paraminit_server.plans import plan as planlib
 from paraminit_server.rpc.server import Running
-from support import running_server, serve_subprocess, server_fixture, target_of, wait_until
+from support import digest_of, resolved, running_server, serve_subprocess, server_fixture, target_of, wait_until
 
 server = server_fixture(max_plan_bytes=1 << 30, slab_bytes=1 << 20)
 
@@ -45,7 +43,7 @@ def mixed_plan() -> plan_pb2.Plan:
 
 
 def expected_arrays(plan: plan_pb2.Plan) -> dict[str, np.ndarray[Any, Any]]:
-    return {p.name: reference.materialize(p) for p in columns.resolve(plan)}
+    return {p.name: reference.materialize(p) for p in resolved(plan)}
 
 
 def assert_same_bits(got: dict[str, np.ndarray[Any, Any]], want: dict[str, np.ndarray[Any, Any]]) -> None:
@@ -71,7 +69,7 @@ def test_header_is_safetensors(client: Client, tmp_path: Path) -> None:
     n = int.from_bytes(raw[:8], "little")
     meta = json.loads(raw[8 : 8 + n])
     assert (8 + n) % 64 == 0
-    assert meta["__metadata__"]["plan_digest"] == header.plan_digest == planlib.digest(plan)
+    assert meta["__metadata__"]["plan_digest"] == header.plan_digest == digest_of(plan)
     data = raw[8 + n :]
     for name, want in expected_arrays(plan).items():
         b, e = meta[name]["data_offsets"]
@@ -132,11 +130,11 @@ def test_300_mib_plan_streams_with_default_limits(client: Client) -> None:
     )  # 100 MiB
     got = client.materialize(plan)
     backend = CpuBackend()
-    for p in columns.resolve(plan):
+    for p in resolved(plan):
         want = np.empty(p.numel, np.float32)
         backend.fill(p, want)
         assert hashlib.sha256(got[p.name].tobytes()).digest() == hashlib.sha256(want.tobytes()).digest()
-    head = columns.resolve(plan)[0]
+    head = resolved(plan)[0]
     assert got["a"][:1000].tobytes() == reference.materialize(dataclasses.replace(head, region=((0, 1000),))).tobytes()
 
 
@@ -176,7 +174,7 @@ def test_max_chunk_leaves_room_for_framing() -> None:
         data = b"".join(ch.data for ch in chunks)
         header = responses[0].header
         (t,) = header.tensors
-        want = reference.materialize(columns.resolve(plan)[0])
+        want = reference.materialize(resolved(plan)[0])
         assert data[t.offset : t.offset + t.nbytes] == want.tobytes()
         assert dtypes.by_enum(t.dtype) is not None
 
@@ -197,7 +195,7 @@ def test_server_killed_mid_stream_then_retry_gives_same_bytes() -> None:
         with Client(target2) as c:
             got = c.materialize(plan)["w"]
         want = np.empty(16 << 20, np.uint16)
-        CpuBackend().fill(columns.resolve(plan)[0], want)
+        CpuBackend().fill(resolved(plan)[0], want)
         assert got.view(np.uint16).tobytes() == want.tobytes()
     finally:
         proc2.terminate()
@@ -214,8 +212,8 @@ def test_a_slow_reader_gets_the_end_of_its_stream() -> None:
     from paraminit_server.plane import engine, layout
 
     plan = plan_of([param("w", [6 << 18], {"uniform": {"lo": -1, "hi": 1, "seed": 2}})])  # 6 MiB float32
-    params = columns.resolve(plan)
-    lay = layout.stream_layout(params, planlib.digest(plan))
+    params = resolved(plan)
+    lay = layout.stream_layout(params, digest_of(plan))
     got = []
     for lend in (False, True):
         seen = 0
@@ -233,7 +231,7 @@ def test_slabs_fill_before_the_first_read() -> None:
     from paraminit_server.plane import engine, layout
 
     plan = plan_of([param("w", [1 << 18], {"uniform": {"lo": -1, "hi": 1, "seed": 2}})])
-    lay = layout.stream_layout(columns.resolve(plan), planlib.digest(plan))
+    lay = layout.stream_layout(resolved(plan), digest_of(plan))
     started = threading.Event()
 
     class Recording(CpuBackend):

@@ -9,6 +9,7 @@ from paraminit import regions
 from paraminit.v1 import plan_pb2
 
 MAX_ELEMENTS = (1 << 63) - 1  # flat indices are signed 64-bit in every kernel
+MAX_RANK = 32  # dimensions of a parameter, a region or a patch's box
 
 
 def numel(shape: Sequence[int]) -> int:

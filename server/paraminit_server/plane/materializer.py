@@ -31,7 +31,7 @@ from paraminit_server.plane.admission import Admission
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.exports import Export, Exports
 from paraminit_server.plane.leases import LeaseRecord, LeaseTable
-from paraminit_server.plans import columns, plan, validation
+from paraminit_server.plans import columns, validation
 from paraminit_server.plans.payloads import Follower, Payload, ValueSources
 from paraminit_server.plans.snapshot import RequestSnapshot
 
@@ -136,73 +136,68 @@ class Materializer:
 
     # -- plans ---------------------------------------------------------------------------
 
-    def _sources(self, caller: Caller, p: plan_pb2.Plan) -> RequestSnapshot:
-        """The request's view of payloads and checkpoints, holding the plan's own memory (plan_memory) until
-        it is released; checkpoint values are host memory too, reserved before they are read."""
-        sources = RequestSnapshot(
-            self.sources,
-            caller.identity,
-            lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"),
-            standard_normal,
-            sparse_zero_keys,
-            self._over(caller),
-        )
-        size = p.ByteSize()
-        sources.hold(
-            self.admission.host.reserve(plan_memory(p, size), caller.wait, f"checking a plan of {len(p.params)} parameters ({size} bytes)")
-        )
-        return sources
+    @contextlib.contextmanager
+    def _checking(self, caller: Caller, p: plan_pb2.Plan, resolve: bool) -> Iterator[tuple[validation.Checked, RequestSnapshot]]:
+        """One sweep over the plan (validation.check) inside a concurrency slot, with the request's view of payloads
+        and checkpoints. That view holds the plan's own memory (plan_memory) and any checkpoint values read (host
+        memory too, reserved before they are read) until it is released: at the block's end on failure or
+        without resolution, else by the CheckedPlan that takes it.
+
+        Checking is work like a materialization (a large plan's checks take a core for a second; a small plan can ask
+        for a large orthogonal matrix): it takes a slot, so one identity's checks cannot crowd out the others'
+        (fair shares), released before a materialization takes its own."""
+        with self.admission.admit(0, caller):
+            sources = RequestSnapshot(
+                self.sources,
+                caller.identity,
+                lambda n: self.admission.host.reserve(n, caller.wait, "checkpoint values"),
+                standard_normal,
+                sparse_zero_keys,
+                self._over(caller),
+            )
+            try:
+                size = p.ByteSize()
+                held = plan_memory(p, size)
+                sources.hold(
+                    self.admission.host.reserve(held, caller.wait, f"checking a plan of {len(p.params)} parameters ({size} bytes)")
+                )
+                yield validation.check(p, self.limits, sources, resolve=resolve), sources
+            except BaseException:
+                sources.release()
+                raise
+            if not resolve:
+                sources.release()  # the freed heap a large plan's checks leave goes back at the slot's idle trim
 
     def validate(self, p: plan_pb2.Plan, caller: Caller) -> tuple[validation.Report, str]:
         """Every violation of the plan (limits included) and its digest; raises nothing for a bad plan.
 
-        Checking is work like a materialization (a large plan's checks take a core for a second): it takes a
-        concurrency slot, so one identity's Validate calls cannot crowd out the others' (fair shares).
-
         Raises:
             ResourceExhausted, Unavailable: as admission (no slot within the caller's wait; draining)."""
-        with self.admission.admit(0, caller):
-            return self._validate(p, caller)
-
-    def _validate(self, p: plan_pb2.Plan, caller: Caller) -> tuple[validation.Report, str]:
-        sources = self._sources(caller, p)
-        try:
-            cols = columns.of(p)
-            return validation.validate(p, self.limits, sources, cols), plan.digest(p, sources, cols)
-        finally:
-            sources.release()  # the freed heap a large plan's checks leave goes back at the slot's idle trim
+        with self._checking(caller, p, resolve=False) as (got, _):
+            return got.report, got.digest
 
     def _over(self, caller: Caller) -> Callable[[], bool]:
         """Whether a request's work should stop: its caller went (deadline, cancellation) or the server drains."""
         return lambda: caller.gone() or self.admission.draining.is_set()
 
     def check(self, p: plan_pb2.Plan, caller: Caller) -> CheckedPlan:
-        """Validate the whole plan; raise with every violation, or return it resolved, its kernels ready.
+        """Check the whole plan; raise with every violation, or return it resolved, its kernels ready.
 
-        Checking and resolving are work a caller causes (a small plan can ask for a large orthogonal matrix): they
-        run inside a concurrency slot, as validate does, released before the materialization takes its own."""
-        with self.admission.admit(0, caller):
-            return self._check(p, caller)
-
-    def _check(self, p: plan_pb2.Plan, caller: Caller) -> CheckedPlan:
-        sources = self._sources(caller, p)
-        try:
-            cols = columns.of(p)
-            report = validation.validate(p, self.limits, sources, cols, keep_readings=True)
+        Raises:
+            InvalidPlan: with every violation; ResourceExhausted: limits only, or as admission; Cancelled."""
+        with self._checking(caller, p, resolve=True) as (got, sources):
+            report = got.report
             if report.only_limits:
                 worst = "; ".join(v.message for v in report.violations)
                 raise errors.ResourceExhausted(f"plan exceeds the limits: {worst}", report.violations)
-            if not report.ok:
+            if got.params is None:
                 raise errors.InvalidPlan(report.violations, report.omitted)
-            checked = CheckedPlan(columns.resolve(p, sources, cols, report.readings), report, plan.digest(p, sources, cols), sources)
+            checked = CheckedPlan(got.params, report, got.digest, sources)
             # kernels a cold cache lacks compile here, before the caller takes a slot or a place in line
             self.backend.prepare(checked.params)
             if caller.gone():
                 raise errors.Cancelled("client cancelled or deadline passed")
             return checked
-        except BaseException:
-            sources.release()
-            raise
 
     def chunk_size(self, requested: int) -> int:
         size = requested or self.config.chunk_bytes

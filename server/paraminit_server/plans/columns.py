@@ -1,39 +1,36 @@
-"""Large plans as columns: checked, valued and resolved a column at a time instead of a parameter at a time.
+"""Plans as columns: checked, valued and resolved a column at a time instead of a parameter at a time.
 
 A plan of 100,000s of small parameters (a mixture of experts) costs microseconds per parameter when every
 step reads the message and builds objects per parameter. `of` scans the plan's wire bytes once (plans/scanner.py)
 and, for the plain parameters (a whole tensor of a distribution or a constant: nearly all of them), computes
-their sizes, form checks (the initializer table's `forms`) and kernel values as arrays. Validation, the digest
-and resolution take these columns; everything else about a plan (regions, patches, data, any parameter that
+their sizes, form checks (the initializer table's `forms`) and kernel values as arrays. The check's one sweep
+(validation.check) takes these columns; everything else about a plan (regions, patches, data, any parameter that
 fails a check) goes through the per-parameter code, which keeps one statement of every rule and every message.
 
-Every resolved plan is a `ParamTable`, whatever its size (`resolve`): a plan too small to be worth a scan is a
-table whose rows are all resolved one by one, so layouts, fills and backends read one representation.
+Every plan is columns, whatever its size: a plan too small to be worth a scan has no plain rows (every row is
+special, read one by one), so the sweep, layouts, fills and backends read one representation.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes, inits
+from paraminit.shapes import MAX_RANK
 from paraminit.v1 import plan_pb2
 from paraminit_server.plans import plan as _plan
 from paraminit_server.plans import scanner
-from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns, resolve_param
-
-if TYPE_CHECKING:
-    from paraminit_server.plans.snapshot import RequestSnapshot
+from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns
 
 SCAN_MIN = 16  # from this many parameters a plan is read as columns: reading them (~0.4 ms) beats resolving each row (~25 us)
 _SMALL = float(1 << 59)  # element counts below this cannot overflow 2^63 bytes at 8 bytes per element
 _KIND_BY_NUMBER = {plan_pb2.Init.DESCRIPTOR.fields_by_name[k.field].number: k for k in inits.KINDS.values()}
-_FLAT_NUMBERS = [n for n, k in _KIND_BY_NUMBER.items() if k.flat]
 _ITEMSIZE = np.zeros(max(d.enum for d in dtypes.SUPPORTED) + 1, dtype=np.int64)
 _MAX_FINITE = np.full(_ITEMSIZE.shape[0], np.inf)  # the 8-bit range rule's limit per dtype (none for the rest)
 for _d in dtypes.SUPPORTED:
@@ -43,10 +40,13 @@ for _d in dtypes.SUPPORTED:
 
 @dataclass(frozen=True)
 class Columns:
-    """A scanned plan's columns; `plain` rows are valued here, the rest are read from the message."""
+    """A plan's columns; `plain` rows are valued here, the rest (every row of a plan not scanned) are read from
+    the message."""
 
-    scan: scanner.Scan
+    scan: scanner.Scan | None  # None: too small to scan, no plain rows
     names: list[str]
+    name_bytes: npt.NDArray[np.int64]  # each name's UTF-8 length
+    init: npt.NDArray[np.int64]  # the Init oneof's field number (-1 where not scanned)
     shapes: list[tuple[int, ...]]
     plain: npt.NDArray[np.bool_]
     dtype: npt.NDArray[np.int64]  # enum, an omitted dtype as float32
@@ -63,18 +63,11 @@ class Columns:
     def __len__(self) -> int:
         return len(self.names)
 
-    def name_bytes(self) -> npt.NDArray[np.int64]:
-        return self.scan.name_at[:, 1] - self.scan.name_at[:, 0]
 
-    def referencing(self) -> npt.NDArray[np.int64]:
-        """Rows that may reference payloads or checkpoints (flat kinds, and irregular rows, which may patch)."""
-        return np.flatnonzero(~self.scan.regular | np.isin(self.scan.kind, _FLAT_NUMBERS))
-
-
-def of(plan: plan_pb2.Plan) -> Columns | None:
-    """The columns of a plan of at least SCAN_MIN parameters; None for smaller plans."""
+def of(plan: plan_pb2.Plan) -> Columns:
+    """The plan's columns: scanned from SCAN_MIN parameters on; a smaller plan's rows are all special."""
     if len(plan.params) < SCAN_MIN:
-        return None
+        return _unscanned(plan)
     s = scanner.scan(plan)
     n = len(s)
     rank = np.diff(s.dims_at)
@@ -82,8 +75,6 @@ def of(plan: plan_pb2.Plan) -> Columns | None:
     known = (dtype >= 0) & (dtype < _ITEMSIZE.shape[0])
     itemsize = np.where(known, _ITEMSIZE[np.where(known, dtype, 0)], 0)
     numel, small = _numel(s, rank)
-    from paraminit_server.plans.validation import MAX_RANK  # the limits are validation's
-
     plain = s.regular & (itemsize > 0) & (rank <= MAX_RANK) & small
     kernel = np.full(n, -1, dtype=np.int64)
     p0, p1, lo, hi = (np.zeros(n) for _ in range(4))
@@ -103,35 +94,20 @@ def of(plan: plan_pb2.Plan) -> Columns | None:
         code, a, b, k, low, high, sd = kernel_columns(forms.kernel, good)
         kernel[at], p0[at], p1[at], key[at], lo[at], hi[at], seed[at] = code, a, b, k, low, high, sd
     plain &= kernel >= 0
-    return Columns(s, s.names(), s.shapes(), plain, dtype, numel, numel * itemsize, kernel, p0, p1, key, lo, hi, seed)
+    name_bytes = s.name_at[:, 1] - s.name_at[:, 0]
+    return Columns(s, s.names(), name_bytes, s.kind, s.shapes(), plain, dtype, numel, numel * itemsize, kernel, p0, p1, key, lo, hi, seed)
 
 
-def resolve(
-    plan: plan_pb2.Plan,
-    sources: RequestSnapshot | None = None,
-    cols: Columns | None = None,
-    readings: MutableMapping[int, _plan.Readings] | None = None,
-) -> ParamTable:
-    """Resolve a validated plan: plain rows stay columns, every other row (all of a plan without columns) is resolved
-    one by one, from what validation read of it.
-
-    Args:
-        plan: a plan that validated against the same sources.
-        sources: the request's snapshot of payloads and checkpoints (snapshot.RequestSnapshot).
-        cols: the plan's columns (`of`), when it has them.
-        readings: validation's readings of the rows it checked one by one (validation.Report.readings, kept);
-            each is taken out as its row is resolved, so they are not held beside the resolved rows. A row without
-            one is read again.
-
-    Returns:
-        The table of the plan's parameters, in plan order.
-    """
-    params = plan.params
-    take = (readings if readings is not None else {}).pop
-    if cols is None:
-        return ParamTable.of([resolve_param(i, p, sources, take(i, ())) for i, p in enumerate(params)])
-    special = {i: resolve_param(i, params[i], sources, take(i, ())) for i in np.flatnonzero(~cols.plain).tolist()}
-    return ParamTable(cols, special)
+def _unscanned(plan: plan_pb2.Plan) -> Columns:
+    """A small plan's columns: no plain row, so the sweep reads every row from the message (its name, for the
+    name rules, and the rest); the other columns are only placeholders the special rows replace."""
+    n = len(plan.params)
+    names = [p.name for p in plan.params]
+    zero, zero_i, zero_u = np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64)
+    none = np.full(n, -1, dtype=np.int64)
+    size = np.fromiter((len(name.encode()) for name in names), dtype=np.int64, count=n)
+    plain = np.zeros(n, dtype=bool)
+    return Columns(None, names, size, none, [()] * n, plain, zero_i, zero_i, zero_i, none, zero, zero, zero_u, zero, zero, zero_u)
 
 
 def _field(s: scanner.Scan, message: Any, rows: npt.NDArray[np.int64], name: str) -> npt.NDArray[Any]:
@@ -169,7 +145,7 @@ class ParamTable(Sequence[ResolvedParam]):
         self.names = cols.names
         self.shapes = cols.shapes  # delivered (region) shapes
         self.dtype = cols.dtype
-        self.init = cols.scan.kind  # Init oneof field number
+        self.init = cols.init  # Init oneof field number
         self.kernel, self.p0, self.p1, self.key = cols.kernel, cols.p0, cols.p1, cols.key
         self.lo, self.hi, self.seed = cols.lo, cols.hi, cols.seed
         self.numel, self.nbytes = cols.numel, cols.nbytes

@@ -6,14 +6,13 @@ draw (uniform, xavier, kaiming, their "for shape" forms), normal, truncated
 normal, and flat payloads (inline values, uploaded payloads, checkpoint tensors).
 The initializer table (paraminit.inits) maps every initializer to its value form;
 this module maps the forms to kernels, and reads payloads and checkpoints through
-the request's snapshot (snapshot.RequestSnapshot), the one validation read.
+the request's snapshot (snapshot.RequestSnapshot), the one the check's sweep read.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -25,10 +24,9 @@ from paraminit import dtypes, inits, regions
 from paraminit.regions import Runs as Runs  # what backends walk; defined with the regions
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors
-from paraminit_server.plans import sampler, scanner
+from paraminit_server.plans import sampler
 
 if TYPE_CHECKING:
-    from paraminit_server.plans.columns import Columns
     from paraminit_server.plans.snapshot import RequestSnapshot
 
 # Byte offsets of parameters in a buffer, in plan order: a list, or an array for a large plan's ParamTable
@@ -191,8 +189,8 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None
         index: its index in the plan.
         p: the parameter.
         sources: the request's snapshot (payloads, checkpoints).
-        readings: what validation read of its initializers (validation.Report.readings), so that resolution does
-            not read them again; an initializer without one is read here.
+        readings: what the check's sweep read of its initializers (the parameter's, then each patch's), so that
+            resolution does not read them again; an initializer without one is read here.
 
     Returns:
         The resolved parameter.
@@ -357,69 +355,6 @@ def kernel_columns(k: inits.Kernel, rows: npt.NDArray[np.bool_]) -> KernelColumn
     if k.lo is None:
         return _KIND[k.name], k.p0[rows], p1, keys, zero, zero, zero_u
     return _KIND[k.name], k.p0[rows], p1, keys, k.lo[rows], k.hi[rows], k.seed[rows]
-
-
-def digest(plan: plan_pb2.Plan, sources: RequestSnapshot | None = None, cols: Columns | None = None) -> str:
-    """Hex SHA-256 of the canonical form and, with `sources`, of the content every payload and checkpoint
-    reference uses: the same digest always names the same bytes, also after a checkpoint is rewritten in
-    place. A plan without references digests its canonical bytes alone (plan.proto says how to reproduce it)."""
-    h = hashlib.sha256(scanner.canonical(plan, None if cols is None else cols.scan))
-    if sources is None:
-        return h.hexdigest()
-    contents = []
-    kinds = inits.KINDS
-    params = plan.params
-    for i in range(len(params)) if cols is None else cols.referencing().tolist():  # columns know who refers
-        p = params[i]
-        if not p.patches:  # most parameters: one read says that no content is referenced
-            which = p.init.WhichOneof("kind")
-            if which is None or not kinds[which].flat:
-                continue
-        shape = tuple(int(d) for d in p.shape)
-        region = regions.box_of(p)
-        for init in (p.init, *(q.init for q in p.patches)):
-            kind = inits.kind_of(init)
-            if kind is None or not kind.flat:
-                continue
-            used = kind.form(getattr(init, kind.field), shape).accept(_Content(sources, region))
-            if used is not None:
-                contents.append(f"{i}:{used}")
-    if not contents:
-        return h.hexdigest()
-    h.update("\n".join(["", *contents]).encode())
-    return h.hexdigest()
-
-
-@dataclass(frozen=True)
-class _Content:
-    """The content a form references, as the digest names it (inits.FormReader): a payload's or a checkpoint
-    region's hash, or None where the plan itself says what the values are."""
-
-    sources: RequestSnapshot
-    region: regions.Box
-
-    def distribution(self, form: inits.Distribution) -> str | None:
-        return None
-
-    def inline(self, form: inits.Inline) -> str | None:
-        return None
-
-    def orthogonal(self, form: inits.Orthogonal) -> str | None:
-        return None
-
-    def computed(self, form: inits.Computed) -> str | None:
-        return None
-
-    def payload(self, form: inits.PayloadRef) -> str | None:
-        payload = self.sources.payload(form.payload_id)
-        return f"payload:{payload.sha256 if payload is not None else '-'}"
-
-    def checkpoint(self, form: inits.Checkpoint) -> str | None:
-        try:
-            used = self.sources.content_hash(form.path, form.tensor, self.region)
-        except errors.InvalidRequest:  # validation reports why; the digest marks it unreadable
-            used = "-"
-        return f"safetensors:{used}"
 
 
 def kinds_of(params: Sequence[ResolvedParam]) -> set[tuple[int, Kind]]:

@@ -7,29 +7,27 @@ its name and the field, so a user fixes a plan in one round trip.
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from paraminit import dtypes, inits
-from paraminit.shapes import MAX_ELEMENTS, numel_at_most
+from paraminit import dtypes, inits, regions
+from paraminit.shapes import MAX_ELEMENTS, MAX_RANK, numel_at_most
 from paraminit.sizes import format_size
 from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, MAX_ANSWER_VIOLATIONS, NAME_ECHO, Violation, camel_path, clip
 from paraminit_server import errors
-from paraminit_server.plans import sampler
-from paraminit_server.plans.plan import Readings
+from paraminit_server.plans import columns, sampler, scanner
+from paraminit_server.plans.columns import ParamTable
+from paraminit_server.plans.plan import Readings, ResolvedParam, resolve_param
 
 if TYPE_CHECKING:
-    from paraminit_server.plans.columns import Columns
     from paraminit_server.plans.snapshot import RequestSnapshot
 
-__all__ = ["INVALID", "LIMIT", "Limits", "Report", "Violation", "validate"]
-
-MAX_RANK = 32
+__all__ = ["INVALID", "LIMIT", "Checked", "Limits", "Report", "Violation", "check"]
 MAX_BYTES = (1 << 63) - 1
 # names a safetensors header keeps for itself: a tensor so named would overwrite the file's metadata entry
 RESERVED_NAMES = frozenset({"__metadata__"})
@@ -65,16 +63,13 @@ class Limits:
 
 @dataclass(frozen=True)
 class Report:
-    """What validation found: violations and per-parameter materialized bytes (0 when unknown), and what it read
-    of the initializers of the rows it checked one by one (by row: the parameter's, then each patch's), which
-    resolution takes instead of reading them again.
+    """What validation found: violations and per-parameter materialized bytes (0 when unknown).
 
     At most MAX_ANSWER_VIOLATIONS violations of parameters are kept (a few plan-wide ones after them); the rest
     are counted in `omitted`, and `categories` holds the category of every violation found, kept or not."""
 
     violations: tuple[Violation, ...]
     param_bytes: tuple[int, ...]
-    readings: dict[int, Readings] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     omitted: int = 0
     categories: frozenset[str] = frozenset()
 
@@ -128,171 +123,235 @@ class Found:
         self.kept.append(v)
 
 
-def validate(
-    plan: plan_pb2.Plan,
-    limits: Limits | None = None,
-    sources: RequestSnapshot | None = None,
-    cols: Columns | None = None,
-    keep_readings: bool = False,
-) -> Report:
-    """Check a whole plan; returns every violation found.
+@dataclass(frozen=True)
+class Checked:
+    """What one sweep over a plan found: its report, its digest and, when resolution was asked for and the plan is
+    valid, the table the kernels fill from."""
+
+    report: Report
+    digest: str
+    params: ParamTable | None = None
+
+
+def check(plan: plan_pb2.Plan, limits: Limits | None = None, sources: RequestSnapshot | None = None, *, resolve: bool = True) -> Checked:
+    """Check a whole plan in one sweep that reads every row once: its violations, its digest and, with `resolve`,
+    the resolved table, together. Validation alone is the same call without resolution.
+
+    Plain rows are checked and valued as columns (plans.columns); every other row is read once by the
+    initializer table (inits.read): checked, named in the digest (the content it references) and resolved from
+    that reading. Rows whose resolution reads data or builds run arrays (checkpoints, computed values, patches)
+    are resolved after the sweep, only when nothing was found: a plan that fails allocates nothing.
 
     Args:
         plan: the plan.
         limits: byte limits (none by default).
         sources: the request's snapshot (snapshot.RequestSnapshot): flat_ref and safetensors initializers are checked
-            against what the server holds; without it only their form is checked.
-        cols: the plan's columns (plans.columns.of), for large plans: their plain rows are checked as arrays.
-        keep_readings: keep what was read of the initializers (Report.readings, about 600 bytes a row checked one
-            by one) for the resolution that follows, which takes them out; a check alone keeps none.
+            against what the server holds and their content enters the digest; without it only their form is
+            checked.
+        resolve: also resolve the plan when it is valid.
 
     Returns:
-        The report: every violation and each parameter's materialized bytes.
+        The report (every violation, each parameter's materialized bytes), the digest and the table (None when
+        not resolved or not valid).
     """
-    limits = limits or Limits()
-    out = Found()
-    readings: dict[int, Readings] = {}
-    sizes = _check_rows(plan, limits, sources, cols, out, readings if keep_readings else None)
-    total = sum(sizes)
-    if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
-        out.add(
-            Violation(
-                -1,
-                "",
-                "params",
-                f"plan needs {total} bytes ({format_size(total)}), over the "
-                f"per-plan limit of {limits.max_plan_bytes} ({format_size(limits.max_plan_bytes)}; "
-                "--max-plan-bytes, PARAMINIT_MAX_PLAN_BYTES)",
-                LIMIT,
-            ),
-            plan_wide=True,
-        )
-    work = _orthogonal_work(plan, cols)
-    if work > inits.ORTHOGONAL_MAX_WORK:
-        out.add(
-            Violation(
-                -1,
-                "",
-                "params",
-                f"the plan's orthogonal matrices need {work} steps of factorization (rows * cols * min(rows, cols), "
-                f"summed), over the per-plan limit of 4096^3 ({inits.ORTHOGONAL_MAX_WORK})",
-                LIMIT,
-            ),
-            plan_wide=True,
-        )
-    return Report(tuple(out.kept), tuple(sizes), readings, out.omitted, frozenset(out.categories))
+    return _Sweep(plan, limits or Limits(), sources, resolve).run()
 
 
-def _orthogonal_work(plan: plan_pb2.Plan, cols: Columns | None) -> int:
-    """The factorization work of every orthogonal parameter together (each is computed whole, whatever its region):
-    a cap per plan, so that many matrices each under the per-parameter cap cannot add up to hours of work."""
-    rows = range(len(plan.params)) if cols is None else np.flatnonzero(~cols.plain).tolist()  # plain rows are not
-    work = 0
-    for i in rows:
-        p = plan.params[i]
-        if p.init.WhichOneof("kind") == "orthogonal" and len(p.shape) >= 2:
-            one = inits.orthogonal_work(p.shape)
-            if one <= inits.ORTHOGONAL_MAX_WORK:  # one over the cap is that parameter's violation
-                work += one
-    return work
+class _Sweep:
+    """One pass over a plan's rows, in plan order (so a repeated name is reported where it repeats)."""
 
+    def __init__(self, plan: plan_pb2.Plan, limits: Limits, sources: RequestSnapshot | None, resolve: bool) -> None:
+        self.plan, self.limits, self.sources = plan, limits, sources
+        self.cols = columns.of(plan)
+        self.out = Found()
+        self.first_seen: dict[str, int] = {}
+        self.resolving = resolve
+        self.special: dict[int, ResolvedParam] = {}
+        self.later: list[tuple[int, plan_pb2.Param, Readings]] = []  # resolved once the whole plan is known valid
+        self.contents: list[str] = []  # what references name, for the digest
+        self.work = 0  # orthogonal factorization steps, summed
 
-def _check_rows(
-    plan: plan_pb2.Plan,
-    limits: Limits,
-    sources: RequestSnapshot | None,
-    cols: Columns | None,
-    out: Found,
-    readings: dict[int, Readings] | None,
-) -> list[int]:
-    """Every parameter's checks, in plan order (so a repeated name is reported where it repeats): a row its columns
-    vouch for (plain, with a good name and size) only records its name; every other row, a repeated name, and
-    every row of a plan without columns takes the full checks of _check_param. Returns each row's bytes."""
-    params = plan.params
-    first_seen: dict[str, int] = {}
-    if cols is None:
-        return [_check_param(i, p, limits, sources, first_seen, out, readings) for i, p in enumerate(params)]
-    names = cols.names
-    free = np.ones(len(names), dtype=bool)
-    for reserved in RESERVED_NAMES.intersection(names):
-        free[[i for i, n in enumerate(names) if n == reserved]] = False
-    vouched = cols.plain & _fits(cols.nbytes, limits.max_param_bytes)
-    facts = SimpleNamespace(text=names, size=cols.name_bytes(), free=free)  # the names' facts as columns
-    for rule in NAME_RULES:
-        vouched &= rule.holds(facts)
-    sizes: list[int] = cols.nbytes.tolist()
-    if bool(vouched.all()) and len(set(names)) == len(names):  # nothing to check one by one
+    def run(self) -> Checked:
+        out, limits = self.out, self.limits
+        sizes = self._rows()
+        total = sum(sizes)
+        if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
+            out.add(
+                Violation(
+                    -1,
+                    "",
+                    "params",
+                    f"plan needs {total} bytes ({format_size(total)}), over the "
+                    f"per-plan limit of {limits.max_plan_bytes} ({format_size(limits.max_plan_bytes)}; "
+                    "--max-plan-bytes, PARAMINIT_MAX_PLAN_BYTES)",
+                    LIMIT,
+                ),
+                plan_wide=True,
+            )
+        if self.work > inits.ORTHOGONAL_MAX_WORK:
+            out.add(
+                Violation(
+                    -1,
+                    "",
+                    "params",
+                    f"the plan's orthogonal matrices need {self.work} steps of factorization (rows * cols * min(rows, cols), "
+                    f"summed), over the per-plan limit of 4096^3 ({inits.ORTHOGONAL_MAX_WORK})",
+                    LIMIT,
+                ),
+                plan_wide=True,
+            )
+        report = Report(tuple(out.kept), tuple(sizes), out.omitted, frozenset(out.categories))
+        h = hashlib.sha256(scanner.canonical(self.plan, self.cols.scan))
+        if self.contents:
+            h.update("\n".join(["", *self.contents]).encode())
+        if not (self.resolving and report.ok):
+            return Checked(report, h.hexdigest())
+        for i, p, readings in self.later:
+            self.special[i] = resolve_param(i, p, self.sources, readings)
+        return Checked(report, h.hexdigest(), columns.ParamTable(self.cols, self.special))
+
+    def _rows(self) -> list[int]:
+        """Every row's checks: a row its columns vouch for (plain, with a good name and size) only records its name;
+        every other row, and a repeated name, takes the full checks of _row. Returns each row's bytes."""
+        cols, params = self.cols, self.plan.params
+        names = cols.names
+        free = np.ones(len(names), dtype=bool)
+        for reserved in RESERVED_NAMES.intersection(names):
+            free[[i for i, n in enumerate(names) if n == reserved]] = False
+        vouched = cols.plain & _fits(cols.nbytes, self.limits.max_param_bytes)
+        facts = SimpleNamespace(text=names, size=cols.name_bytes, free=free)  # the names' facts as columns
+        for rule in NAME_RULES:
+            vouched &= rule.holds(facts)
+        sizes: list[int] = cols.nbytes.tolist()
+        if bool(vouched.all()) and len(set(names)) == len(names):  # nothing to check one by one
+            return sizes
+        first_seen = self.first_seen
+        for i, ok in enumerate(vouched.tolist()):
+            name = names[i]
+            if ok and name not in first_seen:
+                first_seen[name] = i
+            else:
+                sizes[i] = self._row(i, params[i])
         return sizes
-    for i, ok in enumerate(vouched.tolist()):
-        name = names[i]
-        if ok and name not in first_seen:
-            first_seen[name] = i
+
+    def _row(self, i: int, p: plan_pb2.Param) -> int:
+        """Every check of one parameter, read once: its violations go to the sweep's findings, the content its
+        references name to the digest, and, while nothing was found, its resolution. Returns its materialized
+        bytes."""
+        out, limits = self.out, self.limits
+
+        def bad(field: str, message: str, category: str = INVALID) -> None:
+            if out.full:  # counted only: no message is kept beyond what an answer lists
+                out.tally(category)
+            else:
+                out.add(Violation(i, _shown_name(p.name), f"params[{i}].{camel_path(field)}", message, category))
+
+        facts = SimpleNamespace(text=p.name, size=len(p.name.encode()), free=p.name not in RESERVED_NAMES)
+        broken = next((rule for rule in NAME_RULES if not rule.holds(facts)), None)
+        if broken is not None:
+            bad("name", broken.message(facts))
+        elif p.name in self.first_seen:
+            bad("name", f"duplicate parameter name {_echo(p.name)} (first at params[{self.first_seen[p.name]}])")
         else:
-            sizes[i] = _check_param(i, params[i], limits, sources, first_seen, out, readings)
-    return sizes
-
-
-def _check_param(
-    i: int,
-    p: plan_pb2.Param,
-    limits: Limits,
-    sources: RequestSnapshot | None,
-    first_seen: dict[str, int],
-    out: Found,
-    readings: dict[int, Readings] | None,
-) -> int:
-    """Every check of one parameter; appends its violations to `out`, records what it read of its initializers in
-    `readings` (None: not kept), and returns its materialized bytes."""
-
-    def bad(field: str, message: str, category: str = INVALID) -> None:
-        if out.full:  # counted only: no message is kept beyond what an answer lists
-            out.tally(category)
-        else:
-            out.add(Violation(i, _shown_name(p.name), f"params[{i}].{camel_path(field)}", message, category))
-
-    facts = SimpleNamespace(text=p.name, size=len(p.name.encode()), free=p.name not in RESERVED_NAMES)
-    broken = next((rule for rule in NAME_RULES if not rule.holds(facts)), None)
-    if broken is not None:
-        bad("name", broken.message(facts))
-    elif p.name in first_seen:
-        bad("name", f"duplicate parameter name {_echo(p.name)} (first at params[{first_seen[p.name]}])")
-    else:
-        first_seen[p.name] = i
-    shape = [int(d) for d in p.shape]
-    numel, problems = _size_problems(shape, "the full tensor")
-    for message in problems:
-        bad("shape", message)
-    sane = not problems
-    if numel == 0 and numel_at_most([d for d in shape if d], _EMPTY_SPAN) > _EMPTY_SPAN:
-        sane = False  # empty, but no array library can hold the shape (nor its fans)
-        bad(
-            "shape",
-            f"the dimensions of {_shape_echo(shape)} other than 0 multiply to 2^60 or more; an empty "
-            "tensor's shape must still fit in 2^63 bytes as if it were not empty",
-        )
-    dt = dtypes.by_enum(p.dtype)
-    if dt is None:
-        bad("dtype", f"unknown dtype enum value {p.dtype}")
-    region_numel = (_check_region(shape, p, bad) if p.region else numel) if sane else None
-    read = _check_init(shape, p, dt, bad, sources if sane else None)
-    patched = _check_patches(shape, p, dt, bad) if p.patches and sane else []
-    if readings is not None:
-        readings[i] = (read, *patched)
-    size = 0
-    if dt is not None and region_numel is not None:
-        size = region_numel * dt.itemsize
-        if size > MAX_BYTES:
-            bad("shape", f"size overflows: {region_numel} elements of {dt.name} exceed 2^63 bytes")
-            size = 0
-        elif limits.max_param_bytes is not None and not _fits(size, limits.max_param_bytes):
+            self.first_seen[p.name] = i
+        shape = [int(d) for d in p.shape]
+        numel, problems = _size_problems(shape, "the full tensor")
+        for message in problems:
+            bad("shape", message)
+        sane = not problems
+        if numel == 0 and numel_at_most([d for d in shape if d], _EMPTY_SPAN) > _EMPTY_SPAN:
+            sane = False  # empty, but no array library can hold the shape (nor its fans)
             bad(
                 "shape",
-                f"parameter needs {size} bytes ({format_size(size)}), over the per-parameter limit "
-                f"of {limits.max_param_bytes} ({format_size(limits.max_param_bytes)}; "
-                "--max-param-bytes, PARAMINIT_MAX_PARAM_BYTES)",
-                LIMIT,
+                f"the dimensions of {_shape_echo(shape)} other than 0 multiply to 2^60 or more; an empty "
+                "tensor's shape must still fit in 2^63 bytes as if it were not empty",
             )
-    return size
+        dt = dtypes.by_enum(p.dtype)
+        if dt is None:
+            bad("dtype", f"unknown dtype enum value {p.dtype}")
+        region_numel = (_check_region(shape, p, bad) if p.region else numel) if sane else None
+        read = _check_init(shape, p, dt, bad, self.sources if sane else None)
+        patched = _check_patches(shape, p, dt, bad) if p.patches and sane else []
+        if read.kind is not None and read.kind.field == "orthogonal" and len(shape) >= 2:
+            one = inits.orthogonal_work(shape)
+            if one <= inits.ORTHOGONAL_MAX_WORK:  # one over the cap is this parameter's violation
+                self.work += one
+        if self.sources is not None:
+            self._name_contents(i, p, shape, (read, *patched))
+        size = 0
+        if dt is not None and region_numel is not None:
+            size = region_numel * dt.itemsize
+            if size > MAX_BYTES:
+                bad("shape", f"size overflows: {region_numel} elements of {dt.name} exceed 2^63 bytes")
+                size = 0
+            elif limits.max_param_bytes is not None and not _fits(size, limits.max_param_bytes):
+                bad(
+                    "shape",
+                    f"parameter needs {size} bytes ({format_size(size)}), over the per-parameter limit "
+                    f"of {limits.max_param_bytes} ({format_size(limits.max_param_bytes)}; "
+                    "--max-param-bytes, PARAMINIT_MAX_PARAM_BYTES)",
+                    LIMIT,
+                )
+        if self.resolving:
+            self._resolve(i, p, (read, *patched))
+        return size
+
+    def _resolve(self, i: int, p: plan_pb2.Param, readings: Readings) -> None:
+        """Resolve a checked row while the plan is clean: a distribution at once (its kernel arguments were read
+        with it), data and patches after the sweep; the first violation drops what was resolved."""
+        if self.out.kept or self.out.omitted:
+            self.resolving = False
+            self.special, self.later = {}, []
+        elif p.patches or readings[0] is None or readings[0].kernel is None:
+            self.later.append((i, p, readings))
+        else:
+            self.special[i] = resolve_param(i, p, self.sources, readings)
+
+    def _name_contents(self, i: int, p: plan_pb2.Param, shape: list[int], readings: Readings) -> None:
+        """The content each of the row's references uses (a payload's hash, a checkpoint region's), for the digest:
+        the same digest then always names the same bytes, also after a checkpoint is rewritten in place."""
+        assert self.sources is not None
+        for j, init in enumerate((p.init, *(q.init for q in p.patches))):
+            reading = readings[j] if j < len(readings) else None
+            kind = reading.kind if reading is not None else inits.kind_of(init)
+            if kind is None or not kind.flat:
+                continue
+            form = reading.form if reading is not None and reading.form is not None else kind.form(getattr(init, kind.field), shape)
+            used = form.accept(_Content(self.sources, regions.box_of(p)))
+            if used is not None:
+                self.contents.append(f"{i}:{used}")
+
+
+@dataclass(frozen=True)
+class _Content:
+    """The content a form references, as the digest names it (inits.FormReader): a payload's or a checkpoint
+    region's hash, or None where the plan itself says what the values are."""
+
+    sources: RequestSnapshot
+    region: regions.Box
+
+    def distribution(self, form: inits.Distribution) -> str | None:
+        return None
+
+    def inline(self, form: inits.Inline) -> str | None:
+        return None
+
+    def orthogonal(self, form: inits.Orthogonal) -> str | None:
+        return None
+
+    def computed(self, form: inits.Computed) -> str | None:
+        return None
+
+    def payload(self, form: inits.PayloadRef) -> str | None:
+        payload = self.sources.payload(form.payload_id)
+        return f"payload:{payload.sha256 if payload is not None else '-'}"
+
+    def checkpoint(self, form: inits.Checkpoint) -> str | None:
+        try:
+            used = self.sources.content_hash(form.path, form.tensor, self.region)
+        except errors.InvalidRequest:  # the check reports why; the digest marks it unreadable
+            used = "-"
+        return f"safetensors:{used}"
 
 
 def _check_region(shape: list[int], p: plan_pb2.Param, bad: _Bad) -> int | None:
