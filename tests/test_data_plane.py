@@ -17,7 +17,8 @@ from paraminit import wire
 from paraminit.spans import ByteSpans
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_client import param, plan_of
-from paraminit_server import backends, errors
+from paraminit_server import errors
+from paraminit_server.backends import choice
 from paraminit_server.config import ServerConfig
 from paraminit_server.plane import materializer
 from paraminit_server.plane.caller import Caller
@@ -31,7 +32,7 @@ SMALL_SLABS = {"slab_bytes": 64 << 10, "chunk_bytes": 8 << 10}  # 64 KiB slabs: 
 
 @pytest.fixture(scope="module")
 def plane() -> Iterator[Materializer]:
-    plane = Materializer(ServerConfig(backend="cpu", metrics_port=0, **SMALL_SLABS), backends.create("cpu"))
+    plane = Materializer(ServerConfig(backend="cpu", metrics_port=0, **SMALL_SLABS), choice.create("cpu"))
     yield plane
     plane.close()
 
@@ -200,24 +201,36 @@ DATA_PLANE = [
     "plans.orthogonal",
     "backends",
     "backends.cpu",
+    "backends.choice",
+    "embedded",
 ]
 
 
-def test_the_data_plane_imports_no_transport() -> None:
-    """Loading every data-plane module (and streaming through one) leaves grpc unimported."""
+def test_the_data_plane_and_the_embedded_door_import_no_transport() -> None:
+    """Loading every data-plane module and the embedded door, and streaming, filling, exporting and listing leases
+    through that door, leaves grpc and the service's messages unimported: the door answers in the data plane's
+    results (paraminit.results), which only the gRPC edge and the client encode."""
     modules = ", ".join(f"paraminit_server.{m}" for m in DATA_PLANE)
     code = (
         f"import sys, {modules}\n"
-        "from paraminit_server.plane.caller import Caller\n"
-        "from paraminit_server.config import ServerConfig\n"
+        "from paraminit import results\n"
+        "from paraminit_server import embedded\n"
         "from paraminit.v1 import plan_pb2\n"
-        "plane = paraminit_server.plane.materializer.Materializer(ServerConfig(backend='cpu', metrics_port=0),\n"
-        "    paraminit_server.backends.create('cpu'))\n"
+        "door = embedded.InProcess(embedded.data_plane())\n"
         "plan = plan_pb2.Plan()\n"
         "plan.params.add(name='w', shape=[1000]).init.ones.SetInParent()\n"
-        "assert len(list(plane.stream(plan, Caller()))) == 2\n"
-        "plane.close()\n"
-        "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.') or m.startswith('grpc_'))\n"
+        "items = list(door.stream(plan))\n"
+        "assert len(items) == 2 and isinstance(items[0], results.StreamHeader) and items[0].tensors[0].name == 'w'\n"
+        "spans, digest, buf = door.fill(plan)\n"
+        "assert isinstance(spans, results.SpanTable) and digest == items[0].plan_digest and bytes(buf.data[:4]) == bytes.fromhex('0000803f')\n"
+        "info = door.export(plan, 'shm')\n"
+        "assert isinstance(info, results.ExportInfo) and info.shm_name and info.size >= 4000\n"
+        "assert [s.lease.lease_id for s in door.leases()] == [info.lease.lease_id] and door.release(info.lease.lease_id)\n"
+        "assert isinstance(door.info(), results.ServerInfo)\n"
+        "f = door.failure(ValueError('x'))\n"
+        "assert isinstance(f, results.Failure) and f.code == 'INTERNAL'\n"
+        "door.close()\n"
+        "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith(('grpc.', 'grpc_')) or m.endswith('init_service_pb2'))\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -64,6 +64,21 @@ class ParaminitError(Exception):
         return f"{self.code.name}: {self.message}"
 
     @classmethod
+    def named(cls, code: str, message: str, violations: Sequence[Violation] = ()) -> ParaminitError:
+        """The error for a canonical status name (google.rpc.Code, e.g. "INVALID_ARGUMENT"): what the in-process
+        door's failures carry, so that no gRPC type crosses it.
+
+        Args:
+            code: the status name.
+            message: what happened.
+            violations: an invalid plan's problems.
+
+        Returns:
+            The error, its code the status of that name (UNKNOWN for a name gRPC does not have).
+        """
+        return cls(grpc.StatusCode.__members__.get(code, grpc.StatusCode.UNKNOWN), message, violations)
+
+    @classmethod
     def from_rpc(cls, err: grpc.RpcError) -> ParaminitError:
         """The error a failed gRPC call stands for, its google.rpc.BadRequest unpacked into Violations.
 

@@ -1,15 +1,21 @@
-"""The in-process transport: the data plane of paraminit_server.embedded, called directly in this process."""
+"""The in-process transport: the data plane of paraminit_server.embedded, called directly in this process.
+
+The embedded door answers in the data plane's results (paraminit.results) and its failures by status name; this
+transport hands the client the contract's messages a server would send for them (paraminit.messages, the gRPC
+edge's own encoders) and raises the client's errors, so no server module or gRPC type is seen here."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import numpy as np
 
+from paraminit import messages
+from paraminit.results import StreamHeader
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit.violations import ValidationReport
@@ -42,7 +48,7 @@ class LocalTransport:
             raise
         except Exception as exc:
             f = self._plane.failure(exc)
-            raise ParaminitError(grpc.StatusCode[f.code], f.message, f.violations) from exc
+            raise ParaminitError.named(f.code, f.message, f.violations) from exc
 
     @contextlib.contextmanager
     def _call(self) -> Iterator[None]:
@@ -56,7 +62,7 @@ class LocalTransport:
 
     def info(self) -> pb.GetInfoResponse:
         with self._call():
-            return self._plane.info()
+            return messages.server_info_message(self._plane.info())
 
     def health(self, service: str) -> str:
         with self._call():
@@ -67,9 +73,9 @@ class LocalTransport:
         with self._call():
             items = self._plane.stream(plan, chunk_bytes)
             header = next(items)
-        if not isinstance(header, pb.StreamHeader):  # the embedded door always starts with the header
+        if not isinstance(header, StreamHeader):  # the embedded door always starts with the header
             items.close()
-            raise ParaminitError(grpc.StatusCode.INTERNAL, "the data plane did not start the stream with a header")
+            raise ParaminitError.named("INTERNAL", "the data plane did not start the stream with a header")
 
         def slabs() -> Iterator[Chunk]:  # not a running call for close(): a consumer may never finish it
             with contextlib.closing(items), self._errors():
@@ -78,7 +84,7 @@ class LocalTransport:
                         offset, slab = item
                         yield Slab(offset, slab.data.cast("B"))
 
-        return header, slabs()
+        return messages.stream_header_message(header), slabs()
 
     def materialize(self, plan: plan_pb2.Plan, chunk_bytes: int, progress: Callable[[int], None] | None) -> Arrays:
         with self._call():
@@ -93,7 +99,7 @@ class LocalTransport:
 
     def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float) -> pb.ExportInfo:
         with self._call():
-            return self._plane.export(plan, delivery, ttl_seconds)
+            return messages.export_info_message(self._plane.export(plan, delivery, ttl_seconds))
 
     def upload(self, raw: memoryview, dtype: int, count: int, chunk_bytes: int) -> str:
         def pieces() -> Iterator[tuple[int, int, memoryview]]:
@@ -106,7 +112,9 @@ class LocalTransport:
 
     def leases(self) -> list[pb.LeaseStatus]:
         with self._call():
-            return list(self._plane.leases())
+            statuses = self._plane.leases()
+        now = time.time()
+        return [messages.lease_status_message(s, now) for s in statuses]
 
     def release(self, lease_id: str, timeout: float | None = None) -> bool:
         with self._call():
@@ -142,8 +150,8 @@ def start_local(safetensors_dirs: str = "/") -> LocalTransport:
     try:
         from paraminit_server import embedded  # optional: the client can be installed alone
     except ImportError as exc:
-        raise ParaminitError(
-            grpc.StatusCode.FAILED_PRECONDITION,
+        raise ParaminitError.named(
+            "FAILED_PRECONDITION",
             f"no target given and the embedded server is not installed ({exc}); "
             "pass Client('host:port') or install paraminit with its server",
         ) from None

@@ -1,10 +1,13 @@
 """The one module through which the client embeds the server: a data plane in process, or a loopback server.
 
 `InProcess` is what the client's local transport calls: the same data plane,
-validation and bytes as a server, reached by plain function calls. Nothing is
-encoded, no CRC is computed, and errors are not dressed up as gRPC calls: a
-data-plane error becomes a `Failure` (its canonical status name, message and
-violations), which the client raises as its own error.
+validation and bytes as a server, reached by plain function calls in one hop.
+It answers in the data plane's own results (paraminit.results: tensor tables,
+export info, leases, server info), the types the gRPC edge alone encodes to
+protobuf; nothing here imports protobuf's messages or gRPC, no CRC is computed,
+and a data-plane error becomes a `Failure` (its canonical status name, message
+and violations), which the client raises as its own error. The loopback server
+and the server's command line are imported only when asked for.
 """
 
 from __future__ import annotations
@@ -16,27 +19,26 @@ import threading
 import time
 from collections.abc import Generator, Iterable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
-from paraminit import times
-from paraminit.v1 import init_service_pb2 as pb
-from paraminit.v1 import plan_pb2
-from paraminit.violations import ValidationReport, Violation, listed
-from paraminit_server import backends, errors
-from paraminit_server.__main__ import main as serve_main
+from paraminit import results
+from paraminit.results import Failure, SpanTable
+from paraminit.violations import ValidationReport, listed
+from paraminit_server import errors
+from paraminit_server.backends import choice
 from paraminit_server.config import ServerConfig
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.engine import HostSlab
-from paraminit_server.plane.layout import SpanTable
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
 from paraminit_server.plans import scanner
-from paraminit_server.rpc import service
-from paraminit_server.rpc.server import Running, start
 
-__all__ = ["Failure", "InProcess", "Materializer", "Running", "ServerConfig", "data_plane", "loopback_server", "serve_main"]
+if TYPE_CHECKING:
+    from paraminit.v1 import plan_pb2
+    from paraminit_server.rpc.server import Running
+
+__all__ = ["Failure", "InProcess", "Materializer", "ServerConfig", "data_plane", "loopback_server", "serve_main"]
 log = logging.getLogger("paraminit.server")
 
 # In process every caller is one of this process's own threads: a call beyond the concurrency limit waits in line
@@ -67,7 +69,7 @@ def _plane(backend: str, config: dict[str, Any]) -> Materializer:
     use it on every backend) and a GPU backend warmed up; on the CPU each fill then loads or compiles the kernels
     it needs. All of it before the plane is handed out: nothing runs on the starting thread once calls can come."""
     cfg = ServerConfig.from_env(backend=backend, metrics_port=0, **config)
-    b = backends.create(cfg.backend, cfg.device, cfg.threads or None)
+    b = choice.create(cfg.backend, cfg.device, cfg.threads or None)
     scanner.warm_up()
     if getattr(b, "preload", None) is None:
         b.warm_up()
@@ -76,18 +78,24 @@ def _plane(backend: str, config: dict[str, Any]) -> Materializer:
 
 def loopback_server(backend: str = "cpu", **config: Any) -> Running:
     """A gRPC server on a free loopback port in this process, SERVING when this returns."""
+    from paraminit_server.rpc.server import start  # gRPC, only for a server
+
     cfg = ServerConfig.from_env(host="127.0.0.1", port=0, backend=backend, metrics_port=0, **config)
     return start(cfg, warm_up_async=False)
 
 
-@dataclass(frozen=True)
-class Failure:
-    """A failed in-process call as the client reports it: a canonical status name (google.rpc.Code), a
-    message and, for plans, every violation."""
+def serve_main(argv: list[str] | None = None) -> int:
+    """The server's command line (`paraminit-server`), for a client that starts one.
 
-    code: str
-    message: str
-    violations: tuple[Violation, ...] = ()
+    Args:
+        argv: its arguments (default: sys.argv[1:]).
+
+    Returns:
+        Its exit code.
+    """
+    from paraminit_server.__main__ import main  # gRPC, only for a server
+
+    return main(argv)
 
 
 _START_WAIT = 0.0  # seconds calls in this process have waited for an in-process data plane to start
@@ -113,7 +121,6 @@ class InProcess:
             ready.set_result(plane)
             plane = ready
         self._ready = plane
-        self._handlers: service.InitServiceHandlers | None = None
         self.caller = Caller(identity=f"uid:{os.getuid()}", local=True, wait=ServerConfig.admission_wait, queue_wait=IN_PROCESS_QUEUE_WAIT)
 
     @classmethod
@@ -167,10 +174,8 @@ class InProcess:
             beyond + report.omitted,
         )
 
-    def info(self) -> pb.GetInfoResponse:
-        if self._handlers is None:
-            self._handlers = service.InitServiceHandlers(self.plane)
-        return self._handlers.info(pb.GetInfoRequest(), self.caller)
+    def info(self) -> results.ServerInfo:
+        return self.plane.info()
 
     def fill(self, plan: plan_pb2.Plan) -> tuple[SpanTable, str, HostSlab]:
         """Tensor table, digest and one buffer in stream layout."""
@@ -182,23 +187,15 @@ class InProcess:
         """Fill the caller's arrays in place (parameter name -> array; Materializer.fill_host says which fit)."""
         self.plane.fill_host(plan, self.caller, outputs)
 
-    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int = 0) -> Generator[pb.StreamHeader | tuple[int, HostSlab], None, None]:
+    def stream(self, plan: plan_pb2.Plan, chunk_bytes: int = 0) -> Generator[results.StreamHeader | tuple[int, HostSlab], None, None]:
         """A header, then (offset, host slab) pairs: for writing files without an extra copy."""
         it = self.plane.stream(plan, self.caller, chunk_bytes)
         with contextlib.closing(it):  # frees the slabs and the admission slot when the consumer stops early
             for item in it:
-                if isinstance(item, StreamStart):
-                    yield pb.StreamHeader(
-                        plan_digest=item.digest,
-                        safetensors_prefix=item.layout.prefix,
-                        data_bytes=item.layout.data_bytes,
-                        tensors=service.tensor_infos(item.layout.spans()),
-                    )
-                elif isinstance(item, tuple):
-                    yield item
+                yield item.header() if isinstance(item, StreamStart) else item
 
-    def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float = 0.0) -> pb.ExportInfo:
-        return service._export_info(self.plane.export(plan, delivery, self.caller, ttl_seconds))
+    def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float = 0.0) -> results.ExportInfo:
+        return self.plane.export(plan, delivery, self.caller, ttl_seconds)
 
     def upload(self, pieces: Iterable[tuple[int, int, bytes | memoryview]]) -> str:
         """Store a payload from (dtype enum, value count, bytes) pieces (the first sizes it); returns its id."""
@@ -209,17 +206,13 @@ class InProcess:
         return bool(self.plane.release(lease_id, self.caller))
 
     def renew(self, lease_id: str, ttl_seconds: float = 0.0) -> float:
-        return float(self.plane.renew(lease_id, self.caller, ttl_seconds).expires_at)
+        return self.plane.renew(lease_id, self.caller, ttl_seconds).expires_at
 
     def apply(self, lease_id: str, plan: plan_pb2.Plan) -> str:
         return str(self.plane.apply(lease_id, plan, self.caller))
 
-    def leases(self) -> list[pb.LeaseStatus]:
-        now = time.time()
-        return [
-            pb.LeaseStatus(lease=service._lease(rec), age=times.duration(now - rec.created), owner=rec.owner, plan_digest=rec.plan_digest)
-            for rec in self.plane.list_leases(self.caller)
-        ]
+    def leases(self) -> list[results.LeaseStatus]:
+        return self.plane.list_leases(self.caller)
 
     def close(self) -> None:
         """Free every lease and pooled buffer of this data plane."""

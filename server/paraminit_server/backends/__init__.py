@@ -10,24 +10,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from paraminit_server.errors import BackendUnavailable
+from paraminit.results import CUDA_IPC as CUDA_IPC
+from paraminit.results import SHM as SHM
+from paraminit.results import DeviceInfo
 from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Offsets, ResolvedParam
 
 HOST = "host"
 DEVICE = "device"
-SHM = "shm"
-CUDA_IPC = "cuda_ipc"
-
-
-@dataclass(frozen=True)
-class DeviceDescription:
-    kind: str  # "cpu" | "cuda"
-    name: str
-    uuid: str = ""  # CUDA: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", what peers compare before opening a handle
-    ordinal: int = -1
-    memory_total: int = 0
-    memory_free: int = 0
+# The zero-copy deliveries and a device's description are the data plane's results (paraminit.results): one home
+DeviceDescription = DeviceInfo
 
 
 @dataclass(frozen=True)
@@ -103,26 +95,3 @@ class Backend(Protocol):
 
     def device(self) -> DeviceDescription:
         """What the backend runs on, for GetInfo and metrics."""
-
-
-BACKENDS = ("auto", "cpu", "cupy")
-ALIASES = {"numpy": "cpu"}
-
-
-def create(name: str = "auto", device: int = 0, threads: int | None = None) -> Backend:
-    """Create a backend by name: "cpu" (alias "numpy"), "cupy", or "auto" (CuPy when it imports and a GPU is present)."""
-    name = ALIASES.get(name, name)
-    if name in ("cupy", "auto"):
-        try:
-            from paraminit_server.backends.cupy_backend import CupyBackend  # CuPy only when chosen
-
-            gpu: Backend = CupyBackend(device)
-            return gpu
-        except BackendUnavailable:
-            if name == "cupy":
-                raise
-    if name in ("cpu", "auto"):
-        from paraminit_server.backends.cpu import CpuBackend  # numba only when chosen
-
-        return CpuBackend(threads)
-    raise BackendUnavailable(f"unknown backend {name!r}: expected one of {', '.join(BACKENDS)} (or numpy for cpu)")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from paraminit import results
 from paraminit_server import errors
 from paraminit_server.backends import HOST, Backend, ExportBuffer, ExportHandle
 from paraminit_server.ledger import Claim
@@ -34,6 +35,13 @@ class Export:
     lease: LeaseRecord
     layout: layout.Layout
     handle: ExportHandle
+
+    def info(self) -> results.ExportInfo:
+        """The export as the data plane answers it: the lease, the tensor table and the peer's handle."""
+        h = self.handle
+        return results.ExportInfo(
+            self.lease.plan_digest, self.lease.lease(), self.layout.spans(), h.size, h.shm_name, h.ipc_handle, h.device
+        )
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, SupportsIndex, overload
 
 import numpy as np
 import numpy.typing as npt
 
 from paraminit import dtypes
+from paraminit.results import SpanTable
 from paraminit.spans import ByteSpans
 from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Offsets, ResolvedParam
@@ -75,52 +75,6 @@ class Layout:
         """Where each tensor lies, in plan order, as plain tuples (no protobuf for in-process callers)."""
         params = self.params  # from the columns, without a ResolvedParam each
         return SpanTable(params.names, params.dtype.tolist(), params.shapes, np.asarray(self.offsets).tolist(), params.nbytes.tolist())
-
-
-class TensorSpan(NamedTuple):
-    """One tensor of a delivered buffer: the fields of the contract's TensorInfo, as a plain tuple."""
-
-    name: str
-    dtype: int  # paraminit.v1.DType enum value
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-class SpanTable(Sequence[TensorSpan]):
-    """A delivered buffer's tensor table, as columns: `columns()` gives them to a reader that wants them whole
-    (the client's arrays_from_buffer, a packed stream header); iterating gives TensorSpans, made only then. It
-    equals any sequence of the same TensorSpans."""
-
-    def __init__(self, names: list[str], dtypes: list[int], shapes: list[tuple[int, ...]], offsets: list[int], nbytes: list[int]) -> None:
-        self._columns = (names, dtypes, shapes, offsets, nbytes)
-
-    def columns(self) -> tuple[list[str], list[int], list[tuple[int, ...]], list[int], list[int]]:
-        """Names, dtype enums, shapes, offsets and byte counts, in plan order."""
-        return self._columns
-
-    def __len__(self) -> int:
-        return len(self._columns[0])
-
-    def __iter__(self) -> Iterator[TensorSpan]:
-        return map(TensorSpan, *self._columns)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
-
-    __hash__ = None  # type: ignore[assignment]  # mutable columns, like a list
-
-    @overload
-    def __getitem__(self, i: SupportsIndex) -> TensorSpan: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[TensorSpan]: ...
-
-    def __getitem__(self, i: SupportsIndex | slice) -> TensorSpan | list[TensorSpan]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        names, dtypes_, shapes, offsets, nbytes = self._columns
-        return TensorSpan(names[i], dtypes_[i], shapes[i], offsets[i], nbytes[i])
 
 
 def _round_up(n: int, a: int) -> int:

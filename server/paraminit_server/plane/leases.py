@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from paraminit import results
 from paraminit_server import errors
 from paraminit_server.ledger import Claim, Ledger
 
@@ -39,6 +40,14 @@ class LeaseRecord:
     payload: Any = None  # what Apply needs: layout and buffer
     claim: Claim | None = None  # the slot and bytes this lease holds in the table's ledger
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def lease(self) -> results.Lease:
+        """The lease as the data plane answers it."""
+        return results.Lease(self.lease_id, self.expires_at, self.nbytes, self.delivery)
+
+    def status(self) -> results.LeaseStatus:
+        """The lease as ListLeases shows it."""
+        return results.LeaseStatus(self.lease(), self.created, self.owner, self.plan_digest)
 
 
 class LeaseTable:

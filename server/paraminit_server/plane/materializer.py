@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from paraminit import dtypes, overlap
+from paraminit import dtypes, overlap, results
 from paraminit.hostmem import host_buffer, receive_buffer
 from paraminit.shapes import output_problem
 from paraminit.v1 import plan_pb2
 from paraminit_server import __version__, errors
-from paraminit_server.backends import HOST, Backend, DeviceDescription
+from paraminit_server.backends import HOST, Backend
 from paraminit_server.backends.cpu_kernels import sparse_zero_keys, standard_normal
 from paraminit_server.config import ServerConfig
 from paraminit_server.host_limits import host_memory
@@ -29,8 +29,8 @@ from paraminit_server.ledger import Claim
 from paraminit_server.plane import engine, layout
 from paraminit_server.plane.admission import Admission
 from paraminit_server.plane.caller import Caller
-from paraminit_server.plane.exports import Export, Exports
-from paraminit_server.plane.leases import LeaseRecord, LeaseTable
+from paraminit_server.plane.exports import Exports
+from paraminit_server.plane.leases import LeaseTable
 from paraminit_server.plans import columns, validation
 from paraminit_server.plans.payloads import Follower, Payload, ValueSources
 from paraminit_server.plans.snapshot import RequestSnapshot
@@ -79,6 +79,10 @@ class StreamStart:
     layout: layout.Layout
     digest: str
 
+    def header(self) -> results.StreamHeader:
+        """The stream's header as the data plane answers it: digest, safetensors prefix, tensor table."""
+        return results.StreamHeader(self.digest, self.layout.prefix, self.layout.data_bytes, self.layout.spans())
+
 
 @dataclass(frozen=True)
 class PayloadPiece:
@@ -87,16 +91,6 @@ class PayloadPiece:
     dtype: int
     count: int
     data: bytes | memoryview
-
-
-@dataclass(frozen=True)
-class Info:
-    version: str
-    backend: str
-    device: DeviceDescription
-    config: ServerConfig
-    dtypes: tuple[dtypes.DTypeInfo, ...]
-    deliveries: tuple[str, ...]  # "stream" and the backend's zero-copy delivery
 
 
 class Materializer:
@@ -278,23 +272,23 @@ class Materializer:
                 engine.fill_params(self.backend, columns.ParamTable.of([rp]), flat, [0], caller.gone)
             return lay, checked.digest, None
 
-    def export(self, p: plan_pb2.Plan, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> Export:
+    def export(self, p: plan_pb2.Plan, delivery: str, caller: Caller, ttl_seconds: float = 0.0) -> results.ExportInfo:
         """Fill a buffer local peers map (SHM or CUDA IPC) and lend it under a lease."""
         self.exports.check_caller(delivery, caller)  # before the plan is even resolved
         checked = self.check(p, caller)
         with contextlib.closing(checked), self.admission.admit(checked.report.total_bytes, caller):
-            return self.exports.export(checked.params, checked.digest, delivery, caller, ttl_seconds)
+            return self.exports.export(checked.params, checked.digest, delivery, caller, ttl_seconds).info()
 
     # -- leases --------------------------------------------------------------------------
 
     def release(self, lease_id: str, caller: Caller) -> bool:
         return self.exports.release(lease_id, caller)
 
-    def renew(self, lease_id: str, caller: Caller, ttl_seconds: float = 0.0) -> LeaseRecord:
-        return self.exports.renew(lease_id, caller, ttl_seconds)
+    def renew(self, lease_id: str, caller: Caller, ttl_seconds: float = 0.0) -> results.Lease:
+        return self.exports.renew(lease_id, caller, ttl_seconds).lease()
 
-    def list_leases(self, caller: Caller) -> list[LeaseRecord]:
-        return self.exports.list(caller)
+    def list_leases(self, caller: Caller) -> list[results.LeaseStatus]:
+        return [rec.status() for rec in self.exports.list(caller)]
 
     def apply(self, lease_id: str, p: plan_pb2.Plan, caller: Caller) -> str:
         checked = self.check(p, caller)
@@ -322,8 +316,16 @@ class Materializer:
 
     # -- the server ----------------------------------------------------------------------
 
-    def info(self) -> Info:
-        return Info(__version__, self.backend.name, self.backend.device(), self.config, dtypes.SUPPORTED, ("stream", self.backend.delivery))
+    def info(self) -> results.ServerInfo:
+        """What this server says of itself: version, backend, device, limits, dtypes and deliveries."""
+        c = self.config
+        limits = results.ServerLimits(
+            c.max_plan_bytes, c.max_param_bytes, c.max_concurrent, c.max_chunk_bytes, c.max_leased_bytes, c.max_leases_per_client
+        )
+        supported = tuple(d.enum for d in dtypes.SUPPORTED)
+        return results.ServerInfo(
+            __version__, self.backend.name, self.backend.device(), limits, supported, (results.STREAM, self.backend.delivery)
+        )
 
     def close(self) -> None:
         """Free every lease and pooled buffer (shutdown)."""

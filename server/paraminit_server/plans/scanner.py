@@ -25,13 +25,7 @@ from google.protobuf import message_factory
 
 from paraminit import packed_table
 from paraminit.v1 import plan_pb2
-
-# Per-parameter flags
-IRREGULAR = 1  # read this parameter from the message (region, patches, unknown or repeated fields, ...)
-FIELDS = 5  # numeric fields of an initializer message kept (the largest, TruncatedNormal, has five)
-# Wire types of protobuf
-VARINT, FIXED64, LEN, FIXED32 = 0, 1, 2, 5
-ABSENT = -1
+from paraminit_server.plans.wire_format import ABSENT, FIELDS, FIXED64, IRREGULAR, VARINT
 
 
 @dataclass(frozen=True)

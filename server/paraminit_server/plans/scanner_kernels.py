@@ -12,7 +12,7 @@ import numba
 import numpy as np
 
 from paraminit.v1 import plan_pb2
-from paraminit_server.plans.scanner import FIELDS, FIXED32, FIXED64, IRREGULAR, LEN, VARINT
+from paraminit_server.plans.wire_format import FIELDS, FIXED32, FIXED64, IRREGULAR, LEN, VARINT
 
 # numba's own on-disk cache keyed on this file: every compiled function these passes call lives here
 jit = numba.njit(cache=True, nogil=True)

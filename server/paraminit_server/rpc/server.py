@@ -28,7 +28,7 @@ from paraminit import wire
 from paraminit.hostmem import tune_malloc_for_streams
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit_server import backends, errors
-from paraminit_server.backends import shm
+from paraminit_server.backends import choice, shm
 from paraminit_server.backends.jit_cache import prepare_jit_cache
 from paraminit_server.config import ServerConfig
 from paraminit_server.plane.materializer import Materializer, max_request_bytes
@@ -105,7 +105,7 @@ def start(config: ServerConfig, backend: backends.Backend | None = None, warm_up
     """Build, bind and start a server; warm-up (kernel compilation) runs before SERVING, except that a CPU server
     started asynchronously serves once its cached kernels are loaded and compiles the rest while serving."""
     tune_malloc_for_streams()
-    backend = backend or backends.create(config.backend, config.device, config.threads or None)
+    backend = backend or choice.create(config.backend, config.device, config.threads or None)
     tokens = TokenAuth.load(config.auth_tokens_file, config.auth_tokens)
     if backend.delivery == backends.SHM:
         try:

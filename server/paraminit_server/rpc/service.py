@@ -16,17 +16,15 @@ from typing import Any
 import grpc
 import numpy as np
 
-from paraminit import dtypes, packed_table, peers, times, wire
+from paraminit import dtypes, messages, packed_table, peers, times, wire
 from paraminit.header_checksum import checksum
+from paraminit.messages import DELIVERY_NAMES
+from paraminit.results import STREAM
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import init_service_pb2_grpc as pb_grpc
 from paraminit.violations import listed
 from paraminit_server import errors
-from paraminit_server.backends import CUDA_IPC, SHM, ExportHandle
 from paraminit_server.plane.caller import Caller
-from paraminit_server.plane.exports import Export
-from paraminit_server.plane.layout import TensorSpan
-from paraminit_server.plane.leases import LeaseRecord
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
 from paraminit_server.rpc.auth import Endpoint, TokenAuth, identity
 from paraminit_server.rpc.metrics import Metrics
@@ -34,8 +32,6 @@ from paraminit_server.rpc.stalls import StallWatch
 from paraminit_server.rpc.status import MalformedRequest, boundary
 
 log = logging.getLogger("paraminit.server")
-DELIVERIES: dict[str, int] = {"stream": pb.DELIVERY_STREAM, SHM: pb.DELIVERY_SHM, CUDA_IPC: pb.DELIVERY_CUDA_IPC}
-DELIVERY_NAMES = {v: k for k, v in DELIVERIES.items()}
 NO_DEADLINE = 1e9  # grpc reports about 9.2e18 s remaining for calls without a deadline
 
 
@@ -61,7 +57,7 @@ class InitServiceHandlers:
 
     def export(self, request: pb.MaterializeRequest, caller: Caller) -> pb.MaterializeResponse:
         delivery = DELIVERY_NAMES.get(request.delivery)
-        if delivery is None or delivery == "stream":
+        if delivery is None or delivery == STREAM:
             raise errors.InvalidRequest(f"unknown delivery enum value {request.delivery}")
         bound = export_info_bound(request.plan)
         if bound > MAX_ANSWER_BYTES:  # refused before anything is exported or leased
@@ -71,7 +67,7 @@ class InitServiceHandlers:
                 "comes in parts) or export the plan in several calls"
             )
         export = self.plane.export(request.plan, delivery, caller, times.seconds(request.lease_ttl))
-        return pb.MaterializeResponse(export=_export_info(export))
+        return pb.MaterializeResponse(export=messages.export_info_message(export))
 
     def validate(self, request: pb.ValidateRequest, caller: Caller) -> pb.ValidateResponse:
         report, digest = self.plane.validate(request.plan, caller)
@@ -89,25 +85,7 @@ class InitServiceHandlers:
         return resp
 
     def info(self, request: pb.GetInfoRequest, caller: Caller) -> pb.GetInfoResponse:
-        info = self.plane.info()
-        dev, c = info.device, info.config
-        return pb.GetInfoResponse(
-            version=info.version,
-            backend=info.backend,
-            device=pb.DeviceInfo(
-                kind=dev.kind, name=dev.name, uuid=dev.uuid, ordinal=dev.ordinal, memory_total=dev.memory_total, memory_free=dev.memory_free
-            ),
-            limits=pb.Limits(
-                max_plan_bytes=c.max_plan_bytes,
-                max_param_bytes=c.max_param_bytes,
-                max_concurrent_requests=c.max_concurrent,
-                max_chunk_bytes=c.max_chunk_bytes,
-                max_leased_bytes=c.max_leased_bytes,
-                max_leases_per_client=c.max_leases_per_client,
-            ),
-            dtypes=[d.enum for d in info.dtypes],  # type: ignore[misc]
-            deliveries=[DELIVERIES[d] for d in info.deliveries],  # type: ignore[misc]
-        )
+        return messages.server_info_message(self.plane.info())
 
     def upload(self, request: Iterable[pb.PayloadChunk | wire.Piece | MalformedRequest], caller: Caller) -> pb.PayloadRef:
         def pieces() -> Iterator[PayloadPiece]:
@@ -123,14 +101,11 @@ class InitServiceHandlers:
         return pb.ReleaseResponse(released=self.plane.release(request.lease_id, caller))
 
     def renew(self, request: pb.RenewRequest, caller: Caller) -> pb.RenewResponse:
-        return pb.RenewResponse(lease=_lease(self.plane.renew(request.lease_id, caller, times.seconds(request.ttl))))
+        return pb.RenewResponse(lease=messages.lease_message(self.plane.renew(request.lease_id, caller, times.seconds(request.ttl))))
 
     def list_leases(self, request: pb.ListLeasesRequest, caller: Caller) -> pb.ListLeasesResponse:
         now = time.time()
-        resp = pb.ListLeasesResponse()
-        for rec in self.plane.list_leases(caller):
-            resp.leases.add(lease=_lease(rec), age=times.duration(now - rec.created), owner=rec.owner, plan_digest=rec.plan_digest)
-        return resp
+        return pb.ListLeasesResponse(leases=[messages.lease_status_message(s, now) for s in self.plane.list_leases(caller)])
 
     def apply(self, request: pb.ApplyRequest, caller: Caller) -> pb.ApplyResponse:
         return pb.ApplyResponse(plan_digest=self.plane.apply(request.lease_id, request.plan, caller))
@@ -315,7 +290,11 @@ def _header(
     # clients check the checksum before writing anything; it is computed from the plain table, not the messages
     crc = checksum(prefix, start.digest, lay.data_bytes, spans)
     return pb.StreamHeader(
-        plan_digest=start.digest, safetensors_prefix=prefix, data_bytes=lay.data_bytes, tensors=tensor_infos(spans), header_crc32c=crc
+        plan_digest=start.digest,
+        safetensors_prefix=prefix,
+        data_bytes=lay.data_bytes,
+        tensors=messages.tensor_infos(spans),
+        header_crc32c=crc,
     ), None
 
 
@@ -390,37 +369,3 @@ def export_info_bound(plan: Any) -> int:
     (a varint and its share of the packed length), and the other fields with their tags; plus the lease and
     buffer messages."""
     return 512 + sum(len(p.name.encode()) + 11 * len(p.shape) + 48 for p in plan.params)
-
-
-def tensor_infos(spans: Iterable[TensorSpan]) -> list[pb.TensorInfo]:
-    """Where each tensor lies, in plan order (a layout's spans)."""
-    return [
-        pb.TensorInfo(name=s.name, dtype=s.dtype, shape=s.shape, offset=s.offset, nbytes=s.nbytes)  # type: ignore[arg-type]
-        for s in spans
-    ]
-
-
-def _lease(rec: LeaseRecord) -> pb.Lease:
-    return pb.Lease(lease_id=rec.lease_id, expires_at=times.timestamp(rec.expires_at), nbytes=rec.nbytes, delivery=DELIVERIES[rec.delivery])  # type: ignore[arg-type]
-
-
-def _export_info(export: Export) -> pb.ExportInfo:
-    info = pb.ExportInfo(plan_digest=export.lease.plan_digest)
-    info.lease.CopyFrom(_lease(export.lease))
-    info.tensors.extend(tensor_infos(export.layout.spans()))
-    _handle(info, export.handle)
-    return info
-
-
-def _handle(info: pb.ExportInfo, h: ExportHandle) -> None:
-    if h.delivery == SHM:
-        info.shm.SetInParent()  # present even for an empty plan
-        info.shm.segment_name = h.shm_name
-        info.shm.size = h.size
-        return
-    info.cuda_ipc.SetInParent()
-    info.cuda_ipc.ipc_handle = h.ipc_handle
-    info.cuda_ipc.size = h.size
-    if h.device is not None:
-        info.cuda_ipc.device = h.device.ordinal
-        info.cuda_ipc.device_uuid = h.device.uuid
