@@ -41,7 +41,7 @@ import reference  # noqa: E402  (tests/reference.py)
 from _common import bench_param, best_of, cpu_model  # noqa: E402
 
 from paraminit import dtypes  # noqa: E402
-from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
+from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_param  # noqa: E402
 
 COLS = 4096
 INITS = (
@@ -56,7 +56,13 @@ INITS = (
     "kaiming_uniform_for_shape",
     "truncated_normal",
 )
-TORCH_OP = {Kind.CONST: "fill_", Kind.AFFINE: "uniform_", Kind.NORMAL: "normal_", Kind.FLAT: "copy_", Kind.TRUNCNORM: "trunc_normal_"}
+TORCH_OP = {
+    Formula.CONST: "fill_",
+    Formula.AFFINE: "uniform_",
+    Formula.NORMAL: "normal_",
+    Formula.FLAT: "copy_",
+    Formula.TRUNCNORM: "trunc_normal_",
+}
 
 
 def make_param(init: str, dt: dtypes.DTypeInfo, rows: int, values: np.ndarray[Any, Any]) -> ResolvedParam:

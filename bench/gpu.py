@@ -36,7 +36,7 @@ import reference  # noqa: E402  (tests/reference.py)
 
 from paraminit import dtypes  # noqa: E402
 from paraminit.v1 import plan_pb2  # noqa: E402
-from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param  # noqa: E402
+from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_param  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_param  # noqa: E402
@@ -113,7 +113,7 @@ def check_sample(gpu: Any, p: ResolvedParam, out: Any) -> str:
     """
     n = p.numel
     ub = f"u{p.dtype.itemsize}"
-    sample = NORMAL_SAMPLE if p.kind == Kind.NORMAL else SAMPLE
+    sample = NORMAL_SAMPLE if p.kind == Formula.NORMAL else SAMPLE
     for l_begin in sorted({0, max(0, n - sample)}):
         m = min(sample, n - l_begin)
         got = np.asarray(gpu.to_host(out[l_begin : l_begin + m])).view(ub)

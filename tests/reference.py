@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from paraminit import dtypes
 from paraminit_server.plans import sampler
-from paraminit_server.plans.plan import Kind, ResolvedParam
+from paraminit_server.plans.plan import Formula, ResolvedParam
 
 # fmt: (fraction bits, smallest normal exponent, largest exponent, sign bit, overflow pattern, NaN pattern)
 _NARROW_FORMATS = {
@@ -81,14 +81,14 @@ def values_f64(p: ResolvedParam, g: npt.NDArray[np.int64] | None = None) -> npt.
     """binary64 values of the parameter's region (or of global indices g), in local row-major order."""
     if g is None:
         g = global_indices(p)
-    if p.kind == Kind.CONST:
+    if p.kind == Formula.CONST:
         return np.full(g.shape, p.p0, dtype=np.float64)
-    if p.kind == Kind.AFFINE:
+    if p.kind == Formula.AFFINE:
         return p.p0 + units(p.key, g.astype(np.uint64)) * p.p1
-    if p.kind == Kind.FLAT:
+    if p.kind == Formula.FLAT:
         assert p.values is not None
         return np.asarray(p.values[g], dtype=np.float64)  # payloads keep their own dtype
-    if p.kind == Kind.TRUNCNORM:
+    if p.kind == Formula.TRUNCNORM:
         return np.asarray([truncated_normal(p, int(i)) for i in g.tolist()], dtype=np.float64)
     u1 = units(p.key, 2 * g.astype(np.uint64))
     u2 = units(p.key, 2 * g.astype(np.uint64) + np.uint64(1))

@@ -29,7 +29,7 @@ from paraminit_server.backends.cpu_kernels import counter_rng, half_rounding
 from paraminit_server.backends.cpu_kernels.driver import PIECE
 from paraminit_server.plans import sampler
 from paraminit_server.plans.columns import ParamTable
-from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
+from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_param
 from support import poisoned
 
 INITS = (
@@ -374,7 +374,7 @@ def test_random_plans_match_reference(p: ResolvedParam) -> None:
 
 
 def test_kinds_cover_all_initializers() -> None:
-    assert {make_param(i, dtypes.FLOAT32, [2, 2]).kind for i in INITS} == set(Kind)
+    assert {make_param(i, dtypes.FLOAT32, [2, 2]).kind for i in INITS} == set(Formula)
 
 
 @pytest.mark.parametrize("dt", dtypes.SUPPORTED, ids=lambda d: d.name)

@@ -37,7 +37,7 @@ from paraminit.v1 import plan_pb2
 from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu_kernels import cr_math, cr_tables
 from paraminit_server.plans import sampler
-from paraminit_server.plans.plan import Kind, ResolvedParam, resolve_param
+from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_param
 from support import CASES, VECTORS, case_param, poisoned, resolved
 
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
@@ -302,7 +302,7 @@ def test_constants_agree(harness: Path) -> None:
         cb.W_HI,
         cb.W_SEED,
     ]
-    assert table["KIND"] == [int(Kind.CONST), int(Kind.AFFINE), int(Kind.NORMAL), int(Kind.FLAT), int(Kind.TRUNCNORM)]
+    assert table["KIND"] == [int(Formula.CONST), int(Formula.AFFINE), int(Formula.NORMAL), int(Formula.FLAT), int(Formula.TRUNCNORM)]
     assert table["CANDIDATES"] == [sampler.TRUNC_CANDIDATES]
     assert table["OTYPE"] == [cb.OTYPE_F32, cb.OTYPE_F64, cb.OTYPE_F16, cb.OTYPE_BF16, cb.OTYPE_F8E4M3, cb.OTYPE_F8E5M2]
     assert sorted({cb.otype(d) for d in dtypes.SUPPORTED}) == table["OTYPE"]  # one output type per dtype
@@ -769,7 +769,7 @@ def test_flat_values_go_to_the_device_a_window_at_a_time(
         resolve_param(3, param("empty", [0], {"flat": {}}, "float32")),
     ]
     shard = resolve_param(4, param("shard", [60, 48], {"zeros": {}}, "float8_e4m3fn", region=[(0, 60), (10, 30)]))
-    params.append(dataclasses.replace(shard, kind=Kind.FLAT, initializer="flat", values=payload))
+    params.append(dataclasses.replace(shard, kind=Formula.FLAT, initializer="flat", values=payload))
     offsets, pos = [], 0
     for p in params:
         offsets.append(pos)

@@ -48,7 +48,7 @@ from paraminit_server.config import ServerConfig
 from paraminit_server.plane import materializer
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.materializer import Materializer, StreamStart
-from paraminit_server.plans.plan import Kind, ResolvedParam
+from paraminit_server.plans.plan import Formula, ResolvedParam
 from support import running_server, target_of
 
 MiB = 1 << 20
@@ -909,7 +909,7 @@ def test_a_fill_is_prepared_on_the_host_and_launched_apart(monkeypatch: pytest.M
     )
     monkeypatch.setattr(cb, "kernels", lambda device_id: kernels)
     backend = cupy_backend_on(monkeypatch, cp, 0)
-    p = ResolvedParam(0, "w", (4, 6), ((0, 4), (1, 5)), dtypes.FLOAT32, "flat", Kind.FLAT, values=np.arange(24, dtype=np.float64))
+    p = ResolvedParam(0, "w", (4, 6), ((0, 4), (1, 5)), dtypes.FLOAT32, "flat", Formula.FLAT, values=np.arange(24, dtype=np.float64))
     out = cp.empty(p.numel, np.float32)
     launch = backend.prepare_fill(p, out)
     uploads = [e for e in world.log if e[1] == "upload"]

@@ -33,8 +33,8 @@ def test_the_table_names_every_kind_of_the_contract() -> None:
         kind = inits.KINDS[f.name]
         assert kind.json == f.json_name
         assert kind.seeded == ("seed" in f.message_type.fields_by_name), f.name
-        assert kind.patchable == (not kind.flat)
-    assert {k.field for k in inits.KINDS.values() if k.flat} == {"flat", "flat_ref", "safetensors", "orthogonal", "eye", "dirac", "sparse"}
+        assert kind.patchable == (not kind.data)
+    assert {k.field for k in inits.KINDS.values() if k.data} == {"flat", "flat_ref", "safetensors", "orthogonal", "eye", "dirac", "sparse"}
     assert {"truncatedNormal", "truncated_normal", "kaimingUniformForShape"} <= inits.SEEDED_JSON
     assert not inits.SEEDED_JSON & {"zeros", "ones", "flat", "flatRef", "safetensors"}
 
@@ -68,14 +68,14 @@ def test_resolution_and_inspect_read_the_same_bounds(name: str, fields: dict[str
         "kaimingUniformForShape": math.sqrt(6.0 / fan_in),
     }.get(name)
     if want is not None:
-        assert rp.kind == planlib.Kind.AFFINE
+        assert rp.kind == planlib.Formula.AFFINE
         assert (rp.p0, rp.p1) == (-want, 2 * want) and (exp.lo, exp.hi) == (-want, want)
     elif name == "uniform":
         assert (rp.p0, rp.p0 + rp.p1) == (exp.lo, exp.hi) == (-0.5, 2.0)
     elif name == "normal":
-        assert (rp.kind, rp.p0, rp.p1) == (planlib.Kind.NORMAL, exp.mean, exp.std)
+        assert (rp.kind, rp.p0, rp.p1) == (planlib.Formula.NORMAL, exp.mean, exp.std)
     else:
-        assert (rp.kind, rp.lo, rp.hi) == (planlib.Kind.TRUNCNORM, -0.3, 0.5)
+        assert (rp.kind, rp.lo, rp.hi) == (planlib.Formula.TRUNCNORM, -0.3, 0.5)
         assert (exp.lo, exp.hi) == (pytest.approx(-0.3), pytest.approx(0.5))
     assert rp.key == planlib.sampler.key(11)
 

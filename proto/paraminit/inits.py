@@ -143,11 +143,11 @@ _T_co = TypeVar("_T_co", covariant=True)
 
 
 class Kernel(NamedTuple):
-    """What a distribution form gives the fill kernels, of one form (floats) or of many rows (arrays): the kernel's
-    name (the data plane's kernel kind of that name), p0 and p1 (docs/SAMPLER.md; p1 None: zero), the seed (None:
-    no draws) and a truncated normal's bounds (None otherwise)."""
+    """What a distribution form gives the fill kernels, of one form (floats) or of many rows (arrays): the value
+    formula the kernel computes (the data plane's Formula of that name), p0 and p1 (docs/SAMPLER.md; p1 None:
+    zero), the seed (None: no draws) and a truncated normal's bounds (None otherwise)."""
 
-    name: str
+    formula: str
     p0: Any
     p1: Any
     seed: Any = None
@@ -612,7 +612,7 @@ class InitKind:
     field: str  # the Init oneof field, e.g. "xavier_uniform_for_shape"
     json: str  # its JSON name, e.g. "xavierUniformForShape"
     seeded: bool  # its message has a `seed`
-    flat: bool  # its values are data: no distribution to check, not allowed in a patch
+    data: bool  # its values are data (given, referenced or computed whole): no distribution to check, not in a patch
     form: Callable[[Any, Sequence[int]], ValueForm]  # (the kind's message, full shape) -> value form
     checks: Callable[[Any, Sequence[int]], list[Problem]]  # form checks on the message alone
     describe: Callable[[Any, Sequence[int]], str] | None = None  # inspect's label; default: from the form
@@ -621,7 +621,7 @@ class InitKind:
 
     @property
     def patchable(self) -> bool:
-        return not self.flat
+        return not self.data
 
 
 def _none(_m: Any, _s: Sequence[int]) -> list[Problem]:
@@ -787,7 +787,7 @@ def _direct(field: str, json: str, form: type[Distribution]) -> InitKind:
                 ok &= rule.holds(columns)
         return Forms.of(form, fields, ok)
 
-    return InitKind(field, json, True, False, lambda m, s: form(*read(m)), checks, forms=forms)
+    return InitKind(field=field, json=json, seeded=True, data=False, form=lambda m, s: form(*read(m)), checks=checks, forms=forms)
 
 
 def _symmetric_forms(bound: npt.NDArray[np.float64], seed: npt.NDArray[np.uint64]) -> Forms:
@@ -804,58 +804,95 @@ def _kaiming_forms(f: FieldColumns, n: int) -> Forms:
 
 def _table() -> dict[str, InitKind]:
     kinds = [
-        InitKind("zeros", "zeros", False, False, lambda m, s: Const(0.0), _none, lambda m, s: "zeros", _const_forms(0.0)),
-        InitKind("ones", "ones", False, False, lambda m, s: Const(1.0), _none, lambda m, s: "ones", _const_forms(1.0)),
+        InitKind(
+            field="zeros",
+            json="zeros",
+            seeded=False,
+            data=False,
+            form=lambda m, s: Const(0.0),
+            checks=_none,
+            describe=lambda m, s: "zeros",
+            forms=_const_forms(0.0),
+        ),
+        InitKind(
+            field="ones",
+            json="ones",
+            seeded=False,
+            data=False,
+            form=lambda m, s: Const(1.0),
+            checks=_none,
+            describe=lambda m, s: "ones",
+            forms=_const_forms(1.0),
+        ),
         _direct("uniform", "uniform", Uniform),
         _direct("normal", "normal", Normal),
         InitKind(
-            "xavier_uniform",
-            "xavierUniform",
-            True,
-            False,
-            lambda m, s: _symmetric(xavier_bound(m.fan_in, m.fan_out), m.seed),
-            _none,
-            lambda m, s: _xavier_label(m.fan_in, m.fan_out),
-            _xavier_forms,
+            field="xavier_uniform",
+            json="xavierUniform",
+            seeded=True,
+            data=False,
+            form=lambda m, s: _symmetric(xavier_bound(m.fan_in, m.fan_out), m.seed),
+            checks=_none,
+            describe=lambda m, s: _xavier_label(m.fan_in, m.fan_out),
+            forms=_xavier_forms,
         ),
         InitKind(
-            "kaiming_uniform",
-            "kaimingUniform",
-            True,
-            False,
-            lambda m, s: _symmetric(kaiming_bound(m.fan_in), m.seed),
-            _none,
-            lambda m, s: _kaiming_label(m.fan_in),
-            _kaiming_forms,
+            field="kaiming_uniform",
+            json="kaimingUniform",
+            seeded=True,
+            data=False,
+            form=lambda m, s: _symmetric(kaiming_bound(m.fan_in), m.seed),
+            checks=_none,
+            describe=lambda m, s: _kaiming_label(m.fan_in),
+            forms=_kaiming_forms,
         ),
-        InitKind("flat", "flat", False, True, lambda m, s: Inline(m.values), _check_flat),
+        InitKind(field="flat", json="flat", seeded=False, data=True, form=lambda m, s: Inline(m.values), checks=_check_flat),
         InitKind(
-            "xavier_uniform_for_shape",
-            "xavierUniformForShape",
-            True,
-            False,
-            lambda m, s: _symmetric(xavier_bound(*fan_in_out(s)), m.seed),
-            _rank2("Xavier", "xavier_uniform_for_shape"),
-            lambda m, s: _xavier_label(*fan_in_out(s)),
+            field="xavier_uniform_for_shape",
+            json="xavierUniformForShape",
+            seeded=True,
+            data=False,
+            form=lambda m, s: _symmetric(xavier_bound(*fan_in_out(s)), m.seed),
+            checks=_rank2("Xavier", "xavier_uniform_for_shape"),
+            describe=lambda m, s: _xavier_label(*fan_in_out(s)),
         ),
         InitKind(
-            "kaiming_uniform_for_shape",
-            "kaimingUniformForShape",
-            True,
-            False,
-            lambda m, s: _symmetric(kaiming_bound(fan_in_out(s)[0]), m.seed),
-            _rank2("Kaiming", "kaiming_uniform_for_shape"),
-            lambda m, s: _kaiming_label(fan_in_out(s)[0]),
+            field="kaiming_uniform_for_shape",
+            json="kaimingUniformForShape",
+            seeded=True,
+            data=False,
+            form=lambda m, s: _symmetric(kaiming_bound(fan_in_out(s)[0]), m.seed),
+            checks=_rank2("Kaiming", "kaiming_uniform_for_shape"),
+            describe=lambda m, s: _kaiming_label(fan_in_out(s)[0]),
         ),
-        InitKind("flat_ref", "flatRef", False, True, lambda m, s: PayloadRef(m.payload_id), _check_flat_ref),
-        InitKind("safetensors", "safetensors", False, True, lambda m, s: Checkpoint(m.path, m.tensor, m.dtype), _check_safetensors),
+        InitKind(
+            field="flat_ref", json="flatRef", seeded=False, data=True, form=lambda m, s: PayloadRef(m.payload_id), checks=_check_flat_ref
+        ),
+        InitKind(
+            field="safetensors",
+            json="safetensors",
+            seeded=False,
+            data=True,
+            form=lambda m, s: Checkpoint(m.path, m.tensor, m.dtype),
+            checks=_check_safetensors,
+        ),
         _direct("truncated_normal", "truncatedNormal", TruncNormal),
         # computed from the whole matrix, so its values are data like a payload's (and not allowed in a patch)
-        InitKind("orthogonal", "orthogonal", True, True, _orthogonal, _check_orthogonal, lambda m, s: f"orthogonal(gain={_g(m.gain)})"),
+        InitKind(
+            field="orthogonal",
+            json="orthogonal",
+            seeded=True,
+            data=True,
+            form=_orthogonal,
+            checks=_check_orthogonal,
+            describe=lambda m, s: f"orthogonal(gain={_g(m.gain)})",
+        ),
         # sampler spec version 5: computed whole for every backend, like the orthogonal matrix
-        InitKind("eye", "eye", False, True, lambda m, s: Eye(), _check_eye),
-        InitKind("dirac", "dirac", False, True, lambda m, s: Dirac(int(m.groups)), _check_dirac),
-        InitKind("sparse", "sparse", True, True, lambda m, s: Sparse(m.sparsity, m.std, m.seed), _check_sparse),
+        InitKind(field="eye", json="eye", seeded=False, data=True, form=lambda m, s: Eye(), checks=_check_eye),
+        InitKind(field="dirac", json="dirac", seeded=False, data=True, form=lambda m, s: Dirac(int(m.groups)), checks=_check_dirac),
+        InitKind(
+            field="sparse", json="sparse", seeded=True, data=True, form=lambda m, s: Sparse(m.sparsity, m.std, m.seed), checks=_check_sparse
+        ),
     ]
     return {k.field: k for k in kinds}
 
@@ -875,7 +912,7 @@ def _problems(kind: InitKind, init: plan_pb2.Init, shape: Sequence[int], patch: 
     """Form problems of an initializer of `kind` (references to payloads and files are checked where they are held);
     empty when the form is valid. A patch may not use flat kinds."""
     which = kind.field
-    if patch and kind.flat:
+    if patch and kind.data:
         return [
             (
                 f"init.{which}",

@@ -25,7 +25,7 @@ from paraminit_server.backends.shm import ShmSegment
 from paraminit_server.errors import Cancelled
 from paraminit_server.host_limits import host_memory
 from paraminit_server.plans.columns import ParamTable
-from paraminit_server.plans.plan import Kind, Offsets, ResolvedParam, Runs, warm_up_params
+from paraminit_server.plans.plan import Formula, Offsets, ResolvedParam, Runs, warm_up_params
 
 _NO_VALUES = np.zeros(0, dtype=np.float64)
 _NO_INDEX = np.zeros(0, dtype=np.int64)
@@ -118,10 +118,10 @@ def _key(disp: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def _kernel_words(name: str, args: tuple[Any, ...]) -> str:
     """A kernel specialization in words: `normal values into uint16 storage` from `fill_k2` and its arrays."""
-    from paraminit_server.plans.plan import Kind
+    from paraminit_server.plans.plan import Formula
 
     _, _, code = name.rpartition("_k")
-    kind = Kind(int(code)).name.lower() if code.isdigit() and int(code) in Kind._value2member_map_ else name
+    kind = Formula(int(code)).name.lower() if code.isdigit() and int(code) in Formula._value2member_map_ else name
     stores = sorted(
         {
             a.dtype.name
@@ -217,7 +217,7 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _flat_values(p: ResolvedParam) -> Any:
-    return p.values if p.kind == Kind.FLAT and p.values is not None else _NO_VALUES
+    return p.values if p.kind == Formula.FLAT and p.values is not None else _NO_VALUES
 
 
 def compile_seconds() -> float:
@@ -245,7 +245,7 @@ class _Batch:
         dt, n, runs = p.dtype, p.numel, p.runs()
         if (
             not 0 < n <= self.piece
-            or p.kind == Kind.FLAT
+            or p.kind == Formula.FLAT
             or runs.run_len != n
             or runs.base
             or runs.outer_ext.shape[0]
@@ -369,7 +369,7 @@ def _fill_table(backend: CpuBackend, params: ParamTable, arena: Any, offsets: Of
     piece = max(1 << 20, min(FILL_WINDOW, -(-total // (threads * SPANS_PER_THREAD))))
     tasks: list[tuple[int, tuple[Any, ...]]] = []
     # the (dtype, kind) pairs present, by a count of their codes: np.unique over pairs sorts, once per slab
-    kinds = len(Kind)
+    kinds = len(Formula)
     codes = t.dtype * kinds + t.kernel
     for code in np.flatnonzero(np.bincount(codes[batched])).tolist():
         enum, kind = divmod(code, kinds)
@@ -405,7 +405,7 @@ class CpuBackend:
         cores: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # the usable cores, or NUMBA_NUM_THREADS
         self._threads = max(1, min(threads, cores)) if threads else cores
         self._ready_all = False  # every kernel of every kind and dtype loaded or compiled (warm_up, preload)
-        self._ready_kinds: set[tuple[int, Kind]] = set()  # (dtype enum, kind) pairs prepare has readied
+        self._ready_kinds: set[tuple[int, Formula]] = set()  # (dtype enum, kind) pairs prepare has readied
 
     @property
     def threads(self) -> int:

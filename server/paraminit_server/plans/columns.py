@@ -26,7 +26,7 @@ from paraminit.shapes import MAX_RANK
 from paraminit.v1 import plan_pb2
 from paraminit_server.plans import plan as _plan
 from paraminit_server.plans import scanner
-from paraminit_server.plans.plan import Kind, ResolvedParam, kernel_columns
+from paraminit_server.plans.plan import Formula, ResolvedParam, kernel_columns
 
 SCAN_MIN = 16  # from this many parameters a plan is read as columns: reading them (~0.4 ms) beats resolving each row (~25 us)
 _SMALL = float(1 << 59)  # element counts below this cannot overflow 2^63 bytes at 8 bytes per element
@@ -52,7 +52,7 @@ class Columns:
     dtype: npt.NDArray[np.int64]  # enum, an omitted dtype as float32
     numel: npt.NDArray[np.int64]
     nbytes: npt.NDArray[np.int64]
-    kernel: npt.NDArray[np.int64]  # plan.Kind of plain rows
+    kernel: npt.NDArray[np.int64]  # plan.Formula of plain rows
     p0: npt.NDArray[np.float64]
     p1: npt.NDArray[np.float64]
     key: npt.NDArray[np.uint64]
@@ -235,7 +235,7 @@ class ParamTable(Sequence[ResolvedParam]):
             self.shapes[i],
             dt,
             kind.field,
-            Kind(int(self.kernel[i])),
+            Formula(int(self.kernel[i])),
             float(self.p0[i]),
             float(self.p1[i]),
             int(self.key[i]),
@@ -248,8 +248,10 @@ class ParamTable(Sequence[ResolvedParam]):
         for i in range(len(self)):
             yield self[i]
 
-    def kinds(self) -> set[tuple[int, Kind]]:
+    def kinds(self) -> set[tuple[int, Formula]]:
         """The (dtype enum, kernel kind) pairs the table's fills use, read from the columns (plan.kinds_of)."""
         plain = self.plain & (self.numel > 0)
-        codes: list[int] = np.flatnonzero(np.bincount(self.dtype[plain] * len(Kind) + self.kernel[plain])).tolist() if plain.any() else []
-        return {(c // len(Kind), Kind(c % len(Kind))) for c in codes} | _plan.kinds_of(list(self.special.values()))
+        codes: list[int] = (
+            np.flatnonzero(np.bincount(self.dtype[plain] * len(Formula) + self.kernel[plain])).tolist() if plain.any() else []
+        )
+        return {(c // len(Formula), Formula(c % len(Formula))) for c in codes} | _plan.kinds_of(list(self.special.values()))

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 Offsets = Sequence[int] | npt.NDArray[np.int64]
 
 
-class Kind(enum.IntEnum):
-    """The five value kinds a kernel computes."""
+class Formula(enum.IntEnum):
+    """The five value formulas a kernel computes, whatever the initializer (inits.Kernel.formula names one)."""
 
     CONST = 0
     AFFINE = 1  # p0 + unit(i) * p1
@@ -53,7 +53,7 @@ class ResolvedParam:
     region: tuple[tuple[int, int], ...]
     dtype: dtypes.DTypeInfo
     initializer: str
-    kind: Kind
+    kind: Formula
     p0: float = 0.0
     p1: float = 0.0
     key: int = 0
@@ -97,7 +97,7 @@ class ResolvedParam:
         shape: tuple[int, ...],
         dtype: dtypes.DTypeInfo,
         initializer: str,
-        kind: Kind,
+        kind: Formula,
         p0: float = 0.0,
         p1: float = 0.0,
         key: int = 0,
@@ -268,7 +268,7 @@ class _Resolver:
 
     def _data(self, values: npt.NDArray[Any], compact: bool = False) -> ResolvedParam:
         return ResolvedParam(
-            self.index, self.name, self.shape, self.box, self.dt, self.initializer, Kind.FLAT, values=values, compact=compact
+            self.index, self.name, self.shape, self.box, self.dt, self.initializer, Formula.FLAT, values=values, compact=compact
         )
 
     def inline(self, form: inits.Inline) -> ResolvedParam:
@@ -321,7 +321,7 @@ def _resolve_kernel(
 ) -> ResolvedParam:
     """A parameter whose values a kernel computes (a distribution or a constant); region None: the whole tensor.
     Its form named the kernel and the arguments (inits.Distribution.kernel), whatever the initializer."""
-    kind, p1, key = _KIND[k.name], 0.0 if k.p1 is None else k.p1, 0 if k.seed is None else sampler.key(k.seed)
+    kind, p1, key = _FORMULA[k.formula], 0.0 if k.p1 is None else k.p1, 0 if k.seed is None else sampler.key(k.seed)
     if k.lo is not None:
         if region is None:
             return ResolvedParam.whole(index, name, shape, dt, initializer, kind, k.p0, p1, key, k.lo, k.hi, k.seed)
@@ -331,7 +331,7 @@ def _resolve_kernel(
     return ResolvedParam(index, name, shape, region, dt, initializer, kind, k.p0, p1, key)
 
 
-_KIND = {kind.name.lower(): kind for kind in Kind}  # inits.Kernel.name -> the kernel kind
+_FORMULA = {f.name.lower(): f for f in Formula}  # inits.Kernel.formula -> the Formula
 
 
 KernelColumns = tuple[
@@ -353,11 +353,11 @@ def kernel_columns(k: inits.Kernel, rows: npt.NDArray[np.bool_]) -> KernelColumn
     keys = zero_u if k.seed is None else sampler.keys(k.seed[rows])
     p1 = zero if k.p1 is None else k.p1[rows]
     if k.lo is None:
-        return _KIND[k.name], k.p0[rows], p1, keys, zero, zero, zero_u
-    return _KIND[k.name], k.p0[rows], p1, keys, k.lo[rows], k.hi[rows], k.seed[rows]
+        return _FORMULA[k.formula], k.p0[rows], p1, keys, zero, zero, zero_u
+    return _FORMULA[k.formula], k.p0[rows], p1, keys, k.lo[rows], k.hi[rows], k.seed[rows]
 
 
-def kinds_of(params: Sequence[ResolvedParam]) -> set[tuple[int, Kind]]:
+def kinds_of(params: Sequence[ResolvedParam]) -> set[tuple[int, Formula]]:
     """The (dtype enum, kernel kind) pairs filling these parameters takes, their patches' included: which of
     warm_up_params' kernels a fill of them needs."""
     return {(q.dtype.enum, q.kind) for p in params if p.numel for q in (p, *(patch.param for patch in p.patches))}

@@ -314,7 +314,7 @@ class _Sweep:
         for j, init in enumerate((p.init, *(q.init for q in p.patches))):
             reading = readings[j] if j < len(readings) else None
             kind = reading.kind if reading is not None else inits.kind_of(init)
-            if kind is None or not kind.flat:
+            if kind is None or not kind.data:
                 continue
             form = reading.form if reading is not None and reading.form is not None else kind.form(getattr(init, kind.field), shape)
             used = form.accept(_Content(self.sources, regions.box_of(p)))
@@ -479,7 +479,7 @@ def _check_init(
         bad(where, message)
     if r.kind is None or r.form is None:
         return r
-    if r.kind.flat:  # data: what it references, against the snapshot, and the range rule once its values are known
+    if r.kind.data:  # data: what it references, against the snapshot, and the range rule once its values are known
         judged, largest = r.form.accept(_Referenced(shape, dt, bad, sources))
         if dt is not None and judged and largest is not None:
             found = inits.range_problem(dt, r.form, r.kind.field, largest)

@@ -36,9 +36,9 @@ def standard_normal(n: int, seed: int) -> Any:
     Returns:
         A float64 array of n values.
     """
-    from paraminit_server.plans.plan import Kind
+    from paraminit_server.plans.plan import Formula
 
-    return _draws(Kind.NORMAL, n, seed)
+    return _draws(Formula.NORMAL, n, seed)
 
 
 def sparse_zero_keys(n: int, seed: int) -> Any:
@@ -54,9 +54,9 @@ def sparse_zero_keys(n: int, seed: int) -> Any:
     """
     from paraminit import inits
     from paraminit_server.plans import sampler
-    from paraminit_server.plans.plan import Kind
+    from paraminit_server.plans.plan import Formula
 
-    return _draws(Kind.AFFINE, n, sampler.candidate_seed(seed, inits.SPARSE_ZERO_STREAM))  # 0 + unit * 1: the unit draw
+    return _draws(Formula.AFFINE, n, sampler.candidate_seed(seed, inits.SPARSE_ZERO_STREAM))  # 0 + unit * 1: the unit draw
 
 
 def _draws(kind: Any, n: int, seed: int) -> Any:

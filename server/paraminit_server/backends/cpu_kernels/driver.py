@@ -25,7 +25,7 @@ from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, TWO_NEG_32
 from paraminit_server.backends.cpu_kernels.distributions import fill_affine, fill_const, fill_flat, fill_normal, fill_truncnorm
 from paraminit_server.backends.cpu_kernels.half_rounding import BF16, F8E4M3, F8E5M2, F16
 from paraminit_server.backends.cpu_kernels.jit import bits_f64, jit, kernel_of
-from paraminit_server.plans.plan import Kind
+from paraminit_server.plans.plan import Formula
 
 PIECE = 1 << 16  # outputs up to this many elements are filled on the calling thread; larger ones in spans of PIECEs
 # A batch row of `fill` (uint64; p0, p1, lo and hi as their binary64 bits), and the empty batch of a span's call.
@@ -219,10 +219,10 @@ def _kernels(kind: int, run: Any) -> Kernels:
 KERNELS: dict[int, Kernels] = {
     kind: _kernels(kind, run)
     for kind, run in (
-        (Kind.CONST, run_const),
-        (Kind.AFFINE, run_affine),
-        (Kind.NORMAL, run_normal),
-        (Kind.FLAT, run_flat),
-        (Kind.TRUNCNORM, run_truncnorm),
+        (Formula.CONST, run_const),
+        (Formula.AFFINE, run_affine),
+        (Formula.NORMAL, run_normal),
+        (Formula.FLAT, run_flat),
+        (Formula.TRUNCNORM, run_truncnorm),
     )
 }
