@@ -181,7 +181,7 @@ def main() -> None:
             backend.fill(p, out)
             check(p, out)
             ours = functools.partial(backend.fill, p, out)
-            op = TORCH_OP[p.kind]
+            op = TORCH_OP[p.formula]
             if torch is not None and op in ("normal_", "uniform_") and (op, dt.name) in torch_s:
                 # Round by round against the same torch call, so a busy neighbour slows both alike.
                 t = torch.empty(p.numel, dtype=getattr(torch, dt.name))

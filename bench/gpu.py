@@ -92,7 +92,7 @@ def reference_window(p: ResolvedParam, l_begin: int, n: int) -> np.ndarray[Any, 
     local = np.unravel_index(np.arange(l_begin, l_begin + n, dtype=np.int64), p.out_shape)
     g = np.ravel_multi_index(tuple(ix + a for ix, (a, _) in zip(local, p.region, strict=True)), p.shape)
     window = SimpleNamespace(
-        kind=p.kind,
+        formula=p.formula,
         p0=p.p0,
         p1=p.p1,
         key=p.key,
@@ -113,7 +113,7 @@ def check_sample(gpu: Any, p: ResolvedParam, out: Any) -> str:
     """
     n = p.numel
     ub = f"u{p.dtype.itemsize}"
-    sample = NORMAL_SAMPLE if p.kind == Formula.NORMAL else SAMPLE
+    sample = NORMAL_SAMPLE if p.formula == Formula.NORMAL else SAMPLE
     for l_begin in sorted({0, max(0, n - sample)}):
         m = min(sample, n - l_begin)
         got = np.asarray(gpu.to_host(out[l_begin : l_begin + m])).view(ub)

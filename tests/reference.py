@@ -81,14 +81,14 @@ def values_f64(p: ResolvedParam, g: npt.NDArray[np.int64] | None = None) -> npt.
     """binary64 values of the parameter's region (or of global indices g), in local row-major order."""
     if g is None:
         g = global_indices(p)
-    if p.kind == Formula.CONST:
+    if p.formula == Formula.CONST:
         return np.full(g.shape, p.p0, dtype=np.float64)
-    if p.kind == Formula.AFFINE:
+    if p.formula == Formula.AFFINE:
         return p.p0 + units(p.key, g.astype(np.uint64)) * p.p1
-    if p.kind == Formula.FLAT:
+    if p.formula == Formula.FLAT:
         assert p.values is not None
         return np.asarray(p.values[g], dtype=np.float64)  # payloads keep their own dtype
-    if p.kind == Formula.TRUNCNORM:
+    if p.formula == Formula.TRUNCNORM:
         return np.asarray([truncated_normal(p, int(i)) for i in g.tolist()], dtype=np.float64)
     u1 = units(p.key, 2 * g.astype(np.uint64))
     u2 = units(p.key, 2 * g.astype(np.uint64) + np.uint64(1))

@@ -373,8 +373,8 @@ def test_random_plans_match_reference(p: ResolvedParam) -> None:
         assert same(np.concatenate([fill(p, 0, 2), fill(p, 2)]), want)
 
 
-def test_kinds_cover_all_initializers() -> None:
-    assert {make_param(i, dtypes.FLOAT32, [2, 2]).kind for i in INITS} == set(Formula)
+def test_formulas_cover_all_initializers() -> None:
+    assert {make_param(i, dtypes.FLOAT32, [2, 2]).formula for i in INITS} == set(Formula)
 
 
 @pytest.mark.parametrize("dt", dtypes.SUPPORTED, ids=lambda d: d.name)

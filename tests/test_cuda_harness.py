@@ -578,7 +578,7 @@ def reference_window(p: ResolvedParam, l_begin: int, n: int) -> bytes:
         else np.zeros(n, dtype=np.int64)
     )
     window = SimpleNamespace(
-        kind=p.kind,
+        formula=p.formula,
         p0=p.p0,
         p1=p.p1,
         key=p.key,
@@ -769,7 +769,7 @@ def test_flat_values_go_to_the_device_a_window_at_a_time(
         resolve_param(3, param("empty", [0], {"flat": {}}, "float32")),
     ]
     shard = resolve_param(4, param("shard", [60, 48], {"zeros": {}}, "float8_e4m3fn", region=[(0, 60), (10, 30)]))
-    params.append(dataclasses.replace(shard, kind=Formula.FLAT, initializer="flat", values=payload))
+    params.append(dataclasses.replace(shard, formula=Formula.FLAT, initializer="flat", values=payload))
     offsets, pos = [], 0
     for p in params:
         offsets.append(pos)

@@ -68,14 +68,14 @@ def test_resolution_and_inspect_read_the_same_bounds(name: str, fields: dict[str
         "kaimingUniformForShape": math.sqrt(6.0 / fan_in),
     }.get(name)
     if want is not None:
-        assert rp.kind == planlib.Formula.AFFINE
+        assert rp.formula == planlib.Formula.AFFINE
         assert (rp.p0, rp.p1) == (-want, 2 * want) and (exp.lo, exp.hi) == (-want, want)
     elif name == "uniform":
         assert (rp.p0, rp.p0 + rp.p1) == (exp.lo, exp.hi) == (-0.5, 2.0)
     elif name == "normal":
-        assert (rp.kind, rp.p0, rp.p1) == (planlib.Formula.NORMAL, exp.mean, exp.std)
+        assert (rp.formula, rp.p0, rp.p1) == (planlib.Formula.NORMAL, exp.mean, exp.std)
     else:
-        assert (rp.kind, rp.lo, rp.hi) == (planlib.Formula.TRUNCNORM, -0.3, 0.5)
+        assert (rp.formula, rp.lo, rp.hi) == (planlib.Formula.TRUNCNORM, -0.3, 0.5)
         assert (exp.lo, exp.hi) == (pytest.approx(-0.3), pytest.approx(0.5))
     assert rp.key == planlib.sampler.key(11)
 

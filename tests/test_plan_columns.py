@@ -147,8 +147,8 @@ def test_valid_plans_give_the_same_bytes_layout_and_tables(seed: int) -> None:
     assert digest == _row_by_row(plan).digest
     table, listed = _table(validation.check(plan)), _table(_row_by_row(plan))
     assert isinstance(table, ParamTable) and len(table.special) < len(plan.params) // 3
-    assert [(p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in table] == [
-        (p.name, p.out_shape, p.dtype, p.kind, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in listed
+    assert [(p.name, p.out_shape, p.dtype, p.formula, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in table] == [
+        (p.name, p.out_shape, p.dtype, p.formula, p.p0, p.p1, p.key, p.lo, p.hi, p.seed) for p in listed
     ]
     # the kernels a server readies before admitting the call: read from the columns, as row by row
     assert table.kinds() == planlib.kinds_of(listed) and len(table.kinds()) > 3

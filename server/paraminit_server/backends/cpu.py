@@ -217,7 +217,7 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _flat_values(p: ResolvedParam) -> Any:
-    return p.values if p.kind == Formula.FLAT and p.values is not None else _NO_VALUES
+    return p.values if p.formula == Formula.FLAT and p.values is not None else _NO_VALUES
 
 
 def compile_seconds() -> float:
@@ -245,17 +245,17 @@ class _Batch:
         dt, n, runs = p.dtype, p.numel, p.runs()
         if (
             not 0 < n <= self.piece
-            or p.kind == Formula.FLAT
+            or p.formula == Formula.FLAT
             or runs.run_len != n
             or runs.base
             or runs.outer_ext.shape[0]
             or offset % dt.itemsize
         ):
             return False
-        group = self.groups.get((dt.enum, p.kind))
+        group = self.groups.get((dt.enum, p.formula))
         if group is None:
             view = self.arena[: self.arena.shape[0] // dt.itemsize * dt.itemsize].view(dt.storage)
-            group = self.groups[(dt.enum, p.kind)] = _Group(view, dt.fmt, p.kind)
+            group = self.groups[(dt.enum, p.formula)] = _Group(view, dt.fmt, p.formula)
         group.add(p, offset // dt.itemsize)
         return True
 
@@ -267,10 +267,10 @@ class _Batch:
 
 
 class _Group:
-    """The queued tensors of one dtype and kind: the columns of a batch (driver.BATCH_COLUMNS)."""
+    """The queued tensors of one dtype and formula: the columns of a batch (driver.BATCH_COLUMNS)."""
 
-    def __init__(self, out: Any, fmt: int, kind: int) -> None:
-        self.out, self.fmt, self.kind = out, fmt, kind
+    def __init__(self, out: Any, fmt: int, formula: int) -> None:
+        self.out, self.fmt, self.formula = out, fmt, formula
         self.starts: list[int] = []
         self.counts: list[int] = []
         self.keys: list[int] = []
@@ -299,7 +299,7 @@ class _Group:
     def run(self) -> None:
         if not self.starts:
             return
-        _fill_batch(self.kind, self.args())
+        _fill_batch(self.formula, self.args())
         self.starts.clear()  # queued tensors are filled once
         for column in (self.counts, self.keys, self.p0, self.p1, self.lo, self.hi, self.seeds):
             column.clear()
@@ -431,7 +431,7 @@ class CpuBackend:
         wanted = params.kinds() - self._ready_kinds
         if wanted:
             started, compiled = time.perf_counter(), COMPILES.seconds
-            self._ensure([rp for rp in warm_up_params() if (rp.dtype.enum, rp.kind) in wanted], compile=True, background=False)
+            self._ensure([rp for rp in warm_up_params() if (rp.dtype.enum, rp.formula) in wanted], compile=True, background=False)
             self._ready_kinds |= wanted
             with COMPILES.turn:  # calls of several threads may prepare at once
                 COMPILES.load_seconds += time.perf_counter() - started - (COMPILES.seconds - compiled)
@@ -511,7 +511,7 @@ class CpuBackend:
     @staticmethod
     def _entry(p: ResolvedParam, out: Any, l_begin: int, runs: Runs, values: Any) -> tuple[Any, tuple[Any, ...]]:
         """The kernel of p's kind and its arguments to fill all of `out` (local elements l_begin...)."""
-        return cpu_kernels.KERNELS[p.kind].fill, (
+        return cpu_kernels.KERNELS[p.formula].fill, (
             out,
             l_begin,
             l_begin + out.shape[0],

@@ -124,7 +124,7 @@ def pack(jobs: Sequence[Job]) -> Packed:
         runs = p.runs()
         sparse = None  # a data window whose elements lie apart in the tensor (a column shard): only they travel
         g_lo = g_hi = 0
-        if p.kind == Formula.FLAT:
+        if p.formula == Formula.FLAT:
             g_lo, g_hi = runs.global_index(job.l_begin), runs.global_index(job.l_begin + n - 1)
             if g_hi + 1 - g_lo > n:
                 sparse = runs.global_indices(job.l_begin, n)
@@ -133,7 +133,7 @@ def pack(jobs: Sequence[Job]) -> Packed:
         row[W_OUT] = job.offset
         row[W_N] = n
         row[W_LBEGIN] = job.l_begin
-        row[W_KIND] = int(p.kind)
+        row[W_KIND] = int(p.formula)
         row[W_OTYPE] = otype(p.dtype)
         row.view(np.uint64)[W_KEY] = p.key
         row.view(np.float64)[W_P0] = p.p0
@@ -147,7 +147,7 @@ def pack(jobs: Sequence[Job]) -> Packed:
         row[W_DIMS] = len(dims)
         for d in range(len(runs.outer_ext)):
             dims += [int(runs.outer_start[d]), int(runs.outer_ext[d]), int(runs.outer_stride[d])]
-        if p.kind == Formula.FLAT:
+        if p.formula == Formula.FLAT:
             # Only the window's values travel; the kernel reads values[g - vshift], g its global index (the local
             # one for a gathered window).
             assert p.values is not None
@@ -185,7 +185,7 @@ def pack_table(table: ParamTable, offsets: Offsets) -> Packed:
     plain = np.flatnonzero(table.plain & live)
     if ((offs[plain] < 0) | (offs[plain] % np.maximum(table.itemsize[plain], 1) != 0)).any():
         raise ValueError("a byte offset is not a multiple of its parameter's item size")
-    others = [i for i in np.flatnonzero(~table.plain & live).tolist() if table.special[i].kind != Formula.FLAT]
+    others = [i for i in np.flatnonzero(~table.plain & live).tolist() if table.special[i].formula != Formula.FLAT]
     rest = pack([Job(table[i], int(offs[i])) for i in others])
     n = table.numel[plain]
     desc = np.zeros((plain.shape[0], DESC_WORDS), dtype=np.int64)
@@ -380,7 +380,7 @@ def plan_launches(params: ParamTable, offsets: Offsets) -> Iterator[Packed]:
     if len(params) != len(offsets):
         raise ValueError(f"{len(params)} parameters but {len(offsets)} offsets")
     offs = np.asarray(offsets, dtype=np.int64)
-    flat = [(rp, int(offs[i])) for i, rp in sorted(params.special.items()) if rp.kind == Formula.FLAT]  # flat rows are special
+    flat = [(rp, int(offs[i])) for i, rp in sorted(params.special.items()) if rp.formula == Formula.FLAT]  # flat rows are special
     yield pack_table(params, offsets)
     jobs: list[Job] = []
     held = 0

@@ -1,6 +1,6 @@
-"""A validated plan resolved into what kernels need: value kind, two binary64 parameters, key, runs.
+"""A validated plan resolved into what kernels need: value formula, two binary64 parameters, key, runs.
 
-Every initializer reduces to one of five value kinds, so a backend implements
+Every initializer reduces to one of five value formulas, so a backend implements
 five value formulas whatever the initializer: constants, affine maps of the unit
 draw (uniform, xavier, kaiming, their "for shape" forms), normal, truncated
 normal, and flat payloads (inline values, uploaded payloads, checkpoint tensors).
@@ -53,7 +53,7 @@ class ResolvedParam:
     region: tuple[tuple[int, int], ...]
     dtype: dtypes.DTypeInfo
     initializer: str
-    kind: Formula
+    formula: Formula
     p0: float = 0.0
     p1: float = 0.0
     key: int = 0
@@ -97,7 +97,7 @@ class ResolvedParam:
         shape: tuple[int, ...],
         dtype: dtypes.DTypeInfo,
         initializer: str,
-        kind: Formula,
+        formula: Formula,
         p0: float = 0.0,
         p1: float = 0.0,
         key: int = 0,
@@ -105,7 +105,7 @@ class ResolvedParam:
         hi: float = 0.0,
         seed: int = 0,
     ) -> ResolvedParam:
-        """A whole tensor of a value kind without values or patches: what the constructor builds, without its
+        """A whole tensor of a value formula without values or patches: what the constructor builds, without its
         per-field calls (plans of 100,000s of small parameters are mostly these)."""
         region, numel, runs = _whole(shape)
         rp = object.__new__(cls)
@@ -119,7 +119,7 @@ class ResolvedParam:
                 "region": region,
                 "dtype": dtype,
                 "initializer": initializer,
-                "kind": kind,
+                "formula": formula,
                 "p0": p0,
                 "p1": p1,
                 "key": key,
@@ -321,14 +321,14 @@ def _resolve_kernel(
 ) -> ResolvedParam:
     """A parameter whose values a kernel computes (a distribution or a constant); region None: the whole tensor.
     Its form named the kernel and the arguments (inits.Distribution.kernel), whatever the initializer."""
-    kind, p1, key = _FORMULA[k.formula], 0.0 if k.p1 is None else k.p1, 0 if k.seed is None else sampler.key(k.seed)
+    formula, p1, key = _FORMULA[k.formula], 0.0 if k.p1 is None else k.p1, 0 if k.seed is None else sampler.key(k.seed)
     if k.lo is not None:
         if region is None:
-            return ResolvedParam.whole(index, name, shape, dt, initializer, kind, k.p0, p1, key, k.lo, k.hi, k.seed)
-        return ResolvedParam(index, name, shape, region, dt, initializer, kind, k.p0, p1, key, lo=k.lo, hi=k.hi, seed=k.seed)
+            return ResolvedParam.whole(index, name, shape, dt, initializer, formula, k.p0, p1, key, k.lo, k.hi, k.seed)
+        return ResolvedParam(index, name, shape, region, dt, initializer, formula, k.p0, p1, key, lo=k.lo, hi=k.hi, seed=k.seed)
     if region is None:
-        return ResolvedParam.whole(index, name, shape, dt, initializer, kind, k.p0, p1, key)
-    return ResolvedParam(index, name, shape, region, dt, initializer, kind, k.p0, p1, key)
+        return ResolvedParam.whole(index, name, shape, dt, initializer, formula, k.p0, p1, key)
+    return ResolvedParam(index, name, shape, region, dt, initializer, formula, k.p0, p1, key)
 
 
 _FORMULA = {f.name.lower(): f for f in Formula}  # inits.Kernel.formula -> the Formula
@@ -346,7 +346,7 @@ KernelColumns = tuple[
 
 
 def kernel_columns(k: inits.Kernel, rows: npt.NDArray[np.bool_]) -> KernelColumns:
-    """_resolve_kernel over the `rows` of many parameters of one value form (inits.Forms.kernel): kind, p0, p1, key,
+    """_resolve_kernel over the `rows` of many parameters of one value form (inits.Forms.kernel): formula, p0, p1, key,
     lo, hi, seed."""
     n = int(np.count_nonzero(rows))
     zero, zero_u = np.zeros(n), np.zeros(n, dtype=np.uint64)
@@ -358,13 +358,13 @@ def kernel_columns(k: inits.Kernel, rows: npt.NDArray[np.bool_]) -> KernelColumn
 
 
 def kinds_of(params: Sequence[ResolvedParam]) -> set[tuple[int, Formula]]:
-    """The (dtype enum, kernel kind) pairs filling these parameters takes, their patches' included: which of
+    """The (dtype enum, formula) pairs filling these parameters takes, their patches' included: which of
     warm_up_params' kernels a fill of them needs."""
-    return {(q.dtype.enum, q.kind) for p in params if p.numel for q in (p, *(patch.param for patch in p.patches))}
+    return {(q.dtype.enum, q.formula) for p in params if p.numel for q in (p, *(patch.param for patch in p.patches))}
 
 
 def warm_up_params() -> list[ResolvedParam]:
-    """One small parameter of every kernel kind and dtype: what backends compile before SERVING."""
+    """One small parameter of every formula and dtype: what backends compile before SERVING."""
     params: list[ResolvedParam] = []
     for dt in dtypes.SUPPORTED:
         for init in ("zeros", "uniform", "normal", "truncated_normal", "flat"):
