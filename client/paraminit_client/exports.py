@@ -268,9 +268,9 @@ class Lease:
         import torch
 
         if self._map is not None:  # numpy arrays: the torch adapter's zero-copy conversion (ml_dtypes types too)
-            from paraminit_client.torch_rules import _numpy_to_torch
+            from paraminit_client.torch_rules import numpy_to_torch
 
-            return {k: _numpy_to_torch(v) for k, v in self.arrays.items()}
+            return {k: numpy_to_torch(v) for k, v in self.arrays.items()}
         views = {
             t.name: getattr(torch, dtypes.by_enum(t.dtype).name)  # type: ignore[union-attr]
             for t in self.info.tensors
