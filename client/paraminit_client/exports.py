@@ -234,7 +234,7 @@ class Lease:
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
         self._cuda: CudaMapping | None = None
-        if info.WhichOneof("buffer") == "shm":
+        if info.HasField("shm"):  # the buffer oneof: shm, else cuda_ipc
             self._map = _map_shm(info.shm.segment_name, info.shm.size)
             self.buffer: Any = np.frombuffer(self._map, dtype=np.uint8, count=info.shm.size)
             self.arrays: dict[str, Any] = arrays_from_buffer(info.tensors, self.buffer)
