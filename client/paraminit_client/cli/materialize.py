@@ -7,10 +7,12 @@ import argparse
 import errno
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from paraminit import sizes
+from paraminit.v1 import plan_pb2
 from paraminit_client import checkpoints
 from paraminit_client.checkpoints import progress_bar, write_stream
 from paraminit_client.cli.common import (
@@ -25,6 +27,7 @@ from paraminit_client.cli.common import (
     print_json,
     with_target,
 )
+from paraminit_client.client import Client
 from paraminit_client.errors import InvalidArgument
 from paraminit_client.plans import load_plan
 
@@ -97,19 +100,7 @@ def run(args: argparse.Namespace) -> int:
     """
     started = time.time()  # one clock (tqdm's) for the bar and the summary
     to_stdout = args.output == "-"  # the data to standard output, everything said to standard error
-    if to_stdout and args.json:
-        raise UsageError("--json prints the summary on standard output, where -o - writes the file: use one of them")
-    if to_stdout and sys.stdout.isatty():
-        raise UsageError("-o - writes a binary file to standard output, which is a terminal here: redirect it (> file, | cmd)")
-    try:
-        writer = checkpoints.format_for(args.format, args.max_shard_size)
-    except InvalidArgument as exc:
-        raise UsageError(exc.message) from None
-    multi_file = not isinstance(writer, checkpoints.SafetensorsFile)
-    if to_stdout and multi_file:
-        raise UsageError("-o - writes one safetensors file: sharded and DCP checkpoints are directories")
-    if not to_stdout:
-        check_output(args.output, [args.plan], directory=multi_file)
+    writer = _checked_writer(args, to_stdout)
     plan = load_plan(args.plan)
     compiled, starting = _compile_seconds(), _start_seconds()
     show_bar = args.progress and not args.quiet and sys.stderr.isatty()
@@ -129,26 +120,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with client_for(args) as c:
             if to_stdout:
-                header, chunks = c.stream(plan, chunk_bytes=args.chunk_bytes, check_crc=False)
-                progress(0, header.data_bytes)
-                done = [0]
-
-                def advance(n: int) -> None:
-                    done[0] += n
-                    progress(done[0], header.data_bytes)
-
-                sys.stdout.flush()
-                try:
-                    write_stream(sys.stdout.fileno(), header.safetensors_prefix, chunks, advance)
-                except OSError as exc:
-                    if exc.errno != errno.EPIPE:
-                        raise
-                    total = len(header.safetensors_prefix) + header.data_bytes
-                    written = len(header.safetensors_prefix) + done[0] if done[0] else 0
-                    raise IncompleteOutput(
-                        f"standard output was closed when at least {written} of the file's {total} bytes were written: "
-                        "the safetensors file written there is incomplete"
-                    ) from None
+                header = _to_stdout(c, plan, args.chunk_bytes, progress)
             else:
                 with checkpoints.process_group(writer):
                     header = c.materialize_to_file(
@@ -165,10 +137,58 @@ def run(args: argparse.Namespace) -> int:
     compiled = _compile_seconds() - compiled
     # one-time kernel compiling is reported apart: the time and the rate are over the rest
     seconds = max(time.time() - started - compiled, 0.0)
-    total = header.data_bytes
     setup = min(max((data_at[0] - started if data_at else seconds) - compiled, 0.0), seconds)
     # before the first byte: starting the in-process data plane (numba, cached kernels), then the plan's checks
     starting = min(_start_seconds() - starting, setup)
+    return _summary(args, header, to_stdout, seconds, compiled, setup, starting)
+
+
+def _checked_writer(args: argparse.Namespace, to_stdout: bool) -> checkpoints.Format:
+    """The checkpoint format's writer, once the flags are known to go together and the output can be written."""
+    if to_stdout and args.json:
+        raise UsageError("--json prints the summary on standard output, where -o - writes the file: use one of them")
+    if to_stdout and sys.stdout.isatty():
+        raise UsageError("-o - writes a binary file to standard output, which is a terminal here: redirect it (> file, | cmd)")
+    try:
+        writer = checkpoints.format_for(args.format, args.max_shard_size)
+    except InvalidArgument as exc:
+        raise UsageError(exc.message) from None
+    multi_file = not isinstance(writer, checkpoints.SafetensorsFile)
+    if to_stdout and multi_file:
+        raise UsageError("-o - writes one safetensors file: sharded and DCP checkpoints are directories")
+    if not to_stdout:
+        check_output(args.output, [args.plan], directory=multi_file)
+    return writer
+
+
+def _to_stdout(c: Client, plan: plan_pb2.Plan, chunk_bytes: int, progress: Callable[[int, int], None]) -> Any:
+    """One stream of the plan written to standard output as a safetensors file; its header."""
+    header, chunks = c.stream(plan, chunk_bytes=chunk_bytes, check_crc=False)
+    progress(0, header.data_bytes)
+    done = [0]
+
+    def advance(n: int) -> None:
+        done[0] += n
+        progress(done[0], header.data_bytes)
+
+    sys.stdout.flush()
+    try:
+        write_stream(sys.stdout.fileno(), header.safetensors_prefix, chunks, advance)
+    except OSError as exc:
+        if exc.errno != errno.EPIPE:
+            raise
+        total = len(header.safetensors_prefix) + header.data_bytes
+        written = len(header.safetensors_prefix) + done[0] if done[0] else 0
+        raise IncompleteOutput(
+            f"standard output was closed when at least {written} of the file's {total} bytes were written: "
+            "the safetensors file written there is incomplete"
+        ) from None
+    return header
+
+
+def _summary(args: argparse.Namespace, header: Any, to_stdout: bool, seconds: float, compiled: float, setup: float, starting: float) -> int:
+    """The summary: JSON on stdout with --json, else one line (on stderr when the file went to stdout)."""
+    total = header.data_bytes
     if args.json:
         return print_json(
             EXIT_OK,
