@@ -228,9 +228,9 @@ def _load_single(path: Path, plan: plan_pb2.Plan, client: Client) -> dict[str, A
     import torch.distributed.checkpoint as dcp
 
     want = client.materialize(plan)
-    from paraminit_client.torch_rules import _TORCH_DTYPES
+    from paraminit_client.torch_rules import TORCH_DTYPES
 
-    state = {p.name: torch.full(list(want[p.name].shape), 7.0, dtype=_TORCH_DTYPES[p.dtype]) for p in plan.params}  # poisoned
+    state = {p.name: torch.full(list(want[p.name].shape), 7.0, dtype=TORCH_DTYPES[p.dtype]) for p in plan.params}  # poisoned
     if not dist.is_initialized():
         import warnings
 

@@ -502,8 +502,8 @@ def test_summary_throughput_leaves_compiling_out(
         return now
 
     compiled = iter([2.0, 2.5])
-    monkeypatch.setattr(cli, "time", type("Clock", (), {"time": staticmethod(clock)}))
-    monkeypatch.setattr(cli, "_compile_seconds", lambda: next(compiled))
+    monkeypatch.setattr(cli.materialize, "time", type("Clock", (), {"time": staticmethod(clock)}))
+    monkeypatch.setattr(cli.materialize, "_compile_seconds", lambda: next(compiled))
     code, stdout, err = run_cli(
         capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(tmp_path / "m.safetensors"), "--target", target
     )
@@ -529,8 +529,8 @@ def test_summary_tells_starting_the_data_plane_from_plan_checks(
         return now
 
     waited = iter([3.0, 3.4])  # this command's calls waited 0.4 s for the data plane to start
-    monkeypatch.setattr(cli, "time", type("Clock", (), {"time": staticmethod(clock)}))
-    monkeypatch.setattr(cli, "_start_seconds", lambda: next(waited))
+    monkeypatch.setattr(cli.materialize, "time", type("Clock", (), {"time": staticmethod(clock)}))
+    monkeypatch.setattr(cli.materialize, "_start_seconds", lambda: next(waited))
     code, stdout, err = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(tmp_path / "m.safetensors"))
     assert code == 0, err
     assert "0.50 s of it before the first byte: 0.40 s starting the data plane (numba, cached CPU kernels), 0.10 s plan checks)" in stdout
@@ -876,7 +876,7 @@ def test_well_formed_targets_pass_the_check(target: str | None) -> None:
 
 
 def test_health_without_a_target_names_the_default_it_tried(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "DEFAULT_HEALTH_TARGET", "127.0.0.1:1")  # nothing listens on port 1
+    monkeypatch.setattr(cli.health, "DEFAULT_HEALTH_TARGET", "127.0.0.1:1")  # nothing listens on port 1
     code, _, err = run_cli(capsys, "health", "--timeout", "5")
     assert code == cli.EXIT_ERROR and "127.0.0.1:1" in err, err
 
@@ -960,7 +960,7 @@ def test_quiet_prints_nothing_but_errors(tmp_path: Path) -> None:
 
 def test_quiet_asks_for_no_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     bars: list[int] = []
-    monkeypatch.setattr(cli, "progress_bar", lambda total, name: bars.append(total))
+    monkeypatch.setattr(cli.materialize, "progress_bar", lambda total, name: bars.append(total))
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     out = tmp_path / "m.safetensors"
     code, stdout, _ = run_cli(capsys, "materialize", str(ROOT / "examples/mlp.json"), "-o", str(out), "-q")

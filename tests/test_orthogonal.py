@@ -123,10 +123,11 @@ def test_torchtitan_style_orthogonal_init_is_translated() -> None:
 
     from paraminit_client.titan import translate
 
-    init = translate(functools.partial(nn.init.orthogonal_, gain=2.0), seed=9)
-    assert not isinstance(init, str) and init.WhichOneof("kind") == "orthogonal"
+    got = translate(functools.partial(nn.init.orthogonal_, gain=2.0), seed=9)
+    init = got.init
+    assert got.decided and init.WhichOneof("kind") == "orthogonal"
     assert init.orthogonal.gain == 2.0 and init.orthogonal.seed == 9
-    assert translate(nn.init.orthogonal_, seed=1).orthogonal.gain == 1.0  # type: ignore[union-attr]
+    assert translate(nn.init.orthogonal_, seed=1).init.orthogonal.gain == 1.0
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -412,14 +412,14 @@ def _write_dcp_file(
     while one is written: two items in memory at most."""
     import torch
 
-    from paraminit_client.torch_rules import _numpy_to_torch
+    from paraminit_client.torch_rules import numpy_to_torch
 
     def values_of(item: DcpItem) -> Any:
         p = plan.params[item.param]
         one = plan_pb2.Param()
         one.CopyFrom(p)
         set_region(one, item.box)
-        return _numpy_to_torch(source.materialize(_with_params(plan, [one]))[p.name]).reshape([b - a for a, b in item.box])
+        return numpy_to_torch(source.materialize(_with_params(plan, [one]))[p.name]).reshape([b - a for a, b in item.box])
 
     fd, tmp = filesink.make_partial(dest, _create)
     placed = []
@@ -502,7 +502,7 @@ def _dcp_metadata(plan: plan_pb2.Plan, placed: list[tuple[str, tuple[int, ...], 
         TensorStorageMetadata,
     )
 
-    from paraminit_client.torch_rules import _TORCH_DTYPES
+    from paraminit_client.torch_rules import TORCH_DTYPES
 
     chunks: dict[str, list[Any]] = {}
     storage = {}
@@ -512,7 +512,7 @@ def _dcp_metadata(plan: plan_pb2.Plan, placed: list[tuple[str, tuple[int, ...], 
     state: dict[str, Any] = {}
     for p in plan.params:
         if p.name in chunks:
-            properties = TensorProperties(dtype=_TORCH_DTYPES[p.dtype])
+            properties = TensorProperties(dtype=TORCH_DTYPES[p.dtype])
             state[p.name] = TensorStorageMetadata(properties=properties, size=torch.Size(list(p.shape)), chunks=chunks[p.name])
     return Metadata(state_dict_metadata=state, planner_data={name: (name,) for name in state}, storage_data=storage)
 

@@ -22,6 +22,7 @@ import numpy as np
 from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import checkpoints
+from paraminit_client.delivery import Delivery
 from paraminit_client.errors import ClientClosed, InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
 from paraminit_client.grpc_transport import (
@@ -54,7 +55,7 @@ __all__ = [
     "tls_credentials",
 ]
 
-DELIVERIES = ("shm", "cuda_ipc")
+DELIVERIES = (Delivery.SHM, Delivery.CUDA_IPC)  # what export lends
 
 
 def make_transport(
@@ -254,13 +255,15 @@ class Client:
         """
         return self._transport.stream(plan, chunk_bytes, check_crc)
 
-    def export(self, plan: plan_pb2.Plan, delivery: str = "shm", *, ttl_seconds: float = 0.0, auto_renew: bool | None = None) -> Lease:
+    def export(
+        self, plan: plan_pb2.Plan, delivery: Delivery | str = Delivery.SHM, *, ttl_seconds: float = 0.0, auto_renew: bool | None = None
+    ) -> Lease:
         """Zero-copy handoff: the plan filled into shared memory ("shm", CPU) or one CUDA allocation
         ("cuda_ipc", GPU) on this host, lent under a lease.
 
         Args:
             plan: the plan.
-            delivery: "shm" or "cuda_ipc".
+            delivery: Delivery.SHM or Delivery.CUDA_IPC (or its string, "shm" or "cuda_ipc").
             ttl_seconds: the lease's time to live (0: the server's default).
             auto_renew: renew the lease in the background until released; default (None) only for CUDA_IPC,
                 whose expiry would free device memory kernels of this process may still be using.
@@ -273,11 +276,10 @@ class Client:
             ParaminitError: INVALID_ARGUMENT for an invalid plan, RESOURCE_EXHAUSTED over a lease or memory limit,
                 FAILED_PRECONDITION when the memory cannot be shared with this process.
         """
-        if delivery not in DELIVERIES:
-            raise InvalidArgument(f"delivery must be one of {sorted(DELIVERIES)}, got {delivery!r}")
+        kind = Delivery.parse(delivery, DELIVERIES, f"one of {sorted(d.value for d in DELIVERIES)}")
         if auto_renew is None:
-            auto_renew = delivery == "cuda_ipc"
-        info = self._transport.export(plan, delivery, ttl_seconds)
+            auto_renew = kind is Delivery.CUDA_IPC
+        info = self._transport.export(plan, kind, ttl_seconds)
         try:
             lease = Lease(self._transport, info, auto_renew=auto_renew)
         except BaseException:

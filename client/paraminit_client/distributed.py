@@ -27,7 +27,7 @@ from paraminit.v1 import plan_pb2
 from paraminit_client.client import Client, or_in_process
 from paraminit_client.errors import InvalidArgument
 from paraminit_client.plans import set_region
-from paraminit_client.torch_rules import _TORCH_DTYPES, _numpy_to_torch
+from paraminit_client.torch_rules import TORCH_DTYPES, numpy_to_torch
 
 __all__ = ["is_dtensor", "local_region", "localize", "materialize_region", "wrap"]
 
@@ -138,10 +138,10 @@ def materialize_region(
         else:
             box.append((int(r[0]), int(r[1])))
     if any(b <= a for a, b in box):
-        return torch.empty(tuple(max(0, b - a) for a, b in box), dtype=_TORCH_DTYPES[param.dtype], device=device)
+        return torch.empty(tuple(max(0, b - a) for a, b in box), dtype=TORCH_DTYPES[param.dtype], device=device)
     q = plan_pb2.Param()
     q.CopyFrom(param)
     set_region(q, box)
     with or_in_process(client) as c:
         arrays = c.materialize(plan_pb2.Plan(params=[q]))
-    return _numpy_to_torch(arrays[q.name]).reshape(tuple(b - a for a, b in box)).to(device)
+    return numpy_to_torch(arrays[q.name]).reshape(tuple(b - a for a, b in box)).to(device)

@@ -234,7 +234,7 @@ class Lease:
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
         self._cuda: CudaMapping | None = None
-        if info.WhichOneof("buffer") == "shm":
+        if info.HasField("shm"):  # the buffer oneof: shm, else cuda_ipc
             self._map = _map_shm(info.shm.segment_name, info.shm.size)
             self.buffer: Any = np.frombuffer(self._map, dtype=np.uint8, count=info.shm.size)
             self.arrays: dict[str, Any] = arrays_from_buffer(info.tensors, self.buffer)
@@ -268,9 +268,9 @@ class Lease:
         import torch
 
         if self._map is not None:  # numpy arrays: the torch adapter's zero-copy conversion (ml_dtypes types too)
-            from paraminit_client.torch_rules import _numpy_to_torch
+            from paraminit_client.torch_rules import numpy_to_torch
 
-            return {k: _numpy_to_torch(v) for k, v in self.arrays.items()}
+            return {k: numpy_to_torch(v) for k, v in self.arrays.items()}
         views = {
             t.name: getattr(torch, dtypes.by_enum(t.dtype).name)  # type: ignore[union-attr]
             for t in self.info.tensors

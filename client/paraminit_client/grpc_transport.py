@@ -27,6 +27,7 @@ from paraminit.v1 import plan_pb2
 from paraminit.violations import INVALID, LIMIT, ValidationReport, Violation
 from paraminit_client import scaleout
 from paraminit_client.arrays import arrays_from_buffer, numpy_dtype
+from paraminit_client.delivery import Delivery
 from paraminit_client.errors import InvalidArgument, ParaminitError
 from paraminit_client.transports import CLOSE_WAIT, Arrays, CallGate, Chunk, TensorTable, copy_into, land
 
@@ -278,7 +279,7 @@ class GrpcTransport:
         copy_into(table, chunks, outputs, progress)
 
     def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float) -> pb.ExportInfo:
-        kinds = {"shm": pb.DELIVERY_SHM, "cuda_ipc": pb.DELIVERY_CUDA_IPC}
+        kinds: dict[str, pb.Delivery.ValueType] = {Delivery.SHM: pb.DELIVERY_SHM, Delivery.CUDA_IPC: pb.DELIVERY_CUDA_IPC}
         self._gate.check()
         request = pb.MaterializeRequest(plan=plan, delivery=kinds[delivery], lease_ttl=times.duration(ttl_seconds))
         with rpc_errors():

@@ -49,7 +49,8 @@ from torch import nn
 from paraminit import inits
 from paraminit.v1 import plan_pb2
 from paraminit_client.errors import MissingPackage
-from paraminit_client.torch_rules import _mha
+from paraminit_client.rules import Ruling, Verdict
+from paraminit_client.torch_rules import mha
 
 __all__ = ["KNOWN", "fill_buffers", "fingerprint", "plan_inits"]
 
@@ -58,10 +59,21 @@ Make = Callable[[int], plan_pb2.Init]  # seed -> Init
 
 @dataclass
 class Assigned:
-    """What the last rule to write a tensor gave it: an initializer (by seed) or why it has none, and patches."""
+    """What the last rule to write a tensor gave it: an initializer (by seed) and patches, or why it has none
+    (`make` None)."""
 
-    make: Make | str
+    make: Make | None
     patches: list[plan_pb2.Patch] = field(default_factory=list)
+    why: str = ""
+
+    @classmethod
+    def refused(cls, why: str) -> Assigned:
+        """Returns: the assignment of a tensor no known rule initializes, and why."""
+        return cls(None, why=why)
+
+    def ruling(self, seed: int) -> Ruling:
+        """Returns: the assignment as the Ruling for the tensor under `seed`."""
+        return Ruling.refused(self.why) if self.make is None else Ruling.of(self.make(seed), self.patches)
 
 
 def _normal(std: float) -> Make:
@@ -146,9 +158,9 @@ def _base(model: Any, mod: nn.Module, write: Write) -> None:
     elif isinstance(mod, nn.MultiheadAttention):
         for key, t in mod._parameters.items():
             if t is not None:
-                got = _mha(mod, key, t, 0, "torch")
-                if isinstance(got, plan_pb2.Init):
-                    write(key, Assigned(_same_kind(got)))
+                got = mha(mod, key, t, 0)
+                if got.verdict is Verdict.INIT:
+                    write(key, Assigned(_same_kind(got.init)))
         if mod.in_proj_bias is not None and mod.out_proj.bias is not None:
             write("out_proj.bias", Assigned(_zeros))
     elif (
@@ -216,17 +228,27 @@ def _transformers() -> Any:
     return transformers
 
 
-def _rule_for(model: Any) -> Callable[[Any, nn.Module, Write], None] | str:
-    """The rule replaying type(model)._init_weights, or why there is none."""
+def _refusing(why: str) -> Callable[[Any, nn.Module, Write], None]:
+    """The rule of a model whose _init_weights is not replayed: every tensor of every module refused with `why`."""
+
+    def rule(model: Any, mod: nn.Module, write: Write) -> None:
+        for key in [*mod._parameters, *mod._buffers]:
+            write(key, Assigned.refused(why))
+
+    return rule
+
+
+def _rule_for(model: Any) -> Callable[[Any, nn.Module, Write], None]:
+    """The rule replaying type(model)._init_weights, or one refusing every tensor with why there is none."""
     for cls in type(model).__mro__:
         if "_init_weights" in cls.__dict__:
             known = KNOWN.get(cls.__name__)
             if known is None:
-                return f"{cls.__name__}._init_weights is not one the hf policy knows"
+                return _refusing(f"{cls.__name__}._init_weights is not one the hf policy knows")
             if fingerprint(cls.__dict__["_init_weights"]) not in known[0]:
-                return f"{cls.__name__}._init_weights of this transformers version differs from the one the hf policy replays"
+                return _refusing(f"{cls.__name__}._init_weights of this transformers version differs from the one the hf policy replays")
             return known[1]
-    return "no _init_weights"
+    return _refusing("no _init_weights")
 
 
 def _walk(module: nn.Module, prefix: str, owner: Any, pretrained: type[Any], seen: set[int]) -> Iterator[tuple[nn.Module, str, Any]]:
@@ -248,18 +270,13 @@ def plan_inits(module: nn.Module, names: dict[int, list[str]]) -> dict[int, tupl
     pretrained = tf.PreTrainedModel
     owner0 = module if isinstance(module, pretrained) else None
     by_name: dict[str, Assigned] = {}
-    rules: dict[int, Callable[[Any, nn.Module, Write], None] | str] = {}
+    rules: dict[int, Callable[[Any, nn.Module, Write], None]] = {}
     for mod, prefix, owner in _walk(module, "", owner0, pretrained, set()):
-        if owner is None:
-            why = Assigned(f"{type(mod).__name__} is not inside a transformers PreTrainedModel")
-            for key in [*mod._parameters, *mod._buffers]:
-                by_name[prefix + key] = why
-            continue
-        rule = rules.setdefault(id(owner), _rule_for(owner))
-        if isinstance(rule, str):
-            for key in [*mod._parameters, *mod._buffers]:
-                by_name[prefix + key] = Assigned(rule)
-            continue
+        rule = (
+            _refusing(f"{type(mod).__name__} is not inside a transformers PreTrainedModel")
+            if owner is None
+            else rules.setdefault(id(owner), _rule_for(owner))
+        )
 
         def write(key: str, got: Assigned, _prefix: str = prefix) -> None:
             by_name[_prefix + key] = got
@@ -270,7 +287,7 @@ def plan_inits(module: nn.Module, names: dict[int, list[str]]) -> dict[int, tupl
     for i, ns in names.items():
         chosen = next((n for n in ns if n in sources), ns[0])
         got = by_name.get(chosen)
-        out[i] = (got if got is not None else Assigned("no rule of the model's _init_weights initializes it"), chosen)
+        out[i] = (got if got is not None else Assigned.refused("no rule of the model's _init_weights initializes it"), chosen)
     return out
 
 

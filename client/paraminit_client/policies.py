@@ -3,16 +3,18 @@
 A policy is given a `ModuleWalk` (the model, its seed, the owner of every state_dict tensor) and sets the initializer
 of every distinct floating-point tensor, or the reason it has none. Built in, by name:
 
-- "torch": PyTorch's own distributions, layer by layer (`torch_rules`), with the container rules of
+- "torch": PyTorch's own distributions, layer by layer (`torch_rules.LayerRules`), with the container rules of
   `nn.MultiheadAttention` and `nn.Transformer`;
-- "torchlean": the same layers under TorchLean's runtime semantics;
+- "torchlean": the same layers under TorchLean's runtime semantics (`torch_rules.TORCHLEAN`, a `Semantics` value);
 - "hf": transformers' own `_init_weights` (`paraminit_client.hf`);
 - "torchtitan": torchtitan's `init_weights` translated (`paraminit_client.titan`);
 - "megatron", "neox", "olmo": the recipes of `paraminit_client.recipes`, whose functions also make one with other
   settings (`recipes.megatron(sigma=0.01)`), and `recipes.replay(...)` for any framework's initialization code.
 
-A new policy is one class with a `name` and `assign(walk)`: pass an instance to plan_from_module, or `register` a
-factory under a name (the CLI's `--policy` offers the built-in names).
+A new policy is one class with a `name` and `assign(walk)` (`rules.Policy`, `rules.ModuleWalk`: the walk and the
+rule types live in `rules`, which imports no policy module, so the policy modules import it and not each other):
+pass an instance to plan_from_module, or `register` a factory under a name (the CLI's `--policy` offers the
+built-in names).
 
 Example:
     >>> from paraminit_client import policies
@@ -26,151 +28,32 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from paraminit.v1 import plan_pb2
-from paraminit_client import hf, recipes, replay
+from paraminit_client import hf, recipes, replay, titan
 from paraminit_client.errors import InvalidArgument
-from paraminit_client.torch_rules import _fixed_elements, _rule_of, _xavier, _zeros
+from paraminit_client.rules import LAZY, ModuleWalk, Policy, Ruling, is_plan_tensor, module_names, owners, param_seed
+from paraminit_client.torch_rules import TORCH, TORCHLEAN, LayerRules
 
-__all__ = ["BUILT_IN", "ModuleWalk", "Policy", "param_seed", "policy_of", "register"]
-
-LAZY = "uninitialized lazy tensor: run a forward pass first or use the non-lazy layer"
-UNOWNED = "state_dict name not found among the module's parameters and persistent buffers"
-
-
-def param_seed(seed: int, name: str) -> int:
-    """The seed of one parameter: SHA-256 of "seed:name", first 8 bytes big-endian.
-
-    It depends on the name only, so adding, removing or reordering other
-    parameters never changes this parameter's values.
-
-    Args:
-        seed: the model's seed.
-        name: the parameter's state_dict name.
-
-    Returns:
-        The parameter's 64-bit seed.
-    """
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "big")
-
-
-def owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    """state_dict name -> (owning module, local key); a shared module appears under each of its names."""
-    out: dict[str, tuple[nn.Module, str]] = {}
-    for prefix, mod in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for key, p in mod._parameters.items():
-            if p is not None:
-                out[dot + key] = (mod, key)
-        for key, b in mod._buffers.items():
-            if b is not None and key not in mod._non_persistent_buffers_set:
-                out[dot + key] = (mod, key)
-    return out
-
-
-def module_names(module: nn.Module) -> dict[int, str]:
-    """id(submodule) -> its qualified name ("" for the root)."""
-    return {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-
-
-def is_plan_tensor(t: torch.Tensor) -> bool:
-    """Whether a plan can hold it: floating point (integer and bool buffers are left to the module)."""
-    return t.is_floating_point() or t.is_complex()
-
-
-class ModuleWalk:
-    """One plan_from_module call's model and what its policy decides: `tensors` (state_dict name -> tensor, one name
-    per distinct tensor, in plan order), `kinds` (the owning module's class name, for messages), `inits` (an Init,
-    or why there is none) and `patches` (elements a layer fixes, e.g. an Embedding's padding row)."""
-
-    def __init__(self, module: nn.Module, seed: int) -> None:
-        self.module, self.seed = module, seed
-        self.owners = owners(module)
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.kinds: dict[str, str] = {}
-        self.inits: dict[str, plan_pb2.Init | str] = {}
-        self.patches: dict[str, list[plan_pb2.Patch]] = {}
-
-    def seed_of(self, name: str) -> int:
-        """The seed of the tensor `name`: param_seed(seed, name)."""
-        return param_seed(self.seed, name)
-
-    def collect(self) -> list[str]:
-        """Record every distinct floating-point tensor of state_dict() (by identity, tied ones once, under their
-        first name, in its order) and return the names a policy decides: the rest (lazy tensors, names with no
-        owning module) get their reason here."""
-        seen: set[int] = set()
-        decide = []
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if not isinstance(t, torch.Tensor) or id(t) in seen:
-                continue
-            seen.add(id(t))
-            if not is_plan_tensor(t):
-                continue
-            self.tensors[name] = t
-            owner = self.owners.get(name)
-            self.kinds[name] = type(owner[0]).__name__ if owner else "?"
-            if nn.parameter.is_lazy(t):
-                self.inits[name] = LAZY
-            elif owner is None:
-                self.inits[name] = UNOWNED
-            else:
-                decide.append(name)
-        return decide
-
-    def entries(self) -> dict[str, tuple[nn.Module, str, str, int]]:
-        """collect(), as the recipes read it: name -> (owning module, local key, owner's qualified name, seed)."""
-        names = module_names(self.module)
-        return {n: (o, k, names.get(id(o), ""), self.seed_of(n)) for n in self.collect() for o, k in [self.owners[n]]}
-
-
-class Policy(Protocol):
-    """What plan_from_module takes as `policy` besides a registered name."""
-
-    @property
-    def name(self) -> str:
-        """What refusals call it."""
-
-    def assign(self, walk: ModuleWalk) -> None:
-        """Set walk.tensors (usually through walk.collect()), and walk.inits and walk.patches for each."""
-
-
-class LayerRules:
-    """ "torch" and "torchlean": each layer's own rule for its tensors (torch_rules), then the rules containers apply
-    over their children (MultiheadAttention zeroes out_proj.bias; nn.Transformer, under "torch", re-initializes
-    every tensor of rank > 1 with Xavier-uniform)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def assign(self, walk: ModuleWalk) -> None:
-        for name in walk.collect():
-            owner, key = walk.owners[name]
-            t = walk.tensors[name]
-            rule = _rule_of(owner)
-            if isinstance(rule, str):
-                walk.inits[name] = rule
-                continue
-            got = rule(owner, key, t, walk.seed_of(name), self.name)
-            walk.inits[name] = got if got is not None else f"{walk.kinds[name]} has no rule for its tensor {key!r}"
-            walk.patches[name] = _fixed_elements(owner, key, t)
-        for prefix, mod in walk.module.named_modules(remove_duplicate=False):
-            dot = f"{prefix}." if prefix else ""
-            if isinstance(mod, nn.MultiheadAttention) and not isinstance(_rule_of(mod), str) and f"{dot}out_proj.bias" in walk.inits:
-                walk.inits[f"{dot}out_proj.bias"] = _zeros()
-            if isinstance(mod, nn.Transformer) and self.name == "torch":
-                redefined = type(mod)._reset_parameters is not nn.Transformer._reset_parameters
-                for name, p in mod.named_parameters(prefix=prefix):
-                    if p.dim() > 1 and name in walk.inits:
-                        walk.inits[name] = (
-                            f"{type(mod).__name__} redefines Transformer._reset_parameters" if redefined else _xavier(walk.seed_of(name))
-                        )
+__all__ = [
+    "BUILT_IN",
+    "HFInit",
+    "LayerRules",
+    "ModuleWalk",
+    "OwnInit",
+    "Policy",
+    "TorchtitanInit",
+    "is_plan_tensor",
+    "module_names",
+    "owners",
+    "param_seed",
+    "policy_of",
+    "register",
+]
 
 
 class HFInit:
@@ -193,11 +76,8 @@ class HFInit:
             walk.kinds[name] = type(owner[0]).__name__ if owner else "?"
             if nn.parameter.is_lazy(t):
                 walk.inits[name] = LAZY
-            elif isinstance(got.make, str):
-                walk.inits[name] = got.make
             else:
-                walk.inits[name] = got.make(walk.seed_of(name))
-                walk.patches[name] = got.patches
+                got.ruling(walk.seed_of(name)).record(walk, name, "")
 
 
 class TorchtitanInit:
@@ -207,18 +87,18 @@ class TorchtitanInit:
     name = "torchtitan"
 
     def assign(self, walk: ModuleWalk) -> None:
-        from paraminit_client import titan
-
+        """The Policy protocol: every tensor the walk collects, from its owners' param_init tables."""
         ties, refused = titan.tied_owners(walk.module), titan.refused_modules(walk.module)
         for name in walk.collect():
             owner, t = walk.owners[name], walk.tensors[name]
             why = next((f"{r} (module {m!r})" for m, r in refused.items() if not m or name.startswith(m + ".")), None)
-            got = why or titan.init_for([owner, *[o for o in ties.get(id(t), []) if o != owner]], t, walk.seed_of(name))
-            if isinstance(got, titan.FusedQKV):  # parts drawn as the unfused tensors they are
-                laid = got.plan(name, tuple(t.shape), walk.seed_of)
-                got = laid if isinstance(laid, str) else laid[0]
-                walk.patches[name] = [] if isinstance(laid, str) else laid[1]
-            walk.inits[name] = got if got is not None else f"{walk.kinds[name]} has no rule for {owner[1]!r}"
+            got = (
+                Ruling.refused(why)
+                if why
+                else titan.init_for([owner, *[o for o in ties.get(id(t), []) if o != owner]], t, walk.seed_of(name))
+            )
+            # a fused wqkv: its parts drawn as the unfused tensors they are
+            got.lay_out(name, tuple(t.shape), walk.seed_of).record(walk, name, f"{walk.kinds[name]} has no rule for {owner[1]!r}")
 
 
 class OwnInit:
@@ -274,22 +154,21 @@ class OwnInit:
                 if why is not None:
                     walk.inits[name] = why
                     continue
-            init, patches = replay.emit(roots[name], seed_of)
+            got = replay.emit(roots[name], seed_of)
             if late is not None and failures:  # the model's own last step cannot be replayed: never guess past it
-                init = (
-                    f"{init + '; ' if isinstance(init, str) and init else ''}{type(walk.module).__name__}.init_weights() "
+                got = Ruling.refused(
+                    f"{got.reason + '; ' if got.reason else ''}{type(walk.module).__name__}.init_weights() "
                     f"failed when replayed: {next(iter(failures.values()))}; name the framework's policy or pass overrides"
                 )
-            if init == "":
-                init = (
-                    f"{kind}.{key} is never written by the initialization code paraminit can replay (reset_parameters, "
-                    "transformers' initialize_weights, init_weights); build the model under "
-                    "paraminit_client.torch.meta_parameters() so its constructor is recorded"
-                    if name in pending_set
-                    else f"{kind}.{key} is made on meta and never written by the model's constructor"
-                )
-            walk.inits[name] = init
-            walk.patches[name] = patches
+            got.record(
+                walk,
+                name,
+                f"{kind}.{key} is never written by the initialization code paraminit can replay (reset_parameters, "
+                "transformers' initialize_weights, init_weights); build the model under "
+                "paraminit_client.torch.meta_parameters() so its constructor is recorded"
+                if name in pending_set
+                else f"{kind}.{key} is made on meta and never written by the model's constructor",
+            )
 
 
 def _not_replayable(name: str, modules: dict[str, nn.Module], failures: dict[int, str], replayed: frozenset[str]) -> str | None:
@@ -314,8 +193,8 @@ def _not_replayable(name: str, modules: dict[str, nn.Module], failures: dict[int
 
 _REGISTRY: dict[str, Callable[[], Policy]] = {
     "own": OwnInit,
-    "torch": lambda: LayerRules("torch"),
-    "torchlean": lambda: LayerRules("torchlean"),
+    "torch": lambda: LayerRules(TORCH),
+    "torchlean": lambda: LayerRules(TORCHLEAN),
     "hf": HFInit,
     "torchtitan": TorchtitanInit,
     **recipes.RECIPES,

@@ -20,20 +20,19 @@ bias nor a norm's, a buffer) is refused with the reason, never guessed.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from paraminit.v1 import plan_pb2
+from paraminit_client import replay as recorder
 from paraminit_client.errors import InvalidArgument
-from paraminit_client.torch_rules import _fan_in_uniform
-
-if TYPE_CHECKING:
-    from paraminit_client.policies import ModuleWalk
+from paraminit_client.rules import ModuleWalk, Ruling
+from paraminit_client.torch_rules import TORCH, LayerRules, fan_in_uniform
 
 __all__ = ["OUTPUT_LAYERS", "RECIPES", "MuP", "Recipe", "Replay", "megatron", "mup", "neox", "olmo", "replay"]
 
@@ -214,8 +213,6 @@ class Replay:
         Returns:
             name -> Init, or the reason it has none.
         """
-        from paraminit_client import replay as recorder
-
         owned = {name: mod._parameters.get(key, mod._buffers.get(key)) for name, (mod, key, _, _) in tensors.items()}
         rec, failures = recorder.replay(module, [t for t in owned.values() if t is not None], init=self.init)
         if failures:  # the framework's code cannot run on this model: every tensor says why
@@ -230,9 +227,9 @@ class Replay:
         out: dict[str, plan_pb2.Init | str] = {}
         for name, (mod, key, _, _) in tensors.items():
             t = owned[name]
-            init, patches = recorder.emit(rec.add_root(t), seed_of) if t is not None else ("", [])
-            out[name] = init or f"{self.name}'s initialization never sets {type(mod).__name__}.{key}"
-            self._patches[name] = patches
+            got = recorder.emit(rec.add_root(t), seed_of) if t is not None else Ruling.unknown()
+            out[name] = got.or_reason(f"{self.name}'s initialization never sets {type(mod).__name__}.{key}")
+            self._patches[name] = list(got.patches)
         return out
 
 
@@ -290,9 +287,7 @@ class MuP:
         """The policies.Policy protocol: "torch" for every layer, then MuReadout layers as their reset_parameters
         (zeros with readout_zero_init) times sqrt(width multiplier), and Linear and Conv biases times sqrt(fan-in
         multiplier), as `set_base_shapes(model, base, delta=delta)` rescales them."""
-        from paraminit_client.policies import LayerRules
-
-        LayerRules("torch").assign(walk)
+        LayerRules(TORCH).assign(walk)
         widths = self.widths({n: tuple(p.shape) for n, p in walk.module.named_parameters()})
         for prefix, mod in walk.module.named_modules():
             dot = f"{prefix}." if prefix else ""
@@ -317,16 +312,18 @@ class MuP:
                 if readout and getattr(mod, "readout_zero_init", False):
                     walk.inits[name] = plan_pb2.Init(zeros=plan_pb2.Zeros())
                     continue
-                base = _fan_in_uniform(mod, key, walk.tensors[name], walk.seed_of(name), "torch") if readout else walk.inits[name]
+                base = fan_in_uniform(mod, key, walk.tensors[name], walk.seed_of(name)) if readout else walk.ruling(name)
                 dims = main if readout else fan_in
                 scale = math.sqrt(dims[1] / dims[0]) if dims is not None else 1.0
-                walk.inits[name] = _scaled(base, scale) if base is not None else f"{type(mod).__name__} has no rule for {key!r}"
+                walk.inits[name] = base.then(functools.partial(_scaled, scale=scale)).or_reason(
+                    f"{type(mod).__name__} has no rule for {key!r}"
+                )
 
 
-def _scaled(init: plan_pb2.Init | str, scale: float) -> plan_pb2.Init | str:
+def _scaled(init: plan_pb2.Init, scale: float) -> Ruling:
     """An initializer whose values are `scale` times the given one's (uniform and normal; zeros stay)."""
-    if isinstance(init, str) or scale == 1.0:
-        return init
+    if scale == 1.0:
+        return Ruling.of(init)
     kind = init.WhichOneof("kind")
     out = plan_pb2.Init()
     out.CopyFrom(init)
@@ -335,8 +332,8 @@ def _scaled(init: plan_pb2.Init | str, scale: float) -> plan_pb2.Init | str:
     elif kind == "normal":
         out.normal.mean, out.normal.std = init.normal.mean * scale, init.normal.std * scale
     elif kind != "zeros":
-        return f"mup cannot rescale a {kind} initializer"
-    return out
+        return Ruling.refused(f"mup cannot rescale a {kind} initializer")
+    return Ruling.of(out)
 
 
 def _shapes_of(x: nn.Module | Shapes) -> Shapes:

@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 
 from paraminit import inits
 from paraminit.v1 import plan_pb2
+from paraminit_client.rules import Ruling
 
 __all__ = ["RECORD_ATTR", "Recorder", "Root", "Unwritten", "capture", "emit", "initial_value", "real_value", "record_of", "replay"]
 
@@ -1437,44 +1438,49 @@ def replayed_names(module: nn.Module) -> frozenset[str]:
 # -- plan initializers ---------------------------------------------------------------------------------------------
 
 
-def emit(root: Root, seed_of: Callable[[Root], int | str]) -> tuple[plan_pb2.Init | str, list[plan_pb2.Patch]]:
-    """A root's plan initializer and patches (or why it has none).
+def emit(root: Root, seed_of: Callable[[Root], int | str]) -> Ruling:
+    """A root's plan initializer and patches, as the Ruling every policy's rules give.
 
     Args:
         root: the recorded tensor.
         seed_of: the seed of a root (its own, or a tie's source), or why it has none in this plan.
 
     Returns:
-        (Init or reason, patches).
+        The Init with its patches; the refusal, with why; unknown when nothing wrote the tensor.
     """
     if root.base is None:
         if root.patches:
             why = next((p.value.init(0) for p in root.patches if isinstance(p.value, Refused)), None)
-            return (why if isinstance(why, str) else f"its initialization writes only part of it ({root.patches[0].where})"), []
-        return "", []
+            return _refusal(why if isinstance(why, str) else f"its initialization writes only part of it ({root.patches[0].where})")
+        return Ruling.unknown()
 
     def seed(w: Write) -> int | str:
         return seed_of(w.origin or root)
 
     s = seed(root.base)
     if isinstance(s, str):
-        return s, []
+        return _refusal(s)
     base = root.base.value.init(s)
     if isinstance(base, str):
-        return base, []
+        return _refusal(base)
     patches = []
     for w in root.patches:
         ps = seed(w)
         if isinstance(ps, str):
-            return ps, []
+            return _refusal(ps)
         got = w.value.init(ps)
         if isinstance(got, str):
-            return got, []
+            return _refusal(got)
         if not inits.KINDS[str(got.WhichOneof("kind"))].patchable:
-            return f"a {got.WhichOneof('kind')} value in part of the tensor ({w.where}), which no patch states", []
+            return Ruling.refused(f"a {got.WhichOneof('kind')} value in part of the tensor ({w.where}), which no patch states")
         patch = plan_pb2.Patch(init=got)
         assert w.box is not None
         for a, b in w.box:
             patch.box.add(start=a, stop=b)
         patches.append(patch)
-    return base, patches
+    return Ruling.of(base, patches)
+
+
+def _refusal(why: str) -> Ruling:
+    """A reason as a refusal; an empty one says nothing was written (what emit has always meant by "")."""
+    return Ruling.refused(why) if why else Ruling.unknown()

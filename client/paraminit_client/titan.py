@@ -45,7 +45,8 @@ from torch import nn
 from paraminit.shapes import numel
 from paraminit.v1 import plan_pb2
 from paraminit_client.errors import require
-from paraminit_client.torch_rules import INIT_CALLS, _ones, _rule_of, _uniform, _zeros, init_of_call
+from paraminit_client.rules import Ruling, Verdict, ones, uniform, zeros
+from paraminit_client.torch_rules import INIT_CALLS, init_of_call, rule_of
 
 __all__ = ["fill_buffers", "init_for", "refused_modules"]
 
@@ -80,13 +81,6 @@ def refused_modules(root: nn.Module) -> dict[str, str]:
     return out
 
 
-class _Skip:
-    """skip_param_init: the tensor is initialized through another owner, if any."""
-
-
-SKIP = _Skip()
-
-
 def _closure_var(fn: Any, name: str) -> Any:
     code = getattr(fn, "__code__", None)
     if code is None or fn.__closure__ is None or name not in code.co_freevars:
@@ -105,7 +99,7 @@ class FusedQKV:
     n_kv_heads: int
     head_dim: int
 
-    def plan(self, name: str, shape: tuple[int, ...], seed_of: Callable[[str], int]) -> tuple[plan_pb2.Init, list[plan_pb2.Patch]] | str:
+    def plan(self, name: str, shape: tuple[int, ...], seed_of: Callable[[str], int]) -> Ruling:
         """The fused tensor `name` ("...wqkv.weight") as a plan: a patch per group and part, whose part is ``wq``,
         ``wk`` or ``wv`` drawn by the base initializer with the seed of its unfused name ("...wq.weight"), so the
         values are the unfused model's; or why it cannot be.
@@ -116,13 +110,13 @@ class FusedQKV:
             seed_of: the seed of a tensor name (the walk's).
 
         Returns:
-            (base Init, patches covering every element), or the reason.
+            The base Init with patches covering every element, or the refusal.
         """
         per_kv, hd, n_kv = self.n_heads // self.n_kv_heads, self.head_dim, self.n_kv_heads
         tail = list(shape[1:])
         row = numel(tail)
         if not shape or shape[0] != (self.n_heads + 2 * n_kv) * hd:
-            return f"fused wqkv of shape {list(shape)} does not hold {self.n_heads} + 2 x {n_kv} heads of {hd}"
+            return Ruling.refused(f"fused wqkv of shape {list(shape)} does not hold {self.n_heads} + 2 x {n_kv} heads of {hd}")
         head, _, key = name.rpartition(".")
         parent = head.rpartition(".")[0]
         patches = []
@@ -130,10 +124,10 @@ class FusedQKV:
         for part in ("wq", "wk", "wv"):
             logical = f"{parent}.{part}.{key}" if parent else f"{part}.{key}"
             got = translate(self.base, seed_of(logical))
-            if not isinstance(got, plan_pb2.Init):
-                why = got if isinstance(got, str) else "skip_param_init" if got is SKIP else "a nested fused initializer"
-                return f"{part} of the fused wqkv: {why}"
-            inits[part] = got
+            if got.verdict is not Verdict.INIT:
+                why = {Verdict.SKIP: "skip_param_init", Verdict.LAYOUT: "a nested fused initializer"}.get(got.verdict, got.reason)
+                return Ruling.refused(f"{part} of the fused wqkv: {why}")
+            inits[part] = got.init
         for g in range(n_kv):
             first = g * (per_kv + 2) * hd
             for part, at, rows, heads in (
@@ -144,59 +138,89 @@ class FusedQKV:
                 box = [plan_pb2.Range(start=first + at, stop=first + at + rows)] + [plan_pb2.Range(start=0, stop=d) for d in tail]
                 own = plan_pb2.Part(shape=[heads * hd, *tail], start=g * rows * row)
                 patches.append(plan_pb2.Patch(box=box, init=inits[part], part=own))
-        return _zeros(), patches  # every element is a part's: the base is never seen
+        return Ruling.of(zeros(), patches)  # every element is a part's: the base is never seen
 
 
-def translate(fn: Callable[..., Any], seed: int) -> plan_pb2.Init | str | _Skip | FusedQKV:
-    """One torchtitan init callable as an Init, SKIP, a FusedQKV layout, or the reason it cannot be expressed."""
+def translate(fn: Callable[..., Any], seed: int) -> Ruling:
+    """One torchtitan init callable as a Ruling.
+
+    Args:
+        fn: the callable of a param_init table (bare, or a functools.partial).
+        seed: the tensor's seed.
+
+    Returns:
+        Its Init; skipped for skip_param_init; a layout (FusedQKV.plan) for the fused-QKV wrapper; or the refusal
+        that says why it cannot be expressed.
+    """
     func: Any = fn
     args: tuple[Any, ...] = ()
     kw: dict[str, Any] = {}
     if isinstance(fn, functools.partial):
         func, args, kw = fn.func, fn.args, dict(fn.keywords)
     if getattr(func, "__name__", "") == "skip_param_init" and "torchtitan" in getattr(func, "__module__", ""):
-        return SKIP
+        return Ruling.skipped()
     if "_fused_qkv_param_init" in getattr(func, "__qualname__", ""):
         found = {v: _closure_var(func, v) for v in ("base_init", "n_heads", "n_kv_heads", "head_dim")}
         if any(v is None for v in found.values()):
-            return f"fused initializer {_qualified(func)} without {', '.join(k for k, v in found.items() if v is None)}"
-        return FusedQKV(found["base_init"], int(found["n_heads"]), int(found["n_kv_heads"]), int(found["head_dim"]))
+            return Ruling.refused(f"fused initializer {_qualified(func)} without {', '.join(k for k, v in found.items() if v is None)}")
+        fused = FusedQKV(found["base_init"], int(found["n_heads"]), int(found["n_kv_heads"]), int(found["head_dim"]))
+        return Ruling.laid_out(fused.plan)
     name = getattr(func, "__name__", "")
     if name not in INIT_CALLS or getattr(nn.init, name) is not func:
-        return f"unknown initializer {_qualified(func)}"
+        return Ruling.refused(f"unknown initializer {_qualified(func)}")
     try:
         bound = inspect.signature(func).bind(None, *args, **kw)
     except TypeError as exc:
-        return f"{_qualified(func)} with arguments it does not take: {exc}"
+        return Ruling.refused(f"{_qualified(func)} with arguments it does not take: {exc}")
     bound.apply_defaults()
     if bound.arguments.get("generator") is not None:
-        return f"{_qualified(func)} with its own generator"
-    return init_of_call(name, bound.arguments, seed)
+        return Ruling.refused(f"{_qualified(func)} with its own generator")
+    return Ruling.of(init_of_call(name, bound.arguments, seed))
 
 
-def buffer_init(mod: nn.Module, key: str) -> plan_pb2.Init | str:
+def buffer_init(mod: nn.Module, key: str) -> Ruling:
     """A persistent buffer as the module's own ``_init_self_buffers`` computes it, run on the CPU on a shallow copy
     with its own buffer table (the module keeps its meta buffers): a constant as zeros, ones or a constant, other
-    values as Flat when there are at most BUFFER_VALUES_MAX of them."""
+    values as Flat when there are at most BUFFER_VALUES_MAX of them.
+
+    Args:
+        mod: the torchtitan module holding the buffer.
+        key: the buffer's local name.
+
+    Returns:
+        The buffer's Init, or the refusal.
+    """
     clone = copy.copy(mod)
     clone._buffers = dict(mod._buffers)
     clone._init_self_buffers(buffer_device=torch.device("cpu"))  # type: ignore[operator]
     value = clone._buffers.get(key)
     if value is None or value.is_meta:
-        return f"{type(mod).__name__}._init_self_buffers does not compute {key!r}"
+        return Ruling.refused(f"{type(mod).__name__}._init_self_buffers does not compute {key!r}")
     flat = value.detach().to(torch.float64).reshape(-1)
     if flat.numel() and not bool(torch.isfinite(flat).all()):
-        return f"{type(mod).__name__}._init_self_buffers gives {key!r} non-finite values"
+        return Ruling.refused(f"{type(mod).__name__}._init_self_buffers gives {key!r} non-finite values")
     if not flat.numel() or bool((flat == flat[0]).all()):
         c = float(flat[0]) if flat.numel() else 0.0
-        return _zeros() if c == 0.0 else _ones() if c == 1.0 else _uniform(c, c, 0)  # lo == hi: the constant
+        return Ruling.of(zeros() if c == 0.0 else ones() if c == 1.0 else uniform(c, c, 0))  # lo == hi: the constant
     if flat.numel() > BUFFER_VALUES_MAX:
-        return f"{type(mod).__name__}._init_self_buffers gives {key!r} {flat.numel()} distinct values, more than a plan states"
-    return plan_pb2.Init(flat=plan_pb2.Flat(values=flat.tolist()))
+        return Ruling.refused(
+            f"{type(mod).__name__}._init_self_buffers gives {key!r} {flat.numel()} distinct values, more than a plan states"
+        )
+    return Ruling.of(plan_pb2.Init(flat=plan_pb2.Flat(values=flat.tolist())))
 
 
-def init_for(owners: list[tuple[nn.Module, str]], t: Any, seed: int) -> plan_pb2.Init | FusedQKV | str | None:
-    """The Init torchtitan's init_states gives a tensor, from its owners (the first, then those it is tied to)."""
+def init_for(owners: list[tuple[nn.Module, str]], t: Any, seed: int) -> Ruling:
+    """What torchtitan's init_states gives a tensor, from its owners (the first, then those it is tied to).
+
+    Args:
+        owners: (module, local key) of each owner, the first first.
+        t: the tensor.
+        seed: its seed.
+
+    Returns:
+        The first owner's Init (or fused layout); else the refusal with every owner's reason; unknown without
+        owners.
+    """
     module_cls = _titan_module()
     reasons = []
     for mod, key in owners:
@@ -207,28 +231,27 @@ def init_for(owners: list[tuple[nn.Module, str]], t: Any, seed: int) -> plan_pb2
             return buffer_init(mod, key)
         table = mod._param_init
         if table is None:  # torchtitan falls back to reset_parameters: PyTorch's own rule
-            rule = _rule_of(mod)
-            if isinstance(rule, str):
-                reasons.append(f"no param_init, and for reset_parameters: {rule}")
+            layer = rule_of(mod)
+            if layer.rule is None:
+                reasons.append(f"no param_init, and for reset_parameters: {layer.why}")
                 continue
-            got = rule(mod, key, t, seed, "torch")
-            if got is None or isinstance(got, str):
-                reasons.append(got or f"{type(mod).__name__} has no rule for {key!r}")
+            got = layer.apply(mod, key, t, seed)
+            if not got.decided:
+                reasons.append(got.reason or f"{type(mod).__name__} has no rule for {key!r}")
                 continue
             return got
         fn = table.get(key)
         if fn is None:
             reasons.append(f"{type(mod).__name__}'s param_init has no entry for {key!r}")
             continue
-        got2 = translate(fn, seed)
-        if isinstance(got2, _Skip):
+        got = translate(fn, seed)
+        if got.verdict is Verdict.SKIP:
             reasons.append(f"skip_param_init on {type(mod).__name__}.{key} and no tied owner initializes it")
-            continue
-        if isinstance(got2, str):
-            reasons.append(got2)
-            continue
-        return got2
-    return "; ".join(reasons) if reasons else None
+        elif got.verdict is Verdict.REFUSED:
+            reasons.append(got.reason)
+        else:
+            return got
+    return Ruling.refused("; ".join(reasons)) if reasons else Ruling.unknown()
 
 
 def tied_owners(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -81,16 +81,12 @@ from paraminit.v1 import init_service_pb2 as pb
 from paraminit.v1 import plan_pb2
 from paraminit_client import distributed, hf, policies, replay
 from paraminit_client.client import Client, or_in_process
+from paraminit_client.delivery import Delivery
 from paraminit_client.errors import InvalidArgument, ParaminitError
 from paraminit_client.exports import Lease
-from paraminit_client.policies import BUILT_IN, ModuleWalk, Policy, module_names, param_seed, policy_of
-from paraminit_client.torch_rules import (
-    _PLAN_DTYPES,
-    _TORCH_DTYPES,
-    _NormBase,
-    _numpy_to_torch,
-    _numpy_view,
-)
+from paraminit_client.policies import BUILT_IN, policy_of
+from paraminit_client.rules import ModuleWalk, Policy, Ruling, module_names, param_seed
+from paraminit_client.torch_rules import PLAN_DTYPES, TORCH_DTYPES, NormBase, numpy_to_torch, numpy_view
 
 __all__ = [
     "LEASE_ATTR",
@@ -202,26 +198,26 @@ def plan_from_module(module: nn.Module, seed: int = 0, policy: str | Policy = "o
 def _plan_from_module(module: nn.Module, seed: int, policy: str | Policy, overrides: Override | None) -> plan_pb2.Plan:
     walk = ModuleWalk(module, seed)
     policy_of(policy).assign(walk)
-    owners, inits, patches, tensors, kinds = walk.owners, walk.inits, walk.patches, walk.tensors, walk.kinds
+    owners, tensors, kinds = walk.owners, walk.tensors, walk.kinds
     problems: list[tuple[str, str, str]] = []
     params: list[plan_pb2.Param] = []
     arity = _override_arity(overrides) if overrides is not None else 0
     mod_names = module_names(module) if arity == 4 else {}
     for name, t in tensors.items():
-        init = inits[name]
+        got = walk.ruling(name)
         if overrides is not None:
             owner = owners.get(name)
             args = (name, t) if arity == 2 else (name, t, owner[0] if owner else None, mod_names.get(id(owner[0]), "") if owner else "")
             custom = overrides(*args)
             if custom is not None:
-                init = _override_init(name, custom, param_seed(seed, name))
-        dtype = _PLAN_DTYPES.get(t.dtype)
+                got = Ruling.of(_override_init(name, custom, param_seed(seed, name)), walk.patches.get(name, []))
+        dtype = PLAN_DTYPES.get(t.dtype)
         if dtype is None:
             problems.append((name, kinds[name], f"dtype {t.dtype} is not one of {', '.join(dtypes.NAMES)}"))
-        elif isinstance(init, str):
-            problems.append((name, kinds[name], init))
+        elif not got.decided:
+            problems.append((name, kinds[name], got.reason))
         else:
-            params.append(plan_pb2.Param(name=name, shape=list(t.shape), dtype=dtype, init=init, patches=patches.get(name, [])))
+            params.append(plan_pb2.Param(name=name, shape=list(t.shape), dtype=dtype, init=got.init, patches=got.patches))
     if problems:
         raise UnsupportedModuleError(problems)
     return plan_pb2.Plan(params=params)
@@ -234,40 +230,38 @@ def _lease_tensors(lease: Lease) -> dict[str, torch.Tensor]:
     """Views of the lease's buffer (host mapping or device memory), typed in torch, no copy."""
     buf = lease.buffer
     base = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else torch.utils.dlpack.from_dlpack(buf)
-    return {t.name: base[t.offset : t.offset + t.nbytes].view(_TORCH_DTYPES[t.dtype]).view(tuple(t.shape)) for t in lease.info.tensors}
+    return {t.name: base[t.offset : t.offset + t.nbytes].view(TORCH_DTYPES[t.dtype]).view(tuple(t.shape)) for t in lease.info.tensors}
 
 
-def _choose(client: Client, device: torch.device, delivery: str) -> list[str]:
+def _choose(client: Client, device: torch.device, delivery: Delivery) -> list[Delivery]:
     """Deliveries to try in order: zero-copy first when the server is on this host and offers it."""
-    if delivery != "auto":
-        if delivery not in ("stream", "shm", "cuda_ipc", "in_process"):
-            raise InvalidArgument(f"delivery must be auto, stream, shm, cuda_ipc or in_process, got {delivery!r}")
+    if delivery is not Delivery.AUTO:
         return [delivery]
     if client.in_process:
-        return ["in_process"]  # the kernels write straight into the module's new tensors
+        return [Delivery.IN_PROCESS]  # the kernels write straight into the module's new tensors
     if not is_local_target(client.target):
-        return ["stream"]
+        return [Delivery.STREAM]
     offered = set(client.info().deliveries)
     order = []
     if device.type == "cuda" and pb.DELIVERY_CUDA_IPC in offered:
-        order.append("cuda_ipc")
+        order.append(Delivery.CUDA_IPC)
     if pb.DELIVERY_SHM in offered:
-        order.append("shm")
-    return [*order, "stream"]
+        order.append(Delivery.SHM)
+    return [*order, Delivery.STREAM]
 
 
 def _fetch(
-    client: Client, plan: plan_pb2.Plan, device: torch.device, kind: str, ttl_seconds: float, auto_renew: bool | None
+    client: Client, plan: plan_pb2.Plan, device: torch.device, kind: Delivery, ttl_seconds: float, auto_renew: bool | None
 ) -> tuple[dict[str, torch.Tensor], Lease | None]:
-    if kind == "in_process":
+    if kind is Delivery.IN_PROCESS:
         host = device if device.type == "cpu" else torch.device("cpu")
-        tensors = {p.name: torch.empty(out_shape(p), dtype=_TORCH_DTYPES[p.dtype], device=host) for p in plan.params}
-        client.materialize_into(plan, {k: _numpy_view(v) for k, v in tensors.items()})
+        tensors = {p.name: torch.empty(out_shape(p), dtype=TORCH_DTYPES[p.dtype], device=host) for p in plan.params}
+        client.materialize_into(plan, {k: numpy_view(v) for k, v in tensors.items()})
         return {k: v.to(device) for k, v in tensors.items()}, None
-    if kind == "stream":
-        tensors = {k: _numpy_to_torch(v) for k, v in client.materialize(plan).items()}
+    if kind is Delivery.STREAM:
+        tensors = {k: numpy_to_torch(v) for k, v in client.materialize(plan).items()}
         return {k: v.to(device) for k, v in tensors.items()}, None
-    renew = (kind == "cuda_ipc") if auto_renew is None else auto_renew
+    renew = (kind is Delivery.CUDA_IPC) if auto_renew is None else auto_renew
     lease = client.export(plan, kind, ttl_seconds=ttl_seconds, auto_renew=renew)
     try:
         tensors = _lease_tensors(lease)
@@ -290,7 +284,7 @@ def materialize_module(
     client: Client | None = None,
     *,
     device: str | torch.device = "cpu",
-    delivery: str = "auto",
+    delivery: Delivery | str = Delivery.AUTO,
     plan: plan_pb2.Plan | None = None,
     seed: int = 0,
     policy: str | Policy = "own",
@@ -324,7 +318,7 @@ def materialize_module(
         client: the Client to materialize with (in process, or a server); None: an in-process Client() for the
             call, so no delivery that leaves a lease (SHM, CUDA_IPC: the lease needs its client).
         device: where the tensors go ("cpu", "cuda", "cuda:N").
-        delivery: "auto", "in_process", "stream", "shm" or "cuda_ipc".
+        delivery: a Delivery, or its string: "auto", "in_process", "stream", "shm" or "cuda_ipc".
         plan: the plan (default: plan_from_module(module, seed, policy, overrides)); it must name state_dict
             tensors with their exact shapes and dtypes, whole.
         seed: with no plan, the model's seed.
@@ -352,17 +346,18 @@ def materialize_module(
             materialize_module(model, client, seed=0, policy="torch")
         assert not model[0].weight.is_meta and model[1].weight.eq(1).all()
     """
-    if client is None and delivery in ("shm", "cuda_ipc"):
-        raise InvalidArgument(f"delivery {delivery!r} leaves a lease, which needs a Client that outlives the call: pass client=")
+    kind = Delivery.parse(delivery, tuple(Delivery), "auto, stream, shm, cuda_ipc or in_process")
+    if client is None and kind.leases:
+        raise InvalidArgument(f"delivery {kind.value!r} leaves a lease, which needs a Client that outlives the call: pass client=")
     with _state_dict_as_parameters(module), or_in_process(client) as c:
-        return _materialize_module(module, c, device, delivery, plan, seed, policy, overrides, ttl_seconds, auto_renew)
+        return _materialize_module(module, c, device, kind, plan, seed, policy, overrides, ttl_seconds, auto_renew)
 
 
 def _materialize_module(
     module: nn.Module,
     client: Client,
     device: str | torch.device,
-    delivery: str,
+    delivery: Delivery,
     plan: plan_pb2.Plan | None,
     seed: int,
     policy: str | Policy,
@@ -388,7 +383,7 @@ def _materialize_module(
         if id(t) in planned or id(t) in fills or not t.is_meta or id(t) in later:
             continue
         owner = owners.get(name)
-        if owner is not None and isinstance(owner[0], _NormBase) and owner[1] == "num_batches_tracked":
+        if owner is not None and isinstance(owner[0], NormBase) and owner[1] == "num_batches_tracked":
             fills[id(t)] = torch.zeros(t.shape, dtype=t.dtype, device=dev)  # PyTorch's reset_running_stats
         else:
             why = "not in the plan" if name in state else "a non-persistent buffer the module cannot recompute"
@@ -610,7 +605,7 @@ def _check_plan(plan: plan_pb2.Plan, state: Mapping[str, Any]) -> None:
         if not isinstance(t, torch.Tensor):
             problems.append(f"{p.name!r} is not a tensor of the module's state_dict")
             continue
-        if list(p.shape) != list(t.shape) or _TORCH_DTYPES.get(p.dtype) != t.dtype:
+        if list(p.shape) != list(t.shape) or TORCH_DTYPES.get(p.dtype) != t.dtype:
             problems.append(f"{p.name!r}: plan {plan_pb2.DType.Name(p.dtype)}{list(p.shape)} but module {t.dtype}{list(t.shape)}")
         if p.region:
             problems.append(f"{p.name!r}: a region (shard) cannot fill a whole module tensor")
