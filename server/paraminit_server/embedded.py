@@ -12,9 +12,11 @@ and the server's command line are imported only when asked for.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Generator, Iterable, Mapping
@@ -28,7 +30,7 @@ from paraminit.results import Failure, SpanTable
 from paraminit.violations import ValidationReport, listed
 from paraminit_server import errors
 from paraminit_server.backends import choice
-from paraminit_server.config import ServerConfig
+from paraminit_server.config import ServerConfig, add_arguments, from_args
 from paraminit_server.plane.caller import Caller
 from paraminit_server.plane.engine import HostSlab
 from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
@@ -105,6 +107,46 @@ def start_wait_seconds() -> float:
     """Seconds calls in this process have waited for in-process data planes to start (importing numba and loading
     the cached CPU kernels): a summary tells them apart from plan checks."""
     return _START_WAIT
+
+
+def start_seconds() -> float:
+    """Seconds this process has waited for its in-process data planes to start and has spent loading the cached
+    kernels its fills use (0 when no data plane runs here): what a command's summary calls start-up."""
+    cpu = sys.modules.get("paraminit_server.backends.cpu")  # only when a fill loaded it: numba is not imported here
+    return _START_WAIT + (float(cpu.load_seconds()) if cpu is not None else 0.0)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling CPU kernels and the plan scanner (0 when nothing compiled here)."""
+    cpu = sys.modules.get("paraminit_server.backends.cpu")
+    compiled = float(cpu.compile_seconds()) if cpu is not None else 0.0
+    return compiled + scanner.ready_seconds()[1]
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's flags (each with its PARAMINIT_* variable and default), for a command that runs one.
+
+    Args:
+        parser: the command's parser.
+    """
+    add_arguments(parser, version=False)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the gRPC server from parsed flags (add_server_arguments) until it is stopped.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        The server's exit code.
+
+    Raises:
+        ValueError: flags the server's configuration refuses (its message says which).
+    """
+    from paraminit_server.rpc.server import serve as run  # gRPC, only for a server
+
+    return run(from_args(args))
 
 
 class InProcess:

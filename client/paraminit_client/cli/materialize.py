@@ -219,14 +219,12 @@ def _summary(args: argparse.Namespace, header: Any, to_stdout: bool, seconds: fl
 def _start_seconds() -> float:
     """Seconds this process has waited for its in-process data plane to start (numba and the plan scanner) and
     to load the cached kernels its calls fill with (0 with a server)."""
-    embedded, cpu = sys.modules.get("paraminit_server.embedded"), sys.modules.get("paraminit_server.backends.cpu")
-    waited = float(embedded.start_wait_seconds()) if embedded is not None else 0.0
-    return waited + (float(cpu.load_seconds()) if cpu is not None else 0.0)
+    embedded = sys.modules.get("paraminit_server.embedded")  # imported only by an in-process client
+    return float(embedded.start_seconds()) if embedded is not None else 0.0
 
 
 def _compile_seconds() -> float:
     """Seconds this process has spent compiling CPU kernels and the plan scanner (an in-process server's; 0 when
     none runs here)."""
-    cpu, scanner = sys.modules.get("paraminit_server.backends.cpu"), sys.modules.get("paraminit_server.plans.scanner")
-    compiled = float(cpu.compile_seconds()) if cpu is not None else 0.0
-    return compiled + (float(scanner.ready_seconds()[1]) if scanner is not None else 0.0)
+    embedded = sys.modules.get("paraminit_server.embedded")
+    return float(embedded.compile_seconds()) if embedded is not None else 0.0

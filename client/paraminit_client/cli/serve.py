@@ -22,11 +22,11 @@ def add_parser(sub: Subcommands) -> None:
         "Run the paraminit gRPC server: the same flags, variables and exit codes as paraminit-server.",
     )
     try:
-        from paraminit_server.config import add_arguments  # optional: the client can be installed alone
+        from paraminit_server import embedded  # optional: the client can be installed alone
     except ImportError as exc:
         serve.set_defaults(func=run, server_missing=str(exc))
     else:
-        add_arguments(serve, version=False)
+        embedded.add_server_arguments(serve)
         serve.set_defaults(func=run, server_missing="")
 
 
@@ -45,15 +45,12 @@ def run(args: argparse.Namespace) -> int:
     if args.server_missing:
         print(f"paraminit: the server is not installed ({args.server_missing})", file=sys.stderr)
         return EXIT_ERROR
-    from paraminit_server.config import from_args
-    from paraminit_server.rpc.server import serve
+    from paraminit_server import embedded
 
     try:
-        config = from_args(args)
-    except ValueError as exc:
+        return embedded.serve(args)
+    except ValueError as exc:  # a flag the configuration refuses
         raise UsageError(" ".join(str(exc).split())) from None
-    try:
-        return serve(config)
     except Exception as exc:  # port in use, a backend that cannot run here, unreadable TLS files: one line
         print(f"paraminit serve: error: {' '.join(str(exc).split()) or type(exc).__name__}", file=sys.stderr, flush=True)
         return EXIT_ERROR
