@@ -41,7 +41,7 @@ import reference  # noqa: E402  (tests/reference.py)
 from _common import bench_param, best_of, cpu_model  # noqa: E402
 
 from paraminit import dtypes  # noqa: E402
-from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_param  # noqa: E402
+from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_unchecked  # noqa: E402
 
 COLS = 4096
 INITS = (
@@ -74,10 +74,10 @@ def make_param(init: str, dt: dtypes.DTypeInfo, rows: int, values: np.ndarray[An
         # plan, then give it the full shape and payload.
         p.shape[:] = [1, COLS]
         i.flat.values.extend(values[:COLS].tolist())
-        small = resolve_param(0, p)
+        small = resolve_unchecked(0, p)
         full = ((0, rows), (0, COLS))
         return dataclasses.replace(small, shape=(rows, COLS), region=full, values=values[: rows * COLS])
-    return resolve_param(0, p)
+    return resolve_unchecked(0, p)
 
 
 def check(p: ResolvedParam, out: np.ndarray[Any, Any]) -> None:

@@ -36,7 +36,7 @@ import reference  # noqa: E402  (tests/reference.py)
 
 from paraminit import dtypes  # noqa: E402
 from paraminit.v1 import plan_pb2  # noqa: E402
-from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_param  # noqa: E402
+from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_unchecked  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_param  # noqa: E402
@@ -84,7 +84,7 @@ def time_copy(cp: Any, nbytes: int, repeat: int) -> float:
 
 def make_param(init: str, dt: dtypes.DTypeInfo, rows: int, region: tuple[tuple[int, int], ...] = ()) -> ResolvedParam:
     name = {"xavier": "xavier_uniform_for_shape", "kaiming": "kaiming_uniform_for_shape"}.get(init, init)
-    return resolve_param(0, bench_param(name, dt.enum, rows, COLS, region))
+    return resolve_unchecked(0, bench_param(name, dt.enum, rows, COLS, region))
 
 
 def reference_window(p: ResolvedParam, l_begin: int, n: int) -> np.ndarray[Any, Any]:
@@ -155,7 +155,7 @@ def gpt_like_plan(total_bytes: int) -> list[ResolvedParam]:
                 i.normal.mean, i.normal.std, i.normal.seed = 0.0, 0.02, li
             else:
                 i.uniform.lo, i.uniform.hi, i.uniform.seed = -0.01, 0.01, li
-            out.append(resolve_param(len(out), p))
+            out.append(resolve_unchecked(len(out), p))
     return out
 
 

@@ -123,13 +123,13 @@ def test_computing_values_looks_at_the_requests_end_first() -> None:
     from paraminit_server import errors
     from paraminit_server.backends.cpu_kernels import sparse_zero_keys, standard_normal
     from paraminit_server.plans.payloads import ValueSources
-    from paraminit_server.plans.plan import resolve_param
+    from paraminit_server.plans.plan import resolve_unchecked
     from paraminit_server.plans.snapshot import RequestSnapshot
 
     p = sparse("s", [64, 8])
     over = [False]
     sources = RequestSnapshot(ValueSources(1 << 20, 60.0), "someone", None, standard_normal, sparse_zero_keys, lambda: over[0])
-    assert resolve_param(0, p, sources).values is not None
+    assert resolve_unchecked(0, p, sources).values is not None
     over[0] = True
     with pytest.raises(errors.Cancelled, match="before its sparse"):
-        resolve_param(0, p, sources)
+        resolve_unchecked(0, p, sources)

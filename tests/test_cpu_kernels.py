@@ -29,7 +29,7 @@ from paraminit_server.backends.cpu_kernels import counter_rng, half_rounding
 from paraminit_server.backends.cpu_kernels.driver import PIECE
 from paraminit_server.plans import sampler
 from paraminit_server.plans.columns import ParamTable
-from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_param
+from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_unchecked
 from support import poisoned
 
 INITS = (
@@ -79,7 +79,7 @@ def make_param(
         getattr(i, init).SetInParent()
     for a, b in region or []:
         p.region.add(start=a, stop=b)
-    return resolve_param(0, p)
+    return resolve_unchecked(0, p)
 
 
 def fill(p: ResolvedParam, l_begin: int = 0, n: int | None = None) -> np.ndarray[Any, Any]:
@@ -286,7 +286,7 @@ def test_truncated_normal_segment_boundaries(key: int, dt: dtypes.DTypeInfo) -> 
     takes the exact path), with bounds that reject about one element in three."""
     seed = unmix(key)
     assert sampler.key(seed) == key
-    p = resolve_param(
+    p = resolve_unchecked(
         0, plans.param("w", [40], {"truncatedNormal": {"mean": 0.5, "std": 2.0, "lo": -1.0, "hi": 2.5, "seed": str(seed)}}, dt.name)
     )
     assert same(fill(p), reference.materialize(p))
@@ -300,7 +300,7 @@ def test_truncated_normal_is_normal_inside(dt: dtypes.DTypeInfo) -> None:
     n, mean, std, lo, hi = 300_000, 0.25, 1.5, -1.25, 2.0  # [mean - sigma, mean + 1.17 sigma]: a third rejected
     normal = make_param("normal", dtypes.FLOAT64, [n], seed=99, lo=mean, hi=mean + std)
     v0 = fill(normal)
-    trunc = resolve_param(
+    trunc = resolve_unchecked(
         0, plans.param("t", [n], {"truncatedNormal": {"mean": mean, "std": std, "lo": lo, "hi": hi, "seed": 99}}, dt.name)
     )
     got = fill(trunc)

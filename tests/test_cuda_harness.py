@@ -37,7 +37,7 @@ from paraminit.v1 import plan_pb2
 from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu_kernels import cr_math, cr_tables
 from paraminit_server.plans import sampler
-from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_param
+from paraminit_server.plans.plan import Formula, ResolvedParam, resolve_unchecked
 from support import CASES, VECTORS, case_param, poisoned, resolved
 
 NVCC = os.environ.get("NVCC") or shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
@@ -482,7 +482,7 @@ def test_half_and_float_casts_match_reference(harness: Path) -> None:
 
 
 def test_vectors_through_the_packed_kernel_path(harness: Path, tmp_path: Path) -> None:
-    params = [resolve_param(i, case_param(c)) for i, c in enumerate(CASES)]
+    params = [resolve_unchecked(i, case_param(c)) for i, c in enumerate(CASES)]
     offsets, pos = [], 0
     for p in params:
         offsets.append(pos)
@@ -551,7 +551,7 @@ def random_param(rng: np.random.Generator, index: int, max_numel: int = 6000, ma
             a = int(rng.integers(0, d))
             b = int(rng.integers(a + 1, d + 1))
             p.region.add(start=a, stop=b)
-    return resolve_param(index, p)
+    return resolve_unchecked(index, p)
 
 
 def random_jobs(rng: np.random.Generator, params: list[ResolvedParam]) -> tuple[list[cb.Job], int]:
@@ -595,7 +595,7 @@ def test_random_windowed_plans_match_reference(harness: Path, tmp_path: Path) ->
     rng = np.random.default_rng(11)
     params = [random_param(rng, i) for i in range(60)]
     # large enough for several tiles, a partial last tile and multi-tile region runs
-    params.append(resolve_param(60, _big_region_param()))
+    params.append(resolve_unchecked(60, _big_region_param()))
     jobs, size = random_jobs(rng, params)
     # windows deep inside a 2^35-element parameter: 64-bit indices and 64-bit division
     for init in ("uniform", "normal"):
@@ -645,12 +645,12 @@ def huge_window(dtype: int, init: str) -> tuple[ResolvedParam, int, int]:
         p.init.uniform.lo, p.init.uniform.hi, p.init.uniform.seed = -3.0, 5.0, 12345
     p.region.add(start=1, stop=(1 << 21) - 1)
     p.region.add(start=3, stop=(1 << 14) - 5)
-    rp = resolve_param(0, p)
+    rp = resolve_unchecked(0, p)
     return rp, rp.numel - 3000, 3000
 
 
 def test_pack_rejects_bad_windows() -> None:
-    p = resolve_param(0, _big_region_param())
+    p = resolve_unchecked(0, _big_region_param())
     with pytest.raises(ValueError, match="outside"):
         cb.pack([cb.Job(p, 0, p.numel - 1, 2)])
     with pytest.raises(ValueError, match="multiple of its item size"):
@@ -735,7 +735,7 @@ def test_a_column_shard_of_data_uploads_only_its_own_values(harness: Path, tmp_p
     from paraminit_client import param
 
     values = np.arange(64 * 48, dtype=np.float64) * 0.25 - 300.0
-    p = resolve_param(0, param("w", [64, 48], {"flat": {"values": values.tolist()}}, "float32", region=[(0, 64), (12, 24)]))
+    p = resolve_unchecked(0, param("w", [64, 48], {"flat": {"values": values.tolist()}}, "float32", region=[(0, 64), (12, 24)]))
     packed = cb.pack([cb.Job(p, 0)])
     assert packed.values.size == p.numel == 64 * 12  # not the 63 * 48 + 12 between the shard's ends
     window = cb.pack([cb.Job(p, 0, 100, 300)])
@@ -763,12 +763,12 @@ def test_flat_values_go_to_the_device_a_window_at_a_time(
     rng = np.random.default_rng(3)
     payload = rng.standard_normal(60 * 48).astype(ml_dtypes.bfloat16)  # kept in its own dtype, as an upload is
     params = [
-        resolve_param(0, param("big", [5000], {"flat": {"values": rng.standard_normal(5000).tolist()}}, "float32")),
-        resolve_param(1, param("norm", [3000], {"normal": {"std": 1.0, "seed": 5}}, "bfloat16")),
-        resolve_param(2, param("small", [700], {"flat": {"values": rng.standard_normal(700).tolist()}}, "float16")),
-        resolve_param(3, param("empty", [0], {"flat": {}}, "float32")),
+        resolve_unchecked(0, param("big", [5000], {"flat": {"values": rng.standard_normal(5000).tolist()}}, "float32")),
+        resolve_unchecked(1, param("norm", [3000], {"normal": {"std": 1.0, "seed": 5}}, "bfloat16")),
+        resolve_unchecked(2, param("small", [700], {"flat": {"values": rng.standard_normal(700).tolist()}}, "float16")),
+        resolve_unchecked(3, param("empty", [0], {"flat": {}}, "float32")),
     ]
-    shard = resolve_param(4, param("shard", [60, 48], {"zeros": {}}, "float8_e4m3fn", region=[(0, 60), (10, 30)]))
+    shard = resolve_unchecked(4, param("shard", [60, 48], {"zeros": {}}, "float8_e4m3fn", region=[(0, 60), (10, 30)]))
     params.append(dataclasses.replace(shard, formula=Formula.FLAT, initializer="flat", values=payload))
     offsets, pos = [], 0
     for p in params:

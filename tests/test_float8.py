@@ -19,7 +19,7 @@ from paraminit import dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, inspect, param, plan_of
 from paraminit_server.plans import columns
-from paraminit_server.plans.plan import resolve_param
+from paraminit_server.plans.plan import resolve_unchecked
 from paraminit_server.rpc.server import Running
 from support import CASES, case_param, poisoned, running_server, target_of
 
@@ -68,7 +68,7 @@ def test_one_rounding_where_pytorch_rounds_twice() -> None:
     """1.0625 + 2^-40 lies just above a tie of float8_e4m3fn: one rounding gives 1.125; through float32 the
     2^-40 is lost and the tie goes to even, 1.0."""
     v = 1.0625 + 2.0**-40
-    p = resolve_param(0, param("t", [1], {"flat": {"values": [v]}}, E4M3))
+    p = resolve_unchecked(0, param("t", [1], {"flat": {"values": [v]}}, E4M3))
     assert reference.materialize(p).tobytes() == bytes([0x39])
     assert np.asarray([v], np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)[0] == 0x38  # rounded twice
     with Client() as c:
@@ -83,13 +83,13 @@ def test_regions_and_windows_are_slices_of_the_whole(cpu_backend: Any) -> None:
             {"truncatedNormal": {"std": 1, "lo": -2, "hi": 2, "seed": 6}},
             {"kaimingUniformForShape": {}},
         ):
-            whole = resolve_param(0, param("w", [40, 70], init, dtype))
+            whole = resolve_unchecked(0, param("w", [40, 70], init, dtype))
             full = poisoned(whole.numel, whole.dtype.storage)
             cpu_backend.fill(whole, full)
             assert (full == reference.materialize(whole).reshape(-1)).all(), (dtype, init)
             assert np.unique(full).size > 8, (dtype, init)  # not a constant
             grid = full.reshape(40, 70)
-            part = resolve_param(0, param("w", [40, 70], init, dtype, region=[(3, 37), (10, 69)]))
+            part = resolve_unchecked(0, param("w", [40, 70], init, dtype, region=[(3, 37), (10, 69)]))
             out = poisoned(part.numel, part.dtype.storage)
             cpu_backend.fill(part, out)
             assert out.tobytes() == np.ascontiguousarray(grid[3:37, 10:69]).tobytes(), (dtype, init)

@@ -18,7 +18,7 @@ from paraminit import cuda, dtypes
 from paraminit.v1 import plan_pb2
 from paraminit_server import errors
 from paraminit_server.plans.columns import ParamTable
-from paraminit_server.plans.plan import ResolvedParam, resolve_param
+from paraminit_server.plans.plan import ResolvedParam, resolve_unchecked
 from support import CASES, case_param
 
 pytestmark = pytest.mark.gpu
@@ -129,7 +129,7 @@ def test_export_buffer_is_a_whole_rounded_allocation_exportable_by_ipc(gpu: Cupy
 
 def test_vectors(gpu: CupyBackend) -> None:
     for case in CASES:
-        p = resolve_param(0, case_param(case))
+        p = resolve_unchecked(0, case_param(case))
         got = gpu_fill_window(gpu, p, 0, p.numel)
         want = np.asarray([int(b, 16) for b in case["bits"]], dtype=f"u{p.dtype.itemsize}").view(p.dtype.storage)
         compare(p, got, want, case["name"])
@@ -165,7 +165,7 @@ def big_param(index: int, init: str, dtype: int, shape: list[int], region: list[
     for d, dim in enumerate(shape):
         a, b = region[d] if d < len(region) else (0, dim)
         p.region.add(start=a, stop=b)
-    return resolve_param(index, p)
+    return resolve_unchecked(index, p)
 
 
 def test_fill_plan_matches_cpu(gpu: CupyBackend, cpu_backend: Any) -> None:
@@ -195,7 +195,7 @@ def test_fill_plan_matches_cpu(gpu: CupyBackend, cpu_backend: Any) -> None:
 
 
 def test_fill_plan_module_helper_and_empty_plan(gpu: CupyBackend, cpu_backend: Any) -> None:
-    p = resolve_param(0, case_param(CASES[0]))
+    p = resolve_unchecked(0, case_param(CASES[0]))
     arena = gpu_poisoned(64)
     fill_plan(ParamTable.of([]), arena, [])
     assert (gpu.to_host(arena) == 0xFF).all()
@@ -213,7 +213,7 @@ def test_normal_large_sample(gpu: CupyBackend, cpu_backend: Any, dtype: dtypes.D
     for mean, std, seed in ((0.0, 1.0, 2024), (0.1, 0.02, 7)):
         p = plan_pb2.Param(name="w", shape=[n], dtype=dtype.enum)  # type: ignore[arg-type]
         p.init.normal.mean, p.init.normal.std, p.init.normal.seed = mean, std, seed
-        rp = resolve_param(0, p)
+        rp = resolve_unchecked(0, p)
         out = cp.empty(n, dtype=dtype.storage)
         out.view(cp.uint8).fill(0xFF)
         gpu.fill(rp, out)

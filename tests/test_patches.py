@@ -23,6 +23,14 @@ Box = list[tuple[int, int]]
 Part = tuple[list[int], int]  # Patch.part: (shape, start)
 
 
+
+def _base(p: plan_pb2.Param) -> Any:
+    """A parameter resolved without its patches: the base values they patch."""
+    q = plan_pb2.Param()
+    q.CopyFrom(p)
+    del q.patches[:]
+    return planlib.resolve_unchecked(0, q)
+
 def param(
     name: str,
     shape: list[int],
@@ -138,7 +146,7 @@ def patched_plan() -> plan_pb2.Plan:
 
 def expected(p: plan_pb2.Param) -> np.ndarray[Any, Any]:
     """The oracle: base values, then each patch over the elements of its box (by global coordinates)."""
-    base = planlib._resolve_base(0, p)
+    base = _base(p)
     g = reference.global_indices(base)
     values = reference.values_f64(base, g)
     coords = np.unravel_index(g, base.shape)
@@ -149,11 +157,11 @@ def expected(p: plan_pb2.Param) -> np.ndarray[Any, Any]:
         if q.HasField("part"):  # element k of the box (row-major over the box) is element start + k of the part
             in_box = tuple(c[inside] - r.start for c, r in zip(coords, q.box, strict=True))
             k = np.ravel_multi_index(in_box, tuple(r.stop - r.start for r in q.box)) + q.part.start
-            part = planlib._resolve_base(0, plan_pb2.Param(name=p.name, shape=q.part.shape, dtype=p.dtype, init=q.init))
+            part = _base(plan_pb2.Param(name=p.name, shape=q.part.shape, dtype=p.dtype, init=q.init))
             values[inside] = reference.values_f64(part, k.astype(np.int64))
             continue
         own = plan_pb2.Param(name=p.name, shape=p.shape, dtype=p.dtype, init=q.init, region=p.region)
-        values[inside] = reference.values_f64(planlib._resolve_base(0, own), g)[inside]
+        values[inside] = reference.values_f64(_base(own), g)[inside]
     return reference.cast(values, base.dtype).reshape(base.out_shape)
 
 

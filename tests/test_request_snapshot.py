@@ -144,7 +144,7 @@ def test_resolution_without_its_payload_is_not_found_not_an_assertion() -> None:
     sources = RequestSnapshot(ValueSources(1 << 20, 60.0), "someone")
     p = param("w", [4], {"flatRef": {"payloadId": "cd" * 16}})
     with pytest.raises(errors.NotFound, match="no payload"):
-        planlib.resolve_param(0, p, sources)
+        planlib.resolve_unchecked(0, p, sources)
 
 
 def test_snapshot_keeps_one_answer_per_payload() -> None:

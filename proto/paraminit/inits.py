@@ -935,6 +935,7 @@ class Reading:
     form: ValueForm | None = None
     kernel: Kernel | None = None  # a distribution's kernel arguments (None for data)
     range_problem: Problem | None = None  # the 8-bit range rule's verdict where the plan bounds the values
+    work: int = 0  # an orthogonal matrix's factorization steps (orthogonal_work) within the cap, for the plan's sum
 
 
 def read(init: plan_pb2.Init | None, shape: Sequence[int], dt: dtypes.DTypeInfo | None = None, patch: bool = False) -> Reading:
@@ -954,12 +955,16 @@ def read(init: plan_pb2.Init | None, shape: Sequence[int], dt: dtypes.DTypeInfo 
     kind = None if init is None else kind_of(init)
     if init is None or kind is None:
         return Reading(kind, [("init", _NOT_SET)])
+    work = 0
+    if kind.field == "orthogonal" and len(shape) >= 2 and not patch:  # counted even when its message is wrong
+        work = orthogonal_work(shape)
+        work = work if work <= ORTHOGONAL_MAX_WORK else 0  # one over the cap is its parameter's own problem
     problems = _problems(kind, init, shape, patch)
     if problems:
-        return Reading(kind, problems)
+        return Reading(kind, problems, work=work)
     form = kind.form(getattr(init, kind.field), shape)
     verdict = None if dt is None else range_problem(dt, form, kind.field)
-    return Reading(kind, problems, form, form.own_kernel(), verdict)
+    return Reading(kind, problems, form, form.own_kernel(), verdict, work)
 
 
 def value_form(init: plan_pb2.Init, shape: Sequence[int]) -> ValueForm:

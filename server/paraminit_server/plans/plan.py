@@ -182,20 +182,43 @@ class Patch:
 Readings = tuple[inits.Reading | None, ...]
 
 
-def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None, readings: Readings = ()) -> ResolvedParam:
-    """Resolve one parameter; the caller guarantees the plan validated (with the same sources).
+def resolve_unchecked(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None) -> ResolvedParam:
+    """Resolve one parameter as the plan states it, without the plan's checks (the warm-up, tools, kernel tests, which
+    also feed kernels values the checks would refuse): its initializers' forms are taken as stated.
+
+    Args:
+        index: its index in the plan.
+        p: the parameter (a valid one: nothing here reports what is wrong with it).
+        sources: the request's snapshot (payloads, checkpoints), for data.
+
+    Returns:
+        The resolved parameter.
+    """
+    shape = [int(d) for d in p.shape]
+    patches = (_stated(q.init, [int(d) for d in (q.part.shape if q.HasField("part") else shape)]) for q in p.patches)
+    return resolve_param(index, p, sources, (_stated(p.init, shape), *patches))
+
+
+def _stated(init: plan_pb2.Init, shape: Sequence[int]) -> inits.Reading:
+    """An initializer's reading as the plan states it, unchecked."""
+    form = inits.value_form(init, shape)
+    return inits.Reading(inits.kind_of(init), [], form, form.own_kernel())
+
+
+def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None, readings: Readings) -> ResolvedParam:
+    """Resolve one parameter from what the check's sweep read of it; the caller guarantees the plan validated (with
+    the same sources).
 
     Args:
         index: its index in the plan.
         p: the parameter.
         sources: the request's snapshot (payloads, checkpoints).
-        readings: what the check's sweep read of its initializers (the parameter's, then each patch's), so that
-            resolution does not read them again; an initializer without one is read here.
+        readings: the readings of its initializers (inits.read: the parameter's, then each patch's).
 
     Returns:
         The resolved parameter.
     """
-    rp = _resolve_base(index, p, sources, readings[0] if readings else None)
+    rp = _resolve_base(index, p, sources, readings[0])
     if not p.patches:
         return rp
     patches = []
@@ -213,8 +236,7 @@ def resolve_param(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None
             values = starts
             base = plan_pb2.Param(name=p.name, shape=p.shape, dtype=p.dtype, init=q.init, region=p.region)
         if run_len:  # a box outside this region changes nothing here
-            reading = readings[1 + j] if len(readings) > 1 + j else None
-            patches.append(Patch(box, _resolve_base(index, base, sources, reading), starts, run_len, values))
+            patches.append(Patch(box, _resolve_base(index, base, sources, readings[1 + j]), starts, run_len, values))
     return replace(rp, patches=tuple(patches))
 
 
@@ -229,17 +251,12 @@ def _runs_at_most(region: regions.Box, box: tuple[tuple[int, int], ...]) -> int:
     return count
 
 
-def _resolve_base(
-    index: int, p: plan_pb2.Param, sources: RequestSnapshot | None = None, reading: inits.Reading | None = None
-) -> ResolvedParam:
+def _resolve_base(index: int, p: plan_pb2.Param, sources: RequestSnapshot | None, reading: inits.Reading | None) -> ResolvedParam:
     shape = tuple(int(d) for d in p.shape)
     region = regions.box_of(p) if p.region else None  # None: the whole tensor (its region and runs are shared)
     dt = dtypes.by_enum(p.dtype)
-    if reading is None:  # resolved on its own (tools, kernel tests): the form as the plan states it, unchecked
-        stated = inits.value_form(p.init, shape)
-        reading = inits.Reading(inits.kind_of(p.init), [], stated, stated.own_kernel())
+    assert reading is not None and dt is not None and reading.kind is not None and reading.form is not None, "a validated plan"
     kind, form = reading.kind, reading.form
-    assert dt is not None and kind is not None and form is not None, "resolve_param needs a validated plan"
     if reading.kernel is not None:  # a distribution: its kernel arguments were read with it
         return _resolve_kernel(index, p.name, shape, region, dt, kind.field, reading.kernel)
     return form.accept(_Resolver(index, p.name, shape, region, dt, kind.field, sources))
@@ -374,5 +391,5 @@ def warm_up_params() -> list[ResolvedParam]:
                 p.init.truncated_normal.std, p.init.truncated_normal.lo, p.init.truncated_normal.hi = 1.0, -2.0, 2.0
             if init == "flat":
                 p.init.flat.values.extend([0.0] * 6)
-            params.append(resolve_param(len(params), p))
+            params.append(resolve_unchecked(len(params), p))
     return params

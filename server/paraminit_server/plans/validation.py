@@ -154,15 +154,53 @@ def check(plan: plan_pb2.Plan, limits: Limits | None = None, sources: RequestSna
         The report (every violation, each parameter's materialized bytes), the digest and the table (None when
         not resolved or not valid).
     """
-    return _Sweep(plan, limits or Limits(), sources, resolve).run()
+    limits = limits or Limits()
+    cols = columns.of(plan)
+    sweep = _Sweep(limits, sources, resolve)
+    out = sweep.out
+    sizes = _rows(plan, cols, sweep)
+    total = sum(sizes)
+    if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
+        out.add(
+            Violation(
+                -1,
+                "",
+                "params",
+                f"plan needs {total} bytes ({format_size(total)}), over the "
+                f"per-plan limit of {limits.max_plan_bytes} ({format_size(limits.max_plan_bytes)}; "
+                "--max-plan-bytes, PARAMINIT_MAX_PLAN_BYTES)",
+                LIMIT,
+            ),
+            plan_wide=True,
+        )
+    if sweep.work > inits.ORTHOGONAL_MAX_WORK:
+        out.add(
+            Violation(
+                -1,
+                "",
+                "params",
+                f"the plan's orthogonal matrices need {sweep.work} steps of factorization (rows * cols * min(rows, cols), "
+                f"summed), over the per-plan limit of 4096^3 ({inits.ORTHOGONAL_MAX_WORK})",
+                LIMIT,
+            ),
+            plan_wide=True,
+        )
+    report = Report(tuple(out.kept), tuple(sizes), out.omitted, frozenset(out.categories))
+    h = hashlib.sha256(scanner.canonical(plan, cols.scan))
+    if sweep.contents:
+        h.update("\n".join(["", *sweep.contents]).encode())
+    if not (sweep.resolving and report.ok):
+        return Checked(report, h.hexdigest())
+    for i, p, readings in sweep.later:
+        sweep.special[i] = resolve_param(i, p, sources, readings)
+    return Checked(report, h.hexdigest(), columns.ParamTable(cols, sweep.special))
 
 
 class _Sweep:
-    """One pass over a plan's rows, in plan order (so a repeated name is reported where it repeats)."""
+    """What one sweep has found so far, row by row in plan order (so a repeated name is reported where it repeats)."""
 
-    def __init__(self, plan: plan_pb2.Plan, limits: Limits, sources: RequestSnapshot | None, resolve: bool) -> None:
-        self.plan, self.limits, self.sources = plan, limits, sources
-        self.cols = columns.of(plan)
+    def __init__(self, limits: Limits, sources: RequestSnapshot | None, resolve: bool) -> None:
+        self.limits, self.sources = limits, sources
         self.out = Found()
         self.first_seen: dict[str, int] = {}
         self.resolving = resolve
@@ -171,155 +209,114 @@ class _Sweep:
         self.contents: list[str] = []  # what references name, for the digest
         self.work = 0  # orthogonal factorization steps, summed
 
-    def run(self) -> Checked:
-        out, limits = self.out, self.limits
-        sizes = self._rows()
-        total = sum(sizes)
-        if limits.max_plan_bytes is not None and total > limits.max_plan_bytes:
-            out.add(
-                Violation(
-                    -1,
-                    "",
-                    "params",
-                    f"plan needs {total} bytes ({format_size(total)}), over the "
-                    f"per-plan limit of {limits.max_plan_bytes} ({format_size(limits.max_plan_bytes)}; "
-                    "--max-plan-bytes, PARAMINIT_MAX_PLAN_BYTES)",
-                    LIMIT,
-                ),
-                plan_wide=True,
-            )
-        if self.work > inits.ORTHOGONAL_MAX_WORK:
-            out.add(
-                Violation(
-                    -1,
-                    "",
-                    "params",
-                    f"the plan's orthogonal matrices need {self.work} steps of factorization (rows * cols * min(rows, cols), "
-                    f"summed), over the per-plan limit of 4096^3 ({inits.ORTHOGONAL_MAX_WORK})",
-                    LIMIT,
-                ),
-                plan_wide=True,
-            )
-        report = Report(tuple(out.kept), tuple(sizes), out.omitted, frozenset(out.categories))
-        h = hashlib.sha256(scanner.canonical(self.plan, self.cols.scan))
-        if self.contents:
-            h.update("\n".join(["", *self.contents]).encode())
-        if not (self.resolving and report.ok):
-            return Checked(report, h.hexdigest())
-        for i, p, readings in self.later:
-            self.special[i] = resolve_param(i, p, self.sources, readings)
-        return Checked(report, h.hexdigest(), columns.ParamTable(self.cols, self.special))
 
-    def _rows(self) -> list[int]:
-        """Every row's checks: a row its columns vouch for (plain, with a good name and size) only records its name;
-        every other row, and a repeated name, takes the full checks of _row. Returns each row's bytes."""
-        cols, params = self.cols, self.plan.params
-        names = cols.names
-        free = np.ones(len(names), dtype=bool)
-        for reserved in RESERVED_NAMES.intersection(names):
-            free[[i for i, n in enumerate(names) if n == reserved]] = False
-        vouched = cols.plain & _fits(cols.nbytes, self.limits.max_param_bytes)
-        facts = SimpleNamespace(text=names, size=cols.name_bytes, free=free)  # the names' facts as columns
-        for rule in NAME_RULES:
-            vouched &= rule.holds(facts)
-        sizes: list[int] = cols.nbytes.tolist()
-        if bool(vouched.all()) and len(set(names)) == len(names):  # nothing to check one by one
-            return sizes
-        first_seen = self.first_seen
-        for i, ok in enumerate(vouched.tolist()):
-            name = names[i]
-            if ok and name not in first_seen:
-                first_seen[name] = i
-            else:
-                sizes[i] = self._row(i, params[i])
+def _rows(plan: plan_pb2.Plan, cols: columns.Columns, sweep: _Sweep) -> list[int]:
+    """Every row's checks: a row its columns vouch for (plain, with a good name and size) only records its name;
+    every other row, and a repeated name, takes the full checks of _row. Returns each row's bytes."""
+    params = plan.params
+    names = cols.names
+    free = np.ones(len(names), dtype=bool)
+    for reserved in RESERVED_NAMES.intersection(names):
+        free[[i for i, n in enumerate(names) if n == reserved]] = False
+    vouched = cols.plain & _fits(cols.nbytes, sweep.limits.max_param_bytes)
+    facts = SimpleNamespace(text=names, size=cols.name_bytes, free=free)  # the names' facts as columns
+    for rule in NAME_RULES:
+        vouched &= rule.holds(facts)
+    sizes: list[int] = cols.nbytes.tolist()
+    if bool(vouched.all()) and len(set(names)) == len(names):  # nothing to check one by one
         return sizes
-
-    def _row(self, i: int, p: plan_pb2.Param) -> int:
-        """Every check of one parameter, read once: its violations go to the sweep's findings, the content its
-        references name to the digest, and, while nothing was found, its resolution. Returns its materialized
-        bytes."""
-        out, limits = self.out, self.limits
-
-        def bad(field: str, message: str, category: str = INVALID) -> None:
-            if out.full:  # counted only: no message is kept beyond what an answer lists
-                out.tally(category)
-            else:
-                out.add(Violation(i, _shown_name(p.name), f"params[{i}].{camel_path(field)}", message, category))
-
-        facts = SimpleNamespace(text=p.name, size=len(p.name.encode()), free=p.name not in RESERVED_NAMES)
-        broken = next((rule for rule in NAME_RULES if not rule.holds(facts)), None)
-        if broken is not None:
-            bad("name", broken.message(facts))
-        elif p.name in self.first_seen:
-            bad("name", f"duplicate parameter name {_echo(p.name)} (first at params[{self.first_seen[p.name]}])")
+    first_seen = sweep.first_seen
+    for i, ok in enumerate(vouched.tolist()):
+        name = names[i]
+        if ok and name not in first_seen:
+            first_seen[name] = i
         else:
-            self.first_seen[p.name] = i
-        shape = [int(d) for d in p.shape]
-        numel, problems = _size_problems(shape, "the full tensor")
-        for message in problems:
-            bad("shape", message)
-        sane = not problems
-        if numel == 0 and numel_at_most([d for d in shape if d], _EMPTY_SPAN) > _EMPTY_SPAN:
-            sane = False  # empty, but no array library can hold the shape (nor its fans)
+            sizes[i] = _row(i, params[i], sweep)
+    return sizes
+
+
+def _row(i: int, p: plan_pb2.Param, sweep: _Sweep) -> int:
+    """Every check of one parameter, read once: its violations go to the sweep's findings, the content its
+    references name to the digest, and, while nothing was found, its resolution. Returns its materialized bytes."""
+    out, limits = sweep.out, sweep.limits
+
+    def bad(field: str, message: str, category: str = INVALID) -> None:
+        if out.full:  # counted only: no message is kept beyond what an answer lists
+            out.tally(category)
+        else:
+            out.add(Violation(i, _shown_name(p.name), f"params[{i}].{camel_path(field)}", message, category))
+
+    facts = SimpleNamespace(text=p.name, size=len(p.name.encode()), free=p.name not in RESERVED_NAMES)
+    broken = next((rule for rule in NAME_RULES if not rule.holds(facts)), None)
+    if broken is not None:
+        bad("name", broken.message(facts))
+    elif p.name in sweep.first_seen:
+        bad("name", f"duplicate parameter name {_echo(p.name)} (first at params[{sweep.first_seen[p.name]}])")
+    else:
+        sweep.first_seen[p.name] = i
+    shape = [int(d) for d in p.shape]
+    numel, problems = _size_problems(shape, "the full tensor")
+    for message in problems:
+        bad("shape", message)
+    sane = not problems
+    if numel == 0 and numel_at_most([d for d in shape if d], _EMPTY_SPAN) > _EMPTY_SPAN:
+        sane = False  # empty, but no array library can hold the shape (nor its fans)
+        bad(
+            "shape",
+            f"the dimensions of {_shape_echo(shape)} other than 0 multiply to 2^60 or more; an empty "
+            "tensor's shape must still fit in 2^63 bytes as if it were not empty",
+        )
+    dt = dtypes.by_enum(p.dtype)
+    if dt is None:
+        bad("dtype", f"unknown dtype enum value {p.dtype}")
+    region_numel = (_check_region(shape, p, bad) if p.region else numel) if sane else None
+    read = _check_init(shape, p, dt, bad, sweep.sources if sane else None)
+    patched = _check_patches(shape, p, dt, bad) if p.patches and sane else []
+    sweep.work += read.work
+    readings: Readings = (read, *patched)
+    if sweep.sources is not None:
+        _name_contents(i, p, readings, sweep)
+    size = 0
+    if dt is not None and region_numel is not None:
+        size = region_numel * dt.itemsize
+        if size > MAX_BYTES:
+            bad("shape", f"size overflows: {region_numel} elements of {dt.name} exceed 2^63 bytes")
+            size = 0
+        elif limits.max_param_bytes is not None and not _fits(size, limits.max_param_bytes):
             bad(
                 "shape",
-                f"the dimensions of {_shape_echo(shape)} other than 0 multiply to 2^60 or more; an empty "
-                "tensor's shape must still fit in 2^63 bytes as if it were not empty",
+                f"parameter needs {size} bytes ({format_size(size)}), over the per-parameter limit "
+                f"of {limits.max_param_bytes} ({format_size(limits.max_param_bytes)}; "
+                "--max-param-bytes, PARAMINIT_MAX_PARAM_BYTES)",
+                LIMIT,
             )
-        dt = dtypes.by_enum(p.dtype)
-        if dt is None:
-            bad("dtype", f"unknown dtype enum value {p.dtype}")
-        region_numel = (_check_region(shape, p, bad) if p.region else numel) if sane else None
-        read = _check_init(shape, p, dt, bad, self.sources if sane else None)
-        patched = _check_patches(shape, p, dt, bad) if p.patches and sane else []
-        if read.kind is not None and read.kind.field == "orthogonal" and len(shape) >= 2:
-            one = inits.orthogonal_work(shape)
-            if one <= inits.ORTHOGONAL_MAX_WORK:  # one over the cap is this parameter's violation
-                self.work += one
-        if self.sources is not None:
-            self._name_contents(i, p, shape, (read, *patched))
-        size = 0
-        if dt is not None and region_numel is not None:
-            size = region_numel * dt.itemsize
-            if size > MAX_BYTES:
-                bad("shape", f"size overflows: {region_numel} elements of {dt.name} exceed 2^63 bytes")
-                size = 0
-            elif limits.max_param_bytes is not None and not _fits(size, limits.max_param_bytes):
-                bad(
-                    "shape",
-                    f"parameter needs {size} bytes ({format_size(size)}), over the per-parameter limit "
-                    f"of {limits.max_param_bytes} ({format_size(limits.max_param_bytes)}; "
-                    "--max-param-bytes, PARAMINIT_MAX_PARAM_BYTES)",
-                    LIMIT,
-                )
-        if self.resolving:
-            self._resolve(i, p, (read, *patched))
-        return size
+    if sweep.resolving:
+        _resolve(i, p, readings, sweep)
+    return size
 
-    def _resolve(self, i: int, p: plan_pb2.Param, readings: Readings) -> None:
-        """Resolve a checked row while the plan is clean: a distribution at once (its kernel arguments were read
-        with it), data and patches after the sweep; the first violation drops what was resolved."""
-        if self.out.kept or self.out.omitted:
-            self.resolving = False
-            self.special, self.later = {}, []
-        elif p.patches or readings[0] is None or readings[0].kernel is None:
-            self.later.append((i, p, readings))
-        else:
-            self.special[i] = resolve_param(i, p, self.sources, readings)
 
-    def _name_contents(self, i: int, p: plan_pb2.Param, shape: list[int], readings: Readings) -> None:
-        """The content each of the row's references uses (a payload's hash, a checkpoint region's), for the digest:
-        the same digest then always names the same bytes, also after a checkpoint is rewritten in place."""
-        assert self.sources is not None
-        for j, init in enumerate((p.init, *(q.init for q in p.patches))):
-            reading = readings[j] if j < len(readings) else None
-            kind = reading.kind if reading is not None else inits.kind_of(init)
-            if kind is None or not kind.data:
-                continue
-            form = reading.form if reading is not None and reading.form is not None else kind.form(getattr(init, kind.field), shape)
-            used = form.accept(_Content(self.sources, regions.box_of(p)))
+def _resolve(i: int, p: plan_pb2.Param, readings: Readings, sweep: _Sweep) -> None:
+    """Resolve a checked row while the plan is clean: a distribution at once (its kernel arguments were read with
+    it), data and patches after the sweep; the first violation drops what was resolved."""
+    if sweep.out.kept or sweep.out.omitted:
+        sweep.resolving = False
+        sweep.special, sweep.later = {}, []
+    elif p.patches or readings[0] is None or readings[0].kernel is None:
+        sweep.later.append((i, p, readings))
+    else:
+        sweep.special[i] = resolve_param(i, p, sweep.sources, readings)
+
+
+def _name_contents(i: int, p: plan_pb2.Param, readings: Readings, sweep: _Sweep) -> None:
+    """The content each of the row's references uses (a payload's hash, a checkpoint region's), for the digest: the
+    same digest then always names the same bytes, also after a checkpoint is rewritten in place. Only data read
+    without a problem names content (a reference that could not be read is the plan's violation)."""
+    assert sweep.sources is not None
+    for reading in readings:
+        if reading is not None and reading.form is not None and reading.kind is not None and reading.kind.data:
+            used = reading.form.accept(_Content(sweep.sources, p))
             if used is not None:
-                self.contents.append(f"{i}:{used}")
+                sweep.contents.append(f"{i}:{used}")
 
 
 @dataclass(frozen=True)
@@ -328,7 +325,7 @@ class _Content:
     region's hash, or None where the plan itself says what the values are."""
 
     sources: RequestSnapshot
-    region: regions.Box
+    param: plan_pb2.Param  # its region is the part of a checkpoint tensor the content covers
 
     def distribution(self, form: inits.Distribution) -> str | None:
         return None
@@ -348,7 +345,7 @@ class _Content:
 
     def checkpoint(self, form: inits.Checkpoint) -> str | None:
         try:
-            used = self.sources.content_hash(form.path, form.tensor, self.region)
+            used = self.sources.content_hash(form.path, form.tensor, regions.box_of(self.param))
         except errors.InvalidRequest:  # the check reports why; the digest marks it unreadable
             used = "-"
         return f"safetensors:{used}"
