@@ -23,13 +23,13 @@ Box = list[tuple[int, int]]
 Part = tuple[list[int], int]  # Patch.part: (shape, start)
 
 
-
 def _base(p: plan_pb2.Param) -> Any:
     """A parameter resolved without its patches: the base values they patch."""
     q = plan_pb2.Param()
     q.CopyFrom(p)
     del q.patches[:]
     return planlib.resolve_unchecked(0, q)
+
 
 def param(
     name: str,
