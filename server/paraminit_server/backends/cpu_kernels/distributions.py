@@ -18,7 +18,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, LOW32, U1, U2, draw_seg, low_draw, mix, seg_consts, seg_room
+from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, LOW32, U1, U2, draw_bits, draw_seg, low_draw, mix, seg_consts, seg_room
 from paraminit_server.backends.cpu_kernels.cr_math import (
     cos_dd,
     cos_input,
@@ -31,6 +31,7 @@ from paraminit_server.backends.cpu_kernels.cr_math import (
     sqrt,
 )
 from paraminit_server.backends.cpu_kernels.cr_tables import Z_PLAIN_STEPS
+from paraminit_server.backends.cpu_kernels.f32_math import ceil32, normal32, normal32_params, word32, word32_consts
 from paraminit_server.backends.cpu_kernels.half_rounding import (
     BF16,
     F8E4M3,
@@ -216,9 +217,173 @@ _NBLOCK = 512  # elements per fast pass; a block with an undecided element is re
 
 
 @jit
+def draws_into(k1: Any, k2: Any, xl: Any, c: Any, c1: Any, hi: Any) -> None:
+    """The two draws of each element of a block (words xl + 2j and xl + 2j + 1 of a segment) as uint32: the 64-bit
+    pass of the narrow outputs' normal, apart from the binary32 pass, so that each loop vectorizes at its own width."""
+    wide_vectors()
+    for j in range(k1.shape[0]):
+        w = xl + U2 * np.uint64(j)
+        k1[j] = np.uint32(draw_bits(w, c, c1, hi))
+        k2[j] = np.uint32(draw_bits(w + U1, c, c1, hi))
+
+
+@inline
+def normal32_body(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, ap0: Any, flags: Any, w: Any) -> Any:
+    """Normal elements of a block of a narrow output from their draws, in binary32 (f32_math.normal32): the word
+    where both ends of the interval round to it, and a flag (1) where they do not; returns how many are flagged.
+    w: the format's word32_consts, a constant once inlined into its kernel (normal32_f16, ...)."""
+    n = out.shape[0]
+    for j in range(n):
+        lo, hi, tiny = normal32(k1[j], k2[j], big0, big1, ap0)
+        wl = word32(lo, w)
+        out[j] = wl
+        flags[j] = (wl != word32(hi, w)) | tiny
+    bad = 0
+    for j in range(n):  # counted apart: a 64-bit sum in the loop above halves its vector width
+        bad += flags[j]
+    return bad
+
+
+def _normal32_for(h: Any, fmt: str) -> Any:
+    """normal32_body for one narrow format as a kernel of its own (named per format, as _first_for)."""
+    w = word32_consts(h)
+
+    def normal32_fmt(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, ap0: Any, flags: Any) -> Any:
+        wide_vectors()
+        return normal32_body(out, k1, k2, big0, big1, ap0, flags, w)
+
+    normal32_fmt.__qualname__ = normal32_fmt.__name__ = f"normal32_{fmt}"
+    return jit(normal32_fmt)
+
+
+normal32_f16 = _normal32_for(F16, "f16")
+normal32_bf16 = _normal32_for(BF16, "bf16")
+normal32_f8e4m3 = _normal32_for(F8E4M3, "f8e4m3")
+normal32_f8e5m2 = _normal32_for(F8E5M2, "f8e5m2")
+
+
+def _pass_of(rounding: int, first: Any, second: Any) -> Any:
+    """A normal32 pass that calls `first` for the format whose rounding position h[0] is `rounding`, else `second`."""
+
+    def pick(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, ap0: Any, flags: Any, h: Any) -> Any:
+        if h[0] == rounding:
+            return first(out, k1, k2, big0, big1, ap0, flags)
+        return second(out, k1, k2, big0, big1, ap0, flags)
+
+    return pick
+
+
+def normal32_pass(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, ap0: Any, flags: Any, h: Any) -> Any:
+    """normal32_body in the kernel of out's format (chosen as trunc_first chooses)."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(normal32_pass, inline="always")
+def _normal32_pass_overload(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, ap0: Any, flags: Any, h: Any) -> Any:
+    return _by_format(out, _pass_of, normal32_f16, normal32_bf16, normal32_f8e4m3, normal32_f8e5m2)
+
+
+_PENDING = 256  # undecided elements of the binary32 pass gathered for one vector pass on the binary64 path
+
+
+@jit
+def normal_plain_pass(out: Any, d1s: Any, d2s: Any, n: int, p0: float, p1: float, vals: Any, undecided: Any, h: Any) -> None:
+    """normal_fast of n elements from their draws (binary64), in one vector pass: vals[:n], undecided[:n]."""
+    wide_vectors()
+    for t in range(n):
+        vals[t], undecided[t] = normal_fast(out, d1s[t], d2s[t], p0, p1, h)
+
+
+@jit
+def settle(dst: Any, at: Any, d1s: Any, d2s: Any, n: int, p0: float, p1: float, vals: Any, undecided: Any, h: Any) -> None:
+    """Elements at[:n] of dst from their draws: the binary64 path (normal_plain_pass), exact where it cannot decide."""
+    normal_plain_pass(dst, d1s, d2s, n, p0, p1, vals, undecided, h)
+    for t in range(n):
+        v = normal_exact(d1s[t], d2s[t], p0, p1) if undecided[t] else vals[t]
+        store(dst, at[t], v, h)
+
+
+@jit
+def fill_normal32(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
+    """fill_normal for a narrow output (float16, bfloat16, 8-bit floats) whose mean and std suit normal32.
+
+    Per block: the draws (draws_into) and the binary32 pass (normal32_pass). The elements it leaves undecided (about
+    0.3% for float16, 0.05% for bfloat16, fewer for 8-bit floats) are gathered across blocks and settled _PENDING at
+    a time by `settle`, so the binary64 path runs vectorized there too."""
+    m = dst.shape[0]
+    _, big0, big1, ap0 = normal32_params(p0, p1)
+    k1 = np.empty(_NBLOCK, dtype=np.uint32)
+    k2 = np.empty(_NBLOCK, dtype=np.uint32)
+    flags = np.zeros(_NBLOCK, dtype=np.uint8)
+    words = flags.view(np.uint64)  # eight flags at a time: most are zero
+    at = np.empty(_PENDING, dtype=np.uint64)
+    d1s = np.empty(_PENDING, dtype=np.float64)
+    d2s = np.empty(_PENDING, dtype=np.float64)
+    vals = np.empty(_PENDING, dtype=np.float64)
+    undecided = np.empty(_PENDING, dtype=np.int64)
+    n = 0
+    k = 0
+    while k < m:
+        x = x0 + np.uint64(2 * k)
+        cnt = min(m - k, seg_room(x) // 2)  # whole pairs left
+        if cnt <= 0:  # this element's pair straddles a segment boundary
+            store(dst, np.uint64(k), normal_exact(low_draw(x), low_draw(x + U1), p0, p1), h)
+            k += 1
+            continue
+        c, c1, hi = seg_consts(x)
+        for b0 in range(0, cnt, _NBLOCK):
+            nb_ = min(cnt - b0, _NBLOCK)
+            sub = dst[k + b0 : k + b0 + nb_]
+            draws_into(k1[:nb_], k2[:nb_], (x & LOW32) + U2 * np.uint64(b0), c, c1, hi)
+            bad = normal32_pass(sub, k1, k2, big0, big1, ap0, flags, h)
+            q = 0
+            while bad:
+                if words[q]:
+                    for j in range(8 * q, min(8 * q + 8, nb_)):
+                        if flags[j]:
+                            at[n] = k + b0 + j
+                            d1s[n] = np.float64(k1[j])
+                            d2s[n] = np.float64(k2[j])
+                            n += 1
+                            bad -= 1
+                            if n == _PENDING:
+                                settle(dst, at, d1s, d2s, n, p0, p1, vals, undecided, h)
+                                n = 0
+                q += 1
+        k += cnt
+    settle(dst, at, d1s, d2s, n, p0, p1, vals, undecided, h)
+
+
+def narrow_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> Any:
+    """fill_normal32 where dst is a narrow output and (p0, p1) suit normal32, returning whether it did (float
+    outputs: always False, decided when the caller compiles)."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(narrow_normal, inline="always")
+def _narrow_normal_overload(dst: Any, x0: Any, p0: Any, p1: Any, h: Any) -> Any:
+    if dst.dtype not in (types.uint16, types.uint8):
+
+        def never(dst: Any, x0: Any, p0: Any, p1: Any, h: Any) -> Any:
+            return False
+
+        return never
+
+    def narrow(dst: Any, x0: Any, p0: Any, p1: Any, h: Any) -> Any:
+        if not normal32_params(p0, p1)[0]:
+            return False
+        fill_normal32(dst, x0, p0, p1, h)
+        return True
+
+    return narrow
+
+
+@jit
 def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
     """dst[k] = p0 + p1 * z(g + k) with x0 = key + GOLDEN + 2g (draws 2(g+k) and 2(g+k)+1)."""
     wide_vectors()
+    if narrow_normal(dst, x0, p0, p1, h):
+        return
     m = dst.shape[0]
     k = 0
     while k < m:

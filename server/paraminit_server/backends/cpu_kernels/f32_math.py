@@ -1,0 +1,300 @@
+"""Binary32 log and cos of the normal's 32-bit draws, with proven error bounds, for 16-bit and 8-bit outputs.
+
+A 16-bit or 8-bit output needs about 11 significant bits of `mean + std * z`, so binary32 arithmetic, which
+vectorizes twice as wide as binary64 (16 lanes in AVX-512, 8 in AVX2), can decide almost every element: the
+error of `log32` and `cos32` against the correctly rounded binary64 log and cos (cr_math.cr_log / cr_cos) is
+measured on every one of the 2^32 draws by `bench/verify_f32.py`, and the bounds below are those maxima with a
+margin. `normal32` carries them through `sqrt(-2 log) * cos` and `mean + std * z` into an interval [lo, hi] of
+binary32 values that holds the spec's binary64 value; an element whose ends round to the same output word is
+decided (rounding is monotone), the rest go to the binary64 path (distributions.normal_fast).
+
+Both functions take the draw k as uint32 and use only 32-bit integer and binary32 operations, no tables and no
+branches, so a loop over them vectorizes at full width without gathers. The inputs are exact integers:
+- log: x = k * 2^-32 is split as kh + kl (16 significant bits each, exact in binary32) and reduced by its binary32
+  rounding's exponent to m in [sqrt(1/2), sqrt(2)); log m = 2 atanh((m - 1) / (m + 1)) by a short odd series, with
+  m - 1 formed exactly, so the relative error stays small near x = 1.
+- cos: cos(2 pi k / 2^32) reduces exactly in integers to a quadrant q and r in [-2^29, 2^29): the result is
+  +-cos or +-sin of 2 pi r / 2^32 (|angle| <= pi/4), by short polynomials. It differs from cos of the binary64
+  input t = (2.0 * pi) * u2 by at most about 2^-50 absolutely, which is a large relative error only near the
+  zeros of cos: results below COS32_TINY in magnitude are left undecided (about 6e-7 of the draws).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from paraminit_server.backends.cpu_kernels.half_rounding import bf16_of_f32_bits, f16_of_f32_bits
+from paraminit_server.backends.cpu_kernels.jit import AVX512BF16, F16C, inline, jit
+
+__all__ = [
+    "COS32_REL",
+    "COS32_TINY",
+    "LOG32_REL",
+    "Z32_REL",
+    "bits_f32",
+    "cos32",
+    "f32_bits",
+    "fma32",
+    "log32",
+    "sqrt32",
+]
+
+
+def _fma32_impl(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+    """a * b + c in binary32 with one rounding (llvm.fma.f32)."""
+    if not all(v == types.float32 for v in (a, b, c)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+        return builder.call(fn, args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+def _sqrt32_impl(typingctx: Any, a: Any) -> Any:
+    """Correctly rounded binary32 square root (llvm.sqrt.f32: vsqrtps when vectorized)."""
+    if a != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.sqrt", [f], ir.FunctionType(f, [f]))
+        return builder.call(fn, args)
+
+    return types.float32(types.float32), codegen
+
+
+def _div32_impl(typingctx: Any, a: Any, b: Any) -> Any:
+    """a / b in binary32 as one IEEE division (numba's `/` tests b for zero first, a branch that stops vectorizing)."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fdiv(args[0], args[1])
+
+    return types.float32(types.float32, types.float32), codegen
+
+
+def _f32_bits_impl(typingctx: Any, x: Any) -> Any:
+    """Reinterpret a binary32 as its bit pattern, as int32 (a plain LLVM bitcast)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+def _bits_f32_impl(typingctx: Any, b: Any) -> Any:
+    """Reinterpret the low 32 bits of an integer as a binary32 (numba widens 32-bit arithmetic to 64 bits; LLVM
+    narrows it again, since only these bits are used)."""
+    if not isinstance(b, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        v = args[0]
+        if v.type.width > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(b), codegen
+
+
+fma32: Any = intrinsic(_fma32_impl)
+sqrt32: Any = intrinsic(_sqrt32_impl)
+div32: Any = intrinsic(_div32_impl)
+f32_bits: Any = intrinsic(_f32_bits_impl)
+bits_f32: Any = intrinsic(_bits_f32_impl)
+
+_F = np.float32
+_I = np.int32
+_U = np.uint32
+
+# Measured maxima over all 2^32 draws (bench/verify_f32.py, docs/PERFORMANCE.md), relative to the binary32 result:
+# |cr_log(k) - log32(k)| <= LOG32_REL * |log32(k)|, and the same for cos where |cos32(k)| >= COS32_TINY.
+LOG32_REL = 2.0**-21
+COS32_REL = 2.0**-21
+COS32_TINY = 2.0**-20
+
+
+def _z_rel(log_rel: float, cos_rel: float) -> float:
+    """Relative bound of the spec's z = RN(RN(sqrt(-2 L)) * C) around z32 = RN32(RN32(sqrt(-2 l32)) * c32), for
+    |L - l32| <= log_rel |l32| and |C - c32| <= cos_rel |c32| (binary64 roundings 2^-53, binary32 2^-24), rounded
+    up to a binary32 with a margin."""
+    u64, u32 = Fraction(1, 2**53), Fraction(1, 2**24)
+    el, ec = Fraction(log_rel), Fraction(cos_rel)
+    # sqrt(1 + a) <= 1 + a/2 and >= 1 - |a|/2 - a^2/2 for |a| <= 1
+    up = (1 + el / 2) * (1 + ec) * (1 + u64) ** 2 / (1 - u32) ** 2 - 1
+    down = 1 - (1 - el / 2 - el * el / 2) * (1 - ec) * (1 - u64) ** 2 / (1 + u32) ** 2
+    return float(max(up, down) * (1 + Fraction(1, 2**10)))
+
+
+Z32_REL = _z_rel(LOG32_REL, COS32_REL)
+
+# log: m = k * 2^-e in [sqrt(1/2), sqrt(2)) with e from the binary32 rounding of k; ln 2 in two parts, the first
+# with 16 bits so that (e - 32) * LN2H is exact for |e - 32| < 2^8.
+_OFF = _I(0x3F3504F3)  # bits of the binary32 nearest sqrt(1/2)
+_LN2H = float(np.float32(round(math.log(2) * 2**16) / 2**16))
+_LN2H32 = _F(_LN2H)
+_LN2L32 = _F(math.log(2) - _LN2H)
+_K_FLOOR = _U(4294)  # k * 2^-32 <= 1e-6 exactly when k <= 4294: the spec's floor
+_LOG_FLOOR32 = _F(math.log(1e-6))
+# 2 atanh(s) = 2 s + 2/3 s^3 + 2/5 s^5 + ..., |s| <= 0.1716
+_A1, _A3, _A5, _A7, _A9 = _F(2.0), _F(2.0 / 3), _F(2.0 / 5), _F(2.0 / 7), _F(2.0 / 9)
+_ONE = _F(1.0)
+_TWO16 = _F(65536.0)
+_MASK16 = _U(0xFFFF)
+_S16 = _U(16)
+_S23 = _I(23)
+_BIAS = _I(127)
+_E32 = _I(32)
+
+
+@inline
+def log32(k: Any) -> Any:
+    """Binary32 log(max(k * 2^-32, 1e-6)) for a draw k (uint32), within LOG32_REL of the correctly rounded value."""
+    kh = _F(_I(k >> _S16)) * _TWO16  # exact: 16 significant bits each
+    kl = _F(_I(k & _MASK16))
+    tmp = _I(f32_bits(kh + kl) - _OFF)  # kh + kl rounds k once; any such e gives m near [sqrt(1/2), sqrt(2))
+    e = tmp >> _S23
+    scale = bits_f32((_BIAS - e) << _S23)  # 2^-e
+    mh = kh * scale
+    ml = kl * scale
+    num = (mh - _ONE) + ml  # mh - 1 is exact (Sterbenz)
+    den = (mh + _ONE) + ml
+    s = div32(num, den)
+    s2 = s * s
+    p = fma32(fma32(fma32(fma32(_A9, s2, _A7), s2, _A5), s2, _A3), s2 * s, _A1 * s)
+    ef = _F(_I(e - _E32))
+    r = fma32(ef, _LN2H32, fma32(ef, _LN2L32, p))
+    return _LOG_FLOOR32 if k <= _K_FLOOR else r
+
+
+# cos: angle = 2 pi r / 2^32 with r in [-2^29, 2^29); cephes' binary32 minimax coefficients on [-pi/4, pi/4]
+_STEP = _F(2.0 * math.pi * 2.0**-32)
+_HALF_Q = _U(1 << 29)
+_LOW30 = _U((1 << 30) - 1)
+_S30 = _U(30)
+_S1, _S2, _S3 = _F(-1.6666654611e-1), _F(8.3321608736e-3), _F(-1.9515295891e-4)
+_C1, _C2, _C3 = _F(4.166664568298827e-2), _F(-1.388731625493765e-3), _F(2.443315711809948e-5)
+_HALF = _F(0.5)
+_SIGN = _U(1 << 31)
+_U1 = _U(1)
+
+
+@inline
+def cos32(k: Any) -> Any:
+    """Binary32 cos((2.0 * pi) * (k * 2^-32)) for a draw k (uint32), within COS32_REL of the correctly rounded value
+    where its magnitude is at least COS32_TINY."""
+    w = _U(k + _HALF_Q)  # quadrant q = round(4 k / 2^32) mod 4, in the top two bits
+    q = w >> _S30
+    a = _F(_I(_I(w & _LOW30) - _I(_HALF_Q))) * _STEP
+    y = a * a
+    sn = fma32(a * y, fma32(fma32(_S3, y, _S2), y, _S1), a)
+    cs = fma32(y * y, fma32(fma32(_C3, y, _C2), y, _C1), fma32(-_HALF, y, _ONE))
+    v = sn if (q & _U1) != _U(0) else cs  # q = 1: -sin, 2: -cos, 3: sin
+    neg = ((q + _U1) << _S30) & _SIGN  # bit 1 of q + 1, moved to the sign
+    return bits_f32(_U(f32_bits(v)) ^ neg)
+
+
+# mean + std * z in binary32: P0 = RN32(p0), P1 = RN32(p1), m = RN32(P1 * z32), v = RN32(P0 + m). The spec's
+# v_spec = RN64(p0 + RN64(p1 * z)) then lies within E = A |P0| + B |m| + CC |v| of v (binary32 roundings 2^-24
+# relative to their results, binary64 ones 2^-53; z within Z32_REL of z32), and lo = RN32(v - E'), hi = RN32(v + E')
+# with E' = E + 2^-24 |v| (the rounding of lo and hi themselves) hold it. Valid while every binary32 value involved
+# is normal: |p0| = 0 or in [2^-100, 2^100], |p1| = 0 or in [2^-48, 2^60] (|z32| >= 2^-36 where cos32 is decided,
+# so |m| >= 2^-84), and lo, hi at least 2^-126 in magnitude (else the element is undecided). The constants carry a
+# factor 1 + 2^-18 for the binary32 roundings of E' itself.
+_U32, _U64 = Fraction(1, 2**24), Fraction(1, 2**53)
+_GROW = 1 + Fraction(1, 2**18)
+_BETA = (1 + _U32) ** 2 * (1 + Fraction(Z32_REL)) - 1
+V32_A = float((_U32 + 2 * _U64) * _GROW)
+V32_B = float((_BETA + 4 * _U64) * _GROW)
+V32_C = float(2 * _U32 * _GROW)
+_B32 = _F(V32_B)
+_C32 = _F(V32_C)
+_MIN_NORMAL32 = _F(2.0**-126)
+_COS_TINY32 = _F(COS32_TINY)
+_M2 = _F(-2.0)
+assert float(_B32) >= V32_B and float(_C32) >= V32_C  # rounded up (checked when the module loads)
+
+
+@jit
+def normal32_params(p0: float, p1: float) -> Any:
+    """(whether normal32 holds for mean p0 and std p1, P0, P1, A * |P0| rounded up): once per run."""
+    a0, a1 = abs(p0), abs(p1)
+    ok = ((a0 == 0.0) | ((a0 >= 2.0**-100) & (a0 <= 2.0**100))) & ((a1 == 0.0) | ((a1 >= 2.0**-48) & (a1 <= 2.0**60)))
+    big0 = _F(p0)
+    # A * |P0| in binary64 (exact to 2^-52), rounded to binary32 upwards by a relative 2^-20 step
+    ap0 = _F(V32_A * abs(np.float64(big0)) * (1.0 + 2.0**-20))
+    return ok, big0, _F(p1), ap0
+
+
+@inline
+def normal32(k1: Any, k2: Any, big0: Any, big1: Any, ap0: Any) -> Any:
+    """(lo, hi, undecided): binary32 bounds of the spec's mean + std * z for draws k1, k2 (uint32), with
+    (P0, P1, A |P0|) from normal32_params; undecided where cos32 is near a zero or an end is below 2^-126."""
+    c = cos32(k2)
+    z = sqrt32(_M2 * log32(k1)) * c
+    m = big1 * z
+    v = big0 + m
+    e = fma32(_B32, abs(m), fma32(_C32, abs(v), ap0))
+    lo = v - e
+    hi = v + e
+    return lo, hi, (abs(c) < _COS_TINY32) | (abs(lo) < _MIN_NORMAL32) | (abs(hi) < _MIN_NORMAL32)
+
+
+@inline
+def ceil32(x: float) -> Any:
+    """The least binary32 >= x (x a binary64, not NaN): comparisons with it decide `>= x` for binary32 values."""
+    c = _F(x)
+    b = f32_bits(c)
+    up = bits_f32(b + np.int64(1) - np.int64(2) * np.int64(b < 0))  # one step towards +inf (c != +inf, c != 0 -> ...)
+    return c if np.float64(c) >= x else (bits_f32(np.int64(1)) if c == _F(0.0) else up)
+
+
+def word32_consts(h: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The constants of word32 for a narrow format given by its half_rounding constants h (F16, BF16, F8E4M3,
+    F8E5M2): the rounding of half_rounding.narrow_magnitude_bits on binary32 bits instead of binary64 ones."""
+    mant = 52 - int(h[0])
+    emin = math.frexp(float(h[4]))[1] - 1
+    bias = 1 - emin
+    width = 1 + (bias + 1).bit_length() + mant
+    shift = 23 - mant
+    return (
+        np.int64(shift),
+        np.int64((1 << (shift - 1)) - 1 - ((127 - bias) << 23)),
+        _F(h[4]),
+        _F(h[5]),
+        _F(math.ldexp(1.0, emin - mant + 23)),
+        np.int64((127 + emin - mant + 23) << 23),
+        np.int64(32 - width),
+        np.int64(1 << (width - 1)),
+    )
+
+
+@jit
+def word32(x: Any, w: Any) -> Any:
+    """The output word (float16, bfloat16 or 8-bit float bits, as int64) of a binary32 x, rounded once to nearest
+    even; w: word32_consts of the format. Exact for normal binary32 x (bfloat16 with AVX512BF16 flushes binary32
+    subnormals, which normal32 leaves undecided). Branch-free once inlined with w a constant."""
+    shift, adj, min_normal, ovf, magic, magic_bits, sign_shift, sign_bit = w
+    if shift == 13 and F16C:
+        return np.int64(f16_of_f32_bits(_U(f32_bits(x))))
+    if shift == 16 and AVX512BF16:
+        return np.int64(bf16_of_f32_bits(_U(f32_bits(x))))
+    av = abs(x)
+    a = np.int64(f32_bits(min(av, ovf)))
+    rn = (a + adj + ((a >> shift) & np.int64(1))) >> shift
+    rs = np.int64(f32_bits(av + magic)) - magic_bits
+    r = rs if av < min_normal else rn
+    return r | ((np.int64(_U(f32_bits(x))) >> sign_shift) & sign_bit)
