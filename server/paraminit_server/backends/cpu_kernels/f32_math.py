@@ -11,8 +11,8 @@ decided (rounding is monotone), the rest go to the binary64 path (distributions.
 Both functions take the draw k as uint32 and use only 32-bit integer and binary32 operations, no tables and no
 branches, so a loop over them vectorizes at full width without gathers. The inputs are exact integers:
 - log: x = k * 2^-32 is split as kh + kl (16 significant bits each, exact in binary32) and reduced by its binary32
-  rounding's exponent to m in [sqrt(1/2), sqrt(2)); log m = 2 atanh((m - 1) / (m + 1)) by a short odd series, with
-  m - 1 formed exactly, so the relative error stays small near x = 1.
+  rounding's exponent to m in [sqrt(1/2), sqrt(2)); log m = log1p(m - 1) by one polynomial (no division), with
+  m - 1 formed with one rounding, so the relative error stays small near x = 1.
 - cos: cos(2 pi k / 2^32) reduces exactly in integers to a quadrant q and r in [-2^29, 2^29): the result is
   +-cos or +-sin of 2 pi r / 2^32 (|angle| <= pi/4), by short polynomials. It differs from cos of the binary64
   input t = (2.0 * pi) * u2 by at most about 2^-50 absolutely, which is a large relative error only near the
@@ -37,6 +37,8 @@ __all__ = [
     "COS32_REL",
     "COS32_TINY",
     "LOG32_REL",
+    "V32_P",
+    "V32_V",
     "Z32_REL",
     "bits_f32",
     "cos32",
@@ -149,8 +151,23 @@ _LN2H32 = _F(_LN2H)
 _LN2L32 = _F(math.log(2) - _LN2H)
 _K_FLOOR = _U(4294)  # k * 2^-32 <= 1e-6 exactly when k <= 4294: the spec's floor
 _LOG_FLOOR32 = _F(math.log(1e-6))
-# 2 atanh(s) = 2 s + 2/3 s^3 + 2/5 s^5 + ..., |s| <= 0.1716
-_A1, _A3, _A5, _A7, _A9 = _F(2.0), _F(2.0 / 3), _F(2.0 / 5), _F(2.0 / 7), _F(2.0 / 9)
+# log1p(t) = t + t^2 Q(t) on t in [sqrt(1/2) - 1, sqrt(2) - 1]: Q of degree 8, binary32 coefficients of a least-squares
+# fit iterated towards minimax (Lawson) for the relative error of log1p; fit error 2^-27.9, far below the roundings.
+_Q = tuple(
+    _F(c)
+    for c in (
+        -0.49999988079071045,
+        0.33333325386047363,
+        -0.25001585483551025,
+        0.20001985132694244,
+        -0.16609056293964386,
+        0.14181633293628693,
+        -0.13242985308170319,
+        0.1290552169084549,
+        -0.0762307196855545,
+    )
+)
+_Q0, _Q1, _Q2, _Q3, _Q4, _Q5, _Q6, _Q7, _Q8 = _Q
 _ONE = _F(1.0)
 _TWO16 = _F(65536.0)
 _MASK16 = _U(0xFFFF)
@@ -170,11 +187,10 @@ def log32(k: Any) -> Any:
     scale = bits_f32((_BIAS - e) << _S23)  # 2^-e
     mh = kh * scale
     ml = kl * scale
-    num = (mh - _ONE) + ml  # mh - 1 is exact (Sterbenz)
-    den = (mh + _ONE) + ml
-    s = div32(num, den)
-    s2 = s * s
-    p = fma32(fma32(fma32(fma32(_A9, s2, _A7), s2, _A5), s2, _A3), s2 * s, _A1 * s)
+    t = (mh - _ONE) + ml  # mh - 1 is exact (Sterbenz): t is m - 1 rounded once
+    q = fma32(fma32(fma32(fma32(_Q8, t, _Q7), t, _Q6), t, _Q5), t, _Q4)
+    q = fma32(fma32(fma32(fma32(q, t, _Q3), t, _Q2), t, _Q1), t, _Q0)
+    p = fma32(t * t, q, t)
     ef = _F(_I(e - _E32))
     r = fma32(ef, _LN2H32, fma32(ef, _LN2L32, p))
     return _LOG_FLOOR32 if k <= _K_FLOOR else r
@@ -208,49 +224,45 @@ def cos32(k: Any) -> Any:
 
 
 # mean + std * z in binary32: P0 = RN32(p0), P1 = RN32(p1), m = RN32(P1 * z32), v = RN32(P0 + m). The spec's
-# v_spec = RN64(p0 + RN64(p1 * z)) then lies within E = A |P0| + B |m| + CC |v| of v (binary32 roundings 2^-24
-# relative to their results, binary64 ones 2^-53; z within Z32_REL of z32), and lo = RN32(v - E'), hi = RN32(v + E')
-# with E' = E + 2^-24 |v| (the rounding of lo and hi themselves) hold it. Valid while every binary32 value involved
-# is normal: |p0| = 0 or in [2^-100, 2^100], |p1| = 0 or in [2^-48, 2^60] (|z32| >= 2^-36 where cos32 is decided,
-# so |m| >= 2^-84), and lo, hi at least 2^-126 in magnitude (else the element is undecided). The constants carry a
-# factor 1 + 2^-18 for the binary32 roundings of E' itself.
+# v_spec = RN64(p0 + RN64(p1 * z)) lies within A |P0| + B |m| + U |v| of v (binary32 roundings 2^-24 relative to
+# their results, binary64 ones 2^-53, z within Z32_REL of z32), and, as |m| <= (1 + 2^-24) |v| + |P0|, within
+# E = V32_V |v| + V32_P |P0|; lo = RN32(v - E) and hi = RN32(v + E) hold it when E also covers their own rounding
+# (another 2^-24 |v|, and a relative 2^-18 for the binary32 roundings of E itself).
+# Valid while the binary32 values m, v, E are normal or exact: |p0| = 0 or in [2^-100, 2^100], |p1| = 0 or in
+# [2^-48, 2^60] (|z32| >= 2^-36 where cos32 is decided, so |m| >= 2^-84). Where v is tiny through cancellation,
+# p0 != 0, E >= V32_P |P0| >= 2^-124, v is exact (a sum of two binary32 values that underflows), and the absolute
+# 2^-150 of a subnormal lo or hi lies far inside E's margin: no tiny value needs a test (word32 is exact on binary32
+# subnormals, except the bfloat16 conversion instruction, which flushes them: normal32_body tests its zero word).
 _U32, _U64 = Fraction(1, 2**24), Fraction(1, 2**53)
 _GROW = 1 + Fraction(1, 2**18)
-_BETA = (1 + _U32) ** 2 * (1 + Fraction(Z32_REL)) - 1
-V32_A = float((_U32 + 2 * _U64) * _GROW)
-V32_B = float((_BETA + 4 * _U64) * _GROW)
-V32_C = float(2 * _U32 * _GROW)
-_B32 = _F(V32_B)
-_C32 = _F(V32_C)
-_MIN_NORMAL32 = _F(2.0**-126)
+_BETA = (1 + _U32) ** 2 * (1 + Fraction(Z32_REL)) - 1  # |RN64(p1 z) - m| <= (BETA + 2^-52) |m| with p1 = P1(1 + e)
+_A = _U32 + 2 * _U64  # |p0 - P0| and p0's share of the binary64 roundings
+_B = _BETA + 4 * _U64
+V32_V = float(((_B * (1 + _U32)) + 2 * _U32) * _GROW)
+V32_P = float((_A + _B) * _GROW)
+_V32 = np.nextafter(_F(V32_V), _F(1.0))  # rounded up
 _COS_TINY32 = _F(COS32_TINY)
 _M2 = _F(-2.0)
-assert float(_B32) >= V32_B and float(_C32) >= V32_C  # rounded up (checked when the module loads)
 
 
 @jit
 def normal32_params(p0: float, p1: float) -> Any:
-    """(whether normal32 holds for mean p0 and std p1, P0, P1, A * |P0| rounded up): once per run."""
+    """(whether normal32 holds for mean p0 and std p1, P0, P1, V32_P * |P0| rounded up): once per run."""
     a0, a1 = abs(p0), abs(p1)
     ok = ((a0 == 0.0) | ((a0 >= 2.0**-100) & (a0 <= 2.0**100))) & ((a1 == 0.0) | ((a1 >= 2.0**-48) & (a1 <= 2.0**60)))
     big0 = _F(p0)
-    # A * |P0| in binary64 (exact to 2^-52), rounded to binary32 upwards by a relative 2^-20 step
-    ap0 = _F(V32_A * abs(np.float64(big0)) * (1.0 + 2.0**-20))
-    return ok, big0, _F(p1), ap0
+    # in binary64 (exact to 2^-52), then rounded to binary32 upwards by a relative 2^-20 step
+    return ok, big0, _F(p1), _F(V32_P * abs(np.float64(big0)) * (1.0 + 2.0**-20))
 
 
 @inline
-def normal32(k1: Any, k2: Any, big0: Any, big1: Any, ap0: Any) -> Any:
+def normal32(k1: Any, k2: Any, big0: Any, big1: Any, e0: Any) -> Any:
     """(lo, hi, undecided): binary32 bounds of the spec's mean + std * z for draws k1, k2 (uint32), with
-    (P0, P1, A |P0|) from normal32_params; undecided where cos32 is near a zero or an end is below 2^-126."""
+    (P0, P1, V32_P |P0|) from normal32_params; undecided where cos32 is near a zero."""
     c = cos32(k2)
-    z = sqrt32(_M2 * log32(k1)) * c
-    m = big1 * z
-    v = big0 + m
-    e = fma32(_B32, abs(m), fma32(_C32, abs(v), ap0))
-    lo = v - e
-    hi = v + e
-    return lo, hi, (abs(c) < _COS_TINY32) | (abs(lo) < _MIN_NORMAL32) | (abs(hi) < _MIN_NORMAL32)
+    v = big0 + big1 * (sqrt32(_M2 * log32(k1)) * c)
+    e = fma32(_V32, abs(v), e0)
+    return v - e, v + e, abs(c) < _COS_TINY32
 
 
 @inline
