@@ -46,6 +46,10 @@ from paraminit_server.backends.cpu_kernels.half_rounding import (
 from paraminit_server.backends.cpu_kernels.jit import AVX512BF16, bits_f64, f64_bits, inline, jit, wide_vectors
 
 _ABLOCK = 2048  # elements per fast pass of fill_affine; a block with a rare element is stored again exactly
+_U64_0 = np.uint64(0)
+_U64_1 = np.uint64(1)
+_MAG16 = np.int64(0x7FFF)
+_TWO8 = np.uint8(2)
 
 
 @inline
@@ -281,9 +285,6 @@ def _normal32_pass_overload(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, e0
     return _by_format(out, _pass_of, normal32_f16, normal32_bf16, normal32_f8e4m3, normal32_f8e5m2)
 
 
-_U64_0 = np.uint64(0)
-_U64_1 = np.uint64(1)
-_MAG16 = np.int64(0x7FFF)
 _PENDING = 256  # undecided elements of the binary32 pass gathered for one vector pass on the binary64 path
 
 
@@ -544,6 +545,107 @@ def _trunc_first_overload(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: Any
     return _by_format(out, _first_of, trunc_first_f16, trunc_first_bf16, trunc_first_f8e4m3, trunc_first_f8e5m2)
 
 
+@inline
+def trunc32_body(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, e0: Any, lo_up: Any, hi_down: Any, flags: Any, w: Any) -> None:
+    """Candidate 0 of a block of a narrow output in binary32 (f32_math.normal32), as trunc_first_body does it in
+    binary64: flags[j] 0 where the word is stored (the interval inside [lo, hi], both ends the same word), 1 where the
+    candidate is certainly outside, 2 where neither is certain. lo_up, hi_down: lo and hi rounded to binary32
+    inwards (ceil32), so comparisons of binary32 values with them are comparisons with lo and hi."""
+    flush = w[0] == 16 and AVX512BF16  # as in normal32_body
+    for j in range(out.shape[0]):
+        a, b, u = normal32(k1[j], k2[j], big0, big1, e0)
+        wl = word32(a, w)
+        out[j] = wl
+        exact = (not flush) | ((wl & _MAG16) != 0)  # a zero word of the flushing conversion may be wrong
+        accept = (lo_up <= a) & (b <= hi_down) & (wl == word32(b, w)) & exact
+        reject = (b < lo_up) | (hi_down < a)
+        flags[j] = _TWO8 if u else _TWO8 - _TWO8 * np.uint8(accept) - np.uint8(reject)
+
+
+def _trunc32_for(h: Any, fmt: str) -> Any:
+    """trunc32_body for one narrow format as a kernel of its own (named per format, as _first_for)."""
+    w = word32_consts(h)
+
+    def trunc32_fmt(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, e0: Any, lo_up: Any, hi_down: Any, flags: Any) -> None:
+        wide_vectors()
+        trunc32_body(out, k1, k2, big0, big1, e0, lo_up, hi_down, flags, w)
+
+    trunc32_fmt.__qualname__ = trunc32_fmt.__name__ = f"trunc32_{fmt}"
+    return jit(trunc32_fmt)
+
+
+trunc32_f16 = _trunc32_for(F16, "f16")
+trunc32_bf16 = _trunc32_for(BF16, "bf16")
+trunc32_f8e4m3 = _trunc32_for(F8E4M3, "f8e4m3")
+trunc32_f8e5m2 = _trunc32_for(F8E5M2, "f8e5m2")
+
+
+def _trunc32_of(rounding: int, first: Any, second: Any) -> Any:
+    """A trunc32 pass that calls `first` for the format whose rounding position h[0] is `rounding`, else `second`."""
+
+    def pick(out: Any, k1: Any, k2: Any, f32: Any, flags: Any, h: Any) -> None:
+        _, big0, big1, e0, lo_up, hi_down = f32
+        if h[0] == rounding:
+            first(out, k1, k2, big0, big1, e0, lo_up, hi_down, flags)
+        else:
+            second(out, k1, k2, big0, big1, e0, lo_up, hi_down, flags)
+
+    return pick
+
+
+def trunc32_pass(out: Any, k1: Any, k2: Any, f32: Any, flags: Any, h: Any) -> None:
+    """trunc32_body in the kernel of out's format (chosen as trunc_first chooses); f32: trunc_params."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(trunc32_pass, inline="always")
+def _trunc32_pass_overload(out: Any, k1: Any, k2: Any, f32: Any, flags: Any, h: Any) -> Any:
+    return _by_format(out, _trunc32_of, trunc32_f16, trunc32_bf16, trunc32_f8e4m3, trunc32_f8e5m2)
+
+
+@jit
+def trunc_params(p0: float, p1: float, lo: float, hi: float) -> Any:
+    """(whether the binary32 pass holds, P0, P1, V32_P |P0|, ceil32(lo), floor32(hi)): once per run."""
+    ok, big0, big1, e0 = normal32_params(p0, p1)
+    return ok, big0, big1, e0, ceil32(lo), -ceil32(-hi)
+
+
+def trunc_block(out: Any, k1: Any, k2: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, f32: Any, flags: Any, h: Any) -> Any:
+    """Candidate 0 of a block: trunc32_pass where out is a narrow output and f32 (trunc_params) holds, else
+    trunc_first; flags as trunc_first sets them; returns how many are nonzero. Chosen by out's dtype when the caller
+    compiles (float outputs take trunc_first only)."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(trunc_block, inline="always")
+def _trunc_block_overload(
+    out: Any, k1: Any, k2: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: Any, p1: Any, lo: Any, hi: Any, f32: Any, flags: Any, h: Any
+) -> Any:
+    if out.dtype not in (types.uint16, types.uint8):
+
+        def wide(
+            out: Any, k1: Any, k2: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: Any, p1: Any, lo: Any, hi: Any, f32: Any, flags: Any, h: Any
+        ) -> Any:
+            return trunc_first(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, h)
+
+        return wide
+
+    def narrow(
+        out: Any, k1: Any, k2: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: Any, p1: Any, lo: Any, hi: Any, f32: Any, flags: Any, h: Any
+    ) -> Any:
+        if not f32[0]:
+            return trunc_first(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, h)
+        nb_ = out.shape[0]
+        draws_into(k1[:nb_], k2[:nb_], xl, c, c1, hi32)
+        trunc32_pass(out, k1, k2, f32, flags, h)
+        bad = 0
+        for j in range(nb_):
+            bad += flags[j] != 0
+        return bad
+
+    return narrow
+
+
 @jit
 def trunc_candidates(out: Any, x: Any, at: Any, n: int, p0: float, p1: float, lo: float, hi: float, vals: Any, states: Any, h: Any) -> None:
     """One candidate of elements at[:n] on the fast path, in one vector pass (x: the candidate's key + GOLDEN +
@@ -559,14 +661,17 @@ def trunc_candidates(out: Any, x: Any, at: Any, n: int, p0: float, p1: float, lo
 def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, hi: float, seed: Any, h: Any) -> None:
     """dst[k] = truncated normal of element g0 + k; x0 = key(seed) + GOLDEN + 2 g0 (candidate 0's draws).
 
-    One vectorized pass (trunc_first) computes candidate 0 as fill_normal does and flags the elements it cannot
-    settle in a byte per element. Those whose candidate 0 is rejected take candidate 1 in a second vector pass
+    One vectorized pass (trunc_block: in binary32 for narrow outputs, trunc_first otherwise) computes candidate 0 as
+    fill_normal does and flags the elements it cannot settle in a byte per element. Those whose candidate 0 is rejected take candidate 1 in a second vector pass
     (trunc_candidates); what is left goes through trunc_settle, exact only where the fast path cannot decide. An
     element inside the bounds costs what a normal costs.
     """
     wide_vectors()
     m = dst.shape[0]
     flags = np.empty(_NBLOCK, dtype=np.uint8)
+    k1 = np.empty(_NBLOCK, dtype=np.uint32)  # the draws of a block (narrow outputs, trunc_block)
+    k2 = np.empty(_NBLOCK, dtype=np.uint32)
+    f32 = trunc_params(p0, p1, lo, hi)
     again = np.empty(_NBLOCK, dtype=np.uint64)  # elements whose candidate 0 was rejected (their indices in the block)
     vals = np.empty(_NBLOCK, dtype=np.float64)  # and their candidate 1, on the fast path
     states = np.empty(_NBLOCK, dtype=np.int64)
@@ -586,7 +691,7 @@ def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, 
             nb_ = min(cnt - b0, _NBLOCK)
             xl = (x & LOW32) + U2 * np.uint64(b0)
             sub = dst[k + b0 : k + b0 + nb_]
-            if not trunc_first(sub, xl, c, c1, hi32, p0, p1, lo, hi, flags, h):
+            if not trunc_block(sub, k1, k2, xl, c, c1, hi32, p0, p1, lo, hi, f32, flags, h):
                 continue
             gb = g0 + np.uint64(k + b0)
             n = 0
