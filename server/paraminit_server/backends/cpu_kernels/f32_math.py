@@ -208,6 +208,8 @@ _C1, _C2, _C3 = _F(4.166664568298827e-2), _F(-1.388731625493765e-3), _F(2.443315
 _HALF = _F(0.5)
 _SIGN = _U(1 << 31)
 _U1 = _U(1)
+_I1 = _I(1)
+_BF16_HALF = _U(0x7FFF)
 
 
 @inline
@@ -285,30 +287,35 @@ def word32_consts(h: tuple[Any, ...]) -> tuple[Any, ...]:
     width = 1 + (bias + 1).bit_length() + mant
     shift = 23 - mant
     return (
-        np.int64(shift),
-        np.int64((1 << (shift - 1)) - 1 - ((127 - bias) << 23)),
+        _I(shift),
+        _I((1 << (shift - 1)) - 1 - ((127 - bias) << 23)),
         _F(h[4]),
         _F(h[5]),
         _F(math.ldexp(1.0, emin - mant + 23)),
-        np.int64((127 + emin - mant + 23) << 23),
-        np.int64(32 - width),
-        np.int64(1 << (width - 1)),
+        _I((127 + emin - mant + 23) << 23),
+        _U(32 - width),
+        _I(1 << (width - 1)),
     )
 
 
 @jit
 def word32(x: Any, w: Any) -> Any:
-    """The output word (float16, bfloat16 or 8-bit float bits, as int64) of a binary32 x, rounded once to nearest
-    even; w: word32_consts of the format. Exact for normal binary32 x (bfloat16 with AVX512BF16 flushes binary32
-    subnormals, which normal32 leaves undecided). Branch-free once inlined with w a constant."""
+    """The output word (float16, bfloat16 or 8-bit float bits, as int32) of a binary32 x, rounded once to nearest
+    even; w: word32_consts of the format. Exact for every binary32 x but with the bfloat16 conversion instruction
+    (AVX512BF16), which flushes binary32 subnormals to zero (normal32_body tests for a zero word there).
+    Branch-free once inlined with w a constant; 32-bit integers throughout (numba widens each operation to 64 bits,
+    the casts let LLVM narrow them back, so the loop keeps its full vector width)."""
     shift, adj, min_normal, ovf, magic, magic_bits, sign_shift, sign_bit = w
     if shift == 13 and F16C:
-        return np.int64(f16_of_f32_bits(_U(f32_bits(x))))
+        return _I(f16_of_f32_bits(_U(f32_bits(x))))
     if shift == 16 and AVX512BF16:
-        return np.int64(bf16_of_f32_bits(_U(f32_bits(x))))
+        return _I(bf16_of_f32_bits(_U(f32_bits(x))))
+    if shift == 16:  # bfloat16 has binary32's exponents: carries reach infinity, subnormals round alike, sign kept
+        b = _U(f32_bits(x))
+        return _I(_U(_U(b + _BF16_HALF) + _U((b >> _S16) & _U1)) >> _S16)
     av = abs(x)
-    a = np.int64(f32_bits(min(av, ovf)))
-    rn = (a + adj + ((a >> shift) & np.int64(1))) >> shift
-    rs = np.int64(f32_bits(av + magic)) - magic_bits
+    a = f32_bits(min(av, ovf))
+    rn = _I(_I(_I(a + adj) + _I((a >> shift) & _I1)) >> shift)
+    rs = _I(f32_bits(av + magic) - magic_bits)
     r = rs if av < min_normal else rn
-    return r | ((np.int64(_U(f32_bits(x))) >> sign_shift) & sign_bit)
+    return _I(r | _I(_I(_U(f32_bits(x)) >> sign_shift) & sign_bit))
