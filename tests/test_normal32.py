@@ -25,7 +25,12 @@ from paraminit_server.backends.cpu_kernels.cr_math import cr_cos, cr_log
 from paraminit_server.backends.cpu_kernels.half_rounding import BF16, F8E4M3, F8E5M2, F16, half_bits, narrow_bits, store
 from paraminit_server.backends.cpu_kernels.jit import AVX512BF16, jit
 
-FORMATS = {"float16": (F16, np.uint16), "bfloat16": (BF16, np.uint16), "float8_e4m3fn": (F8E4M3, np.uint8), "float8_e5m2": (F8E5M2, np.uint8)}
+FORMATS = {
+    "float16": (F16, np.uint16),
+    "bfloat16": (BF16, np.uint16),
+    "float8_e4m3fn": (F8E4M3, np.uint8),
+    "float8_e5m2": (F8E5M2, np.uint8),
+}
 _POISON = 0xA5
 
 
@@ -100,7 +105,9 @@ def test_truncated_normal_fast_equals_exact(fmt: str) -> None:
     h, storage = FORMATS[fmt]
     n = 1 << 16
     t = _tie(fmt)
-    for i, (p0, p1, lo, hi) in enumerate([(0.0, 0.02, -0.04, 0.04), (0.0, 1.0, -0.5, 0.5), (t, 1e-3, t, t + 0.003), (-t, 0.2, -t - 0.01, 0.0)]):
+    for i, (p0, p1, lo, hi) in enumerate(
+        [(0.0, 0.02, -0.04, 0.04), (0.0, 1.0, -0.5, 0.5), (t, 1e-3, t, t + 0.003), (-t, 0.2, -t - 0.01, 0.0)]
+    ):
         seed = np.uint64(4242 + i)
         g0 = np.uint64(1 << 20)
         x0 = np.uint64((int(mix(seed)) + int(GOLDEN) + 2 * int(g0)) % 2**64)
@@ -204,7 +211,7 @@ def test_word32_rounds_once(fmt: str) -> None:
     ref = np.array([_word_value(fmt, int(wd)) for wd in words.tolist()], dtype=np.float64)
     ref = ref[np.isfinite(ref)]
     ties = ref + np.ldexp(np.ones_like(ref), np.frexp(ref)[1] - mant - 2)  # half an ulp above (a tie or past it)
-    cands = np.concatenate([xs, ref.astype(np.float32), ties.astype(np.float32), np.float32([1e-40, -1e-45, 0.0, -0.0])])
+    cands = np.concatenate([xs, ref.astype(np.float32), ties.astype(np.float32), np.array([1e-40, -1e-45, 0.0, -0.0], dtype=np.float32)])
     with np.errstate(over="ignore", invalid="ignore"):
         cands = cands[np.isfinite(cands)]
         for c in (cands, np.nextafter(cands, np.float32(np.inf)), np.nextafter(cands, np.float32(-np.inf))):
@@ -224,6 +231,11 @@ def _word_value(fmt: str, w: int) -> float:
     """The value of a word of the format (NaN for NaN patterns)."""
     import ml_dtypes
 
-    dt = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}[fmt]
+    dt = {
+        "float16": np.float16,
+        "bfloat16": ml_dtypes.bfloat16,
+        "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+        "float8_e5m2": ml_dtypes.float8_e5m2,
+    }[fmt]
     raw = np.array([w], dtype=np.uint16 if storage_bits(fmt) == 16 else np.uint8)
     return float(raw.view(dt)[0])

@@ -16,10 +16,21 @@ from typing import Any
 
 import numpy as np
 from numba import types
-from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 from numba.extending import overload
 
-from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, LOW32, U1, U2, draw_bits, draw_seg, low_draw, mix, seg_consts, seg_room
+from paraminit_server.backends.cpu_kernels.counter_rng import (
+    GOLDEN,
+    LOW32,
+    U1,
+    U2,
+    draw_bits,
+    draw_seg,
+    low_draw,
+    mix,
+    seg_consts,
+    seg_room,
+)
 from paraminit_server.backends.cpu_kernels.cr_math import (
     cos_dd,
     cos_input,
@@ -46,6 +57,7 @@ from paraminit_server.backends.cpu_kernels.half_rounding import (
 from paraminit_server.backends.cpu_kernels.jit import AVX512BF16, bits_f64, f64_bits, inline, jit, wide_vectors
 
 _ABLOCK = 2048  # elements per fast pass of fill_affine; a block with a rare element is stored again exactly
+trailing_zeros: Any = _trailing_zeros  # llvm.cttz: the index of the lowest set bit
 _U64_0 = np.uint64(0)
 _U64_1 = np.uint64(1)
 _MAG16 = np.int64(0x7FFF)
@@ -610,7 +622,22 @@ def trunc_params(p0: float, p1: float, lo: float, hi: float) -> Any:
     return ok, big0, big1, e0, ceil32(lo), -ceil32(-hi)
 
 
-def trunc_block(out: Any, k1: Any, k2: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: float, p1: float, lo: float, hi: float, f32: Any, flags: Any, h: Any) -> Any:
+def trunc_block(
+    out: Any,
+    k1: Any,
+    k2: Any,
+    xl: Any,
+    c: Any,
+    c1: Any,
+    hi32: Any,
+    p0: float,
+    p1: float,
+    lo: float,
+    hi: float,
+    f32: Any,
+    flags: Any,
+    h: Any,
+) -> Any:
     """Candidate 0 of a block: trunc32_pass where out is a narrow output and f32 (trunc_params) holds, else
     trunc_first; flags as trunc_first sets them; returns how many are nonzero. Chosen by out's dtype when the caller
     compiles (float outputs take trunc_first only)."""
@@ -624,7 +651,20 @@ def _trunc_block_overload(
     if out.dtype not in (types.uint16, types.uint8):
 
         def wide(
-            out: Any, k1: Any, k2: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: Any, p1: Any, lo: Any, hi: Any, f32: Any, flags: Any, h: Any
+            out: Any,
+            k1: Any,
+            k2: Any,
+            xl: Any,
+            c: Any,
+            c1: Any,
+            hi32: Any,
+            p0: Any,
+            p1: Any,
+            lo: Any,
+            hi: Any,
+            f32: Any,
+            flags: Any,
+            h: Any,
         ) -> Any:
             return trunc_first(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, h)
 
@@ -661,10 +701,10 @@ def trunc_candidates(out: Any, x: Any, at: Any, n: int, p0: float, p1: float, lo
 def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, hi: float, seed: Any, h: Any) -> None:
     """dst[k] = truncated normal of element g0 + k; x0 = key(seed) + GOLDEN + 2 g0 (candidate 0's draws).
 
-    One vectorized pass (trunc_block: in binary32 for narrow outputs, trunc_first otherwise) computes candidate 0 as
-    fill_normal does and flags the elements it cannot settle in a byte per element. Those whose candidate 0 is rejected take candidate 1 in a second vector pass
-    (trunc_candidates); what is left goes through trunc_settle, exact only where the fast path cannot decide. An
-    element inside the bounds costs what a normal costs.
+    One vectorized pass (trunc_block: in binary32 for narrow outputs, trunc_first otherwise) computes candidate 0
+    as fill_normal does and flags the elements it cannot settle in a byte per element. Those whose candidate 0 is
+    rejected take candidate 1 in a second vector pass (trunc_candidates); what is left goes through trunc_settle,
+    exact only where the fast path cannot decide. An element inside the bounds costs what a normal costs.
     """
     wide_vectors()
     m = dst.shape[0]
