@@ -4,9 +4,12 @@ normal, flat payload, constant. One fused, vectorized pass per kind, casts inclu
 Speed comes from letting LLVM vectorize every inner loop (AVX2 or AVX-512 on the host), so the loops are kept free
 of branches and of anything that blocks vectorization; rare elements are redone block by block after a vector pass.
 Indices are unsigned, so numba emits no negative-index wraparound per store. normal: float64 outputs take the
-double-double evaluation of cr_math; float32 and 16-bit outputs a cheaper evaluation whose error interval is
+double-double evaluation of cr_math; float32 outputs a cheaper binary64 evaluation whose error interval is
 carried through the spec's monotone operations, and only elements whose interval straddles a rounding boundary of
-the output format (about one in a million) are redone exactly.
+the output format (about one in a million) are redone exactly. 16-bit and 8-bit outputs first take a binary32
+evaluation (f32_math: twice the vector width) with proven bounds; the elements it leaves undecided (0.2% for
+float16, fewer for the narrower formats) take the binary64 one, and the exact path where that cannot decide.
+The truncated normal's candidate 0 goes the same way.
 """
 
 from __future__ import annotations

@@ -75,17 +75,6 @@ def _sqrt32_impl(typingctx: Any, a: Any) -> Any:
     return types.float32(types.float32), codegen
 
 
-def _div32_impl(typingctx: Any, a: Any, b: Any) -> Any:
-    """a / b in binary32 as one IEEE division (numba's `/` tests b for zero first, a branch that stops vectorizing)."""
-    if a != types.float32 or b != types.float32:
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.fdiv(args[0], args[1])
-
-    return types.float32(types.float32, types.float32), codegen
-
-
 def _f32_bits_impl(typingctx: Any, x: Any) -> Any:
     """Reinterpret a binary32 as its bit pattern, as int32 (a plain LLVM bitcast)."""
     if x != types.float32:
@@ -114,7 +103,6 @@ def _bits_f32_impl(typingctx: Any, b: Any) -> Any:
 
 fma32: Any = intrinsic(_fma32_impl)
 sqrt32: Any = intrinsic(_sqrt32_impl)
-div32: Any = intrinsic(_div32_impl)
 f32_bits: Any = intrinsic(_f32_bits_impl)
 bits_f32: Any = intrinsic(_bits_f32_impl)
 
