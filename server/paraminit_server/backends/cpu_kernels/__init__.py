@@ -7,6 +7,8 @@ Modules, by concern (each imports only those above it):
 - cr_tables: the correctly rounded log/cos tables and constants (pure Python; `make kernel-tables` copies them
   into the CUDA header);
 - cr_math: the correctly rounded log and cos (docs/SAMPLER.md section 2.1);
+- f32_math: binary32 log, cos and mean + std * z with proven error bounds, which decide most 16-bit and 8-bit
+  outputs of normal at twice the vector width;
 - distributions: the fill of one run per value kind (affine, normal, truncated normal, flat, constant);
 - driver: per value kind, `fill`, which maps a region's local elements (or a batch of small whole tensors) to runs
   (KERNELS).

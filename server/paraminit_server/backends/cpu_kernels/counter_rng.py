@@ -60,19 +60,26 @@ def seg_consts(x0: Any) -> Any:
 
 
 @jit
-def draw_seg(xl: Any, c: Any, c1: Any, hi: Any) -> Any:
-    """low_draw(x) for x = hi | xl in a segment with constants seg_consts(x).
+def draw_bits(xl: Any, c: Any, c1: Any, hi: Any) -> Any:
+    """The draw of x = hi | xl (the low 32 bits of mix(x - GOLDEN), as uint64) in a segment with constants
+    seg_consts(x).
 
     With a 64-bit vector multiply (AVX-512DQ) the plain SplitMix64 is cheapest. Without one (AVX2):
     a = x ^ (x >> 30) = x ^ C; its high word is constant, so a * MUL1 needs a_lo * MUL1_lo (64-bit) and the
     low word of a_lo * MUL1_hi only; the high-word product is folded into c1.
     """
     if WIDE_MULTIPLY:
-        return low_draw(hi | xl)
+        return mix((hi | xl) - GOLDEN) & LOW32
     a = (xl ^ c) & LOW32
     z = a * _MUL1_LO + ((a * _MUL1_HI) << _S32) + c1
     z = (z ^ (z >> _S27)) * _MUL2
-    return bits_f64(((z ^ (z >> _S31)) & LOW32) | _EXP52) - _TWO52
+    return (z ^ (z >> _S31)) & LOW32
+
+
+@jit
+def draw_seg(xl: Any, c: Any, c1: Any, hi: Any) -> Any:
+    """low_draw(x) for x = hi | xl in a segment with constants seg_consts(x): draw_bits as an exact binary64."""
+    return bits_f64(draw_bits(xl, c, c1, hi) | _EXP52) - _TWO52
 
 
 @jit

@@ -9,9 +9,10 @@ function has two vectorizable, branch-free evaluations on the same table-driven 
   every one of the 2^32 inputs through this code and deciding the flagged ones with mpmath;
   bench/verify_cr.py re-checks all 2^32 inputs against an independent oracle).
 - `*_plain`: a plain binary64 value within LOG_PLAIN_ULPS / COS_PLAIN_ULPS ulps of the correctly rounded
-  value (checked on all 2^32 inputs by bench/verify_cr.py); the float32/16-bit outputs propagate that
-  interval through the spec's monotone operations and fall back to the exact path only when the interval
-  straddles a rounding boundary of the output format.
+  value (checked on all 2^32 inputs by bench/verify_cr.py); float32 outputs (and the 16-bit and 8-bit ones
+  that f32_math's binary32 pass leaves undecided) propagate that interval through the spec's monotone
+  operations and fall back to the exact path only when the interval straddles a rounding boundary of the
+  output format.
 Fused multiply-adds (llvm.fma.f64) are used inside these functions only; the spec's own operations stay
 separate roundings. paraminit_kernels.cuh has the same code with __fma_rn, so CPU and GPU agree bit for bit.
 

@@ -4,9 +4,12 @@ normal, flat payload, constant. One fused, vectorized pass per kind, casts inclu
 Speed comes from letting LLVM vectorize every inner loop (AVX2 or AVX-512 on the host), so the loops are kept free
 of branches and of anything that blocks vectorization; rare elements are redone block by block after a vector pass.
 Indices are unsigned, so numba emits no negative-index wraparound per store. normal: float64 outputs take the
-double-double evaluation of cr_math; float32 and 16-bit outputs a cheaper evaluation whose error interval is
+double-double evaluation of cr_math; float32 outputs a cheaper binary64 evaluation whose error interval is
 carried through the spec's monotone operations, and only elements whose interval straddles a rounding boundary of
-the output format (about one in a million) are redone exactly.
+the output format (about one in a million) are redone exactly. 16-bit and 8-bit outputs first take a binary32
+evaluation (f32_math: twice the vector width) with proven bounds; the elements it leaves undecided (0.2% for
+float16, fewer for the narrower formats) take the binary64 one, and the exact path where that cannot decide.
+The truncated normal's candidate 0 goes the same way.
 """
 
 from __future__ import annotations
@@ -16,9 +19,21 @@ from typing import Any
 
 import numpy as np
 from numba import types
+from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 from numba.extending import overload
 
-from paraminit_server.backends.cpu_kernels.counter_rng import GOLDEN, LOW32, U1, U2, draw_seg, low_draw, mix, seg_consts, seg_room
+from paraminit_server.backends.cpu_kernels.counter_rng import (
+    GOLDEN,
+    LOW32,
+    U1,
+    U2,
+    draw_bits,
+    draw_seg,
+    low_draw,
+    mix,
+    seg_consts,
+    seg_room,
+)
 from paraminit_server.backends.cpu_kernels.cr_math import (
     cos_dd,
     cos_input,
@@ -31,6 +46,7 @@ from paraminit_server.backends.cpu_kernels.cr_math import (
     sqrt,
 )
 from paraminit_server.backends.cpu_kernels.cr_tables import Z_PLAIN_STEPS
+from paraminit_server.backends.cpu_kernels.f32_math import ceil32, normal32, normal32_params, word32, word32_consts
 from paraminit_server.backends.cpu_kernels.half_rounding import (
     BF16,
     F8E4M3,
@@ -41,9 +57,14 @@ from paraminit_server.backends.cpu_kernels.half_rounding import (
     store,
     store_fast,
 )
-from paraminit_server.backends.cpu_kernels.jit import bits_f64, f64_bits, inline, jit, wide_vectors
+from paraminit_server.backends.cpu_kernels.jit import AVX512BF16, bits_f64, f64_bits, inline, jit, wide_vectors
 
 _ABLOCK = 2048  # elements per fast pass of fill_affine; a block with a rare element is stored again exactly
+trailing_zeros: Any = _trailing_zeros  # llvm.cttz: the index of the lowest set bit
+_U64_0 = np.uint64(0)
+_U64_1 = np.uint64(1)
+_MAG16 = np.int64(0x7FFF)
+_TWO8 = np.uint8(2)
 
 
 @inline
@@ -216,9 +237,176 @@ _NBLOCK = 512  # elements per fast pass; a block with an undecided element is re
 
 
 @jit
+def draws_into(k1: Any, k2: Any, xl: Any, c: Any, c1: Any, hi: Any) -> None:
+    """The two draws of each element of a block (words xl + 2j and xl + 2j + 1 of a segment) as uint32: the 64-bit
+    pass of the narrow outputs' normal, apart from the binary32 pass, so that each loop vectorizes at its own width."""
+    wide_vectors()
+    for j in range(k1.shape[0]):
+        w = xl + U2 * np.uint64(j)
+        k1[j] = np.uint32(draw_bits(w, c, c1, hi))
+        k2[j] = np.uint32(draw_bits(w + U1, c, c1, hi))
+
+
+@inline
+def normal32_body(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, e0: Any, flags: Any, w: Any) -> None:
+    """Normal elements of a block of a narrow output from their draws, in binary32 (f32_math.normal32): the word
+    where both ends of the interval round to it, and a flag (1) where they do not.
+    w: the format's word32_consts, a constant once inlined into its kernel (normal32_f16, ...)."""
+    flush = w[0] == 16 and AVX512BF16  # the conversion instruction makes binary32 subnormals zero: zero is undecided
+    for j in range(out.shape[0]):
+        lo, hi, u = normal32(k1[j], k2[j], big0, big1, e0)
+        wl = word32(lo, w)
+        out[j] = wl
+        flags[j] = (wl != word32(hi, w)) | u | (flush & ((wl & _MAG16) == 0))
+
+
+def _normal32_for(h: Any, fmt: str) -> Any:
+    """normal32_body for one narrow format as a kernel of its own (named per format, as _first_for)."""
+    w = word32_consts(h)
+
+    def normal32_fmt(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, e0: Any, flags: Any) -> None:
+        wide_vectors()
+        normal32_body(out, k1, k2, big0, big1, e0, flags, w)
+
+    normal32_fmt.__qualname__ = normal32_fmt.__name__ = f"normal32_{fmt}"
+    return jit(normal32_fmt)
+
+
+normal32_f16 = _normal32_for(F16, "f16")
+normal32_bf16 = _normal32_for(BF16, "bf16")
+normal32_f8e4m3 = _normal32_for(F8E4M3, "f8e4m3")
+normal32_f8e5m2 = _normal32_for(F8E5M2, "f8e5m2")
+
+
+def _pass_of(rounding: int, first: Any, second: Any) -> Any:
+    """A normal32 pass that calls `first` for the format whose rounding position h[0] is `rounding`, else `second`."""
+
+    def pick(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, e0: Any, flags: Any, h: Any) -> None:
+        if h[0] == rounding:
+            first(out, k1, k2, big0, big1, e0, flags)
+        else:
+            second(out, k1, k2, big0, big1, e0, flags)
+
+    return pick
+
+
+def normal32_pass(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, e0: Any, flags: Any, h: Any) -> None:
+    """normal32_body in the kernel of out's format (chosen as trunc_first chooses)."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(normal32_pass, inline="always")
+def _normal32_pass_overload(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, e0: Any, flags: Any, h: Any) -> Any:
+    return _by_format(out, _pass_of, normal32_f16, normal32_bf16, normal32_f8e4m3, normal32_f8e5m2)
+
+
+_PENDING = 256  # undecided elements of the binary32 pass gathered for one vector pass on the binary64 path
+
+
+@jit
+def normal_plain_pass(out: Any, d1s: Any, d2s: Any, n: int, p0: float, p1: float, vals: Any, undecided: Any, h: Any) -> None:
+    """normal_fast of n elements from their draws (binary64), in one vector pass: vals[:n], undecided[:n]."""
+    wide_vectors()
+    for t in range(n):
+        vals[t], undecided[t] = normal_fast(out, d1s[t], d2s[t], p0, p1, h)
+
+
+@jit
+def settle(dst: Any, at: Any, d1s: Any, d2s: Any, n: int, p0: float, p1: float, vals: Any, undecided: Any, h: Any) -> None:
+    """Elements at[:n] of dst from their draws: the binary64 path (normal_plain_pass), exact where it cannot decide."""
+    normal_plain_pass(dst, d1s, d2s, n, p0, p1, vals, undecided, h)
+    for t in range(n):
+        v = normal_exact(d1s[t], d2s[t], p0, p1) if undecided[t] else vals[t]
+        store(dst, at[t], v, h)
+
+
+@jit
+def fill_normal32(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
+    """fill_normal for a narrow output (float16, bfloat16, 8-bit floats) whose mean and std suit normal32.
+
+    Per block: the draws (draws_into) and the binary32 pass (normal32_pass). The elements it leaves undecided (about
+    0.3% for float16, 0.05% for bfloat16, fewer for 8-bit floats) are gathered across blocks and settled _PENDING at
+    a time by `settle`, so the binary64 path runs vectorized there too."""
+    m = dst.shape[0]
+    _, big0, big1, e0 = normal32_params(p0, p1)
+    k1 = np.empty(_NBLOCK, dtype=np.uint32)
+    k2 = np.empty(_NBLOCK, dtype=np.uint32)
+    flags = np.zeros(_NBLOCK, dtype=np.uint8)
+    words = flags.view(np.uint64)  # eight flags at a time: most are zero
+    at = np.empty(_PENDING, dtype=np.uint64)
+    d1s = np.empty(_PENDING, dtype=np.float64)
+    d2s = np.empty(_PENDING, dtype=np.float64)
+    vals = np.empty(_PENDING, dtype=np.float64)
+    undecided = np.empty(_PENDING, dtype=np.int64)
+    n = 0
+    k = 0
+    while k < m:
+        x = x0 + np.uint64(2 * k)
+        cnt = min(m - k, seg_room(x) // 2)  # whole pairs left
+        if cnt <= 0:  # this element's pair straddles a segment boundary
+            store(dst, np.uint64(k), normal_exact(low_draw(x), low_draw(x + U1), p0, p1), h)
+            k += 1
+            continue
+        c, c1, hi = seg_consts(x)
+        for b0 in range(0, cnt, _NBLOCK):
+            nb_ = min(cnt - b0, _NBLOCK)
+            sub = dst[k + b0 : k + b0 + nb_]
+            if nb_ < _NBLOCK:
+                flags[:] = 0  # a short block writes flags[:nb_] only
+            draws_into(k1[:nb_], k2[:nb_], (x & LOW32) + U2 * np.uint64(b0), c, c1, hi)
+            normal32_pass(sub, k1, k2, big0, big1, e0, flags, h)
+            for half in range(_NBLOCK // 512):  # bit q of `mask`: word q of this 512-element half holds a flag
+                mask = _U64_0
+                for q in range(64):
+                    mask |= np.uint64(words[64 * half + q] != 0) << np.uint64(q)
+                while mask:
+                    q = 64 * half + trailing_zeros(mask)
+                    mask &= mask - _U64_1
+                    fw = words[q]
+                    while fw:
+                        j = 8 * q + (trailing_zeros(fw) >> 3)
+                        fw &= fw - _U64_1
+                        at[n] = k + b0 + j
+                        d1s[n] = np.float64(k1[j])
+                        d2s[n] = np.float64(k2[j])
+                        n += 1
+                        if n == _PENDING:
+                            settle(dst, at, d1s, d2s, n, p0, p1, vals, undecided, h)
+                            n = 0
+        k += cnt
+    settle(dst, at, d1s, d2s, n, p0, p1, vals, undecided, h)
+
+
+def narrow_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> Any:
+    """fill_normal32 where dst is a narrow output and (p0, p1) suit normal32, returning whether it did (float
+    outputs: always False, decided when the caller compiles)."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(narrow_normal, inline="always")
+def _narrow_normal_overload(dst: Any, x0: Any, p0: Any, p1: Any, h: Any) -> Any:
+    if dst.dtype not in (types.uint16, types.uint8):
+
+        def never(dst: Any, x0: Any, p0: Any, p1: Any, h: Any) -> Any:
+            return False
+
+        return never
+
+    def narrow(dst: Any, x0: Any, p0: Any, p1: Any, h: Any) -> Any:
+        if not normal32_params(p0, p1)[0]:
+            return False
+        fill_normal32(dst, x0, p0, p1, h)
+        return True
+
+    return narrow
+
+
+@jit
 def fill_normal(dst: Any, x0: Any, p0: float, p1: float, h: Any) -> None:
     """dst[k] = p0 + p1 * z(g + k) with x0 = key + GOLDEN + 2g (draws 2(g+k) and 2(g+k)+1)."""
     wide_vectors()
+    if narrow_normal(dst, x0, p0, p1, h):
+        return
     m = dst.shape[0]
     k = 0
     while k < m:
@@ -372,6 +560,135 @@ def _trunc_first_overload(out: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: Any
     return _by_format(out, _first_of, trunc_first_f16, trunc_first_bf16, trunc_first_f8e4m3, trunc_first_f8e5m2)
 
 
+@inline
+def trunc32_body(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, e0: Any, lo_up: Any, hi_down: Any, flags: Any, w: Any) -> None:
+    """Candidate 0 of a block of a narrow output in binary32 (f32_math.normal32), as trunc_first_body does it in
+    binary64: flags[j] 0 where the word is stored (the interval inside [lo, hi], both ends the same word), 1 where the
+    candidate is certainly outside, 2 where neither is certain. lo_up, hi_down: lo and hi rounded to binary32
+    inwards (ceil32), so comparisons of binary32 values with them are comparisons with lo and hi."""
+    flush = w[0] == 16 and AVX512BF16  # as in normal32_body
+    for j in range(out.shape[0]):
+        a, b, u = normal32(k1[j], k2[j], big0, big1, e0)
+        wl = word32(a, w)
+        out[j] = wl
+        exact = (not flush) | ((wl & _MAG16) != 0)  # a zero word of the flushing conversion may be wrong
+        accept = (lo_up <= a) & (b <= hi_down) & (wl == word32(b, w)) & exact
+        reject = (b < lo_up) | (hi_down < a)
+        flags[j] = _TWO8 if u else _TWO8 - _TWO8 * np.uint8(accept) - np.uint8(reject)
+
+
+def _trunc32_for(h: Any, fmt: str) -> Any:
+    """trunc32_body for one narrow format as a kernel of its own (named per format, as _first_for)."""
+    w = word32_consts(h)
+
+    def trunc32_fmt(out: Any, k1: Any, k2: Any, big0: Any, big1: Any, e0: Any, lo_up: Any, hi_down: Any, flags: Any) -> None:
+        wide_vectors()
+        trunc32_body(out, k1, k2, big0, big1, e0, lo_up, hi_down, flags, w)
+
+    trunc32_fmt.__qualname__ = trunc32_fmt.__name__ = f"trunc32_{fmt}"
+    return jit(trunc32_fmt)
+
+
+trunc32_f16 = _trunc32_for(F16, "f16")
+trunc32_bf16 = _trunc32_for(BF16, "bf16")
+trunc32_f8e4m3 = _trunc32_for(F8E4M3, "f8e4m3")
+trunc32_f8e5m2 = _trunc32_for(F8E5M2, "f8e5m2")
+
+
+def _trunc32_of(rounding: int, first: Any, second: Any) -> Any:
+    """A trunc32 pass that calls `first` for the format whose rounding position h[0] is `rounding`, else `second`."""
+
+    def pick(out: Any, k1: Any, k2: Any, f32: Any, flags: Any, h: Any) -> None:
+        _, big0, big1, e0, lo_up, hi_down = f32
+        if h[0] == rounding:
+            first(out, k1, k2, big0, big1, e0, lo_up, hi_down, flags)
+        else:
+            second(out, k1, k2, big0, big1, e0, lo_up, hi_down, flags)
+
+    return pick
+
+
+def trunc32_pass(out: Any, k1: Any, k2: Any, f32: Any, flags: Any, h: Any) -> None:
+    """trunc32_body in the kernel of out's format (chosen as trunc_first chooses); f32: trunc_params."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(trunc32_pass, inline="always")
+def _trunc32_pass_overload(out: Any, k1: Any, k2: Any, f32: Any, flags: Any, h: Any) -> Any:
+    return _by_format(out, _trunc32_of, trunc32_f16, trunc32_bf16, trunc32_f8e4m3, trunc32_f8e5m2)
+
+
+@jit
+def trunc_params(p0: float, p1: float, lo: float, hi: float) -> Any:
+    """(whether the binary32 pass holds, P0, P1, V32_P |P0|, ceil32(lo), floor32(hi)): once per run."""
+    ok, big0, big1, e0 = normal32_params(p0, p1)
+    return ok, big0, big1, e0, ceil32(lo), -ceil32(-hi)
+
+
+def trunc_block(
+    out: Any,
+    k1: Any,
+    k2: Any,
+    xl: Any,
+    c: Any,
+    c1: Any,
+    hi32: Any,
+    p0: float,
+    p1: float,
+    lo: float,
+    hi: float,
+    f32: Any,
+    flags: Any,
+    h: Any,
+) -> Any:
+    """Candidate 0 of a block: trunc32_pass where out is a narrow output and f32 (trunc_params) holds, else
+    trunc_first; flags as trunc_first sets them; returns how many are nonzero. Chosen by out's dtype when the caller
+    compiles (float outputs take trunc_first only)."""
+    raise NotImplementedError("called only inside kernels")
+
+
+@overload(trunc_block, inline="always")
+def _trunc_block_overload(
+    out: Any, k1: Any, k2: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: Any, p1: Any, lo: Any, hi: Any, f32: Any, flags: Any, h: Any
+) -> Any:
+    if out.dtype not in (types.uint16, types.uint8):
+
+        def wide(
+            out: Any,
+            k1: Any,
+            k2: Any,
+            xl: Any,
+            c: Any,
+            c1: Any,
+            hi32: Any,
+            p0: Any,
+            p1: Any,
+            lo: Any,
+            hi: Any,
+            f32: Any,
+            flags: Any,
+            h: Any,
+        ) -> Any:
+            return trunc_first(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, h)
+
+        return wide
+
+    def narrow(
+        out: Any, k1: Any, k2: Any, xl: Any, c: Any, c1: Any, hi32: Any, p0: Any, p1: Any, lo: Any, hi: Any, f32: Any, flags: Any, h: Any
+    ) -> Any:
+        if not f32[0]:
+            return trunc_first(out, xl, c, c1, hi32, p0, p1, lo, hi, flags, h)
+        nb_ = out.shape[0]
+        draws_into(k1[:nb_], k2[:nb_], xl, c, c1, hi32)
+        trunc32_pass(out, k1, k2, f32, flags, h)
+        bad = 0
+        for j in range(nb_):
+            bad += flags[j] != 0
+        return bad
+
+    return narrow
+
+
 @jit
 def trunc_candidates(out: Any, x: Any, at: Any, n: int, p0: float, p1: float, lo: float, hi: float, vals: Any, states: Any, h: Any) -> None:
     """One candidate of elements at[:n] on the fast path, in one vector pass (x: the candidate's key + GOLDEN +
@@ -387,14 +704,17 @@ def trunc_candidates(out: Any, x: Any, at: Any, n: int, p0: float, p1: float, lo
 def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, hi: float, seed: Any, h: Any) -> None:
     """dst[k] = truncated normal of element g0 + k; x0 = key(seed) + GOLDEN + 2 g0 (candidate 0's draws).
 
-    One vectorized pass (trunc_first) computes candidate 0 as fill_normal does and flags the elements it cannot
-    settle in a byte per element. Those whose candidate 0 is rejected take candidate 1 in a second vector pass
-    (trunc_candidates); what is left goes through trunc_settle, exact only where the fast path cannot decide. An
-    element inside the bounds costs what a normal costs.
+    One vectorized pass (trunc_block: in binary32 for narrow outputs, trunc_first otherwise) computes candidate 0
+    as fill_normal does and flags the elements it cannot settle in a byte per element. Those whose candidate 0 is
+    rejected take candidate 1 in a second vector pass (trunc_candidates); what is left goes through trunc_settle,
+    exact only where the fast path cannot decide. An element inside the bounds costs what a normal costs.
     """
     wide_vectors()
     m = dst.shape[0]
     flags = np.empty(_NBLOCK, dtype=np.uint8)
+    k1 = np.empty(_NBLOCK, dtype=np.uint32)  # the draws of a block (narrow outputs, trunc_block)
+    k2 = np.empty(_NBLOCK, dtype=np.uint32)
+    f32 = trunc_params(p0, p1, lo, hi)
     again = np.empty(_NBLOCK, dtype=np.uint64)  # elements whose candidate 0 was rejected (their indices in the block)
     vals = np.empty(_NBLOCK, dtype=np.float64)  # and their candidate 1, on the fast path
     states = np.empty(_NBLOCK, dtype=np.int64)
@@ -414,7 +734,7 @@ def fill_truncnorm(dst: Any, x0: Any, g0: Any, p0: float, p1: float, lo: float, 
             nb_ = min(cnt - b0, _NBLOCK)
             xl = (x & LOW32) + U2 * np.uint64(b0)
             sub = dst[k + b0 : k + b0 + nb_]
-            if not trunc_first(sub, xl, c, c1, hi32, p0, p1, lo, hi, flags, h):
+            if not trunc_block(sub, k1, k2, xl, c, c1, hi32, p0, p1, lo, hi, f32, flags, h):
                 continue
             gb = g0 + np.uint64(k + b0)
             n = 0

@@ -84,6 +84,12 @@ def _kernel(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     return decorate
 
 
+def kernel_options(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """A kernel decorator with numba options of its own (e.g. parallel, error_model), cached as the kernels are: for
+    the checks and benches that run the kernels' functions."""
+    return _kernel(**options)
+
+
 def kernel_of(kind: int, **options: Any) -> Callable[[Callable[..., Any]], Any]:
     """`_kernel(**options)` for a kernel made per value kind inside a factory: named `<name>_k<kind>`, so each kind's
     kernel has cache files and a cache key of its own."""
