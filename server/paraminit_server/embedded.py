@@ -6,8 +6,10 @@ It answers in the data plane's own results (paraminit.results: tensor tables,
 export info, leases, server info), the types the gRPC edge alone encodes to
 protobuf; nothing here imports protobuf's messages or gRPC, no CRC is computed,
 and a data-plane error becomes a `Failure` (its canonical status name, message
-and violations), which the client raises as its own error. The loopback server
-and the server's command line are imported only when asked for.
+and violations), which the client raises as its own error. The data plane, the
+loopback server and the server's command line are imported only when asked for:
+a command that only parses the server's flags (`paraminit --help`) loads none of
+them, and an in-process client loads the data plane on its starting thread.
 """
 
 from __future__ import annotations
@@ -29,18 +31,16 @@ from paraminit import results
 from paraminit.results import Failure, SpanTable
 from paraminit.violations import ValidationReport, listed
 from paraminit_server import errors
-from paraminit_server.backends import choice
 from paraminit_server.config import ServerConfig, add_arguments, from_args
 from paraminit_server.plane.caller import Caller
-from paraminit_server.plane.engine import HostSlab
-from paraminit_server.plane.materializer import Materializer, PayloadPiece, StreamStart
-from paraminit_server.plans import scanner
 
 if TYPE_CHECKING:
     from paraminit.v1 import plan_pb2
+    from paraminit_server.plane.engine import HostSlab
+    from paraminit_server.plane.materializer import Materializer
     from paraminit_server.rpc.server import Running
 
-__all__ = ["Failure", "InProcess", "Materializer", "ServerConfig", "data_plane", "loopback_server", "serve_main"]
+__all__ = ["Failure", "InProcess", "ServerConfig", "data_plane", "loopback_server", "serve_main"]
 log = logging.getLogger("paraminit.server")
 
 # In process every caller is one of this process's own threads: a call beyond the concurrency limit waits in line
@@ -70,6 +70,10 @@ def _plane(backend: str, config: dict[str, Any]) -> Materializer:
     """A data plane whose calls can start: the plan scanner ready (numba's first load in a process; large plans
     use it on every backend) and a GPU backend warmed up; on the CPU each fill then loads or compiles the kernels
     it needs. All of it before the plane is handed out: nothing runs on the starting thread once calls can come."""
+    from paraminit_server.backends import choice
+    from paraminit_server.plane.materializer import Materializer
+    from paraminit_server.plans import scanner
+
     cfg = ServerConfig.from_env(backend=backend, metrics_port=0, **config)
     b = choice.create(cfg.backend, cfg.device, cfg.threads or None)
     scanner.warm_up()
@@ -118,9 +122,9 @@ def start_seconds() -> float:
 
 def compile_seconds() -> float:
     """Seconds this process has spent compiling CPU kernels and the plan scanner (0 when nothing compiled here)."""
-    cpu = sys.modules.get("paraminit_server.backends.cpu")
+    cpu, scanner = sys.modules.get("paraminit_server.backends.cpu"), sys.modules.get("paraminit_server.plans.scanner")
     compiled = float(cpu.compile_seconds()) if cpu is not None else 0.0
-    return compiled + scanner.ready_seconds()[1]
+    return compiled + (float(scanner.ready_seconds()[1]) if scanner is not None else 0.0)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -158,7 +162,7 @@ class InProcess:
     the ones it needs, so a call that fills nothing loads none, and no work runs in the background of calls."""
 
     def __init__(self, plane: Materializer | Future[Materializer]) -> None:
-        if isinstance(plane, Materializer):
+        if not isinstance(plane, Future):
             ready: Future[Materializer] = Future()
             ready.set_result(plane)
             plane = ready
@@ -234,13 +238,15 @@ class InProcess:
         it = self.plane.stream(plan, self.caller, chunk_bytes)
         with contextlib.closing(it):  # frees the slabs and the admission slot when the consumer stops early
             for item in it:
-                yield item.header() if isinstance(item, StreamStart) else item
+                yield item if isinstance(item, tuple) else item.header()
 
     def export(self, plan: plan_pb2.Plan, delivery: str, ttl_seconds: float = 0.0) -> results.ExportInfo:
         return self.plane.export(plan, delivery, self.caller, ttl_seconds)
 
     def upload(self, pieces: Iterable[tuple[int, int, bytes | memoryview]]) -> str:
         """Store a payload from (dtype enum, value count, bytes) pieces (the first sizes it); returns its id."""
+        from paraminit_server.plane.materializer import PayloadPiece  # loaded with the data plane
+
         pid, _payload = self.plane.upload((PayloadPiece(d, n, data) for d, n, data in pieces), self.caller)
         return str(pid)
 
