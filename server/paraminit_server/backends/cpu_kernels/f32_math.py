@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from paraminit_server.backends.cpu_kernels.half_rounding import bf16_of_f32_bits, f16_of_f32_bits
+from paraminit_server.backends.cpu_kernels.half_rounding import bf16_of_f32_bits, f16_of_f32_bits, f32_bits_as
 from paraminit_server.backends.cpu_kernels.jit import AVX512BF16, F16C, inline, jit
 
 __all__ = [
@@ -75,17 +75,6 @@ def _sqrt32_impl(typingctx: Any, a: Any) -> Any:
     return types.float32(types.float32), codegen
 
 
-def _f32_bits_impl(typingctx: Any, x: Any) -> Any:
-    """Reinterpret a binary32 as its bit pattern, as int32 (a plain LLVM bitcast)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(types.float32), codegen
-
-
 def _bits_f32_impl(typingctx: Any, b: Any) -> Any:
     """Reinterpret the low 32 bits of an integer as a binary32 (numba widens 32-bit arithmetic to 64 bits; LLVM
     narrows it again, since only these bits are used)."""
@@ -103,7 +92,7 @@ def _bits_f32_impl(typingctx: Any, b: Any) -> Any:
 
 fma32: Any = intrinsic(_fma32_impl)
 sqrt32: Any = intrinsic(_sqrt32_impl)
-f32_bits: Any = intrinsic(_f32_bits_impl)
+f32_bits: Any = f32_bits_as(types.int32)  # signed: the pattern's arithmetic here is on int32
 bits_f32: Any = intrinsic(_bits_f32_impl)
 
 _F = np.float32

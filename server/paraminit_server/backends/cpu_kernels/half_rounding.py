@@ -44,15 +44,21 @@ _E4M3 = _half_consts(3, -6, 8)
 F8E4M3 = (_E4M3[0], _E4M3[1], 0x7F, 0x7F, _E4M3[4], 480.0, _E4M3[6], _E4M3[7])
 
 
-def _f32_bits(typingctx: Any, x: Any) -> Any:
-    """Reinterpret a binary32 as uint32 (a plain LLVM bitcast)."""
-    if x != types.float32:
-        return None
+def f32_bits_as(word: types.Integer) -> Any:
+    """The intrinsic that reinterprets a binary32 as its bit pattern, typed `word` (a 32-bit integer type): one
+    plain LLVM bitcast, whichever signedness the caller's arithmetic wants (uint32 here, int32 in f32_math)."""
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.IntType(32))
+    def bits(typingctx: Any, x: Any) -> Any:
+        if x != types.float32:
+            return None
 
-    return types.uint32(types.float32), codegen
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return word(types.float32), codegen
+
+    bits.__qualname__ = bits.__name__ = f"f32_bits_{word}"
+    return intrinsic(bits)
 
 
 def _f16_of_f32_bits(typingctx: Any, b: Any) -> Any:
@@ -92,7 +98,7 @@ def _bf16_of_f32_bits(typingctx: Any, b: Any) -> Any:
     return types.uint16(types.uint32), codegen
 
 
-f32_bits: Any = intrinsic(_f32_bits)
+f32_bits: Any = f32_bits_as(types.uint32)
 f16_of_f32_bits: Any = intrinsic(_f16_of_f32_bits)
 bf16_of_f32_bits: Any = intrinsic(_bf16_of_f32_bits)
 _LOW29 = np.int64((1 << 29) - 1)
