@@ -31,6 +31,26 @@ VECTORS = json.loads((Path(__file__).parent / "vectors.json").read_text())
 CASES: list[dict[str, Any]] = VECTORS["cases"]
 
 
+def import_cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle a depth-first walk meets (each closed by its first repeated module)."""
+    state: dict[str, int] = {}
+    found: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(g.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for name in sorted(g):
+        if name not in state:
+            visit(name, [name])
+    return found
+
+
 def resolved(plan: plan_pb2.Plan, sources: Any = None) -> ParamTable:
     """A valid plan's resolved table, from the check's one sweep (validation.check)."""
     got = validation.check(plan, None, sources)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from support import import_cycles
+
 CLIENT = Path(__file__).resolve().parent.parent / "client" / "paraminit_client"
 PACKAGE = "paraminit_client"
 
@@ -52,31 +54,11 @@ def graph() -> dict[str, set[str]]:
     return {name: imports(path, set(mods)) for name, path in mods.items()}
 
 
-def cycles(g: dict[str, set[str]]) -> list[list[str]]:
-    """Every circle a depth-first walk meets (each closed by its first repeated module)."""
-    state: dict[str, int] = {}
-    found: list[list[str]] = []
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(g.get(node, ())):
-            if state.get(nxt) == 1:
-                found.append([*stack[stack.index(nxt) :], nxt])
-            elif nxt not in state:
-                visit(nxt, [*stack, nxt])
-        state[node] = 2
-
-    for name in sorted(g):
-        if name not in state:
-            visit(name, [name])
-    return found
-
-
 def test_the_cycle_finder_finds_circles() -> None:
     """The check can fail: a circle through a TYPE_CHECKING import and one through a function's import are found."""
-    assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
-    assert not cycles({"a": {"b"}, "b": {"c"}, "c": set()})
+    assert import_cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert not import_cycles({"a": {"b"}, "b": {"c"}, "c": set()})
     source = (
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from paraminit_client.rules import Ruling\n"
         "def f():\n    from paraminit_client import policies\n"
@@ -96,7 +78,7 @@ def test_client_modules_import_without_a_circle() -> None:
     g = graph()
     assert {"paraminit_client.rules", "paraminit_client.torch_rules"} <= g["paraminit_client.policies"], "the graph was read"
     assert "paraminit_client.cli.common" in g["paraminit_client.cli.materialize"]
-    assert not cycles(g), cycles(g)
+    assert not import_cycles(g), import_cycles(g)
 
 
 def test_the_rules_module_imports_no_policy_module() -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from support import import_cycles
+
 SERVER = Path(__file__).resolve().parent.parent / "server" / "paraminit_server"
 FLOORS = {"__init__", "errors", "ledger", "host_limits", "config"}
 LAYERS = {"floor": 0, "plans": 1, "backends": 2, "plane": 3, "rpc": 4, "embedded": 4, "__main__": 4, "prebuild": 4}
@@ -64,35 +66,15 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
     assert layer_of("paraminit_server.plans.plan") < layer_of("paraminit_server.backends.cpu")  # the rule can bite
 
 
-def cycles_of(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The circles a depth-first walk of an import graph meets."""
-    state: dict[str, int] = {}
-    cycles: list[list[str]] = []
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                cycles.append([*stack[stack.index(nxt) :], nxt] if nxt in stack else [node, nxt])
-            elif nxt not in state:
-                visit(nxt, [*stack, nxt])
-        state[node] = 2
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
-    return cycles
-
-
 def test_imports_have_no_circle() -> None:
     """No module reaches itself through the imports it states: every import statement counts, those under
     TYPE_CHECKING and inside functions too (a lazy import is still a dependency, and a circle of them a knot)."""
     mods = modules()
     graph = {name: {t for t in imports(path) if t in mods and t != name} for name, path in mods.items()}
-    assert not cycles_of(graph), cycles_of(graph)
+    assert not import_cycles(graph), import_cycles(graph)
     assert graph["paraminit_server.backends.choice"] >= {"paraminit_server.backends.cpu"}, "lazy imports were read"
     graph["paraminit_server.backends"].add("paraminit_server.backends.choice")
-    assert cycles_of(graph), "a circle is found"
+    assert import_cycles(graph), "a circle is found"
 
 
 def test_module_level_imports_have_no_circle() -> None:
@@ -104,7 +86,7 @@ def test_module_level_imports_have_no_circle() -> None:
         parent = name.rsplit(".", 1)[0]
         if parent in graph and parent != name and name != "paraminit_server":
             graph[name].add(parent)
-    assert not cycles_of(graph), cycles_of(graph)
+    assert not import_cycles(graph), import_cycles(graph)
     assert graph["paraminit_server.backends.cpu"], "the graph was read"
 
 
