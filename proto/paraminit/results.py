@@ -120,6 +120,8 @@ class ExportInfo:
 
 @dataclass(frozen=True)
 class ServerLimits:
+    """The limits a server states (GetInfo's Limits), so that a caller can size its plans before sending them."""
+
     max_plan_bytes: int
     max_param_bytes: int
     max_concurrent_requests: int
