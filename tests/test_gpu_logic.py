@@ -41,7 +41,7 @@ from paraminit.v1 import plan_pb2
 from paraminit_client import Client, ParaminitError, param, plan_of
 from paraminit_client import exports as client_exports
 from paraminit_server import errors
-from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportHandle, cubins
+from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceInfo, ExportHandle, cubins
 from paraminit_server.backends import cupy_backend as cb
 from paraminit_server.backends.cpu import CpuBackend
 from paraminit_server.config import ServerConfig
@@ -424,8 +424,8 @@ class FakeDeviceBackend:
 
         return wait
 
-    def device(self) -> DeviceDescription:
-        return DeviceDescription("cuda", "Fake H200", cuda.device_uuid(self.cp, self.ordinal), self.ordinal, 80 << 30, 60 << 30)
+    def device(self) -> DeviceInfo:
+        return DeviceInfo("cuda", "Fake H200", cuda.device_uuid(self.cp, self.ordinal), self.ordinal, 80 << 30, 60 << 30)
 
 
 class FakeExport:

@@ -10,16 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+# The zero-copy deliveries and a device's description are the data plane's results (paraminit.results): one home
 from paraminit.results import CUDA_IPC as CUDA_IPC
 from paraminit.results import SHM as SHM
-from paraminit.results import DeviceInfo
+from paraminit.results import DeviceInfo as DeviceInfo
 from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Offsets, ResolvedParam
 
 HOST = "host"
 DEVICE = "device"
-# The zero-copy deliveries and a device's description are the data plane's results (paraminit.results): one home
-DeviceDescription = DeviceInfo
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class ExportHandle:
     size: int
     shm_name: str = ""
     ipc_handle: bytes = b""
-    device: DeviceDescription | None = None
+    device: DeviceInfo | None = None
 
 
 class ExportBuffer(Protocol):
@@ -93,5 +92,5 @@ class Backend(Protocol):
         """Queue a copy of buf into `out` (from host_staging, or None for new memory) behind every fill issued
         so far and return at once; calling the result waits for the copy and returns the host array."""
 
-    def device(self) -> DeviceDescription:
+    def device(self) -> DeviceInfo:
         """What the backend runs on, for GetInfo and metrics."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from paraminit import dtypes
 from paraminit.hostmem import host_buffer
-from paraminit_server.backends import HOST, SHM, DeviceDescription, ExportBuffer, cpu_kernels
+from paraminit_server.backends import HOST, SHM, DeviceInfo, ExportBuffer, cpu_kernels
 from paraminit_server.backends.cpu_kernels import jit
 from paraminit_server.backends.shm import ShmSegment
 from paraminit_server.errors import Cancelled
@@ -556,6 +556,6 @@ class CpuBackend:
     def start_to_host(self, buf: Any, out: Any) -> Callable[[], Any]:
         return lambda: buf
 
-    def device(self) -> DeviceDescription:
+    def device(self) -> DeviceInfo:
         total, free = host_memory()
-        return DeviceDescription("cpu", platform.processor() or platform.machine(), "", -1, total, free)
+        return DeviceInfo("cpu", platform.processor() or platform.machine(), "", -1, total, free)

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from paraminit import dtypes
 from paraminit.cuda import IPC_HANDLE_BYTES, device_uuid
-from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceDescription, ExportBuffer, ExportHandle, cubins
+from paraminit_server.backends import CUDA_IPC, DEVICE, DeviceInfo, ExportBuffer, ExportHandle, cubins
 from paraminit_server.errors import BackendUnavailable, Cancelled, ResourceExhausted
 from paraminit_server.plans.columns import ParamTable
 from paraminit_server.plans.plan import Formula, Offsets, ResolvedParam, Runs, warm_up_params
@@ -628,11 +628,11 @@ class CupyBackend:
 
         return wait
 
-    def device(self) -> DeviceDescription:
+    def device(self) -> DeviceInfo:
         cp = self._cp
         props = cp.cuda.runtime.getDeviceProperties(self._ordinal)
         name = props.get("name", b"")
         name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
         with self._device:
             free, total = cp.cuda.runtime.memGetInfo()
-        return DeviceDescription("cuda", name, device_uuid(cp, self._ordinal, props), self._ordinal, int(total), int(free))
+        return DeviceInfo("cuda", name, device_uuid(cp, self._ordinal, props), self._ordinal, int(total), int(free))
